@@ -144,7 +144,8 @@ def _parse_value(key: str, text: str, kind: type):
             return int(float(text)) if text.lower().replace("e", "", 1).isdigit() else int(text)
         return kind(text)
     except ValueError:
-        raise ConfigError(f"--{key} expects a {kind.__name__}, got {text!r}") from None
+        expected = {int: "an integer", float: "a number", bool: "true or false"}.get(kind, kind.__name__)
+        raise ConfigError(f"--{key} expects {expected}, got {text!r}") from None
 
 
 # ============================================================================================================
@@ -314,7 +315,7 @@ class ESWorker:
             self._es_snapshot(restore)
         for name, t in es["params"]:
             add_noise_(t.view(-1), [noise_seed(seed, es["rank"], name)], [sigma], chunk)
-        es["noise"] = (seed, sigma, chunk)
+        es["noise"] = (seed, sigma, chunk, restore)
         self._es_sync(t0)
         return time.perf_counter() - t0
 
@@ -323,11 +324,11 @@ class ESWorker:
         es, t0 = self._es_state(), time.perf_counter()
         if es["noise"] is None:
             raise RuntimeError("es_restore called without a perturbation")
-        if es["copy"] is not None:
+        seed, sigma, chunk, restore = es["noise"]
+        if restore != "subtract":
             for (_, t), saved in zip(es["params"], es["copy"]):
                 t.copy_(saved, non_blocking=True)
         else:
-            seed, sigma, chunk = es["noise"]
             for name, t in es["params"]:
                 add_noise_(t.view(-1), [noise_seed(seed, es["rank"], name)], [-sigma], chunk)
         es["noise"] = None
@@ -412,12 +413,16 @@ class Engine:
 
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
+    async def _shutdown(self):
+        self.llm.shutdown()
+
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:
-            self.llm.shutdown()
+            # shut down on the engine's own loop, so its output handler is cancelled rather than left failing
+            self._run(self._shutdown())
             self.llm = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
@@ -457,7 +462,17 @@ class Engine:
         return [r["digest"] for r in self.rpc("es_digest")]
 
     def describe(self) -> list[dict]:
-        return self.rpc("es_describe")
+        """One row per ES parameter: per-rank shapes, and whether the ranks hold the same tensor (replicated:
+        norms, q/k norms, the MoE router) or different slices (sharded). Call on freshly loaded weights."""
+        ranks = self.rpc("es_describe")
+        rows = []
+        for per_rank in zip(*(r["params"] for r in ranks)):
+            first = per_rank[0]
+            same = all(p["shape"] == first["shape"] and p["digest"] == first["digest"] for p in per_rank)
+            rows.append({"name": first["name"], "dtype": first["dtype"], "shape": first["shape"],
+                         "numel_per_rank": first["numel"], "tp_dim": first["tp_dim"],
+                         "layout": "replicated" if same else "sharded"})
+        return rows
 
     def save_sharded_state(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -490,6 +505,16 @@ class Engine:
         return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
                               presence_penalty=c.presence_penalty, repetition_penalty=c.repetition_penalty,
                               seed=seed, max_tokens=max_tokens)
+
+
+def format_parameter_table(rows: list[dict]) -> str:
+    """Per-rank parameter table of `Engine.describe()`, with replicated/sharded totals."""
+    lines = [f"{'parameter':<58} {'shape per rank':<18} {'layout':<10}"]
+    lines += [f"{r['name']:<58} {'x'.join(map(str, r['shape'])):<18} {r['layout']:<10}" for r in rows]
+    for layout in ("sharded", "replicated"):
+        picked = [r for r in rows if r["layout"] == layout]
+        lines.append(f"{layout}: {len(picked)} tensors, {sum(r['numel_per_rank'] for r in picked):,} elements per rank")
+    return "\n".join(lines)
 
 
 # ============================================================================================================
@@ -837,6 +862,31 @@ def read_jsonl(path):
                 break
             raise DataError(f"{path}:{lineno}: malformed JSON line ({e})") from None
     return rows
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy the non-weight files of a model folder (config, tokenizer, chat template) beside a sharded_state."""
+    copied = []
+    for f in sorted(Path(src).iterdir()):
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
+            shutil.copy2(f, Path(dst) / f.name)
+            copied.append(f.name)
+    return copied
+
+
+def model_fingerprint(model: str) -> str:
+    """sha256 over the weight files of a local model folder (name, size, content), so a history can refuse a
+    different base. A hub id that is not a local folder is fingerprinted by its name only (and says so)."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return "name-only:" + hashlib.sha256(model.encode()).hexdigest()
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
+        h.update(f"{f.name}|{f.stat().st_size}|{sha256_file(f)}\n".encode())
+    return "sha256:" + h.hexdigest()
 
 
 # ============================================================================================================
