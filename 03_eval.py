@@ -1,5 +1,104 @@
-"""03_eval: not yet implemented (see the project's issues)."""
+"""Stage 3: 16-sample agent evaluation of a checkpoint on DAPO-100 and AIME-2026 (SPEC section 6).
+
+Every problem gets sample_index 0..15, each episode with its own seeds, so any sample can be re-run alone. The
+reported row is the group of samples 12-15 (Mean4 / Pass4); the other groups, mean@16 and the unbiased pass@4
+show how noisy one group of four is. Finished episodes are appended to a partial file as they end: an interrupted
+evaluation resumes without redoing them.
+
+    python 03_eval.py --export=runs/es/export           # the trained weights (checked against the manifest)
+    python 03_eval.py --export= --out=runs/es/eval-base # the base model (Config.model), for the before/after table
+    python 03_eval.py --preset=smoke                    # the smoke run's export, first 2 problems per set
+"""
+
+import contextlib
+import json
 import sys
+from pathlib import Path
+
+import common as C
+
+EXPORT = "<run_dir>/export"  # a folder written by 02_export.py; empty: evaluate the base model itself
+OUT = ""  # default: <run_dir>/eval (or <run_dir>/eval-base for the base model)
+DATASETS = {  # name -> JSONL; each writes <name>_eval16.json
+    "dapo": "../shared/data/dapo_test100.jsonl",
+    "aime2026": "../shared/data/aime2026.jsonl",
+}
+SAMPLES = 16  # sample_index 0..15
+
+
+def main(argv: list[str]) -> dict:
+    opts, overrides = C.parse_args(argv, {"export": EXPORT, "out": OUT, **DATASETS})
+    cfg = C.parse_config(overrides)
+    export = opts["export"].replace("<run_dir>", cfg.run_dir)
+    out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
+    datasets = {name: eval_problems(opts[name], cfg.eval_problems) for name in DATASETS}
+    if export:
+        C.verify_export(export, cfg.tensor_parallel_size)  # before anything is written or loaded
+    out.mkdir(parents=True, exist_ok=True)
+
+    with open_checkpoint(cfg, export) as (engine, checkpoint):
+        claim_output_folder(out, {"checkpoint": checkpoint, "config": C.dataclasses.asdict(cfg), "data": opts})
+        metrics = {"checkpoint": checkpoint, "samples": SAMPLES, "reported_group": C.REPORTED_GROUP, "datasets": {}}
+        for name, problems in datasets.items():
+            records = evaluate(engine, problems, range(SAMPLES), out / f"{name}_episodes.jsonl", name)
+            C.write_json_atomic({"dataset": name, "data": opts[name], "checkpoint": checkpoint,
+                                 "config": C.dataclasses.asdict(cfg), "records": strip_transcripts(records)},
+                                out / f"{name}_eval16.json")
+            C.write_transcripts_markdown(records, out / f"{name}_failed.md")
+            metrics["datasets"][name] = C.dataset_metrics(records)
+    C.write_json_atomic(metrics, out / "metrics.json")
+    print(C.format_metrics_table(metrics["datasets"]))
+    print(f"[eval] wrote {out}/{{{','.join(DATASETS)}}}_eval16.json and metrics.json")
+    return metrics
+
+
+def eval_problems(path: str, limit: int) -> list[dict]:
+    problems = C.load_problems(path)
+    return problems[:limit] if limit else problems
+
+
+@contextlib.contextmanager
+def open_checkpoint(cfg, export: str):
+    """An engine holding the export (verified against its manifest before and after loading) or the base."""
+    if not export:
+        with C.Engine(cfg, C.resolve_model(cfg.model)) as engine:
+            yield engine, {"kind": "base", "model": cfg.model, "per_rank_digests": engine.digests()}
+        return
+    manifest = C.verify_export(export, cfg.tensor_parallel_size)
+    with C.Engine(cfg, export, load_format="sharded_state", tokenizer=export) as engine:
+        C.check_loaded_export(engine, manifest, export)
+        yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
+                       "manifest_sha256": C.sha256_file(Path(export) / C.EXPORT_MANIFEST),
+                       "per_rank_digests": manifest["per_rank_digests"]}
+
+
+def claim_output_folder(out: Path, run: dict) -> None:
+    """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint and config."""
+    marker = out / "eval_run.json"
+    if marker.exists() and C.read_json(marker) != json.loads(json.dumps(run)):
+        raise C.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
+    C.write_json_atomic(run, marker)
+
+
+def evaluate(engine, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
+    """All (problem, sample) episodes. Each finished episode (with its transcript) is appended to `log` as it
+    ends; the ones already there are kept, not re-run."""
+    done = {(r["problem_id"], r["sample_index"]): r for r in (C.read_jsonl(log) if log.exists() else [])}
+    todo = [(p, i) for p in problems for i in sample_indices if (p["id"], i) not in done]
+    if done:
+        print(f"[eval] {name}: resuming, {len(done)} episodes already finished, {len(todo)} to go")
+    for record in engine.run_agent(todo, desc=f"{name} episodes", on_record=lambda r: C.append_jsonl(log, [r])):
+        done[(record["problem_id"], record["sample_index"])] = record
+    return [done[(p["id"], i)] for p in problems for i in sample_indices]
+
+
+def strip_transcripts(records: list[dict]) -> list[dict]:
+    """The eval16 files hold the SPEC section 6 fields; transcripts stay in <name>_episodes.jsonl and the .md."""
+    return [{k: v for k, v in r.items() if k != "messages"} for r in records]
+
 
 if __name__ == "__main__":
-    sys.exit("03_eval.py is not yet implemented")
+    try:
+        main(sys.argv[1:])
+    except (C.ConfigError, C.DataError, C.ExportError) as exc:
+        sys.exit(f"[eval] error: {exc}")

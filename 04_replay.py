@@ -1,5 +1,115 @@
-"""04_replay: not yet implemented (see the project's issues)."""
+"""Stage 4: the aligned four-sample replay (SPEC section 6), a reproduction artifact.
+
+Rebuilds theta in memory from the base model and the history (no export needed; when an export is given its
+manifest's per-rank digests must equal the rebuilt ones), then re-runs exactly the reported group's requests:
+the same problem ids, sample indices 12-15 and seeds as the original evaluation. It writes the replayed scores
+beside the original ones with per-problem agreement, into a new file; the eval16 files are only read.
+
+    python 04_replay.py                      # <run_dir>/es_history.json against <run_dir>/eval
+    python 04_replay.py --preset=smoke       # the smoke run
+"""
+
 import sys
+from pathlib import Path
+
+import common as C
+
+HISTORY = ""  # default: <run_dir>/es_history.json
+EXPORT = "<run_dir>/export"  # checked against the rebuilt digests; empty: no export to check
+EVAL = ""  # default: <run_dir>/eval, holding <name>_eval16.json of 03_eval.py (read only)
+OUT = ""  # default: <EVAL>/aligned_history_replay_eval4.json
+DATASETS = ("dapo", "aime2026")
+GROUP = [12, 13, 14, 15]  # the reported group
+
+
+def main(argv: list[str]) -> dict:
+    opts, overrides = C.parse_args(argv, {"history": HISTORY, "export": EXPORT, "eval": EVAL, "out": OUT})
+    run_dir = Path(C.parse_config(overrides).run_dir)
+    history_path = Path(opts["history"] or run_dir / C.HISTORY_FILE)
+    eval_dir = Path(opts["eval"] or run_dir / "eval")
+    out = Path(opts["out"] or eval_dir / "aligned_history_replay_eval4.json")
+    export = opts["export"].replace("<run_dir>", str(run_dir))
+
+    history = C.read_json(history_path)
+    originals = {name: C.read_json(eval_dir / f"{name}_eval16.json") for name in DATASETS}
+    cfg = eval_config(originals, overrides)  # the original evaluation's sampling and agent settings
+    generations = history["generations"]
+    if export:
+        manifest = C.verify_export(export, cfg.tensor_parallel_size)
+        generations = generations[: manifest["replayed_generations"]]
+    jobs = {name: aligned_jobs(original) for name, original in originals.items()}
+
+    model_path = C.resolve_model(history["config"]["model"])
+    with C.Engine(cfg, model_path) as engine:
+        C.check_base(history, C.run_identity(cfg, model_path, engine), compare_config=False)
+        C.replay(engine, generations, desc=f"rebuilding theta from {len(generations)} generations")
+        digests = engine.digests()
+        if export and digests != manifest["per_rank_digests"]:
+            raise C.ExportError(f"rebuilt per-rank digests {digests} differ from {export}'s manifest "
+                                f"{manifest['per_rank_digests']}")
+        replayed = {name: engine.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
+
+    report = {
+        "group": C.group_label(GROUP), "history": str(history_path), "history_sha256": C.sha256_file(history_path),
+        "replayed_generations": len(generations), "per_rank_digests": digests, "export": export or None,
+        "datasets": {name: compare(originals[name], replayed[name]) for name in DATASETS},
+    }
+    C.write_json_atomic(report, out)
+    print_report(report, out)
+    return report
+
+
+def eval_config(originals: dict, overrides: list[str]) -> C.Config:
+    configs = {name: original["config"] for name, original in originals.items()}
+    first = next(iter(configs.values()))
+    if any(c != first for c in configs.values()):
+        raise C.ConfigError("the eval16 files were made with different settings; replay them one at a time")
+    return C.config_from_history({"config": first}, overrides)
+
+
+def aligned_jobs(original: dict) -> list[tuple[dict, int]]:
+    """The reported group's (problem, sample_index) requests of one eval16 file, problems as evaluated."""
+    problems = {p["id"]: p for p in C.load_problems(original["data"])}
+    ids = list(dict.fromkeys(r["problem_id"] for r in original["records"]))
+    missing = [pid for pid in ids if pid not in problems]
+    if missing:
+        raise C.DataError(f"{original['data']} no longer holds evaluated problems {missing[:5]}")
+    return [(problems[pid], i) for pid in ids for i in GROUP]
+
+
+def compare(original: dict, replayed: list[dict]) -> dict:
+    """Per problem: the original and replayed scores of samples 12-15, and whether each sample agrees."""
+    before = {(r["problem_id"], r["sample_index"]): r for r in original["records"]}
+    rows = []
+    for pid in dict.fromkeys(r["problem_id"] for r in replayed):
+        new = {r["sample_index"]: r for r in replayed if r["problem_id"] == pid}
+        old = [before[(pid, i)] for i in GROUP]
+        if [o["seed"] for o in old] != [new[i]["seed"] for i in GROUP]:
+            raise C.DataError(f"problem {pid}: replay seeds differ from the original evaluation's")
+        rows.append({"problem_id": pid, "sample_indices": GROUP, "seeds": [o["seed"] for o in old],
+                     "original_scores": [o["score"] for o in old], "replayed_scores": [new[i]["score"] for i in GROUP],
+                     "agree": [o["score"] == new[i]["score"] for o, i in zip(old, GROUP)]})
+    orig_mean4, orig_pass4 = C.mean4_pass4([r["original_scores"] for r in rows])
+    new_mean4, new_pass4 = C.mean4_pass4([r["replayed_scores"] for r in rows])
+    agree = [a for r in rows for a in r["agree"]]
+    return {"original": {"mean4": orig_mean4, "pass4": orig_pass4},
+            "replayed": {"mean4": new_mean4, "pass4": new_pass4},
+            "sample_agreement": sum(agree) / len(agree),
+            "problems_fully_agreeing": sum(all(r["agree"]) for r in rows), "problems": rows}
+
+
+def print_report(report: dict, out: Path) -> None:
+    print(f"[replay] group {report['group']} after {report['replayed_generations']} generations")
+    print(f"{'dataset':<10} {'Mean4 orig':>10} {'Mean4 replay':>12} {'Pass4 orig':>10} {'Pass4 replay':>12} "
+          f"{'agreement':>9}")
+    for name, d in report["datasets"].items():
+        print(f"{name:<10} {d['original']['mean4']:>10.3f} {d['replayed']['mean4']:>12.3f} "
+              f"{d['original']['pass4']:>10.3f} {d['replayed']['pass4']:>12.3f} {d['sample_agreement']:>9.3f}")
+    print(f"[replay] wrote {out}")
+
 
 if __name__ == "__main__":
-    sys.exit("04_replay.py is not yet implemented")
+    try:
+        main(sys.argv[1:])
+    except (C.ConfigError, C.DataError, C.HistoryMismatch, C.ExportError) as exc:
+        sys.exit(f"[replay] error: {exc}")

@@ -12,12 +12,14 @@ Sections, in order:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import difflib
 import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -72,7 +74,8 @@ class Config:
     concurrency: int = 256  # episodes in flight at once
     # data and outputs
     train_data: str = "../shared/data/dapo_train400.jsonl"  # "smoke" = tiny arithmetic problems made locally
-    run_dir: str = "runs/es"
+    eval_problems: int = 0  # evaluate only the first K problems of each eval set (0: all)
+    run_dir: str = "runs/es"  # history, rollouts, export and eval results of the run live here
 
     def __post_init__(self):
         for name in ("sigma_start", "sigma_end", "alpha"):
@@ -101,7 +104,7 @@ RESTORE_MODES = ("copy_device", "copy_host", "subtract")
 PRESETS = {
     "smoke": dict(
         model="tiny-qwen3-dense", max_model_len=2048, generations=2, population=4, case_batch=2, max_turns=3,
-        max_new_tokens=48, bash_timeout_s=5.0, train_data="smoke", run_dir="runs/smoke",
+        max_new_tokens=48, bash_timeout_s=5.0, train_data="smoke", eval_problems=2, run_dir="runs/smoke",
     ),
 }
 
@@ -132,6 +135,30 @@ def parse_config(argv: list[str], base: Config | None = None) -> Config:
             raise ConfigError(f"unknown setting --{key}{hint}")
     values.update(overrides)
     return Config(**values)
+
+
+def parse_args(argv: list[str], options: dict) -> tuple[dict, list[str]]:
+    """Split a script's own options (`options` holds their defaults) from Config overrides (left for
+    parse_config). Values are parsed to the default's type."""
+    options, rest = dict(options), []
+    for arg in argv:
+        key = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") and "=" in arg else None
+        if key in options:
+            options[key] = _parse_value(key, arg.split("=", 1)[1], type(options[key]))
+        else:
+            rest.append(arg)
+    return options, rest
+
+
+def config_from_history(history: dict, argv: list[str]) -> Config:
+    """The run's recorded constants, with command-line overrides of the settings that may change."""
+    recorded = Config(**history["config"])
+    cfg = parse_config(argv, base=recorded)
+    changed = [f for f in dataclasses.asdict(cfg) if getattr(cfg, f) != getattr(recorded, f)
+               and f not in RESUME_FREE_FIELDS]
+    if changed:
+        raise ConfigError(f"these settings come from the history and cannot be overridden: {', '.join(changed)}")
+    return cfg
 
 
 def _parse_value(key: str, text: str, kind: type):
@@ -301,6 +328,9 @@ class ESWorker:
                          "numel": t.numel(), "tp_dim": tp_dim, "digest": tensor_digest(name, t)})
         return {"rank": es["rank"], "device": str(es["params"][0][1].device), "params": rows}
 
+    def es_parameter_names(self) -> list[dict]:
+        return [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in self._es_state()["params"]]
+
     def es_digest(self) -> dict:
         es = self._es_state()
         digests = [(name, tensor_digest(name, t)) for name, t in es["params"]]
@@ -384,6 +414,7 @@ class Engine:
     def __init__(self, cfg: Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
                  tensor_parallel_size: int | None = None, skip_tokenizer_init: bool = False):
         self.cfg = cfg
+        self._tokenizer_path = tokenizer or model_path
         self.device = device_type()
         if self.device == "cpu":
             configure_cpu_env()
@@ -461,6 +492,11 @@ class Engine:
         """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order."""
         return [r["digest"] for r in self.rpc("es_digest")]
 
+    def parameter_names_sha256(self) -> str:
+        """Identifies vLLM's runtime parameter layout (names, per-rank shapes, dtypes) on rank 0."""
+        names = [(p["name"], p["shape"], p["dtype"]) for p in self.rpc("es_parameter_names")[0]]
+        return hashlib.sha256(json.dumps(names).encode()).hexdigest()
+
     def describe(self) -> list[dict]:
         """One row per ES parameter: per-rank shapes, and whether the ranks hold the same tensor (replicated:
         norms, q/k norms, the MoE router) or different slices (sharded). Call on freshly loaded weights."""
@@ -498,6 +534,47 @@ class Engine:
 
         return self._run(run_all())
 
+    # ---- the agent ----
+    def run_agent(self, jobs: list[tuple[dict, int]], desc: str = "episodes", on_record=None) -> list[dict]:
+        """Run one agent episode per (problem, sample_index), all concurrently; records in input order.
+        on_record(record) is called as each episode ends (e.g. to append it to a log)."""
+        from tqdm import tqdm
+
+        c = self.cfg
+        with tqdm(total=len(jobs), desc=desc, leave=False, dynamic_ncols=True) as bar:
+            def progress(record):
+                bar.update(1)
+                if on_record is not None:
+                    on_record(record)
+
+            return self._run(run_episodes(
+                self._policy, jobs, concurrency=c.concurrency, progress=progress,
+                run_seed=c.run_seed, max_turns=c.max_turns, max_new_tokens=c.max_new_tokens,
+                obs_limit_chars=c.observation_chars, bash_timeout_s=c.bash_timeout_s))
+
+    @property
+    def tokenizer(self):
+        if not hasattr(self, "_tokenizer"):
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+        return self._tokenizer
+
+    async def _policy(self, messages: list[dict], *, seed: int, max_tokens: int) -> dict:
+        """One assistant turn: chat template (Qwen3 thinking off), then sample with the request's own seed."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
+                                                 tokenize=True, return_dict=False)
+        room = self.cfg.max_model_len - len(ids)
+        if room <= 0:
+            raise ContextOverflow(f"conversation is {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}")
+        out = None
+        async for out in self.llm.generate({"prompt_token_ids": ids}, self.sampling_params(seed=seed, max_tokens=min(max_tokens, room)),
+                                           request_id=f"turn-{seed}-{time.time_ns()}"):
+            pass
+        completion = out.outputs[0]
+        return {"text": completion.text, "prompt_tokens": len(ids), "completion_tokens": len(completion.token_ids),
+                "finish_reason": completion.finish_reason}
+
     def sampling_params(self, *, seed: int, max_tokens: int):
         from vllm import SamplingParams
 
@@ -515,6 +592,94 @@ def format_parameter_table(rows: list[dict]) -> str:
         picked = [r for r in rows if r["layout"] == layout]
         lines.append(f"{layout}: {len(picked)} tensors, {sum(r['numel_per_rank'] for r in picked):,} elements per rank")
     return "\n".join(lines)
+
+
+# ============================================================================================================
+# 4b. The run history: everything that defines theta, so that any stage can rebuild it from the base weights.
+# ============================================================================================================
+
+HISTORY_FILE = "es_history.json"
+HISTORY_FORMAT = "es-history/1"
+# settings that may change between a run and its resume: they do not touch the weights or the rewards
+RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization")
+
+
+class HistoryMismatch(RuntimeError):
+    pass
+
+
+def run_identity(cfg: Config, model_path: str, engine: Engine) -> dict:
+    """The header of a history: what must be equal for a replay to reproduce the trained weights bit for bit."""
+    import vllm
+
+    return {
+        "format": HISTORY_FORMAT,
+        "config": dataclasses.asdict(cfg),
+        "noise": dict(NOISE_DEFINITION, chunk=cfg.noise_chunk),
+        "train_data_sha256": "smoke" if cfg.train_data == "smoke" else sha256_file(cfg.train_data),
+        "base_model": cfg.model,
+        "base_model_path": str(model_path),
+        "base_fingerprint": model_fingerprint(model_path),
+        "base_digests": engine.digests(),
+        "parameter_names_sha256": engine.parameter_names_sha256(),
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "dtype": cfg.dtype,
+        "device_type": engine.device,
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
+    }
+
+
+def identity_differences(recorded: dict, current: dict, compare_config: bool = True) -> list[str]:
+    """Human-readable differences between a history's identity and this run's (empty: compatible). Without
+    compare_config only what defines the weights is compared (base, noise, layout, TP, device, versions)."""
+    diffs = []
+    for key, value in current.items():
+        if not compare_config and key in ("config", "train_data_sha256"):
+            continue
+        if key == "config":
+            for field, now in value.items():
+                then = recorded["config"].get(field)
+                if field not in RESUME_FREE_FIELDS and then != now:
+                    diffs.append(f"config {field}: history has {then!r}, this run has {now!r}")
+        elif key not in ("base_model_path",) and recorded.get(key) != value:
+            diffs.append(f"{key}: history has {recorded.get(key)!r}, this run has {value!r}")
+    return diffs
+
+
+def replay(engine: Engine, generations: list[dict], desc: str = "replaying history") -> None:
+    """Re-apply recorded updates to the base weights, checking each generation's per-rank digests."""
+    from tqdm import tqdm
+
+    for record in tqdm(generations, desc=desc, leave=False, dynamic_ncols=True):
+        engine.update(record["seeds"], update_coefficients(record["z"], record["alpha"]))
+        digests = engine.digests()
+        if digests != record["digests"]:
+            raise HistoryMismatch(
+                f"replay diverged at generation {record['generation']}: per-rank digests {digests} "
+                f"!= recorded {record['digests']} (different base weights, vLLM version or device?)")
+
+
+def check_base(recorded: dict, current: dict, compare_config: bool = True) -> None:
+    """Refuse a history whose base, noise or runtime layout (or, by default, run constants) differ from this
+    engine's."""
+    diffs = identity_differences(recorded, current, compare_config)
+    if diffs:
+        raise HistoryMismatch("this history was made by a different run:\n  " + "\n  ".join(diffs))
+
+
+def check_config(recorded: dict, cfg: Config) -> None:
+    check_base({"config": recorded["config"]}, {"config": dataclasses.asdict(cfg)})
+
+
+@contextlib.contextmanager
+def stopwatch(timings: dict, key: str):
+    """Adds the wall time of the block to timings[key]."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
 
 
 # ============================================================================================================
@@ -605,6 +770,17 @@ def write_jsonl(rows, path):
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     _write_text_atomic(text, path)
 
+SMOKE_PROBLEMS = 64
+
+
+def training_problems(cfg: Config) -> list[dict]:
+    """The training set: a JSONL file, or the preset's tiny arithmetic problems generated here ("smoke")."""
+    problems = smoke_problems(SMOKE_PROBLEMS, seed=cfg.run_seed) if cfg.train_data == "smoke" else load_problems(cfg.train_data)
+    if cfg.case_batch > len(problems):
+        raise DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of {cfg.train_data}")
+    return problems
+
+
 # ============================================================================================================
 # 6. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4 (SPEC section 6)
 # ============================================================================================================
@@ -654,14 +830,16 @@ def group_metrics(records, samples=EVAL_SAMPLES, group_size=GROUP_SIZE):
     groups = []
     for start in range(0, samples, group_size):
         indices = list(range(start, start + group_size))
-        g = scores[:, indices]
-        groups.append({
-            "group": group_label(indices),
-            "sample_indices": indices,
-            "mean4": float(g.mean()),              # over every problem and the group's samples
-            "pass4": float(g.max(axis=1).mean()),  # problem solved by any of the group's samples
-        })
+        mean4, pass4 = mean4_pass4(scores[:, indices])
+        groups.append({"group": group_label(indices), "sample_indices": indices, "mean4": mean4, "pass4": pass4})
     return groups
+
+
+def mean4_pass4(scores) -> tuple[float, float]:
+    """For a (problems x 4 samples) table of 0/1 scores: Mean4 = mean over every problem and sample, Pass4 = mean
+    over problems of the best of the four."""
+    g = np.asarray(scores, dtype=np.float64)
+    return float(g.mean()), float(g.max(axis=1).mean())
 
 
 def pass_at_k_unbiased(n, c, k):
@@ -887,6 +1065,63 @@ def model_fingerprint(model: str) -> str:
     for f in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
         h.update(f"{f.name}|{f.stat().st_size}|{sha256_file(f)}\n".encode())
     return "sha256:" + h.hexdigest()
+
+
+EXPORT_MANIFEST = "es_sharded_export_manifest.json"
+SHARD_PATTERN = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def shard_entries(folder: str | Path) -> list[dict]:
+    """The worker shards vLLM's save_sharded_state wrote: file, rank, bytes, sha256."""
+    rows = []
+    for f in sorted(Path(folder).iterdir()):
+        m = SHARD_PATTERN.match(f.name)
+        if m:
+            rows.append({"file": f.name, "rank": int(m.group(1)), "part": int(m.group(2)),
+                         "bytes": f.stat().st_size, "sha256": sha256_file(f)})
+    return rows
+
+
+def check_loaded_export(engine: Engine, manifest: dict, folder) -> None:
+    """After loading: the running vLLM must see the exported parameter names and bits, rank by rank."""
+    if engine.parameter_names_sha256() != manifest["parameter_names_sha256"]:
+        raise ExportError(f"{folder}: this vLLM ({manifest['vllm_version']} wrote the export) lays out the model's "
+                          "parameters differently; the sharded state cannot be trusted here")
+    digests = engine.digests()
+    if digests != manifest["per_rank_digests"]:
+        raise ExportError(f"{folder}: loaded per-rank digests {digests} differ from the manifest's "
+                          f"{manifest['per_rank_digests']}")
+
+
+def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:
+    """Check an export folder against its manifest before anything loads it; returns the manifest.
+    A wrong TP size, a missing, extra or altered shard, or a damaged file is an ExportError."""
+    folder = Path(folder)
+    if not (folder / EXPORT_MANIFEST).is_file():
+        raise ExportError(f"{folder}: no {EXPORT_MANIFEST}; not an export of 02_export.py")
+    manifest = read_json(folder / EXPORT_MANIFEST)
+    tp = manifest["tensor_parallel_size"]
+    if tensor_parallel_size is not None and tensor_parallel_size != tp:
+        raise ExportError(f"{folder} holds per-rank shards for tensor_parallel_size={tp}; it cannot be loaded "
+                          f"with tensor_parallel_size={tensor_parallel_size} (the ranks carry different noise)")
+    problems = []
+    recorded = {s["file"]: s for s in manifest["shards"]}
+    present = {f.name for f in folder.iterdir() if SHARD_PATTERN.match(f.name)}
+    problems += [f"missing shard {name}" for name in sorted(set(recorded) - present)]
+    problems += [f"unexpected shard {name}" for name in sorted(present - set(recorded))]
+    for name in sorted(set(recorded) & present):
+        if sha256_file(folder / name) != recorded[name]["sha256"]:
+            problems.append(f"shard {name} does not match its sha256 in the manifest")
+    if sorted({s["rank"] for s in manifest["shards"]}) != list(range(tp)):
+        problems.append(f"manifest shards do not cover ranks 0..{tp - 1}")
+    problems += verify_sha256sums(folder) if (folder / SHA256SUMS).exists() else [f"missing {SHA256SUMS}"]
+    if problems:
+        raise ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
+    return manifest
 
 
 # ============================================================================================================
