@@ -37,7 +37,9 @@ def main(argv: list[str]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
     with open_checkpoint(cfg, export) as (engine, checkpoint):
-        claim_output_folder(out, {"checkpoint": checkpoint, "config": C.dataclasses.asdict(cfg), "data": opts})
+        settings = {k: v for k, v in C.dataclasses.asdict(cfg).items() if k not in C.RESUME_FREE_FIELDS}
+        claim_output_folder(out, {"checkpoint": checkpoint, "config": settings,
+                                  "data": {name: opts[name] for name in DATASETS}})
         metrics = {"checkpoint": checkpoint, "samples": SAMPLES, "reported_group": C.REPORTED_GROUP, "datasets": {}}
         for name, problems in datasets.items():
             records = evaluate(engine, problems, range(SAMPLES), out / f"{name}_episodes.jsonl", name)
@@ -66,10 +68,10 @@ def open_checkpoint(cfg, export: str):
         return
     manifest = C.verify_export(export, cfg.tensor_parallel_size)
     with C.Engine(cfg, export, load_format="sharded_state", tokenizer=export) as engine:
-        C.check_loaded_export(engine, manifest, export)
+        loaded = C.check_loaded_export(engine, manifest, export)  # the bits vLLM holds are the exported ones
         yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
                        "manifest_sha256": C.sha256_file(Path(export) / C.EXPORT_MANIFEST),
-                       "per_rank_digests": manifest["per_rank_digests"]}
+                       "per_rank_digests": loaded}
 
 
 def claim_output_folder(out: Path, run: dict) -> None:

@@ -31,7 +31,6 @@ import selectors
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -179,8 +178,11 @@ def _parse_value(key: str, text: str, kind: type):
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError
             return text.lower() in ("true", "1")
-        if kind is int:
-            return int(float(text)) if text.lower().replace("e", "", 1).isdigit() else int(text)
+        if kind is int:  # also "1e6"
+            value = float(text) if any(c in text.lower() for c in ".e") else int(text)
+            if value != int(value):
+                raise ValueError
+            return int(value)
         return kind(text)
     except ValueError:
         expected = {int: "an integer", float: "a number", bool: "true or false"}.get(kind, kind.__name__)
@@ -393,6 +395,17 @@ class ESWorker:
         self._es_sync(t0)
         return time.perf_counter() - t0
 
+    def es_memory(self) -> dict:
+        """Bytes of the ES parameters, of the exact-restore copy, and the device's free/total memory."""
+        es = self._es_state()
+        device = es["params"][0][1].device
+        free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (None, None)
+        return {"rank": es["rank"], "params": sum(t.numel() for _, t in es["params"]),
+                "param_bytes": sum(t.numel() * t.element_size() for _, t in es["params"]),
+                "copy_bytes": sum(c.numel() * c.element_size() for c in es["copy"] or []),
+                "copy_device": str(es["copy"][0].device) if es["copy"] else None,
+                "device_free_bytes": free, "device_total_bytes": total}
+
     def es_drop_copy(self) -> None:
         self._es_state()["copy"] = None
 
@@ -532,8 +545,8 @@ class Engine:
         """Plain batched generation (tests and benchmarks): token ids in, token ids out."""
         from vllm import SamplingParams
 
-        params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) if greedy else
-                  self.sampling_params(seed=seed, max_tokens=max_tokens))
+        params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+                  if greedy else self.sampling_params(seed=seed, max_tokens=max_tokens))
 
         async def one(i, ids):
             out = None
@@ -1575,6 +1588,7 @@ def _write_text_atomic(text, path):
     """Temp file in the same folder, fsync, rename over path: readers see the old file or the new one, never
     a partial one. Same folder so os.replace is a rename on one filesystem."""
     folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -1758,7 +1772,7 @@ def shard_entries(folder: str | Path) -> list[dict]:
     return rows
 
 
-def check_loaded_export(engine: Engine, manifest: dict, folder) -> None:
+def check_loaded_export(engine: Engine, manifest: dict, folder) -> list[str]:
     """After loading: the running vLLM must see the exported parameter names and bits, rank by rank."""
     if engine.parameter_names_sha256() != manifest["parameter_names_sha256"]:
         raise ExportError(f"{folder}: this vLLM ({manifest['vllm_version']} wrote the export) lays out the model's "
@@ -1767,6 +1781,7 @@ def check_loaded_export(engine: Engine, manifest: dict, folder) -> None:
     if digests != manifest["per_rank_digests"]:
         raise ExportError(f"{folder}: loaded per-rank digests {digests} differ from the manifest's "
                           f"{manifest['per_rank_digests']}")
+    return digests
 
 
 def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:

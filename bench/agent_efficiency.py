@@ -7,6 +7,7 @@ E prompts of the same first-turn length for T rounds of M new tokens each, with 
 Prints a table and one JSON line.
 
     bash run_cpu.sh python bench/agent_efficiency.py --preset=smoke --episodes=16 --max_turns=4 --max_new_tokens=64
+    python bench/agent_efficiency.py --qwen3_30b=true --max_turns=4 --max_new_tokens=512   # 2 GPUs, dummy weights
 """
 
 import json
@@ -14,16 +15,22 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
+import qwen3_30b  # noqa: E402
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"episodes": 16, "load_format": "auto", "repeats": 2})
+    opts, overrides = C.parse_args(argv, {"episodes": 16, "repeats": 2, "qwen3_30b": False, "out": ""})
     cfg = C.parse_config(overrides)
     problems = C.smoke_problems(opts["episodes"], seed=3)
     jobs = [(p, 0) for p in problems]
-    with C.Engine(cfg, C.resolve_model(cfg.model), load_format=opts["load_format"]) as engine:
+    model, load_format = C.resolve_model(cfg.model), "auto"
+    if opts["qwen3_30b"]:  # Qwen3-30B-A3B's layout with dummy weights and the tiny tokenizer (see qwen3_30b.py)
+        model = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-tinytok", tokenizer_from=C.resolve_model("tiny-qwen3-dense"))
+        load_format = "dummy"
+    with C.Engine(cfg, model, load_format=load_format) as engine:
         engine.run_agent(jobs[:2])  # warm-up
         agent, plain = [], []
         for _ in range(opts["repeats"]):
@@ -46,7 +53,9 @@ def main(argv):
 
     agent_tps = max(t / s for t, s, _ in agent)
     plain_tps = max(t / s for t, s, _ in plain)
-    result = {"bench": "agent_efficiency", "device": engine.device, "model": cfg.model, "episodes": len(jobs),
+    result = {"bench": "agent_efficiency", "date": time.strftime("%Y-%m-%d"), "device": engine.device,
+              "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
+              "model": "Qwen3-30B-A3B layout, dummy weights" if opts["qwen3_30b"] else cfg.model, "episodes": len(jobs),
               "max_turns": cfg.max_turns, "max_new_tokens": cfg.max_new_tokens,
               "agent_tokens_per_s": round(agent_tps, 1), "plain_tokens_per_s": round(plain_tps, 1),
               "ratio": round(agent_tps / plain_tps, 3), "agent_runs": agent, "plain_runs": plain}
@@ -56,6 +65,8 @@ def main(argv):
             print(f"{name:<22}{tokens:>10}{seconds:>10.2f}{tokens / seconds:>10.1f}")
     print(f"ratio (best agent / best plain): {result['ratio']:.3f}")
     print(json.dumps(result))
+    if opts["out"]:
+        Path(opts["out"]).write_text(json.dumps(result, indent=2))
     return result
 
 
