@@ -602,11 +602,13 @@ class Engine:
 
     def sampling_params(self, *, seed: int, max_tokens: int):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         c = self.cfg
         return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
                               presence_penalty=c.presence_penalty, repetition_penalty=c.repetition_penalty,
-                              seed=seed, max_tokens=max_tokens)
+                              seed=seed, max_tokens=max_tokens,
+                              output_kind=RequestOutputKind.FINAL_ONLY)  # one message per turn, not per token
 
 
 def format_parameter_table(rows: list[dict]) -> str:

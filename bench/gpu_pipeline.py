@@ -27,11 +27,16 @@ STAGES = [
 def main(argv):
     opts, overrides = C.parse_args(argv, {"out": "gpu_pipeline.json", "run_dir": "/tmp/gpu-pipeline"})
     run_dir = Path(opts["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    eval_data = run_dir / "eval_problems.jsonl"  # the GPU machine has no ../shared/data: tiny problems instead
+    C.write_jsonl(C.smoke_problems(2, seed=7), eval_data)
     args = ["--preset=smoke", "--model=tiny-qwen3-moe", f"--run_dir={run_dir}", *overrides]
     report = {"bench": "gpu_pipeline", "date": time.strftime("%Y-%m-%d"), "args": args, "stages": {}}
     for name, script in STAGES:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(REPO / script), *args], cwd=REPO, capture_output=True, text=True)
+        extra = [f"--dapo={eval_data}", f"--aime2026={eval_data}"] if name == "eval" else []
+        proc = subprocess.run([sys.executable, str(REPO / script), *args, *extra], cwd=REPO, capture_output=True,
+                              text=True)
         (run_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
         report["stages"][name] = {"seconds": round(time.perf_counter() - t0, 1), "returncode": proc.returncode,
                                   "tail": (proc.stdout + proc.stderr)[-1500:] if proc.returncode else proc.stdout[-600:]}
