@@ -60,6 +60,7 @@ class Config:
     max_model_len: int = 40960  # Qwen3-30B-A3B's native context; a longer conversation ends the episode
     gpu_memory_utilization: float = 0.6  # leaves room for the exact-restore copy of the weights on the GPU
     cuda_graphs: bool = True  # CUDA graphs without inductor (GPU.md); CPU always runs eager
+    cudagraph_mode: str = "FULL_DECODE_ONLY"  # steps with a prefill run eagerly; "FULL" also graphs mixed steps
     # evolution strategies
     run_seed: int = 20260627
     generations: int = 20
@@ -440,6 +441,7 @@ class Engine:
                  tensor_parallel_size: int | None = None, skip_tokenizer_init: bool = False):
         self.cfg = cfg
         self._tokenizer_path = tokenizer or model_path
+        self._turns = {}  # id(messages) -> the last turn's messages and token ids (see _prompt_ids)
         self.device = device_type()
         if self.device == "cpu":
             configure_cpu_env()
@@ -464,7 +466,8 @@ class Engine:
     def _compile_args(self) -> dict:
         if self.device == "cuda" and self.cfg.cuda_graphs:
             # inductor dies in cublasCreate on the H200 machine; CUDA graphs without it work (GPU.md)
-            return {"enforce_eager": False, "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+            return {"enforce_eager": False,
+                    "compilation_config": {"mode": 0, "cudagraph_mode": self.cfg.cudagraph_mode}}
         return {"enforce_eager": True}
 
     async def _start(self, args):
@@ -576,10 +579,13 @@ class Engine:
                 if on_record is not None:
                     on_record(record)
 
-            return self._run(run_episodes(
-                self._policy, jobs, concurrency=c.concurrency, progress=progress,
-                run_seed=c.run_seed, max_turns=c.max_turns, max_new_tokens=c.max_new_tokens,
-                obs_limit_chars=c.observation_chars, bash_timeout_s=c.bash_timeout_s))
+            try:
+                return self._run(run_episodes(
+                    self._policy, jobs, concurrency=c.concurrency, progress=progress,
+                    run_seed=c.run_seed, max_turns=c.max_turns, max_new_tokens=c.max_new_tokens,
+                    obs_limit_chars=c.observation_chars, bash_timeout_s=c.bash_timeout_s))
+            finally:
+                self._turns.clear()
 
     @property
     def tokenizer(self):
@@ -590,19 +596,57 @@ class Engine:
         return self._tokenizer
 
     async def _policy(self, messages: list[dict], *, seed: int, max_tokens: int) -> dict:
-        """One assistant turn: chat template (Qwen3 thinking off), then sample with the request's own seed."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
-                                                 tokenize=True, return_dict=False)
+        """One assistant turn: the conversation's token ids (Qwen3 thinking off), sampled with the turn's seed."""
+        ids = self._prompt_ids(messages)
         room = self.cfg.max_model_len - len(ids)
         if room <= 0:
             raise ContextOverflow(f"conversation is {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}")
         out = None
-        async for out in self.llm.generate({"prompt_token_ids": ids}, self.sampling_params(seed=seed, max_tokens=min(max_tokens, room)),
-                                           request_id=f"turn-{seed}-{time.time_ns()}"):
+        params = self.sampling_params(seed=seed, max_tokens=min(max_tokens, room))
+        async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=f"turn-{seed}-{time.time_ns()}"):
             pass
         completion = out.outputs[0]
+        self._remember_turn(messages, ids, completion)
         return {"text": completion.text, "prompt_tokens": len(ids), "completion_tokens": len(completion.token_ids),
                 "finish_reason": completion.finish_reason}
+
+    # Multi-turn prompts continue the previous turn's token ids: the model sees the tokens it generated (not a
+    # re-tokenization of their text) and the prefix cache covers the whole history; only the new user message is
+    # tokenized. Falls back to rendering the whole conversation whenever the history is not the one remembered.
+    def _prompt_ids(self, messages: list[dict]) -> list[int]:
+        last = self._turns.pop(id(messages), None)
+        if (last is not None and self._user_turn is not None and messages[-1]["role"] == "user"
+                and messages[:-1] == last["messages"]):
+            before, after = self._user_turn
+            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
+                                                       add_special_tokens=False)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
+                                                  tokenize=True, return_dict=False)
+
+    def _remember_turn(self, messages: list[dict], ids: list[int], completion) -> None:
+        generated = list(completion.token_ids)
+        eos = self.tokenizer.eos_token_id
+        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
+            generated.append(eos)
+        self._turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
+                                     "ids": ids + generated}
+
+    @functools.cached_property
+    def _user_turn(self) -> tuple[str, str] | None:
+        """The chat template's text around a user message that follows an assistant message, up to the next
+        generation prompt: (before, after). None if the template is not append-only (then no continuation)."""
+        mark = "\x00USER\x00"
+        base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"}]
+        render = functools.partial(self.tokenizer.apply_chat_template, tokenize=False, enable_thinking=False)
+        prefix = render(base, add_generation_prompt=False)
+        full = render([*base, {"role": "user", "content": mark}], add_generation_prompt=True)
+        eos = self.tokenizer.eos_token
+        if not full.startswith(prefix) or not prefix.rstrip().endswith(eos) or full.count(mark) != 1:
+            return None
+        separator = prefix[prefix.rindex(eos) + len(eos):]  # what follows the assistant's end token, e.g. "\n"
+        before, after = (separator + full[len(prefix):]).split(mark)
+        return before, after
 
     def sampling_params(self, *, seed: int, max_tokens: int):
         from vllm import SamplingParams
