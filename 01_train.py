@@ -112,7 +112,7 @@ def print_final_summary(history: dict, run_dir: Path) -> None:
     means = [sum(g["rewards"]) / len(g["rewards"]) for g in gens]
     print(f"[train] done: {len(gens)} generations in {run_dir / C.HISTORY_FILE}")
     print("[train] mean reward per generation: " + " ".join(f"{m:.3f}" for m in means))
-    print("[train] time: " + "  ".join(f"{k} {v:.1f}s" for k, v in total.items()))
+    print("[train] time: " + "  ".join(f"{k} {v:.2f}s" for k, v in total.items()))
     print(f"[train] final per-rank digests: {gens[-1]['digests'] if gens else history['base_digests']}")
 
 

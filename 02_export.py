@@ -94,7 +94,7 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
         "config": history["config"],
     }
     C.write_json_atomic(manifest, folder / C.EXPORT_MANIFEST)
-    C.write_sha256sums(folder, [f for f in sorted(folder.iterdir()) if f.name != C.SHA256SUMS])
+    C.write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != C.SHA256SUMS])
 
 
 if __name__ == "__main__":

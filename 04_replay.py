@@ -48,11 +48,12 @@ def main(argv: list[str]) -> dict:
             raise C.ExportError(f"rebuilt per-rank digests {digests} differ from {export}'s manifest "
                                 f"{manifest['per_rank_digests']}")
         replayed = {name: engine.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
+    transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in DATASETS}
 
     report = {
         "group": C.group_label(GROUP), "history": str(history_path), "history_sha256": C.sha256_file(history_path),
         "replayed_generations": len(generations), "per_rank_digests": digests, "export": export or None,
-        "datasets": {name: compare(originals[name], replayed[name]) for name in DATASETS},
+        "datasets": {name: compare(originals[name], replayed[name], transcripts[name]) for name in DATASETS},
     }
     C.write_json_atomic(report, out)
     print_report(report, out)
@@ -77,8 +78,14 @@ def aligned_jobs(original: dict) -> list[tuple[dict, int]]:
     return [(problems[pid], i) for pid in ids for i in GROUP]
 
 
-def compare(original: dict, replayed: list[dict]) -> dict:
-    """Per problem: the original and replayed scores of samples 12-15, and whether each sample agrees."""
+def original_transcripts(log: Path) -> dict:
+    """The original episodes' conversations (03_eval's <name>_episodes.jsonl), when that log is at hand."""
+    return {(r["problem_id"], r["sample_index"]): r["messages"] for r in C.read_jsonl(log)} if log.exists() else {}
+
+
+def compare(original: dict, replayed: list[dict], transcripts: dict) -> dict:
+    """Per problem: the original and replayed scores of samples 12-15, whether each sample's score agrees, and
+    whether its whole conversation came out identical (when the original transcripts are available)."""
     before = {(r["problem_id"], r["sample_index"]): r for r in original["records"]}
     rows = []
     for pid in dict.fromkeys(r["problem_id"] for r in replayed):
@@ -88,23 +95,29 @@ def compare(original: dict, replayed: list[dict]) -> dict:
             raise C.DataError(f"problem {pid}: replay seeds differ from the original evaluation's")
         rows.append({"problem_id": pid, "sample_indices": GROUP, "seeds": [o["seed"] for o in old],
                      "original_scores": [o["score"] for o in old], "replayed_scores": [new[i]["score"] for i in GROUP],
-                     "agree": [o["score"] == new[i]["score"] for o, i in zip(old, GROUP)]})
+                     "agree": [o["score"] == new[i]["score"] for o, i in zip(old, GROUP)],
+                     "same_transcript": [transcripts.get((pid, i)) == new[i]["messages"] if transcripts else None
+                                         for i in GROUP]})
     orig_mean4, orig_pass4 = C.mean4_pass4([r["original_scores"] for r in rows])
     new_mean4, new_pass4 = C.mean4_pass4([r["replayed_scores"] for r in rows])
     agree = [a for r in rows for a in r["agree"]]
+    same = [t for r in rows for t in r["same_transcript"]]
     return {"original": {"mean4": orig_mean4, "pass4": orig_pass4},
             "replayed": {"mean4": new_mean4, "pass4": new_pass4},
             "sample_agreement": sum(agree) / len(agree),
+            "identical_transcripts": sum(same) / len(same) if transcripts else None,
             "problems_fully_agreeing": sum(all(r["agree"]) for r in rows), "problems": rows}
 
 
 def print_report(report: dict, out: Path) -> None:
     print(f"[replay] group {report['group']} after {report['replayed_generations']} generations")
     print(f"{'dataset':<10} {'Mean4 orig':>10} {'Mean4 replay':>12} {'Pass4 orig':>10} {'Pass4 replay':>12} "
-          f"{'agreement':>9}")
+          f"{'agreement':>9} {'same transcript':>15}")
     for name, d in report["datasets"].items():
+        same = "n/a" if d["identical_transcripts"] is None else f"{d['identical_transcripts']:.3f}"
         print(f"{name:<10} {d['original']['mean4']:>10.3f} {d['replayed']['mean4']:>12.3f} "
-              f"{d['original']['pass4']:>10.3f} {d['replayed']['pass4']:>12.3f} {d['sample_agreement']:>9.3f}")
+              f"{d['original']['pass4']:>10.3f} {d['replayed']['pass4']:>12.3f} {d['sample_agreement']:>9.3f} "
+              f"{same:>15}")
     print(f"[replay] wrote {out}")
 
 
