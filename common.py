@@ -335,10 +335,11 @@ class ESWorker:
 
     def es_describe(self) -> dict:
         es = self._es_state()
+        module_params = dict(self.model_runner.model.named_parameters())
         rows = []
         for name, t in es["params"]:
-            p = dict(self.model_runner.model.named_parameters())[name]
-            tp_dim = getattr(p, "output_dim", None) if hasattr(p, "output_dim") else getattr(p, "input_dim", None)
+            p = module_params[name]  # vLLM tags sharded parameters with the dimension they are split along
+            tp_dim = getattr(p, "output_dim", getattr(p, "input_dim", None))
             rows.append({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                          "numel": t.numel(), "tp_dim": tp_dim, "digest": tensor_digest(name, t)})
         return {"rank": es["rank"], "device": str(es["params"][0][1].device), "params": rows}
@@ -361,7 +362,7 @@ class ESWorker:
         for name, t in es["params"]:
             add_noise_(t.view(-1), [noise_seed(seed, es["rank"], name)], [sigma], chunk)
         es["noise"] = (seed, sigma, chunk, restore)
-        self._es_sync(t0)
+        self._es_sync()
         return time.perf_counter() - t0
 
     def es_restore(self) -> float:
@@ -377,7 +378,7 @@ class ESWorker:
             for name, t in es["params"]:
                 add_noise_(t.view(-1), [noise_seed(seed, es["rank"], name)], [-sigma], chunk)
         es["noise"] = None
-        self._es_sync(t0)
+        self._es_sync()
         return time.perf_counter() - t0
 
     def es_update(self, seeds: list[int], coeffs: list[float], chunk: int) -> float:
@@ -393,7 +394,7 @@ class ESWorker:
             if es["copy"] is not None:  # the saved copy always holds the current centre theta
                 for (_, t), saved in zip(es["params"], es["copy"]):
                     saved.copy_(t)
-        self._es_sync(t0)
+        self._es_sync()
         return time.perf_counter() - t0
 
     def es_memory(self) -> dict:
@@ -407,16 +408,14 @@ class ESWorker:
                 "copy_device": str(es["copy"][0].device) if es["copy"] else None,
                 "device_free_bytes": free, "device_total_bytes": total}
 
-    def es_drop_copy(self) -> None:
-        self._es_state()["copy"] = None
-
     def _es_snapshot(self, restore: str) -> None:
         es = self._es_state()
         on_host = restore == "copy_host" and es["params"][0][1].device.type != "cpu"
         es["copy"] = [t.to("cpu").pin_memory() if on_host else t.clone() for _, t in es["params"]]
 
-    def _es_sync(self, t0):
-        if torch.cuda.is_available() and self._es_state()["params"][0][1].is_cuda:
+    def _es_sync(self):
+        """Wait for the device, so the returned seconds are the operation's real cost."""
+        if self._es_state()["params"][0][1].is_cuda:
             torch.cuda.synchronize()
 
 
@@ -438,7 +437,7 @@ class Engine:
     update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights."""
 
     def __init__(self, cfg: Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
-                 tensor_parallel_size: int | None = None, skip_tokenizer_init: bool = False):
+                 skip_tokenizer_init: bool = False):
         self.cfg = cfg
         self._tokenizer_path = tokenizer or model_path
         self._turns = {}  # id(messages) -> the last turn's messages and token ids (see _prompt_ids)
@@ -449,8 +448,8 @@ class Engine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="es-engine-loop", daemon=True)
         self._thread.start()
         args = dict(
-            model=model_path, tokenizer=tokenizer or model_path, load_format=load_format,
-            tensor_parallel_size=tensor_parallel_size or cfg.tensor_parallel_size, dtype=cfg.dtype,
+            model=model_path, tokenizer=self._tokenizer_path, load_format=load_format,
+            tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
             max_model_len=cfg.max_model_len, enable_prefix_caching=True, seed=cfg.run_seed,
             worker_extension_cls="common.ESWorker", skip_tokenizer_init=skip_tokenizer_init,
             **self._compile_args(),
