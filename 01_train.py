@@ -63,7 +63,7 @@ def start_or_resume(cfg, model_path, engine, history_path: Path) -> dict:
     history = C.read_json(history_path)
     C.check_base(history, identity)  # refuses another config, base model, TP size, device type or vLLM
     print(f"[train] resuming {history_path}: replaying {len(history['generations'])} recorded generations")
-    C.replay(engine, history["generations"])
+    C.replay(engine, history["generations"], identity["base_digests"])
     return history
 
 

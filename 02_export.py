@@ -47,8 +47,8 @@ def main(argv: list[str]) -> Path:
         with C.Engine(cfg, model_path) as engine:
             identity = C.run_identity(cfg, model_path, engine)
             C.check_base(history, identity)
-            C.replay(engine, generations, desc=f"replaying {len(generations)} generations")
-            digests = engine.digests()
+            digests = C.replay(engine, generations, identity["base_digests"],
+                               desc=f"replaying {len(generations)} generations")
             engine.save_sharded_state(partial)
         C.copy_model_files(model_path, partial)
         write_manifest(partial, history, history_path, generations, digests, identity)

@@ -32,11 +32,10 @@ def main(argv: list[str]) -> dict:
     export = opts["export"].replace("<run_dir>", cfg.run_dir)
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     datasets = {name: eval_problems(opts[name], cfg.eval_problems) for name in DATASETS}
-    if export:
-        C.verify_export(export, cfg.tensor_parallel_size)  # before anything is written or loaded
+    manifest = C.verify_export(export, cfg.tensor_parallel_size) if export else None  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
 
-    with open_checkpoint(cfg, export) as (engine, checkpoint):
+    with open_checkpoint(cfg, export, manifest) as (engine, checkpoint):
         settings = {k: v for k, v in C.dataclasses.asdict(cfg).items() if k not in C.RESUME_FREE_FIELDS}
         claim_output_folder(out, {"checkpoint": checkpoint, "config": settings,
                                   "data": {name: opts[name] for name in DATASETS}})
@@ -60,13 +59,13 @@ def eval_problems(path: str, limit: int) -> list[dict]:
 
 
 @contextlib.contextmanager
-def open_checkpoint(cfg, export: str):
-    """An engine holding the export (verified against its manifest before and after loading) or the base."""
+def open_checkpoint(cfg, export: str, manifest: dict | None):
+    """An engine holding the export (its files verified against the manifest before; its loaded bits checked
+    after loading) or, without an export, the base model."""
     if not export:
         with C.Engine(cfg, C.resolve_model(cfg.model)) as engine:
             yield engine, {"kind": "base", "model": cfg.model, "per_rank_digests": engine.digests()}
         return
-    manifest = C.verify_export(export, cfg.tensor_parallel_size)
     with C.Engine(cfg, export, load_format="sharded_state", tokenizer=export) as engine:
         loaded = C.check_loaded_export(engine, manifest, export)  # the bits vLLM holds are the exported ones
         yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],

@@ -1,7 +1,8 @@
 """Stage 4: the aligned four-sample replay (SPEC section 6), a reproduction artifact.
 
-Rebuilds theta in memory from the base model and the history (no export needed; when an export is given its
-manifest's per-rank digests must equal the rebuilt ones), then re-runs exactly the reported group's requests:
+Rebuilds theta in memory from the base model and the history (no export needed): as many generations as the
+evaluated checkpoint had, and the rebuilt per-rank digests must equal the ones the evaluation recorded (and an
+export's manifest, when one is given). Then it re-runs exactly the reported group's requests:
 the same problem ids, sample indices 12-15 and seeds as the original evaluation. It writes the replayed scores
 beside the original ones with per-problem agreement, into a new file; the eval16 files are only read.
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import common as C
 
 HISTORY = ""  # default: <run_dir>/es_history.json
-EXPORT = "<run_dir>/export"  # checked against the rebuilt digests; empty: no export to check
+EXPORT = ""  # optionally an export folder whose manifest must match the rebuilt digests too
 EVAL = ""  # default: <run_dir>/eval, holding <name>_eval16.json of 03_eval.py (read only)
 OUT = ""  # default: <EVAL>/aligned_history_replay_eval4.json
 DATASETS = ("dapo", "aime2026")
@@ -28,25 +29,27 @@ def main(argv: list[str]) -> dict:
     history_path = Path(opts["history"] or run_dir / C.HISTORY_FILE)
     eval_dir = Path(opts["eval"] or run_dir / "eval")
     out = Path(opts["out"] or eval_dir / "aligned_history_replay_eval4.json")
-    export = opts["export"].replace("<run_dir>", str(run_dir))
+    export = opts["export"]
 
     history = C.read_json(history_path)
     originals = {name: C.read_json(eval_dir / f"{name}_eval16.json") for name in DATASETS}
     cfg = eval_config(originals, overrides)  # the original evaluation's sampling and agent settings
-    generations = history["generations"]
+    checkpoint = originals[DATASETS[0]]["checkpoint"]  # what was evaluated: the base, or an export of K generations
+    generations = history["generations"][: checkpoint.get("replayed_generations", 0)]
+    expected = {"the evaluated checkpoint": checkpoint["per_rank_digests"]}
     if export:
-        manifest = C.verify_export(export, cfg.tensor_parallel_size)
-        generations = generations[: manifest["replayed_generations"]]
+        expected[export] = C.verify_export(export, cfg.tensor_parallel_size)["per_rank_digests"]
     jobs = {name: aligned_jobs(original) for name, original in originals.items()}
 
     model_path = C.resolve_model(history["config"]["model"])
     with C.Engine(cfg, model_path) as engine:
-        C.check_base(history, C.run_identity(cfg, model_path, engine), compare_config=False)
-        C.replay(engine, generations, desc=f"rebuilding theta from {len(generations)} generations")
-        digests = engine.digests()
-        if export and digests != manifest["per_rank_digests"]:
-            raise C.ExportError(f"rebuilt per-rank digests {digests} differ from {export}'s manifest "
-                                f"{manifest['per_rank_digests']}")
+        identity = C.run_identity(cfg, model_path, engine)
+        C.check_base(history, identity, compare_config=False)
+        digests = C.replay(engine, generations, identity["base_digests"],
+                           desc=f"rebuilding theta from {len(generations)} generations")
+        for source, wanted in expected.items():
+            if digests != wanted:
+                raise C.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
         replayed = {name: engine.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
     transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in DATASETS}
 
@@ -61,11 +64,11 @@ def main(argv: list[str]) -> dict:
 
 
 def eval_config(originals: dict, overrides: list[str]) -> C.Config:
-    configs = {name: original["config"] for name, original in originals.items()}
-    first = next(iter(configs.values()))
-    if any(c != first for c in configs.values()):
-        raise C.ConfigError("the eval16 files were made with different settings; replay them one at a time")
-    return C.config_from_history({"config": first}, overrides)
+    first = originals[DATASETS[0]]
+    if any((o["config"], o["checkpoint"]) != (first["config"], first["checkpoint"]) for o in originals.values()):
+        raise C.ConfigError("the eval16 files come from different checkpoints or settings; they cannot be replayed "
+                            "together")
+    return C.config_from_history({"config": first["config"]}, overrides)
 
 
 def aligned_jobs(original: dict) -> list[tuple[dict, int]]:

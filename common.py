@@ -721,10 +721,13 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
     return diffs
 
 
-def replay(engine: Engine, generations: list[dict], desc: str = "replaying history") -> None:
-    """Re-apply recorded updates to the base weights, checking each generation's per-rank digests."""
+def replay(engine: Engine, generations: list[dict], base_digests: list[str],
+           desc: str = "replaying history") -> list[str]:
+    """Re-apply recorded updates to the base weights, checking each generation's per-rank digests; returns the
+    digests of the rebuilt weights."""
     from tqdm import tqdm
 
+    digests = base_digests
     for record in tqdm(generations, desc=desc, leave=False, dynamic_ncols=True):
         engine.update(record["seeds"], update_coefficients(record["z"], record["alpha"]))
         digests = engine.digests()
@@ -732,6 +735,7 @@ def replay(engine: Engine, generations: list[dict], desc: str = "replaying histo
             raise HistoryMismatch(
                 f"replay diverged at generation {record['generation']}: per-rank digests {digests} "
                 f"!= recorded {record['digests']} (different base weights, vLLM version or device?)")
+    return digests
 
 
 def check_base(recorded: dict, current: dict, compare_config: bool = True) -> None:
