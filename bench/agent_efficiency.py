@@ -10,7 +10,6 @@ Prints a table and one JSON line.
     python bench/agent_efficiency.py --qwen3_30b=true --max_turns=4 --max_new_tokens=512   # 2 GPUs, dummy weights
 """
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
 import qwen3_30b  # noqa: E402
+from report import emit  # noqa: E402
 
 
 def timed(engine, runs: list, fn):
@@ -88,10 +88,7 @@ def main(argv):
             print(f"{name:<24}{tokens:>10}{seconds:>10.2f}{tokens / seconds:>10.1f}")
     print(f"ratio (best agent / best plain generate): {result['ratio']:.3f};  "
           f"against plain generate of the agent's own contexts: {result['ratio_same_contexts']:.3f}")
-    print(json.dumps(result))
-    if opts["out"]:
-        Path(opts["out"]).write_text(json.dumps(result, indent=2))
-    return result
+    return emit(result, opts["out"])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ line (also written to --out).
     python bench/es_ops.py --out=$OUT/es_ops.json
 """
 
-import json
 import statistics
 import sys
 import time
@@ -18,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
 import qwen3_30b  # noqa: E402
+from report import emit  # noqa: E402
 
 
 def timed(fn, repeats):
@@ -40,10 +40,7 @@ def generation_only(engine, cfg, opts, start_s) -> dict:
     result = {"bench": "es_ops/generate", "date": time.strftime("%Y-%m-%d"), "cuda_graphs": cfg.cuda_graphs,
               "engine_start_s": round(start_s, 1),
               "generate_16_seqs_tokens_per_s": round(generate_tokens_per_s(engine, opts["gen_tokens"]), 1)}
-    print(json.dumps(result))
-    if opts["out"]:
-        Path(opts["out"]).write_text(json.dumps(result, indent=2))
-    return result
+    return emit(result, opts["out"])
 
 
 def main(argv):
@@ -99,10 +96,7 @@ def main(argv):
     print(f"generate, 16 seqs    {tokens_per_s:.0f} tok/s  (cuda_graphs={cfg.cuda_graphs})")
     print(f"ES ops per member    {member_es_s:.3f} s = {100 * result['es_ops_fraction_upper_bound']:.2f}% of a "
           f"{floor_rollout_s:.0f} s rollout floor (16 episodes x one {cfg.max_new_tokens}-token turn)")
-    print(json.dumps(result))
-    if opts["out"]:
-        Path(opts["out"]).write_text(json.dumps(result, indent=2))
-    return result
+    return emit(result, opts["out"])
 
 
 if __name__ == "__main__":
