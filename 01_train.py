@@ -54,16 +54,15 @@ def main(argv: list[str], fitness=mean_score) -> dict:
 
 def start_or_resume(cfg, model_path, engine, history_path: Path) -> dict:
     """A new history, or the existing one after replaying its updates on the base (digests checked)."""
-    identity = C.run_identity(cfg, model_path, engine)
     if not history_path.exists():
         history_path.parent.mkdir(parents=True, exist_ok=True)
-        history = dict(identity, generations=[])
+        history = dict(C.run_identity(cfg, model_path, engine), generations=[])
         C.write_json_atomic(history, history_path)
         return history
     history = C.read_json(history_path)
-    C.check_base(history, identity)  # refuses another config, base model, TP size, device type or vLLM
     print(f"[train] resuming {history_path}: replaying {len(history['generations'])} recorded generations")
-    C.replay(engine, history["generations"], identity["base_digests"])
+    # refuses another config, base model, TP size, device type or vLLM
+    C.rebuild_from_history(engine, cfg, model_path, history, history["generations"])
     return history
 
 

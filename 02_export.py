@@ -45,10 +45,8 @@ def main(argv: list[str]) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     try:
         with C.Engine(cfg, model_path) as engine:
-            identity = C.run_identity(cfg, model_path, engine)
-            C.check_base(history, identity)
-            digests = C.replay(engine, generations, identity["base_digests"],
-                               desc=f"replaying {len(generations)} generations")
+            identity, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations,
+                                                       desc=f"replaying {len(generations)} generations")
             engine.save_sharded_state(partial)
         C.copy_model_files(model_path, partial)
         write_manifest(partial, history, history_path, generations, digests, identity)

@@ -43,10 +43,8 @@ def main(argv: list[str]) -> dict:
 
     model_path = C.resolve_model(history["config"]["model"])
     with C.Engine(cfg, model_path) as engine:
-        identity = C.run_identity(cfg, model_path, engine)
-        C.check_base(history, identity, compare_config=False)
-        digests = C.replay(engine, generations, identity["base_digests"],
-                           desc=f"rebuilding theta from {len(generations)} generations")
+        _, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations, compare_config=False,
+                                            desc=f"rebuilding theta from {len(generations)} generations")
         for source, wanted in expected.items():
             if digests != wanted:
                 raise C.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")

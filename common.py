@@ -746,6 +746,15 @@ def check_base(recorded: dict, current: dict, compare_config: bool = True) -> No
         raise HistoryMismatch("this history was made by a different run:\n  " + "\n  ".join(diffs))
 
 
+def rebuild_from_history(engine: Engine, cfg: Config, model_path: str, history: dict, generations: list[dict],
+                         compare_config: bool = True, desc: str = "replaying history") -> tuple[dict, list[str]]:
+    """Refuse a history of another base (and, by default, other run constants), then replay `generations` on the
+    engine's base weights. Returns this engine's identity and the rebuilt per-rank digests."""
+    identity = run_identity(cfg, model_path, engine)
+    check_base(history, identity, compare_config)
+    return identity, replay(engine, generations, identity["base_digests"], desc=desc)
+
+
 def check_config(recorded: dict, cfg: Config) -> None:
     check_base({"config": recorded["config"]}, {"config": dataclasses.asdict(cfg)})
 
