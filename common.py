@@ -555,15 +555,19 @@ class Engine:
                   if greedy else self.sampling_params(seed=seed, max_tokens=max_tokens))
 
         async def one(i, ids):
-            out = None
-            async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=f"gen-{time.time_ns()}-{i}"):
-                pass
-            return list(out.outputs[0].token_ids)
+            return list((await self._complete(ids, params, f"gen-{time.time_ns()}-{i}")).token_ids)
 
         async def run_all():
             return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts_token_ids)))
 
         return self._run(run_all())
+
+    async def _complete(self, ids: list[int], params, request_id: str):
+        """One request from token ids to its finished completion."""
+        out = None
+        async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=request_id):
+            pass
+        return out.outputs[0]
 
     # ---- the agent ----
     def run_agent(self, jobs: list[tuple[dict, int]], desc: str = "episodes", on_record=None) -> list[dict]:
@@ -600,11 +604,8 @@ class Engine:
         room = self.cfg.max_model_len - len(ids)
         if room <= 0:
             raise ContextOverflow(f"conversation is {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}")
-        out = None
         params = self.sampling_params(seed=seed, max_tokens=min(max_tokens, room))
-        async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=f"turn-{seed}-{time.time_ns()}"):
-            pass
-        completion = out.outputs[0]
+        completion = await self._complete(ids, params, f"turn-{seed}-{time.time_ns()}")
         self._remember_turn(messages, ids, completion)
         return {"text": completion.text, "prompt_tokens": len(ids), "completion_tokens": len(completion.token_ids),
                 "finish_reason": completion.finish_reason}
