@@ -1,0 +1,176 @@
+"""One ES generation at the reference shape: N members, each perturbed, running E agent episodes, restored; then
+the update and the digests. How long one generation of the reference run takes, and how much of the engine's
+plain generation throughput the rollouts reach.
+
+A random (dummy) model never stops or calls tools, so a scripted policy drives the lengths: every episode draws its
+number of turns, each turn its token budget and each tool call its duration from the distribution below, and sends
+real requests through the engine with those budgets (ignore_eos). Turns continue the previous turn's token ids
+plus a drawn observation, as the agent does, and end the episode when the context is full.
+
+    WORKLOAD (per episode, seeded by (seed, member, episode)):
+      turns:            85%: uniform 2..8;  15% (the tail): uniform 9..50
+      tokens per turn:  85%: uniform 200..1500;  15%: uniform 1500..4096
+      observation:      uniform 20..400 tokens appended after every turn but the last
+      tool call:        uniform 0.05..2.0 s in a thread (off the event loop), after every turn but the last
+
+Reports wall time per generation (and x20 for the reference run), generated tokens/s, the fraction of plain
+64-sequence throughput it reaches, and the straggler share: per member, the time from the median episode's end to
+the last episode's end, as a share of the member's rollout time.
+
+    python bench/reference_generation.py --qwen3_30b=true --out=$OUT/reference_generation.json      # 2 GPUs
+    bash run_cpu.sh python bench/reference_generation.py --preset=smoke --token_scale=0.02 --members=2 --episodes=4
+"""
+
+import asyncio
+import concurrent.futures
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common as C  # noqa: E402
+import qwen3_30b  # noqa: E402
+from report import emit  # noqa: E402
+
+TAIL_SHARE = 0.15
+TURNS, TAIL_TURNS = (2, 8), (9, 50)
+TOKENS, TAIL_TOKENS = (200, 1500), (1500, 4096)
+OBSERVATION_TOKENS = (20, 400)
+TOOL_SECONDS = (0.05, 2.0)
+FIRST_PROMPT_TOKENS = 400  # system prompt + problem
+PLAIN_SEQUENCES, PLAIN_TOKENS = 64, 1024
+
+
+def draw_episode(seed: int, member: int, episode: int, token_scale: float) -> dict:
+    """Turns, token budgets, observations and tool seconds of one scripted episode."""
+    rng = np.random.default_rng([seed, member, episode])
+    tail = rng.random() < TAIL_SHARE
+    turns = int(rng.integers(*(TAIL_TURNS if tail else TURNS), endpoint=True))
+    budgets = []
+    for _ in range(turns):
+        low, high = TAIL_TOKENS if rng.random() < TAIL_SHARE else TOKENS
+        budgets.append(max(1, int(int(rng.integers(low, high, endpoint=True)) * token_scale)))
+    return {"budgets": budgets,
+            "observations": [max(1, int(int(rng.integers(*OBSERVATION_TOKENS, endpoint=True)) * token_scale))
+                             for _ in range(turns)],
+            "tool_seconds": [float(rng.uniform(*TOOL_SECONDS)) for _ in range(turns)]}
+
+
+async def scripted_episode(engine, plan: dict, seed: int, vocab: int, tools) -> dict:
+    """Real requests with the drawn budgets; each turn continues the previous prompt + output + observation."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    rng = np.random.default_rng(seed)
+    ids = [int(x) for x in rng.integers(10, vocab, FIRST_PROMPT_TOKENS)]
+    generated, turns, finish = 0, 0, "turns_done"
+    loop = asyncio.get_running_loop()
+    for turn, (budget, obs, tool_s) in enumerate(zip(plan["budgets"], plan["observations"], plan["tool_seconds"])):
+        room = engine.cfg.max_model_len - len(ids)
+        if room <= 0:
+            finish = "context_full"
+            break
+        params = SamplingParams(max_tokens=min(budget, room), ignore_eos=True, temperature=1.0, top_k=40,
+                                seed=seed + turn, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        out = await engine._complete(ids, params, f"ref-{seed}-{turn}-{time.time_ns()}")
+        generated += len(out.token_ids)
+        turns += 1
+        if turn < len(plan["budgets"]) - 1:
+            await loop.run_in_executor(tools, time.sleep, tool_s)
+            ids = ids + list(out.token_ids) + [int(x) for x in rng.integers(10, vocab, obs)]
+    return {"tokens": generated, "turns": turns, "finish": finish, "end": time.perf_counter()}
+
+
+def run_member(engine, plans: list[dict], seed: int, vocab: int) -> tuple[list[dict], float]:
+    async def all_episodes():
+        with concurrent.futures.ThreadPoolExecutor(max_workers=C.SANDBOX_MAX_PARALLEL) as tools:
+            return await asyncio.gather(*(scripted_episode(engine, p, seed * 1000 + i, vocab, tools)
+                                          for i, p in enumerate(plans)))
+
+    t0 = time.perf_counter()
+    episodes = engine._run(all_episodes())
+    for e in episodes:
+        e["end"] -= t0
+    return episodes, time.perf_counter() - t0
+
+
+def plain_tokens_per_s(engine, vocab: int) -> float:
+    prompts = [[int(x) for x in np.random.default_rng(i).integers(10, vocab, 64)] for i in range(PLAIN_SEQUENCES)]
+    engine.generate(prompts[:2], 16)  # warm-up
+    t0 = time.perf_counter()
+    engine.generate(prompts, PLAIN_TOKENS, greedy=False, seed=1)
+    return PLAIN_SEQUENCES * PLAIN_TOKENS / (time.perf_counter() - t0)
+
+
+def main(argv):
+    opts, overrides = C.parse_args(argv, {"members": 16, "episodes": 16, "token_scale": 1.0, "seed": 0,
+                                          "qwen3_30b": False, "plain": True, "out": ""})
+    cfg = C.parse_config(overrides)
+    model, load_format = C.resolve_model(cfg.model), "auto"
+    if opts["qwen3_30b"]:
+        model = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref")
+        load_format = "dummy"
+    plans = [[draw_episode(opts["seed"], m, e, opts["token_scale"]) for e in range(opts["episodes"])]
+             for m in range(opts["members"])]
+    t_start = time.perf_counter()
+    with C.Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
+        start_s = time.perf_counter() - t_start
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        plain = plain_tokens_per_s(engine, vocab) if opts["plain"] else None
+        members, t_gen = [], time.perf_counter()
+        seeds = C.member_seeds(cfg.run_seed, 0, opts["members"])
+        for m, seed in enumerate(seeds):
+            t0 = time.perf_counter()
+            engine.perturb(seed, cfg.sigma_start)
+            perturb_s = time.perf_counter() - t0
+            episodes, rollout_s = run_member(engine, plans[m], m, vocab)
+            t0 = time.perf_counter()
+            engine.restore()
+            restore_s = time.perf_counter() - t0
+            ends = sorted(e["end"] for e in episodes)
+            members.append({"member": m, "rollout_s": round(rollout_s, 2), "perturb_s": round(perturb_s, 3),
+                            "restore_s": round(restore_s, 3), "tokens": sum(e["tokens"] for e in episodes),
+                            "turns": [e["turns"] for e in episodes],
+                            "context_full": sum(e["finish"] == "context_full" for e in episodes),
+                            "median_end_s": round(statistics.median(ends), 2), "last_end_s": round(ends[-1], 2),
+                            "straggler_share": round((ends[-1] - statistics.median(ends)) / rollout_s, 3)})
+            print(f"member {m:>2}: {members[-1]['tokens']:>8} tokens in {rollout_s:8.1f} s  "
+                  f"({members[-1]['tokens'] / rollout_s:7.1f} tok/s), straggler share {members[-1]['straggler_share']:.2f}",
+                  flush=True)
+        t0 = time.perf_counter()
+        engine.update(seeds, C.update_coefficients(C.zscore(range(len(seeds))), cfg.alpha))
+        update_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine.digests()
+        digest_s = time.perf_counter() - t0
+        generation_s = time.perf_counter() - t_gen
+
+    tokens = sum(m["tokens"] for m in members)
+    rollout = sum(m["rollout_s"] for m in members)
+    result = {"bench": "reference_generation", "date": time.strftime("%Y-%m-%d"), "device": engine.device,
+              "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
+              "cudagraph_mode": cfg.cudagraph_mode,
+              "model": "Qwen3-30B-A3B layout, dummy weights" if opts["qwen3_30b"] else cfg.model,
+              "members": opts["members"], "episodes": opts["episodes"], "token_scale": opts["token_scale"],
+              "max_model_len": cfg.max_model_len, "engine_start_s": round(start_s, 1),
+              "generation_s": round(generation_s, 1),
+              "projected_reference_run_h": round(generation_s * 20 / 3600, 2) if opts["members"] == 16 else None,
+              "generated_tokens": tokens, "tokens_per_s": round(tokens / rollout, 1),
+              "plain_64_tokens_per_s": round(plain, 1) if plain else None,
+              "fraction_of_plain": round(tokens / rollout / plain, 3) if plain else None,
+              "straggler_share_mean": round(statistics.mean(m["straggler_share"] for m in members), 3),
+              "update_s": round(update_s, 2), "digest_s": round(digest_s, 2), "members_detail": members}
+    print(f"generation: {result['generation_s']} s for {opts['members']} members x {opts['episodes']} episodes; "
+          f"{result['tokens_per_s']} tok/s in rollouts"
+          + (f" = {result['fraction_of_plain']:.2f} of plain {PLAIN_SEQUENCES}-sequence generation" if plain else "")
+          + f"; straggler share {result['straggler_share_mean']:.2f}; update {update_s:.2f} s, digest {digest_s:.2f} s")
+    return emit(result, opts["out"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
