@@ -1061,8 +1061,8 @@ def request_seed(run_seed, problem_id, sample_index, turn):
 #                old root and setprivs to SANDBOX_UID. Process limit shared by all sandboxes.
 #   "rlimit"     only rlimits and SANDBOX_UID (when root): the host filesystem, other episodes and /proc are
 #                visible. check_sandbox() refuses to train or evaluate with it unless told to.
-# Every kind except "rlimit" offers sympy/numpy/mpmath of the training environment read-only at SANDBOX_PYTHONPATH
-# (only the package folders: the project and its .venv stay hidden), when the sandbox's python3 has the same ABI.
+# Every kind offers sympy/numpy/mpmath of the training environment read-only at SANDBOX_PYTHONPATH (only the package
+# folders: the project and its .venv stay hidden; "rlimit": at their host paths), see sandbox_python_binds().
 # Limits per episode: each command's processes get RLIMIT_AS each (memory is bounded per process, not per episode:
 # up to SANDBOX_PROCESSES x SANDBOX_MEMORY_BYTES for "bwrap"); the disk one episode can fill is bounded as a whole
 # when we are root: the work dir is a tmpfs of SANDBOX_WORKDIR_BYTES, /tmp and /dev/shm tmpfs of SANDBOX_TMPFS_BYTES.
@@ -1130,18 +1130,19 @@ def _sandbox_python_tag():
 @functools.lru_cache(maxsize=None)
 def sandbox_python_binds():
     """[(host folder, path inside)] for SANDBOX_PYTHON_PACKAGES (plus bundled native libs such as numpy.libs),
-    taken from the environment running this code. Empty when the sandbox's python3 has another ABI: then it
-    gets what it can import itself (a pure-Python package of another minor version may not work)."""
+    taken from the environment running this code. When the sandbox's python3 has another ABI, only the
+    pure-Python ones (sympy, mpmath); numpy is then whatever that python3 imports itself, if anything."""
     import importlib.util
 
-    if _sandbox_python_tag() != sys.implementation.cache_tag:
-        return ()
+    same_abi = _sandbox_python_tag() == sys.implementation.cache_tag
     binds = []
     for name in SANDBOX_PYTHON_PACKAGES:
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.submodule_search_locations:
             continue
         folder = os.path.realpath(spec.submodule_search_locations[0])
+        if not same_abi and any(f.endswith(".so") for _, _, files in os.walk(folder) for f in files):
+            continue
         for host in (folder, folder + ".libs"):  # numpy.libs: the wheel's own libopenblas, found via $ORIGIN
             if os.path.isdir(host):
                 binds.append((host, f"{SANDBOX_PYTHONPATH}/{os.path.basename(host)}"))
@@ -1188,6 +1189,7 @@ def _sandbox_env(home, pythonpath=SANDBOX_PYTHONPATH):
             "PYTHONPATH": pythonpath}
 
 
+@functools.lru_cache(maxsize=None)
 def _new_root_script():
     """Shell script for "unshare" (root, fresh mount and pid namespaces, started in the work dir): the bwrap view
     built by hand on a tmpfs mounted over /tmp (of this mount namespace only), then pivot_root into it. The work
@@ -1303,7 +1305,9 @@ def _kill_sandbox(proc, kind):
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 1.0
+        # tearing down a pid namespace full of processes (a fork bomb) can take seconds on a loaded machine;
+        # killing bwrap/unshare before then would orphan the namespace's pid 1 as a zombie for the host's init
+        deadline = time.monotonic() + 10.0
         while not _has_exited(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.005)
     try:
@@ -1458,7 +1462,9 @@ def hidden_paths(cfg, data=(), checkpoint=None):
     that the probe means something) and the checkpoint."""
     run_dir = Path(cfg.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    pairs = [("project", str(REPO)), ("project", os.path.realpath(sys.prefix)), ("run_dir", str(run_dir))]
+    pairs = [("project", str(REPO)), ("run_dir", str(run_dir))]
+    if sys.prefix != sys.base_prefix:  # a venv (maybe a symlink out of the project); never the system's /usr
+        pairs.append(("project", os.path.realpath(sys.prefix)))
     for path in [*data, REPO.parent / "shared" / "data"]:
         if os.path.exists(path):
             path = os.path.realpath(path)
@@ -1478,7 +1484,8 @@ def check_sandbox(cfg, data=(), checkpoint=None):
         raise ConfigError(f"the {kind!r} sandbox leaks; model-written commands could cheat or interfere:\n  "
                           + "\n  ".join(leaks) + "\nInstall bubblewrap or run as root (see README, The agent), "
                           "or pass --allow_leaky_sandbox=true to run anyway (recorded in every episode record)")
-    python = "sympy/numpy/mpmath bound" if sandbox_python_binds() else "python3 without the training env's packages"
+    bound = sorted(os.path.basename(host) for host, _ in sandbox_python_binds())
+    python = f"python3 gets {', '.join(bound) or 'none'} of {', '.join(SANDBOX_PYTHON_PACKAGES)} from this env"
     print(f"[sandbox] {kind}: " + (f"{len(leaks)} leaks, ALLOWED by --allow_leaky_sandbox" if leaks else
                                    "leak check clean") + f"; {python}")
     return leaks

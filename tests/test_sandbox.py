@@ -483,3 +483,9 @@ def test_train_and_eval_refuse_a_leaky_sandbox_before_starting(monkeypatch, tmp_
         evaluate.main(["--preset=smoke", "--export=", f"--dapo={data}", f"--aime2026={data}",
                        f"--run_dir={tmp_path / 'eval'}"])
     assert not (tmp_path / "train" / A.HISTORY_FILE).exists() and not (tmp_path / "eval" / "eval-base").exists()
+
+
+def test_python_of_another_abi_gets_the_pure_python_packages_only(monkeypatch):
+    monkeypatch.setattr(A, "_sandbox_python_tag", lambda: "cpython-399")
+    bound = {os.path.basename(host) for host, _ in A.sandbox_python_binds.__wrapped__()}
+    assert bound == {"sympy", "mpmath"}  # numpy's compiled extensions would not load there
