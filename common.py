@@ -1456,12 +1456,23 @@ def sandbox_leaks(kind, hidden=()):
         remove_workdir(other)
 
 
+@contextlib.contextmanager
+def _existing_folder(path):
+    """The folder, created for the duration if missing (so that probing it means something), removed after."""
+    created = [p for p in [path, *path.parents] if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    finally:
+        for folder in created:  # deepest first; only if still empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
 def hidden_paths(cfg, data=(), checkpoint=None):
     """(name, absolute path) pairs no sandboxed command may see: the data files and their folders, the shared
-    data folder, the project folder and its Python environment, the run folder (created here if missing, so
-    that the probe means something) and the checkpoint."""
+    data folder, the project folder and its Python environment, the run folder and the checkpoint."""
     run_dir = Path(cfg.run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
     pairs = [("project", str(REPO)), ("run_dir", str(run_dir))]
     if sys.prefix != sys.base_prefix:  # a venv (maybe a symlink out of the project); never the system's /usr
         pairs.append(("project", os.path.realpath(sys.prefix)))
@@ -1478,7 +1489,8 @@ def check_sandbox(cfg, data=(), checkpoint=None):
     """Start-up check of 01_train.py and 03_eval.py: probe the sandbox kind in use. With findings, refuse
     (ConfigError) unless cfg.allow_leaky_sandbox; the override and the findings go into every episode record."""
     kind = sandbox_kind()
-    leaks = sandbox_leaks(kind, hidden_paths(cfg, data, checkpoint))
+    with _existing_folder(Path(cfg.run_dir).resolve()):
+        leaks = sandbox_leaks(kind, hidden_paths(cfg, data, checkpoint))
     SANDBOX_CHECK.update(kind=kind, leaks=leaks, override=bool(leaks) and cfg.allow_leaky_sandbox)
     if leaks and not cfg.allow_leaky_sandbox:
         raise ConfigError(f"the {kind!r} sandbox leaks; model-written commands could cheat or interfere:\n  "
@@ -1493,7 +1505,7 @@ def check_sandbox(cfg, data=(), checkpoint=None):
 
 def sandbox_report(cfg=None):
     """What the GPU check prints: the detected kind, the leak findings and what the sandbox's python3 imports."""
-    cfg = cfg or Config(run_dir=tempfile.mkdtemp(prefix="es-sandbox-report-"))
+    cfg = cfg or Config()
     kind = sandbox_kind()
     workdir = make_workdir()
     try:
@@ -1501,7 +1513,9 @@ def sandbox_report(cfg=None):
                           workdir, sandbox=kind)
     finally:
         remove_workdir(workdir)
-    return {"kind": kind, "bwrap": shutil.which("bwrap"), "leaks": sandbox_leaks(kind, hidden_paths(cfg)),
+    with _existing_folder(Path(cfg.run_dir).resolve()):
+        leaks = sandbox_leaks(kind, hidden_paths(cfg, data=[cfg.train_data]))
+    return {"kind": kind, "bwrap": shutil.which("bwrap"), "leaks": leaks,
             "python": (python["stdout"] + python["stderr"]).strip()[-300:]}
 
 

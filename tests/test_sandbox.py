@@ -385,6 +385,7 @@ def test_every_kind_runs_limits_and_kills(kind, workdir, marker, monkeypatch):
 def hidden(data_file):
     """What no sandboxed command may see, as check_sandbox() builds it, with a run folder in the project."""
     run_dir = os.path.join(REPO, "runs", f"test-sandbox-{uuid.uuid4().hex[:8]}")
+    os.makedirs(run_dir)
     yield A.hidden_paths(A.Config(run_dir=run_dir), data=[data_file])
     shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -467,6 +468,7 @@ def test_check_sandbox_passes_a_private_sandbox(kind, monkeypatch, tmp_path):
     monkeypatch.setattr(A, "SANDBOX_CHECK", {})
     monkeypatch.setattr(A, "sandbox_kind", lambda: kind)
     assert A.check_sandbox(A.Config(run_dir=str(tmp_path / "run"))) == []
+    assert not (tmp_path / "run").exists()  # made for the probe only
     record = scripted_episode()
     assert record["sandbox"] == kind and record["sandbox_leaks"] == [] and record["sandbox_override"] is False
 
@@ -489,3 +491,27 @@ def test_python_of_another_abi_gets_the_pure_python_packages_only(monkeypatch):
     monkeypatch.setattr(A, "_sandbox_python_tag", lambda: "cpython-399")
     bound = {os.path.basename(host) for host, _ in A.sandbox_python_binds.__wrapped__()}
     assert bound == {"sympy", "mpmath"}  # numpy's compiled extensions would not load there
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs a bubblewrap binary to copy")
+def test_bwrap_unpacked_elsewhere_on_path_is_detected_and_used(monkeypatch, workdir):
+    # like `dpkg -x bubblewrap.deb <dir>` on the GPU image: a bwrap found only through PATH, not in the sandbox's
+    folder = tempfile.mkdtemp(prefix="es-unpacked-")
+    try:
+        os.makedirs(os.path.join(folder, "usr", "bin"))
+        unpacked = os.path.join(folder, "usr", "bin", "bwrap")
+        shutil.copy2(shutil.which("bwrap"), unpacked)
+        for path in (folder, os.path.dirname(os.path.dirname(unpacked)), os.path.dirname(unpacked)):
+            os.chmod(path, 0o755)  # reachable by the sandbox user that starts it
+        monkeypatch.setenv("PATH", os.path.dirname(unpacked) + os.pathsep + os.environ["PATH"])
+        real_which = shutil.which
+        monkeypatch.setattr(shutil, "which", lambda name, *a, **k: unpacked if name == "bwrap" else
+                            real_which(name, *a, **k))
+        A._bwrap_supports.cache_clear()
+        kind = A.detect_sandbox()
+        assert kind.startswith("bwrap")
+        assert unpacked in A._sandbox_argv(kind, "true", workdir, 5)[0]
+        assert A.run_bash("echo ok", workdir, sandbox=kind)["stdout"] == "ok\n"
+    finally:
+        A._bwrap_supports.cache_clear()
+        shutil.rmtree(folder)
