@@ -31,6 +31,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
     cfg = C.parse_config(argv)
     run_dir = Path(cfg.run_dir)
     problems = C.training_problems(cfg)
+    C.check_sandbox(cfg, data=[cfg.train_data])  # refuses a sandbox that could see the answers (unless allowed)
     model_path = C.resolve_model(cfg.model)
     print(f"[train] {cfg.model} at TP={cfg.tensor_parallel_size}: {cfg.generations} generations x "
           f"{cfg.population} members x {cfg.case_batch} problems -> {run_dir}")

@@ -32,6 +32,7 @@ def main(argv: list[str]) -> dict:
     export = opts["export"].replace("<run_dir>", cfg.run_dir)
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     datasets = {name: eval_problems(opts[name], cfg.eval_problems) for name in DATASETS}
+    C.check_sandbox(cfg, data=[opts[name] for name in DATASETS], checkpoint=export)  # (unless allowed)
     manifest = C.verify_export(export, cfg.tensor_parallel_size) if export else None  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
 

@@ -28,9 +28,11 @@ import math
 import os
 import re
 import selectors
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -84,6 +86,8 @@ class Config:
     bash_timeout_s: float = 20.0
     observation_chars: int = 4000
     concurrency: int = 256  # episodes in flight at once
+    allow_leaky_sandbox: bool = False  # run even when the start-up leak check finds the data, run folder or other
+                                       # episodes visible to the sandbox (then every record says so)
     # data and outputs
     train_data: str = "../shared/data/dapo_train400.jsonl"  # "smoke" = tiny arithmetic problems made locally
     eval_problems: int = 0  # evaluate only the first K problems of each eval set (0: all)
@@ -802,6 +806,10 @@ SANDBOX_MAX_PARALLEL = 32            # bash calls running at once in run_episode
 SANDBOX_MODE = None                  # None: auto-detect; or force "bwrap", "bwrap-root", "unshare", "rlimit"
 WORKDIR_ROOT = None                  # parent of the per-episode work dirs (None: the system temp dir); must be
                                      # searchable by SANDBOX_UID
+SANDBOX_WORKDIR_BYTES = 256 * 1024**2  # each work dir is a tmpfs of this size when we are root: the disk one
+                                       # episode can fill is this + the private /tmp and /dev/shm
+SANDBOX_PYTHON_PACKAGES = ("sympy", "mpmath", "numpy")  # bound read-only into the sandbox from the training env
+SANDBOX_PYTHONPATH = "/opt/es-python"  # where they appear inside (a neutral path: the project folder stays hidden)
 
 # only these pieces of the host /etc are visible in the sandbox: the dynamic loader cache (Debian keeps libraries
 # in /usr/lib/<triplet>) and the alternatives symlinks (awk, ...); no passwd, no hosts, no secrets
@@ -819,8 +827,8 @@ and exit code come back to you in the next message. Then continue with another c
 
 Compute with command-line Python rather than by hand, for example
 {"name": "bash", "arguments": {"command": "python3 -c 'from fractions import Fraction; print(Fraction(3, 4) + 1)'"}}
-or write a script to a file with a heredoc and run it. Count on the Python standard library only \
-(math, fractions, itertools, functools, ...).
+or write a script to a file with a heredoc and run it. python3 has its standard library (math, fractions, \
+itertools, ...) and sympy, numpy and mpmath.
 
 When you are confident, reply without a tool call and end your reply with the line
 Final answer: \\boxed{<answer>}
@@ -1060,23 +1068,47 @@ def request_seed(run_seed, problem_id, sample_index, turn):
 #                which is why the host uid must be unprivileged.
 #   "bwrap-root" bubblewrap started as root (unprivileged user namespaces disabled); the command drops to
 #                SANDBOX_UID with setpriv inside. Same filesystem view; process limit shared by all sandboxes.
-#   "unshare"    no bwrap: new net/pid/ipc/uts namespaces as root, setpriv to SANDBOX_UID. The host filesystem
-#                stays visible (readable where world-readable): weaker, and recorded as such.
-#   "rlimit"     only rlimits and SANDBOX_UID (when root). Weakest.
+#   "unshare"    no bwrap, as root: new mount/net/pid/ipc/uts namespaces; a shell script (_new_root_script) builds
+#                the same view as bwrap on a tmpfs (/usr read-only, the /etc pieces, own /proc, a few /dev nodes,
+#                private size-limited /tmp and /dev/shm, the work dir at SANDBOX_CWD), pivot_roots into it, drops the
+#                old root and setprivs to SANDBOX_UID. Process limit shared by all sandboxes.
+#   "rlimit"     only rlimits and SANDBOX_UID (when root): the host filesystem, other episodes and /proc are
+#                visible. check_sandbox() refuses to train or evaluate with it unless told to.
+# Every kind offers sympy/numpy/mpmath of the training environment read-only at SANDBOX_PYTHONPATH (only the package
+# folders: the project and its .venv stay hidden; "rlimit": at their host paths), see sandbox_python_binds().
+# Limits per episode: each command's processes get RLIMIT_AS each (memory is bounded per process, not per episode:
+# up to SANDBOX_PROCESSES x SANDBOX_MEMORY_BYTES for "bwrap"); the disk one episode can fill is bounded as a whole
+# when we are root: the work dir is a tmpfs of SANDBOX_WORKDIR_BYTES, /tmp and /dev/shm tmpfs of SANDBOX_TMPFS_BYTES.
 # The command is pid 1 of its own pid namespace (bwrap --as-pid-1, unshare --fork): when it exits or is killed, the
 # kernel kills everything else inside, and bwrap/unshare reap it themselves. (bwrap's default extra init process
 # is not reaped by bwrap: every call would leave a zombie for the host's init.) In "rlimit" the process group is
 # killed instead, which a command can escape with setsid.
 
+@functools.lru_cache(maxsize=None)
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _mount_tmpfs(path, size_bytes, mode, uid):
+    """mount(2) a size-limited tmpfs on path (root only). True on success."""
+    options = f"size={size_bytes},mode={mode:o},uid={uid},gid={uid}".encode()
+    return _libc().mount(b"es-sandbox", os.fsencode(path), b"tmpfs", 0, options) == 0
+
+
 def make_workdir():
-    """A fresh, empty work dir for one episode, writable by the sandbox user."""
+    """A fresh, empty work dir for one episode, writable only by the sandbox user. As root it is a tmpfs of
+    SANDBOX_WORKDIR_BYTES, so that all the files of one episode together are bounded."""
     path = tempfile.mkdtemp(prefix="es-agent-", dir=WORKDIR_ROOT)
-    if os.geteuid() == 0:
-        os.chown(path, SANDBOX_UID, SANDBOX_UID)
+    if os.geteuid() == 0 and not _mount_tmpfs(path, SANDBOX_WORKDIR_BYTES, 0o700, SANDBOX_UID):
+        os.chown(path, SANDBOX_UID, SANDBOX_UID)  # no mount allowed (a container): a plain directory
     return path
 
 
 def remove_workdir(path):
+    if os.path.ismount(path):  # a tmpfs work dir: detach it (its memory is freed once nothing uses it)
+        _libc().umount2(os.fsencode(path), 2)  # MNT_DETACH
     if os.geteuid() != 0:  # root deletes anything; a normal user must first undo read-only dirs a command left
         for dirpath, dirnames, _ in os.walk(path):
             for name in dirnames:
@@ -1086,10 +1118,48 @@ def remove_workdir(path):
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _tool(name):
+    """Absolute path of a host tool (bwrap may be unpacked anywhere on PATH; the sandbox's own PATH is fixed)."""
+    return shutil.which(name) or name
+
+
 @functools.lru_cache(maxsize=None)
 def _bwrap_supports(option):
-    help_text = subprocess.run(["bwrap", "--help"], capture_output=True, text=True).stdout
+    help_text = subprocess.run([_tool("bwrap"), "--help"], capture_output=True, text=True).stdout
     return option in help_text
+
+
+@functools.lru_cache(maxsize=None)
+def _sandbox_python_tag():
+    """cache_tag (e.g. "cpython-311") of the python3 that sandboxed commands run, or None."""
+    try:
+        out = subprocess.run(["python3", "-I", "-c", "import sys; print(sys.implementation.cache_tag)"],
+                             env={"PATH": SANDBOX_PATH}, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+@functools.lru_cache(maxsize=None)
+def sandbox_python_binds():
+    """[(host folder, path inside)] for SANDBOX_PYTHON_PACKAGES (plus bundled native libs such as numpy.libs),
+    taken from the environment running this code. When the sandbox's python3 has another ABI, only the
+    pure-Python ones (sympy, mpmath); numpy is then whatever that python3 imports itself, if anything."""
+    import importlib.util
+
+    same_abi = _sandbox_python_tag() == sys.implementation.cache_tag
+    binds = []
+    for name in SANDBOX_PYTHON_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        folder = os.path.realpath(spec.submodule_search_locations[0])
+        if not same_abi and any(f.endswith(".so") for _, _, files in os.walk(folder) for f in files):
+            continue
+        for host in (folder, folder + ".libs"):  # numpy.libs: the wheel's own libopenblas, found via $ORIGIN
+            if os.path.isdir(host):
+                binds.append((host, f"{SANDBOX_PYTHONPATH}/{os.path.basename(host)}"))
+    return tuple(binds)
 
 
 def _private_tmpfs_argv(path):
@@ -1103,7 +1173,7 @@ def _private_tmpfs_argv(path):
 
 def _bwrap_argv(workdir):
     """bubblewrap options shared by "bwrap" and "bwrap-root": what exists inside and which namespaces are new."""
-    argv = ["bwrap", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+    argv = [_tool("bwrap"), "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--hostname", "sandbox", "--as-pid-1", "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
     for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):  # symlinks into /usr on merged-/usr systems
         if os.path.islink(path):
@@ -1115,6 +1185,11 @@ def _bwrap_argv(workdir):
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += _private_tmpfs_argv("/dev/shm") + _private_tmpfs_argv("/tmp")  # /dev/shm: multiprocessing locks
     argv += ["--bind", workdir, SANDBOX_CWD, "--chdir", SANDBOX_CWD]
+    if sandbox_python_binds():  # readable parents (bwrap would create them 0700 when started as root)
+        argv += [*(["--perms", "0755"] if _bwrap_supports("--perms") else []), "--dir", "/opt",
+                 *(["--perms", "0755"] if _bwrap_supports("--perms") else []), "--dir", SANDBOX_PYTHONPATH]
+    for host, inside in sandbox_python_binds():
+        argv += ["--ro-bind", host, inside]
     # everything else read-only: the sandbox root and /dev are RAM tmpfs that a command could otherwise fill
     argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--clearenv"]
     for name, value in _sandbox_env(SANDBOX_CWD).items():
@@ -1122,8 +1197,45 @@ def _bwrap_argv(workdir):
     return argv
 
 
-def _sandbox_env(home):
-    return {"PATH": SANDBOX_PATH, "HOME": home, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+def _sandbox_env(home, pythonpath=SANDBOX_PYTHONPATH):
+    return {"PATH": SANDBOX_PATH, "HOME": home, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONPATH": pythonpath}
+
+
+@functools.lru_cache(maxsize=None)
+def _new_root_script():
+    """Shell script for "unshare" (root, fresh mount and pid namespaces, started in the work dir): the bwrap view
+    built by hand on a tmpfs mounted over /tmp (of this mount namespace only), then pivot_root into it. The work
+    dir is bound from "." (our cwd still reaches it after /tmp is covered; -c: no path canonicalisation)."""
+    q = shlex.quote
+    tmpfs = f"-t tmpfs -o mode=1777,size={SANDBOX_TMPFS_BYTES} es-sandbox"
+    dirs, files, binds = ["/proc", "/dev/shm", "/tmp", SANDBOX_CWD, "/oldroot"], [], []
+    for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if not os.path.islink(path) and os.path.isdir(path):
+            dirs.append(path)
+            binds.append(path)
+    for path in ("/usr", *SANDBOX_ETC_PATHS):
+        if os.path.exists(path):
+            (dirs if os.path.isdir(path) else files).append(path)
+            binds.append(path)
+    devices = [f"/dev/{name}" for name in ("null", "zero", "full", "random", "urandom")]
+    python = sandbox_python_binds()
+    dirs += [inside for _, inside in python]
+    lines = ["set -eu", "mount --make-rprivate /", "mount -t tmpfs -o mode=0755,size=1m es-sandbox-root /tmp",
+             "R=/tmp", "mkdir -p " + " ".join("$R" + q(d) for d in dict.fromkeys(dirs)),
+             "touch " + " ".join("$R" + q(f) for f in files + devices),
+             f"mount -c --bind . $R{q(SANDBOX_CWD)}"]
+    lines += [f"mount --bind -o ro {q(p)} $R{q(p)}" for p in binds]
+    lines += [f"mount --bind -o ro {q(host)} $R{q(inside)}" for host, inside in python]
+    lines += [f"mount --bind {d} $R{d}" for d in devices]
+    lines += [f"ln -s {q(os.readlink(p))} $R{p}" for p in ("/bin", "/sbin", "/lib", "/lib32", "/lib64")
+              if os.path.islink(p)]
+    lines += ["for f in fd:self/fd stdin:self/fd/0 stdout:self/fd/1 stderr:self/fd/2; do "
+              'ln -s "/proc/${f#*:}" "$R/dev/${f%%:*}"; done',
+              f"mount {tmpfs} $R/tmp", f"mount {tmpfs} $R/dev/shm", "mount -t proc proc $R/proc",
+              "cd $R", f"{q(_tool('pivot_root'))} . oldroot", "umount -l /oldroot", "rmdir /oldroot",
+              "mount -o remount,ro,bind /", f"cd {q(SANDBOX_CWD)}", "unset OLDPWD", 'exec "$@"']
+    return "\n".join(lines)
 
 
 def _rlimits_argv(timeout_s, processes):
@@ -1138,23 +1250,24 @@ _SETPRIV_ARGV = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", 
 
 
 def _sandbox_argv(kind, command, workdir, timeout_s):
-    """(argv, host uid to start it as or None, cwd) for one command in the given sandbox kind."""
-    root = os.geteuid() == 0
-    drop_uid = SANDBOX_UID if root else None
+    """(argv, cwd) for one command in the given sandbox kind. When we are root, "bwrap" and "rlimit" start with
+    setpriv to SANDBOX_UID (not Popen(user=...), which rules out vfork: a fork of this big process costs ~0.2 s)."""
+    drop = _SETPRIV_ARGV if os.geteuid() == 0 else []
     shell = ["bash", "-c", command]
     if kind == "bwrap":
         # the inner prlimit lowers NPROC for this sandbox's own user namespace, see the comment above
         inner = ["prlimit", f"--nproc={SANDBOX_PROCESSES}", "--", *shell]
         argv = [*_bwrap_argv(workdir), "--unshare-user", "--uid", "1000", "--gid", "1000", "--", *inner]
-        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, drop_uid, "/"
+        return drop + _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, "/"
     if kind == "bwrap-root":
         argv = [*_bwrap_argv(workdir), "--", *_SETPRIV_ARGV, *shell]
-        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, None, "/"
+        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, "/"
     if kind == "unshare":
-        argv = ["unshare", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--", *_SETPRIV_ARGV, *shell]
-        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, None, workdir
+        argv = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
+                "bash", "-c", _new_root_script(), "es-sandbox", *_SETPRIV_ARGV, *shell]
+        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, workdir
     if kind == "rlimit":
-        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + shell, drop_uid, workdir
+        return drop + _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + shell, workdir
     raise ValueError(f"unknown sandbox kind {kind!r}")
 
 
@@ -1205,7 +1318,9 @@ def _kill_sandbox(proc, kind):
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 1.0
+        # tearing down a pid namespace full of processes (a fork bomb) can take seconds on a loaded machine;
+        # killing bwrap/unshare before then would orphan the namespace's pid 1 as a zombie for the host's init
+        deadline = time.monotonic() + 10.0
         while not _has_exited(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.005)
     try:
@@ -1258,12 +1373,15 @@ def run_bash(command, workdir, timeout_s=Config.bash_timeout_s, *, sandbox=None,
     Returns dict(stdout, stderr, exit_code, timed_out, sandbox, seconds, timeout_s); exit_code is negative when a
     signal ended the started process (-9 after a timeout)."""
     kind = sandbox or sandbox_kind()
-    argv, user, cwd = _sandbox_argv(kind, command, workdir, timeout_s)
+    argv, cwd = _sandbox_argv(kind, command, workdir, timeout_s)
+    if kind == "rlimit":  # no private view: the host's package folders, by their own paths
+        env = _sandbox_env(workdir, os.pathsep.join(sorted({os.path.dirname(h) for h, _ in sandbox_python_binds()})))
+    else:
+        env = _sandbox_env(SANDBOX_CWD)
     started = time.monotonic()
     proc = subprocess.Popen(
-        argv, cwd=cwd, env=_sandbox_env(workdir), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True,  # own process group: one killpg reaches everything
-        user=user, group=user, extra_groups=[] if user is not None else None)
+        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True)  # own process group: one killpg reaches everything
     try:
         stdout, stderr, timed_out = _collect_output(proc, kind, timeout_s, output_cap_bytes)
     finally:
@@ -1283,7 +1401,7 @@ def detect_sandbox():
     candidates = []
     if shutil.which("bwrap"):
         candidates += ["bwrap"] + (["bwrap-root"] if root and shutil.which("setpriv") else [])
-    if root and shutil.which("unshare") and shutil.which("setpriv"):
+    if root and all(shutil.which(tool) for tool in ("unshare", "setpriv", "mount", "pivot_root")):
         candidates.append("unshare")
     workdir = make_workdir()
     try:
@@ -1301,6 +1419,116 @@ def detect_sandbox():
 @functools.lru_cache(maxsize=None)
 def sandbox_kind():
     return detect_sandbox()
+
+
+# ---- Leak check: what a model-written command could see that it must not
+
+SANDBOX_CHECK = {}  # set once by check_sandbox() at start-up; every episode record carries it (run_episode)
+
+
+def _leak_probe_command(hidden, other_file, host_pid, marker):
+    """One shell command that prints a line per finding and "probe-done" at the end."""
+    q = shlex.quote
+    lines = [f"[ -e {q(path)} ] && echo {q(f'{name}: {path} is visible')}" for name, path in hidden]
+    lines += [f"cat {q(other_file)} >/dev/null 2>&1 && echo {q('other_episode: another work dir is readable')}",
+              f"grep -aqs {marker} /proc/{host_pid}/cmdline && echo 'host_processes: /proc shows host processes'",
+              f"echo x > /tmp/es-leak-{marker} 2>/dev/null", f"echo x > /dev/shm/es-leak-{marker} 2>/dev/null",
+              "echo probe-done"]
+    return "\n".join(lines)
+
+
+def sandbox_leaks(kind, hidden=()):
+    """A real probe of one sandbox kind: a command in one episode's work dir tries to see each (name, host path)
+    of `hidden` (data files, the project, the run folder, ...), read a file in another live episode's work dir,
+    find a host process in /proc, and leave files in the host /tmp and /dev/shm. Returns named findings
+    ("name: what"), empty when nothing leaks."""
+    marker = f"{int.from_bytes(os.urandom(6), 'little'):015d}"
+    own, other = make_workdir(), make_workdir()
+    host_process = subprocess.Popen(["sleep", f"60.{marker}"])  # a live host process the sandbox must not see
+    left_behind = [f"/tmp/es-leak-{marker}", f"/dev/shm/es-leak-{marker}"]
+    try:
+        other_file = os.path.join(other, "episode-secret")
+        with open(other_file, "w") as f:
+            f.write("secret")
+        os.chmod(other_file, 0o644)  # readable by anyone who can reach it: only the view may stop it
+        command = _leak_probe_command(hidden, other_file, host_process.pid, marker)
+        result = run_bash(command, own, timeout_s=30, sandbox=kind)
+        findings = [line for line in result["stdout"].splitlines() if line != "probe-done"]
+        if "probe-done" not in result["stdout"]:
+            findings.append(f"probe_failed: exit {result['exit_code']}: {result['stderr'].strip()[-300:]}")
+        for path, name in zip(left_behind, ("host_tmp", "host_shm")):
+            if os.path.lexists(path):
+                findings.append(f"{name}: a file written to {os.path.dirname(path)} reached the host")
+                os.remove(path)
+        return findings
+    finally:
+        host_process.kill()
+        host_process.wait()
+        remove_workdir(own)
+        remove_workdir(other)
+
+
+@contextlib.contextmanager
+def _existing_folder(path):
+    """The folder, created for the duration if missing (so that probing it means something), removed after."""
+    created = [p for p in [path, *path.parents] if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    finally:
+        for folder in created:  # deepest first; only if still empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def hidden_paths(cfg, data=(), checkpoint=None):
+    """(name, absolute path) pairs no sandboxed command may see: the data files and their folders, the shared
+    data folder, the project folder and its Python environment, the run folder and the checkpoint."""
+    run_dir = Path(cfg.run_dir).resolve()
+    pairs = [("project", str(REPO)), ("run_dir", str(run_dir))]
+    if sys.prefix != sys.base_prefix:  # a venv (maybe a symlink out of the project); never the system's /usr
+        pairs.append(("project", os.path.realpath(sys.prefix)))
+    for path in [*data, REPO.parent / "shared" / "data"]:
+        if os.path.exists(path):
+            path = os.path.realpath(path)
+            pairs += [("data", path)] + ([("data", os.path.dirname(path))] if os.path.isfile(path) else [])
+    if checkpoint and os.path.exists(checkpoint):
+        pairs.append(("checkpoint", os.path.realpath(checkpoint)))
+    return list(dict.fromkeys(pairs))
+
+
+def check_sandbox(cfg, data=(), checkpoint=None):
+    """Start-up check of 01_train.py and 03_eval.py: probe the sandbox kind in use. With findings, refuse
+    (ConfigError) unless cfg.allow_leaky_sandbox; the override and the findings go into every episode record."""
+    kind = sandbox_kind()
+    with _existing_folder(Path(cfg.run_dir).resolve()):
+        leaks = sandbox_leaks(kind, hidden_paths(cfg, data, checkpoint))
+    SANDBOX_CHECK.update(kind=kind, leaks=leaks, override=bool(leaks) and cfg.allow_leaky_sandbox)
+    if leaks and not cfg.allow_leaky_sandbox:
+        raise ConfigError(f"the {kind!r} sandbox leaks; model-written commands could cheat or interfere:\n  "
+                          + "\n  ".join(leaks) + "\nInstall bubblewrap or run as root (see README, The agent), "
+                          "or pass --allow_leaky_sandbox=true to run anyway (recorded in every episode record)")
+    bound = sorted(os.path.basename(host) for host, _ in sandbox_python_binds())
+    python = f"python3 gets {', '.join(bound) or 'none'} of {', '.join(SANDBOX_PYTHON_PACKAGES)} from this env"
+    print(f"[sandbox] {kind}: " + (f"{len(leaks)} leaks, ALLOWED by --allow_leaky_sandbox" if leaks else
+                                   "leak check clean") + f"; {python}")
+    return leaks
+
+
+def sandbox_report(cfg=None):
+    """What the GPU check prints: the detected kind, the leak findings and what the sandbox's python3 imports."""
+    cfg = cfg or Config()
+    kind = sandbox_kind()
+    workdir = make_workdir()
+    try:
+        python = run_bash('python3 -c "import sympy, numpy, mpmath; print(sympy.__version__, numpy.__version__)"',
+                          workdir, sandbox=kind)
+    finally:
+        remove_workdir(workdir)
+    with _existing_folder(Path(cfg.run_dir).resolve()):
+        leaks = sandbox_leaks(kind, hidden_paths(cfg, data=[cfg.train_data]))
+    return {"kind": kind, "bwrap": shutil.which("bwrap"), "leaks": leaks,
+            "python": (python["stdout"] + python["stderr"]).strip()[-300:]}
 
 
 def _head_tail(text, limit_chars):
@@ -1388,7 +1616,8 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
         "score": score, "score_method": score_method, "prediction": prediction, "gold": problem["answer"],
         "turns": turns, "bash_calls": bash_calls, "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens, "finish_reason": finish_reason, "error": error,
-        "sandbox": sandbox, "messages": messages, "seconds": time.monotonic() - started,
+        "sandbox": sandbox, "sandbox_leaks": SANDBOX_CHECK.get("leaks"),
+        "sandbox_override": SANDBOX_CHECK.get("override", False), "messages": messages, "seconds": time.monotonic() - started,
     }
 
 
