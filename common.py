@@ -86,7 +86,7 @@ class Config:
     observation_chars: int = 4000
     concurrency: int = 256  # episodes in flight at once
     # data and outputs
-    train_data: str = "../shared/data/dapo_train400.jsonl"  # "smoke" = tiny arithmetic problems made locally
+    train_data: str = "../shared/data/dapo_train400.jsonl"  # "smoke", "learn" = arithmetic problems made locally
     eval_problems: int = 0  # evaluate only the first K problems of each eval set (0: all)
     run_dir: str = "runs/es"  # history, rollouts, export and eval results of the run live here
 
@@ -118,6 +118,13 @@ PRESETS = {
     "smoke": dict(
         model="tiny-qwen3-dense", max_model_len=2048, generations=2, population=4, case_batch=2, max_turns=3,
         max_new_tokens=48, bash_timeout_s=5.0, train_data="smoke", eval_problems=2, run_dir="runs/smoke",
+    ),
+    # Evidence that ES learns: the real SmolLM2-135M-Instruct (section 11) on small additions made locally, where
+    # the base model succeeds sometimes (bench/learning.py measures it and the trained model on held-out problems).
+    "learn": dict(
+        model="smollm2-135m", max_model_len=2048, generations=8, population=8, case_batch=16, max_turns=3,
+        max_new_tokens=96, bash_timeout_s=5.0, train_data="learn", eval_problems=64, run_dir="runs/learn",
+        concurrency=64,
     ),
 }
 
@@ -692,7 +699,7 @@ def run_identity(cfg: Config, model_path: str, engine: Engine) -> dict:
         "format": HISTORY_FORMAT,
         "config": dataclasses.asdict(cfg),
         "noise": dict(NOISE_DEFINITION, chunk=cfg.noise_chunk),
-        "train_data_sha256": "smoke" if cfg.train_data == "smoke" else sha256_file(cfg.train_data),
+        "train_data_sha256": cfg.train_data if cfg.train_data in GENERATED_DATA else sha256_file(cfg.train_data),
         "base_model": cfg.model,
         "base_model_path": str(model_path),
         "base_fingerprint": model_fingerprint(model_path),
@@ -1514,17 +1521,42 @@ def smoke_problems(n, seed=0):
     return rows
 
 
+def learn_problems(n, seed, exclude=()):
+    """n small additions ("What is 23 + 58?") for the learn preset, none of whose questions is in `exclude`
+    (held-out sets are drawn with another seed and exclude the training questions)."""
+    rng = np.random.default_rng([LEARN_SEED_TAG, int(seed)])
+    rows, seen = [], set(exclude)
+    while len(rows) < n:
+        a, b = (int(x) for x in rng.integers(LEARN_OPERANDS[0], LEARN_OPERANDS[1] + 1, size=2))
+        question = f"What is {a} + {b}?"
+        if question not in seen:
+            seen.add(question)
+            rows.append({"id": f"learn-{seed}-{len(rows):04d}", "question": question, "answer": str(a + b),
+                         "source": "learn"})
+    return rows
+
+
 def write_jsonl(rows, path):
     """Write rows as JSONL, atomically (a reader never sees half a file)."""
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     _write_text_atomic(text, path)
 
 SMOKE_PROBLEMS = 64
+GENERATED_DATA = ("smoke", "learn")  # train_data values made here from a seed (no file to hash)
+LEARN_PROBLEMS = 512  # training set of the learn preset
+LEARN_OPERANDS = (10, 99)  # two-digit additions
+LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other streams seeded by the run seed
+LEARN_TRAIN_SEED = 0  # the training set is the same for every run seed; held-out sets use other seeds
 
 
 def training_problems(cfg: Config) -> list[dict]:
-    """The training set: a JSONL file, or the preset's tiny arithmetic problems generated here ("smoke")."""
-    problems = smoke_problems(SMOKE_PROBLEMS, seed=cfg.run_seed) if cfg.train_data == "smoke" else load_problems(cfg.train_data)
+    """The training set: a JSONL file, or the preset's arithmetic problems generated here ("smoke", "learn")."""
+    if cfg.train_data == "smoke":
+        problems = smoke_problems(SMOKE_PROBLEMS, seed=cfg.run_seed)
+    elif cfg.train_data == "learn":
+        problems = learn_problems(LEARN_PROBLEMS, seed=LEARN_TRAIN_SEED)  # one fixed set: held-out sets exclude it
+    else:
+        problems = load_problems(cfg.train_data)
     if cfg.case_batch > len(problems):
         raise DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of {cfg.train_data}")
     return problems
@@ -1631,6 +1663,41 @@ def format_metrics_table(metrics_by_dataset):
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     return "\n".join(line.rstrip() for line in lines)
+
+def plot_reward_curve(history: dict, path: str | Path, heldout: dict | None = None) -> Path:
+    """A PNG of a run's rewards per generation: mean and max member fitness and, where given, the centre
+    model's held-out accuracy {updates applied: (accuracy, ci_low, ci_high)} (0 updates: the base model)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    gens = history["generations"]
+    x = [g["generation"] for g in gens]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    ax.plot(x, [sum(g["rewards"]) / len(g["rewards"]) for g in gens], "o-", label="mean member fitness")
+    ax.plot(x, [max(g["rewards"]) for g in gens], "^--", alpha=0.7, label="max member fitness")
+    if heldout:
+        updates = sorted(heldout)
+        acc = [heldout[u][0] for u in updates]
+        err = [[heldout[u][0] - heldout[u][1] for u in updates], [heldout[u][2] - heldout[u][0] for u in updates]]
+        ax.errorbar(updates, acc, yerr=err, fmt="s-", color="black", capsize=4,
+                    label="centre model, held-out accuracy (95% CI)")
+    c = history["config"]
+    ax.set(xlabel="generation (held-out: after that many updates)", ylabel="reward / accuracy",
+           title=f"{history['base_model']}: N={c['population']}, alpha={c['alpha']:g}, "
+                 f"sigma={c['sigma_start']:g}->{c['sigma_end']:g}, seed {c['run_seed']}")
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)  # a reader never sees half a picture
+    return path
+
 
 # ============================================================================================================
 # 9. Files and hashing: atomic JSON, JSONL that survives a crash, SHA256SUMS
