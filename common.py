@@ -1528,7 +1528,7 @@ def learn_problems(n, seed, exclude=()):
     rows, seen = [], set(exclude)
     while len(rows) < n:
         a, b = (int(x) for x in rng.integers(LEARN_OPERANDS[0], LEARN_OPERANDS[1] + 1, size=2))
-        question = f"What is {a} + {b}?"
+        question = LEARN_QUESTION.format(a=a, b=b)
         if question not in seen:
             seen.add(question)
             rows.append({"id": f"learn-{seed}-{len(rows):04d}", "question": question, "answer": str(a + b),
@@ -1546,6 +1546,10 @@ GENERATED_DATA = ("smoke", "learn")  # train_data values made here from a seed (
 LEARN_PROBLEMS = 512  # training set of the learn preset
 LEARN_OPERANDS = (10, 99)  # two-digit additions
 LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other streams seeded by the run seed
+# The question shows the tool call: without it SmolLM2-135M makes a bash call in ~5% of 3-turn episodes, with it ~9%
+# (GPU, 128 problems); either way it almost never ends with a correct final answer after one (bench/learning.py).
+LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
+                  "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
 LEARN_TRAIN_SEED = 0  # the training set is the same for every run seed; held-out sets use other seeds
 
 
