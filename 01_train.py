@@ -19,6 +19,7 @@ from tqdm import tqdm
 import common as C
 
 ROLLOUTS = "rollouts"  # one JSONL per generation: every episode of every member, with its transcript
+REWARD_CURVE = "reward_curve.png"  # beside the history: mean and max member fitness per generation
 
 
 def mean_score(records: list[dict]) -> float:
@@ -47,6 +48,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
             record = run_generation(engine, cfg, problems, g, fitness, run_dir / ROLLOUTS)
             history["generations"].append(record)
             C.write_json_atomic(history, history_path)  # after every generation: a crash loses at most one
+            C.plot_reward_curve(history, run_dir / REWARD_CURVE)
             tqdm.write(summary_line(record, cfg))
 
     print_final_summary(history, run_dir)

