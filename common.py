@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from fractions import Fraction
@@ -89,6 +90,7 @@ class Config:
     concurrency: int = 256  # episodes in flight at once
     allow_leaky_sandbox: bool = False  # run even when the start-up leak check finds the data, run folder or other
                                        # episodes visible to the sandbox (then every record says so)
+    prompt_mode: str = "render"  # each turn's prompt: "render" the conversation (as the reference) or "continue" ids
     # data and outputs
     train_data: str = "../shared/data/dapo_train400.jsonl"  # "smoke", "learn" = arithmetic problems made locally
     eval_problems: int = 0  # evaluate only the first K problems of each eval set (0: all)
@@ -108,6 +110,7 @@ class Config:
             "max_turns": (self.max_turns >= 1, "at least 1"),
             "max_new_tokens": (self.max_new_tokens >= 1, "at least 1"),
             "restore": (self.restore in RESTORE_MODES, f"one of {', '.join(RESTORE_MODES)}"),
+            "prompt_mode": (self.prompt_mode in PROMPT_MODES, f"one of {', '.join(PROMPT_MODES)}"),
             "scope": (self.scope == "full", '"full" (the only scope this reference implements)'),
         }
         for name, (ok, expected) in checks.items():
@@ -116,6 +119,7 @@ class Config:
 
 
 RESTORE_MODES = ("copy_device", "copy_host", "subtract")
+PROMPT_MODES = ("render", "continue")  # see choose_prompt_mode
 
 # The README's main job: a tiny random Qwen3 the project writes itself, tiny arithmetic problems, CPU-sized budgets.
 PRESETS = {
@@ -457,6 +461,53 @@ def configure_cpu_env() -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if os.cpu_count() < 4 else "auto")
 
 
+# What the model sees on each agent turn (Config.prompt_mode):
+# "render" (default): the chat template renders the whole conversation every turn, Qwen3 thinking off. That is
+#   vLLM's standard chat rendering (how the reference ran its ReAct loop, and how the trained model is served), so
+#   rewards are earned on the prompts the model is evaluated and used with. Qwen3's template is not append-only: an
+#   assistant turn followed by a user message loses the empty think block its generation prompt opened (and any
+#   reasoning), and its text is re-tokenized. The prefix cache then covers the history up to the last assistant
+#   turn's generation prompt; that turn's reply is prefilled again.
+# "continue": the previous prompt + the generated ids (+ the end token if the reply was cut off) + the template's
+#   rendering of the new user message and generation prompt. The model sees exactly the tokens it produced and the
+#   prefix cache covers everything, but with Qwen3's template every earlier assistant turn keeps its
+#   `<think>\n\n</think>\n\n` (and any reasoning), which re-rendering drops. Needs a template that renders a user
+#   turn after an assistant turn the same whatever came before; otherwise the engine warns at start-up and renders,
+#   and every record says prompt_mode="render".
+
+def continuation_user_turn(tokenizer) -> tuple[str, str] | None:
+    """The chat template's text for a user message after an assistant message, from the assistant's end token
+    through the next generation prompt: (before, after) the message. None if the template does not close an
+    assistant message with the end token, or renders the user turn differently after different histories."""
+    mark, eos = "\x00USER\x00", tokenizer.eos_token
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True,
+                               enable_thinking=False)
+    turns = set()
+    for reply in ("a", "<think>\nr\n</think>\n\nb"):  # the user turn must not depend on the history
+        text = render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                       {"role": "assistant", "content": reply}, {"role": "user", "content": mark}])
+        if text.count(mark) != 1 or eos not in text[:text.index(mark)]:
+            return None
+        end = text.rindex(eos, 0, text.index(mark))
+        if not text[:end].endswith(reply[-1]):  # the end token must follow the reply's text directly
+            return None
+        turns.add(text[end + len(eos):])
+    if len(turns) != 1:
+        return None
+    before, after = turns.pop().split(mark)
+    return before, after
+
+
+def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> str:
+    """The prompt mode the engine will use: the requested one, or "render" (with a warning) if it cannot continue."""
+    if requested == "continue" and continuation_user_turn(tokenizer) is None:
+        warnings.warn(f"prompt_mode='continue' is impossible with the chat template of {name} (it does not render "
+                      "a user turn the same after every assistant turn): every turn renders the whole conversation",
+                      stacklevel=2)
+        return "render"
+    return requested
+
+
 class Engine:
     """vLLM at TP=2 with the ES worker extension and prefix caching on. Every weight change (perturb, restore,
     update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights."""
@@ -466,6 +517,8 @@ class Engine:
         self.cfg = cfg
         self._tokenizer_path = tokenizer or model_path
         self._turns = {}  # id(messages) -> the last turn's messages and token ids (see _prompt_ids)
+        self.prompt_mode = (None if skip_tokenizer_init  # no tokenizer: no agent
+                            else choose_prompt_mode(cfg.prompt_mode, self.tokenizer, self._tokenizer_path))
         self.device = device_type()
         if self.device == "cpu":
             configure_cpu_env()
@@ -603,6 +656,7 @@ class Engine:
         c = self.cfg
         with tqdm(total=len(jobs), desc=desc, leave=False, dynamic_ncols=True) as bar:
             def progress(record):
+                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (see _prompt_ids)
                 bar.update(1)
                 if on_record is not None:
                     on_record(record)
@@ -635,12 +689,11 @@ class Engine:
         return {"text": completion.text, "prompt_tokens": len(ids), "completion_tokens": len(completion.token_ids),
                 "finish_reason": completion.finish_reason}
 
-    # Multi-turn prompts continue the previous turn's token ids: the model sees the tokens it generated (not a
-    # re-tokenization of their text) and the prefix cache covers the whole history; only the new user message is
-    # tokenized. Falls back to rendering the whole conversation whenever the history is not the one remembered.
     def _prompt_ids(self, messages: list[dict]) -> list[int]:
+        """This turn's prompt ids in self.prompt_mode (see choose_prompt_mode): a continued conversation must be
+        the one _remember_turn kept plus one user message; the first turn is always rendered."""
         last = self._turns.pop(id(messages), None)
-        if (last is not None and self._user_turn is not None and messages[-1]["role"] == "user"
+        if (self.prompt_mode == "continue" and last is not None and messages[-1]["role"] == "user"
                 and messages[:-1] == last["messages"]):
             before, after = self._user_turn
             return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
@@ -649,6 +702,8 @@ class Engine:
                                                   tokenize=True, return_dict=False)
 
     def _remember_turn(self, messages: list[dict], ids: list[int], completion) -> None:
+        if self.prompt_mode != "continue":
+            return
         generated = list(completion.token_ids)
         eos = self.tokenizer.eos_token_id
         if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
@@ -658,20 +713,7 @@ class Engine:
 
     @functools.cached_property
     def _user_turn(self) -> tuple[str, str] | None:
-        """The chat template's text around a user message that follows an assistant message, up to the next
-        generation prompt: (before, after). None if the template is not append-only (then no continuation)."""
-        mark = "\x00USER\x00"
-        base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                {"role": "assistant", "content": "a"}]
-        render = functools.partial(self.tokenizer.apply_chat_template, tokenize=False, enable_thinking=False)
-        prefix = render(base, add_generation_prompt=False)
-        full = render([*base, {"role": "user", "content": mark}], add_generation_prompt=True)
-        eos = self.tokenizer.eos_token
-        if not full.startswith(prefix) or not prefix.rstrip().endswith(eos) or full.count(mark) != 1:
-            return None
-        separator = prefix[prefix.rindex(eos) + len(eos):]  # what follows the assistant's end token, e.g. "\n"
-        before, after = (separator + full[len(prefix):]).split(mark)
-        return before, after
+        return continuation_user_turn(self.tokenizer)
 
     def sampling_params(self, *, seed: int, max_tokens: int):
         from vllm import SamplingParams
@@ -2201,9 +2243,15 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_model(path: str | Path, kind: str = "dense", seed: int = 0) -> Path:
-    """Write a random bf16 Qwen3 ('dense') or Qwen3-MoE ('moe') checkpoint and tokenizer to `path`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# Qwen3's tag tokens: single tokens, but not special (decoded text keeps them, as in Qwen3's own tokenizer)
+QWEN3_TAG_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
+def write_tiny_model(path: str | Path, kind: str = "dense", seed: int = 0, chat_template: str | None = None) -> Path:
+    """Write a random bf16 Qwen3 ('dense') or Qwen3-MoE ('moe') checkpoint and tokenizer to `path`. With a
+    chat_template (e.g. Qwen3-30B-A3B's published one) the tokenizer uses it and carries Qwen3's tag tokens as
+    Qwen3 does; otherwise the tiny template, with <think> and </think> as special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
 
@@ -2214,12 +2262,14 @@ def write_tiny_model(path: str | Path, kind: str = "dense", seed: int = 0) -> Pa
     tok.decoder = decoders.ByteLevel()
     corpus = [f"What is {a} + {b}? Final answer: \\boxed{{{a + b}}}" for a in range(30) for b in range(30)]
     corpus += ['{"name": "bash", "arguments": {"command": "python3 -c \'print(6*7)\'"}}'] * 20
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>",
-                                                                  "<think>", "</think>"],
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + ([] if chat_template else ["<think>", "</think>"])
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
+    if chat_template:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_TAG_TOKENS])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template or TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
 
     shape = dict(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=2,

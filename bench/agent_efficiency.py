@@ -1,13 +1,22 @@
 """Agent-loop efficiency: generation throughput inside the multi-turn agent loop divided by the throughput of a
-plain batched `generate` of the same number of sequences with the same per-turn token budget.
+plain batched `generate` of the same number of sequences with the same per-turn token budget; and the agent loop's
+prefix-cache hit rate (cached prompt tokens / prompt tokens, from vLLM's RequestOutput.num_cached_tokens).
 
 The agent loop runs E episodes concurrently for T turns (the model's replies are noise on a random model: that
 still drives full multi-turn traffic, observations and corrective messages included). The plain baseline sends
 E prompts of the same first-turn length for T rounds of M new tokens each, with a barrier between rounds.
 Prints a table and one JSON line.
 
-    bash run_cpu.sh python bench/agent_efficiency.py --preset=smoke --episodes=16 --max_turns=4 --max_new_tokens=64
-    python bench/agent_efficiency.py --qwen3_30b=true --max_turns=4 --max_new_tokens=512   # 2 GPUs, dummy weights
+What the prompts are depends on --prompt_mode (Config.prompt_mode, see common.choose_prompt_mode) and on the chat
+template: the tiny model's own template by default; --chat_template=FILE writes the tiny model (or, with
+--qwen3_30b, the tokenizer) with that template and Qwen3's tag tokens. With Qwen3-30B-A3B's published template
+(../shared/fixtures/qwen3_chat_template.jinja), "render" re-renders the conversation every turn (earlier replies lose
+their empty think block, so each turn's previous reply is prefilled again) and "continue" appends the generated ids.
+
+    bash run_cpu.sh python bench/agent_efficiency.py --preset=smoke --episodes=16 --max_turns=4 --max_new_tokens=64 \
+        --chat_template=../shared/fixtures/qwen3_chat_template.jinja --prompt_mode=render
+    python bench/agent_efficiency.py --qwen3_30b=true --max_turns=4 --max_new_tokens=512 \
+        --chat_template=qwen3_chat_template.jinja   # 2 GPUs, dummy weights
 """
 
 import sys
@@ -46,37 +55,66 @@ def render(engine, messages):
                                                 tokenize=True, return_dict=False)
 
 
+def count_prefix_hits(engine) -> dict:
+    """Wrap the engine's AsyncLLM.generate so that every finished request adds its prompt tokens and its
+    prefix-cache hits (vLLM's num_cached_tokens) to the returned counter."""
+    counts = {"prompt": 0, "cached": 0}
+    generate = engine.llm.generate
+
+    async def counted(*args, **kwargs):
+        out = None
+        async for out in generate(*args, **kwargs):
+            yield out
+        counts["prompt"] += len(out.prompt_token_ids)
+        counts["cached"] += out.num_cached_tokens or 0
+
+    engine.llm.generate = counted
+    return counts
+
+
 def turn_starts(record):
     """For each assistant turn of an episode, how many messages preceded it."""
     return [i for i, m in enumerate(record["messages"]) if m["role"] == "assistant"]
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"episodes": 16, "repeats": 2, "qwen3_30b": False, "out": ""})
+    opts, overrides = C.parse_args(argv, {"episodes": 16, "repeats": 2, "qwen3_30b": False, "chat_template": "",
+                                          "out": ""})
     cfg = C.parse_config(overrides)
     problems = C.smoke_problems(opts["episodes"], seed=3)
     jobs = [(p, 0) for p in problems]
     model, load_format = C.resolve_model(cfg.model), "auto"
+    if opts["chat_template"]:  # the tiny model again, with this template and Qwen3's tag tokens
+        model = str(C.write_tiny_model("/tmp/agent-efficiency-tiny-template", kind=cfg.model.rsplit("-", 1)[1],
+                                       chat_template=Path(opts["chat_template"]).read_text()))
     if opts["qwen3_30b"]:  # Qwen3-30B-A3B's layout with dummy weights and the tiny tokenizer (see qwen3_30b.py)
-        model = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-tinytok", tokenizer_from=C.resolve_model("tiny-qwen3-dense"))
+        tokenizer_from = model if opts["chat_template"] else C.resolve_model("tiny-qwen3-dense")
+        model = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-tinytok", tokenizer_from=tokenizer_from)
         load_format = "dummy"
     with C.Engine(cfg, model, load_format=load_format) as engine:
         engine.run_agent(jobs[:2])  # warm-up
+        counts = count_prefix_hits(engine)
         runs = {"agent loop": [], "plain generate": [], "plain, agent contexts": []}
+        hit_rates = []  # per agent-loop run, from an empty prefix cache
         for _ in range(opts["repeats"]):
+            counts.update(prompt=0, cached=0)
             records = timed(engine, runs["agent loop"], lambda: engine.run_agent(jobs))
+            hit_rates.append(round(counts["cached"] / counts["prompt"], 4))
             first = render(engine, records[0]["messages"][:2])
             same_prompt = [[first] * len(jobs)] * cfg.max_turns
             timed(engine, runs["plain generate"], lambda: plain_rounds(engine, same_prompt, cfg.max_new_tokens))
             contexts = [[render(engine, r["messages"][:i]) for r in records for i in turn_starts(r)[k:k + 1]]
                         for k in range(cfg.max_turns)]
             timed(engine, runs["plain, agent contexts"], lambda: plain_rounds(engine, contexts, cfg.max_new_tokens))
+        block_size = engine.llm.vllm_config.cache_config.block_size
 
     best = {name: max(tokens / seconds for tokens, seconds in r) for name, r in runs.items()}
     result = {"bench": "agent_efficiency", "date": time.strftime("%Y-%m-%d"), "device": engine.device,
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
               "cudagraph_mode": cfg.cudagraph_mode,
               "model": "Qwen3-30B-A3B layout, dummy weights" if opts["qwen3_30b"] else cfg.model, "episodes": len(jobs),
+              "chat_template": opts["chat_template"] or "tiny", "prompt_mode": engine.prompt_mode,
+              "block_size": block_size, "prefix_cache_hit_rate": hit_rates,
               "max_turns": cfg.max_turns, "max_new_tokens": cfg.max_new_tokens,
               "agent_tokens_per_s": round(best["agent loop"], 1), "plain_tokens_per_s": round(best["plain generate"], 1),
               "plain_agent_contexts_tokens_per_s": round(best["plain, agent contexts"], 1),
@@ -86,6 +124,8 @@ def main(argv):
     for name, r in runs.items():
         for tokens, seconds in r:
             print(f"{name:<24}{tokens:>10}{seconds:>10.2f}{tokens / seconds:>10.1f}")
+    print(f"agent loop prefix-cache hit rate ({result['prompt_mode']}, template {result['chat_template']}, "
+          f"block size {block_size}): {', '.join(f'{h:.3f}' for h in hit_rates)}")
     print(f"ratio (best agent / best plain generate): {result['ratio']:.3f};  "
           f"against plain generate of the agent's own contexts: {result['ratio_same_contexts']:.3f}")
     return emit(result, opts["out"])

@@ -33,6 +33,7 @@ def test_records_are_complete_and_within_limits(records):
         assert r["completion_tokens"] <= r["turns"] * CFG.max_new_tokens
         assert r["finish_reason"] in ("final_answer", "max_turns", "context_overflow", "error")
         assert r["error"] is None, r["error"]
+        assert r["prompt_mode"] == "render"  # the default: the chat template renders every turn
         assert r["seed"] == C.request_seed(CFG.run_seed, r["problem_id"], r["sample_index"], 0)
         assert r["score"] in (0, 0.0, 1, 1.0) and r["gold"] is not None
         assert r["messages"][0]["role"] == "system" and r["messages"][1]["role"] == "user"
@@ -57,38 +58,3 @@ def test_context_overflow_ends_the_episode(engine):
     r = engine.run_agent([(huge, 0)])[0]
     assert r["finish_reason"] == "context_overflow" and r["score"] == 0 and "max_model_len" in r["error"]
     assert r["turns"] == 0
-
-
-def test_turns_continue_the_generated_token_ids(engine):
-    """A follow-up turn reuses the previous prompt and generated ids verbatim (so the history keeps the empty think
-    block the generation prompt opened) and tokenizes only the new user message."""
-    from types import SimpleNamespace
-
-    tok = engine.tokenizer
-
-    def render(conversation):
-        return tok.apply_chat_template(conversation, add_generation_prompt=True, enable_thinking=False,
-                                       tokenize=True, return_dict=False)
-
-    messages = [{"role": "system", "content": C.SYSTEM_PROMPT}, {"role": "user", "content": C.user_prompt("2+2?")}]
-    first = engine._prompt_ids(messages)
-    assert first == render(messages)
-    reply = "Let me check. The answer is 4."
-    generated = tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
-    engine._remember_turn(messages, first, SimpleNamespace(token_ids=generated, text=reply))
-    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": C.NO_ACTION_MESSAGE}]
-    second = engine._prompt_ids(messages)
-    assert second[: len(first) + len(generated)] == first + generated
-    assert tok.decode(second[len(first) + len(generated):], skip_special_tokens=False) == (
-        f"\n<|im_start|>user\n{C.NO_ACTION_MESSAGE}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
-
-    # a reply cut off by the token budget is closed with the end token, as the template closes it
-    engine._remember_turn(messages, second, SimpleNamespace(token_ids=[41, 42], text=tok.decode([41, 42])))
-    messages += [{"role": "assistant", "content": tok.decode([41, 42])}, {"role": "user", "content": "go on"}]
-    third = engine._prompt_ids(messages)
-    assert third[len(second): len(second) + 3] == [41, 42, tok.eos_token_id]
-
-    # a conversation that is not the remembered one is rendered from scratch
-    other = [dict(m) for m in messages]
-    assert engine._prompt_ids(other) == render(other)
-    engine._turns.clear()
