@@ -87,22 +87,23 @@ def load_source(repo: str, split: str, source_dir: str, cache_dir: str):
     try:
         return datasets.load_dataset(where, split=split, cache_dir=cache_dir or None)
     except Exception as exc:  # any failure to get the data (network, hub, files) ends the build with its reason
-        place = f"the local copy {where}" if source_dir else "the Hugging Face hub"
+        place, hint = ((f"the local copy {where}", "Check the files there") if source_dir else
+                       ("the Hugging Face hub", "Check the network, or pass --source_dir=DIR with local copies"))
         raise C.DataError(f"could not load {repo} (split {split!r}) from {place}: {type(exc).__name__}: {exc}. "
-                          f"Check the network, or pass --source_dir=DIR with local copies") from None
+                          f"{hint}") from None
 
 
 def require_columns(ds, repo: str, columns: dict) -> None:
     """Fail on a schema other than the one this builder maps (a renamed, removed or restructured column)."""
     for column, subfields in columns.items():
         feature = ds.features.get(column)
-        if feature is None or any(f not in feature for f in subfields):
+        if feature is None or subfields and not (isinstance(feature, dict) and all(f in feature for f in subfields)):
             wanted = f"{column} with {', '.join(subfields)}" if subfields else column
             raise C.DataError(f"{repo}: expected column {wanted}; its columns are {dict(ds.features)}")
 
 
 def field(row: dict, repo: str, dotted: str, kinds: tuple):
-    """row['a']['b'] for 'a.b', of one of the given types, or a DataError naming the field and the row."""
+    """row['a']['b'] for 'a.b', of one of the given types, or a DataError naming the field."""
     value = row
     for key in dotted.split("."):
         value = value.get(key) if isinstance(value, dict) else None
