@@ -7,7 +7,7 @@ evaluation resumes without redoing them.
 
     python 03_eval.py --export=runs/es/export           # the trained weights (checked against the manifest)
     python 03_eval.py --export= --out=runs/es/eval-base # the base model (Config.model), for the before/after table
-    python 03_eval.py --preset=smoke                    # the smoke run's export, first 2 problems per set
+    python 03_eval.py --preset=smoke                    # the smoke run's export, first 2 smoke problems per set
 """
 
 import contextlib
@@ -19,31 +19,32 @@ import common as C
 
 EXPORT = "<run_dir>/export"  # a folder written by 02_export.py; empty: evaluate the base model itself
 OUT = ""  # default: <run_dir>/eval (or <run_dir>/eval-base for the base model)
-DATASETS = {  # name -> JSONL; each writes <name>_eval16.json
-    "dapo": "../shared/data/dapo_test100.jsonl",
-    "aime2026": "../shared/data/aime2026.jsonl",
+DATASETS = {  # name -> JSONL (built by 00_data.py); each writes <name>_eval16.json
+    "dapo": "data/dapo_test100.jsonl",
+    "aime2026": "data/aime2026.jsonl",
 }
 SAMPLES = 16  # sample_index 0..15
 
 
 def main(argv: list[str]) -> dict:
-    opts, overrides = C.parse_args(argv, {"export": EXPORT, "out": OUT, **DATASETS})
+    opts, overrides = C.parse_args(argv, {"export": EXPORT, "out": OUT, **{name: "" for name in DATASETS}})
     cfg = C.parse_config(overrides)
     export = opts["export"].replace("<run_dir>", cfg.run_dir)
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
-    datasets = {name: eval_problems(opts[name], cfg.eval_problems) for name in DATASETS}
-    C.check_sandbox(cfg, data=[opts[name] for name in DATASETS], checkpoint=export)  # (unless allowed)
+    data = data_paths(opts, cfg)
+    datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
+    C.check_sandbox(cfg, data=list(data.values()), checkpoint=export)  # (unless allowed)
     manifest = C.verify_export(export, cfg.tensor_parallel_size) if export else None  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
 
     with open_checkpoint(cfg, export, manifest) as (engine, checkpoint):
         settings = {k: v for k, v in C.dataclasses.asdict(cfg).items() if k not in C.RESUME_FREE_FIELDS}
         claim_output_folder(out, {"checkpoint": checkpoint, "config": settings,
-                                  "data": {name: opts[name] for name in DATASETS}})
+                                  "data": data})
         metrics = {"checkpoint": checkpoint, "samples": SAMPLES, "reported_group": C.REPORTED_GROUP, "datasets": {}}
         for name, problems in datasets.items():
             records = evaluate(engine, problems, range(SAMPLES), out / f"{name}_episodes.jsonl", name)
-            C.write_json_atomic({"dataset": name, "data": opts[name], "checkpoint": checkpoint,
+            C.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
                                  "config": C.dataclasses.asdict(cfg), "records": strip_transcripts(records)},
                                 out / f"{name}_eval16.json")
             C.write_transcripts_markdown(records, out / f"{name}_failed.md")
@@ -54,9 +55,14 @@ def main(argv: list[str]) -> dict:
     return metrics
 
 
-def eval_problems(path: str, limit: int) -> list[dict]:
-    problems = C.load_problems(path)
-    return problems[:limit] if limit else problems
+def data_paths(opts: dict, cfg) -> dict:
+    """Each set's --name=PATH if given, else "smoke" (the smoke problems) with smoke_eval, else DATASETS."""
+    return {name: opts[name] or ("smoke" if cfg.smoke_eval else DATASETS[name]) for name in DATASETS}
+
+
+def eval_problems(path: str, cfg) -> list[dict]:
+    problems = C.problems_from(path, cfg.run_seed)
+    return problems[:cfg.eval_problems] if cfg.eval_problems else problems
 
 
 @contextlib.contextmanager

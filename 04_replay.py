@@ -39,7 +39,7 @@ def main(argv: list[str]) -> dict:
     expected = {"the evaluated checkpoint": checkpoint["per_rank_digests"]}
     if export:
         expected[export] = C.verify_export(export, cfg.tensor_parallel_size)["per_rank_digests"]
-    jobs = {name: aligned_jobs(original) for name, original in originals.items()}
+    jobs = {name: aligned_jobs(original, cfg.run_seed) for name, original in originals.items()}
 
     model_path = C.resolve_model(history["config"]["model"])
     with C.Engine(cfg, model_path) as engine:
@@ -69,9 +69,9 @@ def eval_config(originals: dict, overrides: list[str]) -> C.Config:
     return C.config_from_history({"config": first["config"]}, overrides)
 
 
-def aligned_jobs(original: dict) -> list[tuple[dict, int]]:
+def aligned_jobs(original: dict, run_seed: int) -> list[tuple[dict, int]]:
     """The reported group's (problem, sample_index) requests of one eval16 file, problems as evaluated."""
-    problems = {p["id"]: p for p in C.load_problems(original["data"])}
+    problems = {p["id"]: p for p in C.problems_from(original["data"], run_seed)}
     ids = list(dict.fromkeys(r["problem_id"] for r in original["records"]))
     missing = [pid for pid in ids if pid not in problems]
     if missing:

@@ -92,9 +92,10 @@ class Config:
                                        # episodes visible to the sandbox (then every record says so)
     prompt_mode: str = "render"  # each turn's prompt: "render" the conversation (as the reference) or "continue" ids
     # data and outputs
-    train_data: str = "../shared/data/dapo_train400.jsonl"  # "smoke", "learn" = arithmetic problems made locally
+    train_data: str = "data/dapo_train400.jsonl"  # built by 00_data.py; "smoke", "learn": arithmetic made here
     eval_problems: int = 0  # evaluate only the first K problems of each eval set (0: all)
     run_dir: str = "runs/es"  # history, rollouts, export and eval results of the run live here
+    smoke_eval: bool = False  # 03_eval's default sets are the smoke problems (the smoke preset); --dapo=... wins
 
     def __post_init__(self):
         for name in ("sigma_start", "sigma_end", "alpha"):
@@ -126,6 +127,7 @@ PRESETS = {
     "smoke": dict(
         model="tiny-qwen3-dense", max_model_len=2048, generations=2, population=4, case_batch=2, max_turns=3,
         max_new_tokens=48, bash_timeout_s=5.0, train_data="smoke", eval_problems=2, run_dir="runs/smoke",
+        smoke_eval=True,
     ),
     # Evidence that ES learns: the real SmolLM2-135M-Instruct (section 11) on small additions made locally, where
     # the base model succeeds sometimes (bench/learning.py measures it and the trained model on held-out problems).
@@ -743,7 +745,7 @@ def format_parameter_table(rows: list[dict]) -> str:
 HISTORY_FILE = "es_history.json"
 HISTORY_FORMAT = "es-history/1"
 # settings that may change between a run and its resume: they do not touch the weights or the rewards
-RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization")
+RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval")
 
 
 class HistoryMismatch(RuntimeError):
@@ -1727,6 +1729,7 @@ def write_transcripts_markdown(records, path):
 # ============================================================================================================
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
+DATA_MANIFEST = REPO / "data_manifest.json"  # the problem files 00_data.py builds (ids, answers, sha256s)
 CASE_BATCH_SEED_TAG = 0xCA5E  # keeps case-batch streams apart from other streams seeded by (run seed, g)
 
 
@@ -1737,7 +1740,7 @@ class DataError(ValueError):
 def load_problems(path):
     """Read a problems JSONL file: one object per line with string id, question, answer (other fields kept)."""
     if not os.path.isfile(path):
-        raise DataError(f"{path}: problems file not found")
+        raise DataError(f"{path}: problems file not found{build_hint(path)}")
     problems, line_of_id = [], {}
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -1765,6 +1768,25 @@ def load_problems(path):
     if not problems:
         raise DataError(f"{path}: no problems in file")
     return problems
+
+
+def build_hint(path) -> str:
+    """For a missing file that 00_data.py builds: the exact command that builds it."""
+    folder, name = os.path.split(os.path.normpath(path))
+    if name not in read_json(DATA_MANIFEST)["files"]:
+        return ""
+    command = "python 00_data.py" + ("" if folder == "data" else f" --out={folder or '.'}")
+    return f"; build it with: {command}"
+
+
+def problems_from(path, run_seed):
+    """A problems file, or problems made here: "smoke" (SMOKE_PROBLEMS tiny arithmetic problems from the run seed),
+    "learn" (the learn preset's one fixed training set: held-out sets exclude it)."""
+    if path == "smoke":
+        return smoke_problems(SMOKE_PROBLEMS, seed=run_seed)
+    if path == "learn":
+        return learn_problems(LEARN_PROBLEMS, seed=LEARN_TRAIN_SEED)
+    return load_problems(path)
 
 
 def epoch_permutation(n, run_seed, epoch):
@@ -1838,13 +1860,7 @@ LEARN_TRAIN_SEED = 0  # the training set is the same for every run seed; held-ou
 
 
 def training_problems(cfg: Config) -> list[dict]:
-    """The training set: a JSONL file, or the preset's arithmetic problems generated here ("smoke", "learn")."""
-    if cfg.train_data == "smoke":
-        problems = smoke_problems(SMOKE_PROBLEMS, seed=cfg.run_seed)
-    elif cfg.train_data == "learn":
-        problems = learn_problems(LEARN_PROBLEMS, seed=LEARN_TRAIN_SEED)  # one fixed set: held-out sets exclude it
-    else:
-        problems = load_problems(cfg.train_data)
+    train_data: str = "data/dapo_train400.jsonl"  # built by 00_data.py; "smoke", "learn": arithmetic made here
     if cfg.case_batch > len(problems):
         raise DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of {cfg.train_data}")
     return problems

@@ -1,0 +1,196 @@
+"""00_data.py, offline: local stand-ins of the two public datasets (their schemas, made from ../shared/data by
+inverting the mapping, with the hub's repeated rows and rows the project does not use) must give back
+../shared/data byte for byte; bad sources give clear errors and leave no file. Nothing is fetched."""
+
+import hashlib
+import importlib
+import json
+import os
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import common as C
+
+REPO = C.REPO
+SHARED = REPO.parent / "shared" / "data"
+data = importlib.import_module("00_data")
+evaluation = importlib.import_module("03_eval")
+MANIFEST = C.read_json(C.DATA_MANIFEST)["files"]
+NAMES = list(MANIFEST)  # build order: dapo_train400, dapo_test100, aime2026
+
+
+def shared_rows(name):
+    return [json.loads(line) for line in (SHARED / name).read_text().splitlines()]
+
+
+def dapo_source_rows():
+    """DAPO-Math-17k's schema: every DAPO problem of ../shared/data, twice (the hub repeats each problem), and
+    problems the project does not use, shuffled."""
+    rows = [{"data_source": "math_dapo", "prompt": [{"content": r["question"], "role": "user"}],
+             "ability": r["ability"], "reward_model": {"ground_truth": r["answer"], "style": "rule-lighteval/MATH_v2"},
+             "extra_info": {"index": r["id"].removeprefix("dapo_")}}
+            for name in ("dapo_train400.jsonl", "dapo_test100.jsonl") for r in shared_rows(name)]
+    unused = [{"data_source": "math_dapo", "prompt": [{"content": f"What is {i} + {i}?", "role": "user"}],
+               "ability": "MATH", "reward_model": {"ground_truth": str(2 * i), "style": "rule-lighteval/MATH_v2"},
+               "extra_info": {"index": f"00000000-0000-0000-0000-{i:012d}"}} for i in range(50)]
+    rows = rows * 2 + unused
+    random.Random(0).shuffle(rows)
+    return rows
+
+
+def aime_source_rows():
+    """MathArena/aime_2026's schema: problem_idx and answer as integers, problem as text."""
+    rows = [{"problem_idx": int(r["id"].removeprefix("aime_2026_")), "answer": int(r["answer"]),
+             "problem": r["question"]} for r in shared_rows("aime2026.jsonl")]
+    random.Random(1).shuffle(rows)
+    return rows
+
+
+def write_sources(root: Path, dapo: list[dict], aime: list[dict]) -> Path:
+    for repo, rows in ((data.DAPO, dapo), (data.AIME, aime)):
+        folder = root / repo / "data"
+        folder.mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(rows), folder / "train-00000-of-00001.parquet")
+    return root
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    return write_sources(tmp_path_factory.mktemp("sources"), dapo_source_rows(), aime_source_rows())
+
+
+def build(source_dir, out, cache, *extra):
+    return data.main([f"--source_dir={source_dir}", f"--out={out}", f"--cache_dir={cache}", *extra])
+
+
+def leftovers(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir()) if out.exists() else []
+
+
+def test_manifest_describes_the_reference_files_without_their_questions():
+    text = C.DATA_MANIFEST.read_text()
+    for name, entry in MANIFEST.items():
+        raw = (SHARED / name).read_bytes()
+        assert hashlib.sha256(raw).hexdigest() == entry["sha256"]
+        lines = raw.decode().splitlines()
+        rows = [json.loads(line) for line in lines]
+        assert entry["rows"] == [[r["id"], r["answer"], hashlib.sha256(line.encode()).hexdigest()[:12]]
+                                 for r, line in zip(rows, lines)]
+        assert {r["source"] for r in rows} == {entry["source"]}
+        assert not any(json.dumps(r["question"])[1:-1] in text for r in rows)  # no question text is carried
+
+
+def test_builds_the_reference_files_byte_for_byte_then_leaves_them_alone(sources, tmp_path):
+    out = tmp_path / "data"
+    assert build(sources, out, tmp_path / "cache") == {name: "built" for name in NAMES}
+    for name in NAMES:
+        assert (out / name).read_bytes() == (SHARED / name).read_bytes(), name
+    assert leftovers(out) == sorted(NAMES)  # no temporary files
+
+    stamps = {name: (out / name).stat().st_mtime_ns for name in NAMES}
+    assert build(sources, out, tmp_path / "cache") == {name: "up to date" for name in NAMES}
+    assert {name: (out / name).stat().st_mtime_ns for name in NAMES} == stamps
+
+
+def test_a_different_file_in_the_way_is_kept_unless_forced(sources, tmp_path):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "aime2026.jsonl").write_text('{"id": "mine", "question": "q", "answer": "1"}\n')
+    with pytest.raises(C.DataError, match="aime2026.jsonl exists but differs from data_manifest.json"):
+        build(sources, out, tmp_path / "cache")
+    assert (out / "aime2026.jsonl").read_text().startswith('{"id": "mine"')
+    build(sources, out, tmp_path / "cache", "--force=true")
+    assert (out / "aime2026.jsonl").read_bytes() == (SHARED / "aime2026.jsonl").read_bytes()
+
+
+def first_train_id():
+    return MANIFEST["dapo_train400.jsonl"]["rows"][0][0].removeprefix("dapo_")
+
+
+def drop_train_row(dapo, aime):
+    return [r for r in dapo if r["extra_info"]["index"] != first_train_id()], aime
+
+
+def change_train_answer(dapo, aime):
+    for r in dapo:
+        if r["extra_info"]["index"] == first_train_id():
+            r["reward_model"]["ground_truth"] = "12345"
+    return dapo, aime
+
+
+def change_train_question(dapo, aime):
+    for r in dapo:
+        if r["extra_info"]["index"] == first_train_id():
+            r["prompt"][0]["content"] += " "
+    return dapo, aime
+
+
+def rename_dapo_column(dapo, aime):
+    return [{("reward" if k == "reward_model" else k): v for k, v in r.items()} for r in dapo], aime
+
+
+def change_aime_answer(dapo, aime):
+    aime[0]["answer"] += 1
+    return dapo, aime
+
+
+@pytest.mark.parametrize("damage, failing, message", [
+    (drop_train_row, "dapo_train400.jsonl",
+     f"lacks 1 of the 400 ids of dapo_train400.jsonl: dapo_{MANIFEST['dapo_train400.jsonl']['rows'][0][0][5:]}"),
+    (change_train_answer, "dapo_train400.jsonl", "dapo_train400.jsonl: answer mismatch in 1 rows: dapo_"),
+    (change_train_question, "dapo_train400.jsonl", "1 rows differ from the reference build"),
+    (rename_dapo_column, "dapo_train400.jsonl", "expected column reward_model with ground_truth"),
+    (change_aime_answer, "aime2026.jsonl", "aime2026.jsonl: answer mismatch in 1 rows: aime_2026_"),
+])
+def test_bad_sources_give_clear_errors_and_no_partial_file(tmp_path, damage, failing, message):
+    source_dir = write_sources(tmp_path / "sources", *damage(dapo_source_rows(), aime_source_rows()))
+    out = tmp_path / "data"
+    with pytest.raises(C.DataError, match=message.replace("(", r"\(")):
+        build(source_dir, out, tmp_path / "cache")
+    assert failing not in leftovers(out)
+    assert all(name in NAMES for name in leftovers(out))  # the files before it, complete; nothing temporary
+
+
+def test_an_unreachable_source_names_the_dataset_and_writes_nothing(tmp_path, monkeypatch):
+    """The hub in offline mode (nothing is fetched) stands for an unreachable one."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    for module in (datasets.config, huggingface_hub.constants):
+        monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
+    with pytest.raises(C.DataError, match=f"could not load {data.DAPO} \\(split 'train'\\) from the Hugging Face "
+                                          f"hub: ConnectionError: .*--source_dir=DIR"):
+        data.main([f"--out={tmp_path / 'data'}", f"--cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(C.DataError, match=f"no local copy of {data.DAPO} at"):
+        build(tmp_path / "empty", tmp_path / "data", tmp_path / "cache")
+    assert leftovers(tmp_path / "data") == []
+
+
+def test_a_missing_default_file_names_the_command_that_builds_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a fresh clone: no data/
+    with pytest.raises(C.DataError, match="^data/dapo_train400.jsonl: problems file not found; build it with: "
+                                          "python 00_data.py$"):
+        importlib.import_module("01_train").main([])
+    with pytest.raises(C.DataError, match="^data/dapo_test100.jsonl: problems file not found; build it with: "
+                                          "python 00_data.py$"):
+        evaluation.main(["--export="])
+    with pytest.raises(C.DataError, match="build it with: python 00_data.py --out=elsewhere$"):
+        C.load_problems("elsewhere/aime2026.jsonl")
+    with pytest.raises(C.DataError, match="not found$"):
+        C.load_problems("data/other.jsonl")
+
+
+def test_default_paths_are_the_built_files_and_the_smoke_preset_needs_none():
+    defaults = [C.Config().train_data, *evaluation.DATASETS.values()]
+    assert all(os.path.dirname(p) == data.OUT and os.path.basename(p) in MANIFEST for p in defaults)
+    no_paths = {name: "" for name in evaluation.DATASETS}
+    assert evaluation.data_paths(no_paths, C.Config()) == evaluation.DATASETS
+    smoke = C.parse_config(["--preset=smoke"])
+    assert smoke.train_data == "smoke"
+    assert evaluation.data_paths(no_paths, smoke) == {"dapo": "smoke", "aime2026": "smoke"}
+    assert evaluation.data_paths(dict(no_paths, dapo="x.jsonl"), smoke) == {"dapo": "x.jsonl", "aime2026": "smoke"}
+    assert C.problems_from("smoke", smoke.run_seed) == C.smoke_problems(C.SMOKE_PROBLEMS, seed=smoke.run_seed)
