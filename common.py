@@ -41,6 +41,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 from math_verify import parse as mv_parse, verify as mv_verify
+from math_verify.errors import TimeoutException as MathVerifyTimeout
 
 REPO = Path(__file__).resolve().parent
 
@@ -861,14 +862,14 @@ def _bash_command(obj):
             arguments = json.loads(arguments, strict=False)
         except ValueError:
             return None
-    if isinstance(arguments, dict) and isinstance(arguments.get("command"), str):
+    if isinstance(arguments, dict) and isinstance(arguments.get("command"), str) and arguments["command"].strip():
         return arguments["command"]
-    return None
+    return None  # an empty command is no call: it would run nothing and must not count as the required bash call
 
 
 def parse_action(text):
-    """The bash command of the FIRST well-formed bash action in the reply (prose and code fences around it are
-    fine), or None. First, because the model is told to act once per reply and anything written after its first
+    """The bash command of the FIRST well-formed bash action with a non-blank command in the reply (prose and code
+    fences around it are fine), or None. First, because the model is told to act once per reply and anything written after its first
     call was written without seeing that call's output. If no object decodes, a relaxed pattern catches the common
     slip of unescaped double quotes inside the command string; its text is taken verbatim."""
     text = strip_think(text)
@@ -881,10 +882,13 @@ def parse_action(text):
         if command is not None:
             return command
     relaxed = _RELAXED_ACTION.search(text)
-    return relaxed.group(1) if relaxed else None
+    return relaxed.group(1) if relaxed and relaxed.group(1).strip() else None
 
 
-_ANSWER_MARKER = re.compile(r"\b(?:final\s+answer|answer)\s*(?:\*\*)?\s*[:：]", re.IGNORECASE)
+# only at the start of a line, after optional markdown (quote, list bullet or number, heading, emphasis): prose such
+# as "I computed the answer: 16 earlier" in the middle of a line commits to nothing
+_ANSWER_MARKER = re.compile(r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answer|answer)[ \t]*(?:\*\*|__)?[ \t]*[:：]",
+                            re.IGNORECASE | re.MULTILINE)
 _BOXED = re.compile(r"\\boxed\s*\{")
 
 
@@ -909,7 +913,8 @@ def _clean_answer_text(text):
 
 
 def extract_final_answer(text):
-    """The answer the reply commits to, or None. Last `Final answer:`/`Answer:` line (ASCII or full-width colon):
+    """The answer the reply commits to, or None. Last line that starts with `Final answer:`/`Answer:` (after optional
+    markdown such as `**`, `>`, `-`; ASCII or full-width colon):
     its \\boxed{} content if the box opens on that line, else the rest of the line. Without such a line (or with an
     empty one), the last balanced \\boxed{} anywhere."""
     text = strip_think(text)
@@ -945,7 +950,8 @@ def _math_verify(prediction, gold):
         if not gold_parsed or not pred_parsed:
             return None
         return bool(mv_verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
-    except Exception:  # math_verify raises many kinds (sympy, timeouts, recursion): all mean "cannot decide"
+    except (Exception, MathVerifyTimeout):  # many kinds (sympy, recursion, its timeout, a BaseException): all
+        # mean "cannot decide"
         return None
 
 
@@ -975,37 +981,83 @@ def normalize_answer(text):
     return text.rstrip(".").lower()
 
 
-# 12, -0.5, 3/4; deliberately no exponents: Fraction("1e999999999") would never finish
-_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:/(?:\d+(?:\.\d*)?|\.\d+))?")
-_LATEX_FRACTION = re.compile(r"([+-]?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
+# Reading an answer as a number. Models decorate numbers (1\,000, \$1000, 5^\circ, 12 \pmod{20}, **42**, "so the
+# answer is 42"), and math_verify, given "$1\,000$", reads the product 1*000: for an integer gold the number decides.
+_GROUP_SEPARATOR = r"(?:,|\{,\}|\\[,;: ]|~|[ \u00a0\u2009\u202f])"  # 1,000  1{,}000  1\,000  1~000  1 000
+_UNSIGNED = rf"(?:(?:\d{{1,3}}(?:{_GROUP_SEPARATOR}\d{{3}})+|\d+)(?:\.\d+)?|\.\d+)"
+_SIGNED = rf"[+-]?\s*{_UNSIGNED}"  # deliberately no exponents: Fraction("1e999999999") would never finish
+_NUMBER = re.compile(_SIGNED)
+_SLASH_FRACTION = re.compile(rf"({_SIGNED})\s*/\s*({_SIGNED})")
+_LATEX_FRACTION = re.compile(rf"([+-]?)\s*\\[dtc]?frac\s*\{{\s*({_SIGNED})\s*\}}\s*\{{\s*({_SIGNED})\s*\}}")
+_TEXT_COMMAND = re.compile(r"\\(?:text(?:bf|it|rm|normal)?|math(?:rm|bf|it)|mbox|operatorname)\s*\{([^{}]*)\}")
+_TRAILING_QUALIFIER = re.compile(
+    r"(?:\s*\(?\s*\\?[pb]?mod(?:ulo)?\s*\{?\s*\d+\s*\}?\s*\)?"          # 12 \pmod{20}, 12 (mod 20)
+    r"|\s*(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)"                        # 5^\circ, 5°
+    r"|\s*\\?%"                                                          # 25\%
+    r"|(?:\s|\\[,;: ]|~)+(?!pi\b)[A-Za-z]{2,}\.?(?:\^\{?[23]\}?)?)$",    # 1000 dollars, 12 cm^2 (not "2 pi")
+    re.IGNORECASE)
+_PROSE_PREFIX = re.compile(r"^(?:[A-Za-z][A-Za-z'’]*[\s,:]+)+(?=[+\-\\.\d])")  # so the answer is 42
 
 
-def _as_number(normalized):
-    """An exact Fraction for integers, decimals, a/b and \\frac{a}{b}; None otherwise."""
+def _strip_decorations(text):
+    """The bare answer: no box, $, \\text{}, markdown emphasis, sentence punctuation, earlier sentences, units,
+    trailing qualifiers (mod, degrees, percent), prose before the number, the left side of a single `=`."""
+    text = text.replace("\u2212", "-").replace("\\$", "")
+    text = re.sub(r"\$|\\[()\[\]]|\\left|\\right|\\displaystyle|\\!", "", text)
+    text = _TEXT_COMMAND.sub(r" \1 ", text)
+    previous = None
+    while text != previous:
+        previous = text
+        text = _strip_outer_braces(_unbox(text.strip().strip("*_`").strip().rstrip(".!;").strip()))
+        text = re.split(r"(?<=[.!?;])\s+(?=\S)", text)[-1]  # the last sentence
+        text = _TRAILING_QUALIFIER.sub("", text)
+    if text.count("=") == 1:
+        text = text.split("=")[1]
+    return _PROSE_PREFIX.sub("", text.strip())
+
+
+def _fraction(number_text):
+    return Fraction(re.sub(rf"\s|{_GROUP_SEPARATOR}", "", number_text))
+
+
+def read_number(text):
+    """An exact Fraction for an answer that is one number (integer, decimal, a/b or \\frac{a}{b}, decorated as
+    _strip_decorations allows), else None."""
+    if text is None or len(text) > 1000:  # a number is short; the regexes stay cheap
+        return None
+    bare = _strip_decorations(text)
     try:
-        if _PLAIN_NUMBER.fullmatch(normalized):
-            return Fraction(normalized)
-        match = _LATEX_FRACTION.fullmatch(normalized)
-        if match and _PLAIN_NUMBER.fullmatch(match.group(2)) and _PLAIN_NUMBER.fullmatch(match.group(3)):
-            value = Fraction(match.group(2)) / Fraction(match.group(3))
-            return -value if match.group(1) == "-" else value
-    except (ValueError, ZeroDivisionError):
+        if _NUMBER.fullmatch(bare):
+            return _fraction(bare)
+        if match := _SLASH_FRACTION.fullmatch(bare):
+            return _fraction(match[1]) / _fraction(match[2])
+        if match := _LATEX_FRACTION.fullmatch(bare):
+            value = _fraction(match[2]) / _fraction(match[3])
+            return -value if match[1] == "-" else value
+    except (ValueError, ZeroDivisionError):  # more digits than int() reads, a zero denominator
         pass
     return None
 
 
 def score_answer(prediction, gold):
-    """(score 0.0 or 1.0, method). math_verify first, gold first; when it cannot decide, normalised exact match and
-    numeric equality within 1e-8."""
+    """(score 0.0 or 1.0, method). A pure function; it may run for a long time on adversarial input (sympy), so the
+    episode loop calls it through score_answer_isolated. For an integer gold, a prediction that reads as a number
+    is compared exactly (integer_match). Otherwise math_verify, gold first; when it cannot decide, normalised exact
+    match and numeric equality within 1e-8."""
     if prediction is None or not prediction.strip():
         return 0.0, "missing_final_answer"
+    gold_number = read_number(gold)
+    if gold_number is not None and gold_number.denominator == 1:
+        predicted_number = read_number(prediction)
+        if predicted_number is not None:
+            return float(predicted_number == gold_number), "integer_match"
     decided = _math_verify(prediction, gold)
     if decided is not None:
         return float(decided), "math_verify"
     pred_norm, gold_norm = normalize_answer(prediction), normalize_answer(gold)
     if pred_norm == gold_norm:
         return 1.0, "exact_match"
-    pred_num, gold_num = _as_number(pred_norm), _as_number(gold_norm)
+    pred_num, gold_num = read_number(prediction), read_number(gold)
     if pred_num is not None and gold_num is not None:
         return float(abs(pred_num - gold_num) <= Fraction(1, 10**8)), "numeric_match"
     return 0.0, "no_match"
