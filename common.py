@@ -17,6 +17,7 @@ Sections, in order:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -27,10 +28,12 @@ import json
 import math
 import os
 import re
+import select
 import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -862,14 +865,14 @@ def _bash_command(obj):
             arguments = json.loads(arguments, strict=False)
         except ValueError:
             return None
-    if isinstance(arguments, dict) and isinstance(arguments.get("command"), str) and arguments["command"].strip():
+    if isinstance(arguments, dict) and isinstance(arguments.get("command"), str):
         return arguments["command"]
-    return None  # an empty command is no call: it would run nothing and must not count as the required bash call
+    return None
 
 
 def parse_action(text):
-    """The bash command of the FIRST well-formed bash action with a non-blank command in the reply (prose and code
-    fences around it are fine), or None. First, because the model is told to act once per reply and anything written after its first
+    """The bash command of the FIRST well-formed bash action in the reply (prose and code fences around it are
+    fine), or None (also when that command is blank). First, because the model is told to act once per reply and anything written after its first
     call was written without seeing that call's output. If no object decodes, a relaxed pattern catches the common
     slip of unescaped double quotes inside the command string; its text is taken verbatim."""
     text = strip_think(text)
@@ -879,8 +882,8 @@ def parse_action(text):
         except ValueError:
             continue
         command = _bash_command(obj)
-        if command is not None:
-            return command
+        if command is not None:  # a blank command runs nothing: no call (it never counts as the required one)
+            return command if command.strip() else None
     relaxed = _RELAXED_ACTION.search(text)
     return relaxed.group(1) if relaxed and relaxed.group(1).strip() else None
 
@@ -1004,7 +1007,7 @@ def _strip_decorations(text):
     trailing qualifiers (mod, degrees, percent), prose before the number, the left side of a single `=`."""
     text = text.replace("\u2212", "-").replace("\\$", "")
     text = re.sub(r"\$|\\[()\[\]]|\\left|\\right|\\displaystyle|\\!", "", text)
-    text = _TEXT_COMMAND.sub(r" \1 ", text)
+    text = _TEXT_COMMAND.sub(r" \1", text)
     previous = None
     while text != previous:
         previous = text
@@ -1063,18 +1066,234 @@ def score_answer(prediction, gold):
     return 0.0, "no_match"
 
 
-def score_episode(prediction, gold, *, bash_calls, finish_reason, error=None):
-    """An episode scores only if it ended with an accepted final answer, ran at least one bash command and ended
-    without an error (context overflow included)."""
+def unscored_reason(prediction, *, bash_calls, finish_reason, error=None):
+    """The score method of an episode that cannot score, or None when its answer is to be scored: it must have
+    ended with an accepted final answer, run at least one bash command and ended without an error (context
+    overflow included)."""
     if finish_reason == "context_overflow":
-        return 0.0, "context_overflow"
+        return "context_overflow"
     if error is not None or finish_reason == "error":
-        return 0.0, "error"
+        return "error"
     if prediction is None:
-        return 0.0, "missing_final_answer"
+        return "missing_final_answer"
     if bash_calls == 0:
-        return 0.0, "no_bash_call"
-    return score_answer(prediction, gold)
+        return "no_bash_call"
+    return None
+
+
+def score_episode(prediction, gold, *, bash_calls, finish_reason, error=None):
+    """(score, method) of an episode, scored in this thread (run_episode scores through the scorer pool)."""
+    reason = unscored_reason(prediction, bash_calls=bash_calls, finish_reason=finish_reason, error=error)
+    return (0.0, reason) if reason else score_answer(prediction, gold)
+
+
+# ---- Scoring off the event loop, in worker processes that can be killed
+#
+# sympy can run for minutes on an answer such as 2^{2001^{2000}}, mostly inside C code that holds the GIL (a thread
+# would freeze the whole engine) and that no signal interrupts. So the episode loop scores in a small pool of
+# worker processes: each pool thread owns one worker; a call not answered within SCORE_TIMEOUT_S kills that worker
+# (0, "score_timeout") and the next call starts a fresh one; a worker that dies or garbles its reply gives
+# (0, "score_error"). Workers are fresh interpreters (subprocess: no fork of the vLLM process and its threads)
+# without torch and vLLM (see _SCORER_WORKER_SCRIPT). They die with their pool thread (PR_SET_PDEATHSIG), so with
+# the process, even a killed one.
+
+SCORE_TIMEOUT_S = 20.0            # wall-clock limit of one scoring call (math_verify's own limits are 5 s per step)
+SCORER_PROCESSES = 4              # worker processes, started lazily, one per pool thread
+SCORER_START_TIMEOUT_S = 300.0    # a worker's start-up (imports of sympy and math_verify); not part of the limit
+SCORER_MEMORY_BYTES = 4 * 1024**3  # RLIMIT_AS of a worker: a runaway sympy allocation ends in MemoryError
+
+# A worker imports common with placeholders for torch and vllm, which scoring never uses: any attribute, call or
+# submodule of a placeholder is another placeholder (so common's module-level `device_type() == "cpu"` is False).
+_SCORER_WORKER_SCRIPT = """\
+import importlib.abc, importlib.machinery, sys, types
+class Placeholder(types.ModuleType):
+    __path__ = []
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Placeholder(f"{self.__name__}.{name}")
+    def __call__(self, *args, **kwargs):
+        return Placeholder(f"{self.__name__}()")
+class PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "vllm"):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+    def create_module(self, spec):
+        return Placeholder(spec.name)
+    def exec_module(self, module):
+        pass
+sys.meta_path.insert(0, PlaceholderFinder())
+sys.path.insert(0, sys.argv[1])
+import common
+common._scorer_worker_main(int(sys.argv[2]))
+"""
+
+
+def _scorer_worker_main(parent_pid):
+    """A worker's loop: one JSON line [prediction, gold] in on stdin, one line [score, method] out."""
+    import ctypes
+    import resource
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: die with the thread that started us
+    if os.getppid() != parent_pid:  # it died before prctl
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which ends its workers
+    resource.setrlimit(resource.RLIMIT_AS, (SCORER_MEMORY_BYTES, SCORER_MEMORY_BYTES))
+    replies = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # a stray print (sympy, warnings) goes to stderr, never into the replies
+    for prediction, gold in ((r"\frac{1}{2}", "0.5"), ("x + 1", "y")):  # loads math_verify's grammar and sympy's
+        score_answer(prediction, gold)                                   # lazy modules (seconds) before any clock
+    replies.write(b'"ready"\n')
+    for line in sys.stdin.buffer:
+        try:
+            prediction, gold = json.loads(line)
+            score, method = score_answer(prediction, gold)
+        except BaseException as exc:  # MemoryError, RecursionError, ...: this answer scores 0, the worker goes on
+            score, method = 0.0, "score_error"
+            print(f"[scorer] {type(exc).__name__}: {exc}", file=sys.stderr)
+        replies.write((json.dumps([score, method]) + "\n").encode())
+
+
+class _ScorerWorker:
+    """One worker process and the parent's end of its pipes."""
+
+    def __init__(self):
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _SCORER_WORKER_SCRIPT, str(REPO), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        self.ready = False
+
+    def read_line(self, timeout_s):
+        """One reply line; TimeoutError when none comes in time, EOFError when the worker is gone."""
+        deadline, line = time.monotonic() + timeout_s, b""
+        fd = self.process.stdout.fileno()
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise EOFError
+            line += chunk
+        return json.loads(line)
+
+    def score(self, prediction, gold, timeout_s):
+        if not self.ready:
+            if self.read_line(SCORER_START_TIMEOUT_S) != "ready":
+                raise ValueError("worker did not start")
+            self.ready = True
+        self.process.stdin.write((json.dumps([prediction, gold]) + "\n").encode())
+        score, method = self.read_line(timeout_s)
+        return float(score), str(method)
+
+    def kill(self):
+        with contextlib.suppress(OSError):
+            self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
+class _ScorerPool:
+    """Idle workers wait in a list; a call takes one (or starts one when none is idle: at most one per pool thread).
+    """
+
+    def __init__(self, processes):
+        self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=processes, thread_name_prefix="scorer")
+        self.idle, self.busy, self.lock, self.closed = [], set(), threading.Lock(), False
+
+    def score(self, prediction, gold):
+        """Runs in a pool thread. Never raises: a timeout or a broken worker scores 0 and is killed, and its
+        replacement starts at once (its start-up overlaps what comes next)."""
+        worker = None
+        try:
+            worker = self.take()
+            result = worker.score(prediction, gold, SCORE_TIMEOUT_S)
+            self.give_back(worker)
+            return result
+        except TimeoutError:
+            result = 0.0, "score_timeout"
+        except Exception:  # a worker that died or garbled its reply, a failed start: this answer only scores 0
+            result = 0.0, "score_error"
+        with contextlib.suppress(Exception):
+            self.replace(worker)
+        return result
+
+    def take(self):
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the scorer pool is shut down")
+            while self.idle:
+                worker = self.idle.pop()
+                if worker.process.poll() is None:
+                    break
+                worker.kill()  # died while idle
+            else:
+                worker = _ScorerWorker()
+            self.busy.add(worker)
+            return worker
+
+    def give_back(self, worker):
+        with self.lock:
+            self.busy.discard(worker)
+            if self.closed:
+                worker.kill()
+            else:
+                self.idle.append(worker)
+
+    def replace(self, worker):
+        if worker is not None:
+            worker.kill()
+        with self.lock:
+            self.busy.discard(worker)
+            if not self.closed:
+                self.idle.append(_ScorerWorker())
+
+    def workers(self):
+        with self.lock:
+            return self.idle + list(self.busy)
+
+    def shutdown(self):
+        with self.lock:
+            self.closed = True
+            workers, self.idle = self.idle + list(self.busy), []
+        for worker in workers:  # a call still waiting on one of them sees EOF and returns at once
+            worker.kill()
+        self.threads.shutdown(wait=True, cancel_futures=True)
+
+
+_scorer_pool_instance = None
+_scorer_pool_lock = threading.Lock()
+
+
+def _scorer_pool():
+    """The process's scorer pool, created on first use and shut down at exit."""
+    global _scorer_pool_instance
+    with _scorer_pool_lock:
+        if _scorer_pool_instance is None:
+            _scorer_pool_instance = _ScorerPool(SCORER_PROCESSES)
+            atexit.register(shutdown_scorer_pool)
+        return _scorer_pool_instance
+
+
+def shutdown_scorer_pool():
+    """Kill the scorer workers; the next scoring call starts a new pool."""
+    global _scorer_pool_instance
+    with _scorer_pool_lock:
+        pool, _scorer_pool_instance = _scorer_pool_instance, None
+    if pool is not None:
+        pool.shutdown()
+
+
+async def score_answer_isolated(prediction, gold):
+    """score_answer(prediction, gold) in a scorer worker, awaited without blocking the event loop. At most
+    SCORE_TIMEOUT_S of scoring (plus a worker's start-up); never raises."""
+    if prediction is None or not prediction.strip():
+        return score_answer(prediction, gold)
+    pool = _scorer_pool()
+    return await asyncio.get_running_loop().run_in_executor(pool.threads, pool.score, prediction, gold)
 
 
 # ---- Seeds: every request carries its own seed, so any sample can be re-run on its own
@@ -1419,8 +1638,8 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
     finally:
         remove_workdir(workdir)
 
-    score, score_method = score_episode(prediction, problem["answer"], bash_calls=bash_calls,
-                                        finish_reason=finish_reason, error=error)
+    reason = unscored_reason(prediction, bash_calls=bash_calls, finish_reason=finish_reason, error=error)
+    score, score_method = (0.0, reason) if reason else await score_answer_isolated(prediction, problem["answer"])
     return {
         "problem_id": problem_id, "sample_index": sample_index,
         "seed": request_seed(run_seed, problem_id, sample_index, 0),
