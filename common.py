@@ -939,8 +939,10 @@ def extract_final_answer(text):
 # ---- Scoring
 
 def _math_verify_timeout():
-    # math_verify's timeouts use signal.alarm, which only works in the main thread; elsewhere run without them
-    return 5 if threading.current_thread() is threading.main_thread() else None
+    # math_verify's timeouts use signal.alarm, which only works in the main thread; elsewhere run without them. A
+    # scorer worker runs without them too: there the pool's hard kill (SCORE_TIMEOUT_S) is the one limit.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    return 5 if in_main_thread and not _IN_SCORER_WORKER else None
 
 
 def _math_verify(prediction, gold):
@@ -1129,10 +1131,17 @@ common._scorer_worker_main(int(sys.argv[2]))
 """
 
 
+_IN_SCORER_WORKER = False
+
+
 def _scorer_worker_main(parent_pid):
     """A worker's loop: one JSON line [prediction, gold] in on stdin, one line [score, method] out."""
     import ctypes
+    import logging
     import resource
+    global _IN_SCORER_WORKER
+    _IN_SCORER_WORKER = True
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": the pool is the timeout
     with contextlib.suppress(Exception):
         ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: die with the thread that started us
     if os.getppid() != parent_pid:  # it died before prctl
