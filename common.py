@@ -1301,8 +1301,11 @@ async def score_answer_isolated(prediction, gold):
     SCORE_TIMEOUT_S of scoring (plus a worker's start-up); never raises."""
     if prediction is None or not prediction.strip():
         return score_answer(prediction, gold)
-    pool = _scorer_pool()
-    return await asyncio.get_running_loop().run_in_executor(pool.threads, pool.score, prediction, gold)
+    try:
+        pool = _scorer_pool()
+        return await asyncio.get_running_loop().run_in_executor(pool.threads, pool.score, prediction, gold)
+    except RuntimeError:  # the pool was shut down under this call (exit, or a test)
+        return 0.0, "score_error"
 
 
 # ---- Seeds: every request carries its own seed, so any sample can be re-run on its own
