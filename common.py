@@ -872,9 +872,10 @@ def _bash_command(obj):
 
 def parse_action(text):
     """The bash command of the FIRST well-formed bash action in the reply (prose and code fences around it are
-    fine), or None (also when that command is blank). First, because the model is told to act once per reply and anything written after its first
-    call was written without seeing that call's output. If no object decodes, a relaxed pattern catches the common
-    slip of unescaped double quotes inside the command string; its text is taken verbatim."""
+    fine), or None, also when that command is blank. First, because the model is told to act once per reply and
+    anything written after its first call was written without seeing that call's output. If no object decodes, a
+    relaxed pattern catches the common slip of unescaped double quotes inside the command string; its text is taken
+    verbatim."""
     text = strip_think(text)
     for start in _OBJECT_START.finditer(text):
         try:
@@ -890,8 +891,9 @@ def parse_action(text):
 
 # only at the start of a line, after optional markdown (quote, list bullet or number, heading, emphasis): prose such
 # as "I computed the answer: 16 earlier" in the middle of a line commits to nothing
-_ANSWER_MARKER = re.compile(r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answer|answer)[ \t]*(?:\*\*|__)?[ \t]*[:：]",
-                            re.IGNORECASE | re.MULTILINE)
+_ANSWER_MARKER = re.compile(
+    r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answer|answer)[ \t]*(?:\*\*|__)?[ \t]*[:：]",
+    re.IGNORECASE | re.MULTILINE)
 _BOXED = re.compile(r"\\boxed\s*\{")
 
 
@@ -955,8 +957,7 @@ def _math_verify(prediction, gold):
         if not gold_parsed or not pred_parsed:
             return None
         return bool(mv_verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
-    except (Exception, MathVerifyTimeout):  # many kinds (sympy, recursion, its timeout, a BaseException): all
-        # mean "cannot decide"
+    except (Exception, MathVerifyTimeout):  # sympy errors, recursion, its timeout (a BaseException): "cannot decide"
         return None
 
 
@@ -1093,14 +1094,15 @@ def score_episode(prediction, gold, *, bash_calls, finish_reason, error=None):
 #
 # sympy can run for minutes on an answer such as 2^{2001^{2000}}, mostly inside C code that holds the GIL (a thread
 # would freeze the whole engine) and that no signal interrupts. So the episode loop scores in a small pool of
-# worker processes: each pool thread owns one worker; a call not answered within SCORE_TIMEOUT_S kills that worker
-# (0, "score_timeout") and the next call starts a fresh one; a worker that dies or garbles its reply gives
-# (0, "score_error"). Workers are fresh interpreters (subprocess: no fork of the vLLM process and its threads)
-# without torch and vLLM (see _SCORER_WORKER_SCRIPT). They die with their pool thread (PR_SET_PDEATHSIG), so with
-# the process, even a killed one.
+# worker processes, awaited through the pool's threads: a call takes an idle worker (or starts one); a worker that
+# does not answer within SCORE_TIMEOUT_S is killed (0, "score_timeout"), one that dies or garbles its reply too
+# (0, "score_error"), and a replacement starts at once. Workers are fresh interpreters (subprocess: no fork of the
+# vLLM process and its threads) without torch and vLLM (see _SCORER_WORKER_SCRIPT). They die with the pool thread
+# that started them (PR_SET_PDEATHSIG; pool threads live as long as the pool), so with the process, even a killed
+# one.
 
-SCORE_TIMEOUT_S = 20.0            # wall-clock limit of one scoring call (math_verify's own limits are 5 s per step)
-SCORER_PROCESSES = 4              # worker processes, started lazily, one per pool thread
+SCORE_TIMEOUT_S = 20.0            # wall-clock limit of one scoring call in a worker (normal answers take ms)
+SCORER_PROCESSES = 4              # at most this many workers (and scoring calls at once), started lazily
 SCORER_START_TIMEOUT_S = 300.0    # a worker's start-up (imports of sympy and math_verify); not part of the limit
 SCORER_MEMORY_BYTES = 4 * 1024**3  # RLIMIT_AS of a worker: a runaway sympy allocation ends in MemoryError
 
@@ -1206,8 +1208,7 @@ class _ScorerWorker:
 
 
 class _ScorerPool:
-    """Idle workers wait in a list; a call takes one (or starts one when none is idle: at most one per pool thread).
-    """
+    """Idle workers wait in a list; a call takes one, or starts one when none is idle (at most one per thread)."""
 
     def __init__(self, processes):
         self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=processes, thread_name_prefix="scorer")
@@ -1283,7 +1284,6 @@ def _scorer_pool():
     with _scorer_pool_lock:
         if _scorer_pool_instance is None:
             _scorer_pool_instance = _ScorerPool(SCORER_PROCESSES)
-            atexit.register(shutdown_scorer_pool)
         return _scorer_pool_instance
 
 
@@ -1294,6 +1294,9 @@ def shutdown_scorer_pool():
         pool, _scorer_pool_instance = _scorer_pool_instance, None
     if pool is not None:
         pool.shutdown()
+
+
+atexit.register(shutdown_scorer_pool)
 
 
 async def score_answer_isolated(prediction, gold):
