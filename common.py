@@ -1014,7 +1014,7 @@ def _strip_decorations(text):
     previous = None
     while text != previous:
         previous = text
-        text = _strip_outer_braces(_unbox(text.strip().strip("*_`").strip().rstrip(".!;").strip()))
+        text = _strip_outer_braces(_unbox(text.strip().strip("*_`").strip().rstrip(".;").strip()))  # not "!": 5!
         text = re.split(r"(?<=[.!?;])\s+(?=\S)", text)[-1]  # the last sentence
         text = _TRAILING_QUALIFIER.sub("", text)
     if text.count("=") == 1:

@@ -224,7 +224,7 @@ def test_integer_gold_compares_numbers(prediction, gold, expected):
 
 @pytest.mark.parametrize("prediction", [
     r"2^{10}", r"\sqrt{16}", "5 or 6", "x = 5, y = 6", "1, 2", "12 345 6", r"5\sqrt{2}", "2 pi", r"1000^{3}",
-    "x^2 + 1", "(5)", "", "1" * 5000,
+    "x^2 + 1", "(5)", "", "1" * 5000, "5!", r"3\sqrt{5}",
 ])
 def test_not_one_number(prediction):
     assert A.read_number(prediction) is None
@@ -233,6 +233,7 @@ def test_not_one_number(prediction):
 def test_integer_gold_falls_back_to_math_verify_for_expressions():
     assert A.score_answer(r"2^{10}", "1024") == (1.0, "math_verify")
     assert A.score_answer(r"\binom{5}{2}", "10") == (1.0, "math_verify")
+    assert A.score_answer("5!", "120") == (1.0, "math_verify")  # a factorial, not "5" with an exclamation mark
     assert A.score_answer(r"\sqrt{2}", "1") == (0.0, "math_verify")
 
 
