@@ -18,6 +18,7 @@ Sections, in order:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -28,6 +29,7 @@ import json
 import math
 import os
 import re
+import select
 import selectors
 import shlex
 import shutil
@@ -45,6 +47,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 from math_verify import parse as mv_parse, verify as mv_verify
+from math_verify.errors import TimeoutException as MathVerifyTimeout
 
 REPO = Path(__file__).resolve().parent
 
@@ -941,9 +944,10 @@ def _bash_command(obj):
 
 def parse_action(text):
     """The bash command of the FIRST well-formed bash action in the reply (prose and code fences around it are
-    fine), or None. First, because the model is told to act once per reply and anything written after its first
-    call was written without seeing that call's output. If no object decodes, a relaxed pattern catches the common
-    slip of unescaped double quotes inside the command string; its text is taken verbatim."""
+    fine), or None, also when that command is blank. First, because the model is told to act once per reply and
+    anything written after its first call was written without seeing that call's output. If no object decodes, a
+    relaxed pattern catches the common slip of unescaped double quotes inside the command string; its text is taken
+    verbatim."""
     text = strip_think(text)
     for start in _OBJECT_START.finditer(text):
         try:
@@ -951,13 +955,17 @@ def parse_action(text):
         except ValueError:
             continue
         command = _bash_command(obj)
-        if command is not None:
-            return command
+        if command is not None:  # a blank command runs nothing: no call (it never counts as the required one)
+            return command if command.strip() else None
     relaxed = _RELAXED_ACTION.search(text)
-    return relaxed.group(1) if relaxed else None
+    return relaxed.group(1) if relaxed and relaxed.group(1).strip() else None
 
 
-_ANSWER_MARKER = re.compile(r"\b(?:final\s+answer|answer)\s*(?:\*\*)?\s*[:：]", re.IGNORECASE)
+# only at the start of a line, after optional markdown (quote, list bullet or number, heading, emphasis): prose such
+# as "I computed the answer: 16 earlier" in the middle of a line commits to nothing
+_ANSWER_MARKER = re.compile(
+    r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answer|answer)[ \t]*(?:\*\*|__)?[ \t]*[:：]",
+    re.IGNORECASE | re.MULTILINE)
 _BOXED = re.compile(r"\\boxed\s*\{")
 
 
@@ -982,7 +990,8 @@ def _clean_answer_text(text):
 
 
 def extract_final_answer(text):
-    """The answer the reply commits to, or None. Last `Final answer:`/`Answer:` line (ASCII or full-width colon):
+    """The answer the reply commits to, or None. Last line that starts with `Final answer:`/`Answer:` (after optional
+    markdown such as `**`, `>`, `-`; ASCII or full-width colon):
     its \\boxed{} content if the box opens on that line, else the rest of the line. Without such a line (or with an
     empty one), the last balanced \\boxed{} anywhere."""
     text = strip_think(text)
@@ -1004,8 +1013,10 @@ def extract_final_answer(text):
 # ---- Scoring
 
 def _math_verify_timeout():
-    # math_verify's timeouts use signal.alarm, which only works in the main thread; elsewhere run without them
-    return 5 if threading.current_thread() is threading.main_thread() else None
+    # math_verify's timeouts use signal.alarm, which only works in the main thread; elsewhere run without them. A
+    # scorer worker runs without them too: there the pool's hard kill (SCORE_TIMEOUT_S) is the one limit.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    return 5 if in_main_thread and not _IN_SCORER_WORKER else None
 
 
 def _math_verify(prediction, gold):
@@ -1018,7 +1029,7 @@ def _math_verify(prediction, gold):
         if not gold_parsed or not pred_parsed:
             return None
         return bool(mv_verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
-    except Exception:  # math_verify raises many kinds (sympy, timeouts, recursion): all mean "cannot decide"
+    except (Exception, MathVerifyTimeout):  # sympy errors, recursion, its timeout (a BaseException): "cannot decide"
         return None
 
 
@@ -1048,54 +1059,328 @@ def normalize_answer(text):
     return text.rstrip(".").lower()
 
 
-# 12, -0.5, 3/4; deliberately no exponents: Fraction("1e999999999") would never finish
-_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:/(?:\d+(?:\.\d*)?|\.\d+))?")
-_LATEX_FRACTION = re.compile(r"([+-]?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
+# Reading an answer as a number. Models decorate numbers (1\,000, \$1000, 5^\circ, 12 \pmod{20}, **42**, "so the
+# answer is 42"), and math_verify, given "$1\,000$", reads the product 1*000: for an integer gold the number decides.
+_GROUP_SEPARATOR = r"(?:,|\{,\}|\\[,;: ]|~|[ \u00a0\u2009\u202f])"  # 1,000  1{,}000  1\,000  1~000  1 000
+_UNSIGNED = rf"(?:(?:\d{{1,3}}(?:{_GROUP_SEPARATOR}\d{{3}})+|\d+)(?:\.\d+)?|\.\d+)"
+_SIGNED = rf"[+-]?\s*{_UNSIGNED}"  # deliberately no exponents: Fraction("1e999999999") would never finish
+_NUMBER = re.compile(_SIGNED)
+_SLASH_FRACTION = re.compile(rf"({_SIGNED})\s*/\s*({_SIGNED})")
+_LATEX_FRACTION = re.compile(rf"([+-]?)\s*\\[dtc]?frac\s*\{{\s*({_SIGNED})\s*\}}\s*\{{\s*({_SIGNED})\s*\}}")
+_TEXT_COMMAND = re.compile(r"\\(?:text(?:bf|it|rm|normal)?|math(?:rm|bf|it)|mbox|operatorname)\s*\{([^{}]*)\}")
+_TRAILING_QUALIFIER = re.compile(
+    r"(?:\s*\(?\s*\\?[pb]?mod(?:ulo)?\s*\{?\s*\d+\s*\}?\s*\)?"          # 12 \pmod{20}, 12 (mod 20)
+    r"|\s*(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)"                        # 5^\circ, 5°
+    r"|\s*\\?%"                                                          # 25\%
+    r"|(?:\s|\\[,;: ]|~)+(?!pi\b)[A-Za-z]{2,}\.?(?:\^\{?[23]\}?)?)$",    # 1000 dollars, 12 cm^2 (not "2 pi")
+    re.IGNORECASE)
+_PROSE_PREFIX = re.compile(r"^(?:[A-Za-z][A-Za-z'’]*[\s,:]+)+(?=[+\-\\.\d])")  # so the answer is 42
 
 
-def _as_number(normalized):
-    """An exact Fraction for integers, decimals, a/b and \\frac{a}{b}; None otherwise."""
+def _strip_decorations(text):
+    """The bare answer: no box, $, \\text{}, markdown emphasis, sentence punctuation, earlier sentences, units,
+    trailing qualifiers (mod, degrees, percent), prose before the number, the left side of a single `=`."""
+    text = text.replace("\u2212", "-").replace("\\$", "")
+    text = re.sub(r"\$|\\[()\[\]]|\\left|\\right|\\displaystyle|\\!", "", text)
+    text = _TEXT_COMMAND.sub(r" \1", text)
+    previous = None
+    while text != previous:
+        previous = text
+        text = _strip_outer_braces(_unbox(text.strip().strip("*_`").strip().rstrip(".;").strip()))  # not "!": 5!
+        text = re.split(r"(?<=[.!?;])\s+(?=\S)", text)[-1]  # the last sentence
+        text = _TRAILING_QUALIFIER.sub("", text)
+    if text.count("=") == 1:
+        text = text.split("=")[1]
+    return _PROSE_PREFIX.sub("", text.strip())
+
+
+def _fraction(number_text):
+    return Fraction(re.sub(rf"\s|{_GROUP_SEPARATOR}", "", number_text))
+
+
+def read_number(text):
+    """An exact Fraction for an answer that is one number (integer, decimal, a/b or \\frac{a}{b}, decorated as
+    _strip_decorations allows), else None."""
+    if text is None or len(text) > 1000:  # a number is short; the regexes stay cheap
+        return None
+    bare = _strip_decorations(text)
     try:
-        if _PLAIN_NUMBER.fullmatch(normalized):
-            return Fraction(normalized)
-        match = _LATEX_FRACTION.fullmatch(normalized)
-        if match and _PLAIN_NUMBER.fullmatch(match.group(2)) and _PLAIN_NUMBER.fullmatch(match.group(3)):
-            value = Fraction(match.group(2)) / Fraction(match.group(3))
-            return -value if match.group(1) == "-" else value
-    except (ValueError, ZeroDivisionError):
+        if _NUMBER.fullmatch(bare):
+            return _fraction(bare)
+        if match := _SLASH_FRACTION.fullmatch(bare):
+            return _fraction(match[1]) / _fraction(match[2])
+        if match := _LATEX_FRACTION.fullmatch(bare):
+            value = _fraction(match[2]) / _fraction(match[3])
+            return -value if match[1] == "-" else value
+    except (ValueError, ZeroDivisionError):  # more digits than int() reads, a zero denominator
         pass
     return None
 
 
 def score_answer(prediction, gold):
-    """(score 0.0 or 1.0, method). math_verify first, gold first; when it cannot decide, normalised exact match and
-    numeric equality within 1e-8."""
+    """(score 0.0 or 1.0, method). A pure function; it may run for a long time on adversarial input (sympy), so the
+    episode loop calls it through score_answer_isolated. For an integer gold, a prediction that reads as a number
+    is compared exactly (integer_match). Otherwise math_verify, gold first; when it cannot decide, normalised exact
+    match and numeric equality within 1e-8."""
     if prediction is None or not prediction.strip():
         return 0.0, "missing_final_answer"
+    gold_number = read_number(gold)
+    if gold_number is not None and gold_number.denominator == 1:
+        predicted_number = read_number(prediction)
+        if predicted_number is not None:
+            return float(predicted_number == gold_number), "integer_match"
     decided = _math_verify(prediction, gold)
     if decided is not None:
         return float(decided), "math_verify"
     pred_norm, gold_norm = normalize_answer(prediction), normalize_answer(gold)
     if pred_norm == gold_norm:
         return 1.0, "exact_match"
-    pred_num, gold_num = _as_number(pred_norm), _as_number(gold_norm)
+    pred_num, gold_num = read_number(prediction), read_number(gold)
     if pred_num is not None and gold_num is not None:
         return float(abs(pred_num - gold_num) <= Fraction(1, 10**8)), "numeric_match"
     return 0.0, "no_match"
 
 
-def score_episode(prediction, gold, *, bash_calls, finish_reason, error=None):
-    """An episode scores only if it ended with an accepted final answer, ran at least one bash command and ended
-    without an error (context overflow included)."""
+def unscored_reason(prediction, *, bash_calls, finish_reason, error=None):
+    """The score method of an episode that cannot score, or None when its answer is to be scored: it must have
+    ended with an accepted final answer, run at least one bash command and ended without an error (context
+    overflow included)."""
     if finish_reason == "context_overflow":
-        return 0.0, "context_overflow"
+        return "context_overflow"
     if error is not None or finish_reason == "error":
-        return 0.0, "error"
+        return "error"
     if prediction is None:
-        return 0.0, "missing_final_answer"
+        return "missing_final_answer"
     if bash_calls == 0:
-        return 0.0, "no_bash_call"
-    return score_answer(prediction, gold)
+        return "no_bash_call"
+    return None
+
+
+def score_episode(prediction, gold, *, bash_calls, finish_reason, error=None):
+    """(score, method) of an episode, scored in this thread (run_episode scores through the scorer pool)."""
+    reason = unscored_reason(prediction, bash_calls=bash_calls, finish_reason=finish_reason, error=error)
+    return (0.0, reason) if reason else score_answer(prediction, gold)
+
+
+# ---- Scoring off the event loop, in worker processes that can be killed
+#
+# sympy can run for minutes on an answer such as 2^{2001^{2000}}, mostly inside C code that holds the GIL (a thread
+# would freeze the whole engine) and that no signal interrupts. So the episode loop scores in a small pool of
+# worker processes, awaited through the pool's threads: a call takes an idle worker (or starts one); a worker that
+# does not answer within SCORE_TIMEOUT_S is killed (0, "score_timeout"), one that dies or garbles its reply too
+# (0, "score_error"), and a replacement starts at once. Workers are fresh interpreters (subprocess: no fork of the
+# vLLM process and its threads) without torch and vLLM (see _SCORER_WORKER_SCRIPT). They die with the pool thread
+# that started them (PR_SET_PDEATHSIG; pool threads live as long as the pool), so with the process, even a killed
+# one.
+
+SCORE_TIMEOUT_S = 20.0            # wall-clock limit of one scoring call in a worker (normal answers take ms)
+SCORER_PROCESSES = 4              # at most this many workers (and scoring calls at once), started lazily
+SCORER_START_TIMEOUT_S = 300.0    # a worker's start-up (imports of sympy and math_verify); not part of the limit
+SCORER_MEMORY_BYTES = 4 * 1024**3  # RLIMIT_AS of a worker: a runaway sympy allocation ends in MemoryError
+
+# A worker imports common with placeholders for torch and vllm, which scoring never uses: any attribute, call or
+# submodule of a placeholder is another placeholder (so common's module-level `device_type() == "cpu"` is False).
+_SCORER_WORKER_SCRIPT = """\
+import importlib.abc, importlib.machinery, sys, types
+class Placeholder(types.ModuleType):
+    __path__ = []
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Placeholder(f"{self.__name__}.{name}")
+    def __call__(self, *args, **kwargs):
+        return Placeholder(f"{self.__name__}()")
+class PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "vllm"):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+    def create_module(self, spec):
+        return Placeholder(spec.name)
+    def exec_module(self, module):
+        pass
+sys.meta_path.insert(0, PlaceholderFinder())
+sys.path.insert(0, sys.argv[1])
+import common
+common._scorer_worker_main(int(sys.argv[2]))
+"""
+
+
+_IN_SCORER_WORKER = False
+
+
+def _scorer_worker_main(parent_pid):
+    """A worker's loop: one JSON line [prediction, gold] in on stdin, one line [score, method] out."""
+    import ctypes
+    import logging
+    import resource
+    global _IN_SCORER_WORKER
+    _IN_SCORER_WORKER = True
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": the pool is the timeout
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: die with the thread that started us
+    if os.getppid() != parent_pid:  # it died before prctl
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which ends its workers
+    resource.setrlimit(resource.RLIMIT_AS, (SCORER_MEMORY_BYTES, SCORER_MEMORY_BYTES))
+    replies = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # a stray print (sympy, warnings) goes to stderr, never into the replies
+    for prediction, gold in ((r"\frac{1}{2}", "0.5"), ("x + 1", "y")):  # loads math_verify's grammar and sympy's
+        score_answer(prediction, gold)                                   # lazy modules (seconds) before any clock
+    replies.write(b'"ready"\n')
+    for line in sys.stdin.buffer:
+        try:
+            prediction, gold = json.loads(line)
+            score, method = score_answer(prediction, gold)
+        except BaseException as exc:  # MemoryError, RecursionError, ...: this answer scores 0, the worker goes on
+            score, method = 0.0, "score_error"
+            print(f"[scorer] {type(exc).__name__}: {exc}", file=sys.stderr)
+        replies.write((json.dumps([score, method]) + "\n").encode())
+
+
+class _ScorerWorker:
+    """One worker process and the parent's end of its pipes."""
+
+    def __init__(self):
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _SCORER_WORKER_SCRIPT, str(REPO), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        self.ready = False
+
+    def read_line(self, timeout_s):
+        """One reply line; TimeoutError when none comes in time, EOFError when the worker is gone."""
+        deadline, line = time.monotonic() + timeout_s, b""
+        fd = self.process.stdout.fileno()
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise EOFError
+            line += chunk
+        return json.loads(line)
+
+    def score(self, prediction, gold, timeout_s):
+        if not self.ready:
+            if self.read_line(SCORER_START_TIMEOUT_S) != "ready":
+                raise ValueError("worker did not start")
+            self.ready = True
+        self.process.stdin.write((json.dumps([prediction, gold]) + "\n").encode())
+        score, method = self.read_line(timeout_s)
+        return float(score), str(method)
+
+    def kill(self):
+        with contextlib.suppress(OSError):
+            self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
+class _ScorerPool:
+    """Idle workers wait in a list; a call takes one, or starts one when none is idle (at most one per thread)."""
+
+    def __init__(self, processes):
+        self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=processes, thread_name_prefix="scorer")
+        self.idle, self.busy, self.lock, self.closed = [], set(), threading.Lock(), False
+
+    def score(self, prediction, gold):
+        """Runs in a pool thread. Never raises: a timeout or a broken worker scores 0 and is killed, and its
+        replacement starts at once (its start-up overlaps what comes next)."""
+        worker = None
+        try:
+            worker = self.take()
+            result = worker.score(prediction, gold, SCORE_TIMEOUT_S)
+            self.give_back(worker)
+            return result
+        except TimeoutError:
+            result = 0.0, "score_timeout"
+        except Exception:  # a worker that died or garbled its reply, a failed start: this answer only scores 0
+            result = 0.0, "score_error"
+        with contextlib.suppress(Exception):
+            self.replace(worker)
+        return result
+
+    def take(self):
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the scorer pool is shut down")
+            while self.idle:
+                worker = self.idle.pop()
+                if worker.process.poll() is None:
+                    break
+                worker.kill()  # died while idle
+            else:
+                worker = _ScorerWorker()
+            self.busy.add(worker)
+            return worker
+
+    def give_back(self, worker):
+        with self.lock:
+            self.busy.discard(worker)
+            if self.closed:
+                worker.kill()
+            else:
+                self.idle.append(worker)
+
+    def replace(self, worker):
+        if worker is not None:
+            worker.kill()
+        with self.lock:
+            self.busy.discard(worker)
+            if not self.closed:
+                self.idle.append(_ScorerWorker())
+
+    def workers(self):
+        with self.lock:
+            return self.idle + list(self.busy)
+
+    def shutdown(self):
+        with self.lock:
+            self.closed = True
+            workers, self.idle = self.idle + list(self.busy), []
+        for worker in workers:  # a call still waiting on one of them sees EOF and returns at once
+            worker.kill()
+        self.threads.shutdown(wait=True, cancel_futures=True)
+
+
+_scorer_pool_instance = None
+_scorer_pool_lock = threading.Lock()
+
+
+def _scorer_pool():
+    """The process's scorer pool, created on first use and shut down at exit."""
+    global _scorer_pool_instance
+    with _scorer_pool_lock:
+        if _scorer_pool_instance is None:
+            _scorer_pool_instance = _ScorerPool(SCORER_PROCESSES)
+        return _scorer_pool_instance
+
+
+def shutdown_scorer_pool():
+    """Kill the scorer workers; the next scoring call starts a new pool."""
+    global _scorer_pool_instance
+    with _scorer_pool_lock:
+        pool, _scorer_pool_instance = _scorer_pool_instance, None
+    if pool is not None:
+        pool.shutdown()
+
+
+atexit.register(shutdown_scorer_pool)
+
+
+async def score_answer_isolated(prediction, gold):
+    """score_answer(prediction, gold) in a scorer worker, awaited without blocking the event loop. At most
+    SCORE_TIMEOUT_S of scoring (plus a worker's start-up); never raises."""
+    if prediction is None or not prediction.strip():
+        return score_answer(prediction, gold)
+    try:
+        pool = _scorer_pool()
+        return await asyncio.get_running_loop().run_in_executor(pool.threads, pool.score, prediction, gold)
+    except RuntimeError:  # the pool was shut down under this call (exit, or a test)
+        return 0.0, "score_error"
 
 
 # ---- Seeds: every request carries its own seed, so any sample can be re-run on its own
@@ -1660,8 +1945,8 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
     finally:
         remove_workdir(workdir)
 
-    score, score_method = score_episode(prediction, problem["answer"], bash_calls=bash_calls,
-                                        finish_reason=finish_reason, error=error)
+    reason = unscored_reason(prediction, bash_calls=bash_calls, finish_reason=finish_reason, error=error)
+    score, score_method = (0.0, reason) if reason else await score_answer_isolated(prediction, problem["answer"])
     return {
         "problem_id": problem_id, "sample_index": sample_index,
         "seed": request_seed(run_seed, problem_id, sample_index, 0),

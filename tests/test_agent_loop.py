@@ -5,6 +5,8 @@ import json
 import os
 import time
 
+import pytest
+
 import common as A
 
 PROBLEM = {"id": "p1", "question": "What is 6 times 7?", "answer": "42"}
@@ -36,6 +38,21 @@ class ScriptedPolicy:
         return {"text": reply, "prompt_tokens": 100 * len(messages), "completion_tokens": 7, "finish_reason": "stop"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def warm_scorer_pool():
+    """Episodes score in worker processes; start two once, so that no episode here waits for a start-up."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(A, "SCORER_PROCESSES", 2)
+        A.shutdown_scorer_pool()
+        asyncio.run(_score_concurrently([("1", "1")] * 2))
+        yield
+        A.shutdown_scorer_pool()
+
+
+async def _score_concurrently(pairs):
+    return await asyncio.gather(*(A.score_answer_isolated(prediction, gold) for prediction, gold in pairs))
+
+
 def run(policy, problem=PROBLEM, sample_index=0, **kwargs):
     kwargs.setdefault("run_seed", RUN_SEED)
     return asyncio.run(A.run_episode(policy, problem, sample_index, **kwargs))
@@ -48,7 +65,7 @@ def test_correct_answer_after_bash_scores(monkeypatch):
     monkeypatch.setattr(A, "make_workdir", lambda: workdirs.append(make_workdir()) or workdirs[-1])
     policy = ScriptedPolicy([action("python3 -c 'print(6 * 7)'"), "It prints 42.\nFinal answer: \\boxed{42}"])
     record = run(policy)
-    assert (record["score"], record["score_method"], record["prediction"]) == (1.0, "math_verify", "42")
+    assert (record["score"], record["score_method"], record["prediction"]) == (1.0, "integer_match", "42")
     assert (record["turns"], record["bash_calls"], record["finish_reason"], record["error"]) == (2, 1, "final_answer", None)
     assert record["completion_tokens"] == 14 and record["prompt_tokens"] == 400  # sum, last
     assert record["seed"] == A.request_seed(RUN_SEED, "p1", 0, 0)
@@ -75,6 +92,23 @@ def test_never_running_bash_never_scores():
     record = run(policy, max_turns=3)
     assert record["score"] == 0.0 and record["bash_calls"] == 0 and record["finish_reason"] == "max_turns"
     assert [m["content"] for m in record["messages"][3::2]] == [A.ANSWER_BEFORE_BASH_MESSAGE] * 3
+
+
+def test_blank_command_is_not_the_required_bash_call():
+    blank = json.dumps({"name": "bash", "arguments": {"command": "  \n "}})
+    policy = ScriptedPolicy([blank, "Final answer: \\boxed{42}", action("echo 42"), "Final answer: \\boxed{42}"])
+    record = run(policy)
+    assert record["messages"][3] == {"role": "user", "content": A.NO_ACTION_MESSAGE}
+    assert record["messages"][5] == {"role": "user", "content": A.ANSWER_BEFORE_BASH_MESSAGE}
+    assert (record["turns"], record["bash_calls"], record["score"]) == (4, 1, 1.0)
+
+
+def test_answer_mentioned_mid_line_does_not_end_the_episode():
+    policy = ScriptedPolicy([action("echo 16"), "I computed the answer: 16 earlier, let me double-check.",
+                             action("echo 42"), "Checked.\nFinal answer: \\boxed{42}"])
+    record = run(policy)
+    assert record["messages"][5] == {"role": "user", "content": A.NO_ACTION_MESSAGE}
+    assert (record["turns"], record["prediction"], record["score"]) == (4, "42", 1.0)
 
 
 def test_no_action_gets_the_corrective_message():
@@ -196,3 +230,29 @@ def test_write_transcripts_markdown(tmp_path):
     assert "1 of 2" in text and "sample 5" in text and "sample 0" not in text
     assert "### 0. system" in text and "### 2. assistant" in text and "### 3. user" in text
     assert "````text" in text  # the fence outgrows the backticks inside the message
+
+
+def test_a_hanging_answer_times_out_without_delaying_other_episodes(monkeypatch):
+    # sympy alone runs for minutes on this answer, holding the GIL (measured by hand: > 4 min, process frozen)
+    monkeypatch.setattr(A, "SCORE_TIMEOUT_S", 6.0)
+    tower_scoring = asyncio.Event()
+
+    async def policy(messages, *, seed, max_tokens):
+        pid, turn = messages[1]["content"].split("#")[1].split()[0], len(messages) // 2 - 1
+        if turn == 0:
+            return {"text": action("true")}
+        if pid == "tower":  # this reply ends the episode; scoring starts right after it
+            asyncio.get_running_loop().call_soon(tower_scoring.set)
+            return {"text": "Final answer: \\boxed{2^{2001^{2000}}}"}
+        await tower_scoring.wait()  # the others answer while the tower is being scored
+        return {"text": "Final answer: \\boxed{42}"}
+
+    items = [({"id": pid, "question": f"problem #{pid} ?", "answer": "42"}, 0) for pid in ("tower", "a", "b", "c")]
+    finished = []
+    records = asyncio.run(A.run_episodes(policy, items, run_seed=RUN_SEED, progress=finished.append))
+    tower = records[0]
+    assert (tower["score"], tower["score_method"], tower["finish_reason"]) == (0.0, "score_timeout", "final_answer")
+    assert tower["seconds"] < 3 * A.SCORE_TIMEOUT_S  # it ended (not minutes of sympy)
+    assert all((r["score"], r["score_method"]) == (1.0, "integer_match") for r in records[1:])
+    assert [r["problem_id"] for r in finished][-1] == "tower"  # the others finished while it was being scored
+    assert all(r["seconds"] < tower["seconds"] for r in records[1:])

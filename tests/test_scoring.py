@@ -1,6 +1,8 @@
 """Answer extraction and scoring (SPEC section 4, "Scoring")."""
 
+import asyncio
 import threading
+import time
 
 import pytest
 
@@ -83,15 +85,15 @@ def test_missing_answer_method():
     assert A.score_answer(A.extract_final_answer("nothing"), "42") == (0.0, "missing_final_answer")
 
 
-@pytest.mark.parametrize("prediction, gold, expected", [
-    ("1,000", "1000", (1.0, "exact_match")),
+@pytest.mark.parametrize("prediction, gold, expected", [  # non-integer golds: integers never reach math_verify
+    ("1,000.5", "1000.5", (1.0, "exact_match")),
     (r"\boxed{{ABC}}.", "abc", (1.0, "exact_match")),
-    ("$7$", "7", (1.0, "exact_match")),
+    ("$x_7$", "x_7", (1.0, "exact_match")),
     ("3/4", "0.75", (1.0, "numeric_match")),
     (r"\frac{3}{4}", "0.75", (1.0, "numeric_match")),
     (r"-\frac{1}{3}", "-0.333333333333", (1.0, "numeric_match")),
     ("0.3333", "1/3", (0.0, "numeric_match")),  # 1e-8, not math_verify's rounding
-    ("12", "13", (0.0, "numeric_match")),
+    ("1.2", "1.3", (0.0, "numeric_match")),
     ("red", "blue", (0.0, "no_match")),
 ])
 def test_fallback_when_math_verify_cannot_decide(monkeypatch, prediction, gold, expected):
@@ -116,7 +118,8 @@ def test_scoring_works_off_the_main_thread():
 
 def test_score_episode_rules():
     good = dict(bash_calls=2, finish_reason="final_answer", error=None)
-    assert A.score_episode("42", "42", **good) == (1.0, "math_verify")
+    assert A.score_episode("42", "42", **good) == (1.0, "integer_match")
+    assert A.score_episode(r"\sqrt{2}", r"\sqrt{2}", **good) == (1.0, "math_verify")
     assert A.score_episode("41", "42", **good)[0] == 0.0
     # a right answer without a bash call never scores
     assert A.score_episode("42", "42", bash_calls=0, finish_reason="final_answer") == (0.0, "no_bash_call")
@@ -167,3 +170,109 @@ def test_request_seed_is_stable_and_63_bit():
     assert isinstance(seed, int) and 0 <= seed < 2**63
     seeds = {A.request_seed(run, pid, s, t) for run in (0, 1) for pid in ("a", "b") for s in range(4) for t in range(5)}
     assert len(seeds) == 2 * 2 * 4 * 5  # every field changes the seed
+
+
+# ---- the answer marker counts only at the start of a line
+
+@pytest.mark.parametrize("output, expected", [
+    # prose that mentions "answer:" mid-line commits to nothing and does not replace the boxed answer
+    (r"So \boxed{12} is it; I computed the answer: 16 earlier.", "12"),
+    (r"\boxed{7}" "\nLet me check that the answer: is verified", "7"),
+    ("I computed the answer: 16 earlier, now checking.", None),
+    ("Checking whether the final answer: 5 holds.", None),
+    # after markdown at the start of the line it counts
+    ("> Final answer: 9", "9"),
+    ("- **Answer:** 14", "14"),
+    ("  * Final Answer: 3", "3"),
+    ("### Final answer: 21", "21"),
+    (r"2. **Final answer**: \boxed{8}", "8"),
+    ("We had an answer: 5 before.\nAnswer: 6", "6"),
+])
+def test_answer_marker_only_at_line_start(output, expected):
+    assert A.extract_final_answer(output) == expected
+
+
+# ---- numbers compare as numbers when the gold is an integer
+
+@pytest.mark.parametrize("prediction, gold, expected", [
+    # digit-group separators: commas, LaTeX thin spaces, braced commas, plain and unicode spaces
+    ("1,000", "1000", 1), ("12,345,678", "12345678", 1), (r"1\,000", "1000", 1), (r"1{,}000", "1000", 1),
+    ("1 000", "1000", 1), ("1\u2009000", "1000", 1), (r"2\ 024", "2024", 1), ("1~000", "1000", 1),
+    (r"1\,000", "0", 0), ("1 000", "1", 0), (r"1\,000", "100", 0), ("1,001", "1000", 0),
+    # currency, units, \text{}
+    (r"\$1000", "1000", 1), (r"\$1{,}000", "1000", 1), ("1000 dollars", "1000", 1), (r"250 \text{ cm}^2", "250", 1),
+    (r"\text{1000}", "1000", 1), (r"15\%", "15", 1), (r"\textbf{36}", "36", 1), (r"6 \text{ ways}", "7", 0),
+    # a variable or an expression on the left of the one `=`
+    ("x = 5", "5", 1), ("n=12", "12", 1), ("a+b = 17", "17", 1), ("x = 5", "6", 0),
+    # degrees and modular qualifiers
+    (r"5^\circ", "5", 1), (r"45^{\circ}", "45", 1), ("30°", "30", 1), (r"12 \pmod{20}", "12", 1),
+    (r"7 \pmod {20}", "12", 0), ("3 (mod 7)", "3", 1), (r"4 \bmod 9", "4", 1),
+    # markdown emphasis and sentence punctuation
+    ("**42**", "42", 1), ("**42**.", "42", 1), ("42.", "42", 1), ("`42`", "42", 1), ("*41*", "42", 0),
+    # a final sentence that ends in the number
+    ("so the answer is 42", "42", 1), ("The total is 1,000 dollars.", "1000", 1),
+    ("We found 3 cases. Thus the answer is 42.", "42", 1), ("Therefore, the answer is: -7", "-7", 1),
+    ("so the answer is 41", "42", 0),
+    # signs, fractions, decimals, leading zeros
+    ("-12", "-12", 1), ("\u221212", "-12", 1), ("-12", "12", 0), (r"\dfrac{84}{12}", "7", 1),
+    (r"-\frac{6}{3}", "-2", 1), (r"\frac{1}{2}", "0", 0), ("14/2", "7", 1), ("42.0", "42", 1), ("42.5", "42", 0),
+    ("007", "7", 1), ("070", "7", 0), (r"\boxed{1\,000}", "1000", 1),
+])
+def test_integer_gold_compares_numbers(prediction, gold, expected):
+    assert A.score_answer(prediction, gold) == (float(expected), "integer_match")
+
+
+@pytest.mark.parametrize("prediction", [
+    r"2^{10}", r"\sqrt{16}", "5 or 6", "x = 5, y = 6", "1, 2", "12 345 6", r"5\sqrt{2}", "2 pi", r"1000^{3}",
+    "x^2 + 1", "(5)", "", "1" * 5000, "5!", r"3\sqrt{5}",
+])
+def test_not_one_number(prediction):
+    assert A.read_number(prediction) is None
+
+
+def test_integer_gold_falls_back_to_math_verify_for_expressions():
+    assert A.score_answer(r"2^{10}", "1024") == (1.0, "math_verify")
+    assert A.score_answer(r"\binom{5}{2}", "10") == (1.0, "math_verify")
+    assert A.score_answer("5!", "120") == (1.0, "math_verify")  # a factorial, not "5" with an exclamation mark
+    assert A.score_answer(r"\sqrt{2}", "1") == (0.0, "math_verify")
+
+
+@pytest.mark.parametrize("reply", [
+    '{"name": "bash", "arguments": {"command": ""}}',
+    '{"name": "bash", "arguments": {"command": "   \\n\\t "}}',
+    '{"name": "bash", "arguments": "{\\"command\\": \\" \\"}"}',
+    '{"name": "bash", "arguments": {"command": " "}} }}',  # the relaxed pattern too
+])
+def test_blank_bash_command_is_no_action(reply):
+    assert A.parse_action(reply) is None
+
+
+# ---- scoring in worker processes
+
+def test_isolated_scoring_agrees_with_score_answer_and_survives_a_hang(monkeypatch):
+    A.shutdown_scorer_pool()
+    try:
+        for prediction, gold in [(r"\frac{1}{2}", "0.5"), (r"1\,000", "1000"), ("red", "blue"), (None, "1")]:
+            assert asyncio.run(A.score_answer_isolated(prediction, gold)) == A.score_answer(prediction, gold)
+        (worker,) = A._scorer_pool().workers()  # calls one after another share one worker
+        assert worker.process.poll() is None
+        maps = open(f"/proc/{worker.process.pid}/maps").read()
+        assert "libtorch" not in maps and "/vllm/" not in maps  # a light worker: neither torch nor vLLM loaded
+        # sympy alone runs for minutes on this answer, holding the GIL; the worker is killed at the limit
+        monkeypatch.setattr(A, "SCORE_TIMEOUT_S", 5.0)
+        started = time.monotonic()
+        assert asyncio.run(A.score_answer_isolated("2^{2001^{2000}}", "1")) == (0.0, "score_timeout")
+        assert time.monotonic() - started < 3 * A.SCORE_TIMEOUT_S
+        assert worker.process.poll() is not None  # killed ...
+        (replacement,) = A._scorer_pool().workers()  # ... and replaced
+        assert asyncio.run(A.score_answer_isolated("42", "42")) == (1.0, "integer_match")
+        # a worker that dies while scoring gives score_error, not an exception
+        threading.Timer(1.0, replacement.process.kill).start()
+        assert asyncio.run(A.score_answer_isolated("2^{2001^{2000}}", "1")) == (0.0, "score_error")
+        assert asyncio.run(A.score_answer_isolated("-3", "-3")) == (1.0, "integer_match")
+        # shutting down kills every worker
+        workers = A._scorer_pool().workers()
+        A.shutdown_scorer_pool()
+        assert workers and all(w.process.poll() is not None for w in workers)
+    finally:
+        A.shutdown_scorer_pool()
