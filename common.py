@@ -314,6 +314,27 @@ def device_type() -> str:
     return current_platform.device_type
 
 
+def es_parameters(named_parameters) -> list[tuple[str, torch.Tensor]]:
+    """The ES parameter set (SPEC section 3): every floating-point parameter, one entry per storage (tied or
+    shared tensors are perturbed once), in the model's order. A floating parameter freed to shape [0] means vLLM
+    moved the weight elsewhere (e.g. a prepacked kernel handle): noise added to it would never reach the
+    computation, so that is an error rather than a silent skip."""
+    params, seen = [], set()
+    for name, p in named_parameters:
+        if not p.is_floating_point():
+            continue
+        if p.numel() == 0:
+            raise RuntimeError(f"parameter {name} has been freed to shape {list(p.shape)} (vLLM keeps the weight "
+                               "elsewhere, e.g. prepacked): ES could not change it")
+        if p.data_ptr() in seen:
+            continue
+        if not p.data.is_contiguous():
+            raise RuntimeError(f"parameter {name} is not contiguous; ES needs a flat view")
+        seen.add(p.data_ptr())
+        params.append((name, p.data))
+    return params
+
+
 class ESWorker:
     """Methods run inside each TP worker. They return plain JSON-able values."""
 
@@ -321,15 +342,7 @@ class ESWorker:
         if not hasattr(self, "_es"):
             from vllm.distributed import get_tensor_model_parallel_rank
 
-            params, seen = [], set()
-            for name, p in self.model_runner.model.named_parameters():
-                # one entry per storage: tied or shared tensors are perturbed once
-                if not p.is_floating_point() or p.numel() == 0 or p.data_ptr() in seen:
-                    continue
-                if not p.data.is_contiguous():
-                    raise RuntimeError(f"parameter {name} is not contiguous; ES needs a flat view")
-                seen.add(p.data_ptr())
-                params.append((name, p.data))
+            params = es_parameters(self.model_runner.model.named_parameters())
             self._es = {"rank": get_tensor_model_parallel_rank(), "params": params, "copy": None, "noise": None}
         return self._es
 
