@@ -560,27 +560,35 @@ class Engine:
 
     # ---- generation ----
     def generate(self, prompts_token_ids: list[list[int]], max_tokens: int, *, greedy: bool = True,
-                 seed: int = 0) -> list[list[int]]:
-        """Plain batched generation (tests and benchmarks): token ids in, token ids out."""
+                 seed: int = 0, with_cached_tokens: bool = False):
+        """Plain batched generation (tests and benchmarks): token ids in, token ids out. with_cached_tokens:
+        returns (token ids, prompt tokens each request took from the prefix cache) instead."""
         from vllm import SamplingParams
 
         params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
                   if greedy else self.sampling_params(seed=seed, max_tokens=max_tokens))
 
         async def one(i, ids):
-            return list((await self._complete(ids, params, f"gen-{time.time_ns()}-{i}")).token_ids)
+            out = await self._finished(ids, params, f"gen-{time.time_ns()}-{i}")
+            return list(out.outputs[0].token_ids), out.num_cached_tokens
 
         async def run_all():
             return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts_token_ids)))
 
-        return self._run(run_all())
+        results = self._run(run_all())
+        tokens = [t for t, _ in results]
+        return (tokens, [c for _, c in results]) if with_cached_tokens else tokens
 
     async def _complete(self, ids: list[int], params, request_id: str):
         """One request from token ids to its finished completion."""
+        return (await self._finished(ids, params, request_id)).outputs[0]
+
+    async def _finished(self, ids: list[int], params, request_id: str):
+        """One request from token ids to its final RequestOutput (the completion, cached prompt tokens, ...)."""
         out = None
         async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=request_id):
             pass
-        return out.outputs[0]
+        return out
 
     # ---- the agent ----
     def run_agent(self, jobs: list[tuple[dict, int]], desc: str = "episodes", on_record=None) -> list[dict]:
