@@ -751,7 +751,11 @@ def replay(engine: Engine, generations: list[dict], base_digests: list[str],
 
     digests = base_digests
     for record in tqdm(generations, desc=desc, leave=False, dynamic_ncols=True):
-        engine.update(record["seeds"], update_coefficients(record["z"], record["alpha"]))
+        z = zscore(record["rewards"])  # the rewards define the update; the recorded z must be theirs
+        if z != record["z"]:
+            raise HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} are not "
+                                  f"the z-scores of the recorded rewards {record['rewards']} (edited history?)")
+        engine.update(record["seeds"], update_coefficients(z, record["alpha"]))
         digests = engine.digests()
         if digests != record["digests"]:
             raise HistoryMismatch(
