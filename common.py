@@ -348,6 +348,27 @@ def device_type() -> str:
     return current_platform.device_type
 
 
+def es_parameters(named_parameters) -> list[tuple[str, torch.Tensor]]:
+    """The ES parameter set (SPEC section 3): every floating-point parameter, one entry per storage (tied or
+    shared tensors are perturbed once), in the model's order. A floating parameter freed to shape [0] means vLLM
+    moved the weight elsewhere (e.g. a prepacked kernel handle): noise added to it would never reach the
+    computation, so that is an error rather than a silent skip."""
+    params, seen = [], set()
+    for name, p in named_parameters:
+        if not p.is_floating_point():
+            continue
+        if p.numel() == 0:
+            raise RuntimeError(f"parameter {name} has been freed to shape {list(p.shape)} (vLLM keeps the weight "
+                               "elsewhere, e.g. prepacked): ES could not change it")
+        if p.data_ptr() in seen:
+            continue
+        if not p.data.is_contiguous():
+            raise RuntimeError(f"parameter {name} is not contiguous; ES needs a flat view")
+        seen.add(p.data_ptr())
+        params.append((name, p.data))
+    return params
+
+
 class ESWorker:
     """Methods run inside each TP worker. They return plain JSON-able values."""
 
@@ -355,15 +376,7 @@ class ESWorker:
         if not hasattr(self, "_es"):
             from vllm.distributed import get_tensor_model_parallel_rank
 
-            params, seen = [], set()
-            for name, p in self.model_runner.model.named_parameters():
-                # one entry per storage: tied or shared tensors are perturbed once
-                if not p.is_floating_point() or p.numel() == 0 or p.data_ptr() in seen:
-                    continue
-                if not p.data.is_contiguous():
-                    raise RuntimeError(f"parameter {name} is not contiguous; ES needs a flat view")
-                seen.add(p.data_ptr())
-                params.append((name, p.data))
+            params = es_parameters(self.model_runner.model.named_parameters())
             self._es = {"rank": get_tensor_model_parallel_rank(), "params": params, "copy": None, "noise": None}
         return self._es
 
@@ -630,27 +643,35 @@ class Engine:
 
     # ---- generation ----
     def generate(self, prompts_token_ids: list[list[int]], max_tokens: int, *, greedy: bool = True,
-                 seed: int = 0) -> list[list[int]]:
-        """Plain batched generation (tests and benchmarks): token ids in, token ids out."""
+                 seed: int = 0, with_cached_tokens: bool = False):
+        """Plain batched generation (tests and benchmarks): token ids in, token ids out. with_cached_tokens:
+        returns (token ids, prompt tokens each request took from the prefix cache) instead."""
         from vllm import SamplingParams
 
         params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
                   if greedy else self.sampling_params(seed=seed, max_tokens=max_tokens))
 
         async def one(i, ids):
-            return list((await self._complete(ids, params, f"gen-{time.time_ns()}-{i}")).token_ids)
+            out = await self._finished(ids, params, f"gen-{time.time_ns()}-{i}")
+            return list(out.outputs[0].token_ids), out.num_cached_tokens
 
         async def run_all():
             return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts_token_ids)))
 
-        return self._run(run_all())
+        results = self._run(run_all())
+        tokens = [t for t, _ in results]
+        return (tokens, [c for _, c in results]) if with_cached_tokens else tokens
 
     async def _complete(self, ids: list[int], params, request_id: str):
         """One request from token ids to its finished completion."""
+        return (await self._finished(ids, params, request_id)).outputs[0]
+
+    async def _finished(self, ids: list[int], params, request_id: str):
+        """One request from token ids to its final RequestOutput (the completion, cached prompt tokens, ...)."""
         out = None
         async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=request_id):
             pass
-        return out.outputs[0]
+        return out
 
     # ---- the agent ----
     def run_agent(self, jobs: list[tuple[dict, int]], desc: str = "episodes", on_record=None) -> list[dict]:
@@ -802,7 +823,11 @@ def replay(engine: Engine, generations: list[dict], base_digests: list[str],
 
     digests = base_digests
     for record in tqdm(generations, desc=desc, leave=False, dynamic_ncols=True):
-        engine.update(record["seeds"], update_coefficients(record["z"], record["alpha"]))
+        z = zscore(record["rewards"])  # the rewards define the update; the recorded z must be theirs
+        if z != record["z"]:
+            raise HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} are not "
+                                  f"the z-scores of the recorded rewards {record['rewards']} (edited history?)")
+        engine.update(record["seeds"], update_coefficients(z, record["alpha"]))
         digests = engine.digests()
         if digests != record["digests"]:
             raise HistoryMismatch(

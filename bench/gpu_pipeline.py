@@ -4,6 +4,10 @@ the MoE sharded_state round trip is exact (03_eval loads the export and compares
 the manifest); replay digests == export digests. Writes a JSON report.
 
     python bench/gpu_pipeline.py --out=$OUT/gpu_pipeline.json --run_dir=/tmp/gpu-pipeline
+    python bench/gpu_pipeline.py --restore=copy_host ...   # the exact-restore copy in pinned host memory
+
+Export and replay only apply updates, so "export == training digests" also proves that every restore during
+training (from the GPU copy, or with --restore=copy_host from pinned host memory) was bit-exact.
 """
 
 import json

