@@ -466,15 +466,16 @@ def _end_engine_core_with_its_parent() -> None:
     dies; vLLM's own SIGTERM handler then shuts it down."""
     import multiprocessing
 
-    parent = multiprocessing.parent_process()
-    if not multiprocessing.current_process().name.startswith("EngineCore") or parent is None:
+    # (the process name is set before the script is imported; multiprocessing.parent_process() only after)
+    if not multiprocessing.current_process().name.startswith("EngineCore"):
         return
+    parent = os.getppid()
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-        if os.getppid() != parent.pid:  # the parent died before the request
+        if os.getppid() != parent:  # the parent died before the request
             os.kill(os.getpid(), signal.SIGTERM)
 
 
