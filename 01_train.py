@@ -45,7 +45,12 @@ def main(argv: list[str], fitness=mean_score) -> dict:
         done = len(history["generations"])
         for g in tqdm(range(done, cfg.generations), initial=done, total=cfg.generations, desc="generations",
                       dynamic_ncols=True):
-            record = run_generation(engine, cfg, problems, g, fitness, run_dir / ROLLOUTS)
+            try:
+                record = run_generation(engine, cfg, problems, g, fitness, run_dir / ROLLOUTS)
+            except (C.EngineFailure, C.Interrupted) as stop:  # nothing of generation g has been written
+                tqdm.write(f"[train] generation {g} abandoned ({stop}); {history_path} keeps the {g} finished "
+                           "generations: run the same command again to resume")
+                raise
             history["generations"].append(record)
             C.write_json_atomic(history, history_path)  # after every generation: a crash loses at most one
             C.plot_reward_curve(history, run_dir / REWARD_CURVE)
@@ -119,7 +124,10 @@ def print_final_summary(history: dict, run_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    C.prepare_script()  # vLLM logs at WARNING; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
-    except (C.ConfigError, C.DataError, C.HistoryMismatch) as exc:
+    except (C.ConfigError, C.DataError, C.HistoryMismatch, C.EngineFailure) as exc:
         sys.exit(f"[train] error: {exc}")
+    except C.Interrupted as stop:
+        sys.exit(stop.exit_status)

@@ -96,7 +96,10 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
 
 
 if __name__ == "__main__":
+    C.prepare_script()  # vLLM logs at WARNING; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
-    except (C.ConfigError, C.DataError, C.HistoryMismatch, C.ExportError) as exc:
+    except (C.ConfigError, C.DataError, C.HistoryMismatch, C.ExportError, C.EngineFailure) as exc:
         sys.exit(f"[export] error: {exc}")
+    except C.Interrupted as stop:
+        sys.exit(stop.exit_status)

@@ -95,7 +95,14 @@ def evaluate(engine, problems: list[dict], sample_indices, log: Path, name: str)
     todo = [(p, i) for p in problems for i in sample_indices if (p["id"], i) not in done]
     if done:
         print(f"[eval] {name}: resuming, {len(done)} episodes already finished, {len(todo)} to go")
-    for record in engine.run_agent(todo, desc=f"{name} episodes", on_record=lambda r: C.append_jsonl(log, [r])):
+    try:
+        records = engine.run_agent(todo, desc=f"{name} episodes", on_record=lambda r: C.append_jsonl(log, [r]))
+    except (C.EngineFailure, C.Interrupted) as stop:
+        finished = len(C.read_jsonl(log)) if log.exists() else 0
+        print(f"[eval] {name}: stopped ({stop}); {log} keeps the {finished} finished episodes: run the same "
+              "command again to resume")
+        raise
+    for record in records:
         done[(record["problem_id"], record["sample_index"])] = record
     return [done[(p["id"], i)] for p in problems for i in sample_indices]
 
@@ -106,7 +113,10 @@ def strip_transcripts(records: list[dict]) -> list[dict]:
 
 
 if __name__ == "__main__":
+    C.prepare_script()  # vLLM logs at WARNING; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
-    except (C.ConfigError, C.DataError, C.ExportError) as exc:
+    except (C.ConfigError, C.DataError, C.ExportError, C.EngineFailure) as exc:
         sys.exit(f"[eval] error: {exc}")
+    except C.Interrupted as stop:
+        sys.exit(stop.exit_status)

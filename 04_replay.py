@@ -123,7 +123,10 @@ def print_report(report: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
+    C.prepare_script()  # vLLM logs at WARNING; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
-    except (C.ConfigError, C.DataError, C.HistoryMismatch, C.ExportError) as exc:
+    except (C.ConfigError, C.DataError, C.HistoryMismatch, C.ExportError, C.EngineFailure) as exc:
         sys.exit(f"[replay] error: {exc}")
+    except C.Interrupted as stop:
+        sys.exit(stop.exit_status)

