@@ -2315,7 +2315,8 @@ LEARN_TRAIN_SEED = 0  # the training set is the same for every run seed; held-ou
 
 
 def training_problems(cfg: Config) -> list[dict]:
-    train_data: str = "data/dapo_train400.jsonl"  # built by 00_data.py; "smoke", "learn": arithmetic made here
+    """The training set: a JSONL file, or the preset's arithmetic problems generated here ("smoke", "learn")."""
+    problems = problems_from(cfg.train_data, cfg.run_seed)
     if cfg.case_batch > len(problems):
         raise DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of {cfg.train_data}")
     return problems
