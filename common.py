@@ -239,6 +239,8 @@ def sigma_at(generation: int, generations: int, sigma_start: float, sigma_end: f
 def zscore(rewards) -> list[float]:
     """z_i = (R_i - mean R) / (std(R, ddof=0) + 1e-8); all-equal rewards give exactly 0 (no update)."""
     r = np.asarray(rewards, dtype=np.float64)
+    if (r == r[0]).all():  # the float mean of equal values can miss them by an ulp: z would be ~1e-9, not 0
+        return [0.0] * len(r)
     return [float(z) for z in (r - r.mean()) / (r.std(ddof=0) + 1e-8)]
 
 

@@ -37,6 +37,34 @@ def test_zscore_all_equal_is_zero_and_no_update():
     assert C.update_coefficients(C.zscore([0.0] * 4), 5e-4) == [0.0] * 4
 
 
+@pytest.mark.parametrize("rewards", [[0.3] * 10, [1e-9] * 16, [0.1] * 3, [1 / 3] * 7, [0.7] * 16, [-2.5e-3] * 5])
+def test_zscore_equal_rewards_are_exactly_zero(rewards):
+    """The float mean of equal values can miss them by an ulp (mean([0.3] * 10) != 0.3), and 1e-8 in the
+    denominator then turns that ulp into z ~ 5.6e-9: exactly 0 is what makes the update a no-op."""
+    z = C.zscore(rewards)
+    assert z == [0.0] * len(rewards) and all(math.copysign(1, v) == 1 for v in z)
+
+
+def test_zscore_equal_rewards_leave_exact_zero_weights_untouched():
+    coeffs = C.update_coefficients(C.zscore([0.3] * 10), 5e-4)
+    assert coeffs == [0.0] * 10  # the worker's es_update skips zero coefficients: nothing is drawn or added
+    theta = torch.zeros(4096, dtype=torch.bfloat16)  # bf16 holds 1e-13 exactly as well as 1.0: any coefficient shows
+    C.add_noise_(theta, list(range(10)), coeffs, 1024)
+    assert torch.equal(theta.view(torch.int16), torch.zeros(4096, dtype=torch.int16))
+
+
+@pytest.mark.parametrize("rewards", [[0.3, 0.3, 0.7, 0.7], [0.3] * 9 + [0.4], [1e-9] * 15 + [2e-9], [0.0, 1.0] * 8])
+def test_zscore_mixed_rewards_keep_ddof0_and_epsilon(rewards):
+    r = np.asarray(rewards, dtype=np.float64)
+    want = (r - r.mean()) / (r.std(ddof=0) + 1e-8)  # SPEC section 3, by numpy
+    z = C.zscore(rewards)
+    assert z == pytest.approx(want.tolist(), rel=1e-12, abs=0)
+    assert any(v != 0 for v in z)
+    assert len({z[i] for i, v in enumerate(rewards) if v == rewards[0]}) == 1  # equal rewards, equal z
+    if rewards[:2] == [1e-9, 1e-9]:  # tiny spread: the 1e-8 dominates, z stays small instead of +-1
+        assert max(abs(v) for v in z) < 0.1
+
+
 def test_update_coefficients_fold_sigma_into_alpha():
     z = [1.0, -1.0, 0.5, -0.5]
     assert C.update_coefficients(z, 5e-4) == pytest.approx([5e-4 / 4 * v for v in z])
