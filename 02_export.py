@@ -34,7 +34,7 @@ def main(argv: list[str]) -> Path:
     run_dir = Path(C.parse_config(overrides).run_dir)
     history_path = opts["history"] or run_dir / C.HISTORY_FILE
     history = C.read_json(history_path)
-    cfg = C.config_from_history(history, overrides)
+    cfg = C.config_from_history(history, overrides)  # the recorded run; --preset never overrides it
     generations = select_generations(history, opts["replay_generations"])
     out = Path(opts["out"] or run_dir / "export")
     if out.exists():
@@ -45,7 +45,9 @@ def main(argv: list[str]) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     try:
         with C.Engine(cfg, model_path) as engine:
+            # the base, noise, layout and device must be the history's; the training data is not needed
             identity, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations,
+                                                       compare_config=False,
                                                        desc=f"replaying {len(generations)} generations")
             engine.save_sharded_state(partial)
         C.copy_model_files(model_path, partial)

@@ -127,9 +127,16 @@ class ConfigError(ValueError):
 
 def parse_config(argv: list[str], base: Config | None = None) -> Config:
     """`--preset=NAME` first, then `--key=value` overrides, each checked against Config's field types."""
+    preset, explicit = parse_overrides(argv)
+    return Config(**{**dataclasses.asdict(base or Config()), **preset, **explicit})
+
+
+def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
+    """The values a command line sets: (the preset's, the explicit `--key=value` ones), each checked against
+    Config's fields and types."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
-    values = dataclasses.asdict(base or Config())
-    overrides = {}
+    defaults = dataclasses.asdict(Config())
+    preset, explicit = {}, {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
             raise ConfigError(f"expected --key=value, got {arg!r}")
@@ -138,15 +145,14 @@ def parse_config(argv: list[str], base: Config | None = None) -> Config:
         if key == "preset":
             if text not in PRESETS:
                 raise ConfigError(f"unknown preset {text!r}; presets: {', '.join(PRESETS)}")
-            values.update(PRESETS[text])
+            preset = dict(PRESETS[text])
         elif key in fields:
-            overrides[key] = _parse_value(key, text, type(values[key]))
+            explicit[key] = _parse_value(key, text, type(defaults[key]))
         else:
             close = difflib.get_close_matches(key, fields, n=3)
             hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
             raise ConfigError(f"unknown setting --{key}{hint}")
-    values.update(overrides)
-    return Config(**values)
+    return preset, explicit
 
 
 def parse_args(argv: list[str], options: dict) -> tuple[dict, list[str]]:
@@ -162,15 +168,30 @@ def parse_args(argv: list[str], options: dict) -> tuple[dict, list[str]]:
     return options, rest
 
 
-def config_from_history(history: dict, argv: list[str]) -> Config:
-    """The run's recorded constants, with command-line overrides of the settings that may change."""
-    recorded = Config(**history["config"])
-    cfg = parse_config(argv, base=recorded)
-    changed = [f for f in dataclasses.asdict(cfg) if getattr(cfg, f) != getattr(recorded, f)
-               and f not in RESUME_FREE_FIELDS]
-    if changed:
-        raise ConfigError(f"these settings come from the history and cannot be overridden: {', '.join(changed)}")
-    return cfg
+# What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
+# the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
+# command line, a preset or an evaluation's settings.
+WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "scope")
+
+
+def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
+    """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
+    from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
+    from the history. `--preset` fills in only the settings that may differ between runs (RESUME_FREE_FIELDS, such
+    as run_dir), never a recorded value; an explicit `--key=value` that differs from a recorded one is refused."""
+    values = {**(settings or history["config"]),
+              **{f: history["config"][f] for f in WEIGHT_FIELDS if f in history["config"]}}
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
+    if unknown:
+        raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
+    recorded = Config(**values)
+    preset, explicit = parse_overrides(argv)
+    refused = [f"--{k}={v!r} (recorded: {getattr(recorded, k)!r}{', from the history' if k in WEIGHT_FIELDS else ''})"
+               for k, v in explicit.items() if k not in RESUME_FREE_FIELDS and v != getattr(recorded, k)]
+    if refused:
+        raise ConfigError("these settings were recorded by the run and cannot be overridden: " + ", ".join(refused))
+    free = {k: v for k, v in {**preset, **explicit}.items() if k in RESUME_FREE_FIELDS}
+    return dataclasses.replace(recorded, **free)
 
 
 def _parse_value(key: str, text: str, kind: type):
@@ -685,15 +706,17 @@ class HistoryMismatch(RuntimeError):
     pass
 
 
-def run_identity(cfg: Config, model_path: str, engine: Engine) -> dict:
-    """The header of a history: what must be equal for a replay to reproduce the trained weights bit for bit."""
+def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool = True) -> dict:
+    """The header of a history: what must be equal for a replay to reproduce the trained weights bit for bit.
+    Without train_data the training data file is not read (export and replay rebuild theta without it)."""
     import vllm
 
+    data = {"train_data_sha256": "smoke" if cfg.train_data == "smoke" else sha256_file(cfg.train_data)}
     return {
         "format": HISTORY_FORMAT,
         "config": dataclasses.asdict(cfg),
         "noise": dict(NOISE_DEFINITION, chunk=cfg.noise_chunk),
-        "train_data_sha256": "smoke" if cfg.train_data == "smoke" else sha256_file(cfg.train_data),
+        **(data if train_data else {}),
         "base_model": cfg.model,
         "base_model_path": str(model_path),
         "base_fingerprint": model_fingerprint(model_path),
@@ -753,7 +776,7 @@ def rebuild_from_history(engine: Engine, cfg: Config, model_path: str, history: 
                          compare_config: bool = True, desc: str = "replaying history") -> tuple[dict, list[str]]:
     """Refuse a history of another base (and, by default, other run constants), then replay `generations` on the
     engine's base weights. Returns this engine's identity and the rebuilt per-rank digests."""
-    identity = run_identity(cfg, model_path, engine)
+    identity = run_identity(cfg, model_path, engine, train_data=compare_config)
     check_base(history, identity, compare_config)
     return identity, replay(engine, generations, identity["base_digests"], desc=desc)
 
