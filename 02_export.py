@@ -40,7 +40,7 @@ def main(argv: list[str]) -> Path:
     if out.exists():
         raise C.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
 
-    model_path = C.resolve_model(cfg.model)
+    model_path = C.resolve_model(cfg.model)  # a hub id must be in the local cache: refused here, before any work
     partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete
     shutil.rmtree(partial, ignore_errors=True)
     try:

@@ -33,6 +33,8 @@ def main(argv: list[str]) -> dict:
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     datasets = {name: eval_problems(opts[name], cfg.eval_problems) for name in DATASETS}
     manifest = C.verify_export(export, cfg.tensor_parallel_size) if export else None  # before anything is written
+    if not export:
+        C.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
 
     with open_checkpoint(cfg, export, manifest) as (engine, checkpoint):

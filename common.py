@@ -1831,14 +1831,19 @@ def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
 
 def model_fingerprint(model: str) -> str:
     """sha256 over the weight files of a local model folder (name, size, content), so a history can refuse a
-    different base. A hub id that is not a local folder is fingerprinted by its name only (and says so)."""
+    different base. Hub ids are resolved to their local snapshot folder first (resolve_model)."""
     folder = Path(model)
     if not folder.is_dir():
-        return "name-only:" + hashlib.sha256(model.encode()).hexdigest()
+        raise ConfigError(f"{model}: not a model folder (resolve_model turns a hub id into its local snapshot)")
     h = hashlib.sha256()
     for f in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
         h.update(f"{f.name}|{f.stat().st_size}|{sha256_file(f)}\n".encode())
     return "sha256:" + h.hexdigest()
+
+
+def name_only_fingerprint(model: str | None) -> str:
+    """What older histories recorded for a hub id: a hash of its name, not of its weights."""
+    return "name-only:" + hashlib.sha256(str(model).encode()).hexdigest()
 
 
 EXPORT_MANIFEST = "es_sharded_export_manifest.json"
@@ -1948,8 +1953,11 @@ def write_tiny_model(path: str | Path, kind: str = "dense", seed: int = 0) -> Pa
     return path
 
 
-def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models") -> str:
-    """A local folder or hub id as given; a tiny model name is written once under runs/models and reused."""
+def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models", download: bool = False) -> str:
+    """The local folder of a model, so that every stage can fingerprint and copy its files: a folder as given; a
+    tiny model name written once under runs/models; a Hugging Face hub id as its snapshot in the local hub cache.
+    A hub id that is not in the cache is downloaded only with download=True (01_train.py: the base model is the one
+    thing that may come from the hub at run time); otherwise it is refused here, before any work."""
     if name in TINY_MODELS:
         path = Path(cache_dir) / name
         if not (path / "config.json").exists():
@@ -1959,7 +1967,21 @@ def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models") -
             shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp, path)
         return str(path)
-    return name
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return snapshot_download(name, local_files_only=not download)
+    except HFValidationError:
+        raise ConfigError(f"model {name!r}: no such folder, and not a Hugging Face hub id") from None
+    except FileNotFoundError:  # LocalEntryNotFoundError: not (completely) in the cache
+        raise ConfigError(
+            f"model {name!r} is not a local folder and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
+            f"download it once (`hf download {name}`, or let 01_train.py fetch it) or pass --model=<folder>") from None
+    except OSError as e:  # the hub refused the download (no such repository, gated, offline)
+        raise ConfigError(f"model {name!r} could not be downloaded: {e}") from None
 
 
 if device_type() == "cpu":

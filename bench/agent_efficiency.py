@@ -56,10 +56,11 @@ def main(argv):
     cfg = C.parse_config(overrides)
     problems = C.smoke_problems(opts["episodes"], seed=3)
     jobs = [(p, 0) for p in problems]
-    model, load_format = C.resolve_model(cfg.model), "auto"
     if opts["qwen3_30b"]:  # Qwen3-30B-A3B's layout with dummy weights and the tiny tokenizer (see qwen3_30b.py)
         model = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-tinytok", tokenizer_from=C.resolve_model("tiny-qwen3-dense"))
         load_format = "dummy"
+    else:
+        model, load_format = C.resolve_model(cfg.model), "auto"
     with C.Engine(cfg, model, load_format=load_format) as engine:
         engine.run_agent(jobs[:2])  # warm-up
         runs = {"agent loop": [], "plain generate": [], "plain, agent contexts": []}
