@@ -89,6 +89,7 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
         "base_model": identity["base_model"],
         "base_fingerprint": identity["base_fingerprint"],
         "device_type": identity["device_type"],
+        "devices": identity["devices"],
         "vllm_version": identity["vllm_version"],
         "torch_version": identity["torch_version"],
         "config": history["config"],

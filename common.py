@@ -370,6 +370,15 @@ class ESWorker:
     def es_parameter_names(self) -> list[dict]:
         return [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in self._es_state()["params"]]
 
+    def es_device(self) -> dict:
+        """The device model this rank draws its noise on: CUDA's normal streams depend on the GPU model; on the CPU
+        they depend on torch's kernel set (the AVX2 kernels' normals differ from the scalar ones, measured)."""
+        device = self._es_state()["params"][0][1].device
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            return {"name": props.name, "sm_count": props.multi_processor_count}
+        return {"name": f"cpu ({torch.backends.cpu.get_cpu_capability()} kernels)", "sm_count": None}
+
     def es_digest(self) -> dict:
         es = self._es_state()
         digests = [(name, tensor_digest(name, t)) for name, t in es["params"]]
@@ -725,6 +734,7 @@ def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool 
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "dtype": cfg.dtype,
         "device_type": engine.device,
+        "devices": engine.rpc("es_device"),  # per rank: the noise streams depend on the device model
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
     }
@@ -742,9 +752,33 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
                 then = recorded["config"].get(field)
                 if field not in RESUME_FREE_FIELDS and then != now:
                     diffs.append(f"config {field}: history has {then!r}, this run has {now!r}")
+        elif key == "devices":
+            diffs += device_differences(recorded.get(key), value)
+        elif key == "base_fingerprint" and recorded.get(key) == name_only_fingerprint(recorded.get("base_model")):
+            continue  # an older history of a hub id recorded only its name; base_digests still compare the bits
         elif key not in ("base_model_path",) and recorded.get(key) != value:
             diffs.append(f"{key}: history has {recorded.get(key)!r}, this run has {value!r}")
     return diffs
+
+
+def describe_devices(devices: list[dict]) -> str:
+    """Per-rank devices in words: '2 x NVIDIA H200 (132 SMs)'."""
+    names = [d["name"] + (f" ({d['sm_count']} SMs)" if d.get("sm_count") else "") for d in devices]
+    return ", ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names))
+
+
+def device_differences(recorded: list[dict] | None, current: list[dict]) -> list[str]:
+    """CUDA's random streams depend on the GPU model (and torch's CPU normals on its kernel set), so the recorded
+    noise exists only on the device model the run was trained on."""
+    if recorded is None:
+        return [f"devices: the history does not record the device model it was made on (an older history), and "
+                f"the noise streams depend on it; this run is on {describe_devices(current)}. If the history was "
+                f"made on that model, add \"devices\": {json.dumps(current)} to its header"]
+    if recorded != current:
+        return [f"devices: the history was made on {describe_devices(recorded)}, this run is on "
+                f"{describe_devices(current)}; the noise streams depend on the device model, so resume, export and "
+                f"replay only on {describe_devices(recorded)}"]
+    return []
 
 
 def replay(engine: Engine, generations: list[dict], base_digests: list[str],
