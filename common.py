@@ -720,12 +720,14 @@ def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool 
     Without train_data the training data file is not read (export and replay rebuild theta without it)."""
     import vllm
 
-    data = {"train_data_sha256": "smoke" if cfg.train_data == "smoke" else sha256_file(cfg.train_data)}
+    data = {}
+    if train_data:  # export and replay rebuild theta without the training data file
+        data["train_data_sha256"] = "smoke" if cfg.train_data == "smoke" else sha256_file(cfg.train_data)
     return {
         "format": HISTORY_FORMAT,
         "config": dataclasses.asdict(cfg),
         "noise": dict(NOISE_DEFINITION, chunk=cfg.noise_chunk),
-        **(data if train_data else {}),
+        **data,
         "base_model": cfg.model,
         "base_model_path": str(model_path),
         "base_fingerprint": model_fingerprint(model_path),
