@@ -33,7 +33,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
     run_dir = Path(cfg.run_dir)
     problems = C.training_problems(cfg)
     C.check_sandbox(cfg, data=[cfg.train_data])  # refuses a sandbox that could see the answers (unless allowed)
-    model_path = C.resolve_model(cfg.model)
+    model_path = C.resolve_model(cfg.model, download=True)  # a hub id: its local snapshot, fetched once
     print(f"[train] {cfg.model} at TP={cfg.tensor_parallel_size}: {cfg.generations} generations x "
           f"{cfg.population} members x {cfg.case_batch} problems -> {run_dir}")
 

@@ -34,18 +34,20 @@ def main(argv: list[str]) -> Path:
     run_dir = Path(C.parse_config(overrides).run_dir)
     history_path = opts["history"] or run_dir / C.HISTORY_FILE
     history = C.read_json(history_path)
-    cfg = C.config_from_history(history, overrides)
+    cfg = C.config_from_history(history, overrides)  # the recorded run; --preset never overrides it
     generations = select_generations(history, opts["replay_generations"])
     out = Path(opts["out"] or run_dir / "export")
     if out.exists():
         raise C.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
 
-    model_path = C.resolve_model(cfg.model)
+    model_path = C.resolve_model(cfg.model)  # a hub id must be in the local cache: refused here, before any work
     partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete
     shutil.rmtree(partial, ignore_errors=True)
     try:
         with C.Engine(cfg, model_path) as engine:
+            # the base, noise, layout and device must be the history's; the training data is not needed
             identity, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations,
+                                                       compare_config=False,
                                                        desc=f"replaying {len(generations)} generations")
             engine.save_sharded_state(partial)
         C.copy_model_files(model_path, partial)
@@ -87,6 +89,7 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
         "base_model": identity["base_model"],
         "base_fingerprint": identity["base_fingerprint"],
         "device_type": identity["device_type"],
+        "devices": identity["devices"],
         "vllm_version": identity["vllm_version"],
         "torch_version": identity["torch_version"],
         "config": history["config"],

@@ -35,6 +35,8 @@ def main(argv: list[str]) -> dict:
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
     C.check_sandbox(cfg, data=list(data.values()), checkpoint=export)  # (unless allowed)
     manifest = C.verify_export(export, cfg.tensor_parallel_size) if export else None  # before anything is written
+    if not export:
+        C.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
 
     with open_checkpoint(cfg, export, manifest) as (engine, checkpoint):

@@ -33,7 +33,7 @@ def main(argv: list[str]) -> dict:
 
     history = C.read_json(history_path)
     originals = {name: C.read_json(eval_dir / f"{name}_eval16.json") for name in DATASETS}
-    cfg = eval_config(originals, overrides)  # the original evaluation's sampling and agent settings
+    cfg = replay_config(history, originals, overrides)
     checkpoint = originals[DATASETS[0]]["checkpoint"]  # what was evaluated: the base, or an export of K generations
     generations = history["generations"][: checkpoint.get("replayed_generations", 0)]
     expected = {"the evaluated checkpoint": checkpoint["per_rank_digests"]}
@@ -41,7 +41,7 @@ def main(argv: list[str]) -> dict:
         expected[export] = C.verify_export(export, cfg.tensor_parallel_size)["per_rank_digests"]
     jobs = {name: aligned_jobs(original, cfg.run_seed) for name, original in originals.items()}
 
-    model_path = C.resolve_model(history["config"]["model"])
+    model_path = C.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before the engine starts
     with C.Engine(cfg, model_path) as engine:
         _, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations, compare_config=False,
                                             desc=f"rebuilding theta from {len(generations)} generations")
@@ -61,12 +61,14 @@ def main(argv: list[str]) -> dict:
     return report
 
 
-def eval_config(originals: dict, overrides: list[str]) -> C.Config:
+def replay_config(history: dict, originals: dict, overrides: list[str]) -> C.Config:
+    """What defines the weights (base model, TP size, dtype, noise) from the history; the sampling and agent
+    settings from the original evaluation, so that the same requests meet the same weights."""
     first = originals[DATASETS[0]]
     if any((o["config"], o["checkpoint"]) != (first["config"], first["checkpoint"]) for o in originals.values()):
         raise C.ConfigError("the eval16 files come from different checkpoints or settings; they cannot be replayed "
                             "together")
-    return C.config_from_history({"config": first["config"]}, overrides)
+    return C.config_from_history(history, overrides, settings=first["config"])
 
 
 def aligned_jobs(original: dict, run_seed: int) -> list[tuple[dict, int]]:

@@ -149,9 +149,16 @@ class ConfigError(ValueError):
 
 def parse_config(argv: list[str], base: Config | None = None) -> Config:
     """`--preset=NAME` first, then `--key=value` overrides, each checked against Config's field types."""
+    preset, explicit = parse_overrides(argv)
+    return Config(**{**dataclasses.asdict(base or Config()), **preset, **explicit})
+
+
+def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
+    """The values a command line sets: (the preset's, the explicit `--key=value` ones), each checked against
+    Config's fields and types."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
-    values = dataclasses.asdict(base or Config())
-    overrides = {}
+    defaults = dataclasses.asdict(Config())
+    preset, explicit = {}, {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
             raise ConfigError(f"expected --key=value, got {arg!r}")
@@ -160,15 +167,14 @@ def parse_config(argv: list[str], base: Config | None = None) -> Config:
         if key == "preset":
             if text not in PRESETS:
                 raise ConfigError(f"unknown preset {text!r}; presets: {', '.join(PRESETS)}")
-            values.update(PRESETS[text])
+            preset = dict(PRESETS[text])
         elif key in fields:
-            overrides[key] = _parse_value(key, text, type(values[key]))
+            explicit[key] = _parse_value(key, text, type(defaults[key]))
         else:
             close = difflib.get_close_matches(key, fields, n=3)
             hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
             raise ConfigError(f"unknown setting --{key}{hint}")
-    values.update(overrides)
-    return Config(**values)
+    return preset, explicit
 
 
 def parse_args(argv: list[str], options: dict) -> tuple[dict, list[str]]:
@@ -184,15 +190,30 @@ def parse_args(argv: list[str], options: dict) -> tuple[dict, list[str]]:
     return options, rest
 
 
-def config_from_history(history: dict, argv: list[str]) -> Config:
-    """The run's recorded constants, with command-line overrides of the settings that may change."""
-    recorded = Config(**history["config"])
-    cfg = parse_config(argv, base=recorded)
-    changed = [f for f in dataclasses.asdict(cfg) if getattr(cfg, f) != getattr(recorded, f)
-               and f not in RESUME_FREE_FIELDS]
-    if changed:
-        raise ConfigError(f"these settings come from the history and cannot be overridden: {', '.join(changed)}")
-    return cfg
+# What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
+# the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
+# command line, a preset or an evaluation's settings.
+WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "scope")
+
+
+def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
+    """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
+    from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
+    from the history. `--preset` fills in only the settings that may differ between runs (RESUME_FREE_FIELDS, such
+    as run_dir), never a recorded value; an explicit `--key=value` that differs from a recorded one is refused."""
+    values = {**(settings or history["config"]),
+              **{f: history["config"][f] for f in WEIGHT_FIELDS if f in history["config"]}}
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
+    if unknown:
+        raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
+    recorded = Config(**values)
+    preset, explicit = parse_overrides(argv)
+    refused = [f"--{k}={v!r} (recorded: {getattr(recorded, k)!r}{', from the history' if k in WEIGHT_FIELDS else ''})"
+               for k, v in explicit.items() if k not in RESUME_FREE_FIELDS and v != getattr(recorded, k)]
+    if refused:
+        raise ConfigError("these settings were recorded by the run and cannot be overridden: " + ", ".join(refused))
+    free = {k: v for k, v in {**preset, **explicit}.items() if k in RESUME_FREE_FIELDS}
+    return dataclasses.replace(recorded, **free)
 
 
 def _parse_value(key: str, text: str, kind: type):
@@ -261,6 +282,8 @@ def sigma_at(generation: int, generations: int, sigma_start: float, sigma_end: f
 def zscore(rewards) -> list[float]:
     """z_i = (R_i - mean R) / (std(R, ddof=0) + 1e-8); all-equal rewards give exactly 0 (no update)."""
     r = np.asarray(rewards, dtype=np.float64)
+    if (r == r[0]).all():  # the float mean of equal values can miss them by an ulp: z would be ~1e-9, not 0
+        return [0.0] * len(r)
     return [float(z) for z in (r - r.mean()) / (r.std(ddof=0) + 1e-8)]
 
 
@@ -394,6 +417,15 @@ class ESWorker:
 
     def es_parameter_names(self) -> list[dict]:
         return [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in self._es_state()["params"]]
+
+    def es_device(self) -> dict:
+        """The device model this rank draws its noise on: CUDA's normal streams depend on the GPU model; on the CPU
+        they depend on torch's kernel set (the AVX2 kernels' normals differ from the scalar ones, measured)."""
+        device = self._es_state()["params"][0][1].device
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            return {"name": props.name, "sm_count": props.multi_processor_count}
+        return {"name": f"cpu ({torch.backends.cpu.get_cpu_capability()} kernels)", "sm_count": None}
 
     def es_digest(self) -> dict:
         es = self._es_state()
@@ -905,15 +937,19 @@ class HistoryMismatch(RuntimeError):
     pass
 
 
-def run_identity(cfg: Config, model_path: str, engine: Engine) -> dict:
-    """The header of a history: what must be equal for a replay to reproduce the trained weights bit for bit."""
+def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool = True) -> dict:
+    """The header of a history: what must be equal for a replay to reproduce the trained weights bit for bit.
+    Without train_data the training data file is not read (export and replay rebuild theta without it)."""
     import vllm
 
+    data = {}
+    if train_data:  # export and replay rebuild theta without the training data file
+        data["train_data_sha256"] = cfg.train_data if cfg.train_data in GENERATED_DATA else sha256_file(cfg.train_data)
     return {
         "format": HISTORY_FORMAT,
         "config": dataclasses.asdict(cfg),
         "noise": dict(NOISE_DEFINITION, chunk=cfg.noise_chunk),
-        "train_data_sha256": cfg.train_data if cfg.train_data in GENERATED_DATA else sha256_file(cfg.train_data),
+        **data,
         "base_model": cfg.model,
         "base_model_path": str(model_path),
         "base_fingerprint": model_fingerprint(model_path),
@@ -922,6 +958,7 @@ def run_identity(cfg: Config, model_path: str, engine: Engine) -> dict:
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "dtype": cfg.dtype,
         "device_type": engine.device,
+        "devices": engine.rpc("es_device"),  # per rank: the noise streams depend on the device model
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
     }
@@ -939,9 +976,33 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
                 then = recorded["config"].get(field)
                 if field not in RESUME_FREE_FIELDS and then != now:
                     diffs.append(f"config {field}: history has {then!r}, this run has {now!r}")
+        elif key == "devices":
+            diffs += device_differences(recorded.get(key), value)
+        elif key == "base_fingerprint" and recorded.get(key) == name_only_fingerprint(recorded.get("base_model")):
+            continue  # an older history of a hub id recorded only its name; base_digests still compare the bits
         elif key not in ("base_model_path",) and recorded.get(key) != value:
             diffs.append(f"{key}: history has {recorded.get(key)!r}, this run has {value!r}")
     return diffs
+
+
+def describe_devices(devices: list[dict]) -> str:
+    """Per-rank devices in words: '2 x NVIDIA H200 (132 SMs)'."""
+    names = [d["name"] + (f" ({d['sm_count']} SMs)" if d.get("sm_count") else "") for d in devices]
+    return ", ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names))
+
+
+def device_differences(recorded: list[dict] | None, current: list[dict]) -> list[str]:
+    """CUDA's random streams depend on the GPU model (and torch's CPU normals on its kernel set), so the recorded
+    noise exists only on the device model the run was trained on."""
+    if recorded is None:
+        return [f"devices: the history does not record the device model it was made on (an older history), and "
+                f"the noise streams depend on it; this run is on {describe_devices(current)}. If the history was "
+                f"made on that model, add \"devices\": {json.dumps(current)} to its header"]
+    if recorded != current:
+        return [f"devices: the history was made on {describe_devices(recorded)}, this run is on "
+                f"{describe_devices(current)}; the noise streams depend on the device model, so resume, export and "
+                f"replay only on {describe_devices(recorded)}"]
+    return []
 
 
 def replay(engine: Engine, generations: list[dict], base_digests: list[str],
@@ -977,7 +1038,7 @@ def rebuild_from_history(engine: Engine, cfg: Config, model_path: str, history: 
                          compare_config: bool = True, desc: str = "replaying history") -> tuple[dict, list[str]]:
     """Refuse a history of another base (and, by default, other run constants), then replay `generations` on the
     engine's base weights. Returns this engine's identity and the rebuilt per-rank digests."""
-    identity = run_identity(cfg, model_path, engine)
+    identity = run_identity(cfg, model_path, engine, train_data=compare_config)
     check_base(history, identity, compare_config)
     return identity, replay(engine, generations, identity["base_digests"], desc=desc)
 
@@ -2634,14 +2695,19 @@ def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
 
 def model_fingerprint(model: str) -> str:
     """sha256 over the weight files of a local model folder (name, size, content), so a history can refuse a
-    different base. A hub id that is not a local folder is fingerprinted by its name only (and says so)."""
+    different base. Hub ids are resolved to their local snapshot folder first (resolve_model)."""
     folder = Path(model)
     if not folder.is_dir():
-        return "name-only:" + hashlib.sha256(model.encode()).hexdigest()
+        raise ConfigError(f"{model}: not a model folder (resolve_model turns a hub id into its local snapshot)")
     h = hashlib.sha256()
     for f in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
         h.update(f"{f.name}|{f.stat().st_size}|{sha256_file(f)}\n".encode())
     return "sha256:" + h.hexdigest()
+
+
+def name_only_fingerprint(model: str | None) -> str:
+    """What older histories recorded for a hub id: a hash of its name, not of its weights."""
+    return "name-only:" + hashlib.sha256(str(model).encode()).hexdigest()
 
 
 EXPORT_MANIFEST = "es_sharded_export_manifest.json"
@@ -2759,9 +2825,11 @@ def write_tiny_model(path: str | Path, kind: str = "dense", seed: int = 0, chat_
     return path
 
 
-def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models") -> str:
-    """A local folder or hub id as given; a tiny or real small model name is written once under runs/models and
-    reused."""
+def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models", download: bool = False) -> str:
+    """The local folder of a model, so that every stage can fingerprint and copy its files: a folder as given; a
+    tiny or real small model name written once under runs/models; a Hugging Face hub id as its snapshot in the local
+    hub cache. A hub id that is not in the cache is downloaded only with download=True (01_train.py: the base model
+    is the one thing that may come from the hub at run time); otherwise it is refused here, before any work."""
     if name in TINY_MODELS or name in REAL_MODELS:
         path = Path(cache_dir) / name
         if not (path / "config.json").exists():
@@ -2774,7 +2842,21 @@ def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models") -
             shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp, path)
         return str(path)
-    return name
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return snapshot_download(name, local_files_only=not download)
+    except HFValidationError:
+        raise ConfigError(f"model {name!r}: no such folder, and not a Hugging Face hub id") from None
+    except FileNotFoundError:  # LocalEntryNotFoundError: not (completely) in the cache
+        raise ConfigError(
+            f"model {name!r} is not a local folder and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
+            f"download it once (`hf download {name}`, or let 01_train.py fetch it) or pass --model=<folder>") from None
+    except OSError as e:  # the hub refused the download (no such repository, gated, offline)
+        raise ConfigError(f"model {name!r} could not be downloaded: {e}") from None
 
 
 # ============================================================================================================

