@@ -1,7 +1,10 @@
+import contextlib
 import hashlib
 import os
 import sys
+import time
 
+import psutil
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,3 +40,17 @@ def hub_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return cache
+
+
+def still_running(processes, timeout=60):
+    """(pid, name) of the psutil processes still running (zombies count as ended) after waiting up to `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for p in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+        if not alive or time.monotonic() > deadline:
+            return [(p.pid, p.name()) for p in alive]
+        time.sleep(0.2)

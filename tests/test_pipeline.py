@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import common as C
+from conftest import still_running
 
 REPO = C.REPO
 TRAIN_WITH_TEST_REWARD = "tests/train_with_test_reward.py"
@@ -317,19 +318,6 @@ def process_tree(pid):
     """The script, the EngineCore process, its TP workers and whatever else runs below them."""
     root = psutil.Process(pid)
     return [root, *root.children(recursive=True)]
-
-
-def still_running(processes, timeout=60):
-    deadline = time.time() + timeout
-    while True:
-        alive = []
-        for p in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-        if not alive or time.time() > deadline:
-            return [(p.pid, p.name()) for p in alive]
-        time.sleep(0.2)
 
 
 def test_sigterm_and_a_dead_engine_stop_the_run_cleanly_and_it_resumes(trained, tmp_path):

@@ -3,18 +3,17 @@ instead of scoring 0, SIGTERM/SIGINT end the process with the conventional statu
 the engine. The run-level checks (01_train.py stopped and restarted) are in test_pipeline.py."""
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
 import common as C
+from conftest import still_running
 
 PROBLEMS = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
 BASH = json.dumps({"name": "bash", "arguments": {"command": "echo 2"}})
@@ -142,18 +141,4 @@ def test_a_dead_engine_aborts_the_episodes_and_close_leaves_no_process(engine, m
         engine.run_agent(jobs, on_record=reported.append)
     assert all(r["error"] is None for r in reported)  # whatever finished before the failure is a real episode
     engine.close()
-    assert not survivors(processes, timeout=30)
-
-
-def survivors(processes, timeout):
-    """The processes still running (zombies count as ended) after waiting up to `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = []
-        for p in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.2)
+    assert not still_running(processes, timeout=30)
