@@ -3,7 +3,7 @@ loop: agent, fitness seam, history), then evaluate the base model and the traine
 history, digests checked) on held-out additions never seen in training, for several run seeds.
 
     python bench/learning.py --out=bench/results/learning_gpu.json --seeds=2 --population=16 --generations=8
-    python bench/learning.py --quick=true --out=/tmp/learning.json       # CPU sanity run (a few minutes)
+    python bench/learning.py --quick=true --out=/tmp/learning.json       # CPU sanity run (2 generations x 4 members)
 
 Script options (defaults in OPTIONS): out, seeds (run seeds run_seed, run_seed+1, ...), heldout (problems),
 eval_samples (episodes per held-out problem), run_root (one run folder per seed below it), fitness (a name in
