@@ -1619,8 +1619,9 @@ def _sandbox_env(home, pythonpath=SANDBOX_PYTHONPATH):
 @functools.lru_cache(maxsize=None)
 def _new_root_script():
     """Shell script for "unshare" (root, fresh mount and pid namespaces, started in the work dir): the bwrap view
-    built by hand on a tmpfs mounted over /tmp (of this mount namespace only), then pivot_root into it. The work
-    dir is bound from "." (our cwd still reaches it after /tmp is covered; -c: no path canonicalisation)."""
+    built by hand on a tmpfs mounted over a staging folder (of this mount namespace only), then pivot_root into it.
+    The staging folder must not cover what is bound from the host (a venv under /tmp would vanish under a tmpfs on
+    /tmp). The work dir is bound from "." (our cwd still reaches it when covered; -c: no path canonicalisation)."""
     q = shlex.quote
     tmpfs = f"-t tmpfs -o mode=1777,size={SANDBOX_TMPFS_BYTES} es-sandbox"
     dirs, files, binds = ["/proc", "/dev/shm", "/tmp", SANDBOX_CWD, "/oldroot"], [], []
@@ -1635,8 +1636,11 @@ def _new_root_script():
     devices = [f"/dev/{name}" for name in ("null", "zero", "full", "random", "urandom")]
     python = sandbox_python_binds()
     dirs += [inside for _, inside in python]
-    lines = ["set -eu", "mount --make-rprivate /", "mount -t tmpfs -o mode=0755,size=1m es-sandbox-root /tmp",
-             "R=/tmp", "mkdir -p " + " ".join("$R" + q(d) for d in dict.fromkeys(dirs)),
+    sources = [host for host, _ in python] + binds
+    stage = next(d for d in ("/mnt", "/srv", "/media", "/tmp") if os.path.isdir(d) and not os.path.islink(d)
+                 and not any(src == d or src.startswith(d + "/") for src in sources))
+    lines = ["set -eu", "mount --make-rprivate /", f"mount -t tmpfs -o mode=0755,size=1m es-sandbox-root {stage}",
+             f"R={stage}", "mkdir -p " + " ".join("$R" + q(d) for d in dict.fromkeys(dirs)),
              "touch " + " ".join("$R" + q(f) for f in files + devices),
              f"mount -c --bind . $R{q(SANDBOX_CWD)}"]
     lines += [f"mount --bind -o ro {q(p)} $R{q(p)}" for p in binds]
