@@ -12,7 +12,7 @@ sigma_start, sigma_end, max_new_tokens, max_turns, concurrency, ...
 
 Held-out metrics (bench/results JSON "metrics"): "reward", the primary one, is the training fitness's own scorer
 (episode_reward: 1 correct final answer after a bash call, 0.5 a bash call that printed the right number, 0.25 any
-bash call); "accuracy" is the agent's unchanged SPEC section 4 score; "bash_call_rate". 95% intervals: percentile
+bash call, 0.1 a right "a + b = n" in the text); "accuracy" is the agent's unchanged SPEC section 4 score; "bash_call_rate". 95% intervals: percentile
 bootstrap over problems (episodes of one problem are not independent), for each mean and for the paired difference
 trained - base (same problems, same request seeds). Writes the JSON report, each run's reward_curve.png (with the
 held-out points) and held-out records.
@@ -52,15 +52,27 @@ def agent_score(records):
 
 
 def episode_reward(record):
-    """What the learn task asks, with partial credit: 1 for a scored correct final answer, 0.5 for a bash call whose
-    output (exit code 0) contains the right number, 0.25 for any bash call that ran; else 0."""
+    """What the learn task asks (the sum, computed with the tool, as an accepted final answer), with partial credit:
+    1 for a scored correct final answer, 0.5 for a bash call whose output (exit code 0) contains the right number,
+    0.25 for any bash call that ran, 0.1 for a right sum worked out in the text; else 0."""
     if record["score"]:
         return 1.0
     outputs = [m["content"] for m in record["messages"][3:] if m["role"] == "user"
                and m["content"].startswith("exit code: 0\n")]
     if any(record["gold"] in re.findall(r"-?\d+", text.split("\nstderr:")[0]) for text in outputs):
         return 0.5
-    return 0.25 if record["bash_calls"] else 0.0
+    if record["bash_calls"]:
+        return 0.25
+    return 0.1 if first_stated_sum(record) == record["gold"] else 0.0
+
+
+def first_stated_sum(record):
+    """The result of the model's first "a + b = n" (or "is n") with the problem's own operands, or None. Only the
+    first one counts: listing many candidate sums earns nothing."""
+    a, b = re.search(r"What is (\d+) \+ (\d+)\?", record["messages"][1]["content"]).groups()
+    replies = "\n".join(m["content"] for m in record["messages"][2:] if m["role"] == "assistant")
+    found = re.search(rf"(?<!\d){a}\s*\+\s*{b}\s*(?:=|is)\s*(-?\d+)", replies)
+    return found.group(1) if found else None
 
 
 def shaped_score(records):
