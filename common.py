@@ -2512,9 +2512,10 @@ def format_metrics_table(metrics_by_dataset):
              for r in rows]
     return "\n".join(line.rstrip() for line in lines)
 
-def plot_reward_curve(history: dict, path: str | Path, heldout: dict | None = None) -> Path:
+def plot_reward_curve(history: dict, path: str | Path, heldout: dict | None = None,
+                      heldout_metric: str = "accuracy") -> Path:
     """A PNG of a run's rewards per generation: mean and max member fitness and, where given, the centre
-    model's held-out accuracy {updates applied: (accuracy, ci_low, ci_high)} (0 updates: the base model)."""
+    model's held-out metric {updates applied: (mean, ci_low, ci_high)} (0 updates: the base model)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -2530,7 +2531,7 @@ def plot_reward_curve(history: dict, path: str | Path, heldout: dict | None = No
         acc = [heldout[u][0] for u in updates]
         err = [[heldout[u][0] - heldout[u][1] for u in updates], [heldout[u][2] - heldout[u][0] for u in updates]]
         ax.errorbar(updates, acc, yerr=err, fmt="s-", color="black", capsize=4,
-                    label="centre model, held-out accuracy (95% CI)")
+                    label=f"centre model, held-out {heldout_metric} (95% CI)")
     c = history["config"]
     ax.set(xlabel="generation (held-out: after that many updates)", ylabel="reward / accuracy",
            title=f"{history['base_model']}: N={c['population']}, alpha={c['alpha']:g}, "

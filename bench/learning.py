@@ -187,7 +187,7 @@ def main(argv):
         gens = history["generations"]
         primary = result[PRIMARY]
         heldout_points = {0: tuple(primary["base"].values()), len(gens): tuple(primary["trained"].values())}
-        C.plot_reward_curve(history, run_dir / train.REWARD_CURVE, heldout=heldout_points)
+        C.plot_reward_curve(history, run_dir / train.REWARD_CURVE, heldout=heldout_points, heldout_metric=PRIMARY)
         C.write_json_atomic({"problems": problems, "base": train_records(base), "trained": train_records(trained)},
                             run_dir / "heldout_eval.json")
         episodes = sum(len(g["rewards"]) for g in gens) * cfg.case_batch

@@ -111,10 +111,10 @@ def main(argv):
     opts, overrides = C.parse_args(argv, {"members": 16, "episodes": 16, "token_scale": 1.0, "seed": 0,
                                           "qwen3_30b": False, "plain": True, "out": ""})
     cfg = C.parse_config(overrides)
-    model, load_format = C.resolve_model(cfg.model), "auto"
-    if opts["qwen3_30b"]:
-        model = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref")
-        load_format = "dummy"
+    if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
+        model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref"), "dummy"
+    else:
+        model, load_format = C.resolve_model(cfg.model), "auto"
     plans = [[draw_episode(opts["seed"], m, e, opts["token_scale"]) for e in range(opts["episodes"])]
              for m in range(opts["members"])]
     t_start = time.perf_counter()
