@@ -998,7 +998,9 @@ class _EngineActor:
 
     def __init__(self, cfg: Config, model_path: str, engine_kwargs: dict):
         self._lock, self._finished = threading.Lock(), []
-        self.engine = Engine(cfg, model_path, executor="mp", **engine_kwargs)  # TP inside one node: mp workers
+        # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
+        executor = "mp" if cfg.tensor_parallel_size > 1 else None
+        self.engine = Engine(cfg, model_path, executor=executor, **engine_kwargs)
 
     def _keep(self, record: dict) -> None:
         with self._lock:
@@ -1198,7 +1200,7 @@ class EnginePool:
         """K = 1: the tasks one after another, with the same progress bar as the pool's."""
         from tqdm import tqdm
 
-        results = []
+        results, self.task_engines = [], [None] * tasks
         with tqdm(total=tasks, desc=desc, leave=False, dynamic_ncols=True) as bar:
             for i in range(tasks):
                 episodes = [0]
@@ -1208,6 +1210,7 @@ class EnginePool:
                     bar.set_postfix_str(f"engine 0: member {i}, {episodes[0]} episodes")
 
                 results.append(run(i, count))
+                self.task_engines[i] = 0
                 bar.update(1)
         return results
 
@@ -1218,15 +1221,21 @@ class EnginePool:
         from tqdm import tqdm
 
         results, todo = [None] * tasks, list(range(tasks))
+        self.task_engines = [None] * tasks  # which engine ran task i (tests, bench/)
         running, episodes, current = {}, [0] * self.size, [None] * self.size  # ref -> (engine, task)
         bar = tqdm(total=total_episodes or tasks, desc=desc, leave=False, dynamic_ncols=True)
+
+        def hand_out():  # the next tasks to the engines that are free
+            for k, actor in enumerate(self.actors):
+                if current[k] is None and todo:
+                    i = todo.pop(0)
+                    running[submit(actor, i)] = (k, i)
+                    self.task_engines[i] = k
+                    current[k], episodes[k] = i, 0
+
         try:
-            while todo or running:
-                for k, actor in enumerate(self.actors):
-                    if current[k] is None and todo:
-                        i = todo.pop(0)
-                        running[submit(actor, i)] = (k, i)
-                        current[k], episodes[k] = i, 0
+            hand_out()
+            while running:
                 busy = [k for k in range(self.size) if current[k] is not None]
                 ready, _ = ray.wait(list(running), num_returns=1, timeout=POOL_POLL_S)
                 polls = {k: self.actors[k].poll.remote() for k in busy}
@@ -1243,6 +1252,7 @@ class EnginePool:
                     current[k] = None
                     if not total_episodes:
                         bar.update(1)
+                hand_out()
                 bar.set_postfix_str("  ".join(
                     f"engine {k}: " + ("idle" if i is None else f"{noun} {i}, {episodes[k]} episodes")
                     for k, i in enumerate(current)))

@@ -65,6 +65,7 @@ def two_engine_run(two_engines, tmp_path_factory):
     for g in range(cfg.generations):
         history["generations"].append(train.run_generation(two_engines, cfg, problems, g, reply_variety,
                                                            run_dir / train.ROLLOUTS))
+        assert set(two_engines.task_engines) == {0, 1}  # both engines evaluated members
     C.write_json_atomic(history, run_dir / C.HISTORY_FILE)
     return run_dir, history
 
