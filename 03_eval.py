@@ -72,10 +72,10 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
     """An engine holding the export (its files verified against the manifest before; its loaded bits checked
     after loading) or, without an export, the base model."""
     if not export:
-        with C.Engine(cfg, C.resolve_model(cfg.model)) as engine:
+        with C.EnginePool(cfg, C.resolve_model(cfg.model)) as engine:
             yield engine, {"kind": "base", "model": cfg.model, "per_rank_digests": engine.digests()}
         return
-    with C.Engine(cfg, export, load_format="sharded_state", tokenizer=export) as engine:
+    with C.EnginePool(cfg, export, load_format="sharded_state", tokenizer=export) as engine:
         loaded = C.check_loaded_export(engine, manifest, export)  # the bits vLLM holds are the exported ones
         yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
                        "manifest_sha256": C.sha256_file(Path(export) / C.EXPORT_MANIFEST),

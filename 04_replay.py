@@ -42,7 +42,7 @@ def main(argv: list[str]) -> dict:
     jobs = {name: aligned_jobs(original, cfg.run_seed) for name, original in originals.items()}
 
     model_path = C.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before the engine starts
-    with C.Engine(cfg, model_path) as engine:
+    with C.EnginePool(cfg, model_path) as engine:
         _, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations, compare_config=False,
                                             desc=f"rebuilding theta from {len(generations)} generations")
         for source, wanted in expected.items():

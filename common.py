@@ -6,6 +6,7 @@ Sections, in order:
   2. noise and ES math (pure functions)
   3. vLLM worker extension (runs inside each TP rank)
   4. the engine: one AsyncLLM at TP=2 behind a small synchronous facade
+  4b. the engine pool: K engines on disjoint GPUs (Ray when K > 1) evaluate members or episodes at once
   5. the run history: replay and the checks that refuse a different run
   6. scoring: answers against golds, in killable worker processes
   7. the sandbox for model-written commands and its start-up leak check
@@ -71,6 +72,8 @@ class Config:
     gpu_memory_utilization: float = 0.6  # leaves room for the exact-restore copy of the weights on the GPU
     cuda_graphs: bool = True  # CUDA graphs without inductor (GPU.md); CPU always runs eager
     cudagraph_mode: str = "FULL_DECODE_ONLY"  # steps with a prefill run eagerly; "FULL" also graphs mixed steps
+    engines: int = 0  # engines evaluating members at once (section 4b); 0: GPUs // tensor_parallel_size, 1 on CPU
+    ray_address: str = ""  # with engines > 1: join this Ray cluster (multi-node); empty: start a local one
     # evolution strategies
     run_seed: int = 20260627
     generations: int = 20
@@ -113,6 +116,7 @@ class Config:
             "generations": (self.generations >= 1, "at least 1"),
             "case_batch": (self.case_batch >= 1, "at least 1"),
             "tensor_parallel_size": (self.tensor_parallel_size >= 1, "at least 1"),
+            "engines": (self.engines >= 0, "at least 0 (0: one per tensor_parallel_size GPUs)"),
             "noise_chunk": (self.noise_chunk >= 1, "at least 1"),
             "max_turns": (self.max_turns >= 1, "at least 1"),
             "max_new_tokens": (self.max_new_tokens >= 1, "at least 1"),
@@ -641,7 +645,7 @@ class Engine:
     update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights."""
 
     def __init__(self, cfg: Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
-                 skip_tokenizer_init: bool = False):
+                 skip_tokenizer_init: bool = False, executor: str | None = None):
         self.cfg = cfg
         self._tokenizer_path = tokenizer or model_path
         self._turns = {}  # id(messages) -> the last turn's messages and token ids (see _prompt_ids)
@@ -660,6 +664,8 @@ class Engine:
             worker_extension_cls="common.ESWorker", skip_tokenizer_init=skip_tokenizer_init,
             **self._compile_args(),
         )
+        if executor:  # inside a Ray placement group vLLM would pick its Ray executor; the pool wants "mp"
+            args["distributed_executor_backend"] = executor
         if self.device == "cuda":
             args.update(gpu_memory_utilization=cfg.gpu_memory_utilization, disable_custom_all_reduce=True)
         else:
@@ -928,13 +934,343 @@ def format_parameter_table(rows: list[dict]) -> str:
 
 
 # ============================================================================================================
+# 4b. The engine pool: K engines, each on its own tensor_parallel_size devices, evaluate population members
+#     (training) or episodes (evaluation, replay) at once. K = 1 is one Engine in this process (no new
+#     dependency); K > 1 are Ray actors, one placement group each (--ray_address joins a multi-node cluster).
+#     After each generation every engine applies the same update from (seeds, coefficients), so no weights travel;
+#     their per-rank digests must then agree.
+# ============================================================================================================
+
+POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
+POOL_POLL_S = 1.0  # how often the driver asks busy engines for their finished episodes (progress, on_record)
+POOL_START_TIMEOUT_S = 900  # for the cluster to find room for an engine's placement group
+
+
+class EnginesDisagree(EngineFailure):
+    """Two engines of the pool hold different weights after the same updates: their results cannot be mixed."""
+
+
+def evaluate_member(engine: Engine, seed: int, sigma: float, jobs: list[tuple[dict, int]], *, desc: str = "episodes",
+                    on_record=None) -> tuple[list[dict], dict]:
+    """One population member on one engine: theta + sigma * eps(seed), the agent on `jobs`, then the exact theta
+    back. Returns its records (input order) and the seconds of each step."""
+    timings = {}
+    with stopwatch(timings, "perturb"):
+        engine.perturb(seed, sigma)
+    with stopwatch(timings, "rollout"):
+        records = engine.run_agent(jobs, desc=desc, on_record=on_record)
+    with stopwatch(timings, "restore"):
+        engine.restore()
+    return records, timings
+
+
+def pool_size(cfg: Config, device: str) -> int:
+    """--engines, else one engine per tensor_parallel_size GPUs (of the Ray cluster with --ray_address), at least
+    one; on CPU one unless asked."""
+    if cfg.engines:
+        return cfg.engines
+    if device != "cuda":
+        return 1
+    if cfg.ray_address:
+        import ray
+
+        _start_ray(cfg.ray_address)
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+    else:
+        gpus = torch.cuda.device_count()
+    return max(1, gpus // cfg.tensor_parallel_size)
+
+
+def cpu_binding(engine: int, tensor_parallel_size: int, cores: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for engine k of a CPU pool: its own core per rank ('0', '1'; '0|1', '2|3' at
+    TP=2), wrapping around when the pool has more ranks than the machine has cores."""
+    return "|".join(str((engine * tensor_parallel_size + r) % cores) for r in range(tensor_parallel_size))
+
+
+def _start_ray(address: str) -> None:
+    import ray
+
+    if not ray.is_initialized():  # a caller (a test, a notebook) may have started or joined one already
+        ray.init(address=address or None, include_dashboard=False, log_to_driver=True)
+
+
+class _EngineActor:
+    """One Engine inside a Ray actor process (K > 1). The actor runs two calls at a time (max_concurrency=2), so
+    that poll() answers while a member or a batch of episodes runs."""
+
+    def __init__(self, cfg: Config, model_path: str, engine_kwargs: dict):
+        self._lock, self._finished = threading.Lock(), []
+        # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
+        executor = "mp" if cfg.tensor_parallel_size > 1 else None
+        self.engine = Engine(cfg, model_path, executor=executor, **engine_kwargs)
+
+    def _keep(self, record: dict) -> None:
+        with self._lock:
+            self._finished.append(record)
+
+    def poll(self) -> list[dict]:
+        """The episodes finished since the last poll."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def device(self) -> str:
+        return self.engine.device
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    def evaluate_member(self, seed: int, sigma: float, jobs: list) -> tuple[list[dict], dict]:
+        return evaluate_member(self.engine, seed, sigma, jobs, on_record=self._keep)
+
+    def run_agent(self, jobs: list) -> list[dict]:
+        return self.engine.run_agent(jobs, on_record=self._keep)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class EnginePool:
+    """K engines with the facade the scripts need: evaluate_members (training), run_agent (evaluation, replay),
+    update, digests (checked to agree across engines), rpc and parameter_names_sha256 (engine 0's). A context
+    manager; leaving it shuts every engine down. An engine that dies fails the call with an EngineFailure naming
+    it; the stage then resumes from its files when started again."""
+
+    def __init__(self, cfg: Config, model_path: str, **engine_kwargs):
+        self.cfg = cfg
+        self.local, self.actors, self._groups = None, [], []
+        self.size = pool_size(cfg, device_type())
+        try:
+            if self.size == 1:
+                self.local = Engine(cfg, model_path, **engine_kwargs)
+            else:
+                self._start_actors(model_path, engine_kwargs)
+            devices = self._each("rpc", "es_device")
+            self.device = self.local.device if self.local else self._get(self.actors[0].device.remote(), 0, "start")
+            self.check_same_devices(devices)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- starting and stopping ----
+    def _start_actors(self, model_path: str, engine_kwargs: dict) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        _start_ray(self.cfg.ray_address)
+        tp = self.cfg.tensor_parallel_size
+        gpu = ray.cluster_resources().get("GPU", 0) > 0
+        bundle = {"GPU": tp, "CPU": 1} if gpu else {"CPU": 1}  # one bundle: the engine's devices on one node
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        remote = ray.remote(_EngineActor)
+        for k in range(self.size):
+            group = placement_group([bundle], strategy="STRICT_PACK", name=f"es-engine-{k}")
+            self._groups.append(group)
+            try:
+                ray.get(group.ready(), timeout=POOL_START_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise ConfigError(f"the Ray cluster has no room for engine {k} of {self.size} ({bundle} on one "
+                                  f"node); it has {ray.cluster_resources()}") from None
+            env = {"PYTHONPATH": path, "TQDM_DISABLE": "1"}  # the driver draws the progress
+            if not gpu:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(k, tp, os.cpu_count() or 1)
+            self.actors.append(remote.options(
+                num_cpus=1, num_gpus=tp if gpu else 0, max_concurrency=2, runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+            ).remote(self.cfg, str(model_path), engine_kwargs))
+        self.pids = [self._get(actor.pid.remote(), k, "start") for k, actor in enumerate(self.actors)]  # all started
+
+    def close(self) -> None:
+        """Shut every engine down (also after a failure of one of them)."""
+        if self.local is not None:
+            self.local.close()
+            self.local = None
+        if self.actors or self._groups:
+            import ray
+            from ray.util.placement_group import remove_placement_group
+
+            closing = [actor.close.remote() for actor in self.actors]
+            for ref in closing:
+                with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
+                    ray.get(ref, timeout=ENGINE_SHUTDOWN_S + 30)
+            for actor in self.actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+            for group in self._groups:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(group)
+            self.actors, self._groups = [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):  # the error on the way out (an engine failure) is the one to report
+            self.close()
+
+    # ---- calls on every engine ----
+    def _get(self, ref, k: int, what: str):
+        """The result of engine k's call; a lost actor or a failure inside it is an EngineFailure naming k."""
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, Exception) else exc
+            raise EngineFailure(f"engine {k} of {self.size} failed during {what}: {cause}") from exc
+        except ray.exceptions.RayError as exc:  # actor died (process killed, node lost), or unavailable
+            raise EngineFailure(f"engine {k} of {self.size} was lost during {what} "
+                                f"({type(exc).__name__}: {str(exc)[:600]})") from exc
+
+    def _each(self, method: str, *args, **kwargs) -> list:
+        """engine.method(*args) on every engine at once; results in engine order."""
+        if self.local is not None:
+            return [getattr(self.local, method)(*args, **kwargs)]
+        refs = [actor.call.remote(method, *args, **kwargs) for actor in self.actors]
+        return [self._get(ref, k, method) for k, ref in enumerate(refs)]
+
+    def check_same_devices(self, devices: list[list[dict]]) -> None:
+        """The noise streams depend on the device model: a mixed pool would train on two different noises."""
+        if any(d != devices[0] for d in devices):
+            raise ConfigError("the engines run on different device models (" + "; ".join(
+                f"engine {k}: {describe_devices(d)}" for k, d in enumerate(devices)) + "); the noise depends on the "
+                "device model, so every engine of a pool must use the same one")
+
+    def rpc(self, method: str, **kwargs) -> list:
+        return self._each("rpc", method, **kwargs)[0]
+
+    def parameter_names_sha256(self) -> str:
+        return self._each("parameter_names_sha256")[0]
+
+    def update(self, seeds: list[int], coeffs: list[float]) -> float:
+        """The same update on every engine; returns the slowest engine's seconds."""
+        return max(self._each("update", seeds, coeffs))
+
+    def digests(self) -> list[str]:
+        """Engine 0's per-rank digests, after checking that every engine holds the same bits."""
+        per_engine = self._each("digests")
+        for k, digests in enumerate(per_engine[1:], start=1):
+            ranks = [r for r, (mine, first) in enumerate(zip(digests, per_engine[0])) if mine != first]
+            if ranks or len(digests) != len(per_engine[0]):
+                raise EnginesDisagree(f"engine {k} of {self.size} disagrees with engine 0 on the weights of rank "
+                                      f"{ranks[0] if ranks else '?'} ({digests} != {per_engine[0]}): the pool's "
+                                      "engines no longer hold the same theta")
+        return per_engine[0]
+
+    # ---- the work ----
+    def evaluate_members(self, seeds: list[int], sigma: float, jobs: list[tuple[dict, int]],
+                         desc: str = "members") -> tuple[list[list[dict]], dict]:
+        """Every member i (theta + sigma * eps(seeds[i])) on `jobs`: records[i] is member i's, whichever engine
+        ran it and whenever it finished. Timings: the members' summed perturb/rollout/restore seconds and the
+        wall time of the whole population ("members")."""
+        timings, t0 = {}, time.perf_counter()
+        if self.local is not None:
+            results = self._local_queue(len(seeds), desc, lambda i, on_record: evaluate_member(
+                self.local, seeds[i], sigma, jobs, desc=f"member {i} episodes", on_record=on_record))
+        else:
+            import ray
+
+            shared_jobs = ray.put(jobs)  # sent once, not once per member
+            results = self._queue(len(seeds), desc, "member",
+                                  lambda actor, i: actor.evaluate_member.remote(seeds[i], sigma, shared_jobs))
+        self.member_timings = [member_timings for _, member_timings in results]  # per member (bench/)
+        for _, member_timings in results:
+            for key, seconds in member_timings.items():
+                timings[key] = timings.get(key, 0.0) + seconds
+        timings["members"] = time.perf_counter() - t0
+        return [records for records, _ in results], timings
+
+    def run_agent(self, jobs: list[tuple[dict, int]], desc: str = "episodes", on_record=None) -> list[dict]:
+        """Engine.run_agent spread over the pool: contiguous slices of `jobs` (a problem's samples stay together,
+        sharing the prefix cache) handed to free engines; records in input order; on_record as episodes end."""
+        if self.local is not None:
+            return self.local.run_agent(jobs, desc=desc, on_record=on_record)
+        size = max(1, math.ceil(len(jobs) / self.size))
+        slices = [jobs[i:i + size] for i in range(0, len(jobs), size)]
+        results = self._queue(len(slices), desc, "slice", lambda actor, i: actor.run_agent.remote(slices[i]),
+                              on_record=on_record, total_episodes=len(jobs))
+        return [record for records in results for record in records]
+
+    def _local_queue(self, tasks: int, desc: str, run) -> list:
+        """K = 1: the tasks one after another, with the same progress bar as the pool's."""
+        from tqdm import tqdm
+
+        results, self.task_engines = [], [None] * tasks
+        with tqdm(total=tasks, desc=desc, leave=False, dynamic_ncols=True) as bar:
+            for i in range(tasks):
+                episodes = [0]
+
+                def count(record, i=i):
+                    episodes[0] += 1
+                    bar.set_postfix_str(f"engine 0: member {i}, {episodes[0]} episodes")
+
+                results.append(run(i, count))
+                self.task_engines[i] = 0
+                bar.update(1)
+        return results
+
+    def _queue(self, tasks: int, desc: str, noun: str, submit, on_record=None, total_episodes: int = 0) -> list:
+        """The work queue: task i goes to whichever engine is free first, so one task's straggler overlaps the
+        others' work. Results are keyed by task index, never by completion order."""
+        import ray
+        from tqdm import tqdm
+
+        results, todo = [None] * tasks, list(range(tasks))
+        self.task_engines = [None] * tasks  # which engine ran task i (tests, bench/)
+        running, episodes, current = {}, [0] * self.size, [None] * self.size  # ref -> (engine, task)
+        bar = tqdm(total=total_episodes or tasks, desc=desc, leave=False, dynamic_ncols=True)
+
+        def hand_out():  # the next tasks to the engines that are free
+            for k, actor in enumerate(self.actors):
+                if current[k] is None and todo:
+                    i = todo.pop(0)
+                    running[submit(actor, i)] = (k, i)
+                    self.task_engines[i] = k
+                    current[k], episodes[k] = i, 0
+
+        try:
+            hand_out()
+            while running:
+                busy = [k for k in range(self.size) if current[k] is not None]
+                ready, _ = ray.wait(list(running), num_returns=1, timeout=POOL_POLL_S)
+                polls = {k: self.actors[k].poll.remote() for k in busy}
+                for k, ref in polls.items():
+                    for record in self._get(ref, k, f"{noun} {current[k]}"):
+                        episodes[k] += 1
+                        if total_episodes:
+                            bar.update(1)
+                        if on_record is not None:
+                            on_record(record)
+                for ref in ready:
+                    k, i = running.pop(ref)
+                    results[i] = self._get(ref, k, f"{noun} {i}")
+                    current[k] = None
+                    if not total_episodes:
+                        bar.update(1)
+                hand_out()
+                bar.set_postfix_str("  ".join(
+                    f"engine {k}: " + ("idle" if i is None else f"{noun} {i}, {episodes[k]} episodes")
+                    for k, i in enumerate(current)))
+        finally:
+            bar.close()
+        return results
+
+
+# ============================================================================================================
 # 5. The run history: everything that defines theta, so that any stage can rebuild it from the base weights.
 # ============================================================================================================
 
 HISTORY_FILE = "es_history.json"
 HISTORY_FORMAT = "es-history/1"
 # settings that may change between a run and its resume: they do not touch the weights or the rewards
-RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval")
+RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", *POOL_FIELDS)
 
 
 class HistoryMismatch(RuntimeError):
@@ -951,7 +1287,7 @@ def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool 
         data["train_data_sha256"] = cfg.train_data if cfg.train_data in GENERATED_DATA else sha256_file(cfg.train_data)
     return {
         "format": HISTORY_FORMAT,
-        "config": dataclasses.asdict(cfg),
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POOL_FIELDS},  # any K, one history
         "noise": dict(NOISE_DEFINITION, chunk=cfg.noise_chunk),
         **data,
         "base_model": cfg.model,

@@ -1,0 +1,86 @@
+"""Population-parallel ES: wall time per generation versus the number of engines K (--engines) on the same
+workload, and how much of it is the straggler tail.
+
+Each K runs the same generations of 01_train.py (same seeds, problems and request seeds) on its own pool. The
+straggler tail of a member is the part of its rollout after its median episode ended (rollout wall - median
+episode seconds; its episodes start together): time its engine spends waiting for the slowest episodes. With one
+engine the members' tails add up inside the generation; with K engines other members' work overlaps them.
+
+    python bench/population_parallel.py                          # CPU: the smoke run at TP=1, 8 members, K = 1, 2
+    python bench/population_parallel.py --engines=1,2,4 --preset= --model=Qwen/Qwen3-30B-A3B \\
+        --tensor_parallel_size=2 --population=16 --case_batch=16   # a GPU node (8 GPUs: K up to 4 at TP=2)
+Prints a table and one JSON line (also written to --out).
+"""
+
+import importlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common as C  # noqa: E402
+from report import emit  # noqa: E402
+
+train = importlib.import_module("01_train")
+CPU_WORKLOAD = ["--preset=smoke", "--tensor_parallel_size=1", "--population=8", "--max_turns=3", "--max_new_tokens=48"]
+
+
+def member_tails(rollout_file: Path, member_timings: list[dict]) -> list[float]:
+    """Per member: rollout wall seconds - its median episode's seconds."""
+    seconds = {}
+    for r in C.read_jsonl(rollout_file):
+        seconds.setdefault(r["member"], []).append(r["seconds"])
+    return [max(0.0, t["rollout"] - statistics.median(seconds[m])) for m, t in enumerate(member_timings)]
+
+
+def measure(engines: int, overrides: list[str], generations: int, workdir: Path) -> dict:
+    cfg = C.parse_config([*overrides, f"--engines={engines}", f"--run_dir={workdir / f'k{engines}'}"])
+    problems = C.training_problems(cfg)
+    t0 = time.perf_counter()
+    with C.EnginePool(cfg, C.resolve_model(cfg.model)) as pool:
+        start_s = time.perf_counter() - t0
+        rows = []
+        for g in range(generations):
+            t = time.perf_counter()
+            record = train.run_generation(pool, cfg, problems, g, train.mean_score, Path(cfg.run_dir) / "rollouts")
+            wall = time.perf_counter() - t
+            tails = member_tails(Path(cfg.run_dir) / "rollouts" / f"generation-{g:03d}.jsonl", pool.member_timings)
+            rows.append({"wall_s": wall, "member_s": sum(t["rollout"] + t["perturb"] + t["restore"]
+                                                         for t in pool.member_timings),
+                         "tail_s": sum(tails), "digests": record["digests"],
+                         "members_per_engine": [pool.task_engines.count(k) for k in range(pool.size)]})
+    mean = lambda key: round(statistics.mean(r[key] for r in rows), 2)  # noqa: E731
+    return {"engines": pool.size, "engine_start_s": round(start_s, 1), "generation_wall_s": mean("wall_s"),
+            "member_seconds_per_generation": mean("member_s"), "straggler_tail_s_per_generation": mean("tail_s"),
+            "members_per_engine": rows[-1]["members_per_engine"], "final_digests": rows[-1]["digests"]}
+
+
+def main(argv):
+    opts, overrides = C.parse_args(argv, {"engines": "1,2", "generations": 2, "out": ""})
+    overrides = overrides if any(a.startswith("--preset=") for a in overrides) else [*CPU_WORKLOAD, *overrides]
+    overrides = [a for a in overrides if a != "--preset="]
+    cfg = C.parse_config(overrides)
+    with tempfile.TemporaryDirectory(prefix="population-parallel-") as tmp:
+        runs = [measure(int(k), overrides, opts["generations"], Path(tmp)) for k in opts["engines"].split(",")]
+    base = runs[0]["generation_wall_s"]
+    for run in runs:
+        run["speedup"] = round(base / run["generation_wall_s"], 2)
+        run["tail_share_of_wall"] = round(run["straggler_tail_s_per_generation"] / run["generation_wall_s"], 3)
+    print(f"{'K':>3} {'start s':>8} {'gen wall s':>10} {'member-s':>9} {'tail s':>7} {'tail/wall':>9} {'speedup':>8}")
+    for r in runs:
+        print(f"{r['engines']:>3} {r['engine_start_s']:>8} {r['generation_wall_s']:>10} "
+              f"{r['member_seconds_per_generation']:>9} {r['straggler_tail_s_per_generation']:>7} "
+              f"{r['tail_share_of_wall']:>9} {r['speedup']:>8}")
+    same = all(r["final_digests"] == runs[0]["final_digests"] for r in runs)
+    return emit({"bench": "population_parallel", "date": time.strftime("%Y-%m-%d"), "device": C.device_type(),
+                 "model": cfg.model, "tensor_parallel_size": cfg.tensor_parallel_size, "population": cfg.population,
+                 "case_batch": cfg.case_batch, "generations": opts["generations"], "same_weights_for_every_k": same,
+                 "runs": [{k: v for k, v in r.items() if k != "final_digests"} for r in runs]}, opts["out"])
+
+
+if __name__ == "__main__":
+    C.prepare_script()
+    main(sys.argv[1:])
