@@ -640,7 +640,22 @@ def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> st
     return requested
 
 
-class Engine:
+class ClosedOnExit:
+    """`with engine:` closes it on the way out. If the block raised, that error is the one to report, not one
+    from closing after it (an engine that failed may not close cleanly)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class Engine(ClosedOnExit):
     """vLLM at TP=2 with the ES worker extension and prefix caching on. Every weight change (perturb, restore,
     update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights."""
 
@@ -743,16 +758,6 @@ class Engine:
                 self.llm = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-            return
-        with contextlib.suppress(Exception):  # the error on the way out (an engine failure) is the one to report
-            self.close()
 
     # ---- weights ----
     def rpc(self, method: str, **kwargs) -> list:
@@ -1033,7 +1038,7 @@ class _EngineActor:
         self.engine.close()
 
 
-class EnginePool:
+class EnginePool(ClosedOnExit):
     """K engines with the facade the scripts need: evaluate_members (training), run_agent (evaluation, replay),
     update, digests (checked to agree across engines), rpc and parameter_names_sha256 (engine 0's). A context
     manager; leaving it shuts every engine down. An engine that dies fails the call with an EngineFailure naming
@@ -1104,16 +1109,6 @@ class EnginePool:
                 with contextlib.suppress(Exception):
                     remove_placement_group(group)
             self.actors, self._groups = [], []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-            return
-        with contextlib.suppress(Exception):  # the error on the way out (an engine failure) is the one to report
-            self.close()
 
     # ---- calls on every engine ----
     def _get(self, ref, k: int, what: str):

@@ -44,6 +44,7 @@ OBSERVATION_TOKENS = (20, 400)
 TOOL_SECONDS = (0.05, 2.0)
 FIRST_PROMPT_TOKENS = 400  # system prompt + problem
 PLAIN_SEQUENCES, PLAIN_TOKENS = 64, 1024
+REFERENCE_MEMBERS, REFERENCE_GENERATIONS = 16, 20  # the reference run's population and generations
 
 
 def draw_episode(seed: int, member: int, episode: int, token_scale: float) -> dict:
@@ -151,6 +152,8 @@ def main(argv):
         generation_s = time.perf_counter() - t_gen
 
     tokens = sum(m["tokens"] for m in members)
+    member_s = statistics.mean(m["perturb_s"] + m["rollout_s"] + m["restore_s"] for m in members)
+    projected_s = REFERENCE_MEMBERS * member_s + update_s + digest_s
     rollout = sum(m["rollout_s"] for m in members)
     result = {"bench": "reference_generation", "date": time.strftime("%Y-%m-%d"), "device": engine.device,
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
@@ -159,7 +162,9 @@ def main(argv):
               "members": opts["members"], "episodes": opts["episodes"], "token_scale": opts["token_scale"],
               "max_model_len": cfg.max_model_len, "engine_start_s": round(start_s, 1),
               "generation_s": round(generation_s, 1),
-              "projected_reference_run_h": round(generation_s * 20 / 3600, 2) if opts["members"] == 16 else None,
+              # fewer members than the reference's 16 (device time): scale the mean member, add update and digest
+              "projected_generation_s": round(projected_s, 1),
+              "projected_reference_run_h": round(projected_s * REFERENCE_GENERATIONS / 3600, 2),
               "generated_tokens": tokens, "tokens_per_s": round(tokens / rollout, 1),
               "plain_64_tokens_per_s": round(plain, 1) if plain else None,
               "fraction_of_plain": round(tokens / rollout / plain, 3) if plain else None,
