@@ -194,3 +194,18 @@ def test_default_paths_are_the_built_files_and_the_smoke_preset_needs_none():
     assert evaluation.data_paths(no_paths, smoke) == {"dapo": "smoke", "aime2026": "smoke"}
     assert evaluation.data_paths(dict(no_paths, dapo="x.jsonl"), smoke) == {"dapo": "x.jsonl", "aime2026": "smoke"}
     assert C.problems_from("smoke", smoke.run_seed) == C.smoke_problems(C.SMOKE_PROBLEMS, seed=smoke.run_seed)
+
+
+def test_learn_problems_are_right_sums_and_held_out_sets_never_repeat_training_questions():
+    train = C.learn_problems(C.LEARN_PROBLEMS, seed=C.LEARN_TRAIN_SEED)
+    seen = {p["question"] for p in train}
+    held_out = C.learn_problems(128, seed=1, exclude=seen)
+    assert len(seen) == C.LEARN_PROBLEMS and not seen & {p["question"] for p in held_out}
+    low, high = C.LEARN_OPERANDS
+    for p in train + held_out:
+        a, b = (int(x) for x in p["question"].split("?")[0].removeprefix("What is ").split(" + "))
+        assert low <= a <= high and low <= b <= high and p["answer"] == str(a + b)
+    assert C.problems_from("learn", 0) == train  # the preset's one training set, whatever the run seed
+    room = (high - low + 1) ** 2 - len(seen)
+    with pytest.raises(C.DataError, match=f"only {room} questions"):  # asking for more than exist: no endless loop
+        C.learn_problems(room + 1, seed=1, exclude=seen)
