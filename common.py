@@ -2705,7 +2705,7 @@ def learn_problems(n, seed, exclude=()):
     if n > available:
         raise DataError(f"{n} learn problems asked for, but operands {low}..{high} leave only {available} questions")
     while len(rows) < n:
-        a, b = (int(x) for x in rng.integers(LEARN_OPERANDS[0], LEARN_OPERANDS[1] + 1, size=2))
+        a, b = (int(x) for x in rng.integers(low, high + 1, size=2))
         question = LEARN_QUESTION.format(a=a, b=b)
         if question not in seen:
             seen.add(question)
