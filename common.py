@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import queue
 import re
 import select
 import selectors
@@ -71,7 +72,8 @@ class Config:
     max_model_len: int = 40960  # Qwen3-30B-A3B's native context; a longer conversation ends the episode
     gpu_memory_utilization: float = 0.6  # leaves room for the exact-restore copy of the weights on the GPU
     cuda_graphs: bool = True  # CUDA graphs without inductor (GPU.md); CPU always runs eager
-    cudagraph_mode: str = "FULL_DECODE_ONLY"  # steps with a prefill run eagerly; "FULL" also graphs mixed steps
+    cudagraph_mode: str = "FULL_DECODE_ONLY"  # steps with a prefill run eagerly; "FULL" also graphs mixed steps;
+                                              # "FULL_AND_PIECEWISE": mixed steps as piecewise graphs (see Engine)
     engines: int = 0  # engines evaluating members at once (section 4b); 0: GPUs // tensor_parallel_size, 1 on CPU
     ray_address: str = ""  # with engines > 1: join this Ray cluster (multi-node); empty: start a local one
     # evolution strategies
@@ -321,24 +323,82 @@ def add_noise_(flat: torch.Tensor, seeds: list[int], coeffs: list[float], chunk:
         flat[start : start + chunk].copy_(acc)
 
 
-def tensor_digest(name: str, t: torch.Tensor) -> str:
+def tensor_digest(name: str, t: torch.Tensor, staging: "DigestStaging | None" = None) -> str:
+    """sha256 over name, shape, dtype and the tensor's bytes. A CPU tensor is hashed in place; a GPU tensor streams
+    through `staging` (pinned host buffers) chunk by chunk: the same bytes in the same order, so the same digest."""
     h = hashlib.sha256()
     h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-    h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy())  # the buffer itself, no extra copy
+    data = t.detach().contiguous().view(-1).view(torch.uint8)
+    if data.device.type == "cpu":
+        h.update(data.numpy())  # the buffer itself, no extra copy
+    else:
+        (staging or DigestStaging(data.device)).hash_into(h, data)
     return h.hexdigest()
 
 
-def tensor_digests(named_tensors: list[tuple[str, torch.Tensor]], threads: int) -> list[tuple[str, str]]:
+class DigestStaging:
+    """Two pinned host buffers and a copy stream: while chunk k is hashed on the CPU, chunk k+1 is copied off the
+    GPU. Pageable copies of whole tensors spent most of the old 58 s (22.8 s in 8 threads) faulting in fresh host
+    pages; these buffers are pinned once and reused every generation."""
+
+    def __init__(self, device, chunk_bytes: int = 0):
+        self.device = torch.device(device)
+        self.chunk = chunk_bytes or DIGEST_CHUNK_BYTES
+        self.buffers = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.copied = [torch.cuda.Event() for _ in range(2)]
+
+    def hash_into(self, h, data: torch.Tensor) -> None:
+        with torch.cuda.device(self.device):
+            # the copies may start only after every write to the weights queued on the current stream
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            pending = None  # (buffer index, bytes) of the chunk copied last, not yet hashed
+            for k, start in enumerate(range(0, data.numel(), self.chunk)):
+                piece = data[start : start + self.chunk]
+                with torch.cuda.stream(self.stream):  # buffer k % 2 held chunk k-2, hashed already
+                    self.buffers[k % 2][: piece.numel()].copy_(piece, non_blocking=True)
+                    self.copied[k % 2].record(self.stream)
+                if pending:
+                    self._hash(h, *pending)
+                pending = (k % 2, piece.numel())
+            if pending:
+                self._hash(h, *pending)
+
+    def _hash(self, h, index: int, size: int) -> None:
+        self.copied[index].synchronize()
+        h.update(self.buffers[index][:size].numpy())
+
+
+def tensor_digests(named_tensors: list[tuple[str, torch.Tensor]], threads: int,
+                   staging: list[DigestStaging] | None = None) -> list[tuple[str, str]]:
     """(name, tensor_digest) for each tensor, hashed in `threads` threads (hashlib releases the GIL on large
-    buffers). The same digests as one thread, in the same order: only the wall time changes."""
-    if threads <= 1:
-        return [(name, tensor_digest(name, t)) for name, t in named_tensors]
+    buffers), largest tensors first so that no thread is left with a big one at the end. GPU tensors go through
+    `staging` (one per thread; made here if not given). The same digests, in the same order, as one thread."""
+    on_gpu = bool(named_tensors) and named_tensors[0][1].device.type == "cuda"
+    threads = max(1, min(threads, len(named_tensors)))
+    if on_gpu and not staging:
+        staging = [DigestStaging(named_tensors[0][1].device) for _ in range(threads)]
+    free = queue.SimpleQueue()
+    for s in (staging or [None])[:threads]:
+        free.put(s)
+
+    def digest(name_and_tensor):
+        s = free.get()
+        try:
+            return tensor_digest(*name_and_tensor, staging=s)
+        finally:
+            free.put(s)
+
+    largest_first = sorted(range(len(named_tensors)), key=lambda i: -named_tensors[i][1].numel())
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="digest") as pool:
-        return list(zip((n for n, _ in named_tensors), pool.map(lambda nt: tensor_digest(*nt), named_tensors)))
+        done = dict(zip(largest_first, pool.map(digest, (named_tensors[i] for i in largest_first))))
+    return [(name, done[i]) for i, (name, _) in enumerate(named_tensors)]
 
 
-# threads hashing one rank's tensors: the host's cores shared by the TP ranks of the node (8 of 16 on a 2x H200 node)
-DIGEST_THREADS_PER_RANK = max(1, min(8, (os.cpu_count() or 1) // 2))
+# threads hashing one rank's tensors: the node's cores shared by its TP ranks (16 of 32 on a 2x H200 node); sha256
+# runs at about 1-2 GB/s per core, so a 30.5 GB rank of Qwen3-30B-A3B needs about 16 of them to stay near 2 s
+DIGEST_THREADS_PER_RANK = max(1, min(16, len(os.sched_getaffinity(0)) // 2))
+DIGEST_CHUNK_BYTES = 32 << 20  # bytes per pinned staging buffer (two per thread)
 
 
 def combine_digests(named_digests: list[tuple[str, str]]) -> str:
@@ -437,7 +497,10 @@ class ESWorker:
 
     def es_digest(self) -> dict:
         es = self._es_state()
-        digests = tensor_digests(es["params"], threads=DIGEST_THREADS_PER_RANK)
+        device = es["params"][0][1].device
+        if device.type == "cuda" and "staging" not in es:  # pinned once, reused every generation
+            es["staging"] = [DigestStaging(device) for _ in range(DIGEST_THREADS_PER_RANK)]
+        digests = tensor_digests(es["params"], threads=DIGEST_THREADS_PER_RANK, staging=es.get("staging"))
         return {"rank": es["rank"], "digest": combine_digests(digests), "params": len(digests)}
 
     def es_perturb(self, seed: int, sigma: float, chunk: int, restore: str) -> float:
@@ -699,7 +762,12 @@ class Engine(ClosedOnExit):
 
     def _compile_args(self) -> dict:
         if self.device == "cuda" and self.cfg.cuda_graphs:
-            # inductor dies in cublasCreate on the H200 machine; CUDA graphs without it work (GPU.md)
+            # inductor dies in cublasCreate on the H200 machine; CUDA graphs without it work (GPU.md). Full graphs
+            # need no compilation (mode 0); piecewise ones need vLLM's graph splitting (mode 3), whose pieces then
+            # run on the "eager" backend instead of inductor.
+            if "PIECEWISE" in self.cfg.cudagraph_mode:
+                return {"enforce_eager": False, "compilation_config": {
+                    "mode": 3, "backend": "eager", "cudagraph_mode": self.cfg.cudagraph_mode}}
             return {"enforce_eager": False,
                     "compilation_config": {"mode": 0, "cudagraph_mode": self.cfg.cudagraph_mode}}
         return {"enforce_eager": True}

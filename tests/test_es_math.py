@@ -173,6 +173,27 @@ class ToyModel(torch.nn.Module):
         self.index = torch.nn.Parameter(torch.arange(3, dtype=torch.int32), requires_grad=False)
 
 
+def test_digests_are_sha256_of_name_shape_dtype_and_bytes_in_any_number_of_threads():
+    g = torch.Generator().manual_seed(0)
+    named = [("embed", torch.randn(37, 8, generator=g).to(torch.bfloat16)),
+             ("transposed", torch.randn(6, 5, generator=g).t()),  # not contiguous: hashed in logical order
+             ("big", torch.randn(1000, generator=g)), ("empty", torch.empty(0, 3, dtype=torch.float16)),
+             ("ints", torch.arange(11, dtype=torch.int64))]
+
+    def by_hand(name, t):
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        return __import__("hashlib").sha256(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode() + raw).hexdigest()
+
+    expected = [(n, by_hand(n, t)) for n, t in named]
+    assert len({d for _, d in expected}) == len(named)
+    for threads in (1, 2, 3, 16):  # largest-first scheduling must hand the digests back in the tensors' order
+        assert C.tensor_digests(named, threads=threads) == expected
+    flipped = named[0][1].clone()
+    flipped.view(torch.int16)[5] ^= 1  # one bit of one weight
+    assert C.tensor_digest("embed", flipped) != expected[0][1]
+    assert C.combine_digests(expected) != C.combine_digests(expected[::-1])  # the order is part of the digest
+
+
 def test_es_parameters_every_floating_storage_once_in_order():
     model = ToyModel()
     params = C.es_parameters(model.named_parameters())
