@@ -2,6 +2,13 @@
 plain batched `generate` of the same number of sequences with the same per-turn token budget; and the agent loop's
 prefix-cache hit rate (cached prompt tokens / prompt tokens, from vLLM's RequestOutput.num_cached_tokens).
 
+Equal concurrency: every request's time in flight is summed per run (request-seconds). Request-seconds over wall
+time is the run's mean number of sequences in flight; tokens per request-second is the speed of one sequence in
+flight. "ratio_per_sequence" compares that speed in the agent loop with plain generation: below 1, the engine steps
+themselves are slower in the agent loop; near 1 with a low "ratio", the agent loop simply keeps fewer sequences in
+flight (episodes end at different times). "agent_gap_share": the share of the episodes' time with none of their
+requests in flight (tools, prompt building, scoring).
+
 The agent loop runs E episodes concurrently for T turns (the model's replies are noise on a random model: that
 still drives full multi-turn traffic, observations and corrective messages included). The plain baseline sends
 E prompts of the same first-turn length for T rounds of M new tokens each, with a barrier between rounds.
@@ -30,14 +37,16 @@ import qwen3_30b  # noqa: E402
 from report import emit  # noqa: E402
 
 
-def timed(engine, runs: list, fn):
-    """Run fn from an empty prefix cache; record (generated tokens, seconds)."""
+def timed(engine, counts: dict, runs: list, fn):
+    """Run fn from an empty prefix cache; record (generated tokens, seconds, request-seconds: the sum over its
+    requests of their time in flight)."""
     engine.reset_prefix_cache()
+    counts.update(prompt=0, cached=0, request_s=0.0)
     t0 = time.perf_counter()
     out = fn()
     seconds = time.perf_counter() - t0
     tokens = sum(r["completion_tokens"] for r in out) if isinstance(out[0], dict) else out[0]
-    runs.append((tokens, seconds))
+    runs.append((tokens, round(seconds, 3), round(counts["request_s"], 3)))
     return out
 
 
@@ -55,16 +64,17 @@ def render(engine, messages):
                                                 tokenize=True, return_dict=False)
 
 
-def count_prefix_hits(engine) -> dict:
-    """Wrap the engine's AsyncLLM.generate so that every finished request adds its prompt tokens and its
-    prefix-cache hits (vLLM's num_cached_tokens) to the returned counter."""
-    counts = {"prompt": 0, "cached": 0}
+def count_requests(engine) -> dict:
+    """Wrap the engine's AsyncLLM.generate so that every finished request adds its prompt tokens, its prefix-cache
+    hits (vLLM's num_cached_tokens) and its seconds in flight (submitted to finished) to the returned counter."""
+    counts = {"prompt": 0, "cached": 0, "request_s": 0.0}
     generate = engine.llm.generate
 
     async def counted(*args, **kwargs):
-        out = None
+        out, t0 = None, time.perf_counter()
         async for out in generate(*args, **kwargs):
             yield out
+        counts["request_s"] += time.perf_counter() - t0
         counts["prompt"] += len(out.prompt_token_ids)
         counts["cached"] += out.num_cached_tokens or 0
 
@@ -94,22 +104,31 @@ def main(argv):
     model = model or C.resolve_model(cfg.model)
     with C.Engine(cfg, model, load_format=load_format) as engine:
         engine.run_agent(jobs[:2])  # warm-up
-        counts = count_prefix_hits(engine)
+        counts = count_requests(engine)
         runs = {"agent loop": [], "plain generate": [], "plain, agent contexts": []}
-        hit_rates = []  # per agent-loop run, from an empty prefix cache
+        hit_rates, gap_shares = [], []  # per agent-loop run, from an empty prefix cache
         for _ in range(opts["repeats"]):
-            counts.update(prompt=0, cached=0)
-            records = timed(engine, runs["agent loop"], lambda: engine.run_agent(jobs))
+            records = timed(engine, counts, runs["agent loop"], lambda: engine.run_agent(jobs))
             hit_rates.append(round(counts["cached"] / counts["prompt"], 4))
+            # the share of the episodes' time with no request of theirs in flight: tools, prompts, scoring
+            gap_shares.append(round(1 - counts["request_s"] / sum(r["seconds"] for r in records), 4))
             first = render(engine, records[0]["messages"][:2])
             same_prompt = [[first] * len(jobs)] * cfg.max_turns
-            timed(engine, runs["plain generate"], lambda: plain_rounds(engine, same_prompt, cfg.max_new_tokens))
+            timed(engine, counts, runs["plain generate"],
+                  lambda: plain_rounds(engine, same_prompt, cfg.max_new_tokens))
             contexts = [[render(engine, r["messages"][:i]) for r in records for i in turn_starts(r)[k:k + 1]]
                         for k in range(cfg.max_turns)]
-            timed(engine, runs["plain, agent contexts"], lambda: plain_rounds(engine, contexts, cfg.max_new_tokens))
+            timed(engine, counts, runs["plain, agent contexts"],
+                  lambda: plain_rounds(engine, contexts, cfg.max_new_tokens))
         block_size = engine.llm.vllm_config.cache_config.block_size
 
-    best = {name: max(tokens / seconds for tokens, seconds in r) for name, r in runs.items()}
+    best = {name: max(tokens / seconds for tokens, seconds, _ in r) for name, r in runs.items()}
+    # Equal concurrency: a run's mean sequences in flight is its request-seconds over its wall time, and its
+    # tokens per request-second is what one sequence in flight decoded per second. The agent loop's episodes end
+    # at different times, so fewer sequences are in flight on average than in the barrier-synchronised baseline.
+    in_flight = {name: max(r, key=lambda x: x[0] / x[1]) for name, r in runs.items()}
+    mean_in_flight = {name: round(rs / s, 2) for name, (_, s, rs) in in_flight.items()}
+    per_sequence = {name: t / rs for name, (t, _, rs) in in_flight.items()}
     result = {"bench": "agent_efficiency", "date": time.strftime("%Y-%m-%d"), "device": engine.device,
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
               "cudagraph_mode": cfg.cudagraph_mode,
@@ -120,15 +139,23 @@ def main(argv):
               "agent_tokens_per_s": round(best["agent loop"], 1), "plain_tokens_per_s": round(best["plain generate"], 1),
               "plain_agent_contexts_tokens_per_s": round(best["plain, agent contexts"], 1),
               "ratio": round(best["agent loop"] / best["plain generate"], 3),
-              "ratio_same_contexts": round(best["agent loop"] / best["plain, agent contexts"], 3), "runs": runs}
-    print(f"{'':<24}{'tokens':>10}{'seconds':>10}{'tok/s':>10}")
+              "ratio_same_contexts": round(best["agent loop"] / best["plain, agent contexts"], 3),
+              "mean_in_flight": mean_in_flight,
+              "tokens_per_request_s": {name: round(v, 1) for name, v in per_sequence.items()},
+              "ratio_per_sequence": round(per_sequence["agent loop"] / per_sequence["plain generate"], 3),
+              "agent_gap_share": gap_shares, "runs": runs}
+    print(f"{'':<24}{'tokens':>10}{'seconds':>10}{'tok/s':>10}{'in flight':>10}{'tok/s/seq':>10}")
     for name, r in runs.items():
-        for tokens, seconds in r:
-            print(f"{name:<24}{tokens:>10}{seconds:>10.2f}{tokens / seconds:>10.1f}")
+        for tokens, seconds, request_s in r:
+            print(f"{name:<24}{tokens:>10}{seconds:>10.2f}{tokens / seconds:>10.1f}{request_s / seconds:>10.2f}"
+                  f"{tokens / request_s:>10.1f}")
     print(f"agent loop prefix-cache hit rate ({result['prompt_mode']}, template {result['chat_template']}, "
           f"block size {block_size}): {', '.join(f'{h:.3f}' for h in hit_rates)}")
     print(f"ratio (best agent / best plain generate): {result['ratio']:.3f};  "
           f"against plain generate of the agent's own contexts: {result['ratio_same_contexts']:.3f}")
+    print(f"per sequence in flight (equal concurrency): {result['ratio_per_sequence']:.3f}; mean in flight "
+          f"{mean_in_flight['agent loop']} (agent) vs {mean_in_flight['plain generate']} (plain); share of the "
+          f"episodes' time between requests: {', '.join(f'{g:.3f}' for g in gap_shares)}")
     return emit(result, opts["out"])
 
 
