@@ -39,8 +39,14 @@ def main(argv: list[str], fitness=mean_score) -> dict:
           f"{cfg.population} members x {cfg.case_batch} problems -> {run_dir}")
 
     history_path = run_dir / C.HISTORY_FILE
-    if history_path.exists():  # cheap check first: a history of other constants is refused before vLLM starts
-        C.check_config(C.read_json(history_path), cfg)
+    if history_path.exists():  # cheap checks first: a history of other constants is refused before vLLM starts
+        recorded = C.read_json(history_path)
+        C.check_config(recorded, cfg)
+        if len(recorded["generations"]) >= cfg.generations:  # a finished run: no engine, nothing written
+            print(f"[train] {history_path} already holds all {cfg.generations} generations: nothing to train "
+                  "(02_export.py replays and checks them)")
+            print_final_summary(recorded, run_dir)
+            return recorded
     with C.EnginePool(cfg, model_path) as engine:  # --engines=K evaluate members at once (section 4b)
         history = start_or_resume(cfg, model_path, engine, history_path)
         done = len(history["generations"])

@@ -105,6 +105,11 @@ def test_smoke_preset_end_to_end(tmp_path):
                 "completion_tokens", "finish_reason", "error", "messages", "member", "member_seed"):
         assert key in record
     assert "[train] done: 2 generations" in proc.stdout
+    before = sha(tmp_path / C.HISTORY_FILE)
+    again = run("01_train.py", f"--run_dir={relative}")  # the same command on the finished run: no engine starts
+    assert "already holds all 2 generations: nothing to train" in again.stdout, again.stdout
+    assert "[train] done: 2 generations" in again.stdout and "resuming" not in again.stdout
+    assert sha(tmp_path / C.HISTORY_FILE) == before
     run("02_export.py", f"--run_dir={relative}")
     manifest = C.read_json(tmp_path / "export" / C.EXPORT_MANIFEST)
     assert manifest["per_rank_digests"] == history["base_digests"]
