@@ -325,14 +325,15 @@ def add_noise_(flat: torch.Tensor, seeds: list[int], coeffs: list[float], chunk:
 
 def tensor_digest(name: str, t: torch.Tensor, staging: "DigestStaging | None" = None) -> str:
     """sha256 over name, shape, dtype and the tensor's bytes. A CPU tensor is hashed in place; a GPU tensor streams
-    through `staging` (pinned host buffers) chunk by chunk: the same bytes in the same order, so the same digest."""
+    through `staging` (pinned host buffers) chunk by chunk, or without it is copied whole: the same bytes in the
+    same order either way, so the same digest."""
     h = hashlib.sha256()
     h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
     data = t.detach().contiguous().view(-1).view(torch.uint8)
-    if data.device.type == "cpu":
-        h.update(data.numpy())  # the buffer itself, no extra copy
+    if data.device.type != "cpu" and staging is not None:
+        staging.hash_into(h, data)
     else:
-        (staging or DigestStaging(data.device)).hash_into(h, data)
+        h.update(data.cpu().numpy())  # on the CPU: the buffer itself, no extra copy
     return h.hexdigest()
 
 
@@ -378,8 +379,10 @@ def tensor_digests(named_tensors: list[tuple[str, torch.Tensor]], threads: int,
     threads = max(1, min(threads, len(named_tensors)))
     if on_gpu and not staging:
         staging = [DigestStaging(named_tensors[0][1].device) for _ in range(threads)]
+    slots = staging[:threads] if on_gpu else [None] * threads  # each thread holds one slot while it hashes
+    threads = len(slots)
     free = queue.SimpleQueue()
-    for s in (staging or [None])[:threads]:
+    for s in slots:
         free.put(s)
 
     def digest(name_and_tensor):

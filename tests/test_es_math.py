@@ -194,6 +194,22 @@ def test_digests_are_sha256_of_name_shape_dtype_and_bytes_in_any_number_of_threa
     assert C.combine_digests(expected) != C.combine_digests(expected[::-1])  # the order is part of the digest
 
 
+def test_digest_threads_hash_at_once(monkeypatch):
+    """Two tensors, two threads: both digests must be in progress together (a barrier only two threads can pass)."""
+    import threading
+
+    both_in = threading.Barrier(2, timeout=30)
+    digest = C.tensor_digest
+
+    def waiting_digest(*args, **kwargs):
+        both_in.wait()  # BrokenBarrierError if the threads take turns
+        return digest(*args, **kwargs)
+
+    monkeypatch.setattr(C, "tensor_digest", waiting_digest)
+    named = [("a", torch.zeros(3)), ("b", torch.ones(3))]
+    assert C.tensor_digests(named, threads=2) == [(n, digest(n, t)) for n, t in named]
+
+
 def test_es_parameters_every_floating_storage_once_in_order():
     model = ToyModel()
     params = C.es_parameters(model.named_parameters())
