@@ -374,12 +374,10 @@ def tensor_digests(named_tensors: list[tuple[str, torch.Tensor]], threads: int,
                    staging: list[DigestStaging] | None = None) -> list[tuple[str, str]]:
     """(name, tensor_digest) for each tensor, hashed in `threads` threads (hashlib releases the GIL on large
     buffers), largest tensors first so that no thread is left with a big one at the end. GPU tensors go through
-    `staging` (one per thread; made here if not given). The same digests, in the same order, as one thread."""
-    on_gpu = bool(named_tensors) and named_tensors[0][1].device.type == "cuda"
+    `staging` (one per thread, kept by the caller: ESWorker pins them once); without it they are copied whole. The
+    same digests, in the same order, as one thread."""
     threads = max(1, min(threads, len(named_tensors)))
-    if on_gpu and not staging:
-        staging = [DigestStaging(named_tensors[0][1].device) for _ in range(threads)]
-    slots = staging[:threads] if on_gpu else [None] * threads  # each thread holds one slot while it hashes
+    slots = list(staging[:threads]) if staging else [None] * threads  # each thread holds one slot while it hashes
     threads = len(slots)
     free = queue.SimpleQueue()
     for s in slots:
