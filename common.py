@@ -629,6 +629,17 @@ def _end_engine_core_with_its_parent() -> None:
         if os.getppid() != parent:  # the parent died before the request
             os.kill(os.getpid(), signal.SIGTERM)
 
+    def kill_if_orphaned_too_long():
+        # vLLM's shutdown after that SIGTERM can hang on a client that is gone (seen once in CI: EngineCore waiting
+        # on a lock for minutes); once the parent is gone, its whole teardown gets ENGINE_SHUTDOWN_S, then SIGKILL
+        # (the TP workers end with EngineCore)
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        time.sleep(ENGINE_SHUTDOWN_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=kill_if_orphaned_too_long, name="es-orphan-watchdog", daemon=True).start()
+
 
 _end_engine_core_with_its_parent()
 
