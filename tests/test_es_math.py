@@ -1,5 +1,6 @@
 """Pure ES mathematics (SPEC section 3) and run-constant parsing: no engine needed."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -351,3 +352,32 @@ def test_older_name_only_fingerprint_of_the_same_hub_id_is_accepted():
     current = identity([H200, H200], base_model="Qwen/Qwen3-30B-A3B")
     assert C.identity_differences(older, current, compare_config=False) == []
     assert C.identity_differences(dict(older, base_fingerprint="sha256:" + "b" * 64), current, False)
+
+
+def test_a_setting_newer_than_the_history_counts_as_its_default():
+    """A history written before a Config field existed resumes when the field keeps its default (the behaviour
+    the history was made with), and is refused when the field is set to anything else."""
+    config = dataclasses.asdict(C.Config())
+    older = identity([H200, H200], config={k: v for k, v in config.items() if k != "max_num_batched_tokens"})
+    assert C.identity_differences(older, identity([H200, H200], config=config)) == []
+    changed = dict(config, max_num_batched_tokens=256)
+    assert C.identity_differences(older, identity([H200, H200], config=changed)) == [
+        "config max_num_batched_tokens: history has 0, this run has 256"]
+
+
+@pytest.mark.parametrize("argv, compilation", [
+    ([], {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
+    (["--cudagraph_mode=FULL"], {"mode": 0, "cudagraph_mode": "FULL"}),
+    (["--cudagraph_mode=FULL_AND_PIECEWISE"], {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE", "backend": "eager"}),
+    (["--cuda_graphs=false"], None),
+])
+def test_gpu_engine_arguments(argv, compilation):
+    """CUDA graphs without inductor (it fails on the H200 machine): full graphs need no compilation, piecewise
+    ones vLLM's graph splitting on the eager backend; the step size reaches vLLM only when set."""
+    args = C.cuda_engine_args(C.parse_config(argv))
+    assert args.get("compilation_config") == compilation
+    assert args["enforce_eager"] is (compilation is None)
+    assert "max_num_batched_tokens" not in args and args["disable_custom_all_reduce"] is True
+    assert C.cuda_engine_args(C.parse_config([*argv, "--max_num_batched_tokens=256"]))["max_num_batched_tokens"] == 256
+    with pytest.raises(C.ConfigError, match="max_num_batched_tokens must be at least 0"):
+        C.parse_config([*argv, "--max_num_batched_tokens=-1"])

@@ -1,0 +1,86 @@
+"""bench/learning.py's fitness and statistics: the learn task's shaped reward on episodes the real agent loop writes
+(scripted replies, real sandboxed bash), the bootstrap comparison of base and trained, and training time taken
+from the history (so that a run resumed across several calls reports its whole training)."""
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import common as C
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import learning  # noqa: E402
+
+PROBLEM = C.learn_problems(1, seed=7)[0]
+A, B = (int(x) for x in PROBLEM["question"].split("?")[0].split("What is ")[1].split(" + "))
+GOLD = str(A + B)
+
+
+def bash(command):
+    return json.dumps({"name": "bash", "arguments": {"command": command}})
+
+
+def episode(*replies):
+    """One agent episode on PROBLEM with these replies (then silence), through the real loop and sandbox."""
+    script = list(replies)
+
+    async def policy(messages, *, seed, max_tokens):
+        text = script.pop(0) if script else "..."
+        return {"text": text, "prompt_tokens": 1, "completion_tokens": 1, "finish_reason": "stop"}
+
+    return asyncio.run(C.run_episode(policy, PROBLEM, 0, run_seed=1, max_turns=3, bash_timeout_s=5.0))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def scorer_pool():
+    yield
+    C.shutdown_scorer_pool()
+
+
+@pytest.mark.parametrize("replies, reward", [
+    ([bash(f"python3 -c 'print({A} + {B})'"), f"Final answer: {GOLD}"], 1.0),  # the task, done
+    ([bash(f"python3 -c 'print({A} + {B})'")], 0.5),                           # the tool printed the sum
+    ([bash(f"python3 -c 'print({A} + {B} + 1)'")], 0.25),                      # a call, the wrong number
+    ([bash(f"python3 -c 'import sys; print({A} + {B}, file=sys.stderr)'")], 0.25),  # stderr is not the output
+    ([bash(f"python3 -c 'print({A} + {B})'; exit 3")], 0.25),                 # a failed command's output
+    ([f"{A} + {B} = {GOLD}"], 0.1),                                            # the right sum in the text
+    ([f"{A} + {B} = {A + B + 1}, so {A} + {B} = {GOLD}"], 0.0),                # only the first stated sum counts
+    ([f"Final answer: {GOLD}"], 0.0),                                          # an answer without the tool
+    (["I do not know."], 0.0),
+])
+def test_episode_reward_on_real_episodes(replies, reward):
+    record = episode(*replies)
+    assert learning.episode_reward(record) == reward
+    assert learning.shaped_score([record, episode("I do not know.")]) == reward / 2
+
+
+def test_compare_finds_a_shift_beyond_the_interval_and_none_between_equal_models():
+    problems = [{"id": f"p{i}"} for i in range(64)]
+    rng = np.random.default_rng(0)
+
+    def records(p_bash):
+        messages = [{"role": "system", "content": ""}, {"role": "user", "content": PROBLEM["question"]}]
+        return [{"problem_id": p["id"], "score": 0.0, "bash_calls": int(rng.random() < p_bash), "gold": GOLD,
+                 "messages": messages} for p in problems for _ in range(8)]
+
+    shifted = learning.compare(records(0.0), records(0.5), problems, seed=1)["bash_call_rate"]
+    assert shifted["difference_ci_above_zero"] and shifted["trained_above_base_ci"]
+    assert 0.4 < shifted["difference"]["mean"] < 0.6
+    reward = learning.compare(records(0.0), records(0.5), problems, seed=1)["reward"]  # 0.25 a bash call
+    assert reward["difference_ci_above_zero"] and 0.1 < reward["difference"]["mean"] < 0.15
+    same = records(0.2)
+    equal = learning.compare(same, same, problems, seed=1)["bash_call_rate"]
+    assert equal["difference"] == {"mean": 0.0, "ci_low": 0.0, "ci_high": 0.0}
+    assert not equal["difference_ci_above_zero"]
+
+
+def test_training_seconds_add_up_every_generation_of_the_history():
+    history = {"generations": [
+        {"timings": {"members": 20.0, "update": 0.5, "digest": 0.25, "perturb": 9.0, "rollout": 9.0}},
+        {"timings": {"members": 30.0, "update": 0.5}},  # a history written before digests were timed
+    ]}
+    assert learning.training_seconds(history) == 51.25  # perturb/rollout are inside members: not counted twice
