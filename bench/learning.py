@@ -12,7 +12,8 @@ sigma_start, sigma_end, max_new_tokens, max_turns, concurrency, ...
 
 Held-out metrics (bench/results JSON "metrics"): "reward", the primary one, is the training fitness's own scorer
 (episode_reward: 1 correct final answer after a bash call, 0.5 a bash call that printed the right number, 0.25 any
-bash call, 0.1 a right "a + b = n" in the text); "accuracy" is the agent's unchanged SPEC section 4 score; "bash_call_rate". 95% intervals: percentile
+bash call, 0.1 a right "a + b = n" in the text); "accuracy" is the agent's unchanged SPEC section 4 score;
+"bash_call_rate"; "tool_sum_rate" (episodes whose bash call printed the right sum, or better). 95% intervals: percentile
 bootstrap over problems (episodes of one problem are not independent), for each mean and for the paired difference
 trained - base (same problems, same request seeds). Writes the JSON report, each run's reward_curve.png (with the
 held-out points) and held-out records.
@@ -108,6 +109,7 @@ METRICS = {  # per-episode values compared on held-out problems; "reward" is the
     "reward": episode_reward,
     "accuracy": lambda r: float(r["score"]),
     "bash_call_rate": lambda r: float(r["bash_calls"] > 0),
+    "tool_sum_rate": lambda r: float(episode_reward(r) >= 0.5),
 }
 
 
@@ -173,7 +175,8 @@ def main(argv):
               "primary_metric": PRIMARY, "metrics": {
                   "reward": "mean episode_reward (the training fitness's scorer) on held-out problems",
                   "accuracy": "mean agent score (a bash call, then a correct final answer)",
-                  "bash_call_rate": "fraction of episodes with at least one bash call"},
+                  "bash_call_rate": "fraction of episodes with at least one bash call",
+                  "tool_sum_rate": "fraction of episodes whose bash call printed the right sum (reward >= 0.5)"},
               "ci": f"95% percentile bootstrap over problems, {BOOTSTRAP} resamples", "runs": []}
 
     for run_seed in range(base_cfg.run_seed, base_cfg.run_seed + opts["seeds"]):

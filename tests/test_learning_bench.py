@@ -55,6 +55,7 @@ def scorer_pool():
 def test_episode_reward_on_real_episodes(replies, reward):
     record = episode(*replies)
     assert learning.episode_reward(record) == reward
+    assert learning.METRICS["tool_sum_rate"](record) == float(reward >= 0.5)
     assert learning.shaped_score([record, episode("I do not know.")]) == reward / 2
 
 
