@@ -131,7 +131,7 @@ def main(argv):
     per_sequence = {name: t / rs for name, (t, _, rs) in fastest.items()}
     result = {"bench": "agent_efficiency", "date": time.strftime("%Y-%m-%d"), "device": engine.device,
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
-              "cudagraph_mode": cfg.cudagraph_mode,
+              "cudagraph_mode": cfg.cudagraph_mode, "max_num_batched_tokens": cfg.max_num_batched_tokens,
               "model": "Qwen3-30B-A3B layout, dummy weights" if opts["qwen3_30b"] else cfg.model, "episodes": len(jobs),
               "chat_template": opts["chat_template"] or "tiny", "prompt_mode": engine.prompt_mode,
               "block_size": block_size, "prefix_cache_hit_rate": hit_rates,

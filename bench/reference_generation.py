@@ -157,7 +157,7 @@ def main(argv):
     rollout = sum(m["rollout_s"] for m in members)
     result = {"bench": "reference_generation", "date": time.strftime("%Y-%m-%d"), "device": engine.device,
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
-              "cudagraph_mode": cfg.cudagraph_mode,
+              "cudagraph_mode": cfg.cudagraph_mode, "max_num_batched_tokens": cfg.max_num_batched_tokens,
               "model": "Qwen3-30B-A3B layout, dummy weights" if opts["qwen3_30b"] else cfg.model,
               "members": opts["members"], "episodes": opts["episodes"], "token_scale": opts["token_scale"],
               "max_model_len": cfg.max_model_len, "engine_start_s": round(start_s, 1),
