@@ -68,10 +68,11 @@ def test_compare_finds_a_shift_beyond_the_interval_and_none_between_equal_models
         return [{"problem_id": p["id"], "score": 0.0, "bash_calls": int(rng.random() < p_bash), "gold": GOLD,
                  "messages": messages} for p in problems for _ in range(8)]
 
-    shifted = learning.compare(records(0.0), records(0.5), problems, seed=1)["bash_call_rate"]
+    result = learning.compare(records(0.0), records(0.5), problems, seed=1)
+    shifted = result["bash_call_rate"]
     assert shifted["difference_ci_above_zero"] and shifted["trained_above_base_ci"]
     assert 0.4 < shifted["difference"]["mean"] < 0.6
-    reward = learning.compare(records(0.0), records(0.5), problems, seed=1)["reward"]  # 0.25 a bash call
+    reward = result["reward"]  # 0.25 a bash call
     assert reward["difference_ci_above_zero"] and 0.1 < reward["difference"]["mean"] < 0.15
     same = records(0.2)
     equal = learning.compare(same, same, problems, seed=1)["bash_call_rate"]
