@@ -72,11 +72,10 @@ class Config:
     max_model_len: int = 40960  # Qwen3-30B-A3B's native context; a longer conversation ends the episode
     gpu_memory_utilization: float = 0.6  # leaves room for the exact-restore copy of the weights on the GPU
     cuda_graphs: bool = True  # CUDA graphs without inductor (GPU.md); CPU always runs eager
-    cudagraph_mode: str = "FULL_DECODE_ONLY"  # steps with a prefill run eagerly; "FULL" also graphs mixed steps;
-                                              # "FULL_AND_PIECEWISE": mixed steps as piecewise graphs (see Engine)
-    max_num_batched_tokens: int = 0  # GPU: tokens per engine step, 0: vLLM's default (2048). vLLM captures graphs
-                                     # for steps of up to 2 x max_num_seqs (128 by default) = 256 tokens; a
-                                     # longer step runs eagerly even under piecewise graphs. Unused on CPU
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"  # decode steps as full graphs, steps with a prefill as piecewise
+                                                # ones; "FULL_DECODE_ONLY" runs the latter eagerly (README, issue 13)
+    max_num_batched_tokens: int = 256  # GPU: tokens per engine step (0: vLLM's 2048). vLLM captures graphs only for
+                                       # steps of up to 2 x max_num_seqs (128) = 256 tokens: a longer one runs eagerly
     engines: int = 0  # engines evaluating members at once (section 4b); 0: GPUs // tensor_parallel_size, 1 on CPU
     ray_address: str = ""  # with engines > 1: join this Ray cluster (multi-node); empty: start a local one
     # evolution strategies
@@ -1352,8 +1351,10 @@ class EnginePool(ClosedOnExit):
 
 HISTORY_FILE = "es_history.json"
 HISTORY_FORMAT = "es-history/1"
-# settings that may change between a run and its resume: they do not touch the weights or the rewards
-RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", *POOL_FIELDS)
+# settings that may change between a run and its resume: where files go, and how fast and how many episodes the
+# engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
+RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", *POOL_FIELDS,
+                      "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens")
 
 
 class HistoryMismatch(RuntimeError):

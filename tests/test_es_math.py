@@ -269,8 +269,10 @@ def test_preset_never_overrides_recorded_values():
     assert (cfg.model, cfg.max_new_tokens) == ("/models/my-base", 100)  # the preset says tiny-qwen3-dense, 48
     assert cfg.run_dir == "runs/smoke"  # what may differ between runs comes from the preset
     free = C.config_from_history(recorded_history(), ["--preset=smoke", "--concurrency=3", "--run_dir=/x",
+                                                      "--cudagraph_mode=FULL", "--max_num_batched_tokens=0",
                                                       "--model=/models/my-base"])  # equal to the record: fine
     assert (free.concurrency, free.run_dir, free.model) == (3, "/x", "/models/my-base")
+    assert (free.cudagraph_mode, free.max_num_batched_tokens) == ("FULL", 0)
 
 
 @pytest.mark.parametrize("arg, message", [
@@ -358,26 +360,37 @@ def test_a_setting_newer_than_the_history_counts_as_its_default():
     """A history written before a Config field existed resumes when the field keeps its default (the behaviour
     the history was made with), and is refused when the field is set to anything else."""
     config = dataclasses.asdict(C.Config())
-    older = identity([H200, H200], config={k: v for k, v in config.items() if k != "max_num_batched_tokens"})
+    older = identity([H200, H200], config={k: v for k, v in config.items() if k != "prompt_mode"})
     assert C.identity_differences(older, identity([H200, H200], config=config)) == []
-    changed = dict(config, max_num_batched_tokens=256)
+    changed = dict(config, prompt_mode="continue")
     assert C.identity_differences(older, identity([H200, H200], config=changed)) == [
-        "config max_num_batched_tokens: history has 0, this run has 256"]
+        "config prompt_mode: history has 'render', this run has 'continue'"]
+
+
+def test_engine_speed_settings_may_change_on_resume():
+    """CUDA graphs and the step size change how fast the engine steps, never the weights: a run started with
+    vLLM's old defaults resumes under the new ones (and any other), while a sampling setting is still refused."""
+    config = dataclasses.asdict(C.Config())
+    older = identity([H200, H200], config=dict(config, cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=0))
+    assert C.identity_differences(older, identity([H200, H200], config=config)) == []
+    assert C.identity_differences(older, identity([H200, H200], config=dict(config, cuda_graphs=False))) == []
+    assert C.identity_differences(older, identity([H200, H200], config=dict(config, top_k=20))) == [
+        "config top_k: history has 40, this run has 20"]
 
 
 @pytest.mark.parametrize("argv, compilation", [
-    ([], {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
+    ([], {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE", "backend": "eager"}),
     (["--cudagraph_mode=FULL"], {"mode": 0, "cudagraph_mode": "FULL"}),
-    (["--cudagraph_mode=FULL_AND_PIECEWISE"], {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE", "backend": "eager"}),
+    (["--cudagraph_mode=FULL_DECODE_ONLY"], {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
     (["--cuda_graphs=false"], None),
 ])
 def test_gpu_engine_arguments(argv, compilation):
     """CUDA graphs without inductor (it fails on the H200 machine): full graphs need no compilation, piecewise
-    ones vLLM's graph splitting on the eager backend; the step size reaches vLLM only when set."""
+    ones vLLM's graph splitting on the eager backend; the step size reaches vLLM unless it is 0."""
     args = C.cuda_engine_args(C.parse_config(argv))
     assert args.get("compilation_config") == compilation
     assert args["enforce_eager"] is (compilation is None)
-    assert "max_num_batched_tokens" not in args and args["disable_custom_all_reduce"] is True
-    assert C.cuda_engine_args(C.parse_config([*argv, "--max_num_batched_tokens=256"]))["max_num_batched_tokens"] == 256
+    assert args["max_num_batched_tokens"] == 256 and args["disable_custom_all_reduce"] is True
+    assert "max_num_batched_tokens" not in C.cuda_engine_args(C.parse_config([*argv, "--max_num_batched_tokens=0"]))
     with pytest.raises(C.ConfigError, match="max_num_batched_tokens must be at least 0"):
         C.parse_config([*argv, "--max_num_batched_tokens=-1"])
