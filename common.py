@@ -74,8 +74,8 @@ class Config:
     cuda_graphs: bool = True  # CUDA graphs without inductor (GPU.md); CPU always runs eager
     cudagraph_mode: str = "FULL_AND_PIECEWISE"  # decode steps as full graphs, steps with a prefill as piecewise
                                                 # ones; "FULL_DECODE_ONLY" runs the latter eagerly (README, issue 13)
-    max_num_batched_tokens: int = 256  # GPU: tokens per engine step (0: vLLM's 2048). vLLM captures graphs only for
-                                       # steps of up to 2 x max_num_seqs (128) = 256 tokens: a longer one runs eagerly
+    max_num_batched_tokens: int = 256  # GPU: tokens per engine step, and CUDA graphs are captured up to it. 0: vLLM's
+                                       # defaults (2048-token steps, graphs only up to 256 tokens: longer steps eager)
     engines: int = 0  # engines evaluating members at once (section 4b); 0: GPUs // tensor_parallel_size, 1 on CPU
     ray_address: str = ""  # with engines > 1: join this Ray cluster (multi-node); empty: start a local one
     # evolution strategies
@@ -1012,6 +1012,8 @@ def cuda_engine_args(cfg: Config) -> dict:
     # "eager" backend instead of inductor.
     mode = 3 if "PIECEWISE" in cfg.cudagraph_mode else 0
     compilation = {"mode": mode, "cudagraph_mode": cfg.cudagraph_mode, **({"backend": "eager"} if mode else {})}
+    if cfg.max_num_batched_tokens:  # graphs up to the step size, so that no step runs eagerly for being too long
+        compilation["max_cudagraph_capture_size"] = cfg.max_num_batched_tokens
     return {**args, "enforce_eager": False, "compilation_config": compilation}
 
 

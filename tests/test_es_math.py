@@ -386,11 +386,17 @@ def test_engine_speed_settings_may_change_on_resume():
 ])
 def test_gpu_engine_arguments(argv, compilation):
     """CUDA graphs without inductor (it fails on the H200 machine): full graphs need no compilation, piecewise
-    ones vLLM's graph splitting on the eager backend; the step size reaches vLLM unless it is 0."""
-    args = C.cuda_engine_args(C.parse_config(argv))
-    assert args.get("compilation_config") == compilation
-    assert args["enforce_eager"] is (compilation is None)
-    assert args["max_num_batched_tokens"] == 256 and args["disable_custom_all_reduce"] is True
-    assert "max_num_batched_tokens" not in C.cuda_engine_args(C.parse_config([*argv, "--max_num_batched_tokens=0"]))
+    ones vLLM's graph splitting on the eager backend. The step size reaches vLLM unless it is 0, and graphs are
+    captured up to it (vLLM would stop at 256 tokens and run longer steps eagerly)."""
+    for tokens in (256, 1024):
+        args = C.cuda_engine_args(C.parse_config([*argv, f"--max_num_batched_tokens={tokens}"]))
+        graphs = compilation and dict(compilation, max_cudagraph_capture_size=tokens)
+        assert args.get("compilation_config") == graphs and args["max_num_batched_tokens"] == tokens
+    default = C.Config().max_num_batched_tokens
+    assert C.cuda_engine_args(C.parse_config(argv)) == C.cuda_engine_args(
+        C.parse_config([*argv, f"--max_num_batched_tokens={default}"])) and default == 256
+    args = C.cuda_engine_args(C.parse_config([*argv, "--max_num_batched_tokens=0"]))  # vLLM's own defaults
+    assert args.get("compilation_config") == compilation and "max_num_batched_tokens" not in args
+    assert args["enforce_eager"] is (compilation is None) and args["disable_custom_all_reduce"] is True
     with pytest.raises(C.ConfigError, match="max_num_batched_tokens must be at least 0"):
         C.parse_config([*argv, "--max_num_batched_tokens=-1"])
