@@ -40,9 +40,7 @@ def main(argv: list[str]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
     with open_checkpoint(cfg, export, manifest) as (engine, checkpoint):
-        settings = {k: v for k, v in C.dataclasses.asdict(cfg).items() if k not in C.RESUME_FREE_FIELDS}
-        claim_output_folder(out, {"checkpoint": checkpoint, "config": settings,
-                                  "data": data})
+        claim_output_folder(out, checkpoint, cfg, data)
         metrics = {"checkpoint": checkpoint, "samples": SAMPLES, "reported_group": C.REPORTED_GROUP, "datasets": {}}
         for name, problems in datasets.items():
             records = evaluate(engine, problems, range(SAMPLES), out / f"{name}_episodes.jsonl", name)
@@ -82,11 +80,19 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
                        "per_rank_digests": loaded}
 
 
-def claim_output_folder(out: Path, run: dict) -> None:
-    """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint and config."""
+def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
+    """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data and settings;
+    the settings that only say where files go or how fast the engine steps (RESUME_FREE_FIELDS) may differ."""
+    def settings(config: dict) -> dict:
+        return {k: v for k, v in config.items() if k not in C.RESUME_FREE_FIELDS}
+
+    run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(C.dataclasses.asdict(cfg)),
+                                 "data": data}))
     marker = out / "eval_run.json"
-    if marker.exists() and C.read_json(marker) != json.loads(json.dumps(run)):
-        raise C.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
+    if marker.exists():
+        recorded = C.read_json(marker)
+        if dict(recorded, config=settings(recorded.get("config", {}))) != run:
+            raise C.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
     C.write_json_atomic(run, marker)
 
 

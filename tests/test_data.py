@@ -209,3 +209,25 @@ def test_learn_problems_are_right_sums_and_held_out_sets_never_repeat_training_q
     room = (high - low + 1) ** 2 - len(seen)
     with pytest.raises(C.DataError, match=f"only {room} questions"):  # asking for more than exist: no endless loop
         C.learn_problems(room + 1, seed=1, exclude=seen)
+
+
+def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(tmp_path):
+    """03_eval reuses the finished episodes of its --out folder: another checkpoint, data file or sampling
+    setting is refused (the marker kept as it was); a setting of speed or placement may change, also against a
+    marker written when such settings were still part of it."""
+    checkpoint, data = {"kind": "base", "per_rank_digests": ["a", "b"]}, {"dapo": "d.jsonl", "aime2026": "a.jsonl"}
+    cfg = C.parse_config(["--preset=smoke"])
+    evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
+    marker = (tmp_path / "eval_run.json").read_bytes()
+    for other in ({"checkpoint": dict(checkpoint, per_rank_digests=["a", "c"])}, {"data": dict(data, dapo="e.jsonl")},
+                  {"cfg": C.parse_config(["--preset=smoke", "--temperature=0.5"])}):
+        args = {"checkpoint": checkpoint, "cfg": cfg, "data": data, **other}
+        with pytest.raises(C.ConfigError, match="holds an evaluation of another checkpoint or config"):
+            evaluation.claim_output_folder(tmp_path, args["checkpoint"], args["cfg"], args["data"])
+        assert (tmp_path / "eval_run.json").read_bytes() == marker
+    faster = ["--concurrency=7", "--cudagraph_mode=FULL", "--max_num_batched_tokens=0"]
+    evaluation.claim_output_folder(tmp_path, checkpoint, C.parse_config(["--preset=smoke", *faster]), data)
+    older = json.loads(marker)  # written by a version that kept the engine settings in the marker
+    older["config"].update(cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=0, concurrency=3)
+    (tmp_path / "eval_run.json").write_text(json.dumps(older))
+    evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
