@@ -76,6 +76,7 @@ class Config:
                                                 # ones; "FULL_DECODE_ONLY" runs the latter eagerly (README, issue 13)
     max_num_batched_tokens: int = 256  # GPU: tokens per engine step, and CUDA graphs are captured up to it. 0: vLLM's
                                        # defaults (2048-token steps, graphs only up to 256 tokens: longer steps eager)
+    custom_all_reduce: bool = False  # GPU: vLLM's own all-reduce over NVLink peer memory instead of NCCL's (README)
     engines: int = 0  # engines evaluating members at once (section 4b); 0: GPUs // tensor_parallel_size, 1 on CPU
     ray_address: str = ""  # with engines > 1: join this Ray cluster (multi-node); empty: start a local one
     # evolution strategies
@@ -884,15 +885,19 @@ class Engine(ClosedOnExit):
     # ---- generation ----
     def generate(self, prompts_token_ids: list[list[int]], max_tokens: int, *, greedy: bool = True,
                  seed: int = 0, with_cached_tokens: bool = False):
-        """Plain batched generation (tests and benchmarks): token ids in, token ids out. with_cached_tokens:
-        returns (token ids, prompt tokens each request took from the prefix cache) instead."""
+        """Plain batched generation (tests and benchmarks): token ids in, token ids out. Sampled (greedy=False)
+        with the run's settings, request i with seed + i: distinct samples, as from one batched sampler, even of the
+        same prompt. with_cached_tokens: returns (token ids, prompt tokens each request took from the prefix cache)
+        instead."""
         from vllm import SamplingParams
 
-        params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-                  if greedy else self.sampling_params(seed=seed, max_tokens=max_tokens))
+        def params(i):
+            if greedy:
+                return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+            return self.sampling_params(seed=seed + i, max_tokens=max_tokens)
 
         async def one(i, ids):
-            out = await self._finished(ids, params, f"gen-{time.time_ns()}-{i}")
+            out = await self._finished(ids, params(i), f"gen-{time.time_ns()}-{i}")
             return list(out.outputs[0].token_ids), out.num_cached_tokens
 
         async def run_all():
@@ -1002,7 +1007,7 @@ class Engine(ClosedOnExit):
 
 def cuda_engine_args(cfg: Config) -> dict:
     """vLLM engine arguments of a GPU engine: CUDA graphs, memory, step size."""
-    args = {"gpu_memory_utilization": cfg.gpu_memory_utilization, "disable_custom_all_reduce": True}
+    args = {"gpu_memory_utilization": cfg.gpu_memory_utilization, "disable_custom_all_reduce": not cfg.custom_all_reduce}
     if cfg.max_num_batched_tokens:
         args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if not cfg.cuda_graphs:
@@ -1356,7 +1361,7 @@ HISTORY_FORMAT = "es-history/1"
 # settings that may change between a run and its resume: where files go, and how fast and how many episodes the
 # engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
 RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", *POOL_FIELDS,
-                      "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens")
+                      "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
 
 
 class HistoryMismatch(RuntimeError):

@@ -11,7 +11,10 @@ requests in flight (tools, prompt building, scoring).
 
 The agent loop runs E episodes concurrently for T turns (the model's replies are noise on a random model: that
 still drives full multi-turn traffic, observations and corrective messages included). The plain baseline sends
-E prompts of the same first-turn length for T rounds of M new tokens each, with a barrier between rounds.
+the E episodes' first prompts for T rounds of M new tokens each, with a barrier between rounds, every request
+sampled with its own seed. "plain, copies of one sequence" is the baseline of stops 9-12: one prompt E times with
+one seed, so E identical sequences. On a mixture of experts that is no baseline: the copies route every token of
+a step to the same 8 experts, so a step reads a fraction of the expert weights that E distinct sequences read.
 Prints a table and one JSON line.
 
 What the prompts are depends on --prompt_mode (Config.prompt_mode, see common.choose_prompt_mode) and on the chat
@@ -26,6 +29,7 @@ their empty think block, so each turn's previous reply is prefilled again) and "
         --chat_template=qwen3_chat_template.jinja   # 2 GPUs, dummy weights
 """
 
+import asyncio
 import sys
 import time
 from pathlib import Path
@@ -51,12 +55,24 @@ def timed(engine, counts: dict, runs: list, fn):
 
 
 def plain_rounds(engine, prompts_per_round, max_new_tokens):
-    """Batched generate, one round per turn, with a barrier between rounds. Returns [tokens]."""
+    """Batched generate, one round per turn, with a barrier between rounds; request i of round k sampled with seed
+    k * len(prompts) + i. Returns [tokens]."""
     tokens = 0
     for turn, prompts in enumerate(prompts_per_round):
         if prompts:
-            tokens += sum(len(o) for o in engine.generate(prompts, max_new_tokens, greedy=False, seed=turn))
+            tokens += sum(len(o) for o in engine.generate(prompts, max_new_tokens, greedy=False,
+                                                          seed=turn * len(prompts)))
     return [tokens]
+
+
+def copies_rounds(engine, prompt, copies, rounds, max_new_tokens):
+    """One prompt `copies` times with one seed per round: identical sequences (the old baseline). Returns [tokens]."""
+    async def one_round(turn):
+        params = engine.sampling_params(seed=turn, max_tokens=max_new_tokens)
+        return await asyncio.gather(*(engine._complete(prompt, params, f"copy-{turn}-{i}-{time.time_ns()}")
+                                      for i in range(copies)))
+
+    return [sum(len(o.token_ids) for turn in range(rounds) for o in engine._run(one_round(turn)))]
 
 
 def render(engine, messages):
@@ -105,17 +121,18 @@ def main(argv):
     with C.Engine(cfg, model, load_format=load_format) as engine:
         engine.run_agent(jobs[:2])  # warm-up
         counts = count_requests(engine)
-        runs = {"agent loop": [], "plain generate": [], "plain, agent contexts": []}
+        runs = {"agent loop": [], "plain generate": [], "plain, agent contexts": [], "plain, copies of one": []}
         hit_rates, gap_shares = [], []  # per agent-loop run, from an empty prefix cache
         for _ in range(opts["repeats"]):
             records = timed(engine, counts, runs["agent loop"], lambda: engine.run_agent(jobs))
             hit_rates.append(round(counts["cached"] / counts["prompt"], 4))
             # the share of the episodes' time with no request of theirs in flight: tools, prompts, scoring
             gap_shares.append(round(1 - counts["request_s"] / sum(r["seconds"] for r in records), 4))
-            first = render(engine, records[0]["messages"][:2])
-            same_prompt = [[first] * len(jobs)] * cfg.max_turns
+            first_prompts = [render(engine, r["messages"][:2]) for r in records]
             timed(engine, counts, runs["plain generate"],
-                  lambda: plain_rounds(engine, same_prompt, cfg.max_new_tokens))
+                  lambda: plain_rounds(engine, [first_prompts] * cfg.max_turns, cfg.max_new_tokens))
+            timed(engine, counts, runs["plain, copies of one"],
+                  lambda: copies_rounds(engine, first_prompts[0], len(jobs), cfg.max_turns, cfg.max_new_tokens))
             contexts = [[render(engine, r["messages"][:i]) for r in records for i in turn_starts(r)[k:k + 1]]
                         for k in range(cfg.max_turns)]
             timed(engine, counts, runs["plain, agent contexts"],
@@ -140,6 +157,8 @@ def main(argv):
               "plain_agent_contexts_tokens_per_s": round(best["plain, agent contexts"], 1),
               "ratio": round(best["agent loop"] / best["plain generate"], 3),
               "ratio_same_contexts": round(best["agent loop"] / best["plain, agent contexts"], 3),
+              "plain_copies_tokens_per_s": round(best["plain, copies of one"], 1),
+              "ratio_vs_copies": round(best["agent loop"] / best["plain, copies of one"], 3),
               "mean_in_flight": mean_in_flight,
               "tokens_per_request_s": {name: round(v, 1) for name, v in per_sequence.items()},
               "ratio_per_sequence": round(per_sequence["agent loop"] / per_sequence["plain generate"], 3),
@@ -152,7 +171,8 @@ def main(argv):
     print(f"agent loop prefix-cache hit rate ({result['prompt_mode']}, template {result['chat_template']}, "
           f"block size {block_size}): {', '.join(f'{h:.3f}' for h in hit_rates)}")
     print(f"ratio (best agent / best plain generate): {result['ratio']:.3f};  "
-          f"against plain generate of the agent's own contexts: {result['ratio_same_contexts']:.3f}")
+          f"against plain generate of the agent's own contexts: {result['ratio_same_contexts']:.3f};  "
+          f"against copies of one sequence (the old baseline): {result['ratio_vs_copies']:.3f}")
     print(f"per sequence in flight (equal concurrency): {result['ratio_per_sequence']:.3f}; mean in flight "
           f"{mean_in_flight['agent loop']} (agent) vs {mean_in_flight['plain generate']} (plain); share of the "
           f"episodes' time between requests: {', '.join(f'{g:.3f}' for g in gap_shares)}")
