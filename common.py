@@ -885,16 +885,16 @@ class Engine(ClosedOnExit):
     # ---- generation ----
     def generate(self, prompts_token_ids: list[list[int]], max_tokens: int, *, greedy: bool = True,
                  seed: int = 0, with_cached_tokens: bool = False):
-        """Plain batched generation (tests and benchmarks): token ids in, token ids out. Sampled (greedy=False)
-        with the run's settings, request i with seed + i: distinct samples, as from one batched sampler, even of the
-        same prompt. with_cached_tokens: returns (token ids, prompt tokens each request took from the prefix cache)
-        instead."""
+        """Plain batched generation (tests and benchmarks): token ids in, exactly max_tokens token ids out per
+        prompt. Sampled (greedy=False) with the run's settings, request i with seed + i: distinct samples, as from
+        one batched sampler, even of the same prompt. with_cached_tokens: returns (token ids, prompt tokens each
+        request took from the prefix cache) instead."""
         from vllm import SamplingParams
 
         def params(i):
             if greedy:
                 return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-            return self.sampling_params(seed=seed + i, max_tokens=max_tokens)
+            return self.sampling_params(seed=seed + i, max_tokens=max_tokens, ignore_eos=True)
 
         async def one(i, ids):
             out = await self._finished(ids, params(i), f"gen-{time.time_ns()}-{i}")
@@ -994,14 +994,14 @@ class Engine(ClosedOnExit):
     def _user_turn(self) -> tuple[str, str] | None:
         return continuation_user_turn(self.tokenizer)
 
-    def sampling_params(self, *, seed: int, max_tokens: int):
+    def sampling_params(self, *, seed: int, max_tokens: int, ignore_eos: bool = False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         c = self.cfg
         return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
                               presence_penalty=c.presence_penalty, repetition_penalty=c.repetition_penalty,
-                              seed=seed, max_tokens=max_tokens,
+                              seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos,
                               output_kind=RequestOutputKind.FINAL_ONLY)  # one message per turn, not per token
 
 

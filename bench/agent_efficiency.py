@@ -11,8 +11,8 @@ requests in flight (tools, prompt building, scoring).
 
 The agent loop runs E episodes concurrently for T turns (the model's replies are noise on a random model: that
 still drives full multi-turn traffic, observations and corrective messages included). The plain baseline sends
-the E episodes' first prompts for T rounds of M new tokens each, with a barrier between rounds, every request
-sampled with its own seed. "plain, copies of one sequence" is the baseline of stops 9-12: one prompt E times with
+the E episodes' first prompts for T rounds of exactly M new tokens each (no early end: E sequences in flight
+throughout), with a barrier between rounds, every request sampled with its own seed. "plain, copies of one sequence" is the baseline of stops 9-12: one prompt E times with
 one seed, so E identical sequences. On a mixture of experts that is no baseline: the copies route every token of
 a step to the same 8 experts, so a step reads a fraction of the expert weights that E distinct sequences read.
 Prints a table and one JSON line.
@@ -68,7 +68,7 @@ def plain_rounds(engine, prompts_per_round, max_new_tokens):
 def copies_rounds(engine, prompt, copies, rounds, max_new_tokens):
     """One prompt `copies` times with one seed per round: identical sequences (the old baseline). Returns [tokens]."""
     async def one_round(turn):
-        params = engine.sampling_params(seed=turn, max_tokens=max_new_tokens)
+        params = engine.sampling_params(seed=turn, max_tokens=max_new_tokens, ignore_eos=True)
         return await asyncio.gather(*(engine._complete(prompt, params, f"copy-{turn}-{i}-{time.time_ns()}")
                                       for i in range(copies)))
 
@@ -149,6 +149,7 @@ def main(argv):
     result = {"bench": "agent_efficiency", "date": time.strftime("%Y-%m-%d"), "device": engine.device,
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
               "cudagraph_mode": cfg.cudagraph_mode, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+              "tensor_parallel_size": cfg.tensor_parallel_size,
               "model": "Qwen3-30B-A3B layout, dummy weights" if opts["qwen3_30b"] else cfg.model, "episodes": len(jobs),
               "chat_template": opts["chat_template"] or "tiny", "prompt_mode": engine.prompt_mode,
               "block_size": block_size, "prefix_cache_hit_rate": hit_rates,

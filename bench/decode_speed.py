@@ -11,6 +11,11 @@ random prompts, each with its own seed.
 
     python bench/decode_speed.py --qwen3_30b=true --out=$OUT/decode_speed.json                     # 2 GPUs
     python bench/decode_speed.py --qwen3_30b=true --custom_all_reduce=true                          # vs NCCL
+    python bench/decode_speed.py --qwen3_30b=true --tensor_parallel_size=1 --inductor=true          # 1 GPU
+
+--inductor=true compiles the piecewise graphs with vLLM's default backend (inductor) instead of "eager": inductor
+fused kernels save per-step launches. It failed inside vLLM's compile flow at TP=2 on 2026-11-29 (GPU.md), so the
+engine never uses it; this option only measures what it would buy.
     bash run_cpu.sh python bench/decode_speed.py --preset=smoke --tokens=32 --long_prompt=512
 """
 
@@ -47,8 +52,12 @@ def generate(engine, prompts: list[list[int]], params_for) -> int:
 
 def main(argv):
     opts, overrides = C.parse_args(argv, {"tokens": 1024, "long_prompt": 16384, "repeats": 2, "qwen3_30b": False,
-                                          "out": ""})
+                                          "inductor": False, "out": ""})
     cfg = C.parse_config(overrides)
+    if opts["inductor"]:
+        eager_backend = C.cuda_engine_args
+        C.cuda_engine_args = lambda c: {**eager_backend(c), "compilation_config": {
+            **eager_backend(c)["compilation_config"], "mode": 3, "backend": "inductor"}}
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref"), "dummy"
     else:
@@ -100,7 +109,8 @@ def main(argv):
     result = {"bench": "decode_speed", "date": time.strftime("%Y-%m-%d"), "device": engine.device,
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
               "cudagraph_mode": cfg.cudagraph_mode, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-              "custom_all_reduce": cfg.custom_all_reduce,
+              "custom_all_reduce": cfg.custom_all_reduce, "tensor_parallel_size": cfg.tensor_parallel_size,
+              "graph_backend": "inductor" if opts["inductor"] else "eager",
               "model": "Qwen3-30B-A3B layout, dummy weights" if opts["qwen3_30b"] else cfg.model,
               "new_tokens": opts["tokens"], "rows": results}
     return emit(result, opts["out"])

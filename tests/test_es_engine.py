@@ -133,6 +133,19 @@ def test_noise_is_deterministic_and_rank_salted(engine):
         assert after[name][0] != before[name][0] and after[name][1] != before[name][1]
 
 
+def test_sampled_generate_gives_each_request_its_own_seed(engine):
+    """Plain sampled generation (the benchmarks' baselines): request i is sampled with seed + i, so copies of one
+    prompt become distinct sequences (identical ones would route every token of a step to the same experts of a
+    mixture of experts), each exactly max_tokens long, and the same call samples the same tokens again."""
+    prompts = [PROMPT[:40]] * 3 + [PROMPT[40:80]]
+    first = engine.generate(prompts, 24, greedy=False, seed=5)
+    assert [len(t) for t in first] == [24] * 4
+    assert len({tuple(t) for t in first}) == 4
+    assert engine.generate(prompts, 24, greedy=False, seed=5) == first
+    shifted = engine.generate(prompts[1:3], 24, greedy=False, seed=6)  # seeds 6 and 7: requests 1 and 2 above
+    assert shifted == first[1:3]
+
+
 def test_perturb_restore_is_bit_exact(engine):
     base = engine.digests()
     for seed in (1, 2, 3):
