@@ -270,9 +270,10 @@ def test_preset_never_overrides_recorded_values():
     assert cfg.run_dir == "runs/smoke"  # what may differ between runs comes from the preset
     free = C.config_from_history(recorded_history(), ["--preset=smoke", "--concurrency=3", "--run_dir=/x",
                                                       "--cudagraph_mode=FULL", "--max_num_batched_tokens=0",
+                                                      "--custom_all_reduce=true",
                                                       "--model=/models/my-base"])  # equal to the record: fine
     assert (free.concurrency, free.run_dir, free.model) == (3, "/x", "/models/my-base")
-    assert (free.cudagraph_mode, free.max_num_batched_tokens) == ("FULL", 0)
+    assert (free.cudagraph_mode, free.max_num_batched_tokens, free.custom_all_reduce) == ("FULL", 0, True)
 
 
 @pytest.mark.parametrize("arg, message", [
@@ -368,12 +369,17 @@ def test_a_setting_newer_than_the_history_counts_as_its_default():
 
 
 def test_engine_speed_settings_may_change_on_resume():
-    """CUDA graphs and the step size change how fast the engine steps, never the weights: a run started with
-    vLLM's old defaults resumes under the new ones (and any other), while a sampling setting is still refused."""
+    """CUDA graphs, the step size and the all-reduce change how fast the engine steps, never the weights: a run
+    started with vLLM's old defaults (or before a setting existed) resumes under the new ones (and any other), while
+    a sampling setting is still refused."""
     config = dataclasses.asdict(C.Config())
     older = identity([H200, H200], config=dict(config, cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=0))
     assert C.identity_differences(older, identity([H200, H200], config=config)) == []
     assert C.identity_differences(older, identity([H200, H200], config=dict(config, cuda_graphs=False))) == []
+    assert C.identity_differences(older, identity([H200, H200], config=dict(config, custom_all_reduce=True))) == []
+    before_the_setting = {k: v for k, v in older["config"].items() if k != "custom_all_reduce"}
+    assert C.identity_differences(dict(older, config=before_the_setting),
+                                  identity([H200, H200], config=dict(config, custom_all_reduce=True))) == []
     assert C.identity_differences(older, identity([H200, H200], config=dict(config, top_k=20))) == [
         "config top_k: history has 40, this run has 20"]
 
@@ -397,5 +403,6 @@ def test_gpu_engine_arguments(argv, compilation):
     args = C.cuda_engine_args(C.parse_config([*argv, "--max_num_batched_tokens=0"]))  # vLLM's own defaults
     assert args.get("compilation_config") == compilation and "max_num_batched_tokens" not in args
     assert args["enforce_eager"] is (compilation is None) and args["disable_custom_all_reduce"] is True
+    assert C.cuda_engine_args(C.parse_config([*argv, "--custom_all_reduce=true"]))["disable_custom_all_reduce"] is False
     with pytest.raises(C.ConfigError, match="max_num_batched_tokens must be at least 0"):
         C.parse_config([*argv, "--max_num_batched_tokens=-1"])
