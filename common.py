@@ -1007,7 +1007,8 @@ class Engine(ClosedOnExit):
 
 def cuda_engine_args(cfg: Config) -> dict:
     """vLLM engine arguments of a GPU engine: CUDA graphs, memory, step size."""
-    args = {"gpu_memory_utilization": cfg.gpu_memory_utilization, "disable_custom_all_reduce": not cfg.custom_all_reduce}
+    args = {"gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "disable_custom_all_reduce": not cfg.custom_all_reduce}
     if cfg.max_num_batched_tokens:
         args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if not cfg.cuda_graphs:

@@ -12,10 +12,10 @@ requests in flight (tools, prompt building, scoring).
 The agent loop runs E episodes concurrently for T turns (the model's replies are noise on a random model: that
 still drives full multi-turn traffic, observations and corrective messages included). The plain baseline sends
 the E episodes' first prompts for T rounds of exactly M new tokens each (no early end: E sequences in flight
-throughout), with a barrier between rounds, every request sampled with its own seed. "plain, copies of one sequence" is the baseline of stops 9-12: one prompt E times with
-one seed, so E identical sequences. On a mixture of experts that is no baseline: the copies route every token of
-a step to the same 8 experts, so a step reads a fraction of the expert weights that E distinct sequences read.
-Prints a table and one JSON line.
+throughout), with a barrier between rounds, every request sampled with its own seed. "plain, copies of one" is
+the baseline used until 2026-12-01: one prompt E times with one seed, so E identical sequences. On a mixture of
+experts that is no baseline: the copies route every token of a step to the same 8 experts, so a step reads a
+fraction of the expert weights that E distinct sequences read. Prints a table and one JSON line.
 
 What the prompts are depends on --prompt_mode (Config.prompt_mode, see common.choose_prompt_mode) and on the chat
 template: the tiny model's own template by default; --chat_template=FILE writes the tiny model (or, with
@@ -154,7 +154,8 @@ def main(argv):
               "chat_template": opts["chat_template"] or "tiny", "prompt_mode": engine.prompt_mode,
               "block_size": block_size, "prefix_cache_hit_rate": hit_rates,
               "max_turns": cfg.max_turns, "max_new_tokens": cfg.max_new_tokens,
-              "agent_tokens_per_s": round(best["agent loop"], 1), "plain_tokens_per_s": round(best["plain generate"], 1),
+              "agent_tokens_per_s": round(best["agent loop"], 1),
+              "plain_tokens_per_s": round(best["plain generate"], 1),
               "plain_agent_contexts_tokens_per_s": round(best["plain, agent contexts"], 1),
               "ratio": round(best["agent loop"] / best["plain generate"], 3),
               "ratio_same_contexts": round(best["agent loop"] / best["plain, agent contexts"], 3),
