@@ -14,8 +14,11 @@ plus a drawn observation, as the agent does, and end the episode when the contex
       tool call:        uniform 0.05..2.0 s in a thread (off the event loop), after every turn but the last
 
 Reports wall time per generation (and x20 for the reference run), generated tokens/s, the fraction of plain
-64-sequence throughput it reaches, and the straggler share: per member, the time from the median episode's end to
-the last episode's end, as a share of the member's rollout time.
+64-sequence throughput it reaches (64 distinct sequences), and the straggler share: per member, the time from the
+median episode's end to the last episode's end, as a share of the member's rollout time. The straggler floor: per
+member, the last episode's tokens at the measured speed of one sequence decoding alone, plus its tool calls; a
+member cannot end sooner on one engine. "floor_share" (the floors over the rollout times) near 1 says that only a
+faster lone sequence or several engines at once can shorten the generation.
 
     python bench/reference_generation.py --qwen3_30b=true --out=$OUT/reference_generation.json      # 2 GPUs
     bash run_cpu.sh python bench/reference_generation.py --preset=smoke --token_scale=0.02 --members=2 --episodes=4
@@ -69,7 +72,7 @@ async def scripted_episode(engine, plan: dict, seed: int, vocab: int, tools) -> 
 
     rng = np.random.default_rng(seed)
     ids = [int(x) for x in rng.integers(10, vocab, FIRST_PROMPT_TOKENS)]
-    generated, turns, finish = 0, 0, "turns_done"
+    generated, turns, finish, tool_total = 0, 0, "turns_done", 0.0
     loop = asyncio.get_running_loop()
     for turn, (budget, obs, tool_s) in enumerate(zip(plan["budgets"], plan["observations"], plan["tool_seconds"])):
         room = engine.cfg.max_model_len - len(ids)
@@ -83,8 +86,9 @@ async def scripted_episode(engine, plan: dict, seed: int, vocab: int, tools) -> 
         turns += 1
         if turn < len(plan["budgets"]) - 1:
             await loop.run_in_executor(tools, time.sleep, tool_s)
+            tool_total += tool_s
             ids = ids + list(out.token_ids) + [int(x) for x in rng.integers(10, vocab, obs)]
-    return {"tokens": generated, "turns": turns, "finish": finish, "end": time.perf_counter()}
+    return {"tokens": generated, "turns": turns, "finish": finish, "tool_s": tool_total, "end": time.perf_counter()}
 
 
 def run_member(engine, plans: list[dict], seed: int, vocab: int) -> tuple[list[dict], float]:
@@ -100,12 +104,20 @@ def run_member(engine, plans: list[dict], seed: int, vocab: int) -> tuple[list[d
     return episodes, time.perf_counter() - t0
 
 
-def plain_tokens_per_s(engine, vocab: int) -> float:
-    prompts = [[int(x) for x in np.random.default_rng(i).integers(10, vocab, 64)] for i in range(PLAIN_SEQUENCES)]
+def plain_tokens_per_s(engine, vocab: int, sequences: int = PLAIN_SEQUENCES) -> float:
+    """Plain sampled generation of `sequences` distinct sequences of PLAIN_TOKENS tokens each."""
+    prompts = [[int(x) for x in np.random.default_rng(i).integers(10, vocab, 64)] for i in range(sequences)]
     engine.generate(prompts[:2], 16)  # warm-up
     t0 = time.perf_counter()
     engine.generate(prompts, PLAIN_TOKENS, greedy=False, seed=1)
-    return PLAIN_SEQUENCES * PLAIN_TOKENS / (time.perf_counter() - t0)
+    return sequences * PLAIN_TOKENS / (time.perf_counter() - t0)
+
+
+def straggler_floor_s(episodes: list[dict], single_tokens_per_s: float) -> float:
+    """A member cannot end before its last episode does: that episode's tokens at the speed of one sequence decoding
+    alone, plus its tool calls. A lower bound (its long contexts decode a little slower than the measured speed)."""
+    last = max(episodes, key=lambda e: e["end"])
+    return last["tokens"] / single_tokens_per_s + last["tool_s"]
 
 
 def main(argv):
@@ -123,6 +135,7 @@ def main(argv):
         start_s = time.perf_counter() - t_start
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         plain = plain_tokens_per_s(engine, vocab) if opts["plain"] else None
+        single = plain_tokens_per_s(engine, vocab, sequences=1)  # the speed of a straggler decoding alone
         members, t_gen = [], time.perf_counter()
         seeds = C.member_seeds(cfg.run_seed, 0, opts["members"])
         for m, seed in enumerate(seeds):
@@ -139,10 +152,11 @@ def main(argv):
                             "turns": [e["turns"] for e in episodes],
                             "context_full": sum(e["finish"] == "context_full" for e in episodes),
                             "median_end_s": round(statistics.median(ends), 2), "last_end_s": round(ends[-1], 2),
-                            "straggler_share": round((ends[-1] - statistics.median(ends)) / rollout_s, 3)})
+                            "straggler_share": round((ends[-1] - statistics.median(ends)) / rollout_s, 3),
+                            "straggler_floor_s": round(straggler_floor_s(episodes, single), 2)})
             print(f"member {m:>2}: {members[-1]['tokens']:>8} tokens in {rollout_s:8.1f} s  "
-                  f"({members[-1]['tokens'] / rollout_s:7.1f} tok/s), straggler share {members[-1]['straggler_share']:.2f}",
-                  flush=True)
+                  f"({members[-1]['tokens'] / rollout_s:7.1f} tok/s), straggler share "
+                  f"{members[-1]['straggler_share']:.2f}, floor {members[-1]['straggler_floor_s']:.1f} s", flush=True)
         t0 = time.perf_counter()
         engine.update(seeds, C.update_coefficients(C.zscore(range(len(seeds))), cfg.alpha))
         update_s = time.perf_counter() - t0
@@ -169,11 +183,15 @@ def main(argv):
               "plain_64_tokens_per_s": round(plain, 1) if plain else None,
               "fraction_of_plain": round(tokens / rollout / plain, 3) if plain else None,
               "straggler_share_mean": round(statistics.mean(m["straggler_share"] for m in members), 3),
+              "single_sequence_tokens_per_s": round(single, 1),
+              # how close the rollouts come to the floor their last episodes set (1: nothing else costs time)
+              "floor_share": round(sum(m["straggler_floor_s"] for m in members) / rollout, 3),
               "update_s": round(update_s, 2), "digest_s": round(digest_s, 2), "members_detail": members}
     print(f"generation: {result['generation_s']} s for {opts['members']} members x {opts['episodes']} episodes; "
           f"{result['tokens_per_s']} tok/s in rollouts"
           + (f" = {result['fraction_of_plain']:.2f} of plain {PLAIN_SEQUENCES}-sequence generation" if plain else "")
-          + f"; straggler share {result['straggler_share_mean']:.2f}; update {update_s:.2f} s, digest {digest_s:.2f} s")
+          + f"; straggler share {result['straggler_share_mean']:.2f}, floor share {result['floor_share']:.2f} "
+          f"(one sequence alone: {single:.1f} tok/s); update {update_s:.2f} s, digest {digest_s:.2f} s")
     return emit(result, opts["out"])
 
 
