@@ -894,7 +894,7 @@ class Engine(ClosedOnExit):
         def params(i):
             if greedy:
                 return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-            return self.sampling_params(seed=seed + i, max_tokens=max_tokens, ignore_eos=True)
+            return sampling_params(self.cfg, seed=seed + i, max_tokens=max_tokens, ignore_eos=True)
 
         async def one(i, ids):
             out = await self._finished(ids, params(i), f"gen-{time.time_ns()}-{i}")
@@ -962,7 +962,7 @@ class Engine(ClosedOnExit):
         room = self.cfg.max_model_len - len(ids)
         if room <= 0:
             raise ContextOverflow(f"conversation is {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}")
-        params = self.sampling_params(seed=seed, max_tokens=min(max_tokens, room))
+        params = sampling_params(self.cfg, seed=seed, max_tokens=min(max_tokens, room))
         completion = await self._complete(ids, params, f"turn-{seed}-{time.time_ns()}")
         self._remember_turn(messages, ids, completion)
         return {"text": completion.text, "prompt_tokens": len(ids), "completion_tokens": len(completion.token_ids),
@@ -994,15 +994,17 @@ class Engine(ClosedOnExit):
     def _user_turn(self) -> tuple[str, str] | None:
         return continuation_user_turn(self.tokenizer)
 
-    def sampling_params(self, *, seed: int, max_tokens: int, ignore_eos: bool = False):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
 
-        c = self.cfg
-        return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
-                              presence_penalty=c.presence_penalty, repetition_penalty=c.repetition_penalty,
-                              seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                              output_kind=RequestOutputKind.FINAL_ONLY)  # one message per turn, not per token
+
+def sampling_params(c: Config, *, seed: int, max_tokens: int, ignore_eos: bool = False):
+    """vLLM sampling parameters of the run's settings (SPEC section 4) for one request."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
+                          presence_penalty=c.presence_penalty, repetition_penalty=c.repetition_penalty,
+                          seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                          output_kind=RequestOutputKind.FINAL_ONLY)  # one message per turn, not per token
 
 
 def cuda_engine_args(cfg: Config) -> dict:

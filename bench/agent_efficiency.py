@@ -68,7 +68,7 @@ def plain_rounds(engine, prompts_per_round, max_new_tokens):
 def copies_rounds(engine, prompt, copies, rounds, max_new_tokens):
     """One prompt `copies` times with one seed per round: identical sequences (the old baseline). Returns [tokens]."""
     async def one_round(turn):
-        params = engine.sampling_params(seed=turn, max_tokens=max_new_tokens, ignore_eos=True)
+        params = C.sampling_params(engine.cfg, seed=turn, max_tokens=max_new_tokens, ignore_eos=True)
         return await asyncio.gather(*(engine._complete(prompt, params, f"copy-{turn}-{i}-{time.time_ns()}")
                                       for i in range(copies)))
 

@@ -12,11 +12,11 @@ random prompts, each with its own seed.
     python bench/decode_speed.py --qwen3_30b=true --out=$OUT/decode_speed.json                     # 2 GPUs
     python bench/decode_speed.py --qwen3_30b=true --custom_all_reduce=true                          # vs NCCL
     python bench/decode_speed.py --qwen3_30b=true --tensor_parallel_size=1 --inductor=true          # 1 GPU
+    bash run_cpu.sh python bench/decode_speed.py --preset=smoke --tokens=32 --long_prompt=512
 
 --inductor=true compiles the piecewise graphs with vLLM's default backend (inductor) instead of "eager": inductor
 fused kernels save per-step launches. It failed inside vLLM's compile flow at TP=2 on 2026-11-29 (GPU.md), so the
 engine never uses it; this option only measures what it would buy.
-    bash run_cpu.sh python bench/decode_speed.py --preset=smoke --tokens=32 --long_prompt=512
 """
 
 import asyncio
@@ -56,8 +56,12 @@ def main(argv):
     cfg = C.parse_config(overrides)
     if opts["inductor"]:
         eager_backend = C.cuda_engine_args
-        C.cuda_engine_args = lambda c: {**eager_backend(c), "compilation_config": {
-            **eager_backend(c)["compilation_config"], "mode": 3, "backend": "inductor"}}
+
+        def inductor_backend(c):
+            args = eager_backend(c)
+            return {**args, "compilation_config": {**args["compilation_config"], "mode": 3, "backend": "inductor"}}
+
+        C.cuda_engine_args = inductor_backend
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref"), "dummy"
     else:
@@ -65,11 +69,8 @@ def main(argv):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    def sampled(c):  # the run's sampling settings (Engine.sampling_params), never stopping early
-        return lambda seed: SamplingParams(
-            temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
-            presence_penalty=c.presence_penalty, repetition_penalty=c.repetition_penalty, seed=seed,
-            max_tokens=opts["tokens"], ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+    def sampled(c):  # the run's sampling settings, never stopping early
+        return lambda seed: C.sampling_params(c, seed=seed, max_tokens=opts["tokens"], ignore_eos=True)
 
     sampling = {"run sampling": sampled(cfg),
                 "no penalty": sampled(dataclasses.replace(cfg, presence_penalty=0.0, repetition_penalty=1.0)),
