@@ -42,6 +42,8 @@ def main(argv: list[str]) -> dict:
     jobs = {name: aligned_jobs(original, cfg.run_seed) for name, original in originals.items()}
 
     model_path = C.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before the engine starts
+    # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
+    C.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export or None)
     with C.EnginePool(cfg, model_path) as engine:
         _, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations, compare_config=False,
                                             desc=f"rebuilding theta from {len(generations)} generations")

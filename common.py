@@ -6,7 +6,8 @@ Sections, in order:
   2. noise and ES math (pure functions)
   3. vLLM worker extension (runs inside each TP rank)
   4. the engine: one AsyncLLM at TP=2 behind a small synchronous facade
-  4b. the engine pool: K engines on disjoint GPUs (Ray when K > 1) evaluate members or episodes at once
+  4b. the engine pool: K engines (in this process, or Ray actors on a cluster) evaluate members or episodes at
+      once; placed over GPU groups, co-located under CUDA MPS when K > GPUs // tensor_parallel_size
   5. the run history: replay and the checks that refuse a different run
   6. scoring: answers against golds, in killable worker processes
   7. the sandbox for model-written commands and its start-up leak check
@@ -216,8 +217,9 @@ def config_from_history(history: dict, argv: list[str], settings: dict | None = 
     from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
     from the history. `--preset` fills in only the settings that may differ between runs (RESUME_FREE_FIELDS, such
     as run_dir), never a recorded value; an explicit `--key=value` that differs from a recorded one is refused."""
-    values = {**(settings or history["config"]),
-              **{f: history["config"][f] for f in WEIGHT_FIELDS if f in history["config"]}}
+    recorded_settings = {k: v for k, v in (settings or history["config"]).items()
+                         if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
+    values = {**recorded_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS if f in history["config"]}}
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
     if unknown:
         raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
@@ -565,6 +567,13 @@ class ESWorker:
                 "copy_device": str(es["copy"][0].device) if es["copy"] else None,
                 "device_free_bytes": free, "device_total_bytes": total}
 
+    def es_snapshot(self, restore: str) -> int:
+        """Take the exact-restore copy now (co-located engines reserve it at start). Returns its bytes."""
+        es = self._es_state()
+        if es["copy"] is None:
+            self._es_snapshot(restore)
+        return sum(c.numel() * c.element_size() for c in es["copy"])
+
     def _es_snapshot(self, restore: str) -> None:
         es = self._es_state()
         on_host = restore == "copy_host" and es["params"][0][1].device.type != "cpu"
@@ -813,9 +822,16 @@ class Engine(ClosedOnExit):
         return EngineFailure(f"vLLM failed during {what}: " + " <- ".join(causes or ["no output"])
                              + (f" (EngineCore process exited with code {dead[0]})" if dead else ""))
 
-    def _engine_core_exitcodes(self) -> list:
+    def _engine_core_processes(self) -> list:
         manager = getattr(getattr(getattr(self.llm, "engine_core", None), "resources", None), "engine_manager", None)
-        return [getattr(p, "exitcode", None) for p in getattr(manager, "processes", [])]
+        return list(getattr(manager, "processes", []))
+
+    def _engine_core_exitcodes(self) -> list:
+        return [getattr(p, "exitcode", None) for p in self._engine_core_processes()]
+
+    def engine_core_pids(self) -> list[int]:
+        """The EngineCore process(es) that run this engine's model (its TP workers are their children)."""
+        return [p.pid for p in self._engine_core_processes()]
 
     def close(self) -> None:
         """Shut vLLM down: the EngineCore process and its TP workers exit (also after an engine failure)."""
@@ -855,6 +871,19 @@ class Engine(ClosedOnExit):
         seconds = max(self.rpc("es_update", seeds=seeds, coeffs=coeffs, chunk=self.cfg.noise_chunk))
         self.reset_prefix_cache()
         return seconds
+
+    def evaluate_member(self, seed: int, sigma: float, jobs: list[tuple[dict, int]], *,
+                        desc: str | None = "episodes", on_record=None) -> tuple[list[dict], dict]:
+        """The member step of ES: theta + sigma * eps(seed), the agent on `jobs`, then the exact theta back.
+        Returns the member's records (input order) and the seconds of each step."""
+        timings = {}
+        with stopwatch(timings, "perturb"):
+            self.perturb(seed, sigma)
+        with stopwatch(timings, "rollout"):
+            records = self.run_agent(jobs, desc=desc, on_record=on_record)
+        with stopwatch(timings, "restore"):
+            self.restore()
+        return records, timings
 
     def digests(self) -> list[str]:
         """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order."""
@@ -927,13 +956,14 @@ class Engine(ClosedOnExit):
         return out
 
     # ---- the agent ----
-    def run_agent(self, jobs: list[tuple[dict, int]], desc: str = "episodes", on_record=None) -> list[dict]:
+    def run_agent(self, jobs: list[tuple[dict, int]], desc: str | None = "episodes", on_record=None) -> list[dict]:
         """Run one agent episode per (problem, sample_index), all concurrently; records in input order.
-        on_record(record) is called as each episode ends (e.g. to append it to a log)."""
+        on_record(record) is called as each episode ends (e.g. to append it to a log). desc=None: no progress bar
+        (the pool draws one for all its engines)."""
         from tqdm import tqdm
 
         c = self.cfg
-        with tqdm(total=len(jobs), desc=desc, leave=False, dynamic_ncols=True) as bar:
+        with tqdm(total=len(jobs), desc=desc, leave=False, dynamic_ncols=True, disable=desc is None) as bar:
             def progress(record):
                 record["prompt_mode"] = self.prompt_mode  # how its prompts were built (see _prompt_ids)
                 bar.update(1)
@@ -1036,35 +1066,38 @@ def format_parameter_table(rows: list[dict]) -> str:
 
 
 # ============================================================================================================
-# 4b. The engine pool: K engines, each on its own tensor_parallel_size devices, evaluate population members
-#     (training) or episodes (evaluation, replay) at once. K = 1 is one Engine in this process (no new
-#     dependency); K > 1 are Ray actors, one placement group each (--ray_address joins a multi-node cluster).
+# 4b. The engine pool: K engines evaluate population members (training) or episodes (evaluation, replay) at
+#     once, through one work queue (a thread per engine takes the next task when its engine is free).
+#     Placement, fixed: a node's GPUs form G = GPUs // tensor_parallel_size groups of consecutive GPUs (group j:
+#     GPUs j*tp .. j*tp+tp-1); engine k runs on group k mod G. Engines spread over the groups first and share a
+#     group's GPUs (co-locate) only when K > G; co-located engines start one after another (vLLM sizes its memory
+#     from what is free when it starts), and at tensor_parallel_size > 1 they need CUDA MPS (without it their NCCL
+#     collectives stall under time-slicing). On one node the K engines live in this process; with --ray_address
+#     they are Ray actors, one placement group per GPU group, on the nodes of a cluster.
 #     After each generation every engine applies the same update from (seeds, coefficients), so no weights travel;
 #     their per-rank digests must then agree.
 # ============================================================================================================
 
 POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
-POOL_POLL_S = 1.0  # how often the driver asks busy engines for their finished episodes (progress, on_record)
-POOL_START_TIMEOUT_S = 900  # for the cluster to find room for an engine's placement group
+POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
+POOL_START_TIMEOUT_S = 900  # for the cluster to find room for a GPU group's placement group
+GIB = 1 << 30
+# memory a GPU engine needs besides vLLM's share (gpu_memory_utilization x GPU memory): its CUDA context, NCCL
+# buffers and CUDA graphs (a reserve, not a measurement); and within that share, room for activations
+ENGINE_OVERHEAD_BYTES = 1 * GIB
+ACTIVATION_RESERVE_BYTES = 2 * GIB
+HOST_PINNED_SHARE = 0.8  # exact-restore copies in pinned host memory may take this share of the node's free RAM
+MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # nvidia-cuda-mps-control's default when CUDA_MPS_PIPE_DIRECTORY is unset
+MPS_COMMANDS = ("export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log; "
+                "mkdir -p $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d   (as root; stop: echo quit | "
+                "nvidia-cuda-mps-control)")
 
 
 class EnginesDisagree(EngineFailure):
     """Two engines of the pool hold different weights after the same updates: their results cannot be mixed."""
 
 
-def evaluate_member(engine: Engine, seed: int, sigma: float, jobs: list[tuple[dict, int]], *, desc: str = "episodes",
-                    on_record=None) -> tuple[list[dict], dict]:
-    """One population member on one engine: theta + sigma * eps(seed), the agent on `jobs`, then the exact theta
-    back. Returns its records (input order) and the seconds of each step."""
-    timings = {}
-    with stopwatch(timings, "perturb"):
-        engine.perturb(seed, sigma)
-    with stopwatch(timings, "rollout"):
-        records = engine.run_agent(jobs, desc=desc, on_record=on_record)
-    with stopwatch(timings, "restore"):
-        engine.restore()
-    return records, timings
-
+# ---- placement: pure functions ----
 
 def pool_size(cfg: Config, device: str) -> int:
     """--engines, else one engine per tensor_parallel_size GPUs (of the Ray cluster with --ray_address), at least
@@ -1077,10 +1110,22 @@ def pool_size(cfg: Config, device: str) -> int:
         import ray
 
         _start_ray(cfg.ray_address)
-        gpus = int(ray.cluster_resources().get("GPU", 0))
-    else:
-        gpus = torch.cuda.device_count()
-    return max(1, gpus // cfg.tensor_parallel_size)
+        return max(1, sum(int(n["Resources"].get("GPU", 0)) // cfg.tensor_parallel_size
+                          for n in ray.nodes() if n["Alive"]))
+    return max(1, torch.cuda.device_count() // cfg.tensor_parallel_size)
+
+
+def gpu_groups(gpu_ids: list[str], tensor_parallel_size: int) -> list[list[str]]:
+    """A node's GPUs in groups of tensor_parallel_size consecutive ones (a remainder stays unused)."""
+    tp = tensor_parallel_size
+    return [gpu_ids[j * tp:(j + 1) * tp] for j in range(len(gpu_ids) // tp)]
+
+
+def place_engines(engines: int, groups: int) -> list[int]:
+    """The GPU group of each engine: k mod G, so that engines share GPUs only when there are more than groups."""
+    if groups < 1:
+        raise ConfigError("no GPU group to place an engine on (fewer GPUs than tensor_parallel_size)")
+    return [k % groups for k in range(engines)]
 
 
 def cpu_binding(engine: int, tensor_parallel_size: int, cores: int) -> str:
@@ -1089,18 +1134,159 @@ def cpu_binding(engine: int, tensor_parallel_size: int, cores: int) -> str:
     return "|".join(str((engine * tensor_parallel_size + r) % cores) for r in range(tensor_parallel_size))
 
 
+def parameter_count(config: dict) -> int:
+    """Parameters of a Qwen3 / Qwen3-MoE / Llama checkpoint from its config.json (embeddings, attention with the
+    q/k norms Qwen3 has, dense or expert MLPs with the router, norms)."""
+    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+    attention = 2 * h * q + 2 * h * kv + (2 * head_dim if config.get("model_type", "").startswith("qwen3") else 0)
+    if config.get("num_experts"):
+        mlp = config["num_experts"] * 3 * h * config["moe_intermediate_size"] + h * config["num_experts"]
+    else:
+        mlp = 3 * h * config["intermediate_size"]
+    embeddings = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
+    return embeddings + h + layers * (attention + mlp + 2 * h)
+
+
+def engine_memory_needs(config: dict, cfg: Config) -> dict:
+    """Bytes per GPU of one engine: its weights (one TP rank's share) and the KV cache of one full-length sequence."""
+    element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    tp = cfg.tensor_parallel_size
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = max(1, config.get("num_key_value_heads", heads) // tp)
+    return {"weights_bytes": parameter_count(config) * element // tp,
+            "sequence_kv_bytes": 2 * config["num_hidden_layers"] * kv_heads * head_dim * element * cfg.max_model_len}
+
+
+def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: int, gpu_free: int,
+                    host_free: int, utilization: float, weights_bytes: int, sequence_kv_bytes: int,
+                    restore: str, tensor_parallel_size: int) -> dict:
+    """Whether `engines_per_gpu` engines fit on each GPU of a group, and where their exact-restore copies go: on
+    the GPU where they fit, else in pinned host memory. Refuses (ConfigError) with the numbers when they do not
+    fit. Every engine gets `utilization` x gpu_total from vLLM, plus ENGINE_OVERHEAD_BYTES outside it."""
+    gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    share = utilization * gpu_total
+    kv_room = share - weights_bytes - ACTIVATION_RESERVE_BYTES
+    numbers = (f"per GPU: {gib(gpu_total)} total, {gib(gpu_free)} free; per engine: weights {gib(weights_bytes)}, "
+               f"vLLM share {utilization} x {gib(gpu_total)} = {gib(share)}, one {gib(sequence_kv_bytes)} "
+               f"max_model_len sequence of KV cache")
+    if kv_room < sequence_kv_bytes:
+        raise ConfigError(f"an engine's vLLM share does not hold its weights, {gib(ACTIVATION_RESERVE_BYTES)} of "
+                          f"activations and one max_model_len sequence ({numbers}): raise --gpu_memory_utilization "
+                          "or lower --max_model_len")
+    vllm_bytes = engines_per_gpu * (share + ENGINE_OVERHEAD_BYTES)
+    if vllm_bytes > gpu_free:
+        most = (gpu_free / engines_per_gpu - ENGINE_OVERHEAD_BYTES) / gpu_total
+        raise ConfigError(f"{engines_per_gpu} engines per GPU need {gib(vllm_bytes)} ({numbers}, "
+                          f"{gib(ENGINE_OVERHEAD_BYTES)} overhead each): use --gpu_memory_utilization={most:.2f} "
+                          "or less, or fewer --engines")
+    copies_on_gpu = engines_per_gpu * weights_bytes
+    host_copies = engines_on_node * tensor_parallel_size * weights_bytes
+    if restore == "copy_device" and vllm_bytes + copies_on_gpu > gpu_free:
+        restore = "copy_host"  # as exact; a host-to-device copy per restore instead of a device copy
+    if restore == "copy_host" and host_copies > HOST_PINNED_SHARE * host_free:
+        raise ConfigError(f"the exact-restore copies fit neither on the GPUs ({engines_per_gpu} x "
+                          f"{gib(weights_bytes)} beside {gib(vllm_bytes)} of vLLM, {gib(gpu_free)} free) nor in "
+                          f"pinned host memory ({engines_on_node} engines x {tensor_parallel_size} ranks x "
+                          f"{gib(weights_bytes)} = {gib(host_copies)}, {HOST_PINNED_SHARE:.0%} of "
+                          f"{gib(host_free)} free); lower --gpu_memory_utilization or use fewer --engines")
+    return {"restore": restore, "engines_per_gpu": engines_per_gpu, "gpu_total_bytes": gpu_total,
+            "gpu_free_bytes": gpu_free, "vllm_share_bytes": int(share), "weights_bytes": weights_bytes,
+            "kv_cache_bytes": int(kv_room), "device_copy_bytes": weights_bytes if restore == "copy_device" else 0,
+            "host_copy_bytes": weights_bytes * tensor_parallel_size if restore == "copy_host" else 0}
+
+
+def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: bool) -> str | None:
+    """Co-located engines at TP > 1 without MPS are refused (their collectives stall, GPU.md); at TP=1 they run
+    with a warning (returned)."""
+    if engines_per_group <= 1 or mps:
+        return None
+    if tensor_parallel_size > 1:
+        raise ConfigError(f"{engines_per_group} engines at tensor_parallel_size={tensor_parallel_size} would share "
+                          "GPUs without CUDA MPS: their NCCL collectives stall under time-slicing. Start MPS on "
+                          f"the node first:\n  {MPS_COMMANDS}\nor use --engines <= GPUs // tensor_parallel_size")
+    return (f"{engines_per_group} engines share each GPU without CUDA MPS: their kernels only time-slice (measured "
+            "on one H200: 4 engines 1.2x one engine's throughput without MPS, 2.2x with it). Start MPS: "
+            + MPS_COMMANDS)
+
+
+# ---- what a node has ----
+
+def mps_running() -> bool:
+    """Whether an MPS control daemon serves this process's GPUs: its control pipe exists in the pipe directory this
+    process would connect through, and the daemon runs."""
+    import psutil
+
+    pipe = os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DIRECTORY), "control")
+    return os.path.exists(pipe) and any(p.info["name"] == "nvidia-cuda-mps-control"
+                                        for p in psutil.process_iter(["name"]))
+
+
+def visible_gpus() -> list[str]:
+    """This process's GPUs as CUDA_VISIBLE_DEVICES names them (all of the node's when it is unset)."""
+    count = torch.cuda.device_count()
+    named = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return named[:count] if named else [str(i) for i in range(count)]
+
+
+def gpu_memory(gpu_ids: list[str]) -> tuple[int, int] | None:
+    """(total, free) bytes of the smallest / fullest of these GPUs, from nvidia-smi (no CUDA context here)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total,memory.free",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    rows = [[f.strip() for f in line.split(",")] for line in out.strip().splitlines()]
+    picked = [r for r in rows if r[0] in gpu_ids or r[1] in gpu_ids]
+    if not picked:
+        return None
+    return min(int(r[2]) for r in picked) << 20, min(int(r[3]) for r in picked) << 20
+
+
+def node_report(gpu_ids: list[str]) -> dict:
+    """What placement needs to know about a node: its GPUs' memory, free host memory, MPS, CPU cores."""
+    import psutil
+
+    memory = gpu_memory(gpu_ids) if gpu_ids else None
+    return {"gpus": gpu_ids, "gpu_total_bytes": memory and memory[0], "gpu_free_bytes": memory and memory[1],
+            "host_free_bytes": psutil.virtual_memory().available, "mps": mps_running(), "cores": os.cpu_count() or 1}
+
+
+@contextlib.contextmanager
+def environment(**variables):
+    """os.environ with these variables set for the block (an engine's processes inherit them at start)."""
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _start_ray(address: str) -> None:
     import ray
 
     if not ray.is_initialized():  # a caller (a test, a notebook) may have started or joined one already
-        ray.init(address=address or None, include_dashboard=False, log_to_driver=True)
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
 
+
+# ---- an engine in a Ray actor ----
 
 class _EngineActor:
-    """One Engine inside a Ray actor process (K > 1). The actor runs two calls at a time (max_concurrency=2), so
+    """One Engine inside a Ray actor process (--ray_address). It runs two calls at a time (max_concurrency=2), so
     that poll() answers while a member or a batch of episodes runs."""
 
-    def __init__(self, cfg: Config, model_path: str, engine_kwargs: dict):
+    def __init__(self, cfg: Config, model_path: str, engine_kwargs: dict, env: dict, sandbox_check: dict | None):
+        os.environ.update(env)  # the GPUs of its group (Ray sets CUDA_VISIBLE_DEVICES for num_gpus=0 actors)
+        if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as the driver did
+            check_sandbox(cfg, **sandbox_check)
         self._lock, self._finished = threading.Lock(), []
         # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
         executor = "mp" if cfg.tensor_parallel_size > 1 else None
@@ -1116,24 +1302,90 @@ class _EngineActor:
             finished, self._finished = self._finished, []
         return finished
 
-    def pid(self) -> int:
-        return os.getpid()
+    def where(self) -> dict:
+        import ray
 
-    def device(self) -> str:
-        return self.engine.device
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "device": self.engine.device,
+                "core_pids": self.engine.engine_core_pids()}
 
     def call(self, method: str, *args, **kwargs):
         return getattr(self.engine, method)(*args, **kwargs)
 
     def evaluate_member(self, seed: int, sigma: float, jobs: list) -> tuple[list[dict], dict]:
-        return evaluate_member(self.engine, seed, sigma, jobs, on_record=self._keep)
+        return self.engine.evaluate_member(seed, sigma, jobs, desc=None, on_record=self._keep)
 
     def run_agent(self, jobs: list) -> list[dict]:
-        return self.engine.run_agent(jobs, on_record=self._keep)
+        return self.engine.run_agent(jobs, desc=None, on_record=self._keep)
 
     def close(self) -> None:
         self.engine.close()
 
+
+class RemoteEngine:
+    """The driver's handle on an engine in a Ray actor, with the blocking methods of Engine that the pool calls.
+    A lost actor or a failure inside it is an EngineFailure."""
+
+    def __init__(self, actor, name: str):
+        self.actor, self.name = actor, name
+
+    def _get(self, ref, what: str):
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, Exception) else exc
+            if isinstance(cause, ConfigError):
+                raise ConfigError(f"{self.name}: {cause}") from exc
+            raise EngineFailure(f"{self.name} failed during {what}: {cause}") from exc
+        except ray.exceptions.RayError as exc:  # actor died (process killed, node lost), or unavailable
+            raise EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {str(exc)[:600]})") from exc
+
+    def __getattr__(self, method: str):  # perturb, restore, update, digests, rpc, ...: run in the actor
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return lambda *args, **kwargs: self._get(self.actor.call.remote(method, *args, **kwargs), method)
+
+    def where(self) -> dict:
+        return self._get(self.actor.where.remote(), "start")
+
+    def _streamed(self, ref, what: str, on_record):
+        """Wait for a long call, handing the episodes it finishes to on_record as they end."""
+        import ray
+
+        while True:
+            ready, _ = ray.wait([ref], timeout=POOL_POLL_S)
+            for record in self._get(self.actor.poll.remote(), what):
+                if on_record is not None:
+                    on_record(record)
+            if ready:
+                return self._get(ref, what)
+
+    def evaluate_member(self, seed, sigma, jobs, *, desc=None, on_record=None):
+        return self._streamed(self.actor.evaluate_member.remote(seed, sigma, jobs), "a member", on_record)
+
+    def run_agent(self, jobs, desc=None, on_record=None):
+        return self._streamed(self.actor.run_agent.remote(jobs), "episodes", on_record)
+
+    def close(self) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
+            ray.get(self.actor.close.remote(), timeout=ENGINE_SHUTDOWN_S + 30)
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor)
+
+
+def _probe_node(gpu_count: int) -> dict:
+    """Runs as a Ray task inside a GPU group's placement group: the group's GPUs and its node."""
+    import ray
+
+    gpus = [str(g) for g in ray.get_gpu_ids()][:gpu_count]
+    return dict(node_report(gpus), node=ray.get_runtime_context().get_node_id())
+
+
+# ---- the pool ----
 
 class EnginePool(ClosedOnExit):
     """K engines with the facade the scripts need: evaluate_members (training), run_agent (evaluation, replay),
@@ -1142,23 +1394,79 @@ class EnginePool(ClosedOnExit):
     it; the stage then resumes from its files when started again."""
 
     def __init__(self, cfg: Config, model_path: str, **engine_kwargs):
-        self.cfg = cfg
-        self.local, self.actors, self._groups = None, [], []
-        self.size = pool_size(cfg, device_type())
+        self.cfg, self.engines, self._groups = cfg, [], []
+        self.device = device_type()
+        self.size = pool_size(cfg, self.device)
+        self.placement = []  # per engine: where it runs (node, GPUs or CPU cores, restore copy)
         try:
-            if self.size == 1:
-                self.local = Engine(cfg, model_path, **engine_kwargs)
+            if cfg.ray_address:
+                self._start_remote(model_path, engine_kwargs)
             else:
-                self._start_actors(model_path, engine_kwargs)
-            devices = self._each("rpc", "es_device")
-            self.device = self.local.device if self.local else self._get(self.actors[0].device.remote(), 0, "start")
-            self.check_same_devices(devices)
+                self._start_local(model_path, engine_kwargs)
+            self.check_same_devices(self._each("rpc", "es_device"))
         except BaseException:
             self.close()
             raise
 
     # ---- starting and stopping ----
-    def _start_actors(self, model_path: str, engine_kwargs: dict) -> None:
+    def _memory_plans(self, model_path: str, reports: list[dict], engines_per_group: list[int],
+                      engines_per_node: list[int]) -> list[dict | None]:
+        """Per GPU group: the memory plan of its engines (None where nvidia-smi could not tell), and the MPS rule."""
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        needs = engine_memory_needs(config, self.cfg)
+        plans = []
+        for report, count, on_node in zip(reports, engines_per_group, engines_per_node):
+            warning = check_colocation(count, self.cfg.tensor_parallel_size, report["mps"])
+            if warning:
+                warnings.warn(warning, stacklevel=3)
+            if report["gpu_total_bytes"] is None:
+                plans.append(None)
+                continue
+            plans.append(plan_gpu_memory(
+                engines_per_gpu=count, engines_on_node=on_node, gpu_total=report["gpu_total_bytes"],
+                gpu_free=report["gpu_free_bytes"], host_free=report["host_free_bytes"],
+                utilization=self.cfg.gpu_memory_utilization, restore=self.cfg.restore,
+                tensor_parallel_size=self.cfg.tensor_parallel_size, **needs))
+        return plans
+
+    def _engine_cfg(self, plan: dict | None) -> Config:
+        return dataclasses.replace(self.cfg, restore=plan["restore"]) if plan else self.cfg
+
+    def _start_local(self, model_path: str, engine_kwargs: dict) -> None:
+        """K engines in this process (one node), started one after another on their GPU groups or CPU cores."""
+        if self.size == 1:
+            self.engines.append(Engine(self.cfg, model_path, **engine_kwargs))
+            self.placement.append({"node": "local", "devices": "all visible"})
+            return
+        tp = self.cfg.tensor_parallel_size
+        if self.device != "cuda":
+            cores = os.cpu_count() or 1
+            for k in range(self.size):
+                with environment(VLLM_CPU_OMP_THREADS_BIND=cpu_binding(k, tp, cores)):
+                    self.engines.append(Engine(self.cfg, model_path, **engine_kwargs))
+                self._started({"node": "local", "cpu_cores": cpu_binding(k, tp, cores)})
+            return
+        groups = gpu_groups(visible_gpus(), tp)
+        where = place_engines(self.size, len(groups))
+        counts = [where.count(j) for j in range(len(groups))]
+        report = node_report([g for group in groups for g in group])
+        plans = self._memory_plans(model_path, [report] * len(groups), counts, [self.size] * len(groups))
+        for k, j in enumerate(where):
+            with environment(CUDA_VISIBLE_DEVICES=",".join(groups[j])):
+                engine = Engine(self._engine_cfg(plans[j]), model_path, **engine_kwargs)
+            self.engines.append(engine)
+            self._reserve_restore_copy(engine, counts[j], engine.cfg.restore)
+            self._started({"node": "local", "gpus": groups[j], "group": j, "co_located": counts[j],
+                           "restore": engine.cfg.restore, "mps": report["mps"]})
+
+    def _reserve_restore_copy(self, engine, co_located: int, restore: str) -> None:
+        """Co-located engines take their exact-restore copy at start, so the next engine's start sees it used."""
+        if co_located > 1 and restore != "subtract":
+            engine.rpc("es_snapshot", restore=restore)
+
+    def _start_remote(self, model_path: str, engine_kwargs: dict) -> None:
+        """K engines as Ray actors: per GPU group one placement group (its GPUs on one node) holding that group's
+        engines; on a CPU cluster one core per engine. Started one after another."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -1166,67 +1474,89 @@ class EnginePool(ClosedOnExit):
         _start_ray(self.cfg.ray_address)
         tp = self.cfg.tensor_parallel_size
         gpu = ray.cluster_resources().get("GPU", 0) > 0
-        bundle = {"GPU": tp, "CPU": 1} if gpu else {"CPU": 1}  # one bundle: the engine's devices on one node
-        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        remote = ray.remote(_EngineActor)
-        for k in range(self.size):
-            group = placement_group([bundle], strategy="STRICT_PACK", name=f"es-engine-{k}")
+        groups = (sum(int(n["Resources"].get("GPU", 0)) // tp for n in ray.nodes() if n["Alive"]) if gpu
+                  else self.size)
+        where = place_engines(self.size, min(groups, self.size))
+        counts = [where.count(j) for j in range(max(where) + 1)]
+        for j, count in enumerate(counts):
+            bundle = {"GPU": tp, "CPU": count} if gpu else {"CPU": count}
+            group = placement_group([bundle], strategy="STRICT_PACK", name=f"es-gpu-group-{j}")
             self._groups.append(group)
             try:
                 ray.get(group.ready(), timeout=POOL_START_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
-                raise ConfigError(f"the Ray cluster has no room for engine {k} of {self.size} ({bundle} on one "
-                                  f"node); it has {ray.cluster_resources()}") from None
+                raise ConfigError(f"the Ray cluster has no room for GPU group {j} ({bundle} on one node); it has "
+                                  f"{ray.cluster_resources()}") from None
+        strategy = lambda j: PlacementGroupSchedulingStrategy(self._groups[j], placement_group_bundle_index=0)  # noqa
+        reports = [ray.get(ray.remote(_probe_node).options(num_cpus=0, num_gpus=tp if gpu else 0,
+                                                            scheduling_strategy=strategy(j)).remote(tp))
+                   for j in range(len(counts))]
+        on_node = [sum(c for c, r in zip(counts, reports) if r["node"] == report["node"]) for report in reports]
+        plans = self._memory_plans(model_path, reports, counts, on_node) if gpu else [None] * len(counts)
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        sandbox = SANDBOX_CHECK.get("args")
+        remote = ray.remote(_EngineActor)
+        for k, j in enumerate(where):
             env = {"PYTHONPATH": path, "TQDM_DISABLE": "1"}  # the driver draws the progress
-            if not gpu:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(k, tp, os.cpu_count() or 1)
-            self.actors.append(remote.options(
-                num_cpus=1, num_gpus=tp if gpu else 0, max_concurrency=2, runtime_env={"env_vars": env},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-            ).remote(self.cfg, str(model_path), engine_kwargs))
-        self.pids = [self._get(actor.pid.remote(), k, "start") for k, actor in enumerate(self.actors)]  # all started
+            if gpu:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(reports[j]["gpus"])
+            if self.device == "cpu":
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(k, tp, reports[j]["cores"])
+            actor = remote.options(num_cpus=1, num_gpus=0, max_concurrency=2, runtime_env={"env_vars": env},
+                                   scheduling_strategy=strategy(j)).remote(
+                self._engine_cfg(plans[j]), str(model_path), engine_kwargs, env, sandbox)
+            engine = RemoteEngine(actor, f"engine {k} of {self.size}")
+            self.engines.append(engine)
+            where_k = engine.where()  # waits for this engine to be up before the next one starts
+            restore = self._engine_cfg(plans[j]).restore
+            if gpu:
+                self._reserve_restore_copy(engine, counts[j], restore)
+            self._started(dict(where_k, group=j, co_located=counts[j], restore=restore, mps=reports[j]["mps"]))
+
+    def _started(self, placement: dict) -> None:
+        self.placement.append(placement)
+        shown = ", ".join(f"{k} {v}" for k, v in placement.items() if k not in ("pid", "core_pids", "device"))
+        print(f"[pool] engine {len(self.placement) - 1} of {self.size} started: {shown}", flush=True)
 
     def close(self) -> None:
         """Shut every engine down (also after a failure of one of them)."""
-        if self.local is not None:
-            self.local.close()
-            self.local = None
-        if self.actors or self._groups:
-            import ray
+        for engine in self.engines:
+            with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
+                engine.close()
+        self.engines = []
+        if self._groups:
             from ray.util.placement_group import remove_placement_group
 
-            closing = [actor.close.remote() for actor in self.actors]
-            for ref in closing:
-                with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
-                    ray.get(ref, timeout=ENGINE_SHUTDOWN_S + 30)
-            for actor in self.actors:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor)
             for group in self._groups:
                 with contextlib.suppress(Exception):
                     remove_placement_group(group)
-            self.actors, self._groups = [], []
+            self._groups = []
 
     # ---- calls on every engine ----
-    def _get(self, ref, k: int, what: str):
-        """The result of engine k's call; a lost actor or a failure inside it is an EngineFailure naming k."""
-        import ray
+    def _name(self, k: int) -> str:
+        return f"engine {k} of {self.size}"
 
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, Exception) else exc
-            raise EngineFailure(f"engine {k} of {self.size} failed during {what}: {cause}") from exc
-        except ray.exceptions.RayError as exc:  # actor died (process killed, node lost), or unavailable
-            raise EngineFailure(f"engine {k} of {self.size} was lost during {what} "
-                                f"({type(exc).__name__}: {str(exc)[:600]})") from exc
+    def _named(self, k: int, what: str, exc: BaseException) -> BaseException:
+        """An engine's failure, naming the engine when the pool has several."""
+        if self.size == 1 or isinstance(exc, (ConfigError, KeyboardInterrupt)) or str(exc).startswith("engine "):
+            return exc
+        if isinstance(exc, EngineFailure):
+            return EngineFailure(f"{self._name(k)} failed during {what}: {exc}")
+        return exc
 
     def _each(self, method: str, *args, **kwargs) -> list:
         """engine.method(*args) on every engine at once; results in engine order."""
-        if self.local is not None:
-            return [getattr(self.local, method)(*args, **kwargs)]
-        refs = [actor.call.remote(method, *args, **kwargs) for actor in self.actors]
-        return [self._get(ref, k, method) for k, ref in enumerate(refs)]
+        if len(self.engines) == 1:
+            return [getattr(self.engines[0], method)(*args, **kwargs)]
+        with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as threads:
+            futures = [threads.submit(getattr(e, method), *args, **kwargs) for e in self.engines]
+            results = []
+            for k, future in enumerate(futures):
+                try:
+                    results.append(future.result())
+                except Exception as exc:
+                    raise self._named(k, method, exc) from exc
+            return results
 
     def check_same_devices(self, devices: list[list[dict]]) -> None:
         """The noise streams depend on the device model: a mixed pool would train on two different noises."""
@@ -1263,15 +1593,8 @@ class EnginePool(ClosedOnExit):
         ran it and whenever it finished. Timings: the members' summed perturb/rollout/restore seconds and the
         wall time of the whole population ("members")."""
         timings, t0 = {}, time.perf_counter()
-        if self.local is not None:
-            results = self._local_queue(len(seeds), desc, lambda i, on_record: evaluate_member(
-                self.local, seeds[i], sigma, jobs, desc=f"member {i} episodes", on_record=on_record))
-        else:
-            import ray
-
-            shared_jobs = ray.put(jobs)  # sent once, not once per member
-            results = self._queue(len(seeds), desc, "member",
-                                  lambda actor, i: actor.evaluate_member.remote(seeds[i], sigma, shared_jobs))
+        results = self.work(len(seeds), desc, "member", lambda engine, i, on_record: engine.evaluate_member(
+            seeds[i], sigma, jobs, desc=f"member {i} episodes" if self.size == 1 else None, on_record=on_record))
         self.member_timings = [member_timings for _, member_timings in results]  # per member (bench/)
         for _, member_timings in results:
             for key, seconds in member_timings.items():
@@ -1282,76 +1605,72 @@ class EnginePool(ClosedOnExit):
     def run_agent(self, jobs: list[tuple[dict, int]], desc: str = "episodes", on_record=None) -> list[dict]:
         """Engine.run_agent spread over the pool: contiguous slices of `jobs` (a problem's samples stay together,
         sharing the prefix cache) handed to free engines; records in input order; on_record as episodes end."""
-        if self.local is not None:
-            return self.local.run_agent(jobs, desc=desc, on_record=on_record)
+        if self.size == 1:
+            return self.engines[0].run_agent(jobs, desc=desc, on_record=on_record)
         size = max(1, math.ceil(len(jobs) / self.size))
         slices = [jobs[i:i + size] for i in range(0, len(jobs), size)]
-        results = self._queue(len(slices), desc, "slice", lambda actor, i: actor.run_agent.remote(slices[i]),
-                              on_record=on_record, total_episodes=len(jobs))
+        results = self.work(len(slices), desc, "slice", lambda engine, i, record: engine.run_agent(
+            slices[i], desc=None, on_record=record), on_record=on_record, total_episodes=len(jobs))
         return [record for records in results for record in records]
 
-    def _local_queue(self, tasks: int, desc: str, run) -> list:
-        """K = 1: the tasks one after another, with the same progress bar as the pool's."""
+    def work(self, tasks: int, desc: str, noun: str, run, on_record=None, total_episodes: int = 0) -> list:
+        """The work queue: one thread per engine takes the next task i when its engine is free and runs
+        run(engine, i, on_record), so one task's straggler overlaps the others' work. Results are keyed by task
+        index, never by completion order; the first failure stops the queue and is raised, naming its engine."""
         from tqdm import tqdm
 
-        results, self.task_engines = [], [None] * tasks
-        with tqdm(total=tasks, desc=desc, leave=False, dynamic_ncols=True) as bar:
-            for i in range(tasks):
-                episodes = [0]
-
-                def count(record, i=i):
-                    episodes[0] += 1
-                    bar.set_postfix_str(f"engine 0: member {i}, {episodes[0]} episodes")
-
-                results.append(run(i, count))
-                self.task_engines[i] = 0
-                bar.update(1)
-        return results
-
-    def _queue(self, tasks: int, desc: str, noun: str, submit, on_record=None, total_episodes: int = 0) -> list:
-        """The work queue: task i goes to whichever engine is free first, so one task's straggler overlaps the
-        others' work. Results are keyed by task index, never by completion order."""
-        import ray
-        from tqdm import tqdm
-
-        results, todo = [None] * tasks, list(range(tasks))
+        results, todo, failures = [None] * tasks, list(range(tasks)), []
         self.task_engines = [None] * tasks  # which engine ran task i (tests, bench/)
-        running, episodes, current = {}, [0] * self.size, [None] * self.size  # ref -> (engine, task)
+        lock, status = threading.Lock(), ["idle"] * self.size
         bar = tqdm(total=total_episodes or tasks, desc=desc, leave=False, dynamic_ncols=True)
 
-        def hand_out():  # the next tasks to the engines that are free
-            for k, actor in enumerate(self.actors):
-                if current[k] is None and todo:
-                    i = todo.pop(0)
-                    running[submit(actor, i)] = (k, i)
-                    self.task_engines[i] = k
-                    current[k], episodes[k] = i, 0
+        def recorder(k: int, i: int):
+            episodes = [0]
 
-        try:
-            hand_out()
-            while running:
-                busy = [k for k in range(self.size) if current[k] is not None]
-                ready, _ = ray.wait(list(running), num_returns=1, timeout=POOL_POLL_S)
-                polls = {k: self.actors[k].poll.remote() for k in busy}
-                for k, ref in polls.items():
-                    for record in self._get(ref, k, f"{noun} {current[k]}"):
-                        episodes[k] += 1
-                        if total_episodes:
-                            bar.update(1)
-                        if on_record is not None:
-                            on_record(record)
-                for ref in ready:
-                    k, i = running.pop(ref)
-                    results[i] = self._get(ref, k, f"{noun} {i}")
-                    current[k] = None
+            def record(r: dict) -> None:
+                with lock:
+                    episodes[0] += 1
+                    status[k] = f"{noun} {i}, {episodes[0]} episodes"
+                    if total_episodes:
+                        bar.update(1)
+                    bar.set_postfix_str("  ".join(f"engine {e}: {s}" for e, s in enumerate(status)))
+                    if on_record is not None:
+                        on_record(r)
+            return record
+
+        def worker(k: int) -> None:
+            while True:
+                with lock:
+                    if failures or not todo:
+                        return
+                    i = todo.pop(0)
+                    self.task_engines[i], status[k] = k, f"{noun} {i}"
+                try:
+                    results[i] = run(self.engines[k], i, recorder(k, i))
+                except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
+                    with lock:
+                        failures.append((k, i, exc))
+                    return
+                with lock:
+                    status[k] = "idle"
                     if not total_episodes:
                         bar.update(1)
-                hand_out()
-                bar.set_postfix_str("  ".join(
-                    f"engine {k}: " + ("idle" if i is None else f"{noun} {i}, {episodes[k]} episodes")
-                    for k, i in enumerate(current)))
+
+        try:
+            if self.size == 1:
+                worker(0)  # in this thread: nothing to overlap
+            else:
+                threads = [threading.Thread(target=worker, args=(k,), name=f"es-pool-{k}", daemon=True)
+                           for k in range(self.size)]
+                for thread in threads:
+                    thread.start()
+                while any(t.is_alive() for t in threads) and not failures:
+                    threads[0].join(timeout=0.2)  # short waits: SIGTERM/Ctrl-C reach this (main) thread
         finally:
             bar.close()
+        if failures:
+            k, i, exc = failures[0]
+            raise self._named(k, f"{noun} {i}", exc) from exc
         return results
 
 
@@ -2355,6 +2674,7 @@ def check_sandbox(cfg, data=(), checkpoint=None):
     with _existing_folder(Path(cfg.run_dir).resolve()):
         leaks = sandbox_leaks(kind, hidden_paths(cfg, data, checkpoint))
     SANDBOX_CHECK.update(kind=kind, leaks=leaks, override=bool(leaks) and cfg.allow_leaky_sandbox)
+    SANDBOX_CHECK["args"] = {"data": [str(d) for d in data], "checkpoint": checkpoint}  # engines on other nodes redo it
     if leaks and not cfg.allow_leaky_sandbox:
         raise ConfigError(f"the {kind!r} sandbox leaks; model-written commands could cheat or interfere:\n  "
                           + "\n  ".join(leaks) + "\nInstall bubblewrap or run as root (see README, The agent), "

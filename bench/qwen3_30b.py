@@ -18,13 +18,16 @@ QWEN3_30B_A3B = {  # the published config.json of Qwen/Qwen3-30B-A3B
 }
 
 
-def write_config(folder, tokenizer_from=None) -> str:
+def write_config(folder, tokenizer_from=None, layers: int = 0) -> str:
     """config.json of Qwen3-30B-A3B in `folder`. With tokenizer_from (a tiny model folder), its tokenizer files are
     copied in and the vocabulary is cut to the tokenizer's size (the agent loop needs a chat template; the real
-    tokenizer is not available offline). That removes ~0.3B embedding/lm_head parameters, ~2% of the model."""
+    tokenizer is not available offline). That removes ~0.3B embedding/lm_head parameters, ~2% of the model.
+    layers: keep only the first `layers` decoder layers (0: all 48)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(QWEN3_30B_A3B)
+    if layers:  # the same layer shapes, fewer of them (co-location measurements on one GPU)
+        config.update(num_hidden_layers=layers, max_window_layers=layers)
     if tokenizer_from is not None:
         for f in Path(tokenizer_from).iterdir():
             if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):

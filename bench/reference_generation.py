@@ -21,6 +21,8 @@ member cannot end sooner on one engine. "floor_share" (the floors over the rollo
 faster lone sequence or several engines at once can shorten the generation.
 
     python bench/reference_generation.py --qwen3_30b=true --out=$OUT/reference_generation.json      # 2 GPUs
+    python bench/reference_generation.py --qwen3_30b=true --layers=12 --tensor_parallel_size=1 --engines=4 \
+        --gpu_memory_utilization=0.18 --token_scale=0.25 --tool_scale=0.25 --members=16  # 4 co-located, one GPU
     bash run_cpu.sh python bench/reference_generation.py --preset=smoke --token_scale=0.02 --members=2 --episodes=4
 """
 
@@ -47,7 +49,7 @@ OBSERVATION_TOKENS = (20, 400)
 TOOL_SECONDS = (0.05, 2.0)
 FIRST_PROMPT_TOKENS = 400  # system prompt + problem
 PLAIN_SEQUENCES, PLAIN_TOKENS = 64, 1024
-REFERENCE_MEMBERS, REFERENCE_GENERATIONS = 16, 20  # the reference run's population and generations
+REFERENCE_GENERATIONS = 20  # the reference run's generations
 
 
 def draw_episode(seed: int, member: int, episode: int, token_scale: float) -> dict:
@@ -120,78 +122,101 @@ def straggler_floor_s(episodes: list[dict], single_tokens_per_s: float) -> float
     return last["tokens"] / single_tokens_per_s + last["tool_s"]
 
 
+def run_members(pool, plans, seeds, sigma, vocab) -> list[dict]:
+    """Every member on the pool's work queue (K engines at once): perturb, its scripted episodes, restore."""
+    def member(engine, m, on_record):
+        t0 = time.perf_counter()
+        engine.perturb(seeds[m], sigma)
+        perturb_s = time.perf_counter() - t0
+        episodes, rollout_s = run_member(engine, plans[m], m, vocab)
+        t0 = time.perf_counter()
+        engine.restore()
+        restore_s = time.perf_counter() - t0
+        ends = sorted(e["end"] for e in episodes)
+        row = {"member": m, "rollout_s": round(rollout_s, 2), "perturb_s": round(perturb_s, 3),
+               "restore_s": round(restore_s, 3), "tokens": sum(e["tokens"] for e in episodes),
+               "turns": [e["turns"] for e in episodes],
+               "context_full": sum(e["finish"] == "context_full" for e in episodes),
+               "median_end_s": round(statistics.median(ends), 2), "last_end_s": round(ends[-1], 2),
+               "straggler_share": round((ends[-1] - statistics.median(ends)) / rollout_s, 3), "episodes": episodes}
+        print(f"member {m:>2}: {row['tokens']:>8} tokens in {rollout_s:8.1f} s  ({row['tokens'] / rollout_s:7.1f} "
+              f"tok/s), straggler share {row['straggler_share']:.2f}", flush=True)
+        return row
+
+    rows = pool.work(len(seeds), "members", "member", member)
+    for row, k in zip(rows, pool.task_engines):
+        row["engine"] = k
+    return rows
+
+
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"members": 16, "episodes": 16, "token_scale": 1.0, "seed": 0,
-                                          "qwen3_30b": False, "plain": True, "out": ""})
+    opts, overrides = C.parse_args(argv, {"members": 16, "episodes": 16, "token_scale": 1.0, "tool_scale": 1.0,
+                                          "seed": 0, "qwen3_30b": False, "layers": 0, "plain": True, "out": ""})
     cfg = C.parse_config(overrides)
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
-        model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref"), "dummy"
+        model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref", layers=opts["layers"]), "dummy"
     else:
         model, load_format = C.resolve_model(cfg.model), "auto"
     plans = [[draw_episode(opts["seed"], m, e, opts["token_scale"]) for e in range(opts["episodes"])]
              for m in range(opts["members"])]
+    for member_plans in plans:
+        for plan in member_plans:
+            plan["tool_seconds"] = [t * opts["tool_scale"] for t in plan["tool_seconds"]]
     t_start = time.perf_counter()
-    with C.Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
+    with C.EnginePool(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as pool:
         start_s = time.perf_counter() - t_start
+        engine = pool.engines[0]
+        memory = [e.rpc("es_memory")[0] for e in pool.engines]
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         plain = plain_tokens_per_s(engine, vocab) if opts["plain"] else None
         single = plain_tokens_per_s(engine, vocab, sequences=1)  # the speed of a straggler decoding alone
-        members, t_gen = [], time.perf_counter()
+        t_gen = time.perf_counter()
         seeds = C.member_seeds(cfg.run_seed, 0, opts["members"])
-        for m, seed in enumerate(seeds):
-            t0 = time.perf_counter()
-            engine.perturb(seed, cfg.sigma_start)
-            perturb_s = time.perf_counter() - t0
-            episodes, rollout_s = run_member(engine, plans[m], m, vocab)
-            t0 = time.perf_counter()
-            engine.restore()
-            restore_s = time.perf_counter() - t0
-            ends = sorted(e["end"] for e in episodes)
-            members.append({"member": m, "rollout_s": round(rollout_s, 2), "perturb_s": round(perturb_s, 3),
-                            "restore_s": round(restore_s, 3), "tokens": sum(e["tokens"] for e in episodes),
-                            "turns": [e["turns"] for e in episodes],
-                            "context_full": sum(e["finish"] == "context_full" for e in episodes),
-                            "median_end_s": round(statistics.median(ends), 2), "last_end_s": round(ends[-1], 2),
-                            "straggler_share": round((ends[-1] - statistics.median(ends)) / rollout_s, 3),
-                            "straggler_floor_s": round(straggler_floor_s(episodes, single), 2)})
-            print(f"member {m:>2}: {members[-1]['tokens']:>8} tokens in {rollout_s:8.1f} s  "
-                  f"({members[-1]['tokens'] / rollout_s:7.1f} tok/s), straggler share "
-                  f"{members[-1]['straggler_share']:.2f}, floor {members[-1]['straggler_floor_s']:.1f} s", flush=True)
+        members = run_members(pool, plans, seeds, cfg.sigma_start, vocab)
+        rollouts_s = time.perf_counter() - t_gen
         t0 = time.perf_counter()
-        engine.update(seeds, C.update_coefficients(C.zscore(range(len(seeds))), cfg.alpha))
+        pool.update(seeds, C.update_coefficients(C.zscore(range(len(seeds))), cfg.alpha))
         update_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        engine.digests()
+        pool.digests()  # every engine's, checked to agree
         digest_s = time.perf_counter() - t0
         generation_s = time.perf_counter() - t_gen
+        placement = pool.placement
+    for m in members:
+        m["straggler_floor_s"] = round(straggler_floor_s(m.pop("episodes"), single), 2)
 
     tokens = sum(m["tokens"] for m in members)
-    member_s = statistics.mean(m["perturb_s"] + m["rollout_s"] + m["restore_s"] for m in members)
-    projected_s = REFERENCE_MEMBERS * member_s + update_s + digest_s
     rollout = sum(m["rollout_s"] for m in members)
-    result = {"bench": "reference_generation", "date": time.strftime("%Y-%m-%d"), "device": engine.device,
+    cut = f" cut to {opts['layers']} layers" if opts["layers"] else ""
+    model_name = (f"Qwen3-30B-A3B layout{cut}, dummy weights"
+                  if opts["qwen3_30b"] else cfg.model)
+    result = {"bench": "reference_generation", "date": time.strftime("%Y-%m-%d"), "device": pool.device,
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
               "cudagraph_mode": cfg.cudagraph_mode, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-              "model": "Qwen3-30B-A3B layout, dummy weights" if opts["qwen3_30b"] else cfg.model,
+              "model": model_name, "tensor_parallel_size": cfg.tensor_parallel_size, "engines": pool.size,
+              "mps": C.mps_running() if pool.device == "cuda" else None,
+              "gpu_memory_utilization": cfg.gpu_memory_utilization, "placement": placement,
+              "memory_per_engine": memory,
               "members": opts["members"], "episodes": opts["episodes"], "token_scale": opts["token_scale"],
-              "max_model_len": cfg.max_model_len, "engine_start_s": round(start_s, 1),
-              "generation_s": round(generation_s, 1),
-              # fewer members than the reference's 16 (device time): scale the mean member, add update and digest
-              "projected_generation_s": round(projected_s, 1),
-              "projected_reference_run_h": round(projected_s * REFERENCE_GENERATIONS / 3600, 2),
-              "generated_tokens": tokens, "tokens_per_s": round(tokens / rollout, 1),
+              "tool_scale": opts["tool_scale"], "max_model_len": cfg.max_model_len,
+              "engines_start_s": round(start_s, 1), "engine_start_s": round(start_s / pool.size, 1),
+              "generation_s": round(generation_s, 1), "rollouts_wall_s": round(rollouts_s, 1),
+              # the whole population on the pool, then the update and the digests (every engine's)
+              "projected_reference_run_h": round(generation_s * REFERENCE_GENERATIONS / 3600, 2),
+              "generated_tokens": tokens, "tokens_per_s": round(tokens / rollouts_s, 1),
               "plain_64_tokens_per_s": round(plain, 1) if plain else None,
-              "fraction_of_plain": round(tokens / rollout / plain, 3) if plain else None,
+              # the pool's rollout throughput against one engine's plain 64-sequence generation
+              "fraction_of_plain": round(tokens / rollouts_s / plain, 3) if plain else None,
               "straggler_share_mean": round(statistics.mean(m["straggler_share"] for m in members), 3),
               "single_sequence_tokens_per_s": round(single, 1),
-              # how close the rollouts come to the floor their last episodes set (1: nothing else costs time)
               "floor_share": round(sum(m["straggler_floor_s"] for m in members) / rollout, 3),
               "update_s": round(update_s, 2), "digest_s": round(digest_s, 2), "members_detail": members}
-    print(f"generation: {result['generation_s']} s for {opts['members']} members x {opts['episodes']} episodes; "
-          f"{result['tokens_per_s']} tok/s in rollouts"
-          + (f" = {result['fraction_of_plain']:.2f} of plain {PLAIN_SEQUENCES}-sequence generation" if plain else "")
-          + f"; straggler share {result['straggler_share_mean']:.2f}, floor share {result['floor_share']:.2f} "
-          f"(one sequence alone: {single:.1f} tok/s); update {update_s:.2f} s, digest {digest_s:.2f} s")
+    print(f"generation: {result['generation_s']} s for {opts['members']} members x {opts['episodes']} episodes on "
+          f"{pool.size} engine(s); {result['tokens_per_s']} tok/s in rollouts"
+          + (f" = {result['fraction_of_plain']:.2f} of one engine's plain {PLAIN_SEQUENCES}-sequence generation"
+             if plain else "")
+          + f"; straggler share {result['straggler_share_mean']:.2f} (one sequence alone: {single:.1f} tok/s); "
+          f"update {update_s:.2f} s, digest {digest_s:.2f} s")
     return emit(result, opts["out"])
 
 
