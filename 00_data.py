@@ -23,7 +23,7 @@ from pathlib import Path
 
 import common as C
 
-OUT = "data"
+OUT = "data"  # where the three problem files are written
 SOURCE_DIR = ""  # empty: the Hugging Face hub
 CACHE_DIR = ""  # empty: the `datasets` default cache (~/.cache/huggingface/datasets)
 FORCE = False  # replace a file that is there but differs from the manifest
@@ -34,7 +34,9 @@ BUILD_COMMAND = "python 00_data.py"
 
 
 def main(argv: list[str]) -> dict:
-    opts, rest = C.parse_args(argv, {"out": OUT, "source_dir": SOURCE_DIR, "cache_dir": CACHE_DIR, "force": FORCE})
+    options = {"out": OUT, "source_dir": SOURCE_DIR, "cache_dir": CACHE_DIR, "force": FORCE}
+    C.exit_if_help(argv, __doc__, __file__, options, settings=False)
+    opts, rest = C.parse_args(argv, options)
     if rest:
         raise C.ConfigError(f"unknown options {rest}; 00_data.py takes --out, --source_dir, --cache_dir, --force")
     manifest = C.read_json(C.DATA_MANIFEST)["files"]

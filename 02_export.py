@@ -24,8 +24,9 @@ VERIFY = ""  # an export folder: check it against its manifest and exit
 
 
 def main(argv: list[str]) -> Path:
-    opts, overrides = C.parse_args(argv, {"history": HISTORY, "out": OUT,
-                                          "replay_generations": REPLAY_GENERATIONS, "verify": VERIFY})
+    options = {"history": HISTORY, "out": OUT, "replay_generations": REPLAY_GENERATIONS, "verify": VERIFY}
+    C.exit_if_help(argv, __doc__, __file__, options)
+    opts, overrides = C.parse_args(argv, options)
     if opts["verify"]:
         manifest = C.verify_export(opts["verify"])
         print(f"[export] {opts['verify']}: {len(manifest['shards'])} shards and every file match the manifest")

@@ -27,7 +27,9 @@ SAMPLES = 16  # sample_index 0..15
 
 
 def main(argv: list[str]) -> dict:
-    opts, overrides = C.parse_args(argv, {"export": EXPORT, "out": OUT, **{name: "" for name in DATASETS}})
+    options = {"export": EXPORT, "out": OUT, **{name: "" for name in DATASETS}}  # --dapo=PATH: another file
+    C.exit_if_help(argv, __doc__, __file__, options)
+    opts, overrides = C.parse_args(argv, options)
     cfg = C.parse_config(overrides)
     export = opts["export"].replace("<run_dir>", cfg.run_dir)
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))

@@ -24,7 +24,9 @@ GROUP = [12, 13, 14, 15]  # the reported group
 
 
 def main(argv: list[str]) -> dict:
-    opts, overrides = C.parse_args(argv, {"history": HISTORY, "export": EXPORT, "eval": EVAL, "out": OUT})
+    options = {"history": HISTORY, "export": EXPORT, "eval": EVAL, "out": OUT}
+    C.exit_if_help(argv, __doc__, __file__, options)
+    opts, overrides = C.parse_args(argv, options)
     run_dir = Path(C.parse_config(overrides).run_dir)
     history_path = Path(opts["history"] or run_dir / C.HISTORY_FILE)
     eval_dir = Path(opts["eval"] or run_dir / "eval")

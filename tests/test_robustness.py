@@ -130,15 +130,18 @@ def test_a_dead_engine_aborts_the_episodes_and_close_leaves_no_process(engine, m
     real_policy, calls, reported = engine._policy, [], []
 
     async def policy(messages, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
+        if reported and not calls:  # the first turn after an episode has finished
+            calls.append(1)
             worker.kill()
         return await real_policy(messages, **kwargs)
 
     monkeypatch.setattr(engine, "_policy", policy)
+    # 4 episodes in flight: the second four start as the first end, and their first turn meets the dead worker
+    monkeypatch.setattr(engine, "cfg", C.dataclasses.replace(engine.cfg, concurrency=4))
     jobs = [(p, i) for p in C.smoke_problems(4, seed=2) for i in (0, 1)]
     with pytest.raises(C.EngineFailure, match="vLLM failed during request"):
         engine.run_agent(jobs, on_record=reported.append)
+    assert calls and 0 < len(reported) < len(jobs)  # some episodes finished before the kill, not all
     assert all(r["error"] is None for r in reported)  # whatever finished before the failure is a real episode
     engine.close()
     assert not still_running(processes, timeout=30)
