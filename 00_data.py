@@ -55,7 +55,7 @@ def main(argv: list[str]) -> dict:
         rows = select_rows(sources[entry["source"]], entry, name)
         text = jsonl_text(rows)
         check_against_manifest(rows, text, entry, name)  # before anything is written
-        C._write_text_atomic(text, path)
+        C.write_text_atomic(text, path)
         print(f"[data] {path}: built, {len(rows)} rows from {entry['source']}, sha256 matches the manifest")
         status[name] = "built"
 
@@ -191,5 +191,5 @@ def check_against_manifest(rows: list[dict], text: str, entry: dict, name: str) 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (C.ConfigError, C.DataError) as exc:
+    except C.StageError as exc:
         sys.exit(f"[data] error: {exc}")

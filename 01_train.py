@@ -130,7 +130,7 @@ if __name__ == "__main__":
     C.prepare_script()  # vLLM logs at WARNING; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
-    except (C.ConfigError, C.DataError, C.HistoryMismatch, C.EngineFailure) as exc:
+    except C.StageError as exc:
         sys.exit(f"[train] error: {exc}")
     except C.Interrupted as stop:
         sys.exit(stop.exit_status)

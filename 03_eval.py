@@ -23,7 +23,6 @@ DATASETS = {  # name -> JSONL (built by 00_data.py); each writes <name>_eval16.j
     "dapo": "data/dapo_test100.jsonl",
     "aime2026": "data/aime2026.jsonl",
 }
-SAMPLES = 16  # sample_index 0..15
 
 
 def main(argv: list[str]) -> dict:
@@ -43,9 +42,10 @@ def main(argv: list[str]) -> dict:
 
     with open_checkpoint(cfg, export, manifest) as (engine, checkpoint):
         claim_output_folder(out, checkpoint, cfg, data)
-        metrics = {"checkpoint": checkpoint, "samples": SAMPLES, "reported_group": C.REPORTED_GROUP, "datasets": {}}
+        metrics = {"checkpoint": checkpoint, "samples": C.EVAL_SAMPLES, "reported_group": C.REPORTED_GROUP,
+                   "datasets": {}}
         for name, problems in datasets.items():
-            records = evaluate(engine, problems, range(SAMPLES), out / f"{name}_episodes.jsonl", name)
+            records = evaluate(engine, problems, range(C.EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
             C.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
                                  "config": C.dataclasses.asdict(cfg), "records": strip_transcripts(records)},
                                 out / f"{name}_eval16.json")
@@ -126,7 +126,7 @@ if __name__ == "__main__":
     C.prepare_script()  # vLLM logs at WARNING; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
-    except (C.ConfigError, C.DataError, C.ExportError, C.EngineFailure) as exc:
+    except C.StageError as exc:
         sys.exit(f"[eval] error: {exc}")
     except C.Interrupted as stop:
         sys.exit(stop.exit_status)

@@ -20,7 +20,7 @@ EXPORT = ""  # optionally an export folder whose manifest must match the rebuilt
 EVAL = ""  # default: <run_dir>/eval, holding <name>_eval16.json of 03_eval.py (read only)
 OUT = ""  # default: <EVAL>/aligned_history_replay_eval4.json
 DATASETS = ("dapo", "aime2026")
-GROUP = [12, 13, 14, 15]  # the reported group
+GROUP = list(C.REPORTED_SAMPLES)  # the reported group, sample indices 12-15
 
 
 def main(argv: list[str]) -> dict:
@@ -132,7 +132,7 @@ if __name__ == "__main__":
     C.prepare_script()  # vLLM logs at WARNING; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
-    except (C.ConfigError, C.DataError, C.HistoryMismatch, C.ExportError, C.EngineFailure) as exc:
+    except C.StageError as exc:
         sys.exit(f"[replay] error: {exc}")
     except C.Interrupted as stop:
         sys.exit(stop.exit_status)

@@ -159,7 +159,12 @@ PRESETS = {
 }
 
 
-class ConfigError(ValueError):
+class StageError(Exception):
+    """A stage stops with a message for its user, not a traceback: bad input, another run's files, a vLLM failure.
+    The numbered scripts catch this one base class."""
+
+
+class ConfigError(StageError, ValueError):
     pass
 
 
@@ -627,7 +632,7 @@ class ESWorker:
 # ============================================================================================================
 
 
-class EngineFailure(RuntimeError):
+class EngineFailure(StageError, RuntimeError):
     """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
     fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
 
@@ -1744,7 +1749,7 @@ RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke
                       "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
 
 
-class HistoryMismatch(RuntimeError):
+class HistoryMismatch(StageError, RuntimeError):
     pass
 
 
@@ -3079,7 +3084,7 @@ DATA_MANIFEST = REPO / "data_manifest.json"  # the problem files 00_data.py buil
 CASE_BATCH_SEED_TAG = 0xCA5E  # keeps case-batch streams apart from other streams seeded by (run seed, g)
 
 
-class DataError(ValueError):
+class DataError(StageError, ValueError):
     """A missing, malformed or inconsistent input file or record set."""
 
 
@@ -3195,7 +3200,7 @@ def learn_problems(n, seed, exclude=()):
 def write_jsonl(rows, path):
     """Write rows as JSONL, atomically (a reader never sees half a file)."""
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    _write_text_atomic(text, path)
+    write_text_atomic(text, path)
 
 SMOKE_PROBLEMS = 64
 GENERATED_DATA = ("smoke", "learn")  # train_data values made here from a seed (no file to hash)
@@ -3225,7 +3230,8 @@ def training_problems(cfg: Config) -> list[dict]:
 
 EVAL_SAMPLES = 16     # samples per problem in eval16
 GROUP_SIZE = 4        # samples per Mean4/Pass4 group
-REPORTED_GROUP = "12-15"
+REPORTED_SAMPLES = (12, 13, 14, 15)  # the reported Mean4/Pass4 group (SPEC section 2)
+REPORTED_GROUP = f"{REPORTED_SAMPLES[0]}-{REPORTED_SAMPLES[-1]}"
 
 
 def group_label(indices):
@@ -3373,7 +3379,7 @@ def _fsync_dir(folder):
         os.close(fd)
 
 
-def _write_text_atomic(text, path):
+def write_text_atomic(text, path):
     """Temp file in the same folder, fsync, rename over path: readers see the old file or the new one, never
     a partial one. Same folder so os.replace is a rename on one filesystem."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -3397,7 +3403,7 @@ def write_json_atomic(obj, path):
     """Serialise first (a non-JSON value fails before any file is touched), then replace path atomically.
     Strict JSON: NaN/Infinity are refused so every reader can parse the file."""
     text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    _write_text_atomic(text, path)
+    write_text_atomic(text, path)
 
 
 def read_json(path):
@@ -3435,7 +3441,7 @@ def write_sha256sums(folder, files):
     folder. Returns {name: hex}."""
     names = sorted({_relative_name(folder, f) for f in files} - {SHA256SUMS})
     sums = {name: sha256_file(os.path.join(folder, name)) for name in names}
-    _write_text_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
+    write_text_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
     return sums
 
 
@@ -3551,7 +3557,7 @@ EXPORT_MANIFEST = "es_sharded_export_manifest.json"
 SHARD_PATTERN = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 
 
-class ExportError(RuntimeError):
+class ExportError(StageError, RuntimeError):
     pass
 
 

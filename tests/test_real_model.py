@@ -163,7 +163,7 @@ def test_evaluation_gives_records_and_metrics(export, tmp_path):
     _, loaded = export
     evaluation = importlib.import_module("03_eval")
     problems = C.learn_problems(1, seed=6)
-    records = evaluation.evaluate(loaded, problems, range(evaluation.SAMPLES), tmp_path / "episodes.jsonl", "learn")
+    records = evaluation.evaluate(loaded, problems, range(C.EVAL_SAMPLES), tmp_path / "episodes.jsonl", "learn")
     assert [r["sample_index"] for r in records] == list(range(16))
     assert len({r["seed"] for r in records}) == 16
     for r in evaluation.strip_transcripts(records):
