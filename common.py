@@ -91,6 +91,8 @@ class Config:
     scope: str = "full"  # every floating-point parameter of the runtime model
     noise_chunk: int = 8_388_608  # elements per float32 noise draw: part of the noise definition
     restore: str = "copy_device"  # copy_device | copy_host (pinned) | subtract (low memory, NOT bit-exact in bf16)
+    rounding: str = "nearest"  # bf16 rounding of every weight change: "nearest" (the reference) or "stochastic"
+                               # (unbiased: steps below half an ulp still move theta in expectation; section 2)
     # the math agent (SPEC section 4)
     max_turns: int = 50  # assistant turns per episode
     max_new_tokens: int = 4096  # per assistant turn
@@ -128,15 +130,20 @@ class Config:
             "max_num_batched_tokens": (self.max_num_batched_tokens >= 0, "at least 0 (0: vLLM's default)"),
             "max_new_tokens": (self.max_new_tokens >= 1, "at least 1"),
             "restore": (self.restore in RESTORE_MODES, f"one of {', '.join(RESTORE_MODES)}"),
+            "rounding": (self.rounding in ROUNDING_MODES, f"one of {', '.join(ROUNDING_MODES)}"),
             "prompt_mode": (self.prompt_mode in PROMPT_MODES, f"one of {', '.join(PROMPT_MODES)}"),
             "scope": (self.scope == "full", '"full" (the only scope this reference implements)'),
         }
         for name, (ok, expected) in checks.items():
             if not ok:
                 raise ConfigError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+        if self.rounding == "stochastic" and self.restore == "subtract":
+            raise ConfigError("restore=subtract cannot undo a stochastically rounded perturbation; use copy_device "
+                              "or copy_host with rounding=stochastic")
 
 
 RESTORE_MODES = ("copy_device", "copy_host", "subtract")
+ROUNDING_MODES = ("nearest", "stochastic")
 PROMPT_MODES = ("render", "continue")  # see choose_prompt_mode
 
 # The README's main job: a tiny random Qwen3 the project writes itself, tiny arithmetic problems, CPU-sized budgets.
@@ -250,7 +257,7 @@ def exit_if_help(argv: list[str], doc: str, script: str | None = None, options: 
 # What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
 # the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
 # command line, a preset or an evaluation's settings.
-WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "scope")
+WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "scope", "rounding")
 
 
 def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
@@ -359,16 +366,59 @@ def noise_chunks(numel: int, seed: int, chunk: int, device):
         yield start, end, torch.randn(end - start, generator=gen, dtype=torch.float32, device=device)
 
 
-def add_noise_(flat: torch.Tensor, seeds: list[int], coeffs: list[float], chunk: int) -> None:
+def add_noise_(flat: torch.Tensor, seeds: list[int], coeffs: list[float], chunk: int,
+               rounding_seed: int | None = None) -> None:
     """flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)), accumulated in float32, rounded once.
-    Perturbation is the one-member case (coeff = sigma); the update is the N-member case."""
+    Perturbation is the one-member case (coeff = sigma); the update is the N-member case. Rounding to nearest, or
+    with rounding_seed stochastically (bf16 only: round_stochastic_, its random bits drawn from that seed)."""
     streams = [noise_chunks(flat.numel(), s, chunk, flat.device) for s in seeds]
+    bits = None
+    if rounding_seed is not None and flat.dtype == torch.bfloat16:
+        bits = torch.Generator(device=flat.device)
+        bits.manual_seed(rounding_seed)
     for start in range(0, flat.numel(), chunk):
         acc = flat[start : start + chunk].float()
         for stream, c in zip(streams, coeffs):
             _, _, eps = next(stream)
             acc.add_(eps, alpha=c)
-        flat[start : start + chunk].copy_(acc)
+        if bits is None:
+            flat[start : start + chunk].copy_(acc)
+        else:
+            round_stochastic_(flat[start : start + chunk], acc, bits)
+
+
+def round_stochastic_(out: torch.Tensor, acc: torch.Tensor, generator: torch.Generator) -> None:
+    """out (bf16) <- acc (float32) rounded up in magnitude with probability (distance to the lower bf16 value) /
+    ulp, else down: E[out] = acc. bf16 is the top half of float32's bits, so adding a uniform 16-bit integer to the
+    bits and clearing the low half does it (sign-magnitude: the same for negative values)."""
+    noise = torch.randint(0, 1 << 16, acc.shape, generator=generator, dtype=torch.int32, device=acc.device)
+    out.copy_(((acc.view(torch.int32) + noise) & -65536).view(torch.float32))  # exact: the low bits are 0
+
+
+STOCHASTIC_ROUNDING = ("the float32 value's bits + uniform 16-bit integers (torch.randint on the parameter's "
+                       "device), low 16 bits cleared; seed noise_seed(salted seed, r, n): perturbation salt "
+                       "0x5352, update salt 0x5355 xored into a splitmix64 fold of the generation's member seeds")
+PERTURB_ROUNDING_SALT, UPDATE_ROUNDING_SALT = 0x5352, 0x5355
+
+
+def rounding_seed(kind: str, seeds: list[int], rank: int, name: str) -> int:
+    """The random source of a stochastically rounded change: per (its member seed or the generation's seeds, TP
+    rank, parameter), so restore, resume, export and replay redraw the same bits."""
+    if kind == "perturb":
+        return noise_seed(seeds[0] ^ PERTURB_ROUNDING_SALT, rank, name)
+    folded = 0
+    for s in seeds:
+        folded = _splitmix64(folded ^ (s & MASK64))
+    return noise_seed(folded ^ UPDATE_ROUNDING_SALT, rank, name)
+
+
+def noise_definition(cfg: "Config") -> dict:
+    """What a history records of the noise. Round-to-nearest histories carry no rounding key (older ones did not
+    either), so they still compare equal; a stochastic one records its source."""
+    definition = dict(NOISE_DEFINITION, chunk=cfg.noise_chunk)
+    if cfg.rounding != "nearest":
+        definition["rounding"] = f"{cfg.rounding}: {STOCHASTIC_ROUNDING}"
+    return definition
 
 
 def tensor_digest(name: str, t: torch.Tensor, staging: "DigestStaging | None" = None) -> str:
@@ -552,7 +602,7 @@ class ESWorker:
         digests = tensor_digests(es["params"], threads=DIGEST_THREADS_PER_RANK, staging=es.get("staging"))
         return {"rank": es["rank"], "digest": combine_digests(digests), "params": len(digests)}
 
-    def es_perturb(self, seed: int, sigma: float, chunk: int, restore: str) -> float:
+    def es_perturb(self, seed: int, sigma: float, chunk: int, restore: str, rounding: str = "nearest") -> float:
         """theta_r <- theta_r + sigma * eps(seed, r, name) for every parameter. Returns seconds."""
         es, t0 = self._es_state(), time.perf_counter()
         if es["noise"] is not None:
@@ -560,7 +610,8 @@ class ESWorker:
         if restore != "subtract" and es["copy"] is None:
             self._es_snapshot(restore)
         for name, t in es["params"]:
-            add_noise_(t.view(-1), [noise_seed(seed, es["rank"], name)], [sigma], chunk)
+            rounded = rounding_seed("perturb", [seed], es["rank"], name) if rounding == "stochastic" else None
+            add_noise_(t.view(-1), [noise_seed(seed, es["rank"], name)], [sigma], chunk, rounded)
         es["noise"] = (seed, sigma, chunk, restore)
         self._es_sync()
         return time.perf_counter() - t0
@@ -581,7 +632,7 @@ class ESWorker:
         self._es_sync()
         return time.perf_counter() - t0
 
-    def es_update(self, seeds: list[int], coeffs: list[float], chunk: int) -> float:
+    def es_update(self, seeds: list[int], coeffs: list[float], chunk: int, rounding: str = "nearest") -> float:
         """theta_r <- theta_r + sum_i coeffs_i * eps(seeds_i, r, name), float32 accumulation, rounded once."""
         es, t0 = self._es_state(), time.perf_counter()
         if es["noise"] is not None:
@@ -589,8 +640,9 @@ class ESWorker:
         active = [(s, c) for s, c in zip(seeds, coeffs) if c != 0.0]
         if active:
             for name, t in es["params"]:
+                rounded = rounding_seed("update", seeds, es["rank"], name) if rounding == "stochastic" else None
                 add_noise_(t.view(-1), [noise_seed(s, es["rank"], name) for s, _ in active],
-                           [c for _, c in active], chunk)
+                           [c for _, c in active], chunk, rounded)
             if es["copy"] is not None:  # the saved copy always holds the current centre theta
                 for (_, t), saved in zip(es["params"], es["copy"]):
                     saved.copy_(t)
@@ -919,7 +971,7 @@ class Engine(ClosedOnExit):
 
     def perturb(self, seed: int, sigma: float) -> float:
         seconds = max(self.rpc("es_perturb", seed=seed, sigma=sigma, chunk=self.cfg.noise_chunk,
-                               restore=self.cfg.restore))
+                               restore=self.cfg.restore, rounding=self.cfg.rounding))
         self.reset_prefix_cache()
         return seconds
 
@@ -929,7 +981,8 @@ class Engine(ClosedOnExit):
         return seconds
 
     def update(self, seeds: list[int], coeffs: list[float]) -> float:
-        seconds = max(self.rpc("es_update", seeds=seeds, coeffs=coeffs, chunk=self.cfg.noise_chunk))
+        seconds = max(self.rpc("es_update", seeds=seeds, coeffs=coeffs, chunk=self.cfg.noise_chunk,
+                               rounding=self.cfg.rounding))
         self.reset_prefix_cache()
         return seconds
 
@@ -1764,7 +1817,7 @@ def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool 
     return {
         "format": HISTORY_FORMAT,
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POOL_FIELDS},  # any K, one history
-        "noise": dict(NOISE_DEFINITION, chunk=cfg.noise_chunk),
+        "noise": noise_definition(cfg),
         **data,
         "base_model": cfg.model,
         "base_model_path": str(model_path),

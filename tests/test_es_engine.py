@@ -305,3 +305,41 @@ class TestMoE:
         moe.restore()
         assert everything != without_experts  # the experts' noise changes the outputs
         assert without_experts != base and generate(moe)[0] == base
+
+
+# ---- stochastic rounding in the workers (runs last: it moves the module engine's weights) ----
+
+def test_stochastic_rounding_in_the_workers_is_the_specified_function(engine, monkeypatch):
+    """rounding="stochastic": each worker rounds theta + sigma eps (perturb) and theta + delta (update) with the
+    random bits of rounding_seed, here recomputed outside vLLM on the same starting bits: so a restore is exact,
+    the same perturbation is drawn again, and a replay of the history reproduces the update bit for bit."""
+    monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, rounding="stochastic"))
+    chunk, seeds, coeffs = engine.cfg.noise_chunk, [21, 22, 23], [1e-3, -2e-3, 0.0]
+    start, base = engine.rpc(es_tensors), engine.digests()
+    engine.perturb(seed=11, sigma=1e-3)
+    perturbed = engine.rpc(es_tensors)
+    engine.restore()
+    assert engine.digests() == base
+    engine.perturb(seed=11, sigma=1e-3)
+    assert engine.rpc(es_tensors) == perturbed  # the same random bits again
+    engine.restore()
+    engine.update(seeds, coeffs)
+    updated = engine.rpc(es_tensors)
+
+    def tensor(dtype, raw):
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype)).clone()
+
+    rounded_differently = 0
+    for rank, per_rank in enumerate(start):
+        for name, (dtype, raw) in per_rank.items():
+            expected = tensor(dtype, raw)
+            C.add_noise_(expected, [C.noise_seed(11, rank, name)], [1e-3], chunk,
+                         C.rounding_seed("perturb", [11], rank, name))
+            assert torch.equal(expected, tensor(*perturbed[rank][name])), name
+            expected, nearest = tensor(dtype, raw), tensor(dtype, raw)
+            noise = [C.noise_seed(s, rank, name) for s in seeds[:2]]  # the zero coefficient draws nothing
+            C.add_noise_(expected, noise, coeffs[:2], chunk, C.rounding_seed("update", seeds, rank, name))
+            C.add_noise_(nearest, noise, coeffs[:2], chunk)
+            assert torch.equal(expected, tensor(*updated[rank][name])), name
+            rounded_differently += not torch.equal(expected, nearest)
+    assert rounded_differently > 0  # the mode reached the workers

@@ -426,3 +426,66 @@ def test_help_prints_the_stage_its_options_and_every_setting(script, capsys):
         assert meanings[name], f"Config.{name} has no comment for --help"
         assert f"--{name}={default}" in text and meanings[name] in text
     assert all(f"  {preset}: " in text for preset in C.PRESETS)
+
+
+# ---- stochastic rounding (rounding="stochastic") ----
+
+def test_stochastic_rounding_is_unbiased_where_nearest_loses_a_small_step():
+    """A 1e-5 step on bf16 weights of size ~0.02 (half an ulp there: 6e-5): round-to-nearest keeps a fifth of it,
+    stochastic rounding all of it in expectation, with a mean rounding error of ~0."""
+    w = (torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    acc = w.float() + 1e-5
+    nearest, stochastic = acc.to(torch.bfloat16), torch.empty_like(w)
+    C.round_stochastic_(stochastic, acc, torch.Generator().manual_seed(1))
+    error = stochastic.float() - acc
+    assert abs(error.mean().item()) < 4 * error.std().item() / error.numel() ** 0.5  # unbiased
+    assert abs((stochastic.float() - w.float()).mean().item() - 1e-5) < 0.05e-5  # the whole step, on average
+    assert (nearest.float() - w.float()).mean().item() < 0.3e-5  # most of it rounded away
+    changed = {"nearest": (nearest != w).float().mean().item(), "stochastic": (stochastic != w).float().mean().item()}
+    assert changed["stochastic"] > 1.5 * changed["nearest"] > 0  # fraction of weights one step changes
+    # each value lands on one of its two bf16 neighbours
+    lower = acc.to(torch.bfloat16).float()
+    assert ((stochastic.float() - acc).abs() < (lower - acc).abs() + acc.abs() * 2 ** -7).all()
+
+
+def test_stochastic_rounding_is_a_function_of_its_seed():
+    theta = (torch.randn(10_000, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
+    runs = []
+    for seed in (5, 5, 6):
+        t = theta.clone()
+        C.add_noise_(t, [11, 12], [1e-4, -2e-4], 4096, rounding_seed=seed)
+        runs.append(t)
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    nearest = theta.clone()
+    C.add_noise_(nearest, [11, 12], [1e-4, -2e-4], 4096)
+    assert not torch.equal(nearest, runs[0])
+    fp32 = theta.float()  # a float32 parameter is stored exactly: nothing to round
+    exact = fp32.clone()
+    C.add_noise_(fp32, [11], [1e-4], 4096, rounding_seed=5)
+    C.add_noise_(exact, [11], [1e-4], 4096)
+    assert torch.equal(fp32, exact)
+    # the random source: per member for a perturbation, per generation's seeds for an update; per rank and name
+    perturb = {C.rounding_seed("perturb", [s], r, n) for s in (1, 2) for r in (0, 1) for n in ("a", "b")}
+    update = {C.rounding_seed("update", seeds, 0, "a") for seeds in ([1, 2], [2, 1], [1, 3])}
+    assert len(perturb) == 8 and len(update) == 3 and all(0 <= s < 2**63 for s in perturb | update)
+
+
+def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
+    nearest, stochastic = C.parse_config([]), C.parse_config(["--rounding=stochastic"])
+    assert C.noise_definition(nearest) == dict(C.NOISE_DEFINITION, chunk=nearest.noise_chunk)  # older histories
+    assert "rounding" in C.noise_definition(stochastic)
+    history = {"config": {k: v for k, v in dataclasses.asdict(nearest).items() if k != "rounding"}}  # an older one
+    C.check_config(history, nearest)
+    with pytest.raises(C.HistoryMismatch, match="config rounding: history has 'nearest', this run has 'stochastic'"):
+        C.check_config(history, stochastic)
+    diffs = C.identity_differences({"noise": C.noise_definition(nearest)}, {"noise": C.noise_definition(stochastic)})
+    assert len(diffs) == 1 and diffs[0].startswith("noise:")
+    # export and replay take it from the history, never from the command line or an evaluation's settings
+    recorded = {"config": dataclasses.asdict(stochastic)}
+    assert C.config_from_history(recorded, [], settings=dataclasses.asdict(nearest)).rounding == "stochastic"
+    with pytest.raises(C.ConfigError, match="cannot be overridden"):
+        C.config_from_history(recorded, ["--rounding=nearest"])
+    with pytest.raises(C.ConfigError, match="restore=subtract cannot undo"):
+        C.parse_config(["--rounding=stochastic", "--restore=subtract"])
+    with pytest.raises(C.ConfigError, match="rounding must be one of nearest, stochastic"):
+        C.parse_config(["--rounding=up"])
