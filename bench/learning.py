@@ -142,9 +142,9 @@ def compare(base_records, trained_records, problems, seed):
     return result
 
 
-def update_change_fraction(model_path, alpha, population, sigma, seed=0):
+def update_change_fraction(model_path, alpha, population, sigma, seed=0, rounding="nearest"):
     """What fraction of the bf16 weights one ES step changes, measured on the model's own weights with fresh
-    float32 noise, rounded once to bf16 as the worker does. An update alpha/N * sum_i z_i eps_i has standard
+    float32 noise, rounded once to bf16 as the worker does (to nearest, or stochastically). An update alpha/N * sum_i z_i eps_i has standard
     deviation alpha/sqrt(N) per element (z-scores with ddof=0 have sum z^2 = N); a perturbation has sigma."""
     from safetensors.torch import load_file
 
@@ -154,7 +154,12 @@ def update_change_fraction(model_path, alpha, population, sigma, seed=0):
     for name, w in sorted(load_file(str(Path(model_path) / "model.safetensors")).items()):
         w32 = w.float()
         for key, scale in (("update", alpha / population ** 0.5), ("perturbation", sigma)):
-            moved = (w32 + scale * torch.randn(w32.shape, generator=g)).to(torch.bfloat16)
+            moved = w32 + scale * torch.randn(w32.shape, generator=g)
+            if rounding == "stochastic" and w.dtype == torch.bfloat16:
+                moved, exact = torch.empty_like(w), moved
+                C.round_stochastic_(moved, exact, g)
+            else:
+                moved = moved.to(w.dtype)
             changed[key] += int((moved != w).sum())
         total += w.numel()
     return {k: v / total for k, v in changed.items()}
@@ -215,10 +220,14 @@ def main(argv):
     model_path = C.resolve_model(base_cfg.model)
     report["bf16_change_fraction"] = {
         "this_run": dict(alpha=base_cfg.alpha, sigma=base_cfg.sigma_start, population=base_cfg.population,
-                         **update_change_fraction(model_path, base_cfg.alpha, base_cfg.population, base_cfg.sigma_start)),
-        "paper_constants": dict(alpha=PAPER["alpha"], sigma=PAPER["sigma_start"], population=base_cfg.population,
-                                **update_change_fraction(model_path, PAPER["alpha"], base_cfg.population,
-                                                         PAPER["sigma_start"])),
+                         rounding=base_cfg.rounding, **update_change_fraction(
+                             model_path, base_cfg.alpha, base_cfg.population, base_cfg.sigma_start,
+                             rounding=base_cfg.rounding)),
+        **{f"paper_constants_{mode}": dict(alpha=PAPER["alpha"], sigma=PAPER["sigma_start"],
+                                           population=base_cfg.population, rounding=mode, **update_change_fraction(
+                                               model_path, PAPER["alpha"], base_cfg.population, PAPER["sigma_start"],
+                                               rounding=mode))
+           for mode in C.ROUNDING_MODES},
     }
     report["every_seed_beyond_ci"] = all(r[PRIMARY]["difference_ci_above_zero"] for r in report["runs"])
     print(format_table(report["runs"]))
