@@ -1813,7 +1813,7 @@ def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool 
 
     data = {}
     if train_data:  # export and replay rebuild theta without the training data file
-        data["train_data_sha256"] = cfg.train_data if cfg.train_data in GENERATED_DATA else sha256_file(cfg.train_data)
+        data["train_data_sha256"] = train_data_sha256(cfg)
     return {
         "format": HISTORY_FORMAT,
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POOL_FIELDS},  # any K, one history
@@ -1831,6 +1831,15 @@ def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool 
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
     }
+
+
+def train_data_sha256(cfg: Config) -> str:
+    """The training problems' fingerprint: the file's sha256, or for problems made here ("smoke", "learn") the name
+    and the sha256 of the problems themselves, so that a history of another version of them is refused."""
+    if cfg.train_data not in GENERATED_DATA:
+        return sha256_file(cfg.train_data)
+    problems = json.dumps(problems_from(cfg.train_data, cfg.run_seed), sort_keys=True).encode()
+    return f"{cfg.train_data} {hashlib.sha256(problems).hexdigest()}"
 
 
 def identity_differences(recorded: dict, current: dict, compare_config: bool = True) -> list[str]:
@@ -3231,23 +3240,28 @@ def smoke_problems(n, seed=0):
     return rows
 
 
-def learn_problems(n, seed, exclude=()):
-    """n small additions ("What is 12 + 7?") for the learn preset, none of whose questions is in `exclude`
-    (held-out sets are drawn with another seed and exclude the training questions)."""
-    rng = np.random.default_rng([LEARN_SEED_TAG, int(seed)])
-    rows, seen = [], set(exclude)
+def learn_pairs() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The learn task's operand pairs (a, b), split once by unordered pair into training and held-out: no held-out
+    question has the operands of a training question, in either order. Held out: LEARN_HELDOUT_PAIRS pairs of two
+    different numbers, both orders; training: every other pair (192 questions)."""
     low, high = LEARN_OPERANDS
-    available = (high - low + 1) ** 2 - len(seen)
-    if n > available:
-        raise DataError(f"{n} learn problems asked for, but operands {low}..{high} leave only {available} questions")
-    while len(rows) < n:
-        a, b = (int(x) for x in rng.integers(low, high + 1, size=2))
-        question = LEARN_QUESTION.format(a=a, b=b)
-        if question not in seen:
-            seen.add(question)
-            rows.append({"id": f"learn-{seed}-{len(rows):04d}", "question": question, "answer": str(a + b),
-                         "source": "learn"})
-    return rows
+    distinct = [(a, b) for a in range(low, high + 1) for b in range(a + 1, high + 1)]
+    order = np.random.default_rng([LEARN_SEED_TAG, LEARN_SPLIT_SEED]).permutation(len(distinct))
+    held = {distinct[i] for i in order[:LEARN_HELDOUT_PAIRS]}
+    ordered = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
+    return ([p for p in ordered if (min(p), max(p)) not in held], [p for p in ordered if (min(p), max(p)) in held])
+
+
+def learn_problems(n, seed, split="train"):
+    """n small additions ("What is 12 + 7?") of the learn task's training or held-out pairs (learn_pairs), in an
+    order drawn from `seed`."""
+    pairs = learn_pairs()[("train", "heldout").index(split)]
+    if n > len(pairs):
+        raise DataError(f"{n} learn problems asked for, but the {split} split has only {len(pairs)} questions")
+    rng = np.random.default_rng([LEARN_SEED_TAG, int(seed)])
+    tag = "" if split == "train" else "heldout-"
+    return [{"id": f"learn-{tag}{seed}-{i:04d}", "question": LEARN_QUESTION.format(a=a, b=b), "answer": str(a + b),
+             "source": "learn"} for i, (a, b) in enumerate(pairs[j] for j in rng.permutation(len(pairs))[:n])]
 
 
 def write_jsonl(rows, path):
@@ -3257,7 +3271,9 @@ def write_jsonl(rows, path):
 
 SMOKE_PROBLEMS = 64
 GENERATED_DATA = ("smoke", "learn")  # train_data values made here from a seed (no file to hash)
-LEARN_PROBLEMS = 192  # training set of the learn preset (of 324 questions: 132 stay for held-out sets)
+LEARN_PROBLEMS = 192  # training set of the learn preset: 324 questions less the 132 held out (learn_pairs)
+LEARN_HELDOUT_PAIRS = 66  # unordered pairs of two different numbers held out, in both orders: 132 questions
+LEARN_SPLIT_SEED = 0x5911  # which pairs are held out (fixed: every run and every held-out set agree)
 # Sums of two numbers from 2 to 19: SmolLM2-135M writes the right "a + b = n" in ~30% of single-digit episodes and
 # ~4% of two-digit ones (CPU probe, 24 problems each), so the base model has partial success.
 LEARN_OPERANDS = (2, 19)
@@ -3266,7 +3282,7 @@ LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other str
 # (GPU, 128 problems); either way it almost never ends with a correct final answer after one (bench/learning.py).
 LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
                   "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
-LEARN_TRAIN_SEED = 0  # the training set is the same for every run seed; held-out sets use other seeds
+LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
 
 
 def training_problems(cfg: Config) -> list[dict]:

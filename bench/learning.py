@@ -44,7 +44,7 @@ from report import emit  # noqa: E402
 OPTIONS = {"out": "", "seeds": 2, "heldout": 128, "eval_samples": 8, "run_root": "runs/learning",
            "fitness": "shaped", "quick": False}
 QUICK = ["--generations=2", "--population=4", "--case_batch=4"]  # plus heldout=16, eval_samples=1
-HELDOUT_SEED = 1  # held-out problems: another stream than the training set's (C.LEARN_TRAIN_SEED), minus its questions
+HELDOUT_SEED = 1  # the order of the held-out questions (C.learn_pairs: their operands are never trained on)
 BOOTSTRAP = 10_000
 PRIMARY = "reward"  # the held-out metric the target is judged on (the others are reported beside it)
 PAPER = {"alpha": 5e-4, "sigma_start": 1e-3, "sigma_end": 5e-4}  # SPEC section 2
@@ -88,8 +88,8 @@ FITNESS = {"score": agent_score, "shaped": shaped_score}
 
 
 def heldout_problems(n):
-    seen = {p["question"] for p in C.learn_problems(C.LEARN_PROBLEMS, seed=C.LEARN_TRAIN_SEED)}
-    return C.learn_problems(n, seed=HELDOUT_SEED, exclude=seen)
+    """n of the learn task's held-out questions: none shares its operands with a training question (either order)."""
+    return C.learn_problems(n, seed=HELDOUT_SEED, split="heldout")
 
 
 def evaluate_base_and_trained(cfg, history, problems, samples):

@@ -196,19 +196,31 @@ def test_default_paths_are_the_built_files_and_the_smoke_preset_needs_none():
     assert C.problems_from("smoke", smoke.run_seed) == C.smoke_problems(C.SMOKE_PROBLEMS, seed=smoke.run_seed)
 
 
-def test_learn_problems_are_right_sums_and_held_out_sets_never_repeat_training_questions():
+def test_learn_problems_are_right_sums_and_held_out_sets_share_no_operands_with_training():
     train = C.learn_problems(C.LEARN_PROBLEMS, seed=C.LEARN_TRAIN_SEED)
-    seen = {p["question"] for p in train}
-    held_out = C.learn_problems(128, seed=1, exclude=seen)
-    assert len(seen) == C.LEARN_PROBLEMS and not seen & {p["question"] for p in held_out}
+    held_out = C.learn_problems(128, seed=1, split="heldout")
+
+    def operands(p):
+        return tuple(int(x) for x in p["question"].split("?")[0].removeprefix("What is ").split(" + "))
+
+    trained_pairs = {frozenset(operands(p)) for p in train}
+    assert len({p["question"] for p in train}) == C.LEARN_PROBLEMS == 192
+    assert not trained_pairs & {frozenset(operands(p)) for p in held_out}  # not even as b + a
     low, high = C.LEARN_OPERANDS
     for p in train + held_out:
-        a, b = (int(x) for x in p["question"].split("?")[0].removeprefix("What is ").split(" + "))
+        a, b = operands(p)
         assert low <= a <= high and low <= b <= high and p["answer"] == str(a + b)
+    assert len({p["id"] for p in train + held_out}) == len(train) + len(held_out)
     assert C.problems_from("learn", 0) == train  # the preset's one training set, whatever the run seed
-    room = (high - low + 1) ** 2 - len(seen)
-    with pytest.raises(C.DataError, match=f"only {room} questions"):  # asking for more than exist: no endless loop
-        C.learn_problems(room + 1, seed=1, exclude=seen)
+    every = C.learn_problems(2 * C.LEARN_HELDOUT_PAIRS, seed=1, split="heldout")
+    assert {operands(p) for p in every} == {(b, a) for a, b in map(operands, every)}  # both orders held out
+    with pytest.raises(C.DataError, match="only 132 questions"):  # asking for more than exist
+        C.learn_problems(133, seed=1, split="heldout")
+    # a history trained on another version of the generated problems (this one's were split differently) is refused
+    learn = C.parse_config(["--preset=learn"])
+    now = C.train_data_sha256(learn)
+    assert now.startswith("learn ") and now == C.train_data_sha256(learn)
+    assert C.identity_differences({"train_data_sha256": "learn"}, {"train_data_sha256": now})
 
 
 def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(tmp_path):
