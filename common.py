@@ -704,6 +704,8 @@ def prepare_script() -> None:
     otherwise, so the console shows the progress bars, summaries and errors; SIGTERM and SIGINT raise
     Interrupted, which shuts the engine down."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's processes read it when they start
+    # vLLM's own use of deprecated torch names is nothing the user can act on
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # this one imported vLLM already
     stopping = []
 
@@ -1058,10 +1060,12 @@ class Engine(ClosedOnExit):
         """One request from token ids to its final RequestOutput (the completion, cached prompt tokens, ...). A
         request that errors, or that vLLM aborts or ends with an error (not stop/length), is an EngineFailure: its
         partial text is no reply of the model."""
+        from vllm.inputs.engine import tokens_input  # a rendered prompt: vLLM's raw-prompt path is deprecated
+
         out = None
         self._check_alive(f"request {request_id}")
         try:
-            async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=request_id):
+            async for out in self.llm.generate(tokens_input(ids), params, request_id=request_id):
                 pass
         except Exception as exc:
             raise self._failure(f"request {request_id}", exc) from exc
@@ -1517,6 +1521,7 @@ class EnginePool(ClosedOnExit):
         try:
             if cfg.ray_address:
                 self._start_remote(model_path, engine_kwargs)
+                self.device = self.placement[0]["device"]  # the engines' (the driver may have no GPU)
             else:
                 self._start_local(model_path, engine_kwargs)
             self.check_same_devices(self._each("rpc", "es_device"))
@@ -1610,7 +1615,7 @@ class EnginePool(ClosedOnExit):
         on_node = [sum(c for c, r in zip(counts, reports) if r["node"] == report["node"]) for report in reports]
         plans = self._memory_plans(model_path, reports, counts, on_node) if gpu else [None] * len(counts)
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        sandbox = SANDBOX_CHECK.get("args")
+        sandbox = dict(SANDBOX_CHECKED) if SANDBOX_CHECKED else None
         remote = ray.remote(_EngineActor)
         for k, j in enumerate(where):
             env = {"PYTHONPATH": path, "TQDM_DISABLE": "1"}  # the driver draws the progress
@@ -2719,6 +2724,7 @@ def sandbox_kind():
 # ---- Leak check: what a model-written command could see that it must not
 
 SANDBOX_CHECK = {}  # set once by check_sandbox() at start-up; every episode record carries it (run_episode)
+SANDBOX_CHECKED = {}  # what that check hid (data files, checkpoint): engines on other nodes check the same
 
 
 def _leak_probe_command(hidden, other_file, host_pid, marker):
@@ -2799,7 +2805,7 @@ def check_sandbox(cfg, data=(), checkpoint=None):
     with _existing_folder(Path(cfg.run_dir).resolve()):
         leaks = sandbox_leaks(kind, hidden_paths(cfg, data, checkpoint))
     SANDBOX_CHECK.update(kind=kind, leaks=leaks, override=bool(leaks) and cfg.allow_leaky_sandbox)
-    SANDBOX_CHECK["args"] = {"data": [str(d) for d in data], "checkpoint": checkpoint}  # engines on other nodes redo it
+    SANDBOX_CHECKED.update(data=[str(d) for d in data], checkpoint=checkpoint)  # engines on other nodes redo it
     if leaks and not cfg.allow_leaky_sandbox:
         raise ConfigError(f"the {kind!r} sandbox leaks; model-written commands could cheat or interfere:\n  "
                           + "\n  ".join(leaks) + "\nInstall bubblewrap or run as root (see README, The agent), "

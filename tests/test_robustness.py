@@ -101,8 +101,9 @@ def test_the_users_vllm_log_level_wins():
 CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine():
+    """A fresh engine for each test: after a failed worker call vLLM's replies are out of step for good."""
     with C.Engine(CFG, C.resolve_model("tiny-qwen3-dense")) as e:
         yield e
 
@@ -121,9 +122,8 @@ def test_a_failed_worker_call_is_an_engine_failure(engine):
 
 
 def test_a_dead_engine_aborts_the_episodes_and_close_leaves_no_process(engine, monkeypatch):
-    """Kills a TP worker (as a GPU fault would) at the third policy call: the episodes stop with an EngineFailure
-    instead of score-0 records, and closing the engine ends EngineCore and the other worker. Runs last: it
-    kills the module's engine."""
+    """Kills a TP worker (as a GPU fault would) once some episodes have finished: the others stop with an
+    EngineFailure instead of score-0 records, and closing the engine ends EngineCore and the other worker."""
     processes = engine_processes()
     assert len(processes) == 3, processes
     worker = processes[-1]
