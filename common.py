@@ -704,8 +704,10 @@ def prepare_script() -> None:
     otherwise, so the console shows the progress bars, summaries and errors; SIGTERM and SIGINT raise
     Interrupted, which shuts the engine down."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's processes read it when they start
-    # vLLM's own use of deprecated torch names is nothing the user can act on
+    # vLLM's own use of deprecated torch names is nothing the user can act on (here and in the engine's processes)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
+    quiet = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
+    os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), quiet) if w)
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # this one imported vLLM already
     stopping = []
 

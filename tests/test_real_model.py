@@ -4,7 +4,6 @@ model does, the ES cycle and the sharded_state round trip are exact, and agent e
 its ChatML template. One engine on the base model and one on its export, shared by the module."""
 
 import importlib
-import math
 
 import pytest
 import torch
