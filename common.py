@@ -1228,12 +1228,16 @@ def pool_size(cfg: Config, device: str) -> int:
     if device != "cuda":
         return 1
     if cfg.ray_address:
-        import ray
-
         _start_ray(cfg.ray_address)
-        return max(1, sum(int(n["Resources"].get("GPU", 0)) // cfg.tensor_parallel_size
-                          for n in ray.nodes() if n["Alive"]))
+        return max(1, ray_gpu_groups(cfg.tensor_parallel_size))
     return max(1, torch.cuda.device_count() // cfg.tensor_parallel_size)
+
+
+def ray_gpu_groups(tensor_parallel_size: int) -> int:
+    """GPU groups of the Ray cluster: on each live node, its GPUs // tensor_parallel_size (no group spans nodes)."""
+    import ray
+
+    return sum(int(n["Resources"].get("GPU", 0)) // tensor_parallel_size for n in ray.nodes() if n["Alive"])
 
 
 def gpu_groups(gpu_ids: list[str], tensor_parallel_size: int) -> list[list[str]]:
@@ -1259,8 +1263,7 @@ def parameter_count(config: dict) -> int:
     """Parameters of a Qwen3 / Qwen3-MoE / Llama checkpoint from its config.json (embeddings, attention with the
     q/k norms Qwen3 has, dense or expert MLPs with the router, norms)."""
     h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or h // heads
+    heads, head_dim = config["num_attention_heads"], _head_dim(config)
     q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
     attention = 2 * h * q + 2 * h * kv + (2 * head_dim if config.get("model_type", "").startswith("qwen3") else 0)
     experts = config.get("num_experts") or config.get("num_local_experts")  # (transformers 5 names it the latter)
@@ -1276,11 +1279,14 @@ def engine_memory_needs(config: dict, cfg: Config) -> dict:
     """Bytes per GPU of one engine: its weights (one TP rank's share) and the KV cache of one full-length sequence."""
     element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     tp = cfg.tensor_parallel_size
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = max(1, config.get("num_key_value_heads", heads) // tp)
+    kv_heads = max(1, config.get("num_key_value_heads", config["num_attention_heads"]) // tp)
     return {"weights_bytes": parameter_count(config) * element // tp,
-            "sequence_kv_bytes": 2 * config["num_hidden_layers"] * kv_heads * head_dim * element * cfg.max_model_len}
+            "sequence_kv_bytes": 2 * config["num_hidden_layers"] * kv_heads * _head_dim(config) * element
+                                 * cfg.max_model_len}
+
+
+def _head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
 def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: int, gpu_free: int,
@@ -1597,8 +1603,7 @@ class EnginePool(ClosedOnExit):
         _start_ray(self.cfg.ray_address)
         tp = self.cfg.tensor_parallel_size
         gpu = ray.cluster_resources().get("GPU", 0) > 0
-        groups = (sum(int(n["Resources"].get("GPU", 0)) // tp for n in ray.nodes() if n["Alive"]) if gpu
-                  else self.size)
+        groups = ray_gpu_groups(tp) if gpu else self.size
         where = place_engines(self.size, min(groups, self.size))
         counts = [where.count(j) for j in range(max(where) + 1)]
         for j, count in enumerate(counts):
