@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -120,17 +121,10 @@ def test_killed_run_resumes_to_the_same_history(trained, tmp_path):
     """SIGKILL of the script in the middle of generation 1 (EngineCore and its workers end with it), start again:
     identical to the uninterrupted run (which also shows that two runs of the same seed give the same history and
     digests)."""
-    cmd = [sys.executable, str(REPO / TRAIN_WITH_TEST_REWARD), "--preset=smoke", f"--run_dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
     history_path = tmp_path / C.HISTORY_FILE
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if history_path.exists() and len(C.read_json(history_path)["generations"]) == 1:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, "training finished before it could be killed"
-    time.sleep(2.0)  # inside generation 1: members are being perturbed and rolled out
+    proc, log, gate = start_training(tmp_path, "killed", pause_after_members=5)  # generation 0, then member 0 of 1
+    wait_for(proc, log, gate)
+    assert len(C.read_json(history_path)["generations"]) == 1
     engine_core = [p for p in psutil.Process(proc.pid).children() if p.children()]
     engine = engine_core + engine_core[0].children()
     assert len(engine) == 3, engine  # EngineCore and its two TP workers
@@ -311,21 +305,25 @@ def test_aligned_replay_rebuilds_theta_and_reruns_group_12_15(evaluated, exporte
     assert {n: sha(evaluated / f"{n}_eval16.json") for n in eval16} == eval16  # originals untouched
 
 
-def start_training(run_dir, name):
-    """01_train.py (with the test reward) in the background, its output in <run_dir>/<name>.log."""
-    log = run_dir / f"{name}.log"
+def start_training(run_dir, name, pause_after_members):
+    """01_train.py (with the test reward) in the background, its output in <run_dir>/<name>.log, held after its
+    n-th member step until the returned gate file is removed (tests/train_with_test_reward.py)."""
+    log, gate = run_dir / f"{name}.log", run_dir / f"{name}.gate"
+    gate.touch()
+    env = dict(os.environ, ES_TEST_PAUSE=f"{gate}:{pause_after_members}")
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, str(REPO / TRAIN_WITH_TEST_REWARD), "--preset=smoke",
                                  f"--run_dir={run_dir}"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    return proc, log
+                                env=env, start_new_session=True)
+    return proc, log, gate
 
 
-def wait_for(proc, log, text, timeout=600):
+def wait_for(proc, log, gate, timeout=600):
+    """Until the run holds at its gate."""
     deadline = time.time() + timeout
-    while text not in log.read_text(errors="replace"):
-        assert proc.poll() is None, f"training ended before {text!r}:\n{log.read_text()[-3000:]}"
-        assert time.time() < deadline, f"no {text!r} after {timeout} s"
+    while not Path(f"{gate}.paused").exists():
+        assert proc.poll() is None, f"training ended before its pause:\n{log.read_text()[-3000:]}"
+        assert time.time() < deadline, f"no pause after {timeout} s"
         time.sleep(0.2)
 
 
@@ -342,8 +340,8 @@ def test_sigterm_and_a_dead_engine_stop_the_run_cleanly_and_it_resumes(trained, 
     with the history of the uninterrupted run."""
     history_path = tmp_path / C.HISTORY_FILE
     for stop in ("SIGTERM", "engine core killed"):
-        proc, log = start_training(tmp_path, stop.split()[0])
-        wait_for(proc, log, "member 1 episodes")  # member 0 finished: generation 0 is under way
+        proc, log, gate = start_training(tmp_path, stop.split()[0], pause_after_members=1)
+        wait_for(proc, log, gate)  # member 0 finished: generation 0 is under way
         before = history_path.read_bytes()
         tree = process_tree(proc.pid)
         engine_core = [p for p in tree[0].children() if p.children()]
@@ -355,6 +353,7 @@ def test_sigterm_and_a_dead_engine_stop_the_run_cleanly_and_it_resumes(trained, 
             assert "leaked shared_memory" not in log.read_text()  # vLLM's teardown ran to its end
         else:
             engine_core[0].kill()
+            gate.unlink()  # the run goes on to member 1, on a dead engine
             assert proc.wait(timeout=300) == 1, log.read_text()[-3000:]
             assert "[train] error: vLLM failed during" in log.read_text()
             assert "EngineCore process exited with code -9" in log.read_text()

@@ -1,8 +1,13 @@
 """01_train.py with a reward that varies across members on a random tiny model (whose agent scores are all 0),
-plugged in through main(fitness=...), the training script's one reward seam."""
+plugged in through main(fitness=...), the training script's one reward seam.
+
+For the interruption tests, ES_TEST_PAUSE=<file>:<n> holds the run after its n-th member step while <file>
+exists, having written <file>.paused: the test interrupts it at a known point instead of racing a timer."""
 
 import importlib
+import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -15,8 +20,26 @@ def reply_variety(records: list[dict]) -> float:
     return sum(len(set(text)) for text in firsts) / len(firsts) / 100
 
 
+def pause_after_member_steps(gate: str, steps: int) -> None:
+    evaluate_member, done = train.C.Engine.evaluate_member, [0]
+
+    def evaluate_then_maybe_pause(self, *args, **kwargs):
+        result = evaluate_member(self, *args, **kwargs)
+        done[0] += 1
+        if done[0] == steps:
+            Path(gate + ".paused").touch()
+            while os.path.exists(gate):
+                time.sleep(0.05)
+        return result
+
+    train.C.Engine.evaluate_member = evaluate_then_maybe_pause
+
+
 if __name__ == "__main__":
     train.C.prepare_script()
+    if os.environ.get("ES_TEST_PAUSE"):
+        gate, steps = os.environ["ES_TEST_PAUSE"].rsplit(":", 1)
+        pause_after_member_steps(gate, int(steps))
     try:
         train.main(sys.argv[1:], fitness=reply_variety)
     except train.C.EngineFailure as exc:
