@@ -48,7 +48,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
                   "(02_export.py replays and checks them)")
             print_final_summary(recorded, run_dir)
             return recorded
-    with C.EnginePool(cfg, model_path) as engine:  # --engines=K evaluate members at once (section 4b)
+    with C.EnginePool(cfg, model_path) as engine, C.Tracker(cfg, run_dir) as tracker:  # pool: section 4b
         history = start_or_resume(cfg, model_path, engine, history_path)
         done = len(history["generations"])
         for g in tqdm(range(done, cfg.generations), initial=done, total=cfg.generations, desc="generations",
@@ -62,6 +62,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
             history["generations"].append(record)
             C.write_json_atomic(history, history_path)  # after every generation: a crash loses at most one
             C.plot_reward_curve(history, run_dir / REWARD_CURVE)
+            tracker.log(g, C.generation_scalars(record))  # --tracking=tensorboard; nothing by default
             tqdm.write(summary_line(record, cfg))
 
     print_final_summary(history, run_dir)

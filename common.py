@@ -113,6 +113,7 @@ class Config:
     eval_problems: int = 0  # evaluate only the first K problems of each eval set (0: all)
     run_dir: str = "runs/es"  # history, rollouts, export and eval results of the run live here
     smoke_eval: bool = False  # 03_eval's default sets are the smoke problems (the smoke preset); --dapo=... wins
+    tracking: str = "none"  # "tensorboard": each generation's summary also to <run_dir>/tensorboard
 
     def __post_init__(self):
         for name in ("sigma_start", "sigma_end", "alpha"):
@@ -132,6 +133,7 @@ class Config:
             "restore": (self.restore in RESTORE_MODES, f"one of {', '.join(RESTORE_MODES)}"),
             "rounding": (self.rounding in ROUNDING_MODES, f"one of {', '.join(ROUNDING_MODES)}"),
             "prompt_mode": (self.prompt_mode in PROMPT_MODES, f"one of {', '.join(PROMPT_MODES)}"),
+            "tracking": (self.tracking in TRACKING_MODES, f"one of {', '.join(TRACKING_MODES)}"),
             "scope": (self.scope == "full", '"full" (the only scope this reference implements)'),
         }
         for name, (ok, expected) in checks.items():
@@ -1851,7 +1853,7 @@ HISTORY_FILE = "es_history.json"
 HISTORY_FORMAT = "es-history/1"
 # settings that may change between a run and its resume: where files go, and how fast and how many episodes the
 # engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
-RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", *POOL_FIELDS,
+RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
                       "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
 
 
@@ -3484,6 +3486,46 @@ def plot_reward_curve(history: dict, path: str | Path, heldout: dict | None = No
     plt.close(fig)
     os.replace(tmp, path)  # a reader never sees half a picture
     return path
+
+
+# ---- Experiment tracking (optional): the per-generation summary as TensorBoard scalars
+
+TRACKING_MODES = ("none", "tensorboard")
+TENSORBOARD_DIR = "tensorboard"  # in the run dir: `tensorboard --logdir runs/es/tensorboard`
+
+
+def generation_scalars(record: dict) -> dict[str, float]:
+    """What a history record says about its generation, as named scalars: rewards, sigma, alpha, seconds."""
+    rewards = np.asarray(record["rewards"], dtype=np.float64)
+    scalars = {"reward/mean": rewards.mean(), "reward/max": rewards.max(), "reward/min": rewards.min(),
+               "reward/std": rewards.std(), "sigma": record["sigma"], "alpha": record["alpha"]}
+    scalars.update({f"seconds/{k}": v for k, v in record["timings"].items()})
+    return {k: float(v) for k, v in scalars.items()}
+
+
+class Tracker(ClosedOnExit):
+    """Scalars per step (the generation) for TensorBoard when cfg.tracking says so; nothing otherwise. A resumed
+    run appends to the same folder. The history stays the record of the run: this is for watching it."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path):
+        self.writer = None
+        if cfg.tracking == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ConfigError("--tracking=tensorboard needs the tensorboard package (pip install "
+                                  "tensorboard)") from exc
+            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if self.writer is not None:
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, global_step=step)
+            self.writer.flush()  # after every generation: a crash loses nothing already shown
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 # ============================================================================================================

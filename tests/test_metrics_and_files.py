@@ -357,3 +357,44 @@ def test_model_that_is_not_local_is_refused_without_network(hub_cache, name, mes
         C.resolve_model(name)
     with pytest.raises(C.ConfigError, match="not a model folder"):
         C.model_fingerprint(name)
+
+
+# ---- experiment tracking ----
+
+RECORD = {"generation": 3, "rewards": [0.25, 0.5, 1.0, 0.25], "sigma": 7.5e-4, "alpha": 5e-4,
+          "timings": {"rollout": 12.5, "perturb": 0.25}}
+
+
+def tensorboard_scalars(folder):
+    """{tag: [(step, value), ...]} of every event file in folder."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_generation_scalars_are_the_records_numbers():
+    assert C.generation_scalars(RECORD) == {
+        "reward/mean": 0.5, "reward/max": 1.0, "reward/min": 0.25, "reward/std": pytest.approx(0.3061862178),
+        "sigma": 7.5e-4, "alpha": 5e-4, "seconds/rollout": 12.5, "seconds/perturb": 0.25}
+
+
+def test_tensorboard_tracking_writes_each_step_and_a_resume_appends(tmp_path):
+    cfg = C.Config(tracking="tensorboard")
+    with C.Tracker(cfg, tmp_path) as tracker:
+        tracker.log(0, {"reward/mean": 0.125, "sigma": 1e-3})
+        tracker.log(1, {"reward/mean": 0.5, "sigma": 9e-4})
+    with C.Tracker(cfg, tmp_path) as tracker:  # the run resumed
+        tracker.log(2, {"reward/mean": 0.75, "sigma": 8e-4})
+    scalars = tensorboard_scalars(tmp_path / C.TENSORBOARD_DIR)
+    assert scalars["reward/mean"] == [(0, 0.125), (1, 0.5), (2, 0.75)]
+    assert [(s, pytest.approx(v)) for s, v in scalars["sigma"]] == [(0, 1e-3), (1, 9e-4), (2, 8e-4)]
+
+
+def test_no_tracking_writes_nothing_and_an_unknown_tracker_is_refused(tmp_path):
+    with C.Tracker(C.Config(), tmp_path) as tracker:
+        tracker.log(0, {"reward/mean": 1.0})
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(C.ConfigError, match="tracking must be one of none, tensorboard, got 'wandb'"):
+        C.parse_config(["--tracking=wandb"])

@@ -52,7 +52,8 @@ def trained(tmp_path_factory):
     run_dir, base, data = tmp / "run", tmp / "my-base", tmp / "train.jsonl"
     shutil.copytree(C.resolve_model("tiny-qwen3-dense"), base)
     C.write_jsonl(C.smoke_problems(C.SMOKE_PROBLEMS, seed=C.Config.run_seed), data)
-    proc = run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", f"--model={base}", f"--train_data={data}")
+    proc = run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", f"--model={base}", f"--train_data={data}",
+               "--tracking=tensorboard")
     (tmp / "console.txt").write_text(proc.stdout + proc.stderr)
     data.rename(tmp / "moved-away.jsonl")
     return run_dir
@@ -81,6 +82,17 @@ def test_the_console_shows_the_run_and_vllm_logs_into_the_run_dir(trained):
     for process in ("MainProcess", "EngineCore", "VllmWorker-0", "VllmWorker-1"):
         assert f"{process} pid=" in log
     assert "Resolved architecture: Qwen3ForCausalLM" in log and " WARNING " in log
+
+
+def test_tracking_shows_each_generation_of_the_history(trained):
+    from test_metrics_and_files import tensorboard_scalars
+
+    scalars = tensorboard_scalars(trained / C.TENSORBOARD_DIR)
+    for g in C.read_json(trained / C.HISTORY_FILE)["generations"]:
+        expected = C.generation_scalars(g)
+        assert set(scalars) == set(expected)
+        for name, value in expected.items():
+            assert scalars[name][g["generation"]] == (g["generation"], pytest.approx(value, rel=1e-6))
 
 
 def test_training_history_is_complete_and_moves_the_weights(trained):
