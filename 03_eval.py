@@ -51,9 +51,9 @@ def main(argv: list[str]) -> dict:
                                 out / f"{name}_eval16.json")
             C.write_transcripts_markdown(records, out / f"{name}_failed.md")
             metrics["datasets"][name] = C.dataset_metrics(records)
-    C.write_json_atomic(metrics, out / "metrics.json")
+    C.write_json_atomic(metrics, out / C.EVAL_METRICS)  # last: the evaluation is complete
     print(C.format_metrics_table(metrics["datasets"]))
-    print(f"[eval] wrote {out}/{{{','.join(DATASETS)}}}_eval16.json and metrics.json")
+    print(f"[eval] wrote {out}/{{{','.join(DATASETS)}}}_eval16.json and {C.EVAL_METRICS}")
     return metrics
 
 

@@ -19,7 +19,6 @@ HISTORY = ""  # default: <run_dir>/es_history.json
 EXPORT = ""  # optionally an export folder whose manifest must match the rebuilt digests too
 EVAL = ""  # default: <run_dir>/eval, holding <name>_eval16.json of 03_eval.py (read only)
 OUT = ""  # default: <EVAL>/aligned_history_replay_eval4.json
-DATASETS = ("dapo", "aime2026")
 GROUP = list(C.REPORTED_SAMPLES)  # the reported group, sample indices 12-15
 
 
@@ -34,9 +33,9 @@ def main(argv: list[str]) -> dict:
     export = opts["export"]
 
     history = C.read_json(history_path)
-    originals = {name: C.read_json(eval_dir / f"{name}_eval16.json") for name in DATASETS}
+    originals = {name: C.read_json(eval_dir / f"{name}_eval16.json") for name in evaluated_sets(eval_dir)}
     cfg = replay_config(history, originals, overrides)
-    checkpoint = originals[DATASETS[0]]["checkpoint"]  # what was evaluated: the base, or an export of K generations
+    checkpoint = next(iter(originals.values()))["checkpoint"]  # what was evaluated: the base, or an export of K generations
     generations = history["generations"][: checkpoint.get("replayed_generations", 0)]
     expected = {"the evaluated checkpoint": checkpoint["per_rank_digests"]}
     if export:
@@ -53,22 +52,30 @@ def main(argv: list[str]) -> dict:
             if digests != wanted:
                 raise C.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
         replayed = {name: engine.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
-    transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in DATASETS}
+    transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in originals}
 
     report = {
         "group": C.group_label(GROUP), "history": str(history_path), "history_sha256": C.sha256_file(history_path),
         "replayed_generations": len(generations), "per_rank_digests": digests, "export": export or None,
-        "datasets": {name: compare(originals[name], replayed[name], transcripts[name]) for name in DATASETS},
+        "datasets": {name: compare(originals[name], replayed[name], transcripts[name]) for name in originals},
     }
     C.write_json_atomic(report, out)
     print_report(report, out)
     return report
 
 
+def evaluated_sets(eval_dir: Path) -> list[str]:
+    """The sets 03_eval.py evaluated, named in its metrics file (written last: only a finished evaluation)."""
+    metrics = eval_dir / C.EVAL_METRICS
+    if not metrics.exists():
+        raise C.ConfigError(f"{metrics} not found: 04_replay.py replays a finished 03_eval.py (--eval=FOLDER)")
+    return list(C.read_json(metrics)["datasets"])
+
+
 def replay_config(history: dict, originals: dict, overrides: list[str]) -> C.Config:
     """What defines the weights (base model, TP size, dtype, noise) from the history; the sampling and agent
     settings from the original evaluation, so that the same requests meet the same weights."""
-    first = originals[DATASETS[0]]
+    first = next(iter(originals.values()))
     if any((o["config"], o["checkpoint"]) != (first["config"], first["checkpoint"]) for o in originals.values()):
         raise C.ConfigError("the eval16 files come from different checkpoints or settings; they cannot be replayed "
                             "together")

@@ -3357,6 +3357,7 @@ EVAL_SAMPLES = 16     # samples per problem in eval16
 GROUP_SIZE = 4        # samples per Mean4/Pass4 group
 REPORTED_SAMPLES = (12, 13, 14, 15)  # the reported Mean4/Pass4 group (SPEC section 2)
 REPORTED_GROUP = f"{REPORTED_SAMPLES[0]}-{REPORTED_SAMPLES[-1]}"
+EVAL_METRICS = "metrics.json"  # 03_eval.py's last file: the metrics of every set it evaluated, by set name
 
 
 def group_label(indices):

@@ -329,6 +329,20 @@ def test_aligned_replay_rebuilds_theta_and_reruns_group_12_15(evaluated, exporte
     assert {n: sha(evaluated / f"{n}_eval16.json") for n in eval16} == eval16  # originals untouched
 
 
+def test_replay_replays_the_sets_its_evaluation_names_and_refuses_an_unfinished_one(evaluated, trained, tmp_path):
+    partial = tmp_path / "eval"  # an evaluation of one set only
+    partial.mkdir()
+    for name in ("aime2026_eval16.json", "aime2026_episodes.jsonl"):
+        shutil.copy(evaluated / name, partial / name)
+    proc = run("04_replay.py", f"--run_dir={trained}", f"--eval={partial}", ok=False)
+    assert f"{partial / C.EVAL_METRICS} not found" in proc.stderr  # the evaluation did not finish
+    metrics = C.read_json(evaluated / C.EVAL_METRICS)
+    C.write_json_atomic(dict(metrics, datasets={"aime2026": metrics["datasets"]["aime2026"]}), partial / C.EVAL_METRICS)
+    run("04_replay.py", f"--run_dir={trained}", f"--eval={partial}")
+    report = C.read_json(partial / "aligned_history_replay_eval4.json")
+    assert list(report["datasets"]) == ["aime2026"] and report["datasets"]["aime2026"]["identical_transcripts"] == 1.0
+
+
 def start_training(run_dir, name, pause_after_members):
     """01_train.py (with the test reward) in the background, its output in <run_dir>/<name>.log, held after its
     n-th member step until the returned gate file is removed (tests/train_with_test_reward.py)."""
