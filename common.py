@@ -74,7 +74,7 @@ class Config:
     gpu_memory_utilization: float = 0.6  # leaves room for the exact-restore copy of the weights on the GPU
     cuda_graphs: bool = True  # CUDA graphs without inductor (GPU.md); CPU always runs eager
     cudagraph_mode: str = "FULL_AND_PIECEWISE"  # decode steps as full graphs, steps with a prefill as piecewise
-                                                # ones; "FULL_DECODE_ONLY" runs the latter eagerly (README, issue 13)
+                                                # ones; "FULL_DECODE_ONLY" runs the latter eagerly (README)
     max_num_batched_tokens: int = 256  # GPU: tokens per engine step, and CUDA graphs are captured up to it. 0: vLLM's
                                        # defaults (2048-token steps, graphs only up to 256 tokens: longer steps eager)
     custom_all_reduce: bool = False  # GPU: vLLM's own all-reduce over NVLink peer memory instead of NCCL's (README)
@@ -439,8 +439,8 @@ def tensor_digest(name: str, t: torch.Tensor, staging: "DigestStaging | None" = 
 
 class DigestStaging:
     """Two pinned host buffers and a copy stream: while chunk k is hashed on the CPU, chunk k+1 is copied off the
-    GPU. Pageable copies of whole tensors spent most of the old 58 s (22.8 s in 8 threads) faulting in fresh host
-    pages; these buffers are pinned once and reused every generation."""
+    GPU. Pageable copies of whole tensors would fault in fresh host pages on every call; these buffers are pinned
+    once and reused every generation."""
 
     def __init__(self, device, chunk_bytes: int = 0):
         self.device = torch.device(device)
@@ -589,7 +589,7 @@ class ESWorker:
 
     def es_device(self) -> dict:
         """The device model this rank draws its noise on: CUDA's normal streams depend on the GPU model; on the CPU
-        they depend on torch's kernel set (the AVX2 kernels' normals differ from the scalar ones, measured)."""
+        they depend on torch's kernel set (the AVX2 kernels' normals differ from the scalar ones)."""
         device = self._es_state()["params"][0][1].device
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
@@ -782,9 +782,8 @@ def _end_engine_core_with_its_parent() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def kill_if_orphaned_too_long():
-        # vLLM's shutdown after that SIGTERM can hang on a client that is gone (seen once in CI: EngineCore waiting
-        # on a lock for minutes); once the parent is gone, its whole teardown gets ENGINE_SHUTDOWN_S, then SIGKILL
-        # (the TP workers end with EngineCore)
+        # vLLM's shutdown after that SIGTERM can hang on a client that is gone (EngineCore waiting on a lock); once
+        # the parent is gone, its whole teardown gets ENGINE_SHUTDOWN_S, then SIGKILL (the TP workers end with it)
         while os.getppid() == parent:
             time.sleep(1.0)
         time.sleep(ENGINE_SHUTDOWN_S)
@@ -1217,16 +1216,6 @@ def cuda_engine_args(cfg: Config) -> dict:
     if cfg.max_num_batched_tokens:  # graphs up to the step size, so that no step runs eagerly for being too long
         compilation["max_cudagraph_capture_size"] = cfg.max_num_batched_tokens
     return {**args, "enforce_eager": False, "compilation_config": compilation}
-
-
-def format_parameter_table(rows: list[dict]) -> str:
-    """Per-rank parameter table of `Engine.describe()`, with replicated/sharded totals."""
-    lines = [f"{'parameter':<58} {'shape per rank':<18} {'layout':<10}"]
-    lines += [f"{r['name']:<58} {'x'.join(map(str, r['shape'])):<18} {r['layout']:<10}" for r in rows]
-    for layout in ("sharded", "replicated"):
-        picked = [r for r in rows if r["layout"] == layout]
-        lines.append(f"{layout}: {len(picked)} tensors, {sum(r['numel_per_rank'] for r in picked):,} elements per rank")
-    return "\n".join(lines)
 
 
 # ============================================================================================================
@@ -2165,8 +2154,10 @@ SCORER_PROCESSES = 4              # at most this many workers (and scoring calls
 SCORER_START_TIMEOUT_S = 300.0    # a worker's start-up (imports of sympy and math_verify); not part of the limit
 SCORER_MEMORY_BYTES = 4 * 1024**3  # RLIMIT_AS of a worker: a runaway sympy allocation ends in MemoryError
 
-# A worker imports common with placeholders for torch and vllm, which scoring never uses: any attribute, call or
-# submodule of a placeholder is another placeholder (so common's module-level `device_type() == "cpu"` is False).
+# A worker imports common with placeholders for torch and vllm: any attribute, call or submodule of one is another
+# placeholder (so the module-level `device_type() == "cpu"` is False). Why not lazy imports instead: torch is used
+# by nearly every section of this one shared module, and a worker that loaded it (seconds, ~1 GB with vLLM's
+# kernels) would make the restart of a killed scorer slow; scoring itself needs only math_verify.
 _SCORER_WORKER_SCRIPT = """\
 import importlib.abc, importlib.machinery, sys, types
 class Placeholder(types.ModuleType):

@@ -108,7 +108,6 @@ def test_describe_dense_layout(engine):
     assert layouts["model.layers.0.self_attn.qkv_proj.weight"] == "sharded"
     assert all(r["numel_per_rank"] > 0 for r in rows)  # CPU linear weights are kept, not prepacked away
     check_every_floating_parameter_is_perturbed(engine)
-    print("\n" + C.format_parameter_table(rows))
 
 
 def test_noise_is_deterministic_and_rank_salted(engine):
@@ -285,7 +284,6 @@ class TestMoE:
         moe.restore()
         assert moe.digests() == base
         layouts = {r["name"]: r["layout"] for r in rows}
-        print("\n" + C.format_parameter_table(rows))
         assert layouts["model.layers.0.mlp.gate.weight"] == "replicated"
         assert layouts["model.layers.0.self_attn.k_norm.weight"] == "replicated"
         experts = [n for n in layouts if "experts" in n]
