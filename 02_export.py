@@ -1,9 +1,9 @@
-"""Stage 2: rebuild the trained weights from the base model and the history, and save them as vLLM's exact
-TP=2 runtime state (SPEC section 7).
+"""Stage 2: rebuild the trained weights from the base model and the history, and save them (SPEC section 7).
 
-The noise is rank-salted, so the trained weights exist only as per-rank shards: they are saved with
-save_sharded_state and load only with load_format="sharded_state" and tensor_parallel_size=2. Every replayed
-generation's per-rank digests are checked against the history; the first mismatch stops the export.
+With the reference's rank-salted noise the trained weights exist only as per-rank shards: they are saved with
+save_sharded_state and load only with load_format="sharded_state" at the run's TP size. With noise=checkpoint they
+are the same at every TP size and are saved as a Hugging Face safetensors folder (transformers, vLLM at any TP).
+Every replayed generation's digests are checked against the history; the first mismatch stops the export.
 
     python 02_export.py --history=runs/es/es_history.json --out=runs/es/export
     python 02_export.py --replay_generations=10 ...    # export theta after the first 10 generations
@@ -28,8 +28,8 @@ def main(argv: list[str]) -> Path:
     C.exit_if_help(argv, __doc__, __file__, options)
     opts, overrides = C.parse_args(argv, options)
     if opts["verify"]:
-        manifest = C.verify_export(opts["verify"])
-        print(f"[export] {opts['verify']}: {len(manifest['shards'])} shards and every file match the manifest")
+        manifest = C.verify_any_export(opts["verify"])
+        print(f"[export] {opts['verify']}: every file matches its SHA256SUMS and manifest")
         return Path(opts["verify"])
 
     run_dir = Path(C.parse_config(overrides).run_dir)
@@ -50,16 +50,27 @@ def main(argv: list[str]) -> Path:
             identity, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations,
                                                        compare_config=False,
                                                        desc=f"replaying {len(generations)} generations")
-            engine.save_sharded_state(partial)
+            if cfg.noise == "checkpoint":  # the same weights at every TP size: a Hugging Face folder
+                files, sums = engine.save_checkpoint(partial)
+            else:  # rank-salted: the weights exist only as this TP size's shards
+                engine.save_sharded_state(partial)
         C.copy_model_files(model_path, partial)
-        write_manifest(partial, history, history_path, generations, digests, identity)
+        if cfg.noise == "checkpoint":
+            C.set_config_dtype(partial, cfg.dtype)
+            write_hf_manifest(partial, history, history_path, generations, digests, sums, identity)
+        else:
+            write_manifest(partial, history, history_path, generations, digests, identity)
         partial.rename(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    print(f"[export] {out}: theta after {len(generations)} generations, per-rank digests {digests}")
-    print(f"[export] load with LLM(model={str(out)!r}, load_format='sharded_state', "
-          f"tensor_parallel_size={cfg.tensor_parallel_size}, dtype={cfg.dtype!r})")
+    print(f"[export] {out}: theta after {len(generations)} generations, digests {digests}")
+    if cfg.noise == "checkpoint":
+        print(f"[export] a Hugging Face folder: AutoModelForCausalLM.from_pretrained({str(out)!r}), or "
+              f"LLM(model={str(out)!r}, tensor_parallel_size=any, dtype={cfg.dtype!r})")
+    else:
+        print(f"[export] load with LLM(model={str(out)!r}, load_format='sharded_state', "
+              f"tensor_parallel_size={cfg.tensor_parallel_size}, dtype={cfg.dtype!r})")
     return out
 
 
@@ -96,6 +107,31 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
         "config": history["config"],
     }
     C.write_json_atomic(manifest, folder / C.EXPORT_MANIFEST)
+    C.write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != C.SHA256SUMS])
+
+
+def write_hf_manifest(folder: Path, history: dict, history_path: str, generations: list, digests: list,
+                      sums: dict, identity: dict) -> None:
+    manifest = {
+        "format": "es-hf-export/1",
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "source_history": str(history_path),
+        "source_history_sha256": C.sha256_file(history_path),
+        "replayed_generations": len(generations),
+        "history_generations": len(history["generations"]),
+        "noise": "checkpoint",
+        "dtype": identity["config"]["dtype"],
+        "digest": digests[0],  # the history's digest of this state, at any TP size
+        "tensor_digest_sums": {name: f"{value:016x}" for name, value in sorted(sums.items())},
+        "exported_at_tensor_parallel_size": identity["tensor_parallel_size"],
+        "base_model": identity["base_model"],
+        "base_fingerprint": identity["base_fingerprint"],
+        "device_type": identity["device_type"],
+        "vllm_version": identity["vllm_version"],
+        "torch_version": identity["torch_version"],
+        "config": history["config"],
+    }
+    C.write_json_atomic(manifest, folder / C.HF_EXPORT_MANIFEST)
     C.write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != C.SHA256SUMS])
 
 

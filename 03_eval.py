@@ -35,7 +35,7 @@ def main(argv: list[str]) -> dict:
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
     C.check_sandbox(cfg, data=list(data.values()), checkpoint=export)  # (unless allowed)
-    manifest = C.verify_export(export, cfg.tensor_parallel_size) if export else None  # before anything is written
+    manifest = C.verify_any_export(export, cfg.tensor_parallel_size) if export else None  # before any writing
     if not export:
         C.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
@@ -74,6 +74,16 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
     if not export:
         with C.EnginePool(cfg, C.resolve_model(cfg.model)) as engine:
             yield engine, {"kind": "base", "model": cfg.model, "per_rank_digests": engine.digests()}
+        return
+    if manifest.get("noise") == "checkpoint":  # a Hugging Face folder: any TP size, digests in checkpoint terms
+        with C.EnginePool(C.dataclasses.replace(cfg, noise="checkpoint"), export) as engine:
+            loaded = engine.digests()
+            if loaded != [manifest["digest"]]:
+                raise C.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
+                                    f"{manifest['digest']}")
+            yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
+                           "manifest_sha256": C.sha256_file(Path(export) / C.HF_EXPORT_MANIFEST),
+                           "per_rank_digests": loaded}
         return
     with C.EnginePool(cfg, export, load_format="sharded_state", tokenizer=export) as engine:
         loaded = C.check_loaded_export(engine, manifest, export)  # the bits vLLM holds are the exported ones

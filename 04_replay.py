@@ -39,7 +39,8 @@ def main(argv: list[str]) -> dict:
     generations = history["generations"][: checkpoint.get("replayed_generations", 0)]
     expected = {"the evaluated checkpoint": checkpoint["per_rank_digests"]}
     if export:
-        expected[export] = C.verify_export(export, cfg.tensor_parallel_size)["per_rank_digests"]
+        manifest = C.verify_any_export(export, cfg.tensor_parallel_size)
+        expected[export] = [manifest["digest"]] if "digest" in manifest else manifest["per_rank_digests"]
     jobs = {name: aligned_jobs(original, cfg.run_seed) for name, original in originals.items()}
 
     model_path = C.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before the engine starts

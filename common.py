@@ -92,6 +92,8 @@ class Config:
     noise_chunk: int = 8_388_608  # elements per float32 noise draw: part of the noise definition
     restore: str = "copy_device"  # copy_device | copy_host (pinned) | subtract (low memory, NOT bit-exact in bf16)
     rounding: str = "nearest"  # bf16 rounding of every weight change: "nearest" (the reference) or "stochastic"
+    noise: str = "rank_salted"  # "rank_salted" (the reference: per-rank noise, the model exists at this TP size
+                                # only) or "checkpoint" (per checkpoint element: any TP size, a Hugging Face export)
                                # (unbiased: steps below half an ulp still move theta in expectation; section 2)
     # the math agent (SPEC section 4)
     max_turns: int = 50  # assistant turns per episode
@@ -132,6 +134,7 @@ class Config:
             "max_new_tokens": (self.max_new_tokens >= 1, "at least 1"),
             "restore": (self.restore in RESTORE_MODES, f"one of {', '.join(RESTORE_MODES)}"),
             "rounding": (self.rounding in ROUNDING_MODES, f"one of {', '.join(ROUNDING_MODES)}"),
+            "noise": (self.noise in NOISE_MODES, f"one of {', '.join(NOISE_MODES)}"),
             "prompt_mode": (self.prompt_mode in PROMPT_MODES, f"one of {', '.join(PROMPT_MODES)}"),
             "tracking": (self.tracking in TRACKING_MODES, f"one of {', '.join(TRACKING_MODES)}"),
             "scope": (self.scope == "full", '"full" (the only scope this reference implements)'),
@@ -139,6 +142,9 @@ class Config:
         for name, (ok, expected) in checks.items():
             if not ok:
                 raise ConfigError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+        if self.noise == "checkpoint" and self.restore == "subtract":
+            raise ConfigError("restore=subtract is for the rank-salted noise; use copy_device or copy_host with "
+                              "noise=checkpoint")
         if self.rounding == "stochastic" and self.restore == "subtract":
             raise ConfigError("restore=subtract cannot undo a stochastically rounded perturbation; use copy_device "
                               "or copy_host with rounding=stochastic")
@@ -259,7 +265,7 @@ def exit_if_help(argv: list[str], doc: str, script: str | None = None, options: 
 # What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
 # the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
 # command line, a preset or an evaluation's settings.
-WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "scope", "rounding")
+WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "scope", "rounding", "noise")
 
 
 def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
@@ -269,17 +275,19 @@ def config_from_history(history: dict, argv: list[str], settings: dict | None = 
     as run_dir), never a recorded value; an explicit `--key=value` that differs from a recorded one is refused."""
     recorded_settings = {k: v for k, v in (settings or history["config"]).items()
                          if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
-    values = {**recorded_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS if f in history["config"]}}
+    free_fields = resume_free_fields(history["config"])
+    values = {**recorded_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS
+                                      if f in history["config"] and f not in free_fields}}
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
     if unknown:
         raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
     recorded = Config(**values)
     preset, explicit = parse_overrides(argv)
     refused = [f"--{k}={v!r} (recorded: {getattr(recorded, k)!r}{', from the history' if k in WEIGHT_FIELDS else ''})"
-               for k, v in explicit.items() if k not in RESUME_FREE_FIELDS and v != getattr(recorded, k)]
+               for k, v in explicit.items() if k not in free_fields and v != getattr(recorded, k)]
     if refused:
         raise ConfigError("these settings were recorded by the run and cannot be overridden: " + ", ".join(refused))
-    free = {k: v for k, v in {**preset, **explicit}.items() if k in RESUME_FREE_FIELDS}
+    free = {k: v for k, v in {**preset, **explicit}.items() if k in free_fields}
     return dataclasses.replace(recorded, **free)
 
 
@@ -393,8 +401,12 @@ def round_stochastic_(out: torch.Tensor, acc: torch.Tensor, generator: torch.Gen
     """out (bf16) <- acc (float32) rounded up in magnitude with probability (distance to the lower bf16 value) /
     ulp, else down: E[out] = acc. bf16 is the top half of float32's bits, so adding a uniform 16-bit integer to the
     bits and clearing the low half does it (sign-magnitude: the same for negative values)."""
-    noise = torch.randint(0, 1 << 16, acc.shape, generator=generator, dtype=torch.int32, device=acc.device)
-    out.copy_(((acc.view(torch.int32) + noise) & -65536).view(torch.float32))  # exact: the low bits are 0
+    round_with_bits_(out, acc, torch.randint(0, 1 << 16, acc.shape, generator=generator, dtype=torch.int32,
+                                             device=acc.device))
+
+
+def round_with_bits_(out: torch.Tensor, acc: torch.Tensor, bits: torch.Tensor) -> None:
+    out.copy_(((acc.view(torch.int32) + bits) & -65536).view(torch.float32))  # exact: the low bits are 0
 
 
 STOCHASTIC_ROUNDING = ("the float32 value's bits + uniform 16-bit integers (torch.randint on the parameter's "
@@ -417,10 +429,161 @@ def rounding_seed(kind: str, seeds: list[int], rank: int, name: str) -> int:
 def noise_definition(cfg: "Config") -> dict:
     """What a history records of the noise. Round-to-nearest histories carry no rounding key (older ones did not
     either), so they still compare equal; a stochastic one records its source."""
-    definition = dict(NOISE_DEFINITION, chunk=cfg.noise_chunk)
+    if cfg.noise == "checkpoint":
+        definition = dict(CHECKPOINT_NOISE)
+    else:
+        definition = dict(NOISE_DEFINITION, chunk=cfg.noise_chunk)
     if cfg.rounding != "nearest":
-        definition["rounding"] = f"{cfg.rounding}: {STOCHASTIC_ROUNDING}"
+        source = CHECKPOINT_ROUNDING if cfg.noise == "checkpoint" else STOCHASTIC_ROUNDING
+        definition["rounding"] = f"{cfg.rounding}: {source}"
     return definition
+
+
+# ---- Checkpoint noise (noise="checkpoint"): every element's noise from (member seed, checkpoint tensor name,
+# the element's index in that tensor), so every TP size and engine layout holds the same weights. Built from
+# integer and IEEE basic operations only (+ - * / sqrt, each its own kernel): no transcendental or fused kernel,
+# whose vector and scalar paths round differently, so an element's value never depends on where it sits in a buffer.
+
+NOISE_MODES = ("rank_salted", "checkpoint")
+CHECKPOINT_NOISE = {
+    "distribution": "float32(r cos(2 pi u2)), r = sqrt(-2 ln u1): Box-Muller in float64 with ln and cos as fixed "
+                    "polynomials (ln: 2 atanh series in s=(m-1)/(m+1), 12 terms, m in [sqrt(1/2), sqrt(2)); cos, "
+                    "sin: Taylor to x^22 on quarter turns)",
+    "uniforms": "x = splitmix64_mix(key + index * golden); u1 = (x >> 32 + 1) / 2^32, u2 = (x & 0xffffffff) / 2^32",
+    "key": "splitmix64(member seed ^ name_hash(checkpoint tensor name))",
+    "index": "the element's row-major index in the checkpoint tensor",
+    "member_seeds": NOISE_DEFINITION["member_seeds"],
+}
+CHECKPOINT_ROUNDING = ("the float32 value's bits + (splitmix64_mix(key + index * golden) >> 40) & 0xffff, low 16 "
+                       "bits cleared; key splitmix64(rounding seed of rank 0 ^ name_hash(checkpoint tensor name))")
+GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 torch stores."""
+    x &= MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def checkpoint_noise_key(member_seed: int, name: str) -> int:
+    return _signed(_splitmix64((member_seed & MASK64) ^ name_hash64(name)))
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (wrapping products; logical shifts by masking)."""
+    def shr(v, k):
+        return (v >> k) & ((1 << (64 - k)) - 1)
+    x = x ^ shr(x, 30)
+    x = x * _signed(0xBF58476D1CE4E5B9)
+    x = x ^ shr(x, 27)
+    x = x * _signed(0x94D049BB133111EB)
+    return x ^ shr(x, 31)
+
+
+def _ln(u: torch.Tensor) -> torch.Tensor:
+    """ln of positive float64 values from exponent bits and a fixed odd series: the same bits on every device."""
+    bits = u.view(torch.int64)
+    exponent = (bits >> 52) - 1023
+    m = ((bits & ((1 << 52) - 1)) | (1023 << 52)).view(torch.float64)  # in [1, 2)
+    big = m > 1.4142135623730951
+    m = torch.where(big, m * 0.5, m)
+    exponent = exponent + big.to(torch.int64)
+    s = (m - 1.0) / (m + 1.0)
+    s2 = s * s
+    series = torch.full_like(s, 1.0 / 23.0)
+    for k in range(10, -1, -1):
+        series = series * s2 + 1.0 / (2 * k + 1)
+    return exponent.to(torch.float64) * 0.6931471805599453 + (s * series) * 2.0
+
+
+def _cos_turns(u: torch.Tensor) -> torch.Tensor:
+    """cos(2 pi u) for u in [0, 1): the quarter turn picks cos or sin of the angle within it (Taylor series)."""
+    t = u * 4.0
+    quarter = torch.floor(t)
+    x = (t - quarter) * 1.5707963267948966
+    x2 = x * x
+    cos, sin = torch.ones_like(x), torch.ones_like(x)
+    for k in range(11, 0, -1):  # 1 - x^2/2! + ... and x (1 - x^2/3! + ...), Horner in x^2
+        cos = 1.0 - cos * x2 / float((2 * k - 1) * (2 * k))
+        sin = 1.0 - sin * x2 / float((2 * k) * (2 * k + 1))
+    sin = sin * x
+    return torch.where(quarter == 0, cos, torch.where(quarter == 1, -sin, torch.where(quarter == 2, -cos, sin)))
+
+
+def checkpoint_noise(keys: torch.Tensor | int, index: torch.Tensor) -> torch.Tensor:
+    """float32 standard normals, one per element of `index` (int64 indices into checkpoint tensors), each a
+    function of its key (per tensor and member: checkpoint_noise_key) and index alone."""
+    x = _mix64(index * _signed(GOLDEN64) + keys)
+    high = (x >> 32) & 0xFFFFFFFF
+    u1 = (high + 1).to(torch.float64) * 2.0**-32  # (0, 1]
+    u2 = (x & 0xFFFFFFFF).to(torch.float64) * 2.0**-32  # [0, 1)
+    r = torch.sqrt(_ln(u1) * -2.0)
+    return (r * _cos_turns(u2)).to(torch.float32)
+
+
+def rounding_bits(keys: torch.Tensor | int, index: torch.Tensor) -> torch.Tensor:
+    """16 uniform bits per element for stochastic rounding in checkpoint noise (keys salted apart from noise)."""
+    return (_mix64(index * _signed(GOLDEN64) + keys) >> 40) & 0xFFFF
+
+
+def checkpoint_positions(segments: torch.Tensor, start: int, end: int):
+    """For runtime elements [start, end) of a parameter: their segment, checkpoint tensor id (-1: padding) and
+    index in that tensor."""
+    pos = torch.arange(start, end, dtype=torch.int64, device=segments.device)
+    seg = torch.searchsorted(segments[:, 0].contiguous(), pos, right=True) - 1
+    return seg, segments[seg, 2], pos - segments[seg, 0] + segments[seg, 3]
+
+
+def add_checkpoint_noise_(flat: torch.Tensor, segments: torch.Tensor, keys: list[torch.Tensor],
+                          coeffs: list[float], chunk: int, rounding_keys: torch.Tensor | None = None) -> None:
+    """flat <- round(float32(flat) + sum_i eps_i * coeffs_i), eps_i of each element checkpoint_noise(keys_i[its
+    tensor id], its checkpoint index); padding (no checkpoint element) keeps its value. The same function on a
+    whole checkpoint tensor (one segment) is the export's replay: the same operations, so the same bits."""
+    for start in range(0, flat.numel(), chunk):
+        end = min(start + chunk, flat.numel())
+        _, tid, index = checkpoint_positions(segments, start, end)
+        padding, tid = tid < 0, tid.clamp(min=0)
+        acc = flat[start:end].float()
+        for key, c in zip(keys, coeffs):
+            eps = checkpoint_noise(key[tid], index).masked_fill_(padding, 0.0)
+            acc = acc + eps * c  # two kernels, never a fused multiply-add (its rounding differs by path)
+        if rounding_keys is None or flat.dtype != torch.bfloat16:
+            flat[start:end].copy_(acc)
+        else:
+            bits = rounding_bits(rounding_keys[tid], index).to(torch.int32).masked_fill_(padding, 0)
+            round_with_bits_(flat[start:end], acc, bits)
+
+
+def checkpoint_keys(seed: int, names: list[str], device) -> torch.Tensor:
+    return torch.tensor([checkpoint_noise_key(seed, n) for n in names], dtype=torch.int64, device=device)
+
+
+def element_bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit pattern of each element as a non-negative int64."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.reshape(-1).view(width).to(torch.int64) & ((1 << (8 * t.element_size())) - 1 if t.element_size() < 8 else -1)
+
+
+def element_hashes(name_keys: torch.Tensor, index: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """A 64-bit hash of (tensor name, index, value bits) per element; a checkpoint tensor's digest sums them mod
+    2^64, so any partition of its elements over ranks adds up to the same digest."""
+    return _mix64(_mix64(index * _signed(GOLDEN64) + name_keys) ^ bits)
+
+
+def tensor_digest_sum(name: str, t: torch.Tensor, chunk: int = 1 << 22) -> int:
+    """The checkpoint digest sum of a whole tensor (as the ranks compute it over their elements)."""
+    flat, total = t.reshape(-1), 0
+    key = _signed(name_hash64(name))
+    for start in range(0, flat.numel(), chunk):
+        index = torch.arange(start, min(start + chunk, flat.numel()), dtype=torch.int64, device=flat.device)
+        total += int(element_hashes(key, index, element_bits(flat[index])).sum())
+    return total & MASK64
+
+
+def combine_checkpoint_digest(sums: dict[str, int], shapes: dict[str, list[int]], dtype: str) -> str:
+    """One digest of a whole model state in checkpoint terms: sha256 over each tensor's name, shape, dtype and sum."""
+    lines = "".join(f"{n}|{shapes[n]}|{dtype}|{sums[n]:016x}\n" for n in sorted(sums))
+    return "ckpt:" + hashlib.sha256(lines.encode()).hexdigest()
 
 
 def tensor_digest(name: str, t: torch.Tensor, staging: "DigestStaging | None" = None) -> str:
@@ -604,16 +767,20 @@ class ESWorker:
         digests = tensor_digests(es["params"], threads=DIGEST_THREADS_PER_RANK, staging=es.get("staging"))
         return {"rank": es["rank"], "digest": combine_digests(digests), "params": len(digests)}
 
-    def es_perturb(self, seed: int, sigma: float, chunk: int, restore: str, rounding: str = "nearest") -> float:
+    def es_perturb(self, seed: int, sigma: float, chunk: int, restore: str, rounding: str = "nearest",
+                   noise: str = "rank_salted") -> float:
         """theta_r <- theta_r + sigma * eps(seed, r, name) for every parameter. Returns seconds."""
         es, t0 = self._es_state(), time.perf_counter()
         if es["noise"] is not None:
             raise RuntimeError("es_perturb called twice without es_restore")
         if restore != "subtract" and es["copy"] is None:
             self._es_snapshot(restore)
-        for name, t in es["params"]:
-            rounded = rounding_seed("perturb", [seed], es["rank"], name) if rounding == "stochastic" else None
-            add_noise_(t.view(-1), [noise_seed(seed, es["rank"], name)], [sigma], chunk, rounded)
+        if noise == "checkpoint":
+            self._es_add_checkpoint_noise("perturb", [seed], [sigma], chunk, rounding)
+        else:
+            for name, t in es["params"]:
+                rounded = rounding_seed("perturb", [seed], es["rank"], name) if rounding == "stochastic" else None
+                add_noise_(t.view(-1), [noise_seed(seed, es["rank"], name)], [sigma], chunk, rounded)
         es["noise"] = (seed, sigma, chunk, restore)
         self._es_sync()
         return time.perf_counter() - t0
@@ -634,14 +801,17 @@ class ESWorker:
         self._es_sync()
         return time.perf_counter() - t0
 
-    def es_update(self, seeds: list[int], coeffs: list[float], chunk: int, rounding: str = "nearest") -> float:
+    def es_update(self, seeds: list[int], coeffs: list[float], chunk: int, rounding: str = "nearest",
+                  noise: str = "rank_salted") -> float:
         """theta_r <- theta_r + sum_i coeffs_i * eps(seeds_i, r, name), float32 accumulation, rounded once."""
         es, t0 = self._es_state(), time.perf_counter()
         if es["noise"] is not None:
             raise RuntimeError("es_update called on a perturbed model; restore first")
         active = [(s, c) for s, c in zip(seeds, coeffs) if c != 0.0]
         if active:
-            for name, t in es["params"]:
+            if noise == "checkpoint":
+                self._es_add_checkpoint_noise("update", seeds, coeffs, chunk, rounding)
+            for name, t in es["params"] if noise != "checkpoint" else ():
                 rounded = rounding_seed("update", seeds, es["rank"], name) if rounding == "stochastic" else None
                 add_noise_(t.view(-1), [noise_seed(s, es["rank"], name) for s, _ in active],
                            [c for _, c in active], chunk, rounded)
@@ -650,6 +820,84 @@ class ESWorker:
                     saved.copy_(t)
         self._es_sync()
         return time.perf_counter() - t0
+
+    # ---- noise="checkpoint": the same noise, digests and exported tensors at every TP size (section 3b)
+    def _es_layout(self) -> dict:
+        """This rank's checkpoint layout, and which of its segments it owns: a segment that a lower rank holds too
+        (replicated norms, router, KV heads) counts in that rank's digest only."""
+        es = self._es_state()
+        if "layout" not in es:
+            from vllm.distributed import get_tp_group
+
+            layout = derive_layout(self.model_runner.model, es["params"], self.model_runner.model_config.model)
+            held = {(t, o, n) for segs in layout["segments"].values() for _, n, t, o in segs.tolist() if t >= 0}
+            every_rank = [None] * get_tp_group().world_size
+            torch.distributed.all_gather_object(every_rank, held, group=get_tp_group().cpu_group)
+            earlier = set().union(*every_rank[:es["rank"]])
+            device = es["params"][0][1].device
+            layout["owned"] = {name: torch.tensor([t >= 0 and (t, o, n) not in earlier for _, n, t, o in segs.tolist()],
+                                                  dtype=torch.bool, device=device)
+                               for name, segs in layout["segments"].items()}
+            layout["segments"] = {name: segs.to(device) for name, segs in layout["segments"].items()}
+            es["layout"] = layout
+        return es["layout"]
+
+    def _es_add_checkpoint_noise(self, kind: str, seeds: list[int], coeffs: list[float], chunk: int,
+                                 rounding: str) -> None:
+        es, layout = self._es_state(), self._es_layout()
+        device, names = es["params"][0][1].device, layout["names"]
+        active = [(s, c) for s, c in zip(seeds, coeffs) if c != 0.0]
+        keys = [checkpoint_keys(s, names, device) for s, _ in active]
+        rounding_keys = None
+        if rounding == "stochastic":
+            rounding_keys = torch.tensor([checkpoint_noise_key(rounding_seed(kind, seeds, 0, n), n) for n in names],
+                                         dtype=torch.int64, device=device)
+        for name, t in es["params"]:
+            add_checkpoint_noise_(t.view(-1), layout["segments"][name], keys, [c for _, c in active], chunk,
+                                  rounding_keys)
+
+    def es_checkpoint_names(self) -> list[str]:
+        return self._es_layout()["names"]
+
+    def es_checkpoint_digest(self, chunk: int) -> dict:
+        """Per checkpoint tensor: the sum (mod 2^64) of element_hashes over the elements this rank owns, and their
+        count. The driver adds the ranks' sums: the same at every TP size."""
+        es, layout = self._es_state(), self._es_layout()
+        device, names = es["params"][0][1].device, layout["names"]
+        name_keys = torch.tensor([_signed(name_hash64(n)) for n in names], dtype=torch.int64, device=device)
+        sums = torch.zeros(len(names), dtype=torch.int64, device=device)
+        counts = torch.zeros(len(names), dtype=torch.int64, device=device)
+        for name, t in es["params"]:
+            flat, segments, owned = t.view(-1), layout["segments"][name], layout["owned"][name]
+            for start in range(0, flat.numel(), chunk):
+                end = min(start + chunk, flat.numel())
+                seg, tid, index = checkpoint_positions(segments, start, end)
+                keep = owned[seg]
+                tid, index = tid[keep], index[keep]
+                sums.index_add_(0, tid, element_hashes(name_keys[tid], index, element_bits(flat[start:end][keep])))
+                counts.index_add_(0, tid, torch.ones_like(tid))
+        return {"rank": es["rank"], "names": names, "shapes": layout["shapes"], "sums": sums.tolist(),
+                "counts": counts.tolist()}
+
+    def es_write_checkpoint_pieces(self, folder: str) -> str:
+        """This rank's owned segments, tensor by tensor in checkpoint order, into <folder>/pieces-rank-<r>.safetensors
+        (values, and rows of checkpoint start and length): the export puts the checkpoint tensors together."""
+        from safetensors.torch import save_file
+
+        es, layout = self._es_state(), self._es_layout()
+        pieces = {}
+        for name, t in es["params"]:
+            flat, segments, owned = t.view(-1), layout["segments"][name].cpu(), layout["owned"][name].cpu()
+            for start, length, tid, offset in segments[owned].tolist():
+                pieces.setdefault(tid, []).append((offset, flat[start:start + length]))
+        tensors = {}
+        for tid, parts in pieces.items():
+            parts.sort(key=lambda part: part[0])
+            tensors[f"{tid}.values"] = torch.cat([v for _, v in parts]).cpu()
+            tensors[f"{tid}.segments"] = torch.tensor([[o, v.numel()] for o, v in parts], dtype=torch.int64)
+        path = Path(folder) / f"pieces-rank-{es['rank']}.safetensors"
+        save_file(tensors, str(path))
+        return str(path)
 
     def es_memory(self) -> dict:
         """Bytes of the ES parameters, of the exact-restore copy, and the device's free/total memory."""
@@ -678,6 +926,89 @@ class ESWorker:
         """Wait for the device, so the returned seconds are the operation's real cost."""
         if self._es_state()["params"][0][1].is_cuda:
             torch.cuda.synchronize()
+
+
+# ============================================================================================================
+# 3b. Checkpoint layout (noise="checkpoint"): which element of which checkpoint tensor each element of a rank's
+#     runtime parameters holds, found by loading index probes through the model's own load_weights, so fused
+#     q/k/v and gate/up, vocabulary shards and their padding, row- and column-parallel layers, MoE experts,
+#     replicated norms and tied embeddings all come from vLLM's loaders rather than from tables per model.
+# ============================================================================================================
+
+PROBE_TENSOR_SHIFT = 40  # a probe value: (checkpoint tensor id + 1) << 40 | flat index in that tensor
+
+
+def checkpoint_tensors(folder: str | Path) -> list[tuple[str, list[int]]]:
+    """(name, shape) of every floating tensor in a safetensors checkpoint, sorted by name: the ids of a layout."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                if piece.get_dtype() in ("BF16", "F16", "F32", "F64"):
+                    tensors[name] = list(piece.get_shape())
+    if not tensors:
+        raise ConfigError(f"{folder}: no safetensors weights; noise=checkpoint needs a safetensors checkpoint")
+    return sorted(tensors.items())
+
+
+def layer_of(name: str) -> str:
+    """Groups runtime parameters and checkpoint tensors by decoder layer ("" for embeddings, final norm, head)."""
+    match = re.search(r"\.layers\.(\d+)\.", name)
+    return match.group(1) if match else ""
+
+
+def segments_of(index_map: torch.Tensor) -> torch.Tensor:
+    """An index map (probe values per runtime element; 0 or -1 where no checkpoint element landed: vocabulary
+    padding) as runs of consecutive checkpoint elements: rows (runtime start, length, tensor id or -1,
+    checkpoint start)."""
+    flat = index_map.reshape(-1)
+    mapped = flat > 0
+    same_run = (mapped[1:] & mapped[:-1] & (flat[1:] == flat[:-1] + 1)) | (~mapped[1:] & ~mapped[:-1])
+    starts = torch.nonzero(torch.cat([torch.tensor([True]), ~same_run])).flatten()
+    lengths = torch.diff(torch.cat([starts, torch.tensor([flat.numel()])]))
+    first = flat[starts]
+    tid = torch.where(first > 0, (first >> PROBE_TENSOR_SHIFT) - 1, -1)
+    offset = torch.where(first > 0, first & ((1 << PROBE_TENSOR_SHIFT) - 1), 0)
+    return torch.stack([starts, lengths, tid, offset], dim=1)
+
+
+def derive_layout(model, params: list[tuple[str, torch.Tensor]], folder: str | Path) -> dict:
+    """For each ES parameter of this rank, its segments (segments_of), found layer by layer: the layer's
+    parameters swapped for int64 maps on the CPU, its checkpoint tensors loaded as probes by model.load_weights."""
+    tensors = checkpoint_tensors(folder)
+    ids = {name: i for i, (name, _) in enumerate(tensors)}
+    module_params = dict(model.named_parameters(remove_duplicate=False))
+    by_storage = {}
+    for name, p in module_params.items():  # tied parameters share a storage: the ES parameter stands for all
+        by_storage.setdefault(p.data_ptr(), []).append(p)
+    segments = {}
+    for layer in sorted({layer_of(n) for n, _ in params}, key=lambda x: (x != "", int(x) if x else 0)):
+        mine = [(n, t) for n, t in params if layer_of(n) == layer]
+        saved = []
+        for name, t in mine:
+            for p in by_storage[t.data_ptr()]:
+                saved.append((p, p.data, p.requires_grad))
+                p.requires_grad_(False)  # an integer tensor cannot require gradients
+                p.data = torch.full(t.shape, -1, dtype=torch.int64)
+            # all views of one storage see one map
+            shared = by_storage[t.data_ptr()][0].data
+            for p in by_storage[t.data_ptr()][1:]:
+                p.data = shared
+        try:
+            probes = ((n, (((ids[n] + 1) << PROBE_TENSOR_SHIFT) + torch.arange(math.prod(s), dtype=torch.int64)).view(s))
+                      for n, s in tensors if layer_of(n) == layer)
+            with torch.no_grad():
+                model.load_weights(probes)
+            for name, t in mine:
+                segments[name] = segments_of(by_storage[t.data_ptr()][0].data)
+        finally:
+            for p, data, requires_grad in saved:
+                p.data = data
+                p.requires_grad_(requires_grad)
+    return {"names": [n for n, _ in tensors], "shapes": [s for _, s in tensors], "segments": segments}
 
 
 # ============================================================================================================
@@ -1017,7 +1348,7 @@ class Engine(ClosedOnExit):
 
     def perturb(self, seed: int, sigma: float) -> float:
         seconds = max(self.rpc("es_perturb", seed=seed, sigma=sigma, chunk=self.cfg.noise_chunk,
-                               restore=self.cfg.restore, rounding=self.cfg.rounding))
+                               restore=self.cfg.restore, rounding=self.cfg.rounding, noise=self.cfg.noise))
         self.reset_prefix_cache()
         return seconds
 
@@ -1028,7 +1359,7 @@ class Engine(ClosedOnExit):
 
     def update(self, seeds: list[int], coeffs: list[float]) -> float:
         seconds = max(self.rpc("es_update", seeds=seeds, coeffs=coeffs, chunk=self.cfg.noise_chunk,
-                               rounding=self.cfg.rounding))
+                               rounding=self.cfg.rounding, noise=self.cfg.noise))
         self.reset_prefix_cache()
         return seconds
 
@@ -1046,8 +1377,29 @@ class Engine(ClosedOnExit):
         return records, timings
 
     def digests(self) -> list[str]:
-        """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order."""
+        """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order; with
+        noise="checkpoint" one digest of the state in checkpoint terms, the same at every TP size."""
+        if self.cfg.noise == "checkpoint":
+            return [combine_checkpoint_digest(*self.checkpoint_sums(), self.cfg.dtype)]
         return [r["digest"] for r in self.rpc("es_digest")]
+
+    def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """{checkpoint tensor: digest sum} over the tensors the ES parameters hold, and their shapes. Every element
+        of each such tensor must be held by exactly one owner: otherwise the layout is not the checkpoint's."""
+        ranks = self.rpc("es_checkpoint_digest", chunk=self.cfg.noise_chunk)
+        names, shapes = ranks[0]["names"], dict(zip(ranks[0]["names"], ranks[0]["shapes"]))
+        sums, wrong = {}, []
+        for i, name in enumerate(names):
+            count = sum(r["counts"][i] for r in ranks)
+            if count == 0:
+                continue  # not an ES parameter (e.g. a tied head stored twice in the checkpoint)
+            if count != math.prod(shapes[name]):
+                wrong.append(f"{name}: {count} of {math.prod(shapes[name])} elements")
+            sums[name] = sum(r["sums"][i] for r in ranks) & MASK64
+        if wrong:
+            raise EngineFailure("the runtime parameters do not hold these checkpoint tensors exactly once each "
+                                "(noise=checkpoint cannot map them): " + "; ".join(wrong[:5]))
+        return sums, {n: shapes[n] for n in sums}
 
     def parameter_names_sha256(self) -> str:
         """Identifies vLLM's runtime parameter layout (names, per-rank shapes, dtypes) on rank 0."""
@@ -1066,6 +1418,20 @@ class Engine(ClosedOnExit):
                          "numel_per_rank": first["numel"], "tp_dim": first["tp_dim"],
                          "layout": "replicated" if same else "sharded"})
         return rows
+
+    def save_checkpoint(self, folder: str | Path) -> tuple[list[str], dict[str, int]]:
+        """noise="checkpoint": the weights as Hugging Face safetensors by checkpoint name (files, digest sums)."""
+        folder = Path(folder)
+        pieces = folder / PIECES
+        pieces.mkdir(parents=True, exist_ok=True)
+        try:
+            self.rpc("es_write_checkpoint_pieces", folder=str(pieces))
+            sums, shapes = self.checkpoint_sums()
+            names = self.rpc("es_checkpoint_names")[0]
+            files = write_safetensors_files(assembled_tensors(pieces, names, shapes), folder)
+        finally:
+            shutil.rmtree(pieces, ignore_errors=True)
+        return files, sums
 
     def save_sharded_state(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -1846,6 +2212,11 @@ RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke
                       "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
 
 
+def resume_free_fields(config: dict) -> tuple[str, ...]:
+    """RESUME_FREE_FIELDS, and with checkpoint noise the TP size: its weights are the same at every TP size."""
+    return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if config.get("noise") == "checkpoint" else ())
+
+
 class HistoryMismatch(StageError, RuntimeError):
     pass
 
@@ -1889,16 +2260,20 @@ def train_data_sha256(cfg: Config) -> str:
 def identity_differences(recorded: dict, current: dict, compare_config: bool = True) -> list[str]:
     """Human-readable differences between a history's identity and this run's (empty: compatible). Without
     compare_config only what defines the weights is compared (base, noise, layout, TP, device, versions)."""
-    diffs = []
+    diffs, any_tp = [], recorded.get("noise", {}).get("index") == CHECKPOINT_NOISE["index"]
     for key, value in current.items():
         if not compare_config and key in ("config", "train_data_sha256"):
             continue
+        if any_tp and key in ("tensor_parallel_size", "parameter_names_sha256"):
+            continue  # checkpoint noise: the same weights at every TP size (the digests compare them)
         if key == "config":
             defaults = dataclasses.asdict(Config())  # a field newer than the history: its default is the old behaviour
             for field, now in value.items():
                 then = recorded["config"].get(field, defaults.get(field))
-                if field not in RESUME_FREE_FIELDS and then != now:
+                if field not in resume_free_fields(recorded["config"]) and then != now:
                     diffs.append(f"config {field}: history has {then!r}, this run has {now!r}")
+        elif key == "devices" and any_tp:
+            diffs += device_differences(recorded.get(key) and recorded[key][:1], value[:1])
         elif key == "devices":
             diffs += device_differences(recorded.get(key), value)
         elif key == "base_fingerprint" and recorded.get(key) == name_only_fingerprint(recorded.get("base_model")):
@@ -3766,6 +4141,113 @@ def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -
     if problems:
         raise ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
     return manifest
+
+
+# ---- The Hugging Face export of a checkpoint-noise run: the weights by checkpoint name, any TP size
+
+HF_EXPORT_MANIFEST = "es_export_manifest.json"
+HF_FILE_BYTES = 4 * 1024**3  # a safetensors file per ~4 GiB, with an index beside them when there are several
+PIECES = ".pieces"  # inside an export being written: each rank's owned segments (es_write_checkpoint_pieces)
+
+
+def assembled_tensors(pieces: Path, names: list[str], shapes: dict[str, list[int]]):
+    """(name, tensor) in checkpoint order, each put together from the ranks' owned segments."""
+    from safetensors import safe_open
+
+    files = [safe_open(str(f), framework="pt") for f in sorted(pieces.glob("pieces-rank-*.safetensors"))]
+    for tid, name in enumerate(names):
+        if name not in shapes:
+            continue
+        out, filled = None, 0
+        for f in files:
+            if f"{tid}.values" not in f.keys():
+                continue
+            values, segments = f.get_tensor(f"{tid}.values"), f.get_tensor(f"{tid}.segments").tolist()
+            out = torch.empty(math.prod(shapes[name]), dtype=values.dtype) if out is None else out
+            at = 0
+            for start, length in segments:
+                out[start:start + length] = values[at:at + length]
+                at, filled = at + length, filled + length
+        if filled != math.prod(shapes[name]):
+            raise ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
+        yield name, out.view(shapes[name])
+
+
+def write_safetensors_files(tensors, folder: Path) -> list[str]:
+    """Hugging Face's layout: model.safetensors, or model-0000k-of-0000n.safetensors and their index."""
+    from safetensors.torch import save_file
+
+    groups, group, size = [], {}, 0
+    for name, t in tensors:
+        if group and size + t.numel() * t.element_size() > HF_FILE_BYTES:
+            groups.append(group)
+            group, size = {}, 0
+        group[name], size = t.contiguous(), size + t.numel() * t.element_size()
+    groups.append(group)
+    if len(groups) == 1:
+        save_file(groups[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    files, weight_map = [], {}
+    for k, g in enumerate(groups, start=1):
+        files.append(f"model-{k:05d}-of-{len(groups):05d}.safetensors")
+        save_file(g, str(folder / files[-1]), metadata={"format": "pt"})
+        weight_map.update({name: files[-1] for name in g})
+    write_json_atomic({"metadata": {}, "weight_map": weight_map}, folder / "model.safetensors.index.json")
+    return files + ["model.safetensors.index.json"]
+
+
+def verify_hf_export(folder: str | Path) -> dict:
+    """Check a Hugging Face export against its SHA256SUMS before anything loads it; returns its manifest."""
+    folder = Path(folder)
+    if not (folder / HF_EXPORT_MANIFEST).is_file():
+        raise ExportError(f"{folder}: no {HF_EXPORT_MANIFEST}; not a checkpoint-noise export of 02_export.py")
+    problems = verify_sha256sums(folder) if (folder / SHA256SUMS).exists() else [f"missing {SHA256SUMS}"]
+    if problems:
+        raise ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
+    return read_json(folder / HF_EXPORT_MANIFEST)
+
+
+def verify_any_export(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:
+    """verify_hf_export for a checkpoint-noise export (any TP size), else verify_export (its own TP size)."""
+    if (Path(folder) / HF_EXPORT_MANIFEST).is_file():
+        return verify_hf_export(folder)
+    return verify_export(folder, tensor_parallel_size)
+
+
+def set_config_dtype(folder: Path, dtype: str) -> None:
+    """config.json names the exported weights' dtype (transformers and vLLM read it as the default)."""
+    config = read_json(folder / "config.json")
+    config.update({k: dtype for k in ("torch_dtype", "dtype") if k in config} or {"torch_dtype": dtype})
+    write_json_atomic(config, folder / "config.json")
+
+
+def replay_on_checkpoint(folder: str | Path, generations: list[dict], dtype: str = "bfloat16",
+                         rounding: str = "nearest") -> dict[str, torch.Tensor]:
+    """A checkpoint-noise history applied to a checkpoint's tensors with no vLLM: the specified update, tensor
+    by tensor (tests compare it with what vLLM's ranks hold; it is also how to check an export by hand)."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if not t.is_floating_point():
+                    continue
+                t = t.to(getattr(torch, dtype)).contiguous()
+                whole = torch.tensor([[0, t.numel(), 0, 0]])
+                for g in generations:
+                    coeffs = update_coefficients(zscore(g["rewards"]), g["alpha"])
+                    active = [(s, c) for s, c in zip(g["seeds"], coeffs) if c != 0.0]
+                    rounding_keys = None
+                    if rounding == "stochastic":
+                        rounding_keys = torch.tensor([checkpoint_noise_key(
+                            rounding_seed("update", g["seeds"], 0, name), name)])
+                    if active:
+                        add_checkpoint_noise_(t.view(-1), whole, [checkpoint_keys(s, [name], "cpu") for s, _ in active],
+                                              [c for _, c in active], 1 << 22, rounding_keys)
+                out[name] = t
+    return out
 
 
 # ============================================================================================================
