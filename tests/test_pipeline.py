@@ -343,7 +343,7 @@ def test_replay_replays_the_sets_its_evaluation_names_and_refuses_an_unfinished_
     assert list(report["datasets"]) == ["aime2026"] and report["datasets"]["aime2026"]["identical_transcripts"] == 1.0
 
 
-def start_training(run_dir, name, pause_after_members):
+def start_training(run_dir, name, pause_after_members, extra=()):
     """01_train.py (with the test reward) in the background, its output in <run_dir>/<name>.log, held after its
     n-th member step until the returned gate file is removed (tests/train_with_test_reward.py)."""
     log, gate = run_dir / f"{name}.log", run_dir / f"{name}.gate"
@@ -351,7 +351,7 @@ def start_training(run_dir, name, pause_after_members):
     env = dict(os.environ, ES_TEST_PAUSE=f"{gate}:{pause_after_members}")
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, str(REPO / TRAIN_WITH_TEST_REWARD), "--preset=smoke",
-                                 f"--run_dir={run_dir}"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                 f"--run_dir={run_dir}", *extra], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
     return proc, log, gate
 

