@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import common as C
-from test_pipeline import REPO, TRAIN_WITH_TEST_REWARD, replayable, run, sha, start_training, wait_for
+from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha, start_training, wait_for
 
 KEY = C.checkpoint_noise_key(20260627, "model.layers.0.mlp.down_proj.weight")
 
@@ -142,6 +142,9 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     cfg = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
     with C.Engine(cfg, str(export)) as engine:  # stock vLLM loading, at another TP size
         assert engine.digests() == [manifest["digest"]]
+    run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")  # the evaluation checks it the same way
+    checkpoint = C.read_json(trained / "eval" / C.EVAL_METRICS)["checkpoint"]
+    assert checkpoint["kind"] == "export" and checkpoint["per_rank_digests"] == [manifest["digest"]]
 
 
 def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_path):
