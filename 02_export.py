@@ -57,9 +57,8 @@ def main(argv: list[str]) -> Path:
         C.copy_model_files(model_path, partial)
         if cfg.noise == "checkpoint":
             C.set_config_dtype(partial, cfg.dtype)
-            write_hf_manifest(partial, history, history_path, generations, digests, sums, identity)
-        else:
-            write_manifest(partial, history, history_path, generations, digests, identity)
+        write_manifest(partial, history, history_path, generations, digests, identity,
+                       sums if cfg.noise == "checkpoint" else None)
         partial.rename(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -84,46 +83,24 @@ def select_generations(history: dict, k: int) -> list[dict]:
 
 
 def write_manifest(folder: Path, history: dict, history_path: str, generations: list, digests: list,
-                   identity: dict) -> None:
+                   identity: dict, sums: dict | None = None) -> None:
+    """The export's manifest (what it holds, where it came from) and SHA256SUMS over every file. Rank-salted: the
+    per-rank shards of this TP size; checkpoint noise (sums given): the Hugging Face folder's per-tensor digests."""
     manifest = {
-        "format": "es-sharded-export/1",
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "source_history": str(history_path),
         "source_history_sha256": C.sha256_file(history_path),
         "replayed_generations": len(generations),
         "history_generations": len(history["generations"]),
-        "load_format": "sharded_state",
-        "tensor_parallel_size": identity["tensor_parallel_size"],
         "dtype": identity["config"]["dtype"],
-        "shards": C.shard_entries(folder),
-        "per_rank_digests": digests,
-        "parameter_names_sha256": identity["parameter_names_sha256"],
-        "base_model": identity["base_model"],
-        "base_fingerprint": identity["base_fingerprint"],
-        "device_type": identity["device_type"],
-        "devices": identity["devices"],
-        "vllm_version": identity["vllm_version"],
-        "torch_version": identity["torch_version"],
-        "config": history["config"],
-    }
-    C.write_json_atomic(manifest, folder / C.EXPORT_MANIFEST)
-    C.write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != C.SHA256SUMS])
-
-
-def write_hf_manifest(folder: Path, history: dict, history_path: str, generations: list, digests: list,
-                      sums: dict, identity: dict) -> None:
-    manifest = {
-        "format": "es-hf-export/1",
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "source_history": str(history_path),
-        "source_history_sha256": C.sha256_file(history_path),
-        "replayed_generations": len(generations),
-        "history_generations": len(history["generations"]),
-        "noise": "checkpoint",
-        "dtype": identity["config"]["dtype"],
-        "digest": digests[0],  # the history's digest of this state, at any TP size
-        "tensor_digest_sums": {name: f"{value:016x}" for name, value in sorted(sums.items())},
-        "exported_at_tensor_parallel_size": identity["tensor_parallel_size"],
+        **({"format": "es-hf-export/1", "noise": "checkpoint",
+            "digest": digests[0],  # the history's digest of this state, at any TP size
+            "tensor_digest_sums": {name: f"{value:016x}" for name, value in sorted(sums.items())},
+            "exported_at_tensor_parallel_size": identity["tensor_parallel_size"]} if sums is not None else
+           {"format": "es-sharded-export/1", "load_format": "sharded_state",
+            "tensor_parallel_size": identity["tensor_parallel_size"], "shards": C.shard_entries(folder),
+            "per_rank_digests": digests, "parameter_names_sha256": identity["parameter_names_sha256"],
+            "devices": identity["devices"]}),
         "base_model": identity["base_model"],
         "base_fingerprint": identity["base_fingerprint"],
         "device_type": identity["device_type"],
@@ -131,7 +108,7 @@ def write_hf_manifest(folder: Path, history: dict, history_path: str, generation
         "torch_version": identity["torch_version"],
         "config": history["config"],
     }
-    C.write_json_atomic(manifest, folder / C.HF_EXPORT_MANIFEST)
+    C.write_json_atomic(manifest, folder / (C.HF_EXPORT_MANIFEST if sums is not None else C.EXPORT_MANIFEST))
     C.write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != C.SHA256SUMS])
 
 
