@@ -2258,6 +2258,12 @@ def checked_checkpoint_digests(engine: Engine, model_path: str, dtype: str) -> l
     must equal the checkpoint's own tensors exactly (sigma 0)."""
     sums, shapes = engine.checkpoint_sums()
     tensors = replay_on_checkpoint(model_path, [], dtype)
+    # a tensor the ranks do not hold must be a stored copy of one they do (a tied head saved twice)
+    missing = [n for n in tensors if n not in sums and not any(
+        tensors[n].shape == tensors[m].shape and torch.equal(tensors[n], tensors[m]) for m in sums)]
+    if missing:
+        raise ConfigError(f"noise=checkpoint: no runtime parameter holds the checkpoint tensors {missing[:3]} "
+                          f"({len(missing)} in all): the layout found through load_weights is incomplete")
     differ = [n for n in sums if tensor_digest_sum(n, tensors[n]) != sums[n]]
     if differ:
         raise ConfigError(f"noise=checkpoint: what vLLM holds differs from the checkpoint in {len(differ)} tensors "

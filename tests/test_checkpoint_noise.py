@@ -170,3 +170,27 @@ def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(tmp_path):
         with pytest.raises(C.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\.mlp"
                                                 r"\.experts\..*vllm-cpu repacks MoE experts"):
             C.run_identity(cfg, path, engine)
+
+
+class HoldsPartOfTheCheckpoint:
+    """Stands in for an engine whose layout maps only some checkpoint tensors (the refusal needs no vLLM)."""
+
+    def __init__(self, tensors, held):
+        self.sums = {n: C.tensor_digest_sum(n, tensors[n]) for n in held}
+        self.shapes = {n: list(tensors[n].shape) for n in held}
+
+    def checkpoint_sums(self):
+        return self.sums, self.shapes
+
+
+def test_a_layout_that_misses_a_checkpoint_tensor_is_refused_unless_it_is_a_stored_copy(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = C.replay_on_checkpoint(C.resolve_model("tiny-qwen3-dense"), [])
+    with_copy = dict(tensors, **{"copy_of_norm.weight": tensors["model.norm.weight"].clone()})
+    save_file(with_copy, str(tmp_path / "model.safetensors"))
+    assert C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path, "bfloat16")
+    partial = [n for n in tensors if n != "model.layers.1.mlp.down_proj.weight"]
+    with pytest.raises(C.ConfigError, match=r"no runtime parameter holds the checkpoint tensors "
+                                            r"\['model.layers.1.mlp.down_proj.weight'\]"):
+        C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, partial), tmp_path, "bfloat16")
