@@ -447,8 +447,8 @@ def noise_definition(cfg: "Config") -> dict:
 NOISE_MODES = ("rank_salted", "checkpoint")
 CHECKPOINT_NOISE = {
     "distribution": "float32(r cos(2 pi u2)), r = sqrt(-2 ln u1): Box-Muller in float64 with ln and cos as fixed "
-                    "polynomials (ln: 2 atanh series in s=(m-1)/(m+1), 12 terms, m in [sqrt(1/2), sqrt(2)); cos, "
-                    "sin: Taylor to x^22 on quarter turns)",
+                    "polynomials, Horner with one multiply and one add per term (ln: 2 s sum s^2k/(2k+1), k < 12, "
+                    "s=(m-1)/(m+1), m in [sqrt(1/2), sqrt(2)); cos, sin: Taylor, k < 12, on quarter turns)",
     "uniforms": "x = splitmix64_mix(key + index * golden); u1 = (x >> 32 + 1) / 2^32, u2 = (x & 0xffffffff) / 2^32",
     "key": "splitmix64(member seed ^ name_hash(checkpoint tensor name))",
     "index": "the element's row-major index in the checkpoint tensor",
@@ -480,6 +480,19 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ shr(x, 31)
 
 
+LN_SERIES = [1.0 / (2 * k + 1) for k in range(12)]  # ln m = 2 s sum_k s^2k / (2k + 1), s = (m - 1) / (m + 1)
+COS_SERIES = [(-1) ** k / math.factorial(2 * k) for k in range(12)]  # Taylor coefficients in x^2 (cos) ...
+SIN_SERIES = [(-1) ** k / math.factorial(2 * k + 1) for k in range(12)]  # ... and in x^2 times x (sin)
+
+
+def _horner(x2: torch.Tensor, coefficients: list[float]) -> torch.Tensor:
+    """sum_k c_k x2^k, one multiply and one add kernel per term (never fused)."""
+    acc = torch.full_like(x2, coefficients[-1])
+    for c in reversed(coefficients[:-1]):
+        acc.mul_(x2).add_(c)
+    return acc
+
+
 def _ln(u: torch.Tensor) -> torch.Tensor:
     """ln of positive float64 values from exponent bits and a fixed odd series: the same bits on every device."""
     bits = u.view(torch.int64)
@@ -489,11 +502,7 @@ def _ln(u: torch.Tensor) -> torch.Tensor:
     m = torch.where(big, m * 0.5, m)
     exponent = exponent + big.to(torch.int64)
     s = (m - 1.0) / (m + 1.0)
-    s2 = s * s
-    series = torch.full_like(s, 1.0 / 23.0)
-    for k in range(10, -1, -1):
-        series = series * s2 + 1.0 / (2 * k + 1)
-    return exponent.to(torch.float64) * 0.6931471805599453 + (s * series) * 2.0
+    return exponent.to(torch.float64) * 0.6931471805599453 + (s * _horner(s * s, LN_SERIES)) * 2.0
 
 
 def _cos_turns(u: torch.Tensor) -> torch.Tensor:
@@ -502,11 +511,7 @@ def _cos_turns(u: torch.Tensor) -> torch.Tensor:
     quarter = torch.floor(t)
     x = (t - quarter) * 1.5707963267948966
     x2 = x * x
-    cos, sin = torch.ones_like(x), torch.ones_like(x)
-    for k in range(11, 0, -1):  # 1 - x^2/2! + ... and x (1 - x^2/3! + ...), Horner in x^2
-        cos = 1.0 - cos * x2 / float((2 * k - 1) * (2 * k))
-        sin = 1.0 - sin * x2 / float((2 * k) * (2 * k + 1))
-    sin = sin * x
+    cos, sin = _horner(x2, COS_SERIES), _horner(x2, SIN_SERIES).mul_(x)
     return torch.where(quarter == 0, cos, torch.where(quarter == 1, -sin, torch.where(quarter == 2, -cos, sin)))
 
 
