@@ -129,6 +129,14 @@ def test_greedy_answer_is_sensible(engine):
     assert "12" in text, text
 
 
+def test_the_checkpoint_layout_of_a_tied_llama_reads_the_checkpoint_back_exactly(engine, base_path):
+    """noise=checkpoint on Llama at TP=2 (tied embeddings, vocabulary shards with padding, padded heads): what
+    the ranks hold, read through the layout found by load_weights, is the checkpoint, element for element."""
+    assert C.checked_checkpoint_digests(engine, base_path, "bfloat16")[0].startswith("ckpt:")
+    sums, _ = engine.checkpoint_sums()
+    assert "model.embed_tokens.weight" in sums and "lm_head.weight" not in sums  # one tensor, held once
+
+
 def test_perturb_restore_update_cycle_is_exact(engine):
     base = engine.digests()
     engine.perturb(seed=11, sigma=1e-3)
