@@ -28,8 +28,8 @@ def main(argv: list[str]) -> Path:
     C.exit_if_help(argv, __doc__, __file__, options)
     opts, overrides = C.parse_args(argv, options)
     if opts["verify"]:
-        manifest = C.verify_any_export(opts["verify"])
-        print(f"[export] {opts['verify']}: every file matches its SHA256SUMS and manifest")
+        kind = C.verify_any_export(opts["verify"])["format"]
+        print(f"[export] {opts['verify']} ({kind}): every file matches its SHA256SUMS and manifest")
         return Path(opts["verify"])
 
     run_dir = Path(C.parse_config(overrides).run_dir)

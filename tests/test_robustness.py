@@ -5,7 +5,6 @@ the engine. The run-level checks (01_train.py stopped and restarted) are in test
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 
