@@ -989,7 +989,8 @@ def derive_layout(model, params: list[tuple[str, torch.Tensor]], folder: str | P
     module_params = dict(model.named_parameters(remove_duplicate=False))
     by_storage = {}
     for name, p in module_params.items():  # tied parameters share a storage: the ES parameter stands for all
-        by_storage.setdefault(p.data_ptr(), []).append(p)
+        by_storage.setdefault(p.data_ptr(), {})[id(p)] = p  # (a tied Parameter is listed under both names)
+    by_storage = {ptr: list(ps.values()) for ptr, ps in by_storage.items()}
     segments = {}
     for layer in sorted({layer_of(n) for n, _ in params}, key=lambda x: (x != "", int(x) if x else 0)):
         mine = [(n, t) for n, t in params if layer_of(n) == layer]
@@ -1011,9 +1012,11 @@ def derive_layout(model, params: list[tuple[str, torch.Tensor]], folder: str | P
             for name, t in mine:
                 segments[name] = segments_of(by_storage[t.data_ptr()][0].data)
         finally:
-            for p, data, requires_grad in saved:
+            for p, data, requires_grad in reversed(saved):
                 p.data = data
                 p.requires_grad_(requires_grad)
+    if any(p.data_ptr() != t.data_ptr() for name, t in params for p in by_storage[t.data_ptr()]):
+        raise RuntimeError("derive_layout left a parameter off its weights")
     return {"names": [n for n, _ in tensors], "shapes": [s for _, s in tensors], "segments": segments}
 
 

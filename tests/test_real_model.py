@@ -132,9 +132,12 @@ def test_greedy_answer_is_sensible(engine):
 def test_the_checkpoint_layout_of_a_tied_llama_reads_the_checkpoint_back_exactly(engine, base_path):
     """noise=checkpoint on Llama at TP=2 (tied embeddings, vocabulary shards with padding, padded heads): what
     the ranks hold, read through the layout found by load_weights, is the checkpoint, element for element."""
+    before = engine.digests()
     assert C.checked_checkpoint_digests(engine, base_path, "bfloat16")[0].startswith("ckpt:")
     sums, _ = engine.checkpoint_sums()
     assert "model.embed_tokens.weight" in sums and "lm_head.weight" not in sums  # one tensor, held once
+    assert engine.digests() == before  # the probes left the weights (tied ones too) as they were
+    test_greedy_answer_is_sensible(engine)  # and the model computes with them
 
 
 def test_perturb_restore_update_cycle_is_exact(engine):
