@@ -5,6 +5,8 @@ normal from a counter hash with integer and IEEE basic operations (about 60 elem
 reads the runtime-to-checkpoint layout. Prints a table and one JSON line (also written to --out).
 
     python bench/noise_modes.py --model=smollm2-135m --out=bench/results/noise_modes_cpu.json   # CPU, TP=2
+    python bench/noise_modes.py --qwen3_30b=true --layers=12 --tensor_parallel_size=1 --cuda_graphs=false \
+        --gpu_memory_utilization=0.5 --out=$OUT/noise_modes_h200x1.json   # one H200: random weights, real files
 """
 
 import statistics
@@ -15,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
+import qwen3_30b  # noqa: E402
 from report import emit  # noqa: E402
 
 
@@ -27,9 +30,8 @@ def seconds_of(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(cfg, repeats: int, population: int) -> dict:
-    path = C.resolve_model(cfg.model)
-    with C.Engine(cfg, path) as engine:
+def measure(cfg, path: str, repeats: int, population: int) -> dict:
+    with C.Engine(cfg, path, skip_tokenizer_init=True) as engine:
         t0 = time.perf_counter()
         engine.digests()  # the first call derives the checkpoint layout (checkpoint noise)
         first_digest = time.perf_counter() - t0
@@ -47,16 +49,26 @@ def measure(cfg, repeats: int, population: int) -> dict:
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"out": "", "repeats": 3, "population": 8})
+    opts, overrides = C.parse_args(argv, {"out": "", "repeats": 3, "population": 8, "qwen3_30b": False, "layers": 0})
+    cfg = C.parse_config(["--preset=smoke", *overrides])
+    if opts["qwen3_30b"]:  # the real layout (cut to `layers`), random weights written as real safetensors files
+        t0 = time.perf_counter()
+        folder = qwen3_30b.write_config(f"/tmp/qwen3-30b-a3b-checkpoint-{opts['layers']}", layers=opts["layers"])
+        path = qwen3_30b.write_random_checkpoint(folder)
+        print(f"[noise_modes] wrote {folder} in {time.perf_counter() - t0:.0f} s", flush=True)
+    else:
+        path = C.resolve_model(cfg.model)
     rows = []
     for noise in C.NOISE_MODES:
-        cfg = C.parse_config(["--preset=smoke", *overrides, f"--noise={noise}"])
-        rows.append(measure(cfg, opts["repeats"], opts["population"]))
+        rows.append(measure(C.parse_config(["--preset=smoke", *overrides, f"--noise={noise}"]), path,
+                            opts["repeats"], opts["population"]))
+        print(f"[noise_modes] {rows[-1]}", flush=True)
     print(f"{'noise':<12} {'params/rank':>12} {'perturb+restore s':>18} {'update s':>9} {'digest s':>9} {'layout s':>9}")
     for r in rows:
         print(f"{r['noise']:<12} {r['params_per_rank']:>12,} {r['perturb_restore_s']:>18} "
               f"{r['update_s']:>9} {r['digest_s']:>9} {r['first_digest_s']:>9}")
-    return emit({"bench": "noise_modes", "date": time.strftime("%Y-%m-%d"), "model": cfg.model,
+    model = f"Qwen3-30B-A3B layout cut to {opts['layers']} layers, random weights" if opts["qwen3_30b"] else cfg.model
+    return emit({"bench": "noise_modes", "date": time.strftime("%Y-%m-%d"), "model": model,
                  "update_members": opts["population"],
                  "tensor_parallel_size": cfg.tensor_parallel_size, "device": C.device_type(), "rows": rows},
                 opts["out"])

@@ -2,8 +2,11 @@
 (random weights of the real layout). The real weights cannot be fetched on the GPU machine."""
 
 import json
+import math
 import shutil
 from pathlib import Path
+
+import torch
 
 QWEN3_30B_A3B = {  # the published config.json of Qwen/Qwen3-30B-A3B
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "bfloat16",
@@ -35,4 +38,51 @@ def write_config(folder, tokenizer_from=None, layers: int = 0) -> str:
         tiny = json.loads((Path(tokenizer_from) / "config.json").read_text())
         config.update(vocab_size=tiny["vocab_size"], bos_token_id=None, eos_token_id=tiny["eos_token_id"])
     (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return str(folder)
+
+
+def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The tensor names and shapes of a Qwen3-MoE checkpoint on the Hub (per-expert projections, untied head)."""
+    h, heads, kv, d = (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+                       config["head_dim"])
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,),
+              "lm_head.weight": (config["vocab_size"], h)}
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        shapes.update({layer + "input_layernorm.weight": (h,), layer + "post_attention_layernorm.weight": (h,),
+                       layer + "self_attn.q_proj.weight": (heads * d, h), layer + "self_attn.k_proj.weight": (kv * d, h),
+                       layer + "self_attn.v_proj.weight": (kv * d, h), layer + "self_attn.o_proj.weight": (h, heads * d),
+                       layer + "self_attn.q_norm.weight": (d,), layer + "self_attn.k_norm.weight": (d,),
+                       layer + "mlp.gate.weight": (config["num_experts"], h)})
+        for e in range(config["num_experts"]):
+            expert, inner = f"{layer}mlp.experts.{e}.", config["moe_intermediate_size"]
+            shapes.update({expert + "gate_proj.weight": (inner, h), expert + "up_proj.weight": (inner, h),
+                           expert + "down_proj.weight": (h, inner)})
+    return shapes
+
+
+def write_random_checkpoint(folder, seed: int = 0, shard_bytes: int = 4 << 30) -> str:
+    """Random bf16 safetensors for the config.json in `folder` (write_config first), N(0, 0.02) with norms at 1.
+    Checkpoint noise reads the checkpoint's tensors, so load_format="dummy" will not do for it. Made on the GPU
+    when there is one."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    shapes = checkpoint_shapes(json.loads((folder / "config.json").read_text()))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(seed)
+    shard, size, index = {}, 0, {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        if name.endswith("norm.weight"):
+            shard[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            w = torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * 0.02
+            shard[name] = w.to(torch.bfloat16).cpu()
+        size += math.prod(shape) * 2
+        if size >= shard_bytes or i == len(shapes) - 1:
+            file = f"model-{len(set(index.values())) + 1:05d}.safetensors"
+            save_file(shard, str(folder / file), metadata={"format": "pt"})
+            index.update({n: file for n in shard})
+            shard, size = {}, 0
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     return str(folder)
