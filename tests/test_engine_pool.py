@@ -7,6 +7,7 @@ pool. Placement, the memory plan and the MPS rule are pure functions, tested wit
 
 import importlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -126,6 +127,10 @@ def test_parameter_count_of_qwen3_30b_matches_the_gpu_engine(tmp_path):
     assert C.parameter_count(config12) == 8_099_779_584  # es_memory of the 12-layer engine on one H200
     full = json.loads(Path(qwen3_30b.write_config(tmp_path / "q48")).joinpath("config.json").read_text())
     assert abs(C.parameter_count(full) / 2 - 15_272_458_240) / 15_272_458_240 < 0.001  # per rank at TP=2 (GPU.md)
+    # the random checkpoint bench/noise_modes.py writes holds exactly those parameters, by the Hub's tensor names
+    shapes = qwen3_30b.checkpoint_shapes(config12)
+    assert sum(math.prod(s) for s in shapes.values()) == 8_099_779_584
+    assert "model.layers.11.mlp.experts.127.down_proj.weight" in shapes and len(shapes) == 3 + 12 * (9 + 3 * 128)
     needs = C.engine_memory_needs(config12, config(1, "r", "--tensor_parallel_size=1", "--max_model_len=40960"))
     assert needs == QWEN3_12_LAYERS
 
