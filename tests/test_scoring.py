@@ -116,19 +116,25 @@ def test_scoring_works_off_the_main_thread():
     assert results == [(1.0, "math_verify")]
 
 
+def score_episode(prediction, gold, *, bash_calls, finish_reason, error=None):
+    """(score, method) of an episode, scored in this thread (run_episode scores through the scorer pool)."""
+    reason = A.unscored_reason(prediction, bash_calls=bash_calls, finish_reason=finish_reason, error=error)
+    return (0.0, reason) if reason else A.score_answer(prediction, gold)
+
+
 def test_score_episode_rules():
     good = dict(bash_calls=2, finish_reason="final_answer", error=None)
-    assert A.score_episode("42", "42", **good) == (1.0, "integer_match")
-    assert A.score_episode(r"\sqrt{2}", r"\sqrt{2}", **good) == (1.0, "math_verify")
-    assert A.score_episode("41", "42", **good)[0] == 0.0
+    assert score_episode("42", "42", **good) == (1.0, "integer_match")
+    assert score_episode(r"\sqrt{2}", r"\sqrt{2}", **good) == (1.0, "math_verify")
+    assert score_episode("41", "42", **good)[0] == 0.0
     # a right answer without a bash call never scores
-    assert A.score_episode("42", "42", bash_calls=0, finish_reason="final_answer") == (0.0, "no_bash_call")
+    assert score_episode("42", "42", bash_calls=0, finish_reason="final_answer") == (0.0, "no_bash_call")
     # nor does an episode ended by an error or a context overflow
-    assert A.score_episode("42", "42", bash_calls=1, finish_reason="error", error="boom") == (0.0, "error")
-    assert A.score_episode("42", "42", bash_calls=1, finish_reason="final_answer", error="boom") == (0.0, "error")
-    assert A.score_episode(None, "42", bash_calls=1, finish_reason="context_overflow",
+    assert score_episode("42", "42", bash_calls=1, finish_reason="error", error="boom") == (0.0, "error")
+    assert score_episode("42", "42", bash_calls=1, finish_reason="final_answer", error="boom") == (0.0, "error")
+    assert score_episode(None, "42", bash_calls=1, finish_reason="context_overflow",
                            error="ContextOverflow") == (0.0, "context_overflow")
-    assert A.score_episode(None, "42", bash_calls=3, finish_reason="max_turns") == (0.0, "missing_final_answer")
+    assert score_episode(None, "42", bash_calls=3, finish_reason="max_turns") == (0.0, "missing_final_answer")
 
 
 # ---- parse_action ----
