@@ -311,6 +311,11 @@ def _parse_value(key: str, text: str, kind: type):
 
 # ============================================================================================================
 # 2. Noise and ES math (SPEC section 3). Pure functions of their arguments; the worker extension applies them.
+#    One generation (01_train.run_generation): member_seeds -> per member, Engine.evaluate_member: perturb
+#    (ESWorker.es_perturb: noise_seed -> noise_chunks -> add_noise_ with +sigma), the agent's episodes, restore (a
+#    copy back) -> fitness -> zscore -> update_coefficients -> update (ESWorker.es_update: add_noise_ with every
+#    member's coefficient), then the per-rank digests (section 11). Checkpoint noise swaps noise_seed/noise_chunks
+#    for checkpoint_keys/checkpoint_noise, through the layout of section 3b.
 # ============================================================================================================
 
 MASK64 = (1 << 64) - 1
@@ -569,124 +574,6 @@ def checkpoint_rounding_keys(kind: str, seeds: list[int], names: list[str], devi
     rank, since each element has one checkpoint position)."""
     return torch.tensor([checkpoint_noise_key(rounding_seed(kind, seeds, 0, n), n) for n in names],
                         dtype=torch.int64, device=device)
-
-
-def digest_name_key(name: str) -> int:
-    return _signed(name_hash64(name))
-
-
-def element_bits(t: torch.Tensor) -> torch.Tensor:
-    """The bit pattern of each element as a non-negative int64."""
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.reshape(-1).view(width).to(torch.int64) & ((1 << (8 * t.element_size())) - 1 if t.element_size() < 8 else -1)
-
-
-def element_hashes(name_keys: torch.Tensor, index: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """A 64-bit hash of (tensor name, index, value bits) per element; a checkpoint tensor's digest sums them mod
-    2^64, so any partition of its elements over ranks adds up to the same digest."""
-    return _mix64(_mix64(index * _signed(GOLDEN64) + name_keys) ^ bits)
-
-
-def tensor_digest_sum(name: str, t: torch.Tensor, chunk: int = 1 << 22) -> int:
-    """The checkpoint digest sum of a whole tensor (as the ranks compute it over their elements)."""
-    flat, total = t.reshape(-1), 0
-    key = digest_name_key(name)
-    for start in range(0, flat.numel(), chunk):
-        index = torch.arange(start, min(start + chunk, flat.numel()), dtype=torch.int64, device=flat.device)
-        total += int(element_hashes(key, index, element_bits(flat[index])).sum())
-    return total & MASK64
-
-
-def combine_checkpoint_digest(sums: dict[str, int], shapes: dict[str, list[int]], dtype: str) -> str:
-    """One digest of a whole model state in checkpoint terms: sha256 over each tensor's name, shape, dtype and sum."""
-    lines = "".join(f"{n}|{shapes[n]}|{dtype}|{sums[n]:016x}\n" for n in sorted(sums))
-    return "ckpt:" + hashlib.sha256(lines.encode()).hexdigest()
-
-
-def tensor_digest(name: str, t: torch.Tensor, staging: "DigestStaging | None" = None) -> str:
-    """sha256 over name, shape, dtype and the tensor's bytes. A CPU tensor is hashed in place; a GPU tensor streams
-    through `staging` (pinned host buffers) chunk by chunk, or without it is copied whole: the same bytes in the
-    same order either way, so the same digest."""
-    h = hashlib.sha256()
-    h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-    data = t.detach().contiguous().view(-1).view(torch.uint8)
-    if data.device.type != "cpu" and staging is not None:
-        staging.hash_into(h, data)
-    else:
-        h.update(data.cpu().numpy())  # on the CPU: the buffer itself, no extra copy
-    return h.hexdigest()
-
-
-class DigestStaging:
-    """Two pinned host buffers and a copy stream: while chunk k is hashed on the CPU, chunk k+1 is copied off the
-    GPU. Pageable copies of whole tensors would fault in fresh host pages on every call; these buffers are pinned
-    once and reused every generation."""
-
-    def __init__(self, device, chunk_bytes: int = 0):
-        self.device = torch.device(device)
-        self.chunk = chunk_bytes or DIGEST_CHUNK_BYTES
-        self.buffers = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.stream = torch.cuda.Stream(device=self.device)
-        self.copied = [torch.cuda.Event() for _ in range(2)]
-
-    def hash_into(self, h, data: torch.Tensor) -> None:
-        with torch.cuda.device(self.device):
-            # the copies may start only after every write to the weights queued on the current stream
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            pending = None  # (buffer index, bytes) of the chunk copied last, not yet hashed
-            for k, start in enumerate(range(0, data.numel(), self.chunk)):
-                piece = data[start : start + self.chunk]
-                with torch.cuda.stream(self.stream):  # buffer k % 2 held chunk k-2, hashed already
-                    self.buffers[k % 2][: piece.numel()].copy_(piece, non_blocking=True)
-                    self.copied[k % 2].record(self.stream)
-                if pending:
-                    self._hash(h, *pending)
-                pending = (k % 2, piece.numel())
-            if pending:
-                self._hash(h, *pending)
-
-    def _hash(self, h, index: int, size: int) -> None:
-        self.copied[index].synchronize()
-        h.update(self.buffers[index][:size].numpy())
-
-
-def tensor_digests(named_tensors: list[tuple[str, torch.Tensor]], threads: int,
-                   staging: list[DigestStaging] | None = None) -> list[tuple[str, str]]:
-    """(name, tensor_digest) for each tensor, hashed in `threads` threads (hashlib releases the GIL on large
-    buffers), largest tensors first so that no thread is left with a big one at the end. GPU tensors go through
-    `staging` (one per thread, kept by the caller: ESWorker pins them once); without it they are copied whole. The
-    same digests, in the same order, as one thread."""
-    threads = max(1, min(threads, len(named_tensors)))
-    slots = list(staging[:threads]) if staging else [None] * threads  # each thread holds one slot while it hashes
-    threads = len(slots)
-    free = queue.SimpleQueue()
-    for s in slots:
-        free.put(s)
-
-    def digest(name_and_tensor):
-        s = free.get()
-        try:
-            return tensor_digest(*name_and_tensor, staging=s)
-        finally:
-            free.put(s)
-
-    largest_first = sorted(range(len(named_tensors)), key=lambda i: -named_tensors[i][1].numel())
-    with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="digest") as pool:
-        done = dict(zip(largest_first, pool.map(digest, (named_tensors[i] for i in largest_first))))
-    return [(name, done[i]) for i, (name, _) in enumerate(named_tensors)]
-
-
-# threads hashing one rank's tensors: the node's cores shared by its TP ranks (16 of 32 on a 2x H200 node); sha256
-# runs at about 1-2 GB/s per core, so a 30.5 GB rank of Qwen3-30B-A3B needs about 16 of them to stay near 2 s
-DIGEST_THREADS_PER_RANK = max(1, min(16, len(os.sched_getaffinity(0)) // 2))
-DIGEST_CHUNK_BYTES = 32 << 20  # bytes per pinned staging buffer (two per thread)
-
-
-def combine_digests(named_digests: list[tuple[str, str]]) -> str:
-    h = hashlib.sha256()
-    for name, d in named_digests:
-        h.update(f"{name}={d}\n".encode())
-    return h.hexdigest()
 
 
 # ============================================================================================================
@@ -3913,7 +3800,7 @@ class Tracker(ClosedOnExit):
 
 
 # ============================================================================================================
-# 11. Files and hashing: atomic JSON, JSONL that survives a crash, SHA256SUMS
+# 11. Files and hashing: atomic JSON, JSONL that survives a crash, SHA256SUMS, weight digests
 # ============================================================================================================
 
 SHA256SUMS = "SHA256SUMS"
@@ -4269,6 +4156,127 @@ def checkpoint_float_tensors(folder: str | Path, dtype: str, names: set[str] | N
                     t = f.get_tensor(name)
                     if t.is_floating_point():
                         yield name, t.to(getattr(torch, dtype)).contiguous()
+
+
+# ---- weight digests: sha256 per rank (rank-salted noise), or sums of element hashes per checkpoint tensor that
+# add up over any partition of its elements (checkpoint noise: the same digest at every TP size)
+
+def digest_name_key(name: str) -> int:
+    return _signed(name_hash64(name))
+
+
+def element_bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit pattern of each element as a non-negative int64."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.reshape(-1).view(width).to(torch.int64) & ((1 << (8 * t.element_size())) - 1 if t.element_size() < 8 else -1)
+
+
+def element_hashes(name_keys: torch.Tensor, index: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """A 64-bit hash of (tensor name, index, value bits) per element; a checkpoint tensor's digest sums them mod
+    2^64, so any partition of its elements over ranks adds up to the same digest."""
+    return _mix64(_mix64(index * _signed(GOLDEN64) + name_keys) ^ bits)
+
+
+def tensor_digest_sum(name: str, t: torch.Tensor, chunk: int = 1 << 22) -> int:
+    """The checkpoint digest sum of a whole tensor (as the ranks compute it over their elements)."""
+    flat, total = t.reshape(-1), 0
+    key = digest_name_key(name)
+    for start in range(0, flat.numel(), chunk):
+        index = torch.arange(start, min(start + chunk, flat.numel()), dtype=torch.int64, device=flat.device)
+        total += int(element_hashes(key, index, element_bits(flat[index])).sum())
+    return total & MASK64
+
+
+def combine_checkpoint_digest(sums: dict[str, int], shapes: dict[str, list[int]], dtype: str) -> str:
+    """One digest of a whole model state in checkpoint terms: sha256 over each tensor's name, shape, dtype and sum."""
+    lines = "".join(f"{n}|{shapes[n]}|{dtype}|{sums[n]:016x}\n" for n in sorted(sums))
+    return "ckpt:" + hashlib.sha256(lines.encode()).hexdigest()
+
+
+def tensor_digest(name: str, t: torch.Tensor, staging: "DigestStaging | None" = None) -> str:
+    """sha256 over name, shape, dtype and the tensor's bytes. A CPU tensor is hashed in place; a GPU tensor streams
+    through `staging` (pinned host buffers) chunk by chunk, or without it is copied whole: the same bytes in the
+    same order either way, so the same digest."""
+    h = hashlib.sha256()
+    h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+    data = t.detach().contiguous().view(-1).view(torch.uint8)
+    if data.device.type != "cpu" and staging is not None:
+        staging.hash_into(h, data)
+    else:
+        h.update(data.cpu().numpy())  # on the CPU: the buffer itself, no extra copy
+    return h.hexdigest()
+
+
+class DigestStaging:
+    """Two pinned host buffers and a copy stream: while chunk k is hashed on the CPU, chunk k+1 is copied off the
+    GPU. Pageable copies of whole tensors would fault in fresh host pages on every call; these buffers are pinned
+    once and reused every generation."""
+
+    def __init__(self, device, chunk_bytes: int = 0):
+        self.device = torch.device(device)
+        self.chunk = chunk_bytes or DIGEST_CHUNK_BYTES
+        self.buffers = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.copied = [torch.cuda.Event() for _ in range(2)]
+
+    def hash_into(self, h, data: torch.Tensor) -> None:
+        with torch.cuda.device(self.device):
+            # the copies may start only after every write to the weights queued on the current stream
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            pending = None  # (buffer index, bytes) of the chunk copied last, not yet hashed
+            for k, start in enumerate(range(0, data.numel(), self.chunk)):
+                piece = data[start : start + self.chunk]
+                with torch.cuda.stream(self.stream):  # buffer k % 2 held chunk k-2, hashed already
+                    self.buffers[k % 2][: piece.numel()].copy_(piece, non_blocking=True)
+                    self.copied[k % 2].record(self.stream)
+                if pending:
+                    self._hash(h, *pending)
+                pending = (k % 2, piece.numel())
+            if pending:
+                self._hash(h, *pending)
+
+    def _hash(self, h, index: int, size: int) -> None:
+        self.copied[index].synchronize()
+        h.update(self.buffers[index][:size].numpy())
+
+
+def tensor_digests(named_tensors: list[tuple[str, torch.Tensor]], threads: int,
+                   staging: list[DigestStaging] | None = None) -> list[tuple[str, str]]:
+    """(name, tensor_digest) for each tensor, hashed in `threads` threads (hashlib releases the GIL on large
+    buffers), largest tensors first so that no thread is left with a big one at the end. GPU tensors go through
+    `staging` (one per thread, kept by the caller: ESWorker pins them once); without it they are copied whole. The
+    same digests, in the same order, as one thread."""
+    threads = max(1, min(threads, len(named_tensors)))
+    slots = list(staging[:threads]) if staging else [None] * threads  # each thread holds one slot while it hashes
+    threads = len(slots)
+    free = queue.SimpleQueue()
+    for s in slots:
+        free.put(s)
+
+    def digest(name_and_tensor):
+        s = free.get()
+        try:
+            return tensor_digest(*name_and_tensor, staging=s)
+        finally:
+            free.put(s)
+
+    largest_first = sorted(range(len(named_tensors)), key=lambda i: -named_tensors[i][1].numel())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="digest") as pool:
+        done = dict(zip(largest_first, pool.map(digest, (named_tensors[i] for i in largest_first))))
+    return [(name, done[i]) for i, (name, _) in enumerate(named_tensors)]
+
+
+# threads hashing one rank's tensors: the node's cores shared by its TP ranks (16 of 32 on a 2x H200 node); sha256
+# runs at about 1-2 GB/s per core, so a 30.5 GB rank of Qwen3-30B-A3B needs about 16 of them to stay near 2 s
+DIGEST_THREADS_PER_RANK = max(1, min(16, len(os.sched_getaffinity(0)) // 2))
+DIGEST_CHUNK_BYTES = 32 << 20  # bytes per pinned staging buffer (two per thread)
+
+
+def combine_digests(named_digests: list[tuple[str, str]]) -> str:
+    h = hashlib.sha256()
+    for name, d in named_digests:
+        h.update(f"{name}={d}\n".encode())
+    return h.hexdigest()
 
 
 # ============================================================================================================
