@@ -33,7 +33,7 @@ def main(argv):
         with C.Engine(cfg, C.resolve_model(cfg.model)) as engine:
             for name, template in VARIANTS.items():
                 problems = [dict(p, question=template.format(a=int(a), b=int(b))) for p in heldout
-                            for a, b in [p["question"].split("What is ")[1].split("?")[0].split(" + ")]]
+                            for a, b in [L.operands(p["question"])]]
                 t0 = time.perf_counter()
                 records = engine.run_agent([(p, 0) for p in problems], desc=f"{name}, {turns} turns")
                 rows.append(emit({"variant": name, "max_turns": turns, "problems": len(records),

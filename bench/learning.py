@@ -70,10 +70,15 @@ def episode_reward(record):
     return 0.1 if first_stated_sum(record) == record["gold"] else 0.0
 
 
+def operands(question: str) -> tuple[str, str]:
+    """The two numbers of a learn question ("What is 12 + 7? ...")."""
+    return re.search(r"What is (\d+) \+ (\d+)\?", question).groups()
+
+
 def first_stated_sum(record):
     """The result of the model's first "a + b = n" (or "is n") with the problem's own operands, or None. Only the
     first one counts: listing many candidate sums earns nothing."""
-    a, b = re.search(r"What is (\d+) \+ (\d+)\?", record["messages"][1]["content"]).groups()
+    a, b = operands(record["messages"][1]["content"])
     replies = "\n".join(m["content"] for m in record["messages"][2:] if m["role"] == "assistant")
     found = re.search(rf"(?<!\d){a}\s*\+\s*{b}\s*(?:=|is)\s*(-?\d+)", replies)
     return found.group(1) if found else None
