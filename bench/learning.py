@@ -262,4 +262,8 @@ def format_table(runs):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    C.prepare_script()  # SIGINT/SIGTERM stop training between generations' writes; a later call resumes the history
+    try:
+        main(sys.argv[1:])
+    except C.Interrupted as stop:
+        sys.exit(stop.exit_status)

@@ -13,6 +13,7 @@ import pytest
 import common as C
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import fitness_trend  # noqa: E402
 import learning  # noqa: E402
 
 PROBLEM = C.learn_problems(1, seed=7)[0]
@@ -86,3 +87,33 @@ def test_training_seconds_add_up_every_generation_of_the_history():
         {"timings": {"members": 30.0, "update": 0.5}},  # a history written before digests were timed
     ]}
     assert learning.training_seconds(history) == 51.25  # perturb/rollout are inside members: not counted twice
+
+
+def trend_history(means, alpha=5e-4, sigmas=None, members=16, seed=0):
+    """A history whose generation g has mean member fitness means[g] (member rewards spread around it)."""
+    rng = np.random.default_rng(seed)
+    sigmas = sigmas or [1e-3] * len(means)
+    gens = []
+    for m, s in zip(means, sigmas):
+        spread = rng.normal(0, 0.02, members)
+        gens.append({"rewards": list(m + spread - spread.mean()), "alpha": alpha, "sigma": s})
+    return {"generations": gens}
+
+
+def test_fitness_trend_recovers_a_known_slope_and_finds_none_in_noise():
+    rng = np.random.default_rng(1)
+    g = np.arange(60)
+    rising = fitness_trend.fitness_trend(trend_history(0.05 + 3e-4 * g + rng.normal(0, 0.01, 60)))
+    assert rising["ci_low"] < 3e-4 < rising["ci_high"] and rising["ci_low"] > 0
+    assert abs(rising["slope_per_generation"] - 3e-4) < 1.5e-4
+    flat = fitness_trend.fitness_trend(trend_history(0.05 + rng.normal(0, 0.01, 60)))
+    assert flat["ci_low"] < 0 < flat["ci_high"]
+    assert flat["within_generation_std"] == pytest.approx(np.mean([np.std(x["rewards"]) for x in
+                                                                   trend_history([0.05] * 60)["generations"]]))
+    shaped = fitness_trend.fitness_trend(trend_history([0.1] * 4, alpha=4e-3, sigmas=[2e-3, 2e-3, 1e-3, 1e-3]))
+    assert shaped["alpha_x_sigma"] == pytest.approx(4e-3 * 1.5e-3) and shaped["slope_per_generation"] == pytest.approx(0)
+
+
+def test_fitness_trend_refuses_a_history_too_short_for_a_slope():
+    with pytest.raises(ValueError, match="at least 3 generations"):
+        fitness_trend.fitness_trend(trend_history([0.05, 0.06]))

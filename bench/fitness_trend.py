@@ -1,0 +1,66 @@
+"""How fast did training fitness rise? The least-squares slope of the mean member fitness per generation, with a 95%
+percentile-bootstrap interval over generations, for each ES history given, beside its alpha and mean sigma.
+
+    python bench/fitness_trend.py bench/results/learning_gpu_clean_seed20260627_history.json ... --out=trend.json
+
+Why alpha x sigma is printed: the update is alpha/N * sum_i z_i eps_i, and the part of a member's z-score that its
+perturbation explains (rather than sampling) grows with sigma, so the expected fitness gain of one update grows
+about as alpha x sigma. The ratio of two runs' slopes can then be read against the ratio of their alpha x sigma.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import common as C  # noqa: E402
+from report import emit  # noqa: E402
+
+BOOTSTRAP = 10_000
+
+
+def mean_fitness(history: dict) -> np.ndarray:
+    return np.array([np.mean(g["rewards"]) for g in history["generations"]])
+
+
+def slope(y: np.ndarray, x: np.ndarray) -> float:
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def fitness_trend(history: dict, seed: int = 0) -> dict:
+    """Slope of the mean member fitness per generation and its 95% bootstrap interval (resampling generations)."""
+    y = mean_fitness(history)
+    x = np.arange(len(y), dtype=float)
+    if len(y) < 3:
+        raise ValueError(f"a trend needs at least 3 generations, the history has {len(y)}")
+    rng = np.random.default_rng(seed)
+    boots = []
+    for idx in rng.integers(0, len(y), size=(BOOTSTRAP, len(y))):
+        if np.ptp(x[idx]) > 0:  # a resample of one repeated generation has no slope
+            boots.append(slope(y[idx], x[idx]))
+    gens = history["generations"]
+    alpha, sigma = gens[0]["alpha"], float(np.mean([g["sigma"] for g in gens]))
+    return {"generations": len(y), "alpha": alpha, "mean_sigma": sigma, "alpha_x_sigma": alpha * sigma,
+            "slope_per_generation": slope(y, x), "ci_low": float(np.percentile(boots, 2.5)),
+            "ci_high": float(np.percentile(boots, 97.5)),
+            "first_half_mean": float(y[: len(y) // 2].mean()), "second_half_mean": float(y[len(y) // 2:].mean()),
+            "within_generation_std": float(np.mean([np.std(g["rewards"]) for g in gens]))}
+
+
+def main(argv):
+    paths = [a for a in argv if not a.startswith("--")]
+    opts, _ = C.parse_args([a for a in argv if a.startswith("--")], {"out": ""})
+    if not paths:
+        sys.exit("usage: python bench/fitness_trend.py HISTORY.json ... [--out=FILE]")
+    rows = [dict(history=p, **fitness_trend(C.read_json(Path(p)))) for p in paths]
+    print(f"{'history':<58} {'gens':>4} {'alpha x sigma':>13} {'slope / generation [95% CI]':>34}")
+    for r in rows:
+        print(f"{Path(r['history']).name:<58} {r['generations']:>4} {r['alpha_x_sigma']:>13.2e} "
+              f"{r['slope_per_generation']:+.5f} [{r['ci_low']:+.5f}, {r['ci_high']:+.5f}]")
+    return emit({"bench": "fitness_trend", "runs": rows}, opts["out"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

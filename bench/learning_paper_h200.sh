@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The paper's constants (sigma 1e-3 -> 5e-4, alpha 5e-4) for 60 generations, two run seeds trained at once on one
+# GPU machine (TP=1, 4 co-located engines each under CUDA MPS). Run on the GPU machine after the install of
+# ../shared/GPU.md, once per device call until both reports exist:
+#   ROUNDING=stochastic bash bench/learning_paper_h200.sh OUT_DIR SECONDS
+# Each seed stops (SIGINT, between history writes) when SECONDS run out and resumes from its history in the next
+# call; a finished history goes straight to the held-out evaluation. The second seed starts DELAY seconds after
+# the first: engines that start at the same moment on one GPU failed at start.
+set -uo pipefail
+out=${1:?usage: learning_paper_h200.sh OUT_DIR SECONDS}; seconds=${2:?SECONDS}
+rounding=${ROUNDING:-stochastic}; delay=${DELAY:-170}; seeds=${SEEDS:-"20260627 20260628"}
+root=${RUN_ROOT:-/tmp/lrp-$rounding}  # outside OUT_DIR: it must survive between device calls
+mkdir -p "$out" "$root"
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+pgrep -f nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d
+
+train_and_evaluate() {  # seed, seconds left
+  timeout -s INT "$2" python bench/learning.py --out="$out/learning_gpu_paper_${rounding}_seed$1.json" --seeds=1 \
+    --run_seed="$1" --alpha=5e-4 --sigma_start=1e-3 --sigma_end=5e-4 --generations=60 --rounding="$rounding" \
+    --engines=4 --tensor_parallel_size=1 --gpu_memory_utilization=0.1 --run_root="$root" \
+    >> "$out/log_${rounding}_$1.txt" 2>&1
+  echo "[learning_paper] seed $1 exit $?"
+}
+i=0
+for seed in $seeds; do
+  [ $i -gt 0 ] && sleep "$delay"
+  train_and_evaluate "$seed" $((seconds - i * delay)) &
+  i=$((i + 1))
+done
+wait
+for seed in $seeds; do  # the histories travel back, so that a fresh machine can resume them
+  cp "$root/seed-$seed/es_history.json" "$out/learning_gpu_paper_${rounding}_seed${seed}_history.json" 2>/dev/null
+  cp "$root/seed-$seed/reward_curve.png" "$out/learning_gpu_paper_${rounding}_seed$seed.png" 2>/dev/null
+done
