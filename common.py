@@ -1982,19 +1982,24 @@ class EnginePool(ClosedOnExit):
         return max(self._each("update", seeds, coeffs))
 
     def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
-        self.digests()  # every engine holds the same bits
-        return self.engines[0].checkpoint_sums()
+        """Engine 0's checkpoint digest sums, after checking that every engine holds the same bits (one pass)."""
+        per_engine = self._each("checkpoint_sums")
+        self._check_agreement([[combine_checkpoint_digest(*sums, self.cfg.dtype)] for sums in per_engine])
+        return per_engine[0]
 
     def digests(self) -> list[str]:
         """Engine 0's per-rank digests, after checking that every engine holds the same bits."""
         per_engine = self._each("digests")
+        self._check_agreement(per_engine)
+        return per_engine[0]
+
+    def _check_agreement(self, per_engine: list[list[str]]) -> None:
         for k, digests in enumerate(per_engine[1:], start=1):
             ranks = [r for r, (mine, first) in enumerate(zip(digests, per_engine[0])) if mine != first]
             if ranks or len(digests) != len(per_engine[0]):
                 raise EnginesDisagree(f"engine {k} of {self.size} disagrees with engine 0 on the weights of rank "
                                       f"{ranks[0] if ranks else '?'} ({digests} != {per_engine[0]}): the pool's "
                                       "engines no longer hold the same theta")
-        return per_engine[0]
 
     # ---- the work ----
     def evaluate_members(self, seeds: list[int], sigma: float, jobs: list[tuple[dict, int]],
