@@ -98,10 +98,11 @@ def heldout_problems(n):
 
 
 def evaluate_base_and_trained(cfg, history, problems, samples):
-    """Held-out records of the base model, then of the centre model rebuilt from the history (one engine)."""
+    """Held-out records of the base model, then of the centre model rebuilt from the history (on the run's engines,
+    --engines, in input order)."""
     model_path = C.resolve_model(cfg.model)
     jobs = [(p, i) for p in problems for i in range(samples)]
-    with C.Engine(cfg, model_path) as engine:
+    with C.EnginePool(cfg, model_path) as engine:
         t0 = time.perf_counter()
         base = engine.run_agent(jobs, desc="held-out, base model")
         seconds = time.perf_counter() - t0
