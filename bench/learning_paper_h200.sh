@@ -5,7 +5,7 @@
 #   ROUNDING=stochastic bash bench/learning_paper_h200.sh OUT_DIR SECONDS
 # Each seed stops (SIGINT, between history writes) when SECONDS run out and resumes from its history in the next
 # call; a finished history goes straight to the held-out evaluation. The second seed starts DELAY seconds after
-# the first: engines that start at the same moment on one GPU failed at start.
+# the first: engine starts that overlap on one GPU failed (GPU.md; once here at 110 s apart on a fresh machine).
 set -uo pipefail
 out=${1:?usage: learning_paper_h200.sh OUT_DIR SECONDS}; seconds=${2:?SECONDS}
 rounding=${ROUNDING:-stochastic}; delay=${DELAY:-170}; seeds=${SEEDS:-"20260627 20260628"}
