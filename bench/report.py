@@ -5,7 +5,7 @@ from pathlib import Path
 
 
 def emit(result: dict, out: str = "") -> dict:
-    print(json.dumps(result))
-    if out:
+    if out:  # the file first: a closed stdout (a pipe into head) must not lose the report
         Path(out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
     return result
