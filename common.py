@@ -1142,7 +1142,8 @@ class Engine(ClosedOnExit):
             send_vllm_log_to(Path(cfg.run_dir) / VLLM_LOG)
         spawned_before = _descendants()
         try:
-            self.llm = self._run(self._start(args))
+            with engine_start_lock() if self.device == "cuda" else contextlib.nullcontext():
+                self.llm = self._run(self._start(args))
         except BaseException:
             # a failed start cleans up after itself, but a start interrupted by SIGTERM/Ctrl-C cannot be cancelled
             # and would leave EngineCore and its workers running: end what it has spawned
@@ -1469,10 +1470,11 @@ def cuda_engine_args(cfg: Config) -> dict:
 #     once, through one work queue (a thread per engine takes the next task when its engine is free).
 #     Placement, fixed: a node's GPUs form G = GPUs // tensor_parallel_size groups of consecutive GPUs (group j:
 #     GPUs j*tp .. j*tp+tp-1); engine k runs on group k mod G. Engines spread over the groups first and share a
-#     group's GPUs (co-locate) only when K > G; co-located engines start one after another (vLLM sizes its memory
-#     from what is free when it starts), and at tensor_parallel_size > 1 they need CUDA MPS (without it their NCCL
-#     collectives stall under time-slicing). On one node the K engines live in this process; with --ray_address
-#     they are Ray actors, one placement group per GPU group, on the nodes of a cluster.
+#     group's GPUs (co-locate) only when K > G; co-located engines start one after another, also across processes
+#     (vLLM sizes its memory from what is free when it starts: engine_start_lock), and at tensor_parallel_size > 1
+#     they need CUDA MPS (without it their NCCL collectives stall under time-slicing). On one node the K engines
+#     live in this process; with --ray_address they are Ray actors, one placement group per GPU group, on the nodes
+#     of a cluster.
 #     After each generation every engine applies the same update from (seeds, coefficients), so no weights travel;
 #     their per-rank digests must then agree.
 # ============================================================================================================
@@ -1659,6 +1661,40 @@ def node_report(gpu_ids: list[str]) -> dict:
     memory = gpu_memory(gpu_ids) if gpu_ids else None
     return {"gpus": gpu_ids, "gpu_total_bytes": memory and memory[0], "gpu_free_bytes": memory and memory[1],
             "host_free_bytes": psutil.virtual_memory().available, "mps": mps_running(), "cores": os.cpu_count() or 1}
+
+
+ENGINE_START_LOCK = Path(tempfile.gettempdir()) / "es-engine-start.lock"
+_start_lock_held = threading.local()
+
+
+@contextlib.contextmanager
+def engine_start_lock(path: Path = ENGINE_START_LOCK):
+    """One GPU engine start at a time on this machine, across processes (two runs sharing a GPU): vLLM sizes an
+    engine's KV cache from the memory it sees free while it profiles, and a start that overlaps another's fails
+    ("No available memory for the cache blocks"). Re-entrant within a thread: the pool holds it across an engine's
+    start and its restore copy, the Engine inside takes it again."""
+    import fcntl
+
+    if getattr(_start_lock_held, "depth", 0):
+        _start_lock_held.depth += 1
+        try:
+            yield
+        finally:
+            _start_lock_held.depth -= 1
+        return
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[pool] another process is starting an engine on this machine: waiting for it ({path})",
+                  flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        _start_lock_held.depth = 1
+        try:
+            yield
+        finally:
+            _start_lock_held.depth = 0
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -1859,10 +1895,10 @@ class EnginePool(ClosedOnExit):
         report = node_report([g for group in groups for g in group])
         plans = self._memory_plans(model_path, [report] * len(groups), counts, [self.size] * len(groups))
         for k, j in enumerate(where):
-            with environment(CUDA_VISIBLE_DEVICES=",".join(groups[j])):
+            with engine_start_lock(), environment(CUDA_VISIBLE_DEVICES=",".join(groups[j])):
                 engine = Engine(self._engine_cfg(plans[j]), model_path, **engine_kwargs)
-            self.engines.append(engine)
-            self._reserve_restore_copy(engine, counts[j], engine.cfg.restore)
+                self.engines.append(engine)
+                self._reserve_restore_copy(engine, counts[j], engine.cfg.restore)
             self._started({"node": "local", "gpus": groups[j], "group": j, "co_located": counts[j],
                            "restore": engine.cfg.restore, "mps": report["mps"]})
 

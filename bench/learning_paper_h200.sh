@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The paper's constants (sigma 1e-3 -> 5e-4, alpha 5e-4) for 60 generations, two run seeds trained at once on one
-# GPU machine (TP=1, 4 co-located engines each under CUDA MPS). Run on the GPU machine after the install of
-# ../shared/GPU.md, once per device call until both reports exist:
+# GPU machine (TP=1, ENGINES co-located engines each, default 4, under CUDA MPS). Run on the GPU machine after the
+# install of ../shared/GPU.md, once per device call until both reports exist:
 #   ROUNDING=stochastic bash bench/learning_paper_h200.sh OUT_DIR SECONDS
 # Each seed stops (SIGINT, between history writes) when SECONDS run out and resumes from its history in the next
-# call; a finished history goes straight to the held-out evaluation. The second seed starts DELAY seconds after
-# the first: engine starts that overlap on one GPU failed (GPU.md; once here at 110 s apart on a fresh machine).
+# call; a finished history goes straight to the held-out evaluation. The two processes' engine starts take turns
+# (common.engine_start_lock): starts that overlapped on one GPU failed ("No available memory for the cache blocks").
+# DELAY seconds between the two processes' launches stay settable (default 0).
 set -uo pipefail
 out=${1:?usage: learning_paper_h200.sh OUT_DIR SECONDS}; seconds=${2:?SECONDS}
-rounding=${ROUNDING:-stochastic}; delay=${DELAY:-170}; seeds=${SEEDS:-"20260627 20260628"}
+rounding=${ROUNDING:-stochastic}; delay=${DELAY:-0}; engines=${ENGINES:-4}; seeds=${SEEDS:-"20260627 20260628"}
 root=${RUN_ROOT:-/tmp/lrp-$rounding}  # outside OUT_DIR: it must survive between device calls
 mkdir -p "$out" "$root"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log
@@ -18,7 +19,7 @@ pgrep -f nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d
 train_and_evaluate() {  # seed, seconds left
   timeout -s INT "$2" python bench/learning.py --out="$out/learning_gpu_paper_${rounding}_seed$1.json" --seeds=1 \
     --run_seed="$1" --alpha=5e-4 --sigma_start=1e-3 --sigma_end=5e-4 --generations=60 --rounding="$rounding" \
-    --engines=4 --tensor_parallel_size=1 --gpu_memory_utilization=0.1 --run_root="$root" \
+    --engines="$engines" --tensor_parallel_size=1 --gpu_memory_utilization=0.1 --run_root="$root" \
     >> "$out/log_${rounding}_$1.txt" 2>&1
   echo "[learning_paper] seed $1 exit $?"
 }

@@ -205,6 +205,36 @@ def test_mps_is_running_only_with_its_control_pipe_and_daemon(tmp_path, monkeypa
         process.wait()
 
 
+def test_engine_starts_wait_for_another_process_s_start_and_nest_within_one(tmp_path, capsys):
+    lock, release = tmp_path / "start.lock", tmp_path / "release"
+    holder = subprocess.Popen(  # another run's engine start, holding the machine's start lock until told
+        [sys.executable, "-c", f"import common as C, os, time\nwith C.engine_start_lock(C.Path({str(lock)!r})):\n"
+                               f"    print('held', flush=True)\n"
+                               f"    while not os.path.exists({str(release)!r}): time.sleep(0.05)"],
+        cwd=C.REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        entered = C.threading.Event()
+
+        def start():  # the pool's hold across a start and its restore copy, and the Engine's own inside it
+            with C.engine_start_lock(lock), C.engine_start_lock(lock):
+                entered.set()
+
+        thread = C.threading.Thread(target=start)
+        thread.start()
+        assert not entered.wait(1.0)  # waits while the other process starts its engine
+        release.write_text("")
+        assert entered.wait(30) and holder.wait(30) == 0
+        thread.join(5)
+        assert not thread.is_alive()
+        with C.engine_start_lock(lock):  # released by both: free again at once
+            pass
+        assert "another process is starting an engine on this machine" in capsys.readouterr().out
+    finally:
+        release.write_text("")
+        holder.wait(30)
+
+
 def test_a_mixed_pool_is_refused():
     pool = C.EnginePool.__new__(C.EnginePool)
     h200, h100 = [{"name": "NVIDIA H200", "sm_count": 132}] * 2, [{"name": "NVIDIA H100", "sm_count": 132}] * 2
