@@ -1675,12 +1675,8 @@ def engine_start_lock(path: Path = ENGINE_START_LOCK):
     start and its restore copy, the Engine inside takes it again."""
     import fcntl
 
-    if getattr(_start_lock_held, "depth", 0):
-        _start_lock_held.depth += 1
-        try:
-            yield
-        finally:
-            _start_lock_held.depth -= 1
+    if getattr(_start_lock_held, "held", False):  # the outermost hold releases it
+        yield
         return
     with open(path, "a") as lock:
         try:
@@ -1689,11 +1685,11 @@ def engine_start_lock(path: Path = ENGINE_START_LOCK):
             print(f"[pool] another process is starting an engine on this machine: waiting for it ({path})",
                   flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        _start_lock_held.depth = 1
+        _start_lock_held.held = True
         try:
             yield
         finally:
-            _start_lock_held.depth = 0
+            _start_lock_held.held = False
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
