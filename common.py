@@ -1142,7 +1142,7 @@ class Engine(ClosedOnExit):
             send_vllm_log_to(Path(cfg.run_dir) / VLLM_LOG)
         spawned_before = _descendants()
         try:
-            with engine_start_lock() if self.device == "cuda" else contextlib.nullcontext():
+            with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
                 self.llm = self._run(self._start(args))
         except BaseException:
             # a failed start cleans up after itself, but a start interrupted by SIGTERM/Ctrl-C cannot be cancelled
@@ -1218,17 +1218,19 @@ class Engine(ClosedOnExit):
         return [p.pid for p in self._engine_core_processes()]
 
     def close(self) -> None:
-        """Shut vLLM down: the EngineCore process and its TP workers exit (also after an engine failure)."""
+        """Shut vLLM down: the EngineCore process and its TP workers exit (also after an engine failure). On a GPU
+        under the machine's GPU memory lock: memory freed while another engine profiles fails that start."""
         if getattr(self, "llm", None) is not None:
-            # shut down on the engine's own loop, so its output handler is cancelled rather than left failing
-            shutdown = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
-            try:
-                shutdown.result()
-            except KeyboardInterrupt:  # SIGTERM/Ctrl-C while shutting down: finish the shutdown first
-                shutdown.result()
-                raise
-            finally:
-                self.llm = None
+            with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
+                # shut down on the engine's own loop, so its output handler is cancelled rather than left failing
+                shutdown = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+                try:
+                    shutdown.result()
+                except KeyboardInterrupt:  # SIGTERM/Ctrl-C while shutting down: finish the shutdown first
+                    shutdown.result()
+                    raise
+                finally:
+                    self.llm = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
@@ -1240,7 +1242,18 @@ class Engine(ClosedOnExit):
         if not self._call_vllm(self.llm.reset_prefix_cache(), "the prefix cache reset"):
             raise EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
 
+    def reserve_restore_copy(self) -> None:
+        """Take the exact-restore copy now (once), under the machine's GPU memory lock: a copy made while another
+        engine profiles its memory fails that start. Co-located engines take it at start, the others before their
+        first perturbation."""
+        if getattr(self, "_restore_copy_taken", False) or self.cfg.restore == "subtract":
+            return
+        with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
+            self.rpc("es_snapshot", restore=self.cfg.restore)
+        self._restore_copy_taken = True
+
     def perturb(self, seed: int, sigma: float) -> float:
+        self.reserve_restore_copy()
         seconds = max(self.rpc("es_perturb", seed=seed, sigma=sigma, chunk=self.cfg.noise_chunk,
                                restore=self.cfg.restore, rounding=self.cfg.rounding, noise=self.cfg.noise))
         self.reset_prefix_cache()
@@ -1471,7 +1484,7 @@ def cuda_engine_args(cfg: Config) -> dict:
 #     Placement, fixed: a node's GPUs form G = GPUs // tensor_parallel_size groups of consecutive GPUs (group j:
 #     GPUs j*tp .. j*tp+tp-1); engine k runs on group k mod G. Engines spread over the groups first and share a
 #     group's GPUs (co-locate) only when K > G; co-located engines start one after another, also across processes
-#     (vLLM sizes its memory from what is free when it starts: engine_start_lock), and at tensor_parallel_size > 1
+#     (vLLM sizes its memory from what is free when it starts: gpu_memory_lock), and at tensor_parallel_size > 1
 #     they need CUDA MPS (without it their NCCL collectives stall under time-slicing). On one node the K engines
 #     live in this process; with --ray_address they are Ray actors, one placement group per GPU group, on the nodes
 #     of a cluster.
@@ -1621,6 +1634,40 @@ def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: boo
             + MPS_COMMANDS)
 
 
+def engines_to_plan(where: list[int], counts: list[int], k: int) -> dict:
+    """What engine k's memory plan must still make room for, given the GPU group of each engine of a node in start
+    order (`where`) and each group's engine count: the engines of its group from k on (the earlier ones already
+    hold their memory), and the exact-restore copies still to take on the node (engines from k on, and earlier
+    engines alone on their group, which take theirs at the first perturbation)."""
+    return {"engines_per_gpu": where[k:].count(where[k]), "co_located": counts[where[k]],
+            "engines_on_node": sum(1 for i, j in enumerate(where) if i >= k or counts[j] == 1)}
+
+
+def start_gpu_engine(cfg: Config, model_path: str, gpus: list[str], *, engines_per_gpu: int, engines_on_node: int,
+                     co_located: int, **engine_kwargs) -> "Engine":
+    """One GPU engine of a pool, under the machine's GPU memory lock: its memory plan from what is free now (after
+    every engine started before it, this run's or another's; the refusal names the numbers), its start, and for
+    co-located engines the exact-restore copy, so that the next start sees that memory used."""
+    with gpu_memory_lock():
+        report = node_report(gpus)
+        if report["gpu_total_bytes"] is not None:  # nvidia-smi told
+            config = json.loads((Path(model_path) / "config.json").read_text())
+            plan = plan_gpu_memory(
+                engines_per_gpu=engines_per_gpu, engines_on_node=engines_on_node,
+                gpu_total=report["gpu_total_bytes"], gpu_free=report["gpu_free_bytes"],
+                host_free=report["host_free_bytes"], utilization=cfg.gpu_memory_utilization, restore=cfg.restore,
+                tensor_parallel_size=cfg.tensor_parallel_size, **engine_memory_needs(config, cfg))
+            cfg = dataclasses.replace(cfg, restore=plan["restore"])
+        engine = Engine(cfg, model_path, **engine_kwargs)
+        try:
+            if co_located > 1:
+                engine.reserve_restore_copy()
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+
 # ---- what a node has ----
 
 def mps_running() -> bool:
@@ -1663,34 +1710,65 @@ def node_report(gpu_ids: list[str]) -> dict:
             "host_free_bytes": psutil.virtual_memory().available, "mps": mps_running(), "cores": os.cpu_count() or 1}
 
 
-ENGINE_START_LOCK = Path(tempfile.gettempdir()) / "es-engine-start.lock"
-_start_lock_held = threading.local()
+GPU_MEMORY_LOCK = Path("/tmp/es-gpu-memory.lock")  # one path for every process of the machine, whatever TMPDIR says
+_gpu_memory_lock_held = threading.local()
 
 
 @contextlib.contextmanager
-def engine_start_lock(path: Path = ENGINE_START_LOCK):
-    """One GPU engine start at a time on this machine, across processes (two runs sharing a GPU): vLLM sizes an
-    engine's KV cache from the memory it sees free while it profiles, and a start that overlaps another's fails
-    ("No available memory for the cache blocks"). Re-entrant within a thread: the pool holds it across an engine's
-    start and its restore copy, the Engine inside takes it again."""
+def gpu_memory_lock(path: Path | None = None):
+    """Held while this process changes GPU memory (an engine's memory plan and start, an exact-restore copy, a
+    shutdown), one process of the machine at a time: vLLM sizes an engine's KV cache from the memory it sees free
+    while it profiles, and fails that start when another process takes or frees memory in the window ("No
+    available memory for the cache blocks", "Error in memory profiling"). Re-entrant within a thread: the pool
+    holds it across an engine's plan, start and restore copy, the Engine inside takes it again."""
     import fcntl
 
-    if getattr(_start_lock_held, "held", False):  # the outermost hold releases it
+    if getattr(_gpu_memory_lock_held, "held", False):  # the outermost hold releases it
         yield
         return
-    with open(path, "a") as lock:
+    path = path or GPU_MEMORY_LOCK
+    fd = _open_lock_file(path)
+    try:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"[pool] another process is starting an engine on this machine: waiting for it ({path})",
-                  flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        _start_lock_held.held = True
+            print(f"[gpu] another process is changing GPU memory on this machine (an engine starting, copying or "
+                  f"stopping): waiting for it ({path})", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        _gpu_memory_lock_held.held = True
         try:
             yield
         finally:
-            _start_lock_held.held = False
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            _gpu_memory_lock_held.held = False
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _open_lock_file(path: Path) -> int:
+    """The lock file, opened read-only (flock needs no write access) and created readable by every user, so that
+    the engines of every user of the machine take turns through the same file."""
+    try:
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:  # another process created it just now
+            return os.open(path, os.O_RDONLY)
+        os.fchmod(fd, 0o644)  # whatever the umask
+        return fd
+    except PermissionError as exc:
+        try:
+            import pwd
+
+            owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
+        except (OSError, KeyError):
+            owner = "another user"
+        raise ConfigError(f"cannot open the machine's GPU memory lock {path} ({exc.strerror}; it belongs to "
+                          f"{owner}): every process that starts, copies or stops a GPU engine here takes turns "
+                          f"through it. Make it readable for all (chmod a+r {path}) or remove it, as its owner or "
+                          "root") from None
 
 
 @contextlib.contextmanager
@@ -1721,14 +1799,19 @@ class _EngineActor:
     """One Engine inside a Ray actor process (--ray_address). It runs two calls at a time (max_concurrency=2), so
     that poll() answers while a member or a batch of episodes runs."""
 
-    def __init__(self, cfg: Config, model_path: str, engine_kwargs: dict, env: dict, sandbox_check: dict | None):
+    def __init__(self, cfg: Config, model_path: str, engine_kwargs: dict, env: dict, sandbox_check: dict | None,
+                 plan: dict | None = None):
         os.environ.update(env)  # the GPUs of its group (Ray sets CUDA_VISIBLE_DEVICES for num_gpus=0 actors)
         if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as the driver did
             check_sandbox(cfg, **sandbox_check)
         self._lock, self._finished = threading.Lock(), []
         # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
         executor = "mp" if cfg.tensor_parallel_size > 1 else None
-        self.engine = Engine(cfg, model_path, executor=executor, **engine_kwargs)
+        if plan is None:
+            self.engine = Engine(cfg, model_path, executor=executor, **engine_kwargs)
+        else:  # a GPU group's engine: its memory plan is made on its node, from what is free when it starts
+            gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+            self.engine = start_gpu_engine(cfg, model_path, gpus, executor=executor, **plan, **engine_kwargs)
 
     def _keep(self, record: dict) -> None:
         with self._lock:
@@ -1745,7 +1828,7 @@ class _EngineActor:
 
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "device": self.engine.device,
-                "core_pids": self.engine.engine_core_pids()}
+                "restore": self.engine.cfg.restore, "core_pids": self.engine.engine_core_pids()}
 
     def call(self, method: str, *args, **kwargs):
         return getattr(self.engine, method)(*args, **kwargs)
@@ -1848,28 +1931,12 @@ class EnginePool(ClosedOnExit):
             raise
 
     # ---- starting and stopping ----
-    def _memory_plans(self, model_path: str, reports: list[dict], engines_per_group: list[int],
-                      engines_per_node: list[int]) -> list[dict | None]:
-        """Per GPU group: the memory plan of its engines (None where nvidia-smi could not tell), and the MPS rule."""
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        needs = engine_memory_needs(config, self.cfg)
-        plans = []
-        for report, count, on_node in zip(reports, engines_per_group, engines_per_node):
-            warning = check_colocation(count, self.cfg.tensor_parallel_size, report["mps"])
+    def _check_colocation(self, engines_per_group: list[int], mps: list[bool]) -> None:
+        """The MPS rule for every GPU group, before any engine starts."""
+        for count, mps_on in zip(engines_per_group, mps):
+            warning = check_colocation(count, self.cfg.tensor_parallel_size, mps_on)
             if warning:
                 warnings.warn(warning, stacklevel=3)
-            if report["gpu_total_bytes"] is None:
-                plans.append(None)
-                continue
-            plans.append(plan_gpu_memory(
-                engines_per_gpu=count, engines_on_node=on_node, gpu_total=report["gpu_total_bytes"],
-                gpu_free=report["gpu_free_bytes"], host_free=report["host_free_bytes"],
-                utilization=self.cfg.gpu_memory_utilization, restore=self.cfg.restore,
-                tensor_parallel_size=self.cfg.tensor_parallel_size, **needs))
-        return plans
-
-    def _engine_cfg(self, plan: dict | None) -> Config:
-        return dataclasses.replace(self.cfg, restore=plan["restore"]) if plan else self.cfg
 
     def _start_local(self, model_path: str, engine_kwargs: dict) -> None:
         """K engines in this process (one node), started one after another on their GPU groups or CPU cores."""
@@ -1888,20 +1955,15 @@ class EnginePool(ClosedOnExit):
         groups = gpu_groups(visible_gpus(), tp)
         where = place_engines(self.size, len(groups))
         counts = [where.count(j) for j in range(len(groups))]
-        report = node_report([g for group in groups for g in group])
-        plans = self._memory_plans(model_path, [report] * len(groups), counts, [self.size] * len(groups))
+        mps = mps_running()
+        self._check_colocation(counts, [mps] * len(groups))
         for k, j in enumerate(where):
-            with engine_start_lock(), environment(CUDA_VISIBLE_DEVICES=",".join(groups[j])):
-                engine = Engine(self._engine_cfg(plans[j]), model_path, **engine_kwargs)
-                self.engines.append(engine)
-                self._reserve_restore_copy(engine, counts[j], engine.cfg.restore)
+            with environment(CUDA_VISIBLE_DEVICES=",".join(groups[j])):
+                engine = start_gpu_engine(self.cfg, model_path, groups[j], **engines_to_plan(where, counts, k),
+                                          **engine_kwargs)
+            self.engines.append(engine)
             self._started({"node": "local", "gpus": groups[j], "group": j, "co_located": counts[j],
-                           "restore": engine.cfg.restore, "mps": report["mps"]})
-
-    def _reserve_restore_copy(self, engine, co_located: int, restore: str) -> None:
-        """Co-located engines take their exact-restore copy at start, so the next engine's start sees it used."""
-        if co_located > 1 and restore != "subtract":
-            engine.rpc("es_snapshot", restore=restore)
+                           "restore": engine.cfg.restore, "mps": mps})
 
     def _start_remote(self, model_path: str, engine_kwargs: dict) -> None:
         """K engines as Ray actors: per GPU group one placement group (its GPUs on one node) holding that group's
@@ -1929,8 +1991,8 @@ class EnginePool(ClosedOnExit):
         reports = [ray.get(ray.remote(_probe_node).options(num_cpus=0, num_gpus=tp if gpu else 0,
                                                             scheduling_strategy=strategy(j)).remote(tp))
                    for j in range(len(counts))]
-        on_node = [sum(c for c, r in zip(counts, reports) if r["node"] == report["node"]) for report in reports]
-        plans = self._memory_plans(model_path, reports, counts, on_node) if gpu else [None] * len(counts)
+        if gpu:
+            self._check_colocation(counts, [r["mps"] for r in reports])
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
         sandbox = dict(SANDBOX_CHECKED) if SANDBOX_CHECKED else None
         remote = ray.remote(_EngineActor)
@@ -1940,16 +2002,15 @@ class EnginePool(ClosedOnExit):
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(reports[j]["gpus"])
             if self.device == "cpu":
                 env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(k, tp, reports[j]["cores"])
+            same_node = [i for i, g in enumerate(where) if reports[g]["node"] == reports[j]["node"]]
+            plan = engines_to_plan([where[i] for i in same_node], counts, same_node.index(k)) if gpu else None
             actor = remote.options(num_cpus=1, num_gpus=0, max_concurrency=2, runtime_env={"env_vars": env},
                                    scheduling_strategy=strategy(j)).remote(
-                self._engine_cfg(plans[j]), str(model_path), engine_kwargs, env, sandbox)
+                self.cfg, str(model_path), engine_kwargs, env, sandbox, plan)
             engine = RemoteEngine(actor, f"engine {k} of {self.size}")
             self.engines.append(engine)
             where_k = engine.where()  # waits for this engine to be up before the next one starts
-            restore = self._engine_cfg(plans[j]).restore
-            if gpu:
-                self._reserve_restore_copy(engine, counts[j], restore)
-            self._started(dict(where_k, group=j, co_located=counts[j], restore=restore, mps=reports[j]["mps"]))
+            self._started(dict(where_k, group=j, co_located=counts[j], mps=reports[j]["mps"]))
 
     def _started(self, placement: dict) -> None:
         self.placement.append(placement)

@@ -174,65 +174,214 @@ def test_co_located_engines_at_tp2_need_mps_and_at_tp1_get_a_warning():
     assert C.check_colocation(1, 2, mps=False) is None  # not co-located
 
 
-def test_the_pool_refuses_co_location_before_any_engine_starts(tmp_path):
-    pool = C.EnginePool.__new__(C.EnginePool)
-    pool.cfg = config(2, tmp_path, "--tensor_parallel_size=2", "--gpu_memory_utilization=0.3")
-    no_gpu_report = {"mps": False, "gpu_total_bytes": None}
+class FakeGPUEngine:
+    """Stands in for a GPU Engine in the pool's start: records what happens in which order, and whether the
+    machine's GPU memory lock is held at each step; its memory comes out of `gpu.free`."""
+
+    def __init__(self, gpu, cfg, model_path, **kwargs):
+        self.gpu, self.cfg, self.device = gpu, cfg, "cuda"
+        gpu.events.append(("start", len(gpu.engines), C._gpu_memory_lock_held.held, cfg.restore))
+        gpu.free -= int(cfg.gpu_memory_utilization * gpu.total) + C.ENGINE_OVERHEAD_BYTES
+        gpu.engines.append(self)
+
+    def reserve_restore_copy(self):
+        self.gpu.events.append(("copy", self.gpu.engines.index(self), C._gpu_memory_lock_held.held))
+        self.gpu.free -= self.gpu.weights
+
+    def rpc(self, method, **kwargs):
+        return [{"name": "fake GPU", "sm_count": 1}]
+
+    def close(self):
+        self.gpu.events.append(("close", self.gpu.engines.index(self)))
+
+
+class FakeGPU:
+    """One 10 GiB GPU that another process may take memory from after a given engine started."""
+
+    def __init__(self, taken_by_another_after: int | None = None):
+        self.total, self.free, self.weights = 10 * GIB, 10 * GIB, 64 << 20
+        self.events, self.engines, self.taken_after = [], [], taken_by_another_after
+
+    def report(self, gpus):
+        self.events.append(("plan", len(self.engines), C._gpu_memory_lock_held.held))
+        if self.taken_after is not None and len(self.engines) == self.taken_after + 1:
+            self.free -= 3 * GIB  # another run's engine started meanwhile
+        return {"gpus": gpus, "gpu_total_bytes": self.total, "gpu_free_bytes": self.free,
+                "host_free_bytes": 100 * GIB, "mps": True, "cores": 2}
+
+
+def fake_gpu_pool(monkeypatch, tmp_path, gpu: FakeGPU, engines: int):
+    monkeypatch.setattr(C, "GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
+    monkeypatch.setattr(C, "device_type", lambda: "cuda")
+    monkeypatch.setattr(C, "visible_gpus", lambda: ["0"])
+    monkeypatch.setattr(C, "mps_running", lambda: True)
+    monkeypatch.setattr(C, "node_report", gpu.report)
+    monkeypatch.setattr(C, "Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
+    return C.EnginePool(config(engines, tmp_path, "--tensor_parallel_size=1", "--gpu_memory_utilization=0.3"), MODEL)
+
+
+def test_the_pool_plans_each_gpu_engine_inside_the_lock_from_the_memory_free_at_its_start(monkeypatch, tmp_path):
+    gpu = FakeGPU()
+    pool = fake_gpu_pool(monkeypatch, tmp_path, gpu, engines=2)
+    assert gpu.events == [("plan", 0, True), ("start", 0, True, "copy_device"), ("copy", 0, True),
+                          ("plan", 1, True), ("start", 1, True, "copy_device"), ("copy", 1, True)]
+    assert [p["restore"] for p in pool.placement] == ["copy_device", "copy_device"]
+
+
+def test_memory_another_process_takes_between_two_starts_refuses_the_next_start_with_numbers(monkeypatch, tmp_path):
+    gpu = FakeGPU(taken_by_another_after=0)  # 4 GiB per engine: 8 of 10 fit, then another run takes 3
+    with pytest.raises(C.ConfigError, match=r"1 engines per GPU need 4\.0 GiB \(per GPU: 10\.0 GiB total, 2\.9 GiB free"):
+        fake_gpu_pool(monkeypatch, tmp_path, gpu, engines=2)
+    assert gpu.events[-2:] == [("plan", 1, True), ("close", 0)]  # refused before engine 1 started; engine 0 shut
+
+
+def test_the_pool_refuses_co_location_without_mps_before_any_engine_starts(monkeypatch, tmp_path):
+    gpu = FakeGPU()
+    monkeypatch.setattr(C, "GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
+    monkeypatch.setattr(C, "device_type", lambda: "cuda")
+    monkeypatch.setattr(C, "visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr(C, "mps_running", lambda: False)
+    monkeypatch.setattr(C, "node_report", gpu.report)
+    monkeypatch.setattr(C, "Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
     with pytest.raises(C.ConfigError, match="2 engines at tensor_parallel_size=2 would share GPUs without CUDA MPS"):
-        pool._memory_plans(MODEL, [no_gpu_report], [2], [2])
-    h200 = {"mps": True, "gpu_total_bytes": H200["gpu_total"], "gpu_free_bytes": H200["gpu_free"],
-            "host_free_bytes": H200["host_free"]}
-    plans = pool._memory_plans(MODEL, [h200, h200], [2, 1], [3, 3])
-    assert [p["engines_per_gpu"] for p in plans] == [2, 1] and plans[0]["restore"] == "copy_device"
-    assert pool._engine_cfg(dict(plans[0], restore="copy_host")).restore == "copy_host"
+        C.EnginePool(config(2, tmp_path, "--tensor_parallel_size=2", "--gpu_memory_utilization=0.3"), MODEL)
+    assert gpu.events == []
 
 
-def test_mps_is_running_only_with_its_control_pipe_and_daemon(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
-    assert not C.mps_running()
-    (tmp_path / "control").write_text("")
-    assert not C.mps_running()  # a stale pipe without a daemon
-    daemon = tmp_path / "nvidia-cuda-mps-control"
-    shutil.copy(shutil.which("sleep"), daemon)
-    process = subprocess.Popen([str(daemon), "60"])
+def test_what_each_engine_s_plan_makes_room_for():
+    where, counts = [0, 1, 0, 0], [3, 1]  # group 0 holds three engines, group 1 one
+    assert [C.engines_to_plan(where, counts, k) for k in range(4)] == [
+        {"engines_per_gpu": 3, "co_located": 3, "engines_on_node": 4},
+        {"engines_per_gpu": 1, "co_located": 1, "engines_on_node": 3},
+        {"engines_per_gpu": 2, "co_located": 3, "engines_on_node": 3},  # engine 1 copies at its first perturb
+        {"engines_per_gpu": 1, "co_located": 3, "engines_on_node": 2}]
+
+
+def held_elsewhere(path) -> bool:
+    """Whether the lock at `path` is held: a new open file description cannot take it (as another process)."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)
     try:
-        time.sleep(0.2)
-        assert C.mps_running()
-        (tmp_path / "control").unlink()
-        assert not C.mps_running()  # a daemon serving another pipe directory
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
     finally:
-        process.kill()
-        process.wait()
+        os.close(fd)
 
 
-def test_engine_starts_wait_for_another_process_s_start_and_nest_within_one(tmp_path, capsys):
-    lock, release = tmp_path / "start.lock", tmp_path / "release"
-    holder = subprocess.Popen(  # another run's engine start, holding the machine's start lock until told
-        [sys.executable, "-c", f"import common as C, os, time\nwith C.engine_start_lock(C.Path({str(lock)!r})):\n"
+class ShutdownRecorder:
+    def __init__(self, lock):
+        self.lock, self.held = lock, None
+
+    def shutdown(self, timeout):
+        self.held = held_elsewhere(self.lock)
+
+
+def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_lock(monkeypatch, tmp_path):
+    lock = tmp_path / "gpu-memory.lock"
+    monkeypatch.setattr(C, "GPU_MEMORY_LOCK", lock)
+    lock.write_text("")
+    engine = C.Engine.__new__(C.Engine)
+    engine.cfg, engine.device, calls = config(1, tmp_path), "cuda", []
+    engine.rpc = lambda method, **kw: calls.append((method, held_elsewhere(lock))) or [0.0]
+    engine.reset_prefix_cache = lambda: None
+    engine.perturb(1, 0.1)
+    engine.perturb(2, 0.1)  # the copy is taken once, before the first perturbation
+    assert [c for c in calls if c[0] != "es_restore"] == [("es_snapshot", True), ("es_perturb", False),
+                                                          ("es_perturb", False)]
+    engine._loop = C.asyncio.new_event_loop()
+    engine._thread = C.threading.Thread(target=engine._loop.run_forever, daemon=True)
+    engine._thread.start()
+    engine.llm = recorder = ShutdownRecorder(lock)
+    engine.close()
+    assert recorder.held is True and engine.llm is None and not held_elsewhere(lock)
+
+
+def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypatch, tmp_path, capsys):
+    lock, release = tmp_path / "gpu-memory.lock", tmp_path / "release"
+    holder = subprocess.Popen(  # another run's engine start, holding the machine's lock until told
+        [sys.executable, "-c", f"import common as C, os, time\nwith C.gpu_memory_lock(C.Path({str(lock)!r})):\n"
                                f"    print('held', flush=True)\n"
                                f"    while not os.path.exists({str(release)!r}): time.sleep(0.05)"],
         cwd=C.REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        entered = C.threading.Event()
+        entered, inner_done, outer_free = C.threading.Event(), C.threading.Event(), C.threading.Event()
+        still_held_after_inner = []
 
-        def start():  # the pool's hold across a start and its restore copy, and the Engine's own inside it
-            with C.engine_start_lock(lock), C.engine_start_lock(lock):
-                entered.set()
+        def start():  # the pool's hold across a plan, a start and its restore copy, and the Engine's inside it
+            with C.gpu_memory_lock(lock):
+                with C.gpu_memory_lock(lock):
+                    entered.set()
+                still_held_after_inner.append(held_elsewhere(lock))  # the inner exit must not release it
+            outer_free.set()
 
         thread = C.threading.Thread(target=start)
         thread.start()
-        assert not entered.wait(1.0)  # waits while the other process starts its engine
+        assert not entered.wait(1.0)  # waits while the other process holds it
         release.write_text("")
-        assert entered.wait(30) and holder.wait(30) == 0
+        assert entered.wait(30) and holder.wait(30) == 0 and outer_free.wait(30)
         thread.join(5)
-        assert not thread.is_alive()
-        with C.engine_start_lock(lock):  # released by both: free again at once
-            pass
-        assert "another process is starting an engine on this machine" in capsys.readouterr().out
+        assert still_held_after_inner == [True]
+        with C.gpu_memory_lock(lock):  # the thread's flag was reset: this hold takes the file lock again
+            assert held_elsewhere(lock)
+        assert "another process is changing GPU memory on this machine" in capsys.readouterr().out
     finally:
         release.write_text("")
         holder.wait(30)
+
+
+def test_the_gpu_memory_lock_is_one_path_whatever_tmpdir_says(tmp_path):
+    paths = {subprocess.run([sys.executable, "-c", "import common; print(common.GPU_MEMORY_LOCK)"], cwd=C.REPO,
+                            env=dict(os.environ, TMPDIR=str(tmpdir)), capture_output=True, text=True,
+                            check=True).stdout.strip() for tmpdir in (tmp_path, "/tmp")}
+    assert len(paths) == 1
+
+
+def as_user(uid: int, action) -> str:
+    """action() in a forked child that runs as user `uid`: what it returns, or the error it raises, as text."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            out = str(action())
+        except BaseException as exc:  # noqa: BLE001
+            out = f"{type(exc).__name__}: {exc}"
+        os.write(write, out.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        out = pipe.read()
+    os.waitpid(pid, 0)
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
+def test_another_user_s_gpu_memory_lock_is_shared_or_refused_with_a_clear_error():
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="es-lock-", dir="/tmp"))
+    shared.chmod(0o1777)
+    try:
+        lock = shared / "gpu-memory.lock"
+        with C.gpu_memory_lock(lock):  # root creates it: readable by every user
+            pass
+
+        def take():
+            with C.gpu_memory_lock(lock):
+                return "taken"
+
+        assert as_user(65534, take) == "taken"
+        lock.chmod(0o600)
+        refused = as_user(65534, take)
+        assert refused.startswith("ConfigError: cannot open the machine's GPU memory lock"), refused
+        assert f"chmod a+r {lock}" in refused and "it belongs to root" in refused
+    finally:
+        shutil.rmtree(shared)
 
 
 def test_a_mixed_pool_is_refused():
