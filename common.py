@@ -1740,8 +1740,11 @@ def gpu_memory_lock(path: Path | None = None):
             yield
         finally:
             _gpu_memory_lock_held.held = False
+            # explicitly: a process forked meanwhile (vLLM's EngineCore on a GPU) shares the open file, and closing
+            # ours alone would leave the lock held for that process's lifetime
+            fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
-        os.close(fd)  # releases the flock
+        os.close(fd)
 
 
 def _open_lock_file(path: Path) -> int:

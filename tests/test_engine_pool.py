@@ -333,6 +333,20 @@ def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypa
         holder.wait(30)
 
 
+def test_the_gpu_memory_lock_is_released_while_a_process_forked_under_it_lives(tmp_path):
+    lock = tmp_path / "gpu-memory.lock"
+    with C.gpu_memory_lock(lock):
+        child = os.fork()  # as vLLM forks EngineCore during a GPU engine's start: it shares the lock's open file
+        if child == 0:
+            time.sleep(5)
+            os._exit(0)
+    try:
+        assert not held_elsewhere(lock)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
 def test_the_gpu_memory_lock_is_one_path_whatever_tmpdir_says(tmp_path):
     paths = {subprocess.run([sys.executable, "-c", "import common; print(common.GPU_MEMORY_LOCK)"], cwd=C.REPO,
                             env=dict(os.environ, TMPDIR=str(tmpdir)), capture_output=True, text=True,
