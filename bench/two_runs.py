@@ -26,10 +26,12 @@ LOCK_WAIT = "another process is changing GPU memory on this machine"
 MEMORY_FAILURES = ("Error in memory profiling", "No available memory for the cache blocks")
 
 
-def run_summary(seed: int, returncode: int, log: Path, report_path: Path) -> dict:
-    """One process's exit status, held-out result and what its log says about the GPU memory lock."""
+def run_summary(seed: int, returncode: int, log: Path, report_path: Path, history: Path) -> dict:
+    """One process's exit status, generations trained, held-out result and what its log says about the GPU memory
+    lock."""
     text = log.read_text(errors="replace")
-    summary = {"run_seed": seed, "exit_status": returncode, "log": str(log),
+    trained = len(C.read_json(history)["generations"]) if history.exists() else 0
+    summary = {"run_seed": seed, "exit_status": returncode, "log": str(log), "generations_trained": trained,
                "gpu_memory_lock_waits": text.count(LOCK_WAIT),
                "memory_profiling_failures": sum(text.count(f) for f in MEMORY_FAILURES)}
     if report_path.exists():
@@ -61,7 +63,8 @@ def main(argv):
                    f"--run_seed={seed}", f"--run_root={root}", *overrides]
         with open(log, "w") as out:
             processes.append((seed, log, report_path, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)))
-    runs = [run_summary(seed, finished(process), log, report_path) for seed, log, report_path, process in processes]
+    runs = [run_summary(seed, finished(process), log, report_path, root / f"seed-{seed}" / "es_history.json")
+            for seed, log, report_path, process in processes]
     report = {"bench": "two_runs", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": argv, "runs": runs,
               "wall_seconds": round(time.perf_counter() - t0, 1),
               "both_completed": all(r["exit_status"] == 0 and "heldout_reward" in r for r in runs),
