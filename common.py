@@ -946,7 +946,8 @@ def prepare_script() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
     quiet = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
     os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), quiet) if w)
-    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # this one imported vLLM already
+    if "VLLM_LOGGING_LEVEL" in os.environ:  # this process imported vLLM already; a user's config file sets its own
+        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     stopping = []
 
     def stop(signum, frame):
