@@ -1724,12 +1724,25 @@ class _EngineActor:
 
     def __init__(self, cfg: Config, model_path: str, engine_kwargs: dict, env: dict, sandbox_check: dict | None):
         os.environ.update(env)  # the GPUs of its group (Ray sets CUDA_VISIBLE_DEVICES for num_gpus=0 actors)
-        if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as the driver did
-            check_sandbox(cfg, **sandbox_check)
         self._lock, self._finished = threading.Lock(), []
-        # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
-        executor = "mp" if cfg.tensor_parallel_size > 1 else None
-        self.engine = Engine(cfg, model_path, executor=executor, **engine_kwargs)
+        self._engine, self._start_error = None, None
+        # An exception out of __init__ reaches the driver as an ActorDiedError holding only text: the start's
+        # failure (a refusal of this node's sandbox, say) is kept and raised by the first call instead, which Ray
+        # hands over as a RayTaskError carrying the exception itself.
+        try:
+            if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as well
+                check_sandbox(cfg, **sandbox_check)
+            # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
+            executor = "mp" if cfg.tensor_parallel_size > 1 else None
+            self._engine = Engine(cfg, model_path, executor=executor, **engine_kwargs)
+        except Exception as exc:
+            self._start_error = exc
+
+    @property
+    def engine(self) -> Engine:
+        if self._start_error is not None:
+            raise self._start_error
+        return self._engine
 
     def _keep(self, record: dict) -> None:
         with self._lock:
@@ -1758,7 +1771,8 @@ class _EngineActor:
         return self.engine.run_agent(jobs, desc=None, on_record=self._keep)
 
     def close(self) -> None:
-        self.engine.close()
+        if self._engine is not None:
+            self._engine.close()
 
 
 class RemoteEngine:
@@ -1779,7 +1793,9 @@ class RemoteEngine:
                 raise ConfigError(f"{self.name}: {cause}") from exc
             raise EngineFailure(f"{self.name} failed during {what}: {cause}") from exc
         except ray.exceptions.RayError as exc:  # actor died (process killed, node lost), or unavailable
-            raise EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {str(exc)[:600]})") from exc
+            # a failed creation task (one _EngineActor does not catch) says what failed: all of it
+            detail = str(exc) if getattr(exc, "actor_init_failed", False) else str(exc)[:600]
+            raise EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {detail})") from exc
 
     def __getattr__(self, method: str):  # perturb, restore, update, digests, rpc, ...: run in the actor
         if method.startswith("_"):

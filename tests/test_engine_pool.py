@@ -348,3 +348,16 @@ def test_three_engines_on_two_nodes_join_by_address_co_locate_and_make_the_histo
     assert header(history) == header(one)
     # every engine checked its node's sandbox: the records carry the same sandbox fields as one engine's
     assert episode_records(run_dir) == episode_records(one_dir)
+
+
+def test_a_refusal_in_an_engine_actor_s_start_reaches_the_user_whole(ray_nodes, tmp_path, monkeypatch):
+    """The per-node sandbox check of an engine actor refuses (a hidden data file the sandbox can see: /usr is
+    bound into it): the user gets that ConfigError, its findings and the setting that allows them, as on one node,
+    not a lost actor. The actor fails before its engine starts."""
+    monkeypatch.setattr(C, "SANDBOX_CHECKED", {"data": ["/usr/bin/env"], "checkpoint": None})
+    cfg = config(1, tmp_path / "run", f"--ray_address={ray_nodes.address}")
+    with pytest.raises(C.ConfigError) as refusal:
+        C.EnginePool(cfg, MODEL)
+    message = str(refusal.value)
+    assert message.startswith("engine 0 of 1: the ") and "sandbox leaks" in message, message
+    assert "data: /usr/bin/env is visible" in message and "--allow_leaky_sandbox=true" in message, message
