@@ -1540,29 +1540,77 @@ def cpu_binding(engine: int, tensor_parallel_size: int, cores: int) -> str:
     return "|".join(str((engine * tensor_parallel_size + r) % cores) for r in range(tensor_parallel_size))
 
 
-def parameter_count(config: dict) -> int:
-    """Parameters of a Qwen3 / Qwen3-MoE / Llama checkpoint from its config.json (embeddings, attention with the
-    q/k norms Qwen3 has, dense or expert MLPs with the router, norms)."""
+def parameter_count(config: dict, folder: str | Path | None = None) -> int:
+    """Parameters of a model: counted from the safetensors headers in `folder` when it holds weight files (exact,
+    any architecture), else from its config.json for the layouts formula_parameter_count knows."""
+    counted = safetensors_parameter_count(folder) if folder is not None else None
+    return counted if counted is not None else formula_parameter_count(config)
+
+
+def safetensors_parameter_count(folder: str | Path) -> int | None:
+    """Elements of every tensor in a folder's safetensors files, from their JSON headers (no weights read): the
+    files its index names when it has one (a folder may keep a consolidated copy beside the shards), else all.
+    None when it has none."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = (sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.exists()
+             else sorted(folder.glob("*.safetensors")))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))  # 8-byte length, then the JSON
+        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return total
+
+
+# the model types whose parameters formula_parameter_count adds up (embeddings, attention with the q/k norms of
+# Qwen3, dense or expert MLPs with their router, norms); any other is counted from its weight files
+FORMULA_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
+
+
+def formula_parameter_count(config: dict) -> int:
+    """Parameters of a checkpoint of FORMULA_MODEL_TYPES from its config.json alone; a ConfigError for others."""
+    model_type = config.get("model_type")
+    if model_type not in FORMULA_MODEL_TYPES:
+        raise ConfigError(f"cannot size the engines' memory: the model folder has no safetensors weights to count "
+                          f"its parameters from, and its config.json (model_type {model_type!r}) is not one of the "
+                          f"layouts counted from the config ({', '.join(FORMULA_MODEL_TYPES)})")
     h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     heads, head_dim = config["num_attention_heads"], _head_dim(config)
     q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
-    attention = 2 * h * q + 2 * h * kv + (2 * head_dim if config.get("model_type", "").startswith("qwen3") else 0)
-    experts = config.get("num_experts") or config.get("num_local_experts")  # (transformers 5 names it the latter)
+    attention = 2 * h * q + 2 * h * kv + (2 * head_dim if model_type.startswith("qwen3") else 0)
+    experts = config.get("num_experts") or config.get("num_local_experts")  # (Mixtral, transformers 5: the latter)
     if experts:
-        mlp = experts * 3 * h * config["moe_intermediate_size"] + h * experts
+        expert_size = config.get("moe_intermediate_size") or config["intermediate_size"]  # Mixtral: the latter
+        mlp = experts * 3 * h * expert_size + h * experts
     else:
         mlp = 3 * h * config["intermediate_size"]
     embeddings = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
     return embeddings + h + layers * (attention + mlp + 2 * h)
 
 
-def engine_memory_needs(config: dict, cfg: Config) -> dict:
-    """Bytes per GPU of one engine: its weights (one TP rank's share) and the KV cache of one full-length sequence."""
+def language_model_config(config: dict) -> dict:
+    """The part of a config.json that sizes the language model (layers, heads): the config itself, or its
+    text_config where a model with a vision or audio tower nests it."""
+    text = config if "num_hidden_layers" in config or "text_config" not in config else config["text_config"]
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in text]
+    if missing:
+        raise ConfigError(f"cannot size the engines' memory: config.json (model_type {config.get('model_type')!r}) "
+                          f"has no {', '.join(missing)}, at its top level or in a text_config")
+    return text
+
+
+def engine_memory_needs(config: dict, cfg: Config, folder: str | Path | None = None) -> dict:
+    """Bytes per GPU of one engine: its weights (one TP rank's share; counted from the weight files in `folder`
+    when it has them) and the KV cache of one full-length sequence."""
     element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     tp = cfg.tensor_parallel_size
-    kv_heads = max(1, config.get("num_key_value_heads", config["num_attention_heads"]) // tp)
-    return {"weights_bytes": parameter_count(config) * element // tp,
-            "sequence_kv_bytes": 2 * config["num_hidden_layers"] * kv_heads * _head_dim(config) * element
+    text = language_model_config(config)
+    kv_heads = max(1, text.get("num_key_value_heads", text["num_attention_heads"]) // tp)
+    return {"weights_bytes": parameter_count(config, folder) * element // tp,
+            "sequence_kv_bytes": 2 * text["num_hidden_layers"] * kv_heads * _head_dim(text) * element
                                  * cfg.max_model_len}
 
 
@@ -1869,7 +1917,7 @@ class EnginePool(ClosedOnExit):
                       engines_per_node: list[int]) -> list[dict | None]:
         """Per GPU group: the memory plan of its engines (None where nvidia-smi could not tell), and the MPS rule."""
         config = json.loads((Path(model_path) / "config.json").read_text())
-        needs = engine_memory_needs(config, self.cfg)
+        needs = engine_memory_needs(config, self.cfg, model_path)
         plans = []
         for report, count, on_node in zip(reports, engines_per_group, engines_per_node):
             warning = check_colocation(count, self.cfg.tensor_parallel_size, report["mps"])

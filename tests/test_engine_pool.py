@@ -108,18 +108,66 @@ def test_pool_size_defaults():
     assert C.pool_size(config(3, "r"), "cpu") == 3
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_parameter_count_from_the_config_is_the_checkpoints(kind):
+def checkpoint_numel(folder: Path) -> int:
     from safetensors import safe_open
 
-    folder = Path(C.resolve_model(f"tiny-qwen3-{kind}"))
     numel = 0
     for f in folder.glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                shape = st.get_slice(name).get_shape()
-                numel += int(__import__("math").prod(shape))
-    assert C.parameter_count(json.loads((folder / "config.json").read_text())) == numel
+            numel += sum(math.prod(st.get_slice(name).get_shape()) for name in st.keys())
+    return numel
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_parameter_count_from_the_config_is_the_checkpoints(kind):
+    folder = Path(C.resolve_model(f"tiny-qwen3-{kind}"))
+    config = json.loads((folder / "config.json").read_text())
+    assert C.parameter_count(config) == C.parameter_count(config, folder) == checkpoint_numel(folder)
+
+
+def tiny_transformers_model(folder: Path, kind: str) -> dict:
+    """A random Llama, Mistral or Mixtral (8 experts) of a few layers, saved as transformers saves it."""
+    import transformers
+
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    extra = {"Mixtral": dict(num_local_experts=8, num_experts_per_tok=2)}.get(kind, {})
+    config = getattr(transformers, f"{kind}Config")(**sizes, **extra)
+    getattr(transformers, f"{kind}ForCausalLM")(config).save_pretrained(folder)
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.mark.parametrize("kind", ["Llama", "Mistral", "Mixtral"])
+def test_parameter_count_from_the_config_of_other_layouts_is_the_checkpoints(kind, tmp_path):
+    config = tiny_transformers_model(tmp_path, kind)
+    assert C.parameter_count(config) == checkpoint_numel(tmp_path)  # from the config alone
+    assert C.safetensors_parameter_count(tmp_path) == checkpoint_numel(tmp_path)
+
+
+def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(tmp_path):
+    """A model with a vision tower nests its language model's sizes in text_config: the weights are counted from
+    the safetensors headers (only the files the index names), the KV cache from text_config; without weight files
+    the config alone cannot say, and the pool is refused with the reason."""
+    from safetensors.torch import save_file
+
+    text = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = {"model_type": "mistral3", "text_config": text, "vision_config": {"hidden_size": 32}}
+    cfg = C.parse_config(["--tensor_parallel_size=1", "--max_model_len=1000"])
+    with pytest.raises(C.ConfigError, match="no safetensors weights to count its parameters from, and its "
+                                            "config.json \\(model_type 'mistral3'\\) is not one of"):
+        C.engine_memory_needs(config, cfg)
+    with pytest.raises(C.ConfigError, match="no safetensors weights"):
+        C.engine_memory_needs(config, cfg, tmp_path)  # an empty folder
+    save_file({"a": C.torch.zeros(3, 5), "b": C.torch.zeros(7)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"c": C.torch.zeros(2, 2, 2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    save_file({"a": C.torch.zeros(3, 5)}, str(tmp_path / "consolidated.safetensors"))  # a copy the index leaves out
+    C.write_json_atomic({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+                                        "c": "model-00002-of-00002.safetensors"}},
+                        tmp_path / "model.safetensors.index.json")
+    assert C.engine_memory_needs(config, cfg, tmp_path) == {"weights_bytes": (15 + 7 + 8) * 2,
+                                                            "sequence_kv_bytes": 2 * 3 * 2 * 16 * 2 * 1000}
+    with pytest.raises(C.ConfigError, match="has no num_hidden_layers, at its top level or in a text_config"):
+        C.engine_memory_needs({"model_type": "odd", "hidden_size": 8, "num_attention_heads": 2}, cfg, tmp_path)
 
 
 def test_parameter_count_of_qwen3_30b_matches_the_gpu_engine(tmp_path):
