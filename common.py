@@ -3876,25 +3876,53 @@ def generation_scalars(record: dict) -> dict[str, float]:
     return {k: float(v) for k, v in scalars.items()}
 
 
+def logged_scalars(folder: str | Path) -> set[tuple[str, int]]:
+    """(tag, step) of every scalar in the TensorBoard event files of a folder."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={SCALARS: 0})  # 0: every value, none sampled away
+    events.Reload()
+    return {(tag, e.step) for tag in events.Tags()[SCALARS] for e in events.Scalars(tag)}
+
+
 class Tracker(ClosedOnExit):
     """Scalars per step (the generation) for TensorBoard when cfg.tracking says so; nothing otherwise. A resumed
-    run appends to the same folder. The history stays the record of the run: this is for watching it."""
+    run appends to the same folder (a new event file, opened at the first scalar). The history stays the record of
+    the run: this is for watching it."""
 
     def __init__(self, cfg: Config, run_dir: str | Path):
-        self.writer = None
+        self.folder, self.writer = None, None
         if cfg.tracking == "tensorboard":
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
             except ImportError as exc:
                 raise ConfigError("--tracking=tensorboard needs the tensorboard package (pip install "
                                   "tensorboard)") from exc
-            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
+            self.folder = Path(run_dir) / TENSORBOARD_DIR
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        if self.writer is not None:
-            for name, value in scalars.items():
-                self.writer.add_scalar(name, value, global_step=step)
-            self.writer.flush()  # after every generation: a crash loses nothing already shown
+        if self.folder is None:
+            return
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.folder))
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, global_step=step)
+        self.writer.flush()  # after every generation: a crash loses nothing already shown
+
+    def log_missing(self, records: list[dict]) -> None:
+        """The scalars of the history's generations that the event files lack: a process that ended between a
+        generation's history write and its log (or a run that turned tracking on when resumed). Called before a
+        resumed run's first new generation, so that the steps still arrive in order."""
+        if self.folder is None:
+            return
+        logged = logged_scalars(self.folder) if self.folder.exists() else set()
+        for record in records:
+            step = record["generation"]
+            missing = {k: v for k, v in generation_scalars(record).items() if (k, step) not in logged}
+            if missing:
+                self.log(step, missing)
 
     def close(self) -> None:
         if self.writer is not None:
