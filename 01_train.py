@@ -54,8 +54,8 @@ def main(argv: list[str], fitness=mean_score) -> dict:
         history = start_or_resume(cfg, model_path, engine, history_path)
         tracker.log_missing(history["generations"])  # generations the history has and the event files lack
         done = len(history["generations"])
-        for g in tqdm(range(done, cfg.generations), initial=done, total=cfg.generations, desc="generations",
-                      dynamic_ncols=True):
+        for g in C.progress_bar(range(done, cfg.generations), initial=done, total=cfg.generations,
+                                desc="generations"):
             try:
                 record = run_generation(engine, cfg, problems, g, fitness, run_dir / ROLLOUTS)
             except (C.EngineFailure, C.Interrupted) as stop:  # nothing of generation g has been written

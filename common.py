@@ -987,6 +987,43 @@ def send_vllm_log_to(path: Path) -> None:
     logging.config.dictConfig(config)
 
 
+PROGRESS_LOG_INTERVAL_S = 10.0  # without a terminal (a log file): one progress line at most this often
+
+
+class _LineStream:
+    """tqdm's stream when the console is not a terminal: each redraw becomes a line of its own (not one more
+    carriage return within a single endless line), and the blank writes that clear a bar are dropped."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()
+        if line:
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def progress_bar(iterable=None, *, file=None, **kwargs):
+    """tqdm(iterable, **kwargs) as the stages draw their progress: redrawn in place on a terminal; in a log file
+    a plain line at most every PROGRESS_LOG_INTERVAL_S, where a new postfix waits for the next line instead of
+    forcing one (the pool's per-engine status changes at every episode)."""
+    from tqdm import tqdm
+
+    stream = file or sys.stderr
+    if getattr(stream, "isatty", lambda: False)():
+        return tqdm(iterable, file=stream, dynamic_ncols=True, **kwargs)
+
+    class LoggedProgress(tqdm):
+        def set_postfix_str(self, s="", refresh=True):
+            super().set_postfix_str(s, refresh=False)
+
+    return LoggedProgress(iterable, file=_LineStream(stream), mininterval=PROGRESS_LOG_INTERVAL_S,
+                          maxinterval=PROGRESS_LOG_INTERVAL_S, **kwargs)
+
+
 def _end_engine_core_with_its_parent() -> None:
     """vLLM's TP workers end when EngineCore ends, but EngineCore does not watch the script that started it: after
     a SIGKILL of the script it and its workers keep running (and keep the GPUs). EngineCore imports the script,
@@ -1371,10 +1408,8 @@ class Engine(ClosedOnExit):
         """Run one agent episode per (problem, sample_index), all concurrently; records in input order.
         on_record(record) is called as each episode ends (e.g. to append it to a log). desc=None: no progress bar
         (the pool draws one for all its engines)."""
-        from tqdm import tqdm
-
         c = self.cfg
-        with tqdm(total=len(jobs), desc=desc, leave=False, dynamic_ncols=True, disable=desc is None) as bar:
+        with progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
             def progress(record):
                 record["prompt_mode"] = self.prompt_mode  # how its prompts were built (see _prompt_ids)
                 bar.update(1)
@@ -2129,12 +2164,10 @@ class EnginePool(ClosedOnExit):
         """The work queue: one thread per engine takes the next task i when its engine is free and runs
         run(engine, i, on_record), so one task's straggler overlaps the others' work. Results are keyed by task
         index, never by completion order; the first failure stops the queue and is raised, naming its engine."""
-        from tqdm import tqdm
-
         results, todo, failures = [None] * tasks, list(range(tasks)), []
         self.task_engines = [None] * tasks  # which engine ran task i (tests, bench/)
         lock, status = threading.Lock(), ["idle"] * self.size
-        bar = tqdm(total=total_episodes or tasks, desc=desc, leave=False, dynamic_ncols=True)
+        bar = progress_bar(total=total_episodes or tasks, desc=desc, leave=False)
 
         def recorder(k: int, i: int):
             episodes = [0]
@@ -2319,10 +2352,8 @@ def replay(engine: Engine, generations: list[dict], base_digests: list[str],
            desc: str = "replaying history") -> list[str]:
     """Re-apply recorded updates to the base weights, checking each generation's per-rank digests; returns the
     digests of the rebuilt weights."""
-    from tqdm import tqdm
-
     digests = base_digests
-    for record in tqdm(generations, desc=desc, leave=False, dynamic_ncols=True):
+    for record in progress_bar(generations, desc=desc, leave=False):
         z = zscore(record["rewards"])  # the rewards define the update; the recorded z must be theirs
         if z != record["z"]:
             raise HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} are not "

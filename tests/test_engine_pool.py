@@ -214,6 +214,55 @@ def test_memory_plan_refuses_with_the_numbers():
                           tensor_parallel_size=1, **small_host, **QWEN3_12_LAYERS)
 
 
+def pool_without_engines(size: int) -> C.EnginePool:
+    """The pool's work queue over stand-in engines (its run function does the work): no vLLM."""
+    pool = object.__new__(C.EnginePool)
+    pool.size, pool.engines = size, [f"engine {k}" for k in range(size)]
+    return pool
+
+
+def test_without_a_terminal_the_pool_s_progress_is_a_plain_line_now_and_then(capsys, monkeypatch):
+    """In a log file every episode used to redraw the bar with the engines' status: a thousand carriage returns
+    in one line. Without a TTY it is a line of its own at most every PROGRESS_LOG_INTERVAL_S, with the status."""
+    def run(engine, i, on_record):
+        for _ in range(250):
+            on_record({})
+        return i
+
+    assert pool_without_engines(2).work(4, "held-out episodes", "batch", run, total_episodes=1000) == [0, 1, 2, 3]
+    err = capsys.readouterr().err  # pytest's capture: not a TTY
+    assert "\r" not in err and err.splitlines() == ["held-out episodes:   0%|          | 0/1000 [00:00<?, ?it/s]"]
+    monkeypatch.setattr(C, "PROGRESS_LOG_INTERVAL_S", 0.05)
+
+    def slow(engine, i, on_record):
+        for _ in range(4):
+            C.time.sleep(0.05)
+            on_record({})
+        return i
+
+    pool_without_engines(2).work(4, "held-out episodes", "batch", slow, total_episodes=16)
+    lines = capsys.readouterr().err.splitlines()
+    assert 2 < len(lines) <= 17 and all(line.startswith("held-out episodes: ") for line in lines)
+    assert "engine 0: batch " in lines[-1] and "engine 1: batch " in lines[-1]
+
+
+def test_on_a_terminal_the_progress_bar_is_tqdm_s_redrawn_in_place():
+    import io
+
+    from tqdm import tqdm
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    with C.progress_bar(total=3, desc="episodes", file=terminal, leave=False) as bar:
+        for _ in range(3):
+            bar.update(1)
+            bar.set_postfix_str("engine 0: batch 1")
+    assert type(bar) is tqdm and terminal.getvalue().count("\r") >= 4 and "\n" not in terminal.getvalue()
+
+
 def test_co_located_engines_at_tp2_need_mps_and_at_tp1_get_a_warning():
     with pytest.raises(C.ConfigError, match="(?s)stall.*nvidia-cuda-mps-control -d"):
         C.check_colocation(2, 2, mps=False)
