@@ -43,16 +43,19 @@ def main(argv: list[str], fitness=mean_score) -> dict:
     if history_path.exists():  # cheap checks first: a history of other constants is refused before vLLM starts
         recorded = C.read_json(history_path)
         C.check_config(recorded, cfg)
-        if len(recorded["generations"]) >= cfg.generations:  # a finished run: no engine, nothing written
+        if len(recorded["generations"]) >= cfg.generations:  # a finished run: no engine, nothing trained
             print(f"[train] {history_path} already holds all {cfg.generations} generations: nothing to train "
                   "(02_export.py replays and checks them)")
+            with C.Tracker(cfg, run_dir) as tracker:
+                tracker.log_missing(recorded["generations"])
             print_final_summary(recorded, run_dir)
             return recorded
     with C.EnginePool(cfg, model_path) as engine, C.Tracker(cfg, run_dir) as tracker:  # pool: section 4b
         history = start_or_resume(cfg, model_path, engine, history_path)
+        tracker.log_missing(history["generations"])  # generations the history has and the event files lack
         done = len(history["generations"])
-        for g in tqdm(range(done, cfg.generations), initial=done, total=cfg.generations, desc="generations",
-                      dynamic_ncols=True):
+        for g in C.progress_bar(range(done, cfg.generations), initial=done, total=cfg.generations,
+                                desc="generations"):
             try:
                 record = run_generation(engine, cfg, problems, g, fitness, run_dir / ROLLOUTS)
             except (C.EngineFailure, C.Interrupted) as stop:  # nothing of generation g has been written

@@ -31,11 +31,15 @@ def main(argv: list[str]) -> dict:
     opts, overrides = C.parse_args(argv, options)
     cfg = C.parse_config(overrides)
     export = opts["export"].replace("<run_dir>", cfg.run_dir)
+    if not export:
+        cfg = base_config(cfg, overrides)
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
     C.check_sandbox(cfg, data=list(data.values()), checkpoint=export)  # (unless allowed)
     manifest = C.verify_any_export(export, cfg.tensor_parallel_size) if export else None  # before any writing
+    if manifest:  # the loaded bits are checked, and recorded, in the digests of the export's noise
+        cfg = C.dataclasses.replace(cfg, noise=manifest.get("noise", "rank_salted"))
     if not export:
         C.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
@@ -57,6 +61,20 @@ def main(argv: list[str]) -> dict:
     return metrics
 
 
+def base_config(cfg, overrides: list[str]):
+    """For the base model: when the run dir holds the history of a run from this base, that history's settings
+    that define the weights and their digests (WEIGHT_FIELDS: the noise kind, the TP size, the dtype), as export
+    and replay take them, so that the evaluation records the digests 04_replay rebuilds. An explicit --key=value
+    that contradicts the history is refused."""
+    path = Path(cfg.run_dir) / C.HISTORY_FILE
+    if not path.exists():
+        return cfg
+    history = C.read_json(path)
+    if history["config"].get("model") != cfg.model:
+        return cfg
+    return C.config_from_history(history, overrides, settings=C.dataclasses.asdict(cfg))
+
+
 def data_paths(opts: dict, cfg) -> dict:
     """Each set's --name=PATH if given, else "smoke" (the smoke problems) with smoke_eval, else DATASETS."""
     return {name: opts[name] or ("smoke" if cfg.smoke_eval else DATASETS[name]) for name in DATASETS}
@@ -76,7 +94,7 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
             yield engine, {"kind": "base", "model": cfg.model, "per_rank_digests": engine.digests()}
         return
     if manifest.get("noise") == "checkpoint":  # a Hugging Face folder: any TP size, digests in checkpoint terms
-        with C.EnginePool(C.dataclasses.replace(cfg, noise="checkpoint"), export) as engine:
+        with C.EnginePool(cfg, export) as engine:
             loaded = engine.digests()
             if loaded != [manifest["digest"]]:
                 raise C.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "

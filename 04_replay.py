@@ -36,6 +36,7 @@ def main(argv: list[str]) -> dict:
     originals = {name: C.read_json(eval_dir / f"{name}_eval16.json") for name in evaluated_sets(eval_dir)}
     cfg = replay_config(history, originals, overrides)
     checkpoint = next(iter(originals.values()))["checkpoint"]  # what was evaluated: the base, or an export of K generations
+    check_digest_kind(checkpoint, cfg, eval_dir)  # before the engine starts: digests of another kind never match
     generations = history["generations"][: checkpoint.get("replayed_generations", 0)]
     expected = {"the evaluated checkpoint": checkpoint["per_rank_digests"]}
     if export:
@@ -81,6 +82,32 @@ def replay_config(history: dict, originals: dict, overrides: list[str]) -> C.Con
         raise C.ConfigError("the eval16 files come from different checkpoints or settings; they cannot be replayed "
                             "together")
     return C.config_from_history(history, overrides, settings=first["config"])
+
+
+def digest_kind(digests: list[str]) -> str:
+    """What recorded digests are digests of: "noise=checkpoint" (one "ckpt:" digest of the state in checkpoint
+    terms, common.combine_checkpoint_digest, the same at every TP size), or rank-salted ones (a sha256 per TP rank)."""
+    if len(digests) == 1 and digests[0].startswith("ckpt:"):
+        return "noise=checkpoint"
+    return f"noise=rank_salted at tensor_parallel_size={len(digests)}"
+
+
+def check_digest_kind(checkpoint: dict, cfg: C.Config, eval_dir: Path) -> None:
+    """The evaluation recorded its checkpoint's digests in the terms of the noise (and TP size) it ran with; the
+    replay rebuilds them in the history's. Where those differ no rebuild can match: say what to run instead."""
+    recorded = digest_kind(checkpoint["per_rank_digests"])
+    rebuilt = ("noise=checkpoint" if cfg.noise == "checkpoint"
+               else f"noise=rank_salted at tensor_parallel_size={cfg.tensor_parallel_size}")
+    if recorded == rebuilt:
+        return
+    problem = (f"{eval_dir} holds its checkpoint's digests for {recorded}, and this history rebuilds them for "
+               f"{rebuilt}: they cannot match. ")
+    if checkpoint["kind"] != "base":
+        raise C.ConfigError(problem + "The evaluated export was not made from this history")
+    settings = f"--noise={cfg.noise}" + ("" if cfg.noise == "checkpoint"
+                                        else f" --tensor_parallel_size={cfg.tensor_parallel_size}")
+    raise C.ConfigError(problem + f"Evaluate the base model again with the run's settings into a new folder "
+                        f"(python 03_eval.py --export= {settings} --out=FOLDER) and replay that one (--eval=FOLDER)")
 
 
 def aligned_jobs(original: dict, run_seed: int) -> list[tuple[dict, int]]:

@@ -946,7 +946,8 @@ def prepare_script() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
     quiet = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
     os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), quiet) if w)
-    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # this one imported vLLM already
+    if "VLLM_LOGGING_LEVEL" in os.environ:  # this process imported vLLM already; a user's config file sets its own
+        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     stopping = []
 
     def stop(signum, frame):
@@ -984,6 +985,43 @@ def send_vllm_log_to(path: Path) -> None:
     os.environ["VLLM_LOGGING_CONFIG_PATH"], os.environ["ES_VLLM_LOG"] = config_path, str(path.resolve())
     os.environ["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM checks its messages against this before the handlers do
     logging.config.dictConfig(config)
+
+
+PROGRESS_LOG_INTERVAL_S = 10.0  # without a terminal (a log file): one progress line at most this often
+
+
+class _LineStream:
+    """tqdm's stream when the console is not a terminal: each redraw becomes a line of its own (not one more
+    carriage return within a single endless line), and the blank writes that clear a bar are dropped."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()
+        if line:
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def progress_bar(iterable=None, *, file=None, **kwargs):
+    """tqdm(iterable, **kwargs) as the stages draw their progress: redrawn in place on a terminal; in a log file
+    a plain line at most every PROGRESS_LOG_INTERVAL_S, where a new postfix waits for the next line instead of
+    forcing one (the pool's per-engine status changes at every episode)."""
+    from tqdm import tqdm
+
+    stream = file or sys.stderr
+    if getattr(stream, "isatty", lambda: False)():
+        return tqdm(iterable, file=stream, dynamic_ncols=True, **kwargs)
+
+    class LoggedProgress(tqdm):
+        def set_postfix_str(self, s="", refresh=True):
+            super().set_postfix_str(s, refresh=False)
+
+    return LoggedProgress(iterable, file=_LineStream(stream), mininterval=PROGRESS_LOG_INTERVAL_S,
+                          maxinterval=PROGRESS_LOG_INTERVAL_S, **kwargs)
 
 
 def _end_engine_core_with_its_parent() -> None:
@@ -1383,10 +1421,8 @@ class Engine(ClosedOnExit):
         """Run one agent episode per (problem, sample_index), all concurrently; records in input order.
         on_record(record) is called as each episode ends (e.g. to append it to a log). desc=None: no progress bar
         (the pool draws one for all its engines)."""
-        from tqdm import tqdm
-
         c = self.cfg
-        with tqdm(total=len(jobs), desc=desc, leave=False, dynamic_ncols=True, disable=desc is None) as bar:
+        with progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
             def progress(record):
                 record["prompt_mode"] = self.prompt_mode  # how its prompts were built (see _prompt_ids)
                 bar.update(1)
@@ -1552,29 +1588,77 @@ def cpu_binding(engine: int, tensor_parallel_size: int, cores: int) -> str:
     return "|".join(str((engine * tensor_parallel_size + r) % cores) for r in range(tensor_parallel_size))
 
 
-def parameter_count(config: dict) -> int:
-    """Parameters of a Qwen3 / Qwen3-MoE / Llama checkpoint from its config.json (embeddings, attention with the
-    q/k norms Qwen3 has, dense or expert MLPs with the router, norms)."""
+def parameter_count(config: dict, folder: str | Path | None = None) -> int:
+    """Parameters of a model: counted from the safetensors headers in `folder` when it holds weight files (exact,
+    any architecture), else from its config.json for the layouts formula_parameter_count knows."""
+    counted = safetensors_parameter_count(folder) if folder is not None else None
+    return counted if counted is not None else formula_parameter_count(config)
+
+
+def safetensors_parameter_count(folder: str | Path) -> int | None:
+    """Elements of every tensor in a folder's safetensors files, from their JSON headers (no weights read): the
+    files its index names when it has one (a folder may keep a consolidated copy beside the shards), else all.
+    None when it has none."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = (sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.exists()
+             else sorted(folder.glob("*.safetensors")))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))  # 8-byte length, then the JSON
+        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return total
+
+
+# the model types whose parameters formula_parameter_count adds up (embeddings, attention with the q/k norms of
+# Qwen3, dense or expert MLPs with their router, norms); any other is counted from its weight files
+FORMULA_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
+
+
+def formula_parameter_count(config: dict) -> int:
+    """Parameters of a checkpoint of FORMULA_MODEL_TYPES from its config.json alone; a ConfigError for others."""
+    model_type = config.get("model_type")
+    if model_type not in FORMULA_MODEL_TYPES:
+        raise ConfigError(f"cannot size the engines' memory: the model folder has no safetensors weights to count "
+                          f"its parameters from, and its config.json (model_type {model_type!r}) is not one of the "
+                          f"layouts counted from the config ({', '.join(FORMULA_MODEL_TYPES)})")
     h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     heads, head_dim = config["num_attention_heads"], _head_dim(config)
     q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
-    attention = 2 * h * q + 2 * h * kv + (2 * head_dim if config.get("model_type", "").startswith("qwen3") else 0)
-    experts = config.get("num_experts") or config.get("num_local_experts")  # (transformers 5 names it the latter)
+    attention = 2 * h * q + 2 * h * kv + (2 * head_dim if model_type.startswith("qwen3") else 0)
+    experts = config.get("num_experts") or config.get("num_local_experts")  # (Mixtral, transformers 5: the latter)
     if experts:
-        mlp = experts * 3 * h * config["moe_intermediate_size"] + h * experts
+        expert_size = config.get("moe_intermediate_size") or config["intermediate_size"]  # Mixtral: the latter
+        mlp = experts * 3 * h * expert_size + h * experts
     else:
         mlp = 3 * h * config["intermediate_size"]
     embeddings = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
     return embeddings + h + layers * (attention + mlp + 2 * h)
 
 
-def engine_memory_needs(config: dict, cfg: Config) -> dict:
-    """Bytes per GPU of one engine: its weights (one TP rank's share) and the KV cache of one full-length sequence."""
+def language_model_config(config: dict) -> dict:
+    """The part of a config.json that sizes the language model (layers, heads): the config itself, or its
+    text_config where a model with a vision or audio tower nests it."""
+    text = config if "num_hidden_layers" in config or "text_config" not in config else config["text_config"]
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in text]
+    if missing:
+        raise ConfigError(f"cannot size the engines' memory: config.json (model_type {config.get('model_type')!r}) "
+                          f"has no {', '.join(missing)}, at its top level or in a text_config")
+    return text
+
+
+def engine_memory_needs(config: dict, cfg: Config, folder: str | Path | None = None) -> dict:
+    """Bytes per GPU of one engine: its weights (one TP rank's share; counted from the weight files in `folder`
+    when it has them) and the KV cache of one full-length sequence."""
     element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     tp = cfg.tensor_parallel_size
-    kv_heads = max(1, config.get("num_key_value_heads", config["num_attention_heads"]) // tp)
-    return {"weights_bytes": parameter_count(config) * element // tp,
-            "sequence_kv_bytes": 2 * config["num_hidden_layers"] * kv_heads * _head_dim(config) * element
+    text = language_model_config(config)
+    kv_heads = max(1, text.get("num_key_value_heads", text["num_attention_heads"]) // tp)
+    return {"weights_bytes": parameter_count(config, folder) * element // tp,
+            "sequence_kv_bytes": 2 * text["num_hidden_layers"] * kv_heads * _head_dim(text) * element
                                  * cfg.max_model_len}
 
 
@@ -1656,7 +1740,7 @@ def start_gpu_engine(cfg: Config, model_path: str, gpus: list[str], *, engines_p
                 engines_per_gpu=engines_per_gpu, engines_on_node=engines_on_node,
                 gpu_total=report["gpu_total_bytes"], gpu_free=report["gpu_free_bytes"],
                 host_free=report["host_free_bytes"], utilization=cfg.gpu_memory_utilization, restore=cfg.restore,
-                tensor_parallel_size=cfg.tensor_parallel_size, **engine_memory_needs(config, cfg))
+                tensor_parallel_size=cfg.tensor_parallel_size, **engine_memory_needs(config, cfg, model_path))
             cfg = dataclasses.replace(cfg, restore=plan["restore"])
         engine = Engine(cfg, model_path, **engine_kwargs)
         try:
@@ -1805,16 +1889,29 @@ class _EngineActor:
     def __init__(self, cfg: Config, model_path: str, engine_kwargs: dict, env: dict, sandbox_check: dict | None,
                  plan: dict | None = None):
         os.environ.update(env)  # the GPUs of its group (Ray sets CUDA_VISIBLE_DEVICES for num_gpus=0 actors)
-        if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as the driver did
-            check_sandbox(cfg, **sandbox_check)
         self._lock, self._finished = threading.Lock(), []
-        # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
-        executor = "mp" if cfg.tensor_parallel_size > 1 else None
-        if plan is None:
-            self.engine = Engine(cfg, model_path, executor=executor, **engine_kwargs)
-        else:  # a GPU group's engine: its memory plan is made on its node, from what is free when it starts
-            gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
-            self.engine = start_gpu_engine(cfg, model_path, gpus, executor=executor, **plan, **engine_kwargs)
+        self._engine, self._start_error = None, None
+        # An exception out of __init__ reaches the driver as an ActorDiedError holding only text: the start's
+        # failure (a refusal of this node's sandbox, say) is kept and raised by the first call instead, which Ray
+        # hands over as a RayTaskError carrying the exception itself.
+        try:
+            if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as well
+                check_sandbox(cfg, **sandbox_check)
+            # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
+            executor = "mp" if cfg.tensor_parallel_size > 1 else None
+            if plan is None:
+                self._engine = Engine(cfg, model_path, executor=executor, **engine_kwargs)
+            else:  # a GPU group's engine: its memory plan is made on its node, from what is free when it starts
+                gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+                self._engine = start_gpu_engine(cfg, model_path, gpus, executor=executor, **plan, **engine_kwargs)
+        except Exception as exc:
+            self._start_error = exc
+
+    @property
+    def engine(self) -> Engine:
+        if self._start_error is not None:
+            raise self._start_error
+        return self._engine
 
     def _keep(self, record: dict) -> None:
         with self._lock:
@@ -1843,7 +1940,8 @@ class _EngineActor:
         return self.engine.run_agent(jobs, desc=None, on_record=self._keep)
 
     def close(self) -> None:
-        self.engine.close()
+        if self._engine is not None:
+            self._engine.close()
 
 
 class RemoteEngine:
@@ -1864,7 +1962,9 @@ class RemoteEngine:
                 raise ConfigError(f"{self.name}: {cause}") from exc
             raise EngineFailure(f"{self.name} failed during {what}: {cause}") from exc
         except ray.exceptions.RayError as exc:  # actor died (process killed, node lost), or unavailable
-            raise EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {str(exc)[:600]})") from exc
+            # a failed creation task (one _EngineActor does not catch) says what failed: all of it
+            detail = str(exc) if getattr(exc, "actor_init_failed", False) else str(exc)[:600]
+            raise EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {detail})") from exc
 
     def __getattr__(self, method: str):  # perturb, restore, update, digests, rpc, ...: run in the actor
         if method.startswith("_"):
@@ -2128,12 +2228,10 @@ class EnginePool(ClosedOnExit):
         """The work queue: one thread per engine takes the next task i when its engine is free and runs
         run(engine, i, on_record), so one task's straggler overlaps the others' work. Results are keyed by task
         index, never by completion order; the first failure stops the queue and is raised, naming its engine."""
-        from tqdm import tqdm
-
         results, todo, failures = [None] * tasks, list(range(tasks)), []
         self.task_engines = [None] * tasks  # which engine ran task i (tests, bench/)
         lock, status = threading.Lock(), ["idle"] * self.size
-        bar = tqdm(total=total_episodes or tasks, desc=desc, leave=False, dynamic_ncols=True)
+        bar = progress_bar(total=total_episodes or tasks, desc=desc, leave=False)
 
         def recorder(k: int, i: int):
             episodes = [0]
@@ -2318,10 +2416,8 @@ def replay(engine: Engine, generations: list[dict], base_digests: list[str],
            desc: str = "replaying history") -> list[str]:
     """Re-apply recorded updates to the base weights, checking each generation's per-rank digests; returns the
     digests of the rebuilt weights."""
-    from tqdm import tqdm
-
     digests = base_digests
-    for record in tqdm(generations, desc=desc, leave=False, dynamic_ncols=True):
+    for record in progress_bar(generations, desc=desc, leave=False):
         z = zscore(record["rewards"])  # the rewards define the update; the recorded z must be theirs
         if z != record["z"]:
             raise HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} are not "
@@ -3875,25 +3971,53 @@ def generation_scalars(record: dict) -> dict[str, float]:
     return {k: float(v) for k, v in scalars.items()}
 
 
+def logged_scalars(folder: str | Path) -> set[tuple[str, int]]:
+    """(tag, step) of every scalar in the TensorBoard event files of a folder."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={SCALARS: 0})  # 0: every value, none sampled away
+    events.Reload()
+    return {(tag, e.step) for tag in events.Tags()[SCALARS] for e in events.Scalars(tag)}
+
+
 class Tracker(ClosedOnExit):
     """Scalars per step (the generation) for TensorBoard when cfg.tracking says so; nothing otherwise. A resumed
-    run appends to the same folder. The history stays the record of the run: this is for watching it."""
+    run appends to the same folder (a new event file, opened at the first scalar). The history stays the record of
+    the run: this is for watching it."""
 
     def __init__(self, cfg: Config, run_dir: str | Path):
-        self.writer = None
+        self.folder, self.writer = None, None
         if cfg.tracking == "tensorboard":
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
             except ImportError as exc:
                 raise ConfigError("--tracking=tensorboard needs the tensorboard package (pip install "
                                   "tensorboard)") from exc
-            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
+            self.folder = Path(run_dir) / TENSORBOARD_DIR
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        if self.writer is not None:
-            for name, value in scalars.items():
-                self.writer.add_scalar(name, value, global_step=step)
-            self.writer.flush()  # after every generation: a crash loses nothing already shown
+        if self.folder is None:
+            return
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.folder))
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, global_step=step)
+        self.writer.flush()  # after every generation: a crash loses nothing already shown
+
+    def log_missing(self, records: list[dict]) -> None:
+        """The scalars of the history's generations that the event files lack: a process that ended between a
+        generation's history write and its log (or a run that turned tracking on when resumed). Called before a
+        resumed run's first new generation, so that the steps still arrive in order."""
+        if self.folder is None:
+            return
+        logged = logged_scalars(self.folder) if self.folder.exists() else set()
+        for record in records:
+            step = record["generation"]
+            missing = {k: v for k, v in generation_scalars(record).items() if (k, step) not in logged}
+            if missing:
+                self.log(step, missing)
 
     def close(self) -> None:
         if self.writer is not None:

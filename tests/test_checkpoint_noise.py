@@ -2,6 +2,7 @@
 trained weights are the same at every TP size and export as a Hugging Face folder. Pure functions first, then the
 smoke run (real vLLM engines at TP=2 and TP=1, the test reward) through export, transformers and resume."""
 
+import importlib
 import os
 import signal
 
@@ -10,6 +11,8 @@ import torch
 
 import common as C
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha, start_training, wait_for
+
+evaluation, replay = importlib.import_module("03_eval"), importlib.import_module("04_replay")
 
 KEY = C.checkpoint_noise_key(20260627, "model.layers.0.mlp.down_proj.weight")
 
@@ -105,6 +108,39 @@ def test_checkpoint_noise_is_its_own_recorded_definition():
     assert C.config_from_history(history, ["--tensor_parallel_size=1"]).tensor_parallel_size == 1
 
 
+def test_the_base_model_is_evaluated_with_the_noise_and_tp_size_of_the_run_in_its_run_dir(tmp_path):
+    """Its digests are then the ones 04_replay rebuilds from that run's history."""
+    smoke = C.parse_config(["--preset=smoke"])
+    for noise, tp in [("checkpoint", 2), ("rank_salted", 1)]:
+        history = {"config": C.dataclasses.asdict(C.dataclasses.replace(smoke, noise=noise, tensor_parallel_size=tp,
+                                                                        run_dir=str(tmp_path)))}
+        C.write_json_atomic(history, tmp_path / C.HISTORY_FILE)
+        argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--max_turns=1"]
+        cfg = evaluation.base_config(C.parse_config(argv), argv)
+        assert (cfg.noise, cfg.tensor_parallel_size, cfg.max_turns) == (noise, tp, 1)  # the eval's own settings stay
+    with pytest.raises(C.ConfigError, match="--noise='checkpoint' \\(recorded: 'rank_salted', from the history\\)"):
+        argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--noise=checkpoint"]
+        evaluation.base_config(C.parse_config(argv), argv)
+    argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--model=tiny-qwen3-moe"]  # not this run's base
+    assert evaluation.base_config(C.parse_config(argv), argv) == C.parse_config(argv)
+
+
+def test_replay_of_a_base_evaluated_with_other_noise_says_what_to_run_before_any_engine_starts(tmp_path, monkeypatch):
+    run_dir, eval_dir = tmp_path / "run", tmp_path / "eval-base"
+    settings = C.dataclasses.asdict(C.parse_config(["--preset=smoke", f"--run_dir={run_dir}"]))
+    C.write_json_atomic({"config": dict(settings, noise="checkpoint"), "generations": []}, run_dir / C.HISTORY_FILE)
+    base = {"kind": "base", "model": settings["model"], "per_rank_digests": ["a" * 64, "b" * 64]}  # rank-salted
+    records = [{"problem_id": p["id"], "sample_index": i} for p in C.smoke_problems(1) for i in range(16)]
+    C.write_json_atomic({"dataset": "dapo", "data": "smoke", "checkpoint": base, "config": settings,
+                         "records": records}, eval_dir / "dapo_eval16.json")
+    C.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / C.EVAL_METRICS)
+    monkeypatch.setattr(C, "EnginePool", None)  # starting one would fail the test
+    with pytest.raises(C.ConfigError, match=r"digests for noise=rank_salted at tensor_parallel_size=2, and this "
+                                            r"history rebuilds them for noise=checkpoint.*python 03_eval.py --export= "
+                                            r"--noise=checkpoint --out=FOLDER"):
+        replay.main(["--preset=smoke", f"--run_dir={run_dir}", f"--eval={eval_dir}"])
+
+
 # ---- real engines: the smoke run with the test reward, at TP=2 and TP=1 ----
 
 @pytest.fixture(scope="module")
@@ -152,6 +188,19 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")  # the evaluation checks it the same way
     checkpoint = C.read_json(trained / "eval" / C.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "export" and checkpoint["per_rank_digests"] == [manifest["digest"]]
+
+
+def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_noise(trained, tmp_path):
+    """03_eval.py --export= in the run's folder, without --noise: the digests it records are the history's."""
+    out = tmp_path / "eval-base"
+    run("03_eval.py", f"--run_dir={trained}", "--export=", f"--out={out}", "--eval_problems=1")
+    history = C.read_json(trained / C.HISTORY_FILE)
+    checkpoint = C.read_json(out / C.EVAL_METRICS)["checkpoint"]
+    assert checkpoint["kind"] == "base" and checkpoint["per_rank_digests"] == history["base_digests"]
+    run("04_replay.py", f"--run_dir={trained}", f"--eval={out}")
+    report = C.read_json(out / "aligned_history_replay_eval4.json")
+    assert report["replayed_generations"] == 0 and report["per_rank_digests"] == history["base_digests"]
+    assert all(d["sample_agreement"] == 1.0 for d in report["datasets"].values())
 
 
 def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_path):

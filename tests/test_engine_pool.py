@@ -108,18 +108,66 @@ def test_pool_size_defaults():
     assert C.pool_size(config(3, "r"), "cpu") == 3
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_parameter_count_from_the_config_is_the_checkpoints(kind):
+def checkpoint_numel(folder: Path) -> int:
     from safetensors import safe_open
 
-    folder = Path(C.resolve_model(f"tiny-qwen3-{kind}"))
     numel = 0
     for f in folder.glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                shape = st.get_slice(name).get_shape()
-                numel += int(__import__("math").prod(shape))
-    assert C.parameter_count(json.loads((folder / "config.json").read_text())) == numel
+            numel += sum(math.prod(st.get_slice(name).get_shape()) for name in st.keys())
+    return numel
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_parameter_count_from_the_config_is_the_checkpoints(kind):
+    folder = Path(C.resolve_model(f"tiny-qwen3-{kind}"))
+    config = json.loads((folder / "config.json").read_text())
+    assert C.parameter_count(config) == C.parameter_count(config, folder) == checkpoint_numel(folder)
+
+
+def tiny_transformers_model(folder: Path, kind: str) -> dict:
+    """A random Llama, Mistral or Mixtral (8 experts) of a few layers, saved as transformers saves it."""
+    import transformers
+
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    extra = {"Mixtral": dict(num_local_experts=8, num_experts_per_tok=2)}.get(kind, {})
+    config = getattr(transformers, f"{kind}Config")(**sizes, **extra)
+    getattr(transformers, f"{kind}ForCausalLM")(config).save_pretrained(folder)
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.mark.parametrize("kind", ["Llama", "Mistral", "Mixtral"])
+def test_parameter_count_from_the_config_of_other_layouts_is_the_checkpoints(kind, tmp_path):
+    config = tiny_transformers_model(tmp_path, kind)
+    assert C.parameter_count(config) == checkpoint_numel(tmp_path)  # from the config alone
+    assert C.safetensors_parameter_count(tmp_path) == checkpoint_numel(tmp_path)
+
+
+def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(tmp_path):
+    """A model with a vision tower nests its language model's sizes in text_config: the weights are counted from
+    the safetensors headers (only the files the index names), the KV cache from text_config; without weight files
+    the config alone cannot say, and the pool is refused with the reason."""
+    from safetensors.torch import save_file
+
+    text = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = {"model_type": "mistral3", "text_config": text, "vision_config": {"hidden_size": 32}}
+    cfg = C.parse_config(["--tensor_parallel_size=1", "--max_model_len=1000"])
+    with pytest.raises(C.ConfigError, match="no safetensors weights to count its parameters from, and its "
+                                            "config.json \\(model_type 'mistral3'\\) is not one of"):
+        C.engine_memory_needs(config, cfg)
+    with pytest.raises(C.ConfigError, match="no safetensors weights"):
+        C.engine_memory_needs(config, cfg, tmp_path)  # an empty folder
+    save_file({"a": C.torch.zeros(3, 5), "b": C.torch.zeros(7)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"c": C.torch.zeros(2, 2, 2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    save_file({"a": C.torch.zeros(3, 5)}, str(tmp_path / "consolidated.safetensors"))  # a copy the index leaves out
+    C.write_json_atomic({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+                                        "c": "model-00002-of-00002.safetensors"}},
+                        tmp_path / "model.safetensors.index.json")
+    assert C.engine_memory_needs(config, cfg, tmp_path) == {"weights_bytes": (15 + 7 + 8) * 2,
+                                                            "sequence_kv_bytes": 2 * 3 * 2 * 16 * 2 * 1000}
+    with pytest.raises(C.ConfigError, match="has no num_hidden_layers, at its top level or in a text_config"):
+        C.engine_memory_needs({"model_type": "odd", "hidden_size": 8, "num_attention_heads": 2}, cfg, tmp_path)
 
 
 def test_parameter_count_of_qwen3_30b_matches_the_gpu_engine(tmp_path):
@@ -164,6 +212,55 @@ def test_memory_plan_refuses_with_the_numbers():
     with pytest.raises(C.ConfigError, match=r"pinned host memory \(4 engines x 1 ranks x 15\.1 GiB = 60\.3 GiB"):
         C.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="copy_device",
                           tensor_parallel_size=1, **small_host, **QWEN3_12_LAYERS)
+
+
+def pool_without_engines(size: int) -> C.EnginePool:
+    """The pool's work queue over stand-in engines (its run function does the work): no vLLM."""
+    pool = object.__new__(C.EnginePool)
+    pool.size, pool.engines = size, [f"engine {k}" for k in range(size)]
+    return pool
+
+
+def test_without_a_terminal_the_pool_s_progress_is_a_plain_line_now_and_then(capsys, monkeypatch):
+    """In a log file every episode used to redraw the bar with the engines' status: a thousand carriage returns
+    in one line. Without a TTY it is a line of its own at most every PROGRESS_LOG_INTERVAL_S, with the status."""
+    def run(engine, i, on_record):
+        for _ in range(250):
+            on_record({})
+        return i
+
+    assert pool_without_engines(2).work(4, "held-out episodes", "batch", run, total_episodes=1000) == [0, 1, 2, 3]
+    err = capsys.readouterr().err  # pytest's capture: not a TTY
+    assert "\r" not in err and err.splitlines() == ["held-out episodes:   0%|          | 0/1000 [00:00<?, ?it/s]"]
+    monkeypatch.setattr(C, "PROGRESS_LOG_INTERVAL_S", 0.05)
+
+    def slow(engine, i, on_record):
+        for _ in range(4):
+            C.time.sleep(0.05)
+            on_record({})
+        return i
+
+    pool_without_engines(2).work(4, "held-out episodes", "batch", slow, total_episodes=16)
+    lines = capsys.readouterr().err.splitlines()
+    assert 2 < len(lines) <= 17 and all(line.startswith("held-out episodes: ") for line in lines)
+    assert "engine 0: batch " in lines[-1] and "engine 1: batch " in lines[-1]
+
+
+def test_on_a_terminal_the_progress_bar_is_tqdm_s_redrawn_in_place():
+    import io
+
+    from tqdm import tqdm
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    with C.progress_bar(total=3, desc="episodes", file=terminal, leave=False) as bar:
+        for _ in range(3):
+            bar.update(1)
+            bar.set_postfix_str("engine 0: batch 1")
+    assert type(bar) is tqdm and terminal.getvalue().count("\r") >= 4 and "\n" not in terminal.getvalue()
 
 
 def test_co_located_engines_at_tp2_need_mps_and_at_tp1_get_a_warning():
@@ -511,3 +608,16 @@ def test_three_engines_on_two_nodes_join_by_address_co_locate_and_make_the_histo
     assert header(history) == header(one)
     # every engine checked its node's sandbox: the records carry the same sandbox fields as one engine's
     assert episode_records(run_dir) == episode_records(one_dir)
+
+
+def test_a_refusal_in_an_engine_actor_s_start_reaches_the_user_whole(ray_nodes, tmp_path, monkeypatch):
+    """The per-node sandbox check of an engine actor refuses (a hidden data file the sandbox can see: /usr is
+    bound into it): the user gets that ConfigError, its findings and the setting that allows them, as on one node,
+    not a lost actor. The actor fails before its engine starts."""
+    monkeypatch.setattr(C, "SANDBOX_CHECKED", {"data": ["/usr/bin/env"], "checkpoint": None})
+    cfg = config(1, tmp_path / "run", f"--ray_address={ray_nodes.address}")
+    with pytest.raises(C.ConfigError) as refusal:
+        C.EnginePool(cfg, MODEL)
+    message = str(refusal.value)
+    assert message.startswith("engine 0 of 1: the ") and "sandbox leaks" in message, message
+    assert "data: /usr/bin/env is visible" in message and "--allow_leaky_sandbox=true" in message, message

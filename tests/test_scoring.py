@@ -7,6 +7,7 @@ import time
 import pytest
 
 import common as A
+from test_agent_loop import ScriptedPolicy, action
 
 # (model output, gold, expected score)
 CASES = [
@@ -116,25 +117,29 @@ def test_scoring_works_off_the_main_thread():
     assert results == [(1.0, "math_verify")]
 
 
-def score_episode(prediction, gold, *, bash_calls, finish_reason, error=None):
-    """(score, method) of an episode, scored in this thread (run_episode scores through the scorer pool)."""
-    reason = A.unscored_reason(prediction, bash_calls=bash_calls, finish_reason=finish_reason, error=error)
-    return (0.0, reason) if reason else A.score_answer(prediction, gold)
+# run_episode's rules, through the production path: the agent loop with a scripted policy, its isolated scorer
+RIGHT = "Final answer: \\boxed{42}"
+EPISODES = {  # name: (the policy's replies, gold, max_turns, (score, score method))
+    "integer after bash": ([action("echo 42"), RIGHT], "42", 5, (1.0, "integer_match")),
+    "expression after bash": ([action("echo 1.414"), "Final answer: \\boxed{\\sqrt{2}}"], "\\sqrt{2}", 5,
+                              (1.0, "math_verify")),
+    "wrong integer": ([action("echo 41"), "Final answer: \\boxed{41}"], "42", 5, (0.0, "integer_match")),
+    # a right answer without a bash call never scores: it is refused until the turns run out
+    "no bash call": ([RIGHT, RIGHT], "42", 2, (0.0, "missing_final_answer")),
+    # nor does an episode ended by an error or a context overflow, whatever it answered before
+    "error": ([action("echo 42") + "\n" + RIGHT, RuntimeError("boom")], "42", 5, (0.0, "error")),
+    "context overflow": ([action("echo 42") + "\n" + RIGHT, A.ContextOverflow("prompt of 40961 tokens")], "42", 5,
+                         (0.0, "context_overflow")),
+    "no final answer": ([action("echo 42")] * 3, "42", 3, (0.0, "missing_final_answer")),
+}
 
 
-def test_score_episode_rules():
-    good = dict(bash_calls=2, finish_reason="final_answer", error=None)
-    assert score_episode("42", "42", **good) == (1.0, "integer_match")
-    assert score_episode(r"\sqrt{2}", r"\sqrt{2}", **good) == (1.0, "math_verify")
-    assert score_episode("41", "42", **good)[0] == 0.0
-    # a right answer without a bash call never scores
-    assert score_episode("42", "42", bash_calls=0, finish_reason="final_answer") == (0.0, "no_bash_call")
-    # nor does an episode ended by an error or a context overflow
-    assert score_episode("42", "42", bash_calls=1, finish_reason="error", error="boom") == (0.0, "error")
-    assert score_episode("42", "42", bash_calls=1, finish_reason="final_answer", error="boom") == (0.0, "error")
-    assert score_episode(None, "42", bash_calls=1, finish_reason="context_overflow",
-                           error="ContextOverflow") == (0.0, "context_overflow")
-    assert score_episode(None, "42", bash_calls=3, finish_reason="max_turns") == (0.0, "missing_final_answer")
+@pytest.mark.parametrize("name", EPISODES)
+def test_score_episode_rules(name):
+    replies, gold, max_turns, expected = EPISODES[name]
+    problem = {"id": "p1", "question": "What is 6 times 7?", "answer": gold}
+    record = asyncio.run(A.run_episode(ScriptedPolicy(replies), problem, 0, run_seed=1, max_turns=max_turns))
+    assert (record["score"], record["score_method"]) == expected
 
 
 # ---- parse_action ----
