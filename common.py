@@ -149,6 +149,10 @@ class Config:
         if self.rounding == "stochastic" and self.restore == "subtract":
             raise ConfigError("restore=subtract cannot undo a stochastically rounded perturbation; use copy_device "
                               "or copy_host with rounding=stochastic")
+        if self.rounding == "stochastic" and self.dtype != "bfloat16":
+            # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
+            raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "
+                              "use rounding=nearest with this dtype")
 
 
 RESTORE_MODES = ("copy_device", "copy_host", "subtract")
