@@ -4,12 +4,17 @@ smoke run (real vLLM engines at TP=2 and TP=1, the test reward) through export, 
 
 import os
 import signal
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import common as C
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha, start_training, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gpu_pipeline  # noqa: E402
 
 KEY = C.checkpoint_noise_key(20260627, "model.layers.0.mlp.down_proj.weight")
 
@@ -153,6 +158,9 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")  # the evaluation checks it the same way
     checkpoint = C.read_json(trained / "eval" / C.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "export" and checkpoint["per_rank_digests"] == [manifest["digest"]]
+    run("04_replay.py", f"--run_dir={trained}", "--tensor_parallel_size=1")
+    report = gpu_pipeline.pipeline_report(trained)  # bench/gpu_pipeline.py's checks on this run's four stages
+    assert report["ok"] is True and report["noise"] == "checkpoint", report
 
 
 def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_path):
