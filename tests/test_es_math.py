@@ -489,3 +489,18 @@ def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
         C.parse_config(["--rounding=stochastic", "--restore=subtract"])
     with pytest.raises(C.ConfigError, match="rounding must be one of nearest, stochastic"):
         C.parse_config(["--rounding=up"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "auto"])
+@pytest.mark.parametrize("noise", C.NOISE_MODES)
+def test_stochastic_rounding_with_a_dtype_other_than_bf16_is_refused(dtype, noise):
+    """Stochastic rounding is bf16's: in another dtype the change would round to nearest under a history that says
+    "stochastic". Refused on the command line and in a history that records the pair (export, replay)."""
+    refusal = f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype='{dtype}'"
+    with pytest.raises(C.ConfigError, match=refusal):
+        C.parse_config(["--rounding=stochastic", f"--dtype={dtype}", f"--noise={noise}"])
+    recorded = {"config": dict(dataclasses.asdict(C.Config(noise=noise)), rounding="stochastic", dtype=dtype)}
+    with pytest.raises(C.ConfigError, match=refusal):
+        C.config_from_history(recorded, [])
+    assert C.parse_config([f"--dtype={dtype}", f"--noise={noise}"]).rounding == "nearest"
+    assert C.parse_config(["--rounding=stochastic", f"--noise={noise}"]).dtype == "bfloat16"

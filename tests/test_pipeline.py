@@ -21,6 +21,9 @@ import torch
 import common as C
 from conftest import still_running
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gpu_pipeline  # noqa: E402
+
 REPO = C.REPO
 TRAIN_WITH_TEST_REWARD = "tests/train_with_test_reward.py"
 
@@ -327,6 +330,8 @@ def test_aligned_replay_rebuilds_theta_and_reruns_group_12_15(evaluated, exporte
         # the same bits, requests and seeds give the same conversations, though the batches differ from the eval's
         assert d["identical_transcripts"] == 1.0 and d["sample_agreement"] == 1.0
     assert {n: sha(evaluated / f"{n}_eval16.json") for n in eval16} == eval16  # originals untouched
+    pipeline = gpu_pipeline.pipeline_report(trained)  # bench/gpu_pipeline.py's checks on this run's four stages
+    assert pipeline["ok"] is True and pipeline["noise"] == "rank_salted", pipeline
 
 
 def test_replay_replays_the_sets_its_evaluation_names_and_refuses_an_unfinished_one(evaluated, trained, tmp_path):
