@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import common as C
+import sandbox
 
 EXPORT = "<run_dir>/export"  # a folder written by 02_export.py; empty: evaluate the base model itself
 OUT = ""  # default: <run_dir>/eval (or <run_dir>/eval-base for the base model)
@@ -34,7 +35,8 @@ def main(argv: list[str]) -> dict:
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
-    C.check_sandbox(cfg, data=list(data.values()), checkpoint=export)  # (unless allowed)
+    sandbox.check_sandbox(cfg.run_dir, data=list(data.values()), checkpoint=export,  # (unless allowed)
+                          allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
     manifest = C.verify_any_export(export, cfg.tensor_parallel_size) if export else None  # before any writing
     if not export:
         C.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written

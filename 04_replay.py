@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import common as C
+import sandbox
 
 HISTORY = ""  # default: <run_dir>/es_history.json
 EXPORT = ""  # optionally an export folder whose manifest must match the rebuilt digests too
@@ -45,7 +46,8 @@ def main(argv: list[str]) -> dict:
 
     model_path = C.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before the engine starts
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
-    C.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export or None)
+    sandbox.check_sandbox(cfg.run_dir, data=[o["data"] for o in originals.values()], checkpoint=export or None,
+                          allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
     with C.EnginePool(cfg, model_path) as engine:
         _, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations, compare_config=False,
                                             desc=f"rebuilding theta from {len(generations)} generations")
