@@ -18,6 +18,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 import common as C
+import sandbox
+import models
 
 ROLLOUTS = "rollouts"  # one JSONL per generation: every episode of every member, with its transcript
 REWARD_CURVE = "reward_curve.png"  # beside the history: mean and max member fitness per generation
@@ -34,8 +36,9 @@ def main(argv: list[str], fitness=mean_score) -> dict:
     cfg = C.parse_config(argv)
     run_dir = Path(cfg.run_dir)
     problems = C.training_problems(cfg)
-    C.check_sandbox(cfg, data=[cfg.train_data])  # refuses a sandbox that could see the answers (unless allowed)
-    model_path = C.resolve_model(cfg.model, download=True)  # a hub id: its local snapshot, fetched once
+    sandbox.check_sandbox(cfg.run_dir, data=[cfg.train_data], allow_leaks=cfg.allow_leaky_sandbox,
+                          error=C.ConfigError)  # refuses a sandbox that could see the answers (unless allowed)
+    model_path = models.resolve_model(cfg.model, download=True)  # a hub id: its local snapshot, fetched once
     print(f"[train] {cfg.model} at TP={cfg.tensor_parallel_size}: {cfg.generations} generations x "
           f"{cfg.population} members x {cfg.case_batch} problems -> {run_dir}")
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import common as C
+import models
 
 HISTORY = ""  # default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by --preset=smoke)
 OUT = ""  # default: <run_dir>/export
@@ -41,7 +42,7 @@ def main(argv: list[str]) -> Path:
     if out.exists():
         raise C.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
 
-    model_path = C.resolve_model(cfg.model)  # a hub id must be in the local cache: refused here, before any work
+    model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused here, before any work
     partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete
     shutil.rmtree(partial, ignore_errors=True)
     try:

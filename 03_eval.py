@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import common as C
+import sandbox
+import models
 
 EXPORT = "<run_dir>/export"  # a folder written by 02_export.py; empty: evaluate the base model itself
 OUT = ""  # default: <run_dir>/eval (or <run_dir>/eval-base for the base model)
@@ -36,12 +38,13 @@ def main(argv: list[str]) -> dict:
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
-    C.check_sandbox(cfg, data=list(data.values()), checkpoint=export)  # (unless allowed)
+    sandbox.check_sandbox(cfg.run_dir, data=list(data.values()), checkpoint=export,  # (unless allowed)
+                          allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
     manifest = C.verify_any_export(export, cfg.tensor_parallel_size) if export else None  # before any writing
     if manifest:  # the loaded bits are checked, and recorded, in the digests of the export's noise
         cfg = C.dataclasses.replace(cfg, noise=manifest.get("noise", "rank_salted"))
     if not export:
-        C.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
+        models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
 
     with open_checkpoint(cfg, export, manifest) as (engine, checkpoint):
@@ -90,7 +93,7 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
     """An engine holding the export (its files verified against the manifest before; its loaded bits checked
     after loading) or, without an export, the base model."""
     if not export:
-        with C.EnginePool(cfg, C.resolve_model(cfg.model)) as engine:
+        with C.EnginePool(cfg, models.resolve_model(cfg.model)) as engine:
             yield engine, {"kind": "base", "model": cfg.model, "per_rank_digests": engine.digests()}
         return
     if manifest.get("noise") == "checkpoint":  # a Hugging Face folder: any TP size, digests in checkpoint terms

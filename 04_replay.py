@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import common as C
+import sandbox
+import models
 
 HISTORY = ""  # default: <run_dir>/es_history.json
 EXPORT = ""  # optionally an export folder whose manifest must match the rebuilt digests too
@@ -44,9 +46,10 @@ def main(argv: list[str]) -> dict:
         expected[export] = [manifest["digest"]] if "digest" in manifest else manifest["per_rank_digests"]
     jobs = {name: aligned_jobs(original, cfg.run_seed) for name, original in originals.items()}
 
-    model_path = C.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before the engine starts
+    model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before any engine
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
-    C.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export or None)
+    sandbox.check_sandbox(cfg.run_dir, data=[o["data"] for o in originals.values()], checkpoint=export or None,
+                          allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
     with C.EnginePool(cfg, model_path) as engine:
         _, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations, compare_config=False,
                                             desc=f"rebuilding theta from {len(generations)} generations")

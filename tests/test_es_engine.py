@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common as C
+import models
 from test_es_math import check_subtract_restore
 
 CFG = C.parse_config(["--preset=smoke", "--noise_chunk=4096"])  # small chunks: the tiny tensors span several
@@ -78,7 +79,7 @@ def probes_allowed():
 
 @pytest.fixture(scope="module")
 def base_path():
-    return C.resolve_model("tiny-qwen3-dense")
+    return models.resolve_model("tiny-qwen3-dense")
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +296,7 @@ def test_sharded_state_round_trip_is_exact(trained, base_path):
 
 @pytest.fixture(scope="class")
 def moe(probes_allowed):
-    with C.Engine(CFG, C.resolve_model("tiny-qwen3-moe")) as e:
+    with C.Engine(CFG, models.resolve_model("tiny-qwen3-moe")) as e:
         yield e
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import common as C
+import models
 from conftest import still_running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -53,7 +54,7 @@ def trained(tmp_path_factory):
     the data file is moved away after training."""
     tmp = tmp_path_factory.mktemp("train")
     run_dir, base, data = tmp / "run", tmp / "my-base", tmp / "train.jsonl"
-    shutil.copytree(C.resolve_model("tiny-qwen3-dense"), base)
+    shutil.copytree(models.resolve_model("tiny-qwen3-dense"), base)
     C.write_jsonl(C.smoke_problems(C.SMOKE_PROBLEMS, seed=C.Config.run_seed), data)
     proc = run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", f"--model={base}", f"--train_data={data}",
                "--tracking=tensorboard")
