@@ -119,36 +119,97 @@ class Config:
     tracking: str = "none"  # "tensorboard": each generation's summary also to <run_dir>/tensorboard
 
     def __post_init__(self):
-        for name in ("sigma_start", "sigma_end", "alpha"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
-        checks = {
-            "population": (self.population >= 2, "at least 2 (z-scores need two members)"),
-            "generations": (self.generations >= 1, "at least 1"),
-            "case_batch": (self.case_batch >= 1, "at least 1"),
-            "tensor_parallel_size": (self.tensor_parallel_size >= 1, "at least 1"),
-            "engines": (self.engines >= 0, "at least 0 (0: one per tensor_parallel_size GPUs)"),
-            "noise_chunk": (self.noise_chunk >= 1, "at least 1"),
-            "max_turns": (self.max_turns >= 1, "at least 1"),
-            "max_num_batched_tokens": (self.max_num_batched_tokens >= 0, "at least 0 (0: vLLM's default)"),
-            "max_new_tokens": (self.max_new_tokens >= 1, "at least 1"),
-            "restore": (self.restore in RESTORE_MODES, f"one of {', '.join(RESTORE_MODES)}"),
-            "rounding": (self.rounding in ROUNDING_MODES, f"one of {', '.join(ROUNDING_MODES)}"),
-            "noise": (self.noise in NOISE_MODES, f"one of {', '.join(NOISE_MODES)}"),
-            "prompt_mode": (self.prompt_mode in PROMPT_MODES, f"one of {', '.join(PROMPT_MODES)}"),
-            "tracking": (self.tracking in TRACKING_MODES, f"one of {', '.join(TRACKING_MODES)}"),
-            "scope": (self.scope == "full", '"full" (the only scope this reference implements)'),
-        }
-        for name, (ok, expected) in checks.items():
-            if not ok:
-                raise ConfigError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+        for field in dataclasses.fields(self):
+            problem = setting_problem(field.name, getattr(self, field.name), type(getattr(Config, field.name)))
+            if problem:
+                raise ConfigError(problem)
         if self.noise == "checkpoint" and self.restore == "subtract":
             raise ConfigError("restore=subtract is for the rank-salted noise; use copy_device or copy_host with "
                               "noise=checkpoint")
         if self.rounding == "stochastic" and self.restore == "subtract":
             raise ConfigError("restore=subtract cannot undo a stochastically rounded perturbation; use copy_device "
                               "or copy_host with rounding=stochastic")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The valid values of a numeric setting: low..high, each end included unless marked open."""
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+
+    def admits(self, value) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            text = f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return text + (f" ({self.why})" if self.why else "")
+
+
+# Every numeric setting's valid values, checked (with setting_choices) whenever a Config is made: the defaults, a
+# preset, the command line, or the settings read back from a history or an evaluation.
+SETTING_BOUNDS = {
+    "tensor_parallel_size": Bounds(1),
+    "max_model_len": Bounds(1),
+    "gpu_memory_utilization": Bounds(0, 1, low_open=True, why="the share of each GPU's memory vLLM may take"),
+    "max_num_batched_tokens": Bounds(0, why="0: vLLM's default"),
+    "engines": Bounds(0, why="0: one per tensor_parallel_size GPUs"),
+    "run_seed": Bounds(0, why="seeds numpy's generators"),
+    "generations": Bounds(1),
+    "population": Bounds(2, why="z-scores need two members"),
+    "case_batch": Bounds(1),
+    "sigma_start": Bounds(0, low_open=True),
+    "sigma_end": Bounds(0, low_open=True),
+    "alpha": Bounds(0, why="0: members are evaluated, the weights never move"),
+    "noise_chunk": Bounds(1),
+    "max_turns": Bounds(1),
+    "max_new_tokens": Bounds(1),
+    "temperature": Bounds(0, 2, why="vLLM's range; 0: greedy"),
+    "top_p": Bounds(0, 1, low_open=True),
+    "top_k": Bounds(-1, why="-1 or 0: every token"),
+    "min_p": Bounds(0, 1),
+    "presence_penalty": Bounds(-2, 2, why="vLLM's range"),
+    "repetition_penalty": Bounds(0, low_open=True, why="1: none"),
+    "bash_timeout_s": Bounds(0, low_open=True),
+    "observation_chars": Bounds(1),
+    "concurrency": Bounds(1),
+    "eval_problems": Bounds(0, why="0: all"),
+}
+DTYPES = ("bfloat16", "float16", "float32")
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
+
+
+def setting_problem(name: str, value, kind: type) -> str | None:
+    """What is wrong with one Config value (its default's type `kind`, SETTING_BOUNDS, setting_choices), or None."""
+    numeric = kind in (int, float)
+    if kind is float:
+        expected, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is int:
+        expected, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
+    else:
+        expected, ok = {bool: "true or false", str: "a string"}[kind], isinstance(value, kind)
+    if not ok:
+        return f"{name} must be {expected}, got {value!r}"
+    if numeric and name in SETTING_BOUNDS and not SETTING_BOUNDS[name].admits(value):
+        finite = "a finite number " if kind is float else ""
+        return f"{name} must be {finite}{SETTING_BOUNDS[name]}, got {value!r}"
+    choices = setting_choices().get(name)
+    if choices is not None and value not in choices:
+        return f"{name} must be one of {', '.join(choices)}, got {value!r}"
+    return None
+
+
+def setting_choices() -> dict[str, tuple]:
+    """The valid values of every setting that names a mode (a function: some tuples are defined further on)."""
+    return {"restore": RESTORE_MODES, "rounding": ROUNDING_MODES, "noise": NOISE_MODES, "prompt_mode": PROMPT_MODES,
+            "tracking": TRACKING_MODES, "scope": ("full",), "dtype": DTYPES, "cudagraph_mode": CUDAGRAPH_MODES}
 
 
 RESTORE_MODES = ("copy_device", "copy_host", "subtract")
