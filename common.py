@@ -2188,6 +2188,10 @@ class EnginePool(ClosedOnExit):
 
 HISTORY_FILE = "es_history.json"
 HISTORY_FORMAT = "es-history/1"
+# what the stages read from a history (check_shape): a file without it is refused before any engine starts
+GENERATION_RECORD_KEYS = ("generation", "sigma", "alpha", "seeds", "rewards", "z", "digests")
+HISTORY_SHAPE = {"config": ("population", "alpha"), "base_model": None, "base_digests": None,
+                 "generations": [GENERATION_RECORD_KEYS]}
 # settings that may change between a run and its resume: where files go, and how fast and how many episodes the
 # engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
 RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
@@ -2201,6 +2205,11 @@ def resume_free_fields(config: dict) -> tuple[str, ...]:
 
 class HistoryMismatch(StageError, RuntimeError):
     pass
+
+
+def read_history(path) -> dict:
+    """A run history, refused with the file and the key when it lacks anything a stage reads."""
+    return read_json(path, required=HISTORY_SHAPE)
 
 
 def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool = True) -> dict:
@@ -3730,7 +3739,7 @@ def load_problems(path):
 def build_hint(path) -> str:
     """For a missing file that 00_data.py builds: the exact command that builds it."""
     folder, name = os.path.split(os.path.normpath(path))
-    if name not in read_json(DATA_MANIFEST)["files"]:
+    if name not in read_json(DATA_MANIFEST, required=("files",))["files"]:
         return ""
     command = "python 00_data.py" + ("" if folder == "data" else f" --out={folder or '.'}")
     return f"; build it with: {command}"
@@ -3846,6 +3855,10 @@ GROUP_SIZE = 4        # samples per Mean4/Pass4 group
 REPORTED_SAMPLES = (12, 13, 14, 15)  # the reported Mean4/Pass4 group (SPEC section 2)
 REPORTED_GROUP = f"{REPORTED_SAMPLES[0]}-{REPORTED_SAMPLES[-1]}"
 EVAL_METRICS = "metrics.json"  # 03_eval.py's last file: the metrics of every set it evaluated, by set name
+# what the replay reads from 03_eval.py's files (check_shape)
+EVAL_METRICS_SHAPE = {"datasets": {}}
+EPISODE_RECORD_KEYS = ("problem_id", "sample_index", "seed", "score")
+EVAL16_SHAPE = {"data": None, "checkpoint": ("per_rank_digests",), "config": {}, "records": [EPISODE_RECORD_KEYS]}
 
 
 def group_label(indices):
@@ -4060,14 +4073,38 @@ def write_json_atomic(obj, path):
     write_text_atomic(text, path)
 
 
-def read_json(path):
+def read_json(path, required=None):
+    """The JSON in path; with `required` (a shape, see check_shape), refused unless it holds what a stage reads."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            value = json.load(f)
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
+    check_shape(value, required, path)
+    return value
+
+
+def check_shape(value, shape, path, inside=""):
+    """Refuse valid JSON that lacks what a stage reads, with one error naming the file and the key, before any work
+    starts. `shape`: None (anything), a tuple of the keys an object must hold, a dict of key -> the shape of its
+    value, or a one-item list: a list whose every item has that item's shape."""
+    if shape is None:
+        return
+    where = f"{path}: {inside}" if inside else f"{path}:"
+    if isinstance(shape, list):
+        if not isinstance(value, list):
+            raise DataError(f"{where} expected a list, got {type(value).__name__}")
+        for i, item in enumerate(value):
+            check_shape(item, shape[0], path, f"{inside}[{i}]")
+        return
+    if not isinstance(value, dict):
+        raise DataError(f"{where} expected an object, got {type(value).__name__}")
+    for key, inner in (shape if isinstance(shape, dict) else dict.fromkeys(shape)).items():
+        if key not in value:
+            raise DataError(f"{where} missing key {key!r}")
+        check_shape(value[key], inner, path, f"{inside}.{key}" if inside else key)
 
 
 def sha256_file(path, chunk=1 << 20):
@@ -4156,9 +4193,9 @@ def append_jsonl(path, rows):
         os.fsync(f.fileno())
 
 
-def read_jsonl(path):
+def read_jsonl(path, required=None):
     """Rows of a JSONL log. A last line cut by a crash mid-write is ignored; a bad line anywhere else is
-    corruption and an error."""
+    corruption and an error. With `required` (a shape, see check_shape), every row must have it."""
     try:
         with open(path, "rb") as f:
             lines = f.read().split(b"\n")
@@ -4174,6 +4211,8 @@ def read_jsonl(path):
             if lineno == len(lines):  # no newline after it: a torn write
                 break
             raise DataError(f"{path}:{lineno}: malformed JSON line ({e})") from None
+    if required is not None:
+        check_shape(rows, [required], path, "row")
     return rows
 
 
@@ -4208,6 +4247,10 @@ def name_only_fingerprint(model: str | None) -> str:
 
 
 EXPORT_MANIFEST = "es_sharded_export_manifest.json"
+# what eval and replay read from a sharded export's manifest (check_shape)
+EXPORT_MANIFEST_SHAPE = {"tensor_parallel_size": None, "shards": [("file", "rank", "sha256")],
+                         "per_rank_digests": None, "parameter_names_sha256": None, "replayed_generations": None,
+                         "vllm_version": None}
 SHARD_PATTERN = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 
 
@@ -4244,7 +4287,7 @@ def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -
     folder = Path(folder)
     if not (folder / EXPORT_MANIFEST).is_file():
         raise ExportError(f"{folder}: no {EXPORT_MANIFEST}; not an export of 02_export.py")
-    manifest = read_json(folder / EXPORT_MANIFEST)
+    manifest = read_json(folder / EXPORT_MANIFEST, required=EXPORT_MANIFEST_SHAPE)
     tp = manifest["tensor_parallel_size"]
     if tensor_parallel_size is not None and tensor_parallel_size != tp:
         raise ExportError(f"{folder} holds per-rank shards for tensor_parallel_size={tp}; it cannot be loaded "
@@ -4268,6 +4311,7 @@ def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -
 # ---- The Hugging Face export of a checkpoint-noise run: the weights by checkpoint name, any TP size
 
 HF_EXPORT_MANIFEST = "es_export_manifest.json"
+HF_EXPORT_MANIFEST_SHAPE = ("digest", "replayed_generations")  # what eval and replay read from it (check_shape)
 HF_FILE_BYTES = 4 * 1024**3  # a safetensors file per ~4 GiB, with an index beside them when there are several
 PIECES = ".pieces"  # inside an export being written: each rank's owned segments (es_write_checkpoint_pieces)
 
@@ -4326,7 +4370,7 @@ def verify_hf_export(folder: str | Path) -> dict:
     problems = verify_sha256sums(folder) if (folder / SHA256SUMS).exists() else [f"missing {SHA256SUMS}"]
     if problems:
         raise ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
-    return read_json(folder / HF_EXPORT_MANIFEST)
+    return read_json(folder / HF_EXPORT_MANIFEST, required=HF_EXPORT_MANIFEST_SHAPE)
 
 
 def verify_any_export(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:
