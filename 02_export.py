@@ -35,7 +35,7 @@ def main(argv: list[str]) -> Path:
 
     run_dir = Path(C.parse_config(overrides).run_dir)
     history_path = opts["history"] or run_dir / C.HISTORY_FILE
-    history = C.read_json(history_path)
+    history = C.read_history(history_path)
     cfg = C.config_from_history(history, overrides)  # the recorded run; --preset never overrides it
     generations = select_generations(history, opts["replay_generations"])
     out = Path(opts["out"] or run_dir / "export")

@@ -132,7 +132,8 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
 def evaluate(engine, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
     """All (problem, sample) episodes. Each finished episode (with its transcript) is appended to `log` as it
     ends; the ones already there are kept, not re-run."""
-    done = {(r["problem_id"], r["sample_index"]): r for r in (C.read_jsonl(log) if log.exists() else [])}
+    finished = C.read_jsonl(log, required=C.EPISODE_RECORD_KEYS) if log.exists() else []
+    done = {(r["problem_id"], r["sample_index"]): r for r in finished}
     todo = [(p, i) for p in problems for i in sample_indices if (p["id"], i) not in done]
     if done:
         print(f"[eval] {name}: resuming, {len(done)} episodes already finished, {len(todo)} to go")

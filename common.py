@@ -50,7 +50,7 @@ from fractions import Fraction
 
 import numpy as np
 import torch
-from math_verify import parse as mv_parse, verify as mv_verify
+from math_verify import LatexExtractionConfig, parse as mv_parse, verify as mv_verify
 from math_verify.errors import TimeoutException as MathVerifyTimeout
 
 import sandbox
@@ -118,30 +118,10 @@ class Config:
     tracking: str = "none"  # "tensorboard": each generation's summary also to <run_dir>/tensorboard
 
     def __post_init__(self):
-        for name in ("sigma_start", "sigma_end", "alpha"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
-        checks = {
-            "population": (self.population >= 2, "at least 2 (z-scores need two members)"),
-            "generations": (self.generations >= 1, "at least 1"),
-            "case_batch": (self.case_batch >= 1, "at least 1"),
-            "tensor_parallel_size": (self.tensor_parallel_size >= 1, "at least 1"),
-            "engines": (self.engines >= 0, "at least 0 (0: one per tensor_parallel_size GPUs)"),
-            "noise_chunk": (self.noise_chunk >= 1, "at least 1"),
-            "max_turns": (self.max_turns >= 1, "at least 1"),
-            "max_num_batched_tokens": (self.max_num_batched_tokens >= 0, "at least 0 (0: vLLM's default)"),
-            "max_new_tokens": (self.max_new_tokens >= 1, "at least 1"),
-            "restore": (self.restore in RESTORE_MODES, f"one of {', '.join(RESTORE_MODES)}"),
-            "rounding": (self.rounding in ROUNDING_MODES, f"one of {', '.join(ROUNDING_MODES)}"),
-            "noise": (self.noise in NOISE_MODES, f"one of {', '.join(NOISE_MODES)}"),
-            "prompt_mode": (self.prompt_mode in PROMPT_MODES, f"one of {', '.join(PROMPT_MODES)}"),
-            "tracking": (self.tracking in TRACKING_MODES, f"one of {', '.join(TRACKING_MODES)}"),
-            "scope": (self.scope == "full", '"full" (the only scope this reference implements)'),
-        }
-        for name, (ok, expected) in checks.items():
-            if not ok:
-                raise ConfigError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+        for field in dataclasses.fields(self):
+            problem = setting_problem(field.name, getattr(self, field.name), type(getattr(Config, field.name)))
+            if problem:
+                raise ConfigError(problem)
         if self.noise == "checkpoint" and self.restore == "subtract":
             raise ConfigError("restore=subtract is for the rank-salted noise; use copy_device or copy_host with "
                               "noise=checkpoint")
@@ -152,6 +132,87 @@ class Config:
             # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
             raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "
                               "use rounding=nearest with this dtype")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The valid values of a numeric setting: low..high, each end included unless marked open."""
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+
+    def admits(self, value) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            text = f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return text + (f" ({self.why})" if self.why else "")
+
+
+# Every numeric setting's valid values, checked (with setting_choices) whenever a Config is made: the defaults, a
+# preset, the command line, or the settings read back from a history or an evaluation.
+SETTING_BOUNDS = {
+    "tensor_parallel_size": Bounds(1),
+    "max_model_len": Bounds(1),
+    "gpu_memory_utilization": Bounds(0, 1, low_open=True, why="the share of each GPU's memory vLLM may take"),
+    "max_num_batched_tokens": Bounds(0, why="0: vLLM's default"),
+    "engines": Bounds(0, why="0: one per tensor_parallel_size GPUs"),
+    "run_seed": Bounds(0, why="seeds numpy's generators"),
+    "generations": Bounds(1),
+    "population": Bounds(2, why="z-scores need two members"),
+    "case_batch": Bounds(1),
+    "sigma_start": Bounds(0, low_open=True),
+    "sigma_end": Bounds(0, low_open=True),
+    "alpha": Bounds(0, why="0: members are evaluated, the weights never move"),
+    "noise_chunk": Bounds(1),
+    "max_turns": Bounds(1),
+    "max_new_tokens": Bounds(1),
+    "temperature": Bounds(0, 2, why="vLLM's range; 0: greedy"),
+    "top_p": Bounds(0, 1, low_open=True),
+    "top_k": Bounds(-1, why="-1 or 0: every token"),
+    "min_p": Bounds(0, 1),
+    "presence_penalty": Bounds(-2, 2, why="vLLM's range"),
+    "repetition_penalty": Bounds(0, low_open=True, why="1: none"),
+    "bash_timeout_s": Bounds(0, low_open=True),
+    "observation_chars": Bounds(1),
+    "concurrency": Bounds(1),
+    "eval_problems": Bounds(0, why="0: all"),
+}
+DTYPES = ("bfloat16", "float16", "float32")
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
+
+
+def setting_problem(name: str, value, kind: type) -> str | None:
+    """What is wrong with one Config value (its default's type `kind`, SETTING_BOUNDS, setting_choices), or None."""
+    numeric = kind in (int, float)
+    if kind is float:
+        expected, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is int:
+        expected, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
+    else:
+        expected, ok = {bool: "true or false", str: "a string"}[kind], isinstance(value, kind)
+    if not ok:
+        return f"{name} must be {expected}, got {value!r}"
+    if numeric and name in SETTING_BOUNDS and not SETTING_BOUNDS[name].admits(value):
+        finite = "a finite number " if kind is float else ""
+        return f"{name} must be {finite}{SETTING_BOUNDS[name]}, got {value!r}"
+    choices = setting_choices().get(name)
+    if choices is not None and value not in choices:
+        return f"{name} must be one of {', '.join(choices)}, got {value!r}"
+    return None
+
+
+def setting_choices() -> dict[str, tuple]:
+    """The valid values of every setting that names a mode (a function: some tuples are defined further on)."""
+    return {"restore": RESTORE_MODES, "rounding": ROUNDING_MODES, "noise": NOISE_MODES, "prompt_mode": PROMPT_MODES,
+            "tracking": TRACKING_MODES, "scope": ("full",), "dtype": DTYPES, "cudagraph_mode": CUDAGRAPH_MODES}
 
 
 RESTORE_MODES = ("copy_device", "copy_host", "subtract")
@@ -2324,6 +2385,10 @@ class EnginePool(ClosedOnExit):
 
 HISTORY_FILE = "es_history.json"
 HISTORY_FORMAT = "es-history/1"
+# what the stages read from a history (check_shape): a file without it is refused before any engine starts
+GENERATION_RECORD_KEYS = ("generation", "sigma", "alpha", "seeds", "rewards", "z", "digests")
+HISTORY_SHAPE = {"config": ("population", "alpha"), "base_model": None, "base_digests": None,
+                 "generations": [GENERATION_RECORD_KEYS]}
 # settings that may change between a run and its resume: where files go, and how fast and how many episodes the
 # engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
 RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
@@ -2337,6 +2402,11 @@ def resume_free_fields(config: dict) -> tuple[str, ...]:
 
 class HistoryMismatch(StageError, RuntimeError):
     pass
+
+
+def read_history(path) -> dict:
+    """A run history, refused with the file and the key when it lacks anything a stage reads."""
+    return read_json(path, required=HISTORY_SHAPE)
 
 
 def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool = True) -> dict:
@@ -2524,12 +2594,26 @@ def _math_verify(prediction, gold):
     try:
         # $...$ makes bare LaTeX such as \frac{1}{2} or \sqrt{2} parse
         gold_parsed = mv_parse(f"${gold.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
-        pred_parsed = mv_parse(f"${prediction.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
-        if not gold_parsed or not pred_parsed:
+        # the prediction as LaTeX only: where that fails, math_verify's other reading picks one number out of the
+        # text ("42 (i.e. 43)" -> 43, 42\text{, }43 -> 42), and an answer holding several values is none of them
+        pred_parsed = mv_parse(f"${prediction.strip('$')}$", extraction_config=[LatexExtractionConfig()],
+                               parsing_timeout=timeout, raise_on_error=True)
+        if not gold_parsed or all(isinstance(p, str) for p in pred_parsed):
             return None
+        pred_parsed = [_exact_decimals(p) for p in pred_parsed]
         return bool(mv_verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
     except (Exception, MathVerifyTimeout):  # sympy errors, recursion, its timeout (a BaseException): "cannot decide"
         return None
+
+
+def _exact_decimals(expr):
+    """A parsed prediction with each decimal in it as the exact rational it names (0.333333 -> 333333/1000000).
+    math_verify rounds floats to 6 places before comparing, which makes a truncated 1/3 equal 1/3; the gold's own
+    decimals keep that rounding (a gold may itself be rounded)."""
+    from sympy import Float, Rational
+
+    floats = expr.atoms(Float) if hasattr(expr, "atoms") else set()
+    return expr.xreplace({f: Rational(str(f)) for f in floats}) if floats else expr
 
 
 def _unbox(text):
@@ -2573,6 +2657,7 @@ _TRAILING_QUALIFIER = re.compile(
     r"|\s*\\?%"                                                          # 25\%
     r"|(?:\s|\\[,;: ]|~)+(?!pi\b)[A-Za-z]{2,}\.?(?:\^\{?[23]\}?)?)$",    # 1000 dollars, 12 cm^2 (not "2 pi")
     re.IGNORECASE)
+_PROSE = re.compile(r"[A-Za-z]{2,}")
 _PROSE_PREFIX = re.compile(r"^(?:[A-Za-z][A-Za-z'’]*[\s,:]+)+(?=[+\-\\.\d])")  # so the answer is 42
 
 
@@ -2586,11 +2671,45 @@ def _strip_decorations(text):
     while text != previous:
         previous = text
         text = _strip_outer_braces(_unbox(text.strip().strip("*_`").strip().rstrip(".;").strip()))  # not "!": 5!
-        text = re.split(r"(?<=[.!?;])\s+(?=\S)", text)[-1]  # the last sentence
+        sentences = re.split(r"(?<=[.!?;])\s+(?=\S)", text)
+        if all(_PROSE.search(sentence) for sentence in sentences[:-1]):  # "42; 43" is two values, not prose
+            text = sentences[-1]  # the last sentence
         text = _TRAILING_QUALIFIER.sub("", text)
     if text.count("=") == 1:
         text = text.split("=")[1]
     return _PROSE_PREFIX.sub("", text.strip())
+
+
+# e-notation as Python prints it (1.5e3, 2e-05); a short exponent, so that writing the number out stays cheap
+_E_NOTATION = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)[eE][+-]?\d{1,2}")
+
+
+def _written_out(prediction):
+    """A prediction that is one number in e-notation, written out ("1.5e3" -> "1500", "2e-3" -> "0.002"); any other
+    prediction unchanged. Only beside a numeric gold: beside a symbolic one, 2e-3 may mean 2e - 3."""
+    from decimal import Decimal
+
+    bare = _strip_decorations(prediction) if len(prediction) <= 1000 else ""  # the regexes stay cheap
+    return format(Decimal(bare), "f") if _E_NOTATION.fullmatch(bare) else prediction
+
+
+def _has_finite_decimal(x):
+    """Whether x has a finite decimal expansion: its reduced denominator has no prime factors but 2 and 5."""
+    d = x.denominator
+    for p in (2, 5):
+        while d % p == 0:
+            d //= p
+    return d == 1
+
+
+def numbers_agree(predicted, gold):
+    """Numeric equality within 1e-8, except that a finite decimal never equals a gold without one (0.333333 and
+    0.3333333333 are truncations of 1/3, not its value); 0.5 and 1/2 are equal."""
+    if predicted == gold:
+        return True
+    if _has_finite_decimal(predicted) and not _has_finite_decimal(gold):
+        return False
+    return abs(predicted - gold) <= Fraction(1, 10**8)
 
 
 def _fraction(number_text):
@@ -2616,18 +2735,39 @@ def read_number(text):
     return None
 
 
+# Words that offer alternatives. math_verify reads "42 or 43" as a set (never equal to one value) but "42 (or 43)" or
+# 42 \lor 43 as one of the values, so an answer that offers alternatives to a gold of one value is decided here.
+_ALTERNATIVES = re.compile(r"\b(?:or|either|alternatively)\b|\\(?:lor|vee)(?![A-Za-z])", re.IGNORECASE)
+_SEVERAL_VALUES = re.compile(r"[,;]|\\(?:pm|mp|cup)(?![A-Za-z])|\band\b", re.IGNORECASE)  # a list, a set, a ± pair
+
+
+def is_hedge(prediction, gold):
+    """Whether the prediction offers alternatives ("42 or 43", "42 (or 43)") where the gold is one value."""
+    gold_is_one_value = read_number(gold) is not None or not (_ALTERNATIVES.search(gold)
+                                                              or _SEVERAL_VALUES.search(gold))
+    return gold_is_one_value and bool(_ALTERNATIVES.search(prediction))
+
+
 def score_answer(prediction, gold):
     """(score 0.0 or 1.0, method). A pure function; it may run for a long time on adversarial input (sympy), so the
-    episode loop calls it through score_answer_isolated. For an integer gold, a prediction that reads as a number
-    is compared exactly (integer_match). Otherwise math_verify, gold first; when it cannot decide, normalised exact
-    match and numeric equality within 1e-8."""
+    episode loop calls it through score_answer_isolated. A hedge scores 0 (is_hedge; several different boxed
+    values come here as a list, which no single value equals). Beside a numeric gold, a prediction in e-notation is
+    written out first, and a prediction that reads as a number is compared as one: exactly for an integer gold
+    (integer_match), else accepted when numbers_agree. Otherwise math_verify, gold first, with the prediction's
+    decimals exact (it also reads forms such as 50\\% for 0.5); when it cannot decide, normalised exact match and
+    numbers_agree."""
     if prediction is None or not prediction.strip():
         return 0.0, "missing_final_answer"
+    if is_hedge(prediction, gold):
+        return 0.0, "hedge"
     gold_number = read_number(gold)
-    if gold_number is not None and gold_number.denominator == 1:
+    if gold_number is not None:
+        prediction = _written_out(prediction)
         predicted_number = read_number(prediction)
-        if predicted_number is not None:
+        if predicted_number is not None and gold_number.denominator == 1:
             return float(predicted_number == gold_number), "integer_match"
+        if predicted_number is not None and numbers_agree(predicted_number, gold_number):
+            return 1.0, "numeric_match"
     decided = _math_verify(prediction, gold)
     if decided is not None:
         return float(decided), "math_verify"
@@ -2636,7 +2776,7 @@ def score_answer(prediction, gold):
         return 1.0, "exact_match"
     pred_num, gold_num = read_number(prediction), read_number(gold)
     if pred_num is not None and gold_num is not None:
-        return float(abs(pred_num - gold_num) <= Fraction(1, 10**8)), "numeric_match"
+        return float(numbers_agree(pred_num, gold_num)), "numeric_match"
     return 0.0, "no_match"
 
 
@@ -2981,44 +3121,94 @@ _ANSWER_MARKER = re.compile(
 _BOXED = re.compile(r"\\boxed\s*\{")
 
 
-def _balanced_boxes(text):
-    """(start, content) of every \\boxed{...} whose braces close, in order of their start."""
-    boxes = []
+def _boxes(text):
+    """(start, content, closed) of every \\boxed{ that is not inside an earlier closed box, in order. A box whose
+    braces never close (a reply cut off inside it) holds the rest of its line."""
+    boxes, inside_until = [], 0
     for match in _BOXED.finditer(text):
+        if match.start() < inside_until:
+            continue
         depth, i = 1, match.end()
         while i < len(text) and depth:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         if depth == 0:
-            boxes.append((match.start(), text[match.end():i - 1]))
+            boxes.append((match.start(), text[match.end():i - 1], True))
+            inside_until = i
+        else:
+            line_end = text.find("\n", match.end())
+            boxes.append((match.start(), text[match.end():None if line_end == -1 else line_end], False))
     return boxes
 
 
+# A note after the committed value, in parentheses or after a dash: "42 (checked with the tool)", "42 — verified".
+# It is dropped only when it is prose that names no other candidate answer: no digit, no math, no number word and
+# no "or" ("42 (or 43)" stays a hedge).
+_TRAILING_NOTE = re.compile(r"\s+(?:\(([^()]*)\)|[\u2013\u2014]\s*([^\u2013\u2014]*))$")
+_CANDIDATE_ANSWER = re.compile(
+    r"[\d\\$^_=+*/<>{}]|\b(?:or|pi|zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|\w+teen|"
+    r"twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|hundred|thousand|million|billion|half|third|quarter)\b",
+    re.IGNORECASE)
+
+
+def _drop_trailing_note(text):
+    note = _TRAILING_NOTE.search(text)
+    if note and text[:note.start()].strip():
+        remark = note.group(1) if note.group(1) is not None else note.group(2)
+        if _PROSE.search(remark) and not _CANDIDATE_ANSWER.search(remark):
+            return text[:note.start()]
+    return text
+
+
 def _clean_answer_text(text):
-    text = text.strip().strip("*").strip().rstrip(".").strip()
-    if len(text) >= 2 and text[0] == text[-1] == "$":
-        text = text.strip("$").strip()
-    return text.rstrip(".").strip()
+    previous = None
+    while text != previous:
+        previous = text
+        text = _drop_trailing_note(text.strip().strip("*").strip().rstrip(".").strip())
+        if len(text) >= 2 and text[0] == text[-1] == "$":
+            text = text.strip("$").strip()
+    return text
+
+
+def _answer_key(value):
+    """What makes two committed values the same answer: the number they read as, else their normalised text."""
+    number = read_number(value)
+    return normalize_answer(value) if number is None else number
+
+
+def _one_answer(values):
+    """The answer a line commits to. Several boxes that hold one value (\\boxed{5} since 2+3 = \\boxed{5}) commit
+    to it; boxes with different values (\\boxed{a} or \\boxed{b}) are a hedge, returned as the list "a, b", which
+    scores like the same hedge inside one box. None when every value is empty."""
+    distinct = {}
+    for value in values:
+        if value:
+            distinct.setdefault(_answer_key(value), value)
+    return ", ".join(distinct.values()) or None
 
 
 def extract_final_answer(text):
     """The answer the reply commits to, or None. Last line that starts with `Final answer:`/`Answer:` (after optional
-    markdown such as `**`, `>`, `-`; ASCII or full-width colon):
-    its \\boxed{} content if the box opens on that line, else the rest of the line. Without such a line (or with an
-    empty one), the last balanced \\boxed{} anywhere."""
+    markdown such as `**`, `>`, `-`; ASCII or full-width colon): the content of the boxes that open on that line
+    (one cut off before its closing brace holds the rest of the line), else the rest of the line without a trailing
+    prose note. Without such a line (or with an empty one), the balanced boxes on the line of the last one
+    anywhere. Several different values on the committing line are a hedge (see _one_answer)."""
     text = strip_think(text)
-    boxes = _balanced_boxes(text)
+    boxes = _boxes(text)
     markers = list(_ANSWER_MARKER.finditer(text))
     if markers:
         start = markers[-1].end()
         line_end = text.find("\n", start)
         line_end = len(text) if line_end == -1 else line_end
-        on_line = [content for box_start, content in boxes if start <= box_start < line_end]
-        answer = on_line[-1].strip() if on_line else _clean_answer_text(text[start:line_end])
+        on_line = [content.strip() if closed else _clean_answer_text(content)
+                   for box_start, content, closed in boxes if start <= box_start < line_end]
+        answer = _one_answer(on_line) if on_line else _clean_answer_text(text[start:line_end])
         if answer:
             return answer
-    if boxes and boxes[-1][1].strip():
-        return boxes[-1][1].strip()
+    closed = [(box_start, content) for box_start, content, is_closed in boxes if is_closed]
+    if closed:
+        line_start = text.rfind("\n", 0, closed[-1][0]) + 1
+        return _one_answer([content.strip() for box_start, content in closed if box_start >= line_start])
     return None
 
 
@@ -3243,7 +3433,7 @@ def load_problems(path):
 def build_hint(path) -> str:
     """For a missing file that 00_data.py builds: the exact command that builds it."""
     folder, name = os.path.split(os.path.normpath(path))
-    if name not in read_json(DATA_MANIFEST)["files"]:
+    if name not in read_json(DATA_MANIFEST, required=("files",))["files"]:
         return ""
     command = "python 00_data.py" + ("" if folder == "data" else f" --out={folder or '.'}")
     return f"; build it with: {command}"
@@ -3359,6 +3549,10 @@ GROUP_SIZE = 4        # samples per Mean4/Pass4 group
 REPORTED_SAMPLES = (12, 13, 14, 15)  # the reported Mean4/Pass4 group (SPEC section 2)
 REPORTED_GROUP = f"{REPORTED_SAMPLES[0]}-{REPORTED_SAMPLES[-1]}"
 EVAL_METRICS = "metrics.json"  # 03_eval.py's last file: the metrics of every set it evaluated, by set name
+# what the replay reads from 03_eval.py's files (check_shape)
+EVAL_METRICS_SHAPE = {"datasets": {}}
+EPISODE_RECORD_KEYS = ("problem_id", "sample_index", "seed", "score")
+EVAL16_SHAPE = {"data": None, "checkpoint": ("per_rank_digests",), "config": {}, "records": [EPISODE_RECORD_KEYS]}
 
 
 def group_label(indices):
@@ -3601,14 +3795,38 @@ def write_json_atomic(obj, path):
     write_text_atomic(text, path)
 
 
-def read_json(path):
+def read_json(path, required=None):
+    """The JSON in path; with `required` (a shape, see check_shape), refused unless it holds what a stage reads."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            value = json.load(f)
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
+    check_shape(value, required, path)
+    return value
+
+
+def check_shape(value, shape, path, inside=""):
+    """Refuse valid JSON that lacks what a stage reads, with one error naming the file and the key, before any work
+    starts. `shape`: None (anything), a tuple of the keys an object must hold, a dict of key -> the shape of its
+    value, or a one-item list: a list whose every item has that item's shape."""
+    if shape is None:
+        return
+    where = f"{path}: {inside}" if inside else f"{path}:"
+    if isinstance(shape, list):
+        if not isinstance(value, list):
+            raise DataError(f"{where} expected a list, got {type(value).__name__}")
+        for i, item in enumerate(value):
+            check_shape(item, shape[0], path, f"{inside}[{i}]")
+        return
+    if not isinstance(value, dict):
+        raise DataError(f"{where} expected an object, got {type(value).__name__}")
+    for key, inner in (shape if isinstance(shape, dict) else dict.fromkeys(shape)).items():
+        if key not in value:
+            raise DataError(f"{where} missing key {key!r}")
+        check_shape(value[key], inner, path, f"{inside}.{key}" if inside else key)
 
 
 def sha256_file(path, chunk=1 << 20):
@@ -3697,9 +3915,9 @@ def append_jsonl(path, rows):
         os.fsync(f.fileno())
 
 
-def read_jsonl(path):
+def read_jsonl(path, required=None):
     """Rows of a JSONL log. A last line cut by a crash mid-write is ignored; a bad line anywhere else is
-    corruption and an error."""
+    corruption and an error. With `required` (a shape, see check_shape), every row must have it."""
     try:
         with open(path, "rb") as f:
             lines = f.read().split(b"\n")
@@ -3715,6 +3933,8 @@ def read_jsonl(path):
             if lineno == len(lines):  # no newline after it: a torn write
                 break
             raise DataError(f"{path}:{lineno}: malformed JSON line ({e})") from None
+    if required is not None:
+        check_shape(rows, [required], path, "row")
     return rows
 
 
@@ -3749,6 +3969,10 @@ def name_only_fingerprint(model: str | None) -> str:
 
 
 EXPORT_MANIFEST = "es_sharded_export_manifest.json"
+# what eval and replay read from a sharded export's manifest (check_shape)
+EXPORT_MANIFEST_SHAPE = {"tensor_parallel_size": None, "shards": [("file", "rank", "sha256")],
+                         "per_rank_digests": None, "parameter_names_sha256": None, "replayed_generations": None,
+                         "vllm_version": None}
 SHARD_PATTERN = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 
 
@@ -3785,7 +4009,7 @@ def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -
     folder = Path(folder)
     if not (folder / EXPORT_MANIFEST).is_file():
         raise ExportError(f"{folder}: no {EXPORT_MANIFEST}; not an export of 02_export.py")
-    manifest = read_json(folder / EXPORT_MANIFEST)
+    manifest = read_json(folder / EXPORT_MANIFEST, required=EXPORT_MANIFEST_SHAPE)
     tp = manifest["tensor_parallel_size"]
     if tensor_parallel_size is not None and tensor_parallel_size != tp:
         raise ExportError(f"{folder} holds per-rank shards for tensor_parallel_size={tp}; it cannot be loaded "
@@ -3809,6 +4033,7 @@ def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -
 # ---- The Hugging Face export of a checkpoint-noise run: the weights by checkpoint name, any TP size
 
 HF_EXPORT_MANIFEST = "es_export_manifest.json"
+HF_EXPORT_MANIFEST_SHAPE = ("digest", "replayed_generations")  # what eval and replay read from it (check_shape)
 HF_FILE_BYTES = 4 * 1024**3  # a safetensors file per ~4 GiB, with an index beside them when there are several
 PIECES = ".pieces"  # inside an export being written: each rank's owned segments (es_write_checkpoint_pieces)
 
@@ -3867,7 +4092,7 @@ def verify_hf_export(folder: str | Path) -> dict:
     problems = verify_sha256sums(folder) if (folder / SHA256SUMS).exists() else [f"missing {SHA256SUMS}"]
     if problems:
         raise ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
-    return read_json(folder / HF_EXPORT_MANIFEST)
+    return read_json(folder / HF_EXPORT_MANIFEST, required=HF_EXPORT_MANIFEST_SHAPE)
 
 
 def verify_any_export(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:

@@ -20,6 +20,7 @@ import pytest
 
 import common as C
 import models
+import sandbox
 from train_with_test_reward import reply_variety
 
 train = importlib.import_module("01_train")
@@ -615,7 +616,7 @@ def test_a_refusal_in_an_engine_actor_s_start_reaches_the_user_whole(ray_nodes, 
     """The per-node sandbox check of an engine actor refuses (a hidden data file the sandbox can see: /usr is
     bound into it): the user gets that ConfigError, its findings and the setting that allows them, as on one node,
     not a lost actor. The actor fails before its engine starts."""
-    monkeypatch.setattr(C, "SANDBOX_CHECKED", {"data": ["/usr/bin/env"], "checkpoint": None})
+    monkeypatch.setattr(sandbox, "SANDBOX_CHECKED", {"data": ["/usr/bin/env"], "checkpoint": None})
     cfg = config(1, tmp_path / "run", f"--ray_address={ray_nodes.address}")
     with pytest.raises(C.ConfigError) as refusal:
         C.EnginePool(cfg, MODEL)

@@ -427,8 +427,10 @@ def test_a_finished_run_started_again_logs_the_last_generation_its_process_did_n
     argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--tracking=tensorboard"]
     cfg = C.parse_config(argv)
     timings = {k: 1.0 for k in ("rollout", "perturb", "restore", "update", "digest")}
-    records = [dict(generation_record(g), timings=timings, digests=["d"]) for g in range(cfg.generations)]
-    C.write_json_atomic({"config": C.dataclasses.asdict(cfg), "generations": records}, tmp_path / C.HISTORY_FILE)
+    records = [dict(generation_record(g), timings=timings, digests=["d"], seeds=[1, 2, 3, 4], z=[0.0] * 4)
+               for g in range(cfg.generations)]
+    C.write_json_atomic({"config": C.dataclasses.asdict(cfg), "base_model": "tiny", "base_digests": ["d0"],
+                         "generations": records}, tmp_path / C.HISTORY_FILE)
     with C.Tracker(cfg, tmp_path) as tracker:
         for record in records[:-1]:
             tracker.log(record["generation"], C.generation_scalars(record))
