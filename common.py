@@ -14,7 +14,7 @@ Sections, in order:
   7. (the sandbox for model-written commands and its start-up leak check: sandbox.py)
   8. the math agent: prompts, reply parsing, per-request seeds, the episode loop
   9. data: problem files and case batches
-  10. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, TensorBoard tracking
+  10. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, step timings, TensorBoard tracking
   11. files and hashing: atomic JSON, crash-tolerant JSONL, SHA256SUMS, exports (sharded_state, Hugging Face)
   12-13. (the tiny models and the real small model, and resolve_model: models.py)
 """
@@ -331,6 +331,16 @@ def exit_if_help(argv: list[str], doc: str, script: str | None = None, options: 
 # the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
 # command line, a preset or an evaluation's settings.
 WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "scope", "rounding", "noise")
+POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
+# settings that may change between a run and its resume: where files go, and how fast and how many episodes the
+# engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
+RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
+                      "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
+
+
+def resume_free_fields(config: dict) -> tuple[str, ...]:
+    """RESUME_FREE_FIELDS, and with checkpoint noise the TP size: its weights are the same at every TP size."""
+    return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if config.get("noise") == "checkpoint" else ())
 
 
 def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
@@ -1623,7 +1633,6 @@ def cuda_engine_args(cfg: Config) -> dict:
 #     their per-rank digests must then agree.
 # ============================================================================================================
 
-POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
 POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
 POOL_START_TIMEOUT_S = 900  # for the cluster to find room for a GPU group's placement group
 GIB = 1 << 30
@@ -2389,17 +2398,6 @@ HISTORY_FORMAT = "es-history/1"
 GENERATION_RECORD_KEYS = ("generation", "sigma", "alpha", "seeds", "rewards", "z", "digests")
 HISTORY_SHAPE = {"config": ("population", "alpha"), "base_model": None, "base_digests": None,
                  "generations": [GENERATION_RECORD_KEYS]}
-# settings that may change between a run and its resume: where files go, and how fast and how many episodes the
-# engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
-RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
-                      "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
-
-
-def resume_free_fields(config: dict) -> tuple[str, ...]:
-    """RESUME_FREE_FIELDS, and with checkpoint noise the TP size: its weights are the same at every TP size."""
-    return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if config.get("noise") == "checkpoint" else ())
-
-
 class HistoryMismatch(StageError, RuntimeError):
     pass
 
@@ -2561,16 +2559,6 @@ def rebuild_from_history(engine: Engine, cfg: Config, model_path: str, history: 
 
 def check_config(recorded: dict, cfg: Config) -> None:
     check_base({"config": recorded["config"]}, {"config": dataclasses.asdict(cfg)})
-
-
-@contextlib.contextmanager
-def stopwatch(timings: dict, key: str):
-    """Adds the wall time of the block to timings[key]."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
 
 
 # ============================================================================================================
@@ -3511,11 +3499,6 @@ def learn_problems(n, seed, split="train"):
              "source": "learn"} for i, (a, b) in enumerate(pairs[j] for j in rng.permutation(len(pairs))[:n])]
 
 
-def write_jsonl(rows, path):
-    """Write rows as JSONL, atomically (a reader never sees half a file)."""
-    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    write_text_atomic(text, path)
-
 SMOKE_PROBLEMS = 64
 GENERATED_DATA = ("smoke", "learn")  # train_data values made here from a seed (no file to hash)
 LEARN_PROBLEMS = 192  # training set of the learn preset: 324 questions less the 132 held out (learn_pairs)
@@ -3682,6 +3665,19 @@ def plot_reward_curve(history: dict, path: str | Path, heldout: dict | None = No
     plt.close(fig)
     os.replace(tmp, path)  # a reader never sees half a picture
     return path
+
+
+# ---- Timings: the seconds each step of a generation takes (perturb, rollout, restore, update, digest), recorded
+# in its history record and tracked as seconds/<step>
+
+@contextlib.contextmanager
+def stopwatch(timings: dict, key: str):
+    """Adds the wall time of the block to timings[key]."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
 
 
 # ---- Experiment tracking (optional): the per-generation summary as TensorBoard scalars
@@ -3913,6 +3909,12 @@ def append_jsonl(path, rows):
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_jsonl(rows, path):
+    """Write rows as JSONL, atomically (a reader never sees half a file)."""
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    write_text_atomic(text, path)
 
 
 def read_jsonl(path, required=None):
