@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import common as C
+import history as H
 import sandbox
 import models
 
@@ -42,10 +43,10 @@ def main(argv: list[str], fitness=mean_score) -> dict:
     print(f"[train] {cfg.model} at TP={cfg.tensor_parallel_size}: {cfg.generations} generations x "
           f"{cfg.population} members x {cfg.case_batch} problems -> {run_dir}")
 
-    history_path = run_dir / C.HISTORY_FILE
+    history_path = run_dir / H.HISTORY_FILE
     if history_path.exists():  # cheap checks first: a history of other constants is refused before vLLM starts
-        recorded = C.read_history(history_path)
-        C.check_config(recorded, cfg)
+        recorded = H.read_history(history_path)
+        H.check_config(recorded, cfg)
         if len(recorded["generations"]) >= cfg.generations:  # a finished run: no engine, nothing trained
             print(f"[train] {history_path} already holds all {cfg.generations} generations: nothing to train "
                   "(02_export.py replays and checks them)")
@@ -79,10 +80,10 @@ def start_or_resume(cfg, model_path, engine, history_path: Path) -> dict:
     """A new history, or the existing one after replaying its updates on the base (digests checked)."""
     if not history_path.exists():
         history_path.parent.mkdir(parents=True, exist_ok=True)
-        history = dict(C.run_identity(cfg, model_path, engine), generations=[])
+        history = dict(H.run_identity(cfg, model_path, engine), generations=[])
         C.write_json_atomic(history, history_path)
         return history
-    history = C.read_history(history_path)
+    history = H.read_history(history_path)
     print(f"[train] resuming {history_path}: replaying {len(history['generations'])} recorded generations")
     # refuses another config, base model, TP size, device type or vLLM
     C.rebuild_from_history(engine, cfg, model_path, history, history["generations"])
@@ -128,7 +129,7 @@ def print_final_summary(history: dict, run_dir: Path) -> None:
     total = {k: sum(g.get("timings", {}).get(k, 0.0) for g in gens)  # display only: a history may lack them
              for k in ("rollout", "perturb", "restore", "update", "digest")}
     means = [sum(g["rewards"]) / len(g["rewards"]) for g in gens]
-    print(f"[train] done: {len(gens)} generations in {run_dir / C.HISTORY_FILE}")
+    print(f"[train] done: {len(gens)} generations in {run_dir / H.HISTORY_FILE}")
     print("[train] mean reward per generation: " + " ".join(f"{m:.3f}" for m in means))
     print("[train] time: " + "  ".join(f"{k} {v:.2f}s" for k, v in total.items()))
     print(f"[train] final per-rank digests: {gens[-1]['digests'] if gens else history['base_digests']}")

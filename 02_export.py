@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import common as C
+import history as H
 import models
 
 HISTORY = ""  # default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by --preset=smoke)
@@ -34,13 +35,13 @@ def main(argv: list[str]) -> Path:
         return Path(opts["verify"])
 
     run_dir = Path(C.parse_config(overrides).run_dir)
-    history_path = opts["history"] or run_dir / C.HISTORY_FILE
-    history = C.read_history(history_path)
+    history_path = opts["history"] or run_dir / H.HISTORY_FILE
+    history = H.read_history(history_path)
     cfg = C.config_from_history(history, overrides)  # the recorded run; --preset never overrides it
     generations = select_generations(history, opts["replay_generations"])
     out = Path(opts["out"] or run_dir / "export")
     if out.exists():
-        raise C.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
+        raise H.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused here, before any work
     partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> Path:
                 C.check_held_tensors(model_path, set(sums))  # each base tensor: in the folder or in left_out_tensors
             else:  # rank-salted: the weights exist only as this TP size's shards
                 engine.save_sharded_state(partial)
-        C.copy_model_files(model_path, partial)
+        H.copy_model_files(model_path, partial)
         if cfg.noise == "checkpoint":
             C.set_config_dtype(partial, cfg.dtype)
         write_manifest(partial, history, history_path, generations, digests, identity,
@@ -93,7 +94,7 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
     manifest = {
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "source_history": str(history_path),
-        "source_history_sha256": C.sha256_file(history_path),
+        "source_history_sha256": H.sha256_file(history_path),
         "replayed_generations": len(generations),
         "history_generations": len(history["generations"]),
         "dtype": identity["config"]["dtype"],
@@ -103,7 +104,7 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
             "left_out_tensors": dict(sorted((left_out or {}).items())),  # base tensors not in this folder, and why
             "exported_at_tensor_parallel_size": identity["tensor_parallel_size"]} if sums is not None else
            {"format": "es-sharded-export/1", "load_format": "sharded_state",
-            "tensor_parallel_size": identity["tensor_parallel_size"], "shards": C.shard_entries(folder),
+            "tensor_parallel_size": identity["tensor_parallel_size"], "shards": H.shard_entries(folder),
             "per_rank_digests": digests, "parameter_names_sha256": identity["parameter_names_sha256"],
             "devices": identity["devices"]}),
         "base_model": identity["base_model"],
@@ -113,8 +114,8 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
         "torch_version": identity["torch_version"],
         "config": history["config"],
     }
-    C.write_json_atomic(manifest, folder / (C.HF_EXPORT_MANIFEST if sums is not None else C.EXPORT_MANIFEST))
-    C.write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != C.SHA256SUMS])
+    C.write_json_atomic(manifest, folder / (C.HF_EXPORT_MANIFEST if sums is not None else H.EXPORT_MANIFEST))
+    H.write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != H.SHA256SUMS])
 
 
 if __name__ == "__main__":

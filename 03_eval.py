@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import common as C
+import history as H
 import sandbox
 import models
 
@@ -69,7 +70,7 @@ def base_config(cfg, overrides: list[str]):
     that define the weights and their digests (WEIGHT_FIELDS: the noise kind, the TP size, the dtype), as export
     and replay take them, so that the evaluation records the digests 04_replay rebuilds. An explicit --key=value
     that contradicts the history is refused."""
-    path = Path(cfg.run_dir) / C.HISTORY_FILE
+    path = Path(cfg.run_dir) / H.HISTORY_FILE
     if not path.exists():
         return cfg
     history = C.read_json(path)
@@ -100,16 +101,16 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
         with C.EnginePool(cfg, export) as engine:
             loaded = engine.digests()
             if loaded != [manifest["digest"]]:
-                raise C.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
+                raise H.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
                                     f"{manifest['digest']}")
             yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
-                           "manifest_sha256": C.sha256_file(Path(export) / C.HF_EXPORT_MANIFEST),
+                           "manifest_sha256": H.sha256_file(Path(export) / C.HF_EXPORT_MANIFEST),
                            "per_rank_digests": loaded}
         return
     with C.EnginePool(cfg, export, load_format="sharded_state", tokenizer=export) as engine:
-        loaded = C.check_loaded_export(engine, manifest, export)  # the bits vLLM holds are the exported ones
+        loaded = H.check_loaded_export(engine, manifest, export)  # the bits vLLM holds are the exported ones
         yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
-                       "manifest_sha256": C.sha256_file(Path(export) / C.EXPORT_MANIFEST),
+                       "manifest_sha256": H.sha256_file(Path(export) / H.EXPORT_MANIFEST),
                        "per_rank_digests": loaded}
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import common as C
+import history as H
 import sandbox
 import models
 
@@ -29,12 +30,12 @@ def main(argv: list[str]) -> dict:
     C.exit_if_help(argv, __doc__, __file__, options)
     opts, overrides = C.parse_args(argv, options)
     run_dir = Path(C.parse_config(overrides).run_dir)
-    history_path = Path(opts["history"] or run_dir / C.HISTORY_FILE)
+    history_path = Path(opts["history"] or run_dir / H.HISTORY_FILE)
     eval_dir = Path(opts["eval"] or run_dir / "eval")
     out = Path(opts["out"] or eval_dir / "aligned_history_replay_eval4.json")
     export = opts["export"]
 
-    history = C.read_history(history_path)
+    history = H.read_history(history_path)
     originals = {name: C.read_json(eval_dir / f"{name}_eval16.json", required=C.EVAL16_SHAPE)
                  for name in evaluated_sets(eval_dir)}
     cfg = replay_config(history, originals, overrides)
@@ -57,11 +58,11 @@ def main(argv: list[str]) -> dict:
                                             desc=f"rebuilding theta from {len(generations)} generations")
         for source, wanted in expected.items():
             if digests != wanted:
-                raise C.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
+                raise H.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
         replayed = {name: engine.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
 
     report = {
-        "group": C.group_label(GROUP), "history": str(history_path), "history_sha256": C.sha256_file(history_path),
+        "group": C.group_label(GROUP), "history": str(history_path), "history_sha256": H.sha256_file(history_path),
         "replayed_generations": len(generations), "per_rank_digests": digests, "export": export or None,
         "datasets": {name: compare(originals[name], replayed[name], transcripts[name]) for name in originals},
     }

@@ -9,13 +9,15 @@ Sections, in order:
   4. the engine: one AsyncLLM at TP=2 behind a small synchronous facade
   4b. the engine pool: K engines (in this process, or Ray actors on a cluster) evaluate members or episodes at
       once; placed over GPU groups, co-located under CUDA MPS when K > GPUs // tensor_parallel_size
-  5. the run history: replay and the checks that refuse a different run
+  5. replay: a run history's updates applied again to the base weights (the history file, the run's identity and
+     the checks that refuse another run's: history.py)
   6. scoring: answers against golds, in killable worker processes
   7. (the sandbox for model-written commands and its start-up leak check: sandbox.py)
   8. the math agent: prompts, reply parsing, per-request seeds, the episode loop
   9. data: problem files and case batches
-  10. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, TensorBoard tracking
-  11. files and hashing: atomic JSON, crash-tolerant JSONL, SHA256SUMS, exports (sharded_state, Hugging Face)
+  10. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, step timings, TensorBoard tracking
+  11. files and hashing: atomic JSON, crash-tolerant JSONL, the Hugging Face export, weight digests (SHA256SUMS,
+      fingerprints and the sharded_state export's manifest: history.py)
   12-13. (the tiny models and the real small model, and resolve_model: models.py)
 """
 
@@ -331,6 +333,16 @@ def exit_if_help(argv: list[str], doc: str, script: str | None = None, options: 
 # the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
 # command line, a preset or an evaluation's settings.
 WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "scope", "rounding", "noise")
+POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
+# settings that may change between a run and its resume: where files go, and how fast and how many episodes the
+# engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
+RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
+                      "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
+
+
+def resume_free_fields(config: dict) -> tuple[str, ...]:
+    """RESUME_FREE_FIELDS, and with checkpoint noise the TP size: its weights are the same at every TP size."""
+    return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if config.get("noise") == "checkpoint" else ())
 
 
 def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
@@ -1623,7 +1635,6 @@ def cuda_engine_args(cfg: Config) -> dict:
 #     their per-rank digests must then agree.
 # ============================================================================================================
 
-POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
 POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
 POOL_START_TIMEOUT_S = 900  # for the cluster to find room for a GPU group's placement group
 GIB = 1 << 30
@@ -2258,9 +2269,11 @@ class EnginePool(ClosedOnExit):
 
     def check_same_devices(self, devices: list[list[dict]]) -> None:
         """The noise streams depend on the device model: a mixed pool would train on two different noises."""
+        import history as H  # (it imports this module: imported on use, never at import time)
+
         if any(d != devices[0] for d in devices):
             raise ConfigError("the engines run on different device models (" + "; ".join(
-                f"engine {k}: {describe_devices(d)}" for k, d in enumerate(devices)) + "); the noise depends on the "
+                f"engine {k}: {H.describe_devices(d)}" for k, d in enumerate(devices)) + "); the noise depends on the "
                 "device model, so every engine of a pool must use the same one")
 
     def rpc(self, method: str, **kwargs) -> list:
@@ -2380,61 +2393,12 @@ class EnginePool(ClosedOnExit):
 
 
 # ============================================================================================================
-# 5. The run history: everything that defines theta, so that any stage can rebuild it from the base weights.
+# 5. Replay: a run history records everything that defines theta (history.py: its file, the run's identity and
+#    the refusals of another run's), so that any stage can rebuild theta from the base weights.
 # ============================================================================================================
-
-HISTORY_FILE = "es_history.json"
-HISTORY_FORMAT = "es-history/1"
-# what the stages read from a history (check_shape): a file without it is refused before any engine starts
-GENERATION_RECORD_KEYS = ("generation", "sigma", "alpha", "seeds", "rewards", "z", "digests")
-HISTORY_SHAPE = {"config": ("population", "alpha"), "base_model": None, "base_digests": None,
-                 "generations": [GENERATION_RECORD_KEYS]}
-# settings that may change between a run and its resume: where files go, and how fast and how many episodes the
-# engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
-RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
-                      "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
-
-
-def resume_free_fields(config: dict) -> tuple[str, ...]:
-    """RESUME_FREE_FIELDS, and with checkpoint noise the TP size: its weights are the same at every TP size."""
-    return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if config.get("noise") == "checkpoint" else ())
-
 
 class HistoryMismatch(StageError, RuntimeError):
     pass
-
-
-def read_history(path) -> dict:
-    """A run history, refused with the file and the key when it lacks anything a stage reads."""
-    return read_json(path, required=HISTORY_SHAPE)
-
-
-def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool = True) -> dict:
-    """The header of a history: what must be equal for a replay to reproduce the trained weights bit for bit.
-    Without train_data the training data file is not read (export and replay rebuild theta without it)."""
-    import vllm
-
-    data = {}
-    if train_data:  # export and replay rebuild theta without the training data file
-        data["train_data_sha256"] = train_data_sha256(cfg)
-    return {
-        "format": HISTORY_FORMAT,
-        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POOL_FIELDS},  # any K, one history
-        "noise": noise_definition(cfg),
-        **data,
-        "base_model": cfg.model,
-        "base_model_path": str(model_path),
-        "base_fingerprint": model_fingerprint(model_path),
-        "base_digests": (checked_checkpoint_digests(engine, model_path, cfg.dtype) if cfg.noise == "checkpoint"
-                         else engine.digests()),
-        "parameter_names_sha256": engine.parameter_names_sha256(),
-        "tensor_parallel_size": cfg.tensor_parallel_size,
-        "dtype": cfg.dtype,
-        "device_type": engine.device,
-        "devices": engine.rpc("es_device"),  # per rank: the noise streams depend on the device model
-        "vllm_version": vllm.__version__,
-        "torch_version": torch.__version__,
-    }
 
 
 def checked_checkpoint_digests(engine: Engine, model_path: str, dtype: str) -> list[str]:
@@ -2468,61 +2432,6 @@ def check_held_tensors(model_path: str | Path, held: set[str]) -> None:
                           "loader ignores for this config (tied embeddings): the layout is not the loader's")
 
 
-def train_data_sha256(cfg: Config) -> str:
-    """The training problems' fingerprint: the file's sha256, or for problems made here ("smoke", "learn") the name
-    and the sha256 of the problems themselves, so that a history of another version of them is refused."""
-    if cfg.train_data not in GENERATED_DATA:
-        return sha256_file(cfg.train_data)
-    problems = json.dumps(problems_from(cfg.train_data, cfg.run_seed), sort_keys=True).encode()
-    return f"{cfg.train_data} {hashlib.sha256(problems).hexdigest()}"
-
-
-def identity_differences(recorded: dict, current: dict, compare_config: bool = True) -> list[str]:
-    """Human-readable differences between a history's identity and this run's (empty: compatible). Without
-    compare_config only what defines the weights is compared (base, noise, layout, TP, device, versions)."""
-    diffs, any_tp = [], recorded.get("noise", {}).get("index") == CHECKPOINT_NOISE["index"]
-    for key, value in current.items():
-        if not compare_config and key in ("config", "train_data_sha256"):
-            continue
-        if any_tp and key in ("tensor_parallel_size", "parameter_names_sha256"):
-            continue  # checkpoint noise: the same weights at every TP size (the digests compare them)
-        if key == "config":
-            defaults = dataclasses.asdict(Config())  # a field newer than the history: its default is the old behaviour
-            for field, now in value.items():
-                then = recorded["config"].get(field, defaults.get(field))
-                if field not in resume_free_fields(recorded["config"]) and then != now:
-                    diffs.append(f"config {field}: history has {then!r}, this run has {now!r}")
-        elif key == "devices" and any_tp:
-            diffs += device_differences(recorded.get(key) and recorded[key][:1], value[:1])
-        elif key == "devices":
-            diffs += device_differences(recorded.get(key), value)
-        elif key == "base_fingerprint" and recorded.get(key) == name_only_fingerprint(recorded.get("base_model")):
-            continue  # an older history of a hub id recorded only its name; base_digests still compare the bits
-        elif key not in ("base_model_path",) and recorded.get(key) != value:
-            diffs.append(f"{key}: history has {recorded.get(key)!r}, this run has {value!r}")
-    return diffs
-
-
-def describe_devices(devices: list[dict]) -> str:
-    """Per-rank devices in words: '2 x NVIDIA H200 (132 SMs)'."""
-    names = [d["name"] + (f" ({d['sm_count']} SMs)" if d.get("sm_count") else "") for d in devices]
-    return ", ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names))
-
-
-def device_differences(recorded: list[dict] | None, current: list[dict]) -> list[str]:
-    """CUDA's random streams depend on the GPU model (and torch's CPU normals on its kernel set), so the recorded
-    noise exists only on the device model the run was trained on."""
-    if recorded is None:
-        return [f"devices: the history does not record the device model it was made on (an older history), and "
-                f"the noise streams depend on it; this run is on {describe_devices(current)}. If the history was "
-                f"made on that model, add \"devices\": {json.dumps(current)} to its header"]
-    if recorded != current:
-        return [f"devices: the history was made on {describe_devices(recorded)}, this run is on "
-                f"{describe_devices(current)}; the noise streams depend on the device model, so resume, export and "
-                f"replay only on {describe_devices(recorded)}"]
-    return []
-
-
 def replay(engine: Engine, generations: list[dict], base_digests: list[str],
            desc: str = "replaying history") -> list[str]:
     """Re-apply recorded updates to the base weights, checking each generation's per-rank digests; returns the
@@ -2542,35 +2451,15 @@ def replay(engine: Engine, generations: list[dict], base_digests: list[str],
     return digests
 
 
-def check_base(recorded: dict, current: dict, compare_config: bool = True) -> None:
-    """Refuse a history whose base, noise or runtime layout (or, by default, run constants) differ from this
-    engine's."""
-    diffs = identity_differences(recorded, current, compare_config)
-    if diffs:
-        raise HistoryMismatch("this history was made by a different run:\n  " + "\n  ".join(diffs))
-
-
 def rebuild_from_history(engine: Engine, cfg: Config, model_path: str, history: dict, generations: list[dict],
                          compare_config: bool = True, desc: str = "replaying history") -> tuple[dict, list[str]]:
     """Refuse a history of another base (and, by default, other run constants), then replay `generations` on the
     engine's base weights. Returns this engine's identity and the rebuilt per-rank digests."""
-    identity = run_identity(cfg, model_path, engine, train_data=compare_config)
-    check_base(history, identity, compare_config)
+    import history as H  # (it imports this module: imported on use, never at import time)
+
+    identity = H.run_identity(cfg, model_path, engine, train_data=compare_config)
+    H.check_base(history, identity, compare_config)
     return identity, replay(engine, generations, identity["base_digests"], desc=desc)
-
-
-def check_config(recorded: dict, cfg: Config) -> None:
-    check_base({"config": recorded["config"]}, {"config": dataclasses.asdict(cfg)})
-
-
-@contextlib.contextmanager
-def stopwatch(timings: dict, key: str):
-    """Adds the wall time of the block to timings[key]."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
 
 
 # ============================================================================================================
@@ -3511,11 +3400,6 @@ def learn_problems(n, seed, split="train"):
              "source": "learn"} for i, (a, b) in enumerate(pairs[j] for j in rng.permutation(len(pairs))[:n])]
 
 
-def write_jsonl(rows, path):
-    """Write rows as JSONL, atomically (a reader never sees half a file)."""
-    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    write_text_atomic(text, path)
-
 SMOKE_PROBLEMS = 64
 GENERATED_DATA = ("smoke", "learn")  # train_data values made here from a seed (no file to hash)
 LEARN_PROBLEMS = 192  # training set of the learn preset: 324 questions less the 132 held out (learn_pairs)
@@ -3684,6 +3568,19 @@ def plot_reward_curve(history: dict, path: str | Path, heldout: dict | None = No
     return path
 
 
+# ---- Timings: the seconds each step of a generation takes (perturb, rollout, restore, update, digest), recorded
+# in its history record and tracked as seconds/<step>
+
+@contextlib.contextmanager
+def stopwatch(timings: dict, key: str):
+    """Adds the wall time of the block to timings[key]."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
+
+
 # ---- Experiment tracking (optional): the per-generation summary as TensorBoard scalars
 
 TRACKING_MODES = ("none", "tensorboard")
@@ -3753,11 +3650,9 @@ class Tracker(ClosedOnExit):
 
 
 # ============================================================================================================
-# 11. Files and hashing: atomic JSON, JSONL that survives a crash, SHA256SUMS, weight digests
+# 11. Files and hashing: atomic JSON, JSONL that survives a crash, weight digests (SHA256SUMS, fingerprints and the
+#     sharded_state export's manifest: history.py)
 # ============================================================================================================
-
-SHA256SUMS = "SHA256SUMS"
-
 
 def _fsync_dir(folder):
     """Make a rename durable: the directory entry itself must reach the disk."""
@@ -3829,62 +3724,6 @@ def check_shape(value, shape, path, inside=""):
         check_shape(value[key], inner, path, f"{inside}.{key}" if inside else key)
 
 
-def sha256_file(path, chunk=1 << 20):
-    """Hex sha256 of a file, read in chunks (checkpoint shards are many GB)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _relative_name(folder, file):
-    """A file's path relative to folder, with '/' separators, as sha256sum -c expects from inside folder."""
-    rel = os.path.relpath(os.path.join(folder, file), folder)
-    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
-        raise ValueError(f"{file}: not inside {folder}")
-    if "\n" in rel or "\\" in rel:
-        raise ValueError(f"{file!r}: sha256sum would escape this name; rename it")
-    return rel.replace(os.sep, "/")
-
-
-def write_sha256sums(folder, files):
-    """Write folder/SHA256SUMS in `sha256sum` text format ('<hex>  <name>', sorted by name), so
-    `cd folder && sha256sum -c SHA256SUMS` checks the published files. files: paths relative to (or inside)
-    folder. Returns {name: hex}."""
-    names = sorted({_relative_name(folder, f) for f in files} - {SHA256SUMS})
-    sums = {name: sha256_file(os.path.join(folder, name)) for name in names}
-    write_text_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
-    return sums
-
-
-def verify_sha256sums(folder):
-    """Check every file listed in folder/SHA256SUMS. Returns a list of problems; empty means all match."""
-    sums_path = os.path.join(folder, SHA256SUMS)
-    if not os.path.isfile(sums_path):
-        return [f"{sums_path}: missing"]
-    problems = []
-    with open(sums_path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    if not any(line.strip() for line in lines):
-        problems.append(f"{sums_path}: lists no files")
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        digest, sep, name = line.partition("  ")
-        if not sep:
-            digest, sep, name = line.partition(" *")  # binary-mode line, also valid sha256sum output
-        if not sep or len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest.lower()) or not name:
-            problems.append(f"{SHA256SUMS}:{lineno}: malformed line {line!r}")
-            continue
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            problems.append(f"{name}: missing")
-        elif sha256_file(path) != digest.lower():
-            problems.append(f"{name}: sha256 mismatch")
-    return problems
-
-
 def _drop_torn_tail(f):
     """f: a file opened 'a+b'. If the last line has no newline (a crash mid-append), complete it when it is
     whole JSON, else cut it off, so the next row does not get glued onto a fragment."""
@@ -3915,6 +3754,12 @@ def append_jsonl(path, rows):
         os.fsync(f.fileno())
 
 
+def write_jsonl(rows, path):
+    """Write rows as JSONL, atomically (a reader never sees half a file)."""
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    write_text_atomic(text, path)
+
+
 def read_jsonl(path, required=None):
     """Rows of a JSONL log. A last line cut by a crash mid-write is ignored; a bad line anywhere else is
     corruption and an error. With `required` (a shape, see check_shape), every row must have it."""
@@ -3938,98 +3783,6 @@ def read_jsonl(path, required=None):
     return rows
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
-def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy the non-weight files of a model folder (config, tokenizer, chat template) beside a sharded_state."""
-    copied = []
-    for f in sorted(Path(src).iterdir()):
-        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
-            shutil.copy2(f, Path(dst) / f.name)
-            copied.append(f.name)
-    return copied
-
-
-def model_fingerprint(model: str) -> str:
-    """sha256 over the weight files of a local model folder (name, size, content), so a history can refuse a
-    different base. Hub ids are resolved to their local snapshot folder first (models.resolve_model)."""
-    folder = Path(model)
-    if not folder.is_dir():
-        raise ConfigError(f"{model}: not a model folder (models.resolve_model turns a hub id into its local snapshot)")
-    h = hashlib.sha256()
-    for f in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
-        h.update(f"{f.name}|{f.stat().st_size}|{sha256_file(f)}\n".encode())
-    return "sha256:" + h.hexdigest()
-
-
-def name_only_fingerprint(model: str | None) -> str:
-    """What older histories recorded for a hub id: a hash of its name, not of its weights."""
-    return "name-only:" + hashlib.sha256(str(model).encode()).hexdigest()
-
-
-EXPORT_MANIFEST = "es_sharded_export_manifest.json"
-# what eval and replay read from a sharded export's manifest (check_shape)
-EXPORT_MANIFEST_SHAPE = {"tensor_parallel_size": None, "shards": [("file", "rank", "sha256")],
-                         "per_rank_digests": None, "parameter_names_sha256": None, "replayed_generations": None,
-                         "vllm_version": None}
-SHARD_PATTERN = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
-
-
-class ExportError(StageError, RuntimeError):
-    pass
-
-
-def shard_entries(folder: str | Path) -> list[dict]:
-    """The worker shards vLLM's save_sharded_state wrote: file, rank, bytes, sha256."""
-    rows = []
-    for f in sorted(Path(folder).iterdir()):
-        m = SHARD_PATTERN.match(f.name)
-        if m:
-            rows.append({"file": f.name, "rank": int(m.group(1)), "part": int(m.group(2)),
-                         "bytes": f.stat().st_size, "sha256": sha256_file(f)})
-    return rows
-
-
-def check_loaded_export(engine: Engine, manifest: dict, folder) -> list[str]:
-    """After loading: the running vLLM must see the exported parameter names and bits, rank by rank."""
-    if engine.parameter_names_sha256() != manifest["parameter_names_sha256"]:
-        raise ExportError(f"{folder}: this vLLM ({manifest['vllm_version']} wrote the export) lays out the model's "
-                          "parameters differently; the sharded state cannot be trusted here")
-    digests = engine.digests()
-    if digests != manifest["per_rank_digests"]:
-        raise ExportError(f"{folder}: loaded per-rank digests {digests} differ from the manifest's "
-                          f"{manifest['per_rank_digests']}")
-    return digests
-
-
-def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:
-    """Check an export folder against its manifest before anything loads it; returns the manifest.
-    A wrong TP size, a missing, extra or altered shard, or a damaged file is an ExportError."""
-    folder = Path(folder)
-    if not (folder / EXPORT_MANIFEST).is_file():
-        raise ExportError(f"{folder}: no {EXPORT_MANIFEST}; not an export of 02_export.py")
-    manifest = read_json(folder / EXPORT_MANIFEST, required=EXPORT_MANIFEST_SHAPE)
-    tp = manifest["tensor_parallel_size"]
-    if tensor_parallel_size is not None and tensor_parallel_size != tp:
-        raise ExportError(f"{folder} holds per-rank shards for tensor_parallel_size={tp}; it cannot be loaded "
-                          f"with tensor_parallel_size={tensor_parallel_size} (the ranks carry different noise)")
-    problems = []
-    recorded = {s["file"]: s for s in manifest["shards"]}
-    present = {f.name for f in folder.iterdir() if SHARD_PATTERN.match(f.name)}
-    problems += [f"missing shard {name}" for name in sorted(set(recorded) - present)]
-    problems += [f"unexpected shard {name}" for name in sorted(present - set(recorded))]
-    for name in sorted(set(recorded) & present):
-        if sha256_file(folder / name) != recorded[name]["sha256"]:
-            problems.append(f"shard {name} does not match its sha256 in the manifest")
-    if sorted({s["rank"] for s in manifest["shards"]}) != list(range(tp)):
-        problems.append(f"manifest shards do not cover ranks 0..{tp - 1}")
-    problems += verify_sha256sums(folder) if (folder / SHA256SUMS).exists() else [f"missing {SHA256SUMS}"]
-    if problems:
-        raise ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
-    return manifest
-
-
 # ---- The Hugging Face export of a checkpoint-noise run: the weights by checkpoint name, any TP size
 
 HF_EXPORT_MANIFEST = "es_export_manifest.json"
@@ -4041,6 +3794,8 @@ PIECES = ".pieces"  # inside an export being written: each rank's owned segments
 def assembled_tensors(pieces: Path, names: list[str], shapes: dict[str, list[int]]):
     """(name, tensor) in checkpoint order, each put together from the ranks' owned segments."""
     from safetensors import safe_open
+
+    import history as H  # (it imports this module: imported on use, never at import time)
 
     files = [safe_open(str(f), framework="pt") for f in sorted(pieces.glob("pieces-rank-*.safetensors"))]
     for tid, name in enumerate(names):
@@ -4057,7 +3812,7 @@ def assembled_tensors(pieces: Path, names: list[str], shapes: dict[str, list[int
                 out[start:start + length] = values[at:at + length]
                 at, filled = at + length, filled + length
         if filled != math.prod(shapes[name]):
-            raise ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
+            raise H.ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
         yield name, out.view(shapes[name])
 
 
@@ -4086,20 +3841,24 @@ def write_safetensors_files(tensors, folder: Path) -> list[str]:
 
 def verify_hf_export(folder: str | Path) -> dict:
     """Check a Hugging Face export against its SHA256SUMS before anything loads it; returns its manifest."""
+    import history as H  # (it imports this module: imported on use, never at import time)
+
     folder = Path(folder)
     if not (folder / HF_EXPORT_MANIFEST).is_file():
-        raise ExportError(f"{folder}: no {HF_EXPORT_MANIFEST}; not a checkpoint-noise export of 02_export.py")
-    problems = verify_sha256sums(folder) if (folder / SHA256SUMS).exists() else [f"missing {SHA256SUMS}"]
+        raise H.ExportError(f"{folder}: no {HF_EXPORT_MANIFEST}; not a checkpoint-noise export of 02_export.py")
+    problems = H.verify_sha256sums(folder) if (folder / H.SHA256SUMS).exists() else [f"missing {H.SHA256SUMS}"]
     if problems:
-        raise ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
+        raise H.ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
     return read_json(folder / HF_EXPORT_MANIFEST, required=HF_EXPORT_MANIFEST_SHAPE)
 
 
 def verify_any_export(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:
     """verify_hf_export for a checkpoint-noise export (any TP size), else verify_export (its own TP size)."""
+    import history as H  # (it imports this module: imported on use, never at import time)
+
     if (Path(folder) / HF_EXPORT_MANIFEST).is_file():
         return verify_hf_export(folder)
-    return verify_export(folder, tensor_parallel_size)
+    return H.verify_export(folder, tensor_parallel_size)
 
 
 def set_config_dtype(folder: Path, dtype: str) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common as C  # noqa: E402
+import history as H  # noqa: E402
 
 STAGES = [
     ("train", "tests/train_with_test_reward.py"),
@@ -68,7 +69,7 @@ def pipeline_report(run_dir: Path) -> dict:
     ok: every check of the run's kind holds. A file that is missing or unreadable fails the report, never crashes
     it."""
     try:
-        history = C.read_json(run_dir / C.HISTORY_FILE)
+        history = C.read_json(run_dir / H.HISTORY_FILE)
         kind = history["config"].get("noise", "rank_salted")
         report = {"noise": kind, "device_type": history["device_type"], "vllm_version": history["vllm_version"]}
         report.update(export_checks(run_dir / "export", history))
@@ -95,7 +96,7 @@ def export_checks(export: Path, history: dict) -> dict:
     names as left out."""
     try:
         manifest = C.verify_any_export(export)
-    except C.ExportError as e:
+    except H.ExportError as e:
         return {"export_verifies": False, "export_error": str(e), "export_digests": None}
     if manifest.get("noise") != "checkpoint":
         return {"export_verifies": True, "export_digests": manifest["per_rank_digests"]}

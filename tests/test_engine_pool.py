@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import common as C
+import history as H
 import models
 import sandbox
 from train_with_test_reward import reply_variety
@@ -59,12 +60,12 @@ def episode_records(run_dir) -> list[dict]:
 def train_on(pool, run_dir, cfg) -> dict:
     """The smoke run on `pool`, generation by generation as 01_train.py runs it."""
     problems = C.training_problems(cfg)
-    history = dict(C.run_identity(cfg, MODEL, pool), generations=[])
+    history = dict(H.run_identity(cfg, MODEL, pool), generations=[])
     for g in range(cfg.generations):
         history["generations"].append(train.run_generation(pool, cfg, problems, g, reply_variety,
                                                            run_dir / train.ROLLOUTS))
         assert set(pool.task_engines) == set(range(pool.size))  # every engine evaluated members
-    C.write_json_atomic(history, run_dir / C.HISTORY_FILE)
+    C.write_json_atomic(history, run_dir / H.HISTORY_FILE)
     return history
 
 
@@ -508,7 +509,7 @@ def test_a_mixed_pool_is_refused():
 def test_the_pool_size_is_not_part_of_the_run(tmp_path):
     history = {"config": {k: v for k, v in C.dataclasses.asdict(config(1, tmp_path)).items()
                           if k not in C.POOL_FIELDS}}
-    C.check_config(history, config(4, tmp_path))  # a history made with any K resumes with any K
+    H.check_config(history, config(4, tmp_path))  # a history made with any K resumes with any K
     assert C.config_from_history(history, ["--engines=2"]).engines == 2
     # an evaluation recorded with 4 engines on a Ray cluster: a replay places its engines on this machine
     settings = dict(history["config"], engines=4, ray_address="auto")
@@ -569,7 +570,7 @@ def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
 
     # the two-engine run stopped after its first generation; started again with one engine, it resumes
     shutil.copytree(trained_dir, run_dir)
-    C.write_json_atomic(dict(history, generations=history["generations"][:1]), run_dir / C.HISTORY_FILE)
+    C.write_json_atomic(dict(history, generations=history["generations"][:1]), run_dir / H.HISTORY_FILE)
     resumed = train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}"], fitness=reply_variety)
     assert replayable(resumed) == replayable(one_engine_run[1])
 

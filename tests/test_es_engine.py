@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common as C
+import history as H
 import models
 from test_es_math import check_subtract_restore
 
@@ -263,7 +264,7 @@ class TestFreshEngine:
 def trained(engine, base_path, tmp_path_factory):
     """A history as 01_train.py records it, made cheaply on the module's engine: three generations of members
     perturbed and restored, chosen rewards, their z-scores and the update; then the weights saved."""
-    history = C.run_identity(CFG, base_path, engine)
+    history = H.run_identity(CFG, base_path, engine)
     history["generations"] = []
     for g, rewards in enumerate(([0.0, 1.0, 0.5, 0.25], [0.75, 0.0, 0.25, 1.0], [0.5, 0.5, 1.0, 0.0],
                                  [1.0, 0.0, 0.0, 0.5])):
@@ -279,7 +280,7 @@ def trained(engine, base_path, tmp_path_factory):
     assert history["generations"][-1]["digests"] != history["base_digests"]
     out = tmp_path_factory.mktemp("sharded")
     engine.save_sharded_state(out)
-    C.copy_model_files(base_path, out)
+    H.copy_model_files(base_path, out)
     return {"history": history, "folder": out, "output": engine.generate([PROMPT], 16)[0]}
 
 

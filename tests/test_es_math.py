@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common as C
+import history as H
 
 
 # ---- sigma schedule ----
@@ -373,7 +374,7 @@ H200 = {"name": "NVIDIA H200", "sm_count": 132}
 
 
 def identity(devices, **extra):
-    return {"format": C.HISTORY_FORMAT, "base_model": "m", "base_fingerprint": "sha256:" + "a" * 64,
+    return {"format": H.HISTORY_FORMAT, "base_model": "m", "base_fingerprint": "sha256:" + "a" * 64,
             "tensor_parallel_size": 2, "device_type": "cuda", "devices": devices, **extra}
 
 
@@ -381,12 +382,12 @@ def identity(devices, **extra):
 def test_another_gpu_model_is_refused_naming_both(compare_config):
     with pytest.raises(C.HistoryMismatch, match=r"made on 2 x NVIDIA H100 80GB HBM3 \(132 SMs\), this run is on "
                                                 r"2 x NVIDIA H200 \(132 SMs\)"):
-        C.check_base(identity([H100, H100]), identity([H200, H200]), compare_config)
-    C.check_base(identity([H200, H200]), identity([H200, H200]), compare_config)  # the same model: accepted
+        H.check_base(identity([H100, H100]), identity([H200, H200]), compare_config)
+    H.check_base(identity([H200, H200]), identity([H200, H200]), compare_config)  # the same model: accepted
 
 
 def test_same_name_other_sm_count_is_another_gpu_model():
-    diffs = C.identity_differences(identity([H100, H100]), identity([dict(H100, sm_count=114)] * 2), False)
+    diffs = H.identity_differences(identity([H100, H100]), identity([dict(H100, sm_count=114)] * 2), False)
     assert diffs and "2 x NVIDIA H100 80GB HBM3 (114 SMs)" in diffs[0]
 
 
@@ -394,15 +395,15 @@ def test_cpu_kernel_sets_differ_and_cpu_models_do_not_matter():
     """torch's CPU normals come from mt19937 on every CPU model, but the AVX2 kernel turns them into different
     floats than the scalar one: the kernel set is the CPU's device model here."""
     avx2, scalar = {"name": "cpu (AVX2 kernels)", "sm_count": None}, {"name": "cpu (DEFAULT kernels)", "sm_count": None}
-    assert C.identity_differences(identity([avx2, avx2]), identity([avx2, avx2])) == []
+    assert H.identity_differences(identity([avx2, avx2]), identity([avx2, avx2])) == []
     assert "made on 2 x cpu (AVX2 kernels), this run is on 2 x cpu (DEFAULT kernels)" in \
-        C.identity_differences(identity([avx2, avx2]), identity([scalar, scalar]))[0]
+        H.identity_differences(identity([avx2, avx2]), identity([scalar, scalar]))[0]
 
 
 def test_history_without_device_model_gets_a_clear_message():
     older = identity(None)
     del older["devices"]
-    diffs = C.identity_differences(older, identity([H200, H200]), compare_config=False)
+    diffs = H.identity_differences(older, identity([H200, H200]), compare_config=False)
     assert len(diffs) == 1 and "does not record the device model it was made on" in diffs[0]
     assert "this run is on 2 x NVIDIA H200 (132 SMs)" in diffs[0]
 
@@ -411,10 +412,10 @@ def test_older_name_only_fingerprint_of_the_same_hub_id_is_accepted():
     """Older histories fingerprinted a hub id by its name; now the snapshot's weights are hashed. The same id is
     accepted (the per-rank base digests, compared too, still prove the same bits); another base is not."""
     older = identity([H200, H200], base_model="Qwen/Qwen3-30B-A3B",
-                     base_fingerprint=C.name_only_fingerprint("Qwen/Qwen3-30B-A3B"))
+                     base_fingerprint=H.name_only_fingerprint("Qwen/Qwen3-30B-A3B"))
     current = identity([H200, H200], base_model="Qwen/Qwen3-30B-A3B")
-    assert C.identity_differences(older, current, compare_config=False) == []
-    assert C.identity_differences(dict(older, base_fingerprint="sha256:" + "b" * 64), current, False)
+    assert H.identity_differences(older, current, compare_config=False) == []
+    assert H.identity_differences(dict(older, base_fingerprint="sha256:" + "b" * 64), current, False)
 
 
 def test_a_setting_newer_than_the_history_counts_as_its_default():
@@ -422,9 +423,9 @@ def test_a_setting_newer_than_the_history_counts_as_its_default():
     the history was made with), and is refused when the field is set to anything else."""
     config = dataclasses.asdict(C.Config())
     older = identity([H200, H200], config={k: v for k, v in config.items() if k != "prompt_mode"})
-    assert C.identity_differences(older, identity([H200, H200], config=config)) == []
+    assert H.identity_differences(older, identity([H200, H200], config=config)) == []
     changed = dict(config, prompt_mode="continue")
-    assert C.identity_differences(older, identity([H200, H200], config=changed)) == [
+    assert H.identity_differences(older, identity([H200, H200], config=changed)) == [
         "config prompt_mode: history has 'render', this run has 'continue'"]
 
 
@@ -434,13 +435,13 @@ def test_engine_speed_settings_may_change_on_resume():
     a sampling setting is still refused."""
     config = dataclasses.asdict(C.Config())
     older = identity([H200, H200], config=dict(config, cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=0))
-    assert C.identity_differences(older, identity([H200, H200], config=config)) == []
-    assert C.identity_differences(older, identity([H200, H200], config=dict(config, cuda_graphs=False))) == []
-    assert C.identity_differences(older, identity([H200, H200], config=dict(config, custom_all_reduce=True))) == []
+    assert H.identity_differences(older, identity([H200, H200], config=config)) == []
+    assert H.identity_differences(older, identity([H200, H200], config=dict(config, cuda_graphs=False))) == []
+    assert H.identity_differences(older, identity([H200, H200], config=dict(config, custom_all_reduce=True))) == []
     before_the_setting = {k: v for k, v in older["config"].items() if k != "custom_all_reduce"}
-    assert C.identity_differences(dict(older, config=before_the_setting),
+    assert H.identity_differences(dict(older, config=before_the_setting),
                                   identity([H200, H200], config=dict(config, custom_all_reduce=True))) == []
-    assert C.identity_differences(older, identity([H200, H200], config=dict(config, top_k=20))) == [
+    assert H.identity_differences(older, identity([H200, H200], config=dict(config, top_k=20))) == [
         "config top_k: history has 40, this run has 20"]
 
 
@@ -533,10 +534,10 @@ def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
     assert C.noise_definition(nearest) == dict(C.NOISE_DEFINITION, chunk=nearest.noise_chunk)  # older histories
     assert "rounding" in C.noise_definition(stochastic)
     history = {"config": {k: v for k, v in dataclasses.asdict(nearest).items() if k != "rounding"}}  # an older one
-    C.check_config(history, nearest)
+    H.check_config(history, nearest)
     with pytest.raises(C.HistoryMismatch, match="config rounding: history has 'nearest', this run has 'stochastic'"):
-        C.check_config(history, stochastic)
-    diffs = C.identity_differences({"noise": C.noise_definition(nearest)}, {"noise": C.noise_definition(stochastic)})
+        H.check_config(history, stochastic)
+    diffs = H.identity_differences({"noise": C.noise_definition(nearest)}, {"noise": C.noise_definition(stochastic)})
     assert len(diffs) == 1 and diffs[0].startswith("noise:")
     # export and replay take it from the history, never from the command line or an evaluation's settings
     recorded = {"config": dataclasses.asdict(stochastic)}

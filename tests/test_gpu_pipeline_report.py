@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common as C
+import history as H
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_pipeline  # noqa: E402
@@ -36,7 +37,7 @@ def finished_pipeline(run_dir: Path, noise: str, exported_without: str = "") -> 
                "base_model_path": str(base), "vllm_version": "0.26.0",
                "base_digests": ["ckpt:base"] if noise == "checkpoint" else ["rank0-base", "rank1-base"],
                "generations": [{"generation": 0, "digests": trained}]}
-    C.write_json_atomic(history, run_dir / C.HISTORY_FILE)
+    C.write_json_atomic(history, run_dir / H.HISTORY_FILE)
     export = run_dir / "export"
     export.mkdir()
     sums = left_out = None
@@ -51,7 +52,7 @@ def finished_pipeline(run_dir: Path, noise: str, exported_without: str = "") -> 
     identity = {"config": history["config"], "tensor_parallel_size": 2, "parameter_names_sha256": "names",
                 "devices": [], "base_model": "tiny", "base_fingerprint": "sha256:base", "device_type": "cuda",
                 "vllm_version": "0.26.0", "torch_version": torch.__version__}
-    export_stage.write_manifest(export, history, run_dir / C.HISTORY_FILE, history["generations"], trained, identity,
+    export_stage.write_manifest(export, history, run_dir / H.HISTORY_FILE, history["generations"], trained, identity,
                                 sums, left_out)
     (run_dir / "eval").mkdir()
     C.write_json_atomic({"checkpoint": {"kind": "export", "per_rank_digests": trained}},

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 import common as C
+import history as H
 import models
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
@@ -251,10 +252,10 @@ def test_read_json_errors(tmp_path):
 def test_sha256_file_known_value(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(b"abc")
-    assert C.sha256_file(str(path)) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert H.sha256_file(str(path)) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
     data = os.urandom(10_000)
     path.write_bytes(data)
-    assert C.sha256_file(str(path), chunk=7) == hashlib.sha256(data).hexdigest()
+    assert H.sha256_file(str(path), chunk=7) == hashlib.sha256(data).hexdigest()
 
 
 @pytest.mark.skipif(shutil.which("sha256sum") is None, reason="needs coreutils sha256sum")
@@ -266,28 +267,28 @@ def test_sha256sums_checked_by_real_sha256sum(tmp_path):
     (tmp_path / "with space.txt").write_text("x")
     files = ["model-rank-1-part-0.safetensors", "sub/config.json", "model-rank-0-part-0.safetensors",
              str(tmp_path / "with space.txt")]  # relative or absolute-inside-folder
-    sums = C.write_sha256sums(str(tmp_path), files)
+    sums = H.write_sha256sums(str(tmp_path), files)
     text = (tmp_path / "SHA256SUMS").read_text()
     assert text.splitlines()[0] == f"{hashlib.sha256(b'rank0').hexdigest()}  model-rank-0-part-0.safetensors"
     assert [line.split("  ", 1)[1] for line in text.splitlines()] == sorted(sums)
     run = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=tmp_path, capture_output=True)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert C.verify_sha256sums(str(tmp_path)) == []
+    assert H.verify_sha256sums(str(tmp_path)) == []
 
     (tmp_path / "model-rank-1-part-0.safetensors").write_bytes(b"altered")
     (tmp_path / "sub" / "config.json").unlink()
     run = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=tmp_path, capture_output=True)
     assert run.returncode != 0
-    assert C.verify_sha256sums(str(tmp_path)) == ["model-rank-1-part-0.safetensors: sha256 mismatch",
+    assert H.verify_sha256sums(str(tmp_path)) == ["model-rank-1-part-0.safetensors: sha256 mismatch",
                                                   "sub/config.json: missing"]
 
 
 def test_sha256sums_rejects_outside_files_and_reports_missing_list(tmp_path):
     with pytest.raises(ValueError, match="not inside"):
-        C.write_sha256sums(str(tmp_path), ["../elsewhere"])
-    assert "missing" in C.verify_sha256sums(str(tmp_path))[0]
+        H.write_sha256sums(str(tmp_path), ["../elsewhere"])
+    assert "missing" in H.verify_sha256sums(str(tmp_path))[0]
     (tmp_path / "SHA256SUMS").write_text("nothex  file\n")
-    assert "malformed line" in C.verify_sha256sums(str(tmp_path))[0]
+    assert "malformed line" in H.verify_sha256sums(str(tmp_path))[0]
 
 
 def test_append_and_read_jsonl(tmp_path):
@@ -338,11 +339,11 @@ def test_hub_id_resolves_to_its_local_snapshot(hub_cache, tmp_path):
     snapshot = write_hub_cache(hub_cache, "es-test/tiny-qwen3-dense", tiny)
     resolved = models.resolve_model("es-test/tiny-qwen3-dense")
     assert os.path.samefile(resolved, snapshot)
-    assert C.model_fingerprint(resolved) == C.model_fingerprint(tiny)
-    assert C.model_fingerprint(resolved).startswith("sha256:")
+    assert H.model_fingerprint(resolved) == H.model_fingerprint(tiny)
+    assert H.model_fingerprint(resolved).startswith("sha256:")
     out = tmp_path / "export"
     out.mkdir()
-    copied = C.copy_model_files(resolved, out)
+    copied = H.copy_model_files(resolved, out)
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(copied)
     assert not any(name.endswith(".safetensors") for name in copied)
     assert not (out / "config.json").is_symlink()  # the file itself, not a link into this machine's cache
@@ -357,7 +358,7 @@ def test_model_that_is_not_local_is_refused_without_network(hub_cache, name, mes
     with pytest.raises(C.ConfigError, match=message):
         models.resolve_model(name)
     with pytest.raises(C.ConfigError, match="not a model folder"):
-        C.model_fingerprint(name)
+        H.model_fingerprint(name)
 
 
 # ---- experiment tracking ----
@@ -430,7 +431,7 @@ def test_a_finished_run_started_again_logs_the_last_generation_its_process_did_n
     records = [dict(generation_record(g), timings=timings, digests=["d"], seeds=[1, 2, 3, 4], z=[0.0] * 4)
                for g in range(cfg.generations)]
     C.write_json_atomic({"config": C.dataclasses.asdict(cfg), "base_model": "tiny", "base_digests": ["d0"],
-                         "generations": records}, tmp_path / C.HISTORY_FILE)
+                         "generations": records}, tmp_path / H.HISTORY_FILE)
     with C.Tracker(cfg, tmp_path) as tracker:
         for record in records[:-1]:
             tracker.log(record["generation"], C.generation_scalars(record))

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import common as C
+import history as H
 import models
 from conftest import still_running
 
@@ -92,7 +93,7 @@ def test_tracking_shows_each_generation_of_the_history(trained):
     from test_metrics_and_files import tensorboard_scalars
 
     scalars = tensorboard_scalars(trained / C.TENSORBOARD_DIR)
-    for g in C.read_json(trained / C.HISTORY_FILE)["generations"]:
+    for g in C.read_json(trained / H.HISTORY_FILE)["generations"]:
         expected = C.generation_scalars(g)
         assert set(scalars) == set(expected)
         for name, value in expected.items():
@@ -100,7 +101,7 @@ def test_tracking_shows_each_generation_of_the_history(trained):
 
 
 def test_training_history_is_complete_and_moves_the_weights(trained):
-    history = C.read_json(trained / C.HISTORY_FILE)
+    history = C.read_json(trained / H.HISTORY_FILE)
     gens = history["generations"]
     assert [g["generation"] for g in gens] == [0, 1]
     for g in gens:
@@ -125,7 +126,7 @@ def test_smoke_preset_end_to_end(tmp_path):
     folder is given relative to the repository, as in the README, and exported from there."""
     relative = os.path.relpath(tmp_path, REPO)
     proc = run("01_train.py", f"--run_dir={relative}")
-    history = C.read_json(tmp_path / C.HISTORY_FILE)
+    history = C.read_json(tmp_path / H.HISTORY_FILE)
     assert len(history["generations"]) == 2
     assert all(g["rewards"] == [0.0] * 4 and g["z"] == [0.0] * 4 for g in history["generations"])
     assert history["generations"][-1]["digests"] == history["base_digests"]
@@ -134,22 +135,22 @@ def test_smoke_preset_end_to_end(tmp_path):
                 "completion_tokens", "finish_reason", "error", "messages", "member", "member_seed"):
         assert key in record
     assert "[train] done: 2 generations" in proc.stdout
-    before = sha(tmp_path / C.HISTORY_FILE)
+    before = sha(tmp_path / H.HISTORY_FILE)
     again = run("01_train.py", f"--run_dir={relative}")  # the same command on the finished run: no engine starts
     assert "already holds all 2 generations: nothing to train" in again.stdout, again.stdout
     assert "[train] done: 2 generations" in again.stdout and "resuming" not in again.stdout
-    assert sha(tmp_path / C.HISTORY_FILE) == before
+    assert sha(tmp_path / H.HISTORY_FILE) == before
     run("02_export.py", f"--run_dir={relative}")
-    manifest = C.read_json(tmp_path / "export" / C.EXPORT_MANIFEST)
+    manifest = C.read_json(tmp_path / "export" / H.EXPORT_MANIFEST)
     assert manifest["per_rank_digests"] == history["base_digests"]
-    C.verify_export(tmp_path / "export", 2)
+    H.verify_export(tmp_path / "export", 2)
 
 
 def test_killed_run_resumes_to_the_same_history(trained, tmp_path):
     """SIGKILL of the script in the middle of generation 1 (EngineCore and its workers end with it), start again:
     identical to the uninterrupted run (which also shows that two runs of the same seed give the same history and
     digests)."""
-    history_path = tmp_path / C.HISTORY_FILE
+    history_path = tmp_path / H.HISTORY_FILE
     proc, log, gate = start_training(tmp_path, "killed", pause_after_members=5)  # generation 0, then member 0 of 1
     wait_for(proc, log, gate)
     assert len(C.read_json(history_path)["generations"]) == 1
@@ -164,7 +165,7 @@ def test_killed_run_resumes_to_the_same_history(trained, tmp_path):
     assert len(C.read_json(history_path)["generations"]) == 1
 
     run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}")
-    resumed, reference = C.read_json(history_path), C.read_json(trained / C.HISTORY_FILE)
+    resumed, reference = C.read_json(history_path), C.read_json(trained / H.HISTORY_FILE)
     assert replayable(resumed) == replayable(reference)
     assert resumed["generations"][-1]["digests"] == reference["generations"][-1]["digests"]
 
@@ -187,21 +188,21 @@ def test_bad_training_input_is_refused_and_nothing_is_touched(trained, tmp_path)
 
     other = tmp_path / "other"
     shutil.copytree(trained, other)
-    before = sha(other / C.HISTORY_FILE)
+    before = sha(other / H.HISTORY_FILE)
     refused = run("01_train.py", f"--run_dir={other}", "--population=6", ok=False)
     assert "config population: history has 4, this run has 6" in refused.stderr
-    assert sha(other / C.HISTORY_FILE) == before
+    assert sha(other / H.HISTORY_FILE) == before
 
 
 # ---- 02_export.py ----
 
 def test_export_replays_to_the_training_digests(trained, exported):
-    history = C.read_json(trained / C.HISTORY_FILE)
-    manifest = C.read_json(exported / C.EXPORT_MANIFEST)
+    history = C.read_json(trained / H.HISTORY_FILE)
+    manifest = C.read_json(exported / H.EXPORT_MANIFEST)
     assert manifest["per_rank_digests"] == history["generations"][-1]["digests"]
     assert manifest["replayed_generations"] == 2 and manifest["tensor_parallel_size"] == 2
     assert manifest["load_format"] == "sharded_state"
-    assert manifest["source_history_sha256"] == sha(trained / C.HISTORY_FILE)
+    assert manifest["source_history_sha256"] == sha(trained / H.HISTORY_FILE)
     assert sorted((s["file"], s["rank"]) for s in manifest["shards"]) == [
         ("model-rank-0-part-0.safetensors", 0), ("model-rank-1-part-0.safetensors", 1)]
     assert all(s["sha256"] == sha(exported / s["file"]) for s in manifest["shards"])
@@ -212,7 +213,7 @@ def test_export_replays_to_the_training_digests(trained, exported):
 
 
 def test_export_refuses_a_history_of_another_base(trained, tmp_path):
-    history = C.read_json(trained / C.HISTORY_FILE)
+    history = C.read_json(trained / H.HISTORY_FILE)
     history["base_fingerprint"] = "sha256:" + "0" * 64
     C.write_json_atomic(history, tmp_path / "history.json")
     proc = run("02_export.py", f"--run_dir={trained}", f"--history={tmp_path / 'history.json'}",
@@ -228,7 +229,7 @@ def test_export_of_a_hub_id_run_uses_the_local_snapshot(trained, exported, hub_c
     the cache is refused before anything starts or is written."""
     from conftest import write_hub_cache
 
-    history = C.read_json(trained / C.HISTORY_FILE)
+    history = C.read_json(trained / H.HISTORY_FILE)
     write_hub_cache(hub_cache, "es-test/my-base", history["base_model_path"])
     for repo_id, name in (("es-test/not-downloaded", "missing"), ("es-test/my-base", "hub")):
         history["config"]["model"] = history["base_model"] = repo_id
@@ -238,11 +239,11 @@ def test_export_of_a_hub_id_run_uses_the_local_snapshot(trained, exported, hub_c
     assert not (tmp_path / "missing").exists() and not (tmp_path / "missing.partial").exists()
 
     run("02_export.py", f"--history={tmp_path / 'hub.json'}", f"--out={tmp_path / 'export'}")
-    manifest = C.read_json(tmp_path / "export" / C.EXPORT_MANIFEST)
-    assert manifest["per_rank_digests"] == C.read_json(exported / C.EXPORT_MANIFEST)["per_rank_digests"]
+    manifest = C.read_json(tmp_path / "export" / H.EXPORT_MANIFEST)
+    assert manifest["per_rank_digests"] == C.read_json(exported / H.EXPORT_MANIFEST)["per_rank_digests"]
     assert manifest["base_model"] == "es-test/my-base" and manifest["base_fingerprint"] == history["base_fingerprint"]
     assert not (tmp_path / "export" / "tokenizer.json").is_symlink()
-    C.verify_export(tmp_path / "export", 2)
+    H.verify_export(tmp_path / "export", 2)
 
 
 # ---- 03_eval.py ----
@@ -250,7 +251,7 @@ def test_export_of_a_hub_id_run_uses_the_local_snapshot(trained, exported, hub_c
 def test_eval_writes_records_and_metrics(evaluated, exported):
     metrics = C.read_json(evaluated / "metrics.json")
     assert set(metrics["datasets"]) == {"dapo", "aime2026"}
-    assert metrics["checkpoint"]["per_rank_digests"] == C.read_json(exported / C.EXPORT_MANIFEST)["per_rank_digests"]
+    assert metrics["checkpoint"]["per_rank_digests"] == C.read_json(exported / H.EXPORT_MANIFEST)["per_rank_digests"]
     for name in ("dapo", "aime2026"):
         eval16 = C.read_json(evaluated / f"{name}_eval16.json")
         records = eval16["records"]
@@ -306,7 +307,7 @@ def test_eval_refuses_a_bad_export(exported, trained, tmp_path, damage, message)
         data[len(data) // 2] ^= 0x01
         shard.write_bytes(bytes(data))
     else:
-        (export / C.EXPORT_MANIFEST).unlink()
+        (export / H.EXPORT_MANIFEST).unlink()
     proc = run("03_eval.py", *args, ok=False)
     assert message in proc.stderr
     assert not (tmp_path / "eval").exists()
@@ -319,7 +320,7 @@ def test_aligned_replay_rebuilds_theta_and_reruns_group_12_15(evaluated, exporte
     proc = run("04_replay.py", f"--run_dir={trained}")
     assert "[sandbox] " in proc.stdout  # the replay re-runs model-written commands: the start-up check ran first
     report = C.read_json(evaluated / "aligned_history_replay_eval4.json")
-    assert report["per_rank_digests"] == C.read_json(exported / C.EXPORT_MANIFEST)["per_rank_digests"]
+    assert report["per_rank_digests"] == C.read_json(exported / H.EXPORT_MANIFEST)["per_rank_digests"]
     assert report["group"] == "12-15" and report["replayed_generations"] == 2
     for name, d in report["datasets"].items():
         original = {(r["problem_id"], r["sample_index"]): r for r in C.read_json(evaluated / f"{name}_eval16.json")["records"]}
@@ -382,7 +383,7 @@ def test_sigterm_and_a_dead_engine_stop_the_run_cleanly_and_it_resumes(trained, 
     143; then the EngineCore process is killed in the middle of generation 0: the run aborts with an error naming
     it (no score-0 rewards). Both times the history and the rollouts stay as they were; a third start finishes
     with the history of the uninterrupted run."""
-    history_path = tmp_path / C.HISTORY_FILE
+    history_path = tmp_path / H.HISTORY_FILE
     for stop in ("SIGTERM", "engine core killed"):
         proc, log, gate = start_training(tmp_path, stop.split()[0], pause_after_members=1)
         wait_for(proc, log, gate)  # member 0 finished: generation 0 is under way
@@ -406,5 +407,5 @@ def test_sigterm_and_a_dead_engine_stop_the_run_cleanly_and_it_resumes(trained, 
         assert not (tmp_path / "rollouts").exists()
 
     run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}")
-    resumed, reference = C.read_json(history_path), C.read_json(trained / C.HISTORY_FILE)
+    resumed, reference = C.read_json(history_path), C.read_json(trained / H.HISTORY_FILE)
     assert replayable(resumed) == replayable(reference)

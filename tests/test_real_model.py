@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import common as C
+import history as H
 import models
 
 NAME = "smollm2-135m"
@@ -30,7 +31,7 @@ def engine(base_path):
 
 
 def sha256_of_files(folder):
-    return {f.name: C.sha256_file(f) for f in sorted(folder.iterdir())}
+    return {f.name: H.sha256_file(f) for f in sorted(folder.iterdir())}
 
 
 def unpadded(config, state):
@@ -156,7 +157,7 @@ def export(engine, tmp_path_factory, base_path):
     """The engine's current (updated) weights saved as sharded_state, reloaded at TP=2 in a second engine."""
     folder = tmp_path_factory.mktemp("smollm2-export")
     engine.save_sharded_state(folder)
-    C.copy_model_files(base_path, folder)
+    H.copy_model_files(base_path, folder)
     with C.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
         yield engine.digests(), loaded
 

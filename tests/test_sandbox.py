@@ -20,6 +20,7 @@ import uuid
 import pytest
 
 import common as A
+import history as H
 import sandbox
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -491,7 +492,7 @@ def test_train_and_eval_refuse_a_leaky_sandbox_before_starting(monkeypatch, tmp_
     with pytest.raises(A.ConfigError, match="leaks"):
         evaluate.main(["--preset=smoke", "--export=", f"--dapo={data}", f"--aime2026={data}",
                        f"--run_dir={tmp_path / 'eval'}"])
-    assert not (tmp_path / "train" / A.HISTORY_FILE).exists() and not (tmp_path / "eval" / "eval-base").exists()
+    assert not (tmp_path / "train" / H.HISTORY_FILE).exists() and not (tmp_path / "eval" / "eval-base").exists()
 
 
 def test_python_of_another_abi_gets_the_pure_python_packages_only(monkeypatch):

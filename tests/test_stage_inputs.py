@@ -10,6 +10,7 @@ import re
 import pytest
 
 import common as C
+import history as H
 import models
 import sandbox
 
@@ -38,7 +39,7 @@ def generation_record(g):
 
 
 def history(generations=2):
-    return {"format": C.HISTORY_FORMAT, "config": dataclasses.asdict(SMOKE), "base_model": SMOKE.model,
+    return {"format": H.HISTORY_FORMAT, "config": dataclasses.asdict(SMOKE), "base_model": SMOKE.model,
             "base_digests": ["b0", "b1"], "generations": [generation_record(g) for g in range(generations)]}
 
 
@@ -104,7 +105,7 @@ def test_export_refuses_generations_that_are_not_a_list(tmp_path):
 
 
 def test_training_refuses_a_history_that_lacks_a_key_before_any_engine(tmp_path):
-    bad = write(without(history(), "generations", 0, "rewards"), tmp_path / C.HISTORY_FILE)
+    bad = write(without(history(), "generations", 0, "rewards"), tmp_path / H.HISTORY_FILE)
     with pytest.raises(C.StageError, match=rf"{bad}: generations\[0\] missing key 'rewards'"):
         train_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
 
@@ -113,7 +114,7 @@ def test_a_finished_history_without_timings_still_prints_its_summary(tmp_path, c
     finished = history()
     for record in finished["generations"]:
         del record["timings"]
-    write(finished, tmp_path / C.HISTORY_FILE)
+    write(finished, tmp_path / H.HISTORY_FILE)
     assert train_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"]) == finished
     assert "rollout 0.00s" in capsys.readouterr().out
 
@@ -122,14 +123,14 @@ def test_an_export_manifest_that_lacks_a_key_is_refused(tmp_path):
     manifest = {"format": "es-sharded-export/1", "tensor_parallel_size": 2, "per_rank_digests": ["a", "b"],
                 "parameter_names_sha256": "p", "replayed_generations": 2, "vllm_version": "v",
                 "shards": [{"file": "model-rank-0-part-0.safetensors", "rank": 0, "sha256": "s"}]}
-    write(without(manifest, "shards"), tmp_path / "a" / C.EXPORT_MANIFEST)
-    with pytest.raises(C.StageError, match=f"{C.EXPORT_MANIFEST}: missing key 'shards'"):
-        C.verify_export(tmp_path / "a")
-    write(without(manifest, "shards", 0, "sha256"), tmp_path / "b" / C.EXPORT_MANIFEST)
+    write(without(manifest, "shards"), tmp_path / "a" / H.EXPORT_MANIFEST)
+    with pytest.raises(C.StageError, match=f"{H.EXPORT_MANIFEST}: missing key 'shards'"):
+        H.verify_export(tmp_path / "a")
+    write(without(manifest, "shards", 0, "sha256"), tmp_path / "b" / H.EXPORT_MANIFEST)
     with pytest.raises(C.StageError, match=r"shards\[0\] missing key 'sha256'"):
         C.verify_any_export(tmp_path / "b", 2)
     write({"format": "es-hf-export/1", "replayed_generations": 2}, tmp_path / "c" / C.HF_EXPORT_MANIFEST)
-    C.write_sha256sums(tmp_path / "c", [C.HF_EXPORT_MANIFEST])  # intact files, a manifest without the digest
+    H.write_sha256sums(tmp_path / "c", [C.HF_EXPORT_MANIFEST])  # intact files, a manifest without the digest
     with pytest.raises(C.StageError, match=f"{C.HF_EXPORT_MANIFEST}: missing key 'digest'"):
         C.verify_any_export(tmp_path / "c")
 
@@ -141,7 +142,7 @@ def evaluation(tmp_path, problems=2):
                 "score": 0.0} for pid in ids for i in range(C.EVAL_SAMPLES)]
     eval16 = {"dataset": "dapo", "data": "smoke", "config": dataclasses.asdict(SMOKE), "records": records,
               "checkpoint": {"kind": "base", "model": SMOKE.model, "per_rank_digests": ["b0", "b1"]}}
-    write(history(), tmp_path / C.HISTORY_FILE)
+    write(history(), tmp_path / H.HISTORY_FILE)
     write({"datasets": {"dapo": {}}}, tmp_path / "eval" / C.EVAL_METRICS)
     return eval16
 
@@ -170,6 +171,6 @@ def test_replay_refuses_metrics_or_transcripts_that_lack_a_key_before_any_engine
                   tmp_path / "eval" / "dapo_episodes.jsonl")
     with pytest.raises(C.StageError, match=r"dapo_episodes.jsonl: row\[0\] missing key 'messages'"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
-    write(without(history(), "generations", 0, "digests"), tmp_path / C.HISTORY_FILE)
-    with pytest.raises(C.StageError, match=rf"{C.HISTORY_FILE}: generations\[0\] missing key 'digests'"):
+    write(without(history(), "generations", 0, "digests"), tmp_path / H.HISTORY_FILE)
+    with pytest.raises(C.StageError, match=rf"{H.HISTORY_FILE}: generations\[0\] missing key 'digests'"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
