@@ -10,7 +10,7 @@ Sections, in order:
   4b. the engine pool: K engines (in this process, or Ray actors on a cluster) evaluate members or episodes at
       once; placed over GPU groups, co-located under CUDA MPS when K > GPUs // tensor_parallel_size
   5. the run history: replay and the checks that refuse a different run
-  6. scoring: answers against golds, in killable worker processes
+  6. (scoring: the committed answer against the gold, in killable worker processes: scoring.py)
   7. (the sandbox for model-written commands and its start-up leak check: sandbox.py)
   8. the math agent: prompts, reply parsing, per-request seeds, the episode loop
   9. data: problem files and case batches
@@ -35,7 +35,6 @@ import math
 import os
 import queue
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -2572,231 +2571,6 @@ def stopwatch(timings: dict, key: str):
 
 
 # ============================================================================================================
-# 6. Scoring (SPEC section 4): the committed answer against the gold, compared as a number or by math-verify, in
-#    worker processes that a hung sympy call cannot stall
-# ============================================================================================================
-
-
-# ---- Scoring off the event loop, in worker processes that can be killed
-#
-# sympy can run for minutes on an answer such as 2^{2001^{2000}}, mostly inside C code that holds the GIL (a thread
-# would freeze the whole engine) and that no signal interrupts. So the episode loop scores in a small pool of
-# worker processes, awaited through the pool's threads: a call takes an idle worker (or starts one); a worker that
-# does not answer within SCORE_TIMEOUT_S is killed (0, "score_timeout"), one that dies or garbles its reply too
-# (0, "score_error"), and a replacement starts at once. Workers are fresh interpreters (subprocess: no fork of the
-# vLLM process and its threads) without torch and vLLM (see _SCORER_WORKER_SCRIPT). They die with the pool thread
-# that started them (PR_SET_PDEATHSIG; pool threads live as long as the pool), so with the process, even a killed
-# one.
-
-SCORE_TIMEOUT_S = 20.0            # wall-clock limit of one scoring call in a worker (normal answers take ms)
-SCORER_PROCESSES = 4              # at most this many workers (and scoring calls at once), started lazily
-SCORER_START_TIMEOUT_S = 300.0    # a worker's start-up (imports of sympy and math_verify); not part of the limit
-SCORER_MEMORY_BYTES = 4 * 1024**3  # RLIMIT_AS of a worker: a runaway sympy allocation ends in MemoryError
-
-# A worker imports common with placeholders for torch and vllm: any attribute, call or submodule of one is another
-# placeholder (so the module-level `device_type() == "cpu"` is False). Why not lazy imports instead: torch is used
-# by nearly every section of this one shared module, and a worker that loaded it (seconds, ~1 GB with vLLM's
-# kernels) would make the restart of a killed scorer slow; scoring itself needs only math_verify.
-_SCORER_WORKER_SCRIPT = """\
-import importlib.abc, importlib.machinery, sys, types
-class Placeholder(types.ModuleType):
-    __path__ = []
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return Placeholder(f"{self.__name__}.{name}")
-    def __call__(self, *args, **kwargs):
-        return Placeholder(f"{self.__name__}()")
-class PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "vllm"):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-    def create_module(self, spec):
-        return Placeholder(spec.name)
-    def exec_module(self, module):
-        pass
-sys.meta_path.insert(0, PlaceholderFinder())
-sys.path.insert(0, sys.argv[1])
-import common
-common._scorer_worker_main(int(sys.argv[2]))
-"""
-
-
-def _scorer_worker_main(parent_pid):
-    """A worker's loop: one JSON line [prediction, gold] in on stdin, one line [score, method] out."""
-    import ctypes
-    import logging
-    import resource
-    scoring._IN_SCORER_WORKER = True
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": the pool is the timeout
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: die with the thread that started us
-    if os.getppid() != parent_pid:  # it died before prctl
-        return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which ends its workers
-    resource.setrlimit(resource.RLIMIT_AS, (SCORER_MEMORY_BYTES, SCORER_MEMORY_BYTES))
-    replies = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)  # a stray print (sympy, warnings) goes to stderr, never into the replies
-    for prediction, gold in ((r"\frac{1}{2}", "0.5"), ("x + 1", "y")):  # loads math_verify's grammar and sympy's
-        scoring.score_answer(prediction, gold)                           # lazy modules (seconds) before any clock
-    replies.write(b'"ready"\n')
-    for line in sys.stdin.buffer:
-        try:
-            prediction, gold = json.loads(line)
-            score, method = scoring.score_answer(prediction, gold)
-        except BaseException as exc:  # MemoryError, RecursionError, ...: this answer scores 0, the worker goes on
-            score, method = 0.0, "score_error"
-            print(f"[scorer] {type(exc).__name__}: {exc}", file=sys.stderr)
-        replies.write((json.dumps([score, method]) + "\n").encode())
-
-
-class _ScorerWorker:
-    """One worker process and the parent's end of its pipes."""
-
-    def __init__(self):
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", _SCORER_WORKER_SCRIPT, str(REPO), str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-        self.ready = False
-
-    def read_line(self, timeout_s):
-        """One reply line; TimeoutError when none comes in time, EOFError when the worker is gone."""
-        deadline, line = time.monotonic() + timeout_s, b""
-        fd = self.process.stdout.fileno()
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                raise TimeoutError
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise EOFError
-            line += chunk
-        return json.loads(line)
-
-    def score(self, prediction, gold, timeout_s):
-        if not self.ready:
-            if self.read_line(SCORER_START_TIMEOUT_S) != "ready":
-                raise ValueError("worker did not start")
-            self.ready = True
-        self.process.stdin.write((json.dumps([prediction, gold]) + "\n").encode())
-        score, method = self.read_line(timeout_s)
-        return float(score), str(method)
-
-    def kill(self):
-        with contextlib.suppress(OSError):
-            self.process.kill()
-        self.process.wait()
-        for pipe in (self.process.stdin, self.process.stdout):
-            with contextlib.suppress(OSError):
-                pipe.close()
-
-
-class _ScorerPool:
-    """Idle workers wait in a list; a call takes one, or starts one when none is idle (at most one per thread)."""
-
-    def __init__(self, processes):
-        self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=processes, thread_name_prefix="scorer")
-        self.idle, self.busy, self.lock, self.closed = [], set(), threading.Lock(), False
-
-    def score(self, prediction, gold):
-        """Runs in a pool thread. Never raises: a timeout or a broken worker scores 0 and is killed, and its
-        replacement starts at once (its start-up overlaps what comes next)."""
-        worker = None
-        try:
-            worker = self.take()
-            result = worker.score(prediction, gold, SCORE_TIMEOUT_S)
-            self.give_back(worker)
-            return result
-        except TimeoutError:
-            result = 0.0, "score_timeout"
-        except Exception:  # a worker that died or garbled its reply, a failed start: this answer only scores 0
-            result = 0.0, "score_error"
-        with contextlib.suppress(Exception):
-            self.replace(worker)
-        return result
-
-    def take(self):
-        with self.lock:
-            if self.closed:
-                raise RuntimeError("the scorer pool is shut down")
-            while self.idle:
-                worker = self.idle.pop()
-                if worker.process.poll() is None:
-                    break
-                worker.kill()  # died while idle
-            else:
-                worker = _ScorerWorker()
-            self.busy.add(worker)
-            return worker
-
-    def give_back(self, worker):
-        with self.lock:
-            self.busy.discard(worker)
-            if self.closed:
-                worker.kill()
-            else:
-                self.idle.append(worker)
-
-    def replace(self, worker):
-        if worker is not None:
-            worker.kill()
-        with self.lock:
-            self.busy.discard(worker)
-            if not self.closed:
-                self.idle.append(_ScorerWorker())
-
-    def workers(self):
-        with self.lock:
-            return self.idle + list(self.busy)
-
-    def shutdown(self):
-        with self.lock:
-            self.closed = True
-            workers, self.idle = self.idle + list(self.busy), []
-        for worker in workers:  # a call still waiting on one of them sees EOF and returns at once
-            worker.kill()
-        self.threads.shutdown(wait=True, cancel_futures=True)
-
-
-_scorer_pool_instance = None
-_scorer_pool_lock = threading.Lock()
-
-
-def _scorer_pool():
-    """The process's scorer pool, created on first use and shut down at exit."""
-    global _scorer_pool_instance
-    with _scorer_pool_lock:
-        if _scorer_pool_instance is None:
-            _scorer_pool_instance = _ScorerPool(SCORER_PROCESSES)
-        return _scorer_pool_instance
-
-
-def shutdown_scorer_pool():
-    """Kill the scorer workers; the next scoring call starts a new pool."""
-    global _scorer_pool_instance
-    with _scorer_pool_lock:
-        pool, _scorer_pool_instance = _scorer_pool_instance, None
-    if pool is not None:
-        pool.shutdown()
-
-
-atexit.register(shutdown_scorer_pool)
-
-
-async def score_answer_isolated(prediction, gold):
-    """score_answer(prediction, gold) in a scorer worker, awaited without blocking the event loop. At most
-    SCORE_TIMEOUT_S of scoring (plus a worker's start-up); never raises."""
-    if prediction is None or not prediction.strip():
-        return scoring.score_answer(prediction, gold)
-    try:
-        pool = _scorer_pool()
-        return await asyncio.get_running_loop().run_in_executor(pool.threads, pool.score, prediction, gold)
-    except RuntimeError:  # the pool was shut down under this call (exit, or a test)
-        return 0.0, "score_error"
-
-
-# ============================================================================================================
 # 8. The math agent (SPEC section 4): a ReAct loop with one sandboxed `bash` tool
 # ============================================================================================================
 
@@ -2974,7 +2748,7 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
         sandbox.remove_workdir(workdir)
 
     reason = scoring.unscored_reason(prediction, bash_calls=bash_calls, finish_reason=finish_reason, error=error)
-    score, score_method = (0.0, reason) if reason else await score_answer_isolated(prediction, problem["answer"])
+    score, score_method = (0.0, reason) if reason else await scoring.score_answer_isolated(prediction, problem["answer"])
     return {
         "problem_id": problem_id, "sample_index": sample_index,
         "seed": request_seed(run_seed, problem_id, sample_index, 0),
