@@ -1,5 +1,5 @@
 """Everything the four stages share: the ES algorithm of SPEC section 3 running inside vLLM workers at TP=2,
-the 50-turn bash-tool math agent of section 4, scoring, metrics and the files of section 7.
+the 50-turn bash-tool math agent of section 4, metrics and the files of section 7.
 
 Sections, in order:
   1. run constants and command-line overrides
