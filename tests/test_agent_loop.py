@@ -10,6 +10,7 @@ import pytest
 
 import common as A
 import sandbox
+import scoring
 
 PROBLEM = {"id": "p1", "question": "What is 6 times 7?", "answer": "42"}
 RUN_SEED = 1234
@@ -44,15 +45,15 @@ class ScriptedPolicy:
 def warm_scorer_pool():
     """Episodes score in worker processes; start two once, so that no episode here waits for a start-up."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(A, "SCORER_PROCESSES", 2)
-        A.shutdown_scorer_pool()
+        patch.setattr(scoring, "SCORER_PROCESSES", 2)
+        scoring.shutdown_scorer_pool()
         asyncio.run(_score_concurrently([("1", "1")] * 2))
         yield
-        A.shutdown_scorer_pool()
+        scoring.shutdown_scorer_pool()
 
 
 async def _score_concurrently(pairs):
-    return await asyncio.gather(*(A.score_answer_isolated(prediction, gold) for prediction, gold in pairs))
+    return await asyncio.gather(*(scoring.score_answer_isolated(prediction, gold) for prediction, gold in pairs))
 
 
 def run(policy, problem=PROBLEM, sample_index=0, **kwargs):
@@ -246,7 +247,7 @@ def test_write_transcripts_markdown(tmp_path):
 
 def test_a_hanging_answer_times_out_without_delaying_other_episodes(monkeypatch):
     # sympy alone runs for minutes on this answer, holding the GIL (measured by hand: > 4 min, process frozen)
-    monkeypatch.setattr(A, "SCORE_TIMEOUT_S", 6.0)
+    monkeypatch.setattr(scoring, "SCORE_TIMEOUT_S", 6.0)
     tower_scoring = asyncio.Event()
 
     async def policy(messages, *, seed, max_tokens):
@@ -264,7 +265,7 @@ def test_a_hanging_answer_times_out_without_delaying_other_episodes(monkeypatch)
     records = asyncio.run(A.run_episodes(policy, items, run_seed=RUN_SEED, progress=finished.append))
     tower = records[0]
     assert (tower["score"], tower["score_method"], tower["finish_reason"]) == (0.0, "score_timeout", "final_answer")
-    assert tower["seconds"] < 3 * A.SCORE_TIMEOUT_S  # it ended (not minutes of sympy)
+    assert tower["seconds"] < 3 * scoring.SCORE_TIMEOUT_S  # it ended (not minutes of sympy)
     assert all((r["score"], r["score_method"]) == (1.0, "integer_match") for r in records[1:])
     assert [r["problem_id"] for r in finished][-1] == "tower"  # the others finished while it was being scored
     assert all(r["seconds"] < tower["seconds"] for r in records[1:])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import common as C
+import scoring
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import fitness_trend  # noqa: E402
@@ -39,7 +40,7 @@ def episode(*replies):
 @pytest.fixture(scope="module", autouse=True)
 def scorer_pool():
     yield
-    C.shutdown_scorer_pool()
+    scoring.shutdown_scorer_pool()
 
 
 @pytest.mark.parametrize("replies, reward", [

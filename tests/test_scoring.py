@@ -1,12 +1,17 @@
 """Answer extraction and scoring (SPEC section 4, "Scoring")."""
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
+from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
 import common as A
+import scoring
 from test_agent_loop import ScriptedPolicy, action
 
 # (model output, gold, expected score)
@@ -158,13 +163,13 @@ TRUNCATED_DECIMALS = [
     ("0.333333", "1/3", False), ("0.3333333333", "1/3", False), ("0.5", "0.6", False), ("2/6", "1/3", True),
 ])
 def test_numbers_agree(predicted, gold, expected):
-    assert A.numbers_agree(A.Fraction(predicted), A.Fraction(gold)) is expected
+    assert scoring.numbers_agree(Fraction(predicted), Fraction(gold)) is expected
 
 
 @pytest.mark.parametrize("output, gold, expected", CASES + HEDGES + ACCEPTED_FORMS + TRUNCATED_DECIMALS)
 def test_extract_and_score(output, gold, expected):
-    prediction = A.extract_final_answer(output)
-    score, method = A.score_answer(prediction, gold)
+    prediction = scoring.extract_final_answer(output)
+    score, method = scoring.score_answer(prediction, gold)
     assert score == expected, (prediction, method)
     assert isinstance(score, float) and isinstance(method, str)
 
@@ -178,12 +183,12 @@ def test_extract_and_score(output, gold, expected):
     ("no answer here", None),
 ])
 def test_extract_final_answer_text(output, expected):
-    assert A.extract_final_answer(output) == expected
+    assert scoring.extract_final_answer(output) == expected
 
 
 def test_missing_answer_method():
-    assert A.score_answer(None, "42") == (0.0, "missing_final_answer")
-    assert A.score_answer(A.extract_final_answer("nothing"), "42") == (0.0, "missing_final_answer")
+    assert scoring.score_answer(None, "42") == (0.0, "missing_final_answer")
+    assert scoring.score_answer(scoring.extract_final_answer("nothing"), "42") == (0.0, "missing_final_answer")
 
 
 @pytest.mark.parametrize("prediction, gold, expected", [  # non-integer golds: integers never reach math_verify
@@ -204,20 +209,21 @@ def test_missing_answer_method():
     ("red", "blue", (0.0, "no_match")),
 ])
 def test_fallback_when_math_verify_cannot_decide(monkeypatch, prediction, gold, expected):
-    monkeypatch.setattr(A, "_math_verify", lambda prediction, gold: None)
-    assert A.score_answer(prediction, gold) == expected
+    monkeypatch.setattr(scoring, "_math_verify", lambda prediction, gold: None)
+    assert scoring.score_answer(prediction, gold) == expected
 
 
 def test_normalize_answer():
-    assert A.normalize_answer(r" \boxed{ 1,234 }. ") == "1234"
-    assert A.normalize_answer("{{Yes}}") == "yes"
-    assert A.normalize_answer("{a}{b}") == "{a}{b}"  # not one outer pair
+    assert scoring.normalize_answer(r" \boxed{ 1,234 }. ") == "1234"
+    assert scoring.normalize_answer("{{Yes}}") == "yes"
+    assert scoring.normalize_answer("{a}{b}") == "{a}{b}"  # not one outer pair
 
 
 def test_scoring_works_off_the_main_thread():
     # math_verify's signal-based timeouts only work in the main thread; scoring must still work in a worker
     results = []
-    worker = threading.Thread(target=lambda: results.append(A.score_answer(r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}")))
+    prediction, gold = r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}"
+    worker = threading.Thread(target=lambda: results.append(scoring.score_answer(prediction, gold)))
     worker.start()
     worker.join()
     assert results == [(1.0, "math_verify")]
@@ -306,7 +312,7 @@ def test_request_seed_is_stable_and_63_bit():
     ("We had an answer: 5 before.\nAnswer: 6", "6"),
 ])
 def test_answer_marker_only_at_line_start(output, expected):
-    assert A.extract_final_answer(output) == expected
+    assert scoring.extract_final_answer(output) == expected
 
 
 # ---- numbers compare as numbers when the gold is an integer
@@ -336,7 +342,7 @@ def test_answer_marker_only_at_line_start(output, expected):
     ("007", "7", 1), ("070", "7", 0), (r"\boxed{1\,000}", "1000", 1),
 ])
 def test_integer_gold_compares_numbers(prediction, gold, expected):
-    assert A.score_answer(prediction, gold) == (float(expected), "integer_match")
+    assert scoring.score_answer(prediction, gold) == (float(expected), "integer_match")
 
 
 @pytest.mark.parametrize("prediction", [
@@ -344,14 +350,14 @@ def test_integer_gold_compares_numbers(prediction, gold, expected):
     "x^2 + 1", "(5)", "", "1" * 5000, "5!", r"3\sqrt{5}",
 ])
 def test_not_one_number(prediction):
-    assert A.read_number(prediction) is None
+    assert scoring.read_number(prediction) is None
 
 
 def test_integer_gold_falls_back_to_math_verify_for_expressions():
-    assert A.score_answer(r"2^{10}", "1024") == (1.0, "math_verify")
-    assert A.score_answer(r"\binom{5}{2}", "10") == (1.0, "math_verify")
-    assert A.score_answer("5!", "120") == (1.0, "math_verify")  # a factorial, not "5" with an exclamation mark
-    assert A.score_answer(r"\sqrt{2}", "1") == (0.0, "math_verify")
+    assert scoring.score_answer(r"2^{10}", "1024") == (1.0, "math_verify")
+    assert scoring.score_answer(r"\binom{5}{2}", "10") == (1.0, "math_verify")
+    assert scoring.score_answer("5!", "120") == (1.0, "math_verify")  # a factorial, not "5" with an exclamation mark
+    assert scoring.score_answer(r"\sqrt{2}", "1") == (0.0, "math_verify")
 
 
 @pytest.mark.parametrize("reply", [
@@ -367,29 +373,38 @@ def test_blank_bash_command_is_no_action(reply):
 # ---- scoring in worker processes
 
 def test_isolated_scoring_agrees_with_score_answer_and_survives_a_hang(monkeypatch):
-    A.shutdown_scorer_pool()
+    scoring.shutdown_scorer_pool()
     try:
         for prediction, gold in [(r"\frac{1}{2}", "0.5"), (r"1\,000", "1000"), ("red", "blue"), (None, "1")]:
-            assert asyncio.run(A.score_answer_isolated(prediction, gold)) == A.score_answer(prediction, gold)
-        (worker,) = A._scorer_pool().workers()  # calls one after another share one worker
+            expected = scoring.score_answer(prediction, gold)
+            assert asyncio.run(scoring.score_answer_isolated(prediction, gold)) == expected
+        (worker,) = scoring._scorer_pool().workers()  # calls one after another share one worker
         assert worker.process.poll() is None
         maps = open(f"/proc/{worker.process.pid}/maps").read()
         assert "libtorch" not in maps and "/vllm/" not in maps  # a light worker: neither torch nor vLLM loaded
         # sympy alone runs for minutes on this answer, holding the GIL; the worker is killed at the limit
-        monkeypatch.setattr(A, "SCORE_TIMEOUT_S", 5.0)
+        monkeypatch.setattr(scoring, "SCORE_TIMEOUT_S", 5.0)
         started = time.monotonic()
-        assert asyncio.run(A.score_answer_isolated("2^{2001^{2000}}", "1")) == (0.0, "score_timeout")
-        assert time.monotonic() - started < 3 * A.SCORE_TIMEOUT_S
+        assert asyncio.run(scoring.score_answer_isolated("2^{2001^{2000}}", "1")) == (0.0, "score_timeout")
+        assert time.monotonic() - started < 3 * scoring.SCORE_TIMEOUT_S
         assert worker.process.poll() is not None  # killed ...
-        (replacement,) = A._scorer_pool().workers()  # ... and replaced
-        assert asyncio.run(A.score_answer_isolated("42", "42")) == (1.0, "integer_match")
+        (replacement,) = scoring._scorer_pool().workers()  # ... and replaced
+        assert asyncio.run(scoring.score_answer_isolated("42", "42")) == (1.0, "integer_match")
         # a worker that dies while scoring gives score_error, not an exception
         threading.Timer(1.0, replacement.process.kill).start()
-        assert asyncio.run(A.score_answer_isolated("2^{2001^{2000}}", "1")) == (0.0, "score_error")
-        assert asyncio.run(A.score_answer_isolated("-3", "-3")) == (1.0, "integer_match")
+        assert asyncio.run(scoring.score_answer_isolated("2^{2001^{2000}}", "1")) == (0.0, "score_error")
+        assert asyncio.run(scoring.score_answer_isolated("-3", "-3")) == (1.0, "integer_match")
         # shutting down kills every worker
-        workers = A._scorer_pool().workers()
-        A.shutdown_scorer_pool()
+        workers = scoring._scorer_pool().workers()
+        scoring.shutdown_scorer_pool()
         assert workers and all(w.process.poll() is not None for w in workers)
     finally:
-        A.shutdown_scorer_pool()
+        scoring.shutdown_scorer_pool()
+
+
+def test_scoring_imports_nothing_heavy():
+    # the scorer workers run `python scoring.py`: neither torch nor vLLM, and math_verify only on first comparison
+    code = "import sys, scoring; print(sorted({'torch', 'vllm', 'math_verify', 'sympy', 'common'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(scoring.__file__).parent, capture_output=True,
+                            text=True, check=True)
+    assert result.stdout.strip() == "[]"
