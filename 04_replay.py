@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import common as C
+import engine as E
+import pool as P
 
 HISTORY = ""  # default: <run_dir>/es_history.json
 EXPORT = ""  # optionally an export folder whose manifest must match the rebuilt digests too
@@ -47,7 +49,7 @@ def main(argv: list[str]) -> dict:
     model_path = C.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before the engine starts
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
     C.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export or None)
-    with C.EnginePool(cfg, model_path) as engine:
+    with P.EnginePool(cfg, model_path) as engine:
         _, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations, compare_config=False,
                                             desc=f"rebuilding theta from {len(generations)} generations")
         for source, wanted in expected.items():
@@ -164,10 +166,10 @@ def print_report(report: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    C.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
+    E.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
     except C.StageError as exc:
         sys.exit(f"[replay] error: {exc}")
-    except C.Interrupted as stop:
+    except E.Interrupted as stop:
         sys.exit(stop.exit_status)

@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
+import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -55,13 +56,13 @@ def main(argv):
                                           "inductor": False, "out": ""})
     cfg = C.parse_config(overrides)
     if opts["inductor"]:
-        eager_backend = C.cuda_engine_args
+        eager_backend = E.cuda_engine_args
 
         def inductor_backend(c):
             args = eager_backend(c)
             return {**args, "compilation_config": {**args["compilation_config"], "mode": 3, "backend": "inductor"}}
 
-        C.cuda_engine_args = inductor_backend
+        E.cuda_engine_args = inductor_backend
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref"), "dummy"
     else:
@@ -70,7 +71,7 @@ def main(argv):
     from vllm.sampling_params import RequestOutputKind
 
     def sampled(c):  # the run's sampling settings, never stopping early
-        return lambda seed: C.sampling_params(c, seed=seed, max_tokens=opts["tokens"], ignore_eos=True)
+        return lambda seed: E.sampling_params(c, seed=seed, max_tokens=opts["tokens"], ignore_eos=True)
 
     sampling = {"run sampling": sampled(cfg),
                 "no penalty": sampled(dataclasses.replace(cfg, presence_penalty=0.0, repetition_penalty=1.0)),
@@ -82,7 +83,7 @@ def main(argv):
         (16, "distinct", "greedy"), (64, "distinct", "run sampling"),
     ]
     results = []
-    with C.Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
+    with E.Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         engine.generate([random_prompt(0, SHORT_PROMPT, vocab)] * 2, 16)  # warm-up
         for n, prompts, how in rows:

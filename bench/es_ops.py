@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
+import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -49,7 +50,7 @@ def main(argv):
     cfg = C.parse_config(["--max_model_len=8192", *overrides])
     folder = qwen3_30b.write_config(opts["folder"])
     t0 = time.perf_counter()
-    with C.Engine(cfg, folder, load_format="dummy", skip_tokenizer_init=True) as engine:
+    with E.Engine(cfg, folder, load_format="dummy", skip_tokenizer_init=True) as engine:
         start_s = time.perf_counter() - t0
         if not opts["ops"]:
             return generation_only(engine, cfg, opts, start_s)

@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
+import pool as P  # noqa: E402
 import qwen3_30b  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -163,7 +164,7 @@ def main(argv):
         for plan in member_plans:
             plan["tool_seconds"] = [t * opts["tool_scale"] for t in plan["tool_seconds"]]
     t_start = time.perf_counter()
-    with C.EnginePool(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as pool:
+    with P.EnginePool(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as pool:
         start_s = time.perf_counter() - t_start
         engine = pool.engines[0]
         memory = [e.rpc("es_memory")[0] for e in pool.engines]
@@ -194,7 +195,7 @@ def main(argv):
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
               "cudagraph_mode": cfg.cudagraph_mode, "max_num_batched_tokens": cfg.max_num_batched_tokens,
               "model": model_name, "tensor_parallel_size": cfg.tensor_parallel_size, "engines": pool.size,
-              "mps": C.mps_running() if pool.device == "cuda" else None,
+              "mps": P.mps_running() if pool.device == "cuda" else None,
               "gpu_memory_utilization": cfg.gpu_memory_utilization, "placement": placement,
               "memory_per_engine": memory,
               "members": opts["members"], "episodes": opts["episodes"], "token_scale": opts["token_scale"],

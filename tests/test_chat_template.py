@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import common as C
+import engine as E
 
 TEMPLATE = C.REPO.parent / "shared" / "fixtures" / "qwen3_chat_template.jinja"
 CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24", "--prompt_mode=continue"])
@@ -24,7 +25,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    with C.Engine(CFG, model) as e:
+    with E.Engine(CFG, model) as e:
         yield e
 
 

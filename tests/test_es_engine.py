@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common as C
+import engine as E
 from test_es_math import check_subtract_restore
 
 CFG = C.parse_config(["--preset=smoke", "--noise_chunk=4096"])  # small chunks: the tiny tensors span several
@@ -83,7 +84,7 @@ def base_path():
 
 @pytest.fixture(scope="module")
 def engine(probes_allowed, base_path):
-    with C.Engine(CFG, base_path) as e:
+    with E.Engine(CFG, base_path) as e:
         yield e
 
 
@@ -202,7 +203,7 @@ def test_subtract_restore_is_within_bf16_rounding_but_not_exact(engine):
 
 @pytest.fixture(scope="class")
 def replica(base_path):
-    with C.Engine(dataclasses.replace(CFG, restore="copy_host"), base_path) as e:
+    with E.Engine(dataclasses.replace(CFG, restore="copy_host"), base_path) as e:
         yield e
 
 
@@ -286,7 +287,7 @@ def test_sharded_state_round_trip_is_exact(trained, base_path):
     folder = trained["folder"]
     assert sorted(p.name for p in folder.glob("*.safetensors")) == [
         "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
-    with C.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
+    with E.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
         assert loaded.digests() == trained["history"]["generations"][-1]["digests"]
         assert loaded.generate([PROMPT], 16)[0] == trained["output"]
 
@@ -295,7 +296,7 @@ def test_sharded_state_round_trip_is_exact(trained, base_path):
 
 @pytest.fixture(scope="class")
 def moe(probes_allowed):
-    with C.Engine(CFG, C.resolve_model("tiny-qwen3-moe")) as e:
+    with E.Engine(CFG, C.resolve_model("tiny-qwen3-moe")) as e:
         yield e
 
 

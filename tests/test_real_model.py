@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import common as C
+import engine as E
 
 NAME = "smollm2-135m"
 CFG = C.parse_config(["--preset=learn", "--max_model_len=1024", "--max_turns=2", "--max_new_tokens=32"])
@@ -24,7 +25,7 @@ def base_path():
 
 @pytest.fixture(scope="module")
 def engine(base_path):
-    with C.Engine(CFG, base_path) as e:
+    with E.Engine(CFG, base_path) as e:
         yield e
 
 
@@ -156,7 +157,7 @@ def export(engine, tmp_path_factory, base_path):
     folder = tmp_path_factory.mktemp("smollm2-export")
     engine.save_sharded_state(folder)
     C.copy_model_files(base_path, folder)
-    with C.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
+    with E.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
         yield engine.digests(), loaded
 
 
