@@ -155,7 +155,7 @@ class Config:
 
 RESTORE_MODES = ("copy_device", "copy_host", "subtract")
 ROUNDING_MODES = ("nearest", "stochastic")
-PROMPT_MODES = ("render", "continue")  # see choose_prompt_mode
+PROMPT_MODES = ("render", "continue")  # see ChatPrompts
 
 # The README's main job: a tiny random Qwen3 the project writes itself, tiny arithmetic problems, CPU-sized budgets.
 PRESETS = {
@@ -2198,6 +2198,50 @@ def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> st
                       stacklevel=2)
         return "render"
     return requested
+
+
+class ChatPrompts:
+    """Each agent turn's prompt token ids in `mode` (the requested prompt mode, or "render" where the chat template
+    cannot continue): the template's rendering of the conversation, Qwen3 thinking off; or in "continue" the
+    previous turn's prompt and generated ids + the template's rendering of the new user turn. The policy asks ids()
+    for a turn's prompt and tells remember() what the turn generated; conversations are told apart by their message
+    list (one per episode, see run_episode)."""
+
+    def __init__(self, tokenizer, requested: str, name: str = "the model"):
+        self.tokenizer = tokenizer
+        self.mode = choose_prompt_mode(requested, tokenizer, name)
+        self.turns = {}  # id(messages) -> the last turn's messages and token ids (see remember)
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        """This turn's prompt ids: a continued conversation must be the one remember() kept plus one user message;
+        the first turn is always rendered."""
+        last = self.turns.pop(id(messages), None)
+        if (self.mode == "continue" and last is not None and messages[-1]["role"] == "user"
+                and messages[:-1] == last["messages"]):
+            before, after = self.user_turn
+            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
+                                                       add_special_tokens=False)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
+                                                  tokenize=True, return_dict=False)
+
+    def remember(self, messages: list[dict], ids: list[int], completion) -> None:
+        """A turn's prompt ids and its completion (token_ids, text), for the next turn to continue."""
+        if self.mode != "continue":
+            return
+        generated = list(completion.token_ids)
+        eos = self.tokenizer.eos_token_id
+        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
+            generated.append(eos)
+        self.turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
+                                    "ids": ids + generated}
+
+    def forget(self) -> None:
+        """Drop the remembered turns (a batch of episodes ended)."""
+        self.turns.clear()
+
+    @functools.cached_property
+    def user_turn(self) -> tuple[str, str] | None:
+        return continuation_user_turn(self.tokenizer)
 
 
 # ---- The episode loop

@@ -15,7 +15,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import functools
 import hashlib
 import json
 import logging
@@ -238,9 +237,8 @@ class Engine(C.ClosedOnExit):
                  skip_tokenizer_init: bool = False, executor: str | None = None):
         self.cfg = cfg
         self._tokenizer_path = tokenizer or model_path
-        self._turns = {}  # id(messages) -> the last turn's messages and token ids (see _prompt_ids)
-        self.prompt_mode = (None if skip_tokenizer_init  # no tokenizer: no agent
-                            else C.choose_prompt_mode(cfg.prompt_mode, self.tokenizer, self._tokenizer_path))
+        self.prompts = (None if skip_tokenizer_init  # no tokenizer: no agent
+                        else C.ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
         self.device = C.device_type()
         if self.device == "cpu":
             configure_cpu_env()
@@ -510,7 +508,7 @@ class Engine(C.ClosedOnExit):
         c = self.cfg
         with C.progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
             def progress(record):
-                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (see _prompt_ids)
+                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (common.ChatPrompts)
                 bar.update(1)
                 if on_record is not None:
                     on_record(record)
@@ -521,7 +519,14 @@ class Engine(C.ClosedOnExit):
                     run_seed=c.run_seed, max_turns=c.max_turns, max_new_tokens=c.max_new_tokens,
                     obs_limit_chars=c.observation_chars, bash_timeout_s=c.bash_timeout_s))
             finally:
-                self._turns.clear()
+                if self.prompts is not None:
+                    self.prompts.forget()
+
+    @property
+    def prompt_mode(self) -> str | None:
+        """How the agent's prompts are built ("render" or "continue", see common.ChatPrompts); None without a
+        tokenizer."""
+        return None if self.prompts is None else self.prompts.mode
 
     @property
     def tokenizer(self):
@@ -532,42 +537,16 @@ class Engine(C.ClosedOnExit):
         return self._tokenizer
 
     async def _policy(self, messages: list[dict], *, seed: int, max_tokens: int) -> dict:
-        """One assistant turn: the conversation's token ids (Qwen3 thinking off), sampled with the turn's seed."""
-        ids = self._prompt_ids(messages)
+        """One assistant turn: the conversation's prompt ids (common.ChatPrompts), sampled with the turn's seed."""
+        ids = self.prompts.ids(messages)
         room = self.cfg.max_model_len - len(ids)
         if room <= 0:
             raise C.ContextOverflow(f"conversation is {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}")
         params = sampling_params(self.cfg, seed=seed, max_tokens=min(max_tokens, room))
         completion = await self._complete(ids, params, f"turn-{seed}-{time.time_ns()}")
-        self._remember_turn(messages, ids, completion)
+        self.prompts.remember(messages, ids, completion)
         return {"text": completion.text, "prompt_tokens": len(ids), "completion_tokens": len(completion.token_ids),
                 "finish_reason": completion.finish_reason}
-
-    def _prompt_ids(self, messages: list[dict]) -> list[int]:
-        """This turn's prompt ids in self.prompt_mode (see common.choose_prompt_mode): a continued conversation must be
-        the one _remember_turn kept plus one user message; the first turn is always rendered."""
-        last = self._turns.pop(id(messages), None)
-        if (self.prompt_mode == "continue" and last is not None and messages[-1]["role"] == "user"
-                and messages[:-1] == last["messages"]):
-            before, after = self._user_turn
-            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
-                                                       add_special_tokens=False)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
-                                                  tokenize=True, return_dict=False)
-
-    def _remember_turn(self, messages: list[dict], ids: list[int], completion) -> None:
-        if self.prompt_mode != "continue":
-            return
-        generated = list(completion.token_ids)
-        eos = self.tokenizer.eos_token_id
-        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
-            generated.append(eos)
-        self._turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
-                                     "ids": ids + generated}
-
-    @functools.cached_property
-    def _user_turn(self) -> tuple[str, str] | None:
-        return C.continuation_user_turn(self.tokenizer)
 
 
 def sampling_params(c: C.Config, *, seed: int, max_tokens: int, ignore_eos: bool = False):

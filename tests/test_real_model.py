@@ -167,7 +167,7 @@ def test_sharded_state_round_trip_is_exact(export):
 
 
 def test_agent_episodes_use_the_chatml_template(engine):
-    assert engine._user_turn == ("\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")  # continuation on
+    assert engine.prompts.user_turn == ("\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")  # continues
     problems = C.learn_problems(2, seed=5)
     records = engine.run_agent([(p, 0) for p in problems])
     for r, p in zip(records, problems):
