@@ -370,7 +370,8 @@ class _EngineActor:
                 "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "device": self.engine.device,
                 "restore": self.engine.cfg.restore, "core_pids": self.engine.engine_core_pids()}
 
-    def call(self, method: str, *args, **kwargs):
+    def call(self, method: str, /, *args, **kwargs):
+        """The engine's method, for RemoteEngine's blocking calls (rpc, update, digests, ...)."""
         return getattr(self.engine, method)(*args, **kwargs)
 
     def evaluate_member(self, seed: int, sigma: float, jobs: list) -> tuple[list[dict], dict]:
@@ -385,8 +386,9 @@ class _EngineActor:
 
 
 class RemoteEngine:
-    """The driver's handle on an engine in a Ray actor, with the blocking methods of Engine that the pool calls.
-    A lost actor or a failure inside it is an EngineFailure."""
+    """The driver's handle on an engine in a Ray actor: the blocking methods of Engine that the pool calls on its
+    engines (and tests and benchmarks on pool.engines[k]), each run in the actor. A lost actor or a failure inside
+    it is an EngineFailure."""
 
     def __init__(self, actor, name: str):
         self.actor, self.name = actor, name
@@ -406,10 +408,30 @@ class RemoteEngine:
             detail = str(exc) if getattr(exc, "actor_init_failed", False) else str(exc)[:600]
             raise C.EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {detail})") from exc
 
-    def __getattr__(self, method: str):  # perturb, restore, update, digests, rpc, ...: run in the actor
-        if method.startswith("_"):
-            raise AttributeError(method)
-        return lambda *args, **kwargs: self._get(self.actor.call.remote(method, *args, **kwargs), method)
+    def _call(self, method: str, /, *args, **kwargs):
+        """engine.method(*args, **kwargs) in the actor, waited for."""
+        return self._get(self.actor.call.remote(method, *args, **kwargs), method)
+
+    def rpc(self, method: str, **kwargs) -> list:
+        return self._call("rpc", method, **kwargs)
+
+    def parameter_names_sha256(self) -> str:
+        return self._call("parameter_names_sha256")
+
+    def perturb(self, seed: int, sigma: float) -> float:
+        return self._call("perturb", seed, sigma)
+
+    def restore(self) -> float:
+        return self._call("restore")
+
+    def update(self, seeds: list[int], coeffs: list[float]) -> float:
+        return self._call("update", seeds, coeffs)
+
+    def digests(self) -> list[str]:
+        return self._call("digests")
+
+    def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
+        return self._call("checkpoint_sums")
 
     def where(self) -> dict:
         return self._get(self.actor.where.remote(), "start")
