@@ -453,31 +453,7 @@ class Engine(C.ClosedOnExit):
         Path(path).mkdir(parents=True, exist_ok=True)
         self._call_vllm(self.llm.engine_core.save_sharded_state_async(path=str(path)), "save_sharded_state")
 
-    # ---- generation ----
-    def generate(self, prompts_token_ids: list[list[int]], max_tokens: int, *, greedy: bool = True,
-                 seed: int = 0, with_cached_tokens: bool = False):
-        """Plain batched generation (tests and benchmarks): token ids in, exactly max_tokens token ids out per
-        prompt. Sampled (greedy=False) with the run's settings, request i with seed + i: distinct samples, as from
-        one batched sampler, even of the same prompt. with_cached_tokens: returns (token ids, prompt tokens each
-        request took from the prefix cache) instead."""
-        from vllm import SamplingParams
-
-        def params(i):
-            if greedy:
-                return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-            return sampling_params(self.cfg, seed=seed + i, max_tokens=max_tokens, ignore_eos=True)
-
-        async def one(i, ids):
-            out = await self._finished(ids, params(i), f"gen-{time.time_ns()}-{i}")
-            return list(out.outputs[0].token_ids), out.num_cached_tokens
-
-        async def run_all():
-            return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts_token_ids)))
-
-        results = self._run(run_all())
-        tokens = [t for t, _ in results]
-        return (tokens, [c for _, c in results]) if with_cached_tokens else tokens
-
+    # ---- requests ----
     async def _complete(self, ids: list[int], params, request_id: str):
         """One request from token ids to its finished completion."""
         return (await self._finished(ids, params, request_id)).outputs[0]

@@ -668,7 +668,6 @@ class EnginePool(C.ClosedOnExit):
         timings, t0 = {}, time.perf_counter()
         results = self.work(len(seeds), desc, "member", lambda engine, i, on_record: engine.evaluate_member(
             seeds[i], sigma, jobs, desc=f"member {i} episodes" if self.size == 1 else None, on_record=on_record))
-        self.member_timings = [member_timings for _, member_timings in results]  # per member (bench/)
         for _, member_timings in results:
             for key, seconds in member_timings.items():
                 timings[key] = timings.get(key, 0.0) + seconds
@@ -691,7 +690,6 @@ class EnginePool(C.ClosedOnExit):
         run(engine, i, on_record), so one task's straggler overlaps the others' work. Results are keyed by task
         index, never by completion order; the first failure stops the queue and is raised, naming its engine."""
         results, todo, failures = [None] * tasks, list(range(tasks)), []
-        self.task_engines = [None] * tasks  # which engine ran task i (tests, bench/)
         lock, status = threading.Lock(), ["idle"] * self.size
         bar = C.progress_bar(total=total_episodes or tasks, desc=desc, leave=False)
 
@@ -715,7 +713,7 @@ class EnginePool(C.ClosedOnExit):
                     if failures or not todo:
                         return
                     i = todo.pop(0)
-                    self.task_engines[i], status[k] = k, f"{noun} {i}"
+                    status[k] = f"{noun} {i}"
                 try:
                     results[i] = run(self.engines[k], i, recorder(k, i))
                 except BaseException as exc:  # noqa: BLE001 (handed to the main thread)

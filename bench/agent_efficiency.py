@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
 import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
+import plain_generation  # noqa: E402
 from report import emit  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def plain_rounds(engine, prompts_per_round, max_new_tokens):
     tokens = 0
     for turn, prompts in enumerate(prompts_per_round):
         if prompts:
-            tokens += sum(len(o) for o in engine.generate(prompts, max_new_tokens, greedy=False,
+            tokens += sum(len(o) for o in plain_generation.generate(engine, prompts, max_new_tokens, greedy=False,
                                                           seed=turn * len(prompts)))
     return [tokens]
 

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
 import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
+import plain_generation  # noqa: E402
 from report import emit  # noqa: E402
 
 SHORT_PROMPT = 64
@@ -85,7 +86,7 @@ def main(argv):
     results = []
     with E.Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-        engine.generate([random_prompt(0, SHORT_PROMPT, vocab)] * 2, 16)  # warm-up
+        plain_generation.generate(engine, [random_prompt(0, SHORT_PROMPT, vocab)] * 2, 16)  # warm-up
         for n, prompts, how in rows:
             length = opts["long_prompt"] if prompts == "long" else SHORT_PROMPT
             if prompts == "identical":
@@ -95,7 +96,8 @@ def main(argv):
             runs = []
             for _ in range(opts["repeats"]):
                 engine.reset_prefix_cache()
-                engine.generate(list({tuple(p): p for p in batch}.values()), 1)  # prefill: time only decode steps
+                distinct = list({tuple(p): p for p in batch}.values())
+                plain_generation.generate(engine, distinct, 1)  # prefill: time only decode steps
                 t0 = time.perf_counter()
                 tokens = generate(engine, batch, lambda i: sampling[how](seed_of(i)))
                 runs.append((tokens, time.perf_counter() - t0))

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
 import pool as P  # noqa: E402
 import qwen3_30b  # noqa: E402
+import plain_generation  # noqa: E402
 from report import emit  # noqa: E402
 
 TAIL_SHARE = 0.15
@@ -110,9 +111,9 @@ def run_member(engine, plans: list[dict], seed: int, vocab: int) -> tuple[list[d
 def plain_tokens_per_s(engine, vocab: int, sequences: int = PLAIN_SEQUENCES) -> float:
     """Plain sampled generation of `sequences` distinct sequences of PLAIN_TOKENS tokens each."""
     prompts = [[int(x) for x in np.random.default_rng(i).integers(10, vocab, 64)] for i in range(sequences)]
-    engine.generate(prompts[:2], 16)  # warm-up
+    plain_generation.generate(engine, prompts[:2], 16)  # warm-up
     t0 = time.perf_counter()
-    engine.generate(prompts, PLAIN_TOKENS, greedy=False, seed=1)
+    plain_generation.generate(engine, prompts, PLAIN_TOKENS, greedy=False, seed=1)
     return sequences * PLAIN_TOKENS / (time.perf_counter() - t0)
 
 
@@ -139,15 +140,13 @@ def run_members(pool, plans, seeds, sigma, vocab) -> list[dict]:
                "turns": [e["turns"] for e in episodes],
                "context_full": sum(e["finish"] == "context_full" for e in episodes),
                "median_end_s": round(statistics.median(ends), 2), "last_end_s": round(ends[-1], 2),
-               "straggler_share": round((ends[-1] - statistics.median(ends)) / rollout_s, 3), "episodes": episodes}
+               "straggler_share": round((ends[-1] - statistics.median(ends)) / rollout_s, 3), "episodes": episodes,
+               "engine": pool.engines.index(engine)}
         print(f"member {m:>2}: {row['tokens']:>8} tokens in {rollout_s:8.1f} s  ({row['tokens'] / rollout_s:7.1f} "
               f"tok/s), straggler share {row['straggler_share']:.2f}", flush=True)
         return row
 
-    rows = pool.work(len(seeds), "members", "member", member)
-    for row, k in zip(rows, pool.task_engines):
-        row["engine"] = k
-    return rows
+    return pool.work(len(seeds), "members", "member", member)
 
 
 def main(argv):

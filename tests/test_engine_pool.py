@@ -5,6 +5,7 @@ history and the episode records must not depend on the number or placement of th
 dead engine stops the work and names the engine; a restart resumes bit-exactly from a history made with either
 pool. Placement, the memory plan and the MPS rule are pure functions, tested with the numbers of real machines."""
 
+import contextlib
 import importlib
 import json
 import math
@@ -56,14 +57,36 @@ def episode_records(run_dir) -> list[dict]:
             for f in sorted((Path(run_dir) / train.ROLLOUTS).glob("*.jsonl")) for r in C.read_jsonl(f)]
 
 
+@contextlib.contextmanager
+def engines_at_work(pool, method: str):
+    """Which engine of the pool runs each call of its `method` (the work queue hands tasks to free engines): the
+    engines' own method, each call noted first."""
+    ran = []
+
+    def noted(k: int, run):
+        def call(*args, **kwargs):
+            ran.append(k)
+            return run(*args, **kwargs)
+        return call
+
+    for k, engine in enumerate(pool.engines):
+        setattr(engine, method, noted(k, getattr(engine, method)))
+    try:
+        yield ran
+    finally:
+        for engine in pool.engines:
+            vars(engine).pop(method, None)
+
+
 def train_on(pool, run_dir, cfg) -> dict:
     """The smoke run on `pool`, generation by generation as 01_train.py runs it."""
     problems = C.training_problems(cfg)
     history = dict(C.run_identity(cfg, MODEL, pool), generations=[])
     for g in range(cfg.generations):
-        history["generations"].append(train.run_generation(pool, cfg, problems, g, reply_variety,
-                                                           run_dir / train.ROLLOUTS))
-        assert set(pool.task_engines) == set(range(pool.size))  # every engine evaluated members
+        with engines_at_work(pool, "evaluate_member") as ran:
+            history["generations"].append(train.run_generation(pool, cfg, problems, g, reply_variety,
+                                                               run_dir / train.ROLLOUTS))
+        assert set(ran) == set(range(pool.size))  # every engine evaluated members
     C.write_json_atomic(history, run_dir / C.HISTORY_FILE)
     return history
 
@@ -536,10 +559,11 @@ def test_episodes_are_spread_over_the_engines_in_input_order(two_engines, two_en
     problems = C.smoke_problems(3, seed=2)
     jobs = [(p, i) for p in problems for i in (0, 1)]
     finished = []
-    records = two_engines.run_agent(jobs, on_record=finished.append)
+    with engines_at_work(two_engines, "run_agent") as ran:
+        records = two_engines.run_agent(jobs, on_record=finished.append)
     assert [(r["problem_id"], r["sample_index"]) for r in records] == [(p["id"], i) for p, i in jobs]
     assert sorted(r["seed"] for r in finished) == sorted(r["seed"] for r in records)  # each once, as it ended
-    assert set(two_engines.task_engines) == {0, 1}
+    assert set(ran) == {0, 1}
     # the same requests on the same theta, whichever engine ran them
     again = two_engines.run_agent(jobs[::-1])
     assert [r["messages"] for r in again[::-1]] == [r["messages"] for r in records]

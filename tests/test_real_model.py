@@ -4,6 +4,7 @@ model does, the ES cycle and the sharded_state round trip are exact, and agent e
 its ChatML template. One engine on the base model and one on its export, shared by the module."""
 
 import importlib
+import sys
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ from safetensors.torch import load_file
 
 import common as C
 import engine as E
+
+sys.path.insert(0, str(C.REPO / "bench"))
+import plain_generation  # noqa: E402
 
 NAME = "smollm2-135m"
 CFG = C.parse_config(["--preset=learn", "--max_model_len=1024", "--max_turns=2", "--max_new_tokens=32"])
@@ -126,7 +130,7 @@ def test_tp2_logits_match_the_unpadded_model(engine, reference):
 def test_greedy_answer_is_sensible(engine):
     ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is 7 + 5?"}],
                                                add_generation_prompt=True, tokenize=True, return_dict=False)
-    text = engine.tokenizer.decode(engine.generate([ids], max_tokens=24)[0])
+    text = engine.tokenizer.decode(plain_generation.generate(engine, [ids], max_tokens=24)[0])
     assert "12" in text, text
 
 
