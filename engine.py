@@ -114,13 +114,8 @@ def _end_engine_core_with_its_parent() -> None:
     if not multiprocessing.current_process().name.startswith("EngineCore"):
         return
     parent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-        if os.getppid() != parent:  # the parent died before the request
-            os.kill(os.getpid(), signal.SIGTERM)
+    if not C.signal_on_parent_death(signal.SIGTERM, parent):  # the parent died before the request
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def kill_if_orphaned_too_long():
         # vLLM's shutdown after that SIGTERM can hang on a client that is gone (EngineCore waiting on a lock); once
