@@ -18,6 +18,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 import common as C
+import sandbox
+import models
 import engine as E
 import pool as P
 
@@ -36,14 +38,15 @@ def main(argv: list[str], fitness=mean_score) -> dict:
     cfg = C.parse_config(argv)
     run_dir = Path(cfg.run_dir)
     problems = C.training_problems(cfg)
-    C.check_sandbox(cfg, data=[cfg.train_data])  # refuses a sandbox that could see the answers (unless allowed)
-    model_path = C.resolve_model(cfg.model, download=True)  # a hub id: its local snapshot, fetched once
+    sandbox.check_sandbox(cfg.run_dir, data=[cfg.train_data], allow_leaks=cfg.allow_leaky_sandbox,
+                          error=C.ConfigError)  # refuses a sandbox that could see the answers (unless allowed)
+    model_path = models.resolve_model(cfg.model, download=True)  # a hub id: its local snapshot, fetched once
     print(f"[train] {cfg.model} at TP={cfg.tensor_parallel_size}: {cfg.generations} generations x "
           f"{cfg.population} members x {cfg.case_batch} problems -> {run_dir}")
 
     history_path = run_dir / C.HISTORY_FILE
     if history_path.exists():  # cheap checks first: a history of other constants is refused before vLLM starts
-        recorded = C.read_json(history_path)
+        recorded = C.read_history(history_path)
         C.check_config(recorded, cfg)
         if len(recorded["generations"]) >= cfg.generations:  # a finished run: no engine, nothing trained
             print(f"[train] {history_path} already holds all {cfg.generations} generations: nothing to train "
@@ -81,7 +84,7 @@ def start_or_resume(cfg, model_path, engine, history_path: Path) -> dict:
         history = dict(C.run_identity(cfg, model_path, engine), generations=[])
         C.write_json_atomic(history, history_path)
         return history
-    history = C.read_json(history_path)
+    history = C.read_history(history_path)
     print(f"[train] resuming {history_path}: replaying {len(history['generations'])} recorded generations")
     # refuses another config, base model, TP size, device type or vLLM
     C.rebuild_from_history(engine, cfg, model_path, history, history["generations"])
@@ -124,7 +127,8 @@ def summary_line(record: dict, cfg) -> str:
 
 def print_final_summary(history: dict, run_dir: Path) -> None:
     gens = history["generations"]
-    total = {k: sum(g["timings"][k] for g in gens) for k in ("rollout", "perturb", "restore", "update", "digest")}
+    total = {k: sum(g.get("timings", {}).get(k, 0.0) for g in gens)  # display only: a history may lack them
+             for k in ("rollout", "perturb", "restore", "update", "digest")}
     means = [sum(g["rewards"]) / len(g["rewards"]) for g in gens]
     print(f"[train] done: {len(gens)} generations in {run_dir / C.HISTORY_FILE}")
     print("[train] mean reward per generation: " + " ".join(f"{m:.3f}" for m in means))

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import common as C
+import models
 import engine as E
 
 HISTORY = ""  # default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by --preset=smoke)
@@ -35,14 +36,14 @@ def main(argv: list[str]) -> Path:
 
     run_dir = Path(C.parse_config(overrides).run_dir)
     history_path = opts["history"] or run_dir / C.HISTORY_FILE
-    history = C.read_json(history_path)
+    history = C.read_history(history_path)
     cfg = C.config_from_history(history, overrides)  # the recorded run; --preset never overrides it
     generations = select_generations(history, opts["replay_generations"])
     out = Path(opts["out"] or run_dir / "export")
     if out.exists():
         raise C.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
 
-    model_path = C.resolve_model(cfg.model)  # a hub id must be in the local cache: refused here, before any work
+    model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused here, before any work
     partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete
     shutil.rmtree(partial, ignore_errors=True)
     try:
@@ -53,13 +54,15 @@ def main(argv: list[str]) -> Path:
                                                        desc=f"replaying {len(generations)} generations")
             if cfg.noise == "checkpoint":  # the same weights at every TP size: a Hugging Face folder
                 files, sums = engine.save_checkpoint(partial)
+                C.check_held_tensors(model_path, set(sums))  # each base tensor: in the folder or in left_out_tensors
             else:  # rank-salted: the weights exist only as this TP size's shards
                 engine.save_sharded_state(partial)
         C.copy_model_files(model_path, partial)
         if cfg.noise == "checkpoint":
             C.set_config_dtype(partial, cfg.dtype)
         write_manifest(partial, history, history_path, generations, digests, identity,
-                       sums if cfg.noise == "checkpoint" else None)
+                       sums if cfg.noise == "checkpoint" else None,
+                       C.ignored_checkpoint_tensors(model_path) if cfg.noise == "checkpoint" else None)
         partial.rename(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -84,9 +87,10 @@ def select_generations(history: dict, k: int) -> list[dict]:
 
 
 def write_manifest(folder: Path, history: dict, history_path: str, generations: list, digests: list,
-                   identity: dict, sums: dict | None = None) -> None:
+                   identity: dict, sums: dict | None = None, left_out: dict | None = None) -> None:
     """The export's manifest (what it holds, where it came from) and SHA256SUMS over every file. Rank-salted: the
-    per-rank shards of this TP size; checkpoint noise (sums given): the Hugging Face folder's per-tensor digests."""
+    per-rank shards of this TP size; checkpoint noise (sums given): the Hugging Face folder's per-tensor digests,
+    and the base's tensors it leaves out with the reason (left_out: those every loader ignores)."""
     manifest = {
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "source_history": str(history_path),
@@ -97,6 +101,7 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
         **({"format": "es-hf-export/1", "noise": "checkpoint",
             "digest": digests[0],  # the history's digest of this state, at any TP size
             "tensor_digest_sums": {name: f"{value:016x}" for name, value in sorted(sums.items())},
+            "left_out_tensors": dict(sorted((left_out or {}).items())),  # base tensors not in this folder, and why
             "exported_at_tensor_parallel_size": identity["tensor_parallel_size"]} if sums is not None else
            {"format": "es-sharded-export/1", "load_format": "sharded_state",
             "tensor_parallel_size": identity["tensor_parallel_size"], "shards": C.shard_entries(folder),

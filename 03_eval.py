@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import common as C
+import sandbox
+import models
 import engine as E
 import pool as P
 
@@ -38,12 +40,13 @@ def main(argv: list[str]) -> dict:
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
-    C.check_sandbox(cfg, data=list(data.values()), checkpoint=export)  # (unless allowed)
+    sandbox.check_sandbox(cfg.run_dir, data=list(data.values()), checkpoint=export,  # (unless allowed)
+                          allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
     manifest = C.verify_any_export(export, cfg.tensor_parallel_size) if export else None  # before any writing
     if manifest:  # the loaded bits are checked, and recorded, in the digests of the export's noise
         cfg = C.dataclasses.replace(cfg, noise=manifest.get("noise", "rank_salted"))
     if not export:
-        C.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
+        models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
 
     with open_checkpoint(cfg, export, manifest) as (engine, checkpoint):
@@ -92,7 +95,7 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
     """An engine holding the export (its files verified against the manifest before; its loaded bits checked
     after loading) or, without an export, the base model."""
     if not export:
-        with P.EnginePool(cfg, C.resolve_model(cfg.model)) as engine:
+        with P.EnginePool(cfg, models.resolve_model(cfg.model)) as engine:
             yield engine, {"kind": "base", "model": cfg.model, "per_rank_digests": engine.digests()}
         return
     if manifest.get("noise") == "checkpoint":  # a Hugging Face folder: any TP size, digests in checkpoint terms
@@ -131,7 +134,8 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
 def evaluate(engine, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
     """All (problem, sample) episodes. Each finished episode (with its transcript) is appended to `log` as it
     ends; the ones already there are kept, not re-run."""
-    done = {(r["problem_id"], r["sample_index"]): r for r in (C.read_jsonl(log) if log.exists() else [])}
+    finished = C.read_jsonl(log, required=C.EPISODE_RECORD_KEYS) if log.exists() else []
+    done = {(r["problem_id"], r["sample_index"]): r for r in finished}
     todo = [(p, i) for p in problems for i in sample_indices if (p["id"], i) not in done]
     if done:
         print(f"[eval] {name}: resuming, {len(done)} episodes already finished, {len(todo)} to go")

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import common as C
+import sandbox
+import models
 import engine as E
 import pool as P
 
@@ -34,8 +36,9 @@ def main(argv: list[str]) -> dict:
     out = Path(opts["out"] or eval_dir / "aligned_history_replay_eval4.json")
     export = opts["export"]
 
-    history = C.read_json(history_path)
-    originals = {name: C.read_json(eval_dir / f"{name}_eval16.json") for name in evaluated_sets(eval_dir)}
+    history = C.read_history(history_path)
+    originals = {name: C.read_json(eval_dir / f"{name}_eval16.json", required=C.EVAL16_SHAPE)
+                 for name in evaluated_sets(eval_dir)}
     cfg = replay_config(history, originals, overrides)
     checkpoint = next(iter(originals.values()))["checkpoint"]  # what was evaluated: the base, or an export of K generations
     check_digest_kind(checkpoint, cfg, eval_dir)  # before the engine starts: digests of another kind never match
@@ -45,10 +48,12 @@ def main(argv: list[str]) -> dict:
         manifest = C.verify_any_export(export, cfg.tensor_parallel_size)
         expected[export] = [manifest["digest"]] if "digest" in manifest else manifest["per_rank_digests"]
     jobs = {name: aligned_jobs(original, cfg.run_seed) for name, original in originals.items()}
+    transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in originals}
 
-    model_path = C.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before the engine starts
+    model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before any engine
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
-    C.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export or None)
+    sandbox.check_sandbox(cfg.run_dir, data=[o["data"] for o in originals.values()], checkpoint=export or None,
+                          allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
     with P.EnginePool(cfg, model_path) as engine:
         _, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations, compare_config=False,
                                             desc=f"rebuilding theta from {len(generations)} generations")
@@ -56,7 +61,6 @@ def main(argv: list[str]) -> dict:
             if digests != wanted:
                 raise C.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
         replayed = {name: engine.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
-    transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in originals}
 
     report = {
         "group": C.group_label(GROUP), "history": str(history_path), "history_sha256": C.sha256_file(history_path),
@@ -73,7 +77,7 @@ def evaluated_sets(eval_dir: Path) -> list[str]:
     metrics = eval_dir / C.EVAL_METRICS
     if not metrics.exists():
         raise C.ConfigError(f"{metrics} not found: 04_replay.py replays a finished 03_eval.py (--eval=FOLDER)")
-    return list(C.read_json(metrics)["datasets"])
+    return list(C.read_json(metrics, required=C.EVAL_METRICS_SHAPE)["datasets"])
 
 
 def replay_config(history: dict, originals: dict, overrides: list[str]) -> C.Config:
@@ -119,12 +123,20 @@ def aligned_jobs(original: dict, run_seed: int) -> list[tuple[dict, int]]:
     missing = [pid for pid in ids if pid not in problems]
     if missing:
         raise C.DataError(f"{original['data']} no longer holds evaluated problems {missing[:5]}")
+    recorded = {(r["problem_id"], r["sample_index"]) for r in original["records"]}
+    unrecorded = [(pid, i) for pid in ids for i in GROUP if (pid, i) not in recorded]
+    if unrecorded:  # the comparison needs every original sample of the group: refused before the engine starts
+        raise C.DataError(f"the evaluation of {original['data']} has no records of (problem, sample) "
+                          f"{unrecorded[:5]} ({len(unrecorded)} in all)")
     return [(problems[pid], i) for pid in ids for i in GROUP]
 
 
 def original_transcripts(log: Path) -> dict:
     """The original episodes' conversations (03_eval's <name>_episodes.jsonl), when that log is at hand."""
-    return {(r["problem_id"], r["sample_index"]): r["messages"] for r in C.read_jsonl(log)} if log.exists() else {}
+    if not log.exists():
+        return {}
+    rows = C.read_jsonl(log, required=("problem_id", "sample_index", "messages"))
+    return {(r["problem_id"], r["sample_index"]): r["messages"] for r in rows}
 
 
 def compare(original: dict, replayed: list[dict], transcripts: dict) -> dict:

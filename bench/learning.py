@@ -37,6 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common as C  # noqa: E402
+import models  # noqa: E402
 import engine as E  # noqa: E402
 import pool as P  # noqa: E402
 from report import emit  # noqa: E402
@@ -102,7 +103,7 @@ def heldout_problems(n):
 def evaluate_base_and_trained(cfg, history, problems, samples):
     """Held-out records of the base model, then of the centre model rebuilt from the history (on the run's engines,
     --engines, in input order)."""
-    model_path = C.resolve_model(cfg.model)
+    model_path = models.resolve_model(cfg.model)
     jobs = [(p, i) for p in problems for i in range(samples)]
     with P.EnginePool(cfg, model_path) as engine:
         t0 = time.perf_counter()
@@ -225,7 +226,7 @@ def main(argv):
         })
         print(format_table(report["runs"]), flush=True)
 
-    model_path = C.resolve_model(base_cfg.model)
+    model_path = models.resolve_model(base_cfg.model)
     report["bf16_change_fraction"] = {
         "this_run": dict(alpha=base_cfg.alpha, sigma=base_cfg.sigma_start, population=base_cfg.population,
                          rounding=base_cfg.rounding, **update_change_fraction(

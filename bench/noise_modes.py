@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
+import models  # noqa: E402
 import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
 from report import emit  # noqa: E402
@@ -58,7 +59,7 @@ def main(argv):
         path = qwen3_30b.write_random_checkpoint(folder)
         print(f"[noise_modes] wrote {folder} in {time.perf_counter() - t0:.0f} s", flush=True)
     else:
-        path = C.resolve_model(cfg.model)
+        path = models.resolve_model(cfg.model)
     rows = []
     for noise in C.NOISE_MODES:
         rows.append(measure(C.parse_config(["--preset=smoke", *overrides, f"--noise={noise}"]), path,

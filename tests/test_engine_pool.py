@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 import common as C
+import models
+import sandbox
 import engine as E
 import pool as P
 from train_with_test_reward import reply_variety
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(C.REPO) / "bench"))
 import qwen3_30b  # noqa: E402
 
 ARGS = ["--preset=smoke", "--tensor_parallel_size=1", "--max_turns=2", "--max_new_tokens=16"]
-MODEL = C.resolve_model("tiny-qwen3-dense")
+MODEL = models.resolve_model("tiny-qwen3-dense")
 GIB = 1 << 30
 H200 = {"gpu_total": 150_109_880_320, "gpu_free": 149_000_000_000, "host_free": 125 * GIB}  # one H200 node
 # Qwen3-30B-A3B cut to 12 layers at TP=1: 8,099,779,584 parameters (es_memory on the H200, bench/results)
@@ -145,7 +147,7 @@ def checkpoint_numel(folder: Path) -> int:
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_parameter_count_from_the_config_is_the_checkpoints(kind):
-    folder = Path(C.resolve_model(f"tiny-qwen3-{kind}"))
+    folder = Path(models.resolve_model(f"tiny-qwen3-{kind}"))
     config = json.loads((folder / "config.json").read_text())
     assert P.parameter_count(config) == P.parameter_count(config, folder) == checkpoint_numel(folder)
 
@@ -430,7 +432,7 @@ def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypa
         cwd=C.REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        entered, inner_done, outer_free = C.threading.Event(), C.threading.Event(), C.threading.Event()
+        entered, outer_free = C.threading.Event(), C.threading.Event()
         still_held_after_inner = []
 
         def start():  # the pool's hold across a plan, a start and its restore copy, and the Engine's inside it
@@ -640,7 +642,7 @@ def test_a_refusal_in_an_engine_actor_s_start_reaches_the_user_whole(ray_nodes, 
     """The per-node sandbox check of an engine actor refuses (a hidden data file the sandbox can see: /usr is
     bound into it): the user gets that ConfigError, its findings and the setting that allows them, as on one node,
     not a lost actor. The actor fails before its engine starts."""
-    monkeypatch.setattr(C, "SANDBOX_CHECKED", {"data": ["/usr/bin/env"], "checkpoint": None})
+    monkeypatch.setattr(sandbox, "SANDBOX_CHECKED", {"data": ["/usr/bin/env"], "checkpoint": None})
     cfg = config(1, tmp_path / "run", f"--ray_address={ray_nodes.address}")
     with pytest.raises(C.ConfigError) as refusal:
         P.EnginePool(cfg, MODEL)

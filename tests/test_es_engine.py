@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common as C
+import models
 import engine as E
 from test_es_math import check_subtract_restore
 
@@ -82,7 +83,7 @@ def probes_allowed():
 
 @pytest.fixture(scope="module")
 def base_path():
-    return C.resolve_model("tiny-qwen3-dense")
+    return models.resolve_model("tiny-qwen3-dense")
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +300,7 @@ def test_sharded_state_round_trip_is_exact(trained, base_path):
 
 @pytest.fixture(scope="class")
 def moe(probes_allowed):
-    with E.Engine(CFG, C.resolve_model("tiny-qwen3-moe")) as e:
+    with E.Engine(CFG, models.resolve_model("tiny-qwen3-moe")) as e:
         yield e
 
 

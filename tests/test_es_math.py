@@ -4,6 +4,7 @@ import importlib
 import inspect
 import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
@@ -258,6 +259,63 @@ def test_parse_config_rejects_bad_input(argv, message):
         C.parse_config(argv)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu_memory_utilization=1.5"], "gpu_memory_utilization must be a finite number in (0, 1] "),
+    (["--gpu_memory_utilization=0"], "gpu_memory_utilization must be a finite number in (0, 1] "),
+    (["--sigma_start=0"], "sigma_start must be a finite number greater than 0, got 0.0"),
+    (["--sigma_end=-1e-3"], "sigma_end must be a finite number greater than 0, got -0.001"),
+    (["--alpha=-1"], "alpha must be a finite number at least 0"),
+    (["--top_p=0"], "top_p must be a finite number in (0, 1], got 0.0"),
+    (["--top_p=1.01"], "top_p must be a finite number in (0, 1], got 1.01"),
+    (["--min_p=2"], "min_p must be a finite number in [0, 1], got 2.0"),
+    (["--temperature=-0.5"], "temperature must be a finite number in [0, 2]"),
+    (["--presence_penalty=3"], "presence_penalty must be a finite number in [-2, 2]"),
+    (["--repetition_penalty=0"], "repetition_penalty must be a finite number greater than 0"),
+    (["--top_k=-2"], "top_k must be at least -1 (-1 or 0: every token), got -2"),
+    (["--bash_timeout_s=0"], "bash_timeout_s must be a finite number greater than 0, got 0.0"),
+    (["--tensor_parallel_size=0"], "tensor_parallel_size must be at least 1, got 0"),
+    (["--max_model_len=0"], "max_model_len must be at least 1, got 0"),
+    (["--concurrency=0"], "concurrency must be at least 1, got 0"),
+    (["--observation_chars=0"], "observation_chars must be at least 1, got 0"),
+    (["--eval_problems=-1"], "eval_problems must be at least 0 (0: all), got -1"),
+    (["--run_seed=-1"], "run_seed must be at least 0"),
+    (["--engines=-1"], "engines must be at least 0"),
+    (["--dtype=bf16"], "dtype must be one of bfloat16, float16, float32, got 'bf16'"),
+    (["--cudagraph_mode=full"], "cudagraph_mode must be one of FULL_AND_PIECEWISE"),
+    (["--preset=smoke", "--population=1"], "population must be at least 2 (z-scores need two members), got 1"),
+])
+def test_out_of_range_settings_are_refused_with_name_value_and_range(argv, message):
+    with pytest.raises(C.ConfigError, match=re.escape(message)):
+        C.parse_config(argv)
+
+
+def test_every_numeric_setting_has_its_range_and_defaults_and_presets_are_in_it():
+    numeric = {f.name for f in dataclasses.fields(C.Config) if type(getattr(C.Config, f.name)) in (int, float)}
+    assert numeric == set(C.SETTING_BOUNDS)  # a new numeric setting needs its bounds
+    defaults = dataclasses.asdict(C.Config())
+    assert all(C.SETTING_BOUNDS[name].admits(defaults[name]) for name in numeric)
+    for name, preset in C.PRESETS.items():
+        assert C.parse_config([f"--preset={name}"]) == C.Config(**{**defaults, **preset})
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"population": "16"}, "population must be an integer, got '16'"),
+    ({"cuda_graphs": 1}, "cuda_graphs must be true or false, got 1"),
+    ({"alpha": True}, "alpha must be a number, got True"),
+    ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization must be a finite number in (0, 1]"),
+])
+def test_values_of_the_wrong_type_are_refused(values, message):
+    with pytest.raises(C.ConfigError, match=re.escape(message)):
+        C.Config(**values)
+
+
+def test_a_history_with_an_out_of_range_setting_is_refused():
+    history = recorded_history()
+    history["config"]["top_p"] = 1.5  # an edited history: never trained with these constants
+    with pytest.raises(C.ConfigError, match=re.escape("top_p must be a finite number in (0, 1], got 1.5")):
+        C.config_from_history(history, [])
+
+
 # ---- the recorded run: export and replay take what defines the weights from the history ----
 
 def recorded_history(**config):
@@ -490,3 +548,18 @@ def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
         C.parse_config(["--rounding=stochastic", "--restore=subtract"])
     with pytest.raises(C.ConfigError, match="rounding must be one of nearest, stochastic"):
         C.parse_config(["--rounding=up"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("noise", C.NOISE_MODES)
+def test_stochastic_rounding_with_a_dtype_other_than_bf16_is_refused(dtype, noise):
+    """Stochastic rounding is bf16's: in another dtype the change would round to nearest under a history that says
+    "stochastic". Refused on the command line and in a history that records the pair (export, replay)."""
+    refusal = f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype='{dtype}'"
+    with pytest.raises(C.ConfigError, match=refusal):
+        C.parse_config(["--rounding=stochastic", f"--dtype={dtype}", f"--noise={noise}"])
+    recorded = {"config": dict(dataclasses.asdict(C.Config(noise=noise)), rounding="stochastic", dtype=dtype)}
+    with pytest.raises(C.ConfigError, match=refusal):
+        C.config_from_history(recorded, [])
+    assert C.parse_config([f"--dtype={dtype}", f"--noise={noise}"]).rounding == "nearest"
+    assert C.parse_config(["--rounding=stochastic", f"--noise={noise}"]).dtype == "bfloat16"

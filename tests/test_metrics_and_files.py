@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 import common as C
+import models
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 
@@ -333,9 +334,9 @@ def test_hub_id_resolves_to_its_local_snapshot(hub_cache, tmp_path):
     the same files in a plain folder) and its config/tokenizer files can be copied beside an export."""
     from conftest import write_hub_cache
 
-    tiny = C.resolve_model("tiny-qwen3-dense")
+    tiny = models.resolve_model("tiny-qwen3-dense")
     snapshot = write_hub_cache(hub_cache, "es-test/tiny-qwen3-dense", tiny)
-    resolved = C.resolve_model("es-test/tiny-qwen3-dense")
+    resolved = models.resolve_model("es-test/tiny-qwen3-dense")
     assert os.path.samefile(resolved, snapshot)
     assert C.model_fingerprint(resolved) == C.model_fingerprint(tiny)
     assert C.model_fingerprint(resolved).startswith("sha256:")
@@ -354,7 +355,7 @@ def test_hub_id_resolves_to_its_local_snapshot(hub_cache, tmp_path):
 ])
 def test_model_that_is_not_local_is_refused_without_network(hub_cache, name, message):
     with pytest.raises(C.ConfigError, match=message):
-        C.resolve_model(name)
+        models.resolve_model(name)
     with pytest.raises(C.ConfigError, match="not a model folder"):
         C.model_fingerprint(name)
 
@@ -426,8 +427,10 @@ def test_a_finished_run_started_again_logs_the_last_generation_its_process_did_n
     argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--tracking=tensorboard"]
     cfg = C.parse_config(argv)
     timings = {k: 1.0 for k in ("rollout", "perturb", "restore", "update", "digest")}
-    records = [dict(generation_record(g), timings=timings, digests=["d"]) for g in range(cfg.generations)]
-    C.write_json_atomic({"config": C.dataclasses.asdict(cfg), "generations": records}, tmp_path / C.HISTORY_FILE)
+    records = [dict(generation_record(g), timings=timings, digests=["d"], seeds=[1, 2, 3, 4], z=[0.0] * 4)
+               for g in range(cfg.generations)]
+    C.write_json_atomic({"config": C.dataclasses.asdict(cfg), "base_model": "tiny", "base_digests": ["d0"],
+                         "generations": records}, tmp_path / C.HISTORY_FILE)
     with C.Tracker(cfg, tmp_path) as tracker:
         for record in records[:-1]:
             tracker.log(record["generation"], C.generation_scalars(record))

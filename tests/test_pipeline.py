@@ -19,8 +19,12 @@ import pytest
 import torch
 
 import common as C
+import models
 import engine as E
 from conftest import still_running
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gpu_pipeline  # noqa: E402
 
 REPO = C.REPO
 TRAIN_WITH_TEST_REWARD = "tests/train_with_test_reward.py"
@@ -51,7 +55,7 @@ def trained(tmp_path_factory):
     the data file is moved away after training."""
     tmp = tmp_path_factory.mktemp("train")
     run_dir, base, data = tmp / "run", tmp / "my-base", tmp / "train.jsonl"
-    shutil.copytree(C.resolve_model("tiny-qwen3-dense"), base)
+    shutil.copytree(models.resolve_model("tiny-qwen3-dense"), base)
     C.write_jsonl(C.smoke_problems(C.SMOKE_PROBLEMS, seed=C.Config.run_seed), data)
     proc = run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", f"--model={base}", f"--train_data={data}",
                "--tracking=tensorboard")
@@ -328,6 +332,8 @@ def test_aligned_replay_rebuilds_theta_and_reruns_group_12_15(evaluated, exporte
         # the same bits, requests and seeds give the same conversations, though the batches differ from the eval's
         assert d["identical_transcripts"] == 1.0 and d["sample_agreement"] == 1.0
     assert {n: sha(evaluated / f"{n}_eval16.json") for n in eval16} == eval16  # originals untouched
+    pipeline = gpu_pipeline.pipeline_report(trained)  # bench/gpu_pipeline.py's checks on this run's four stages
+    assert pipeline["ok"] is True and pipeline["noise"] == "rank_salted", pipeline
 
 
 def test_replay_replays_the_sets_its_evaluation_names_and_refuses_an_unfinished_one(evaluated, trained, tmp_path):

