@@ -21,6 +21,8 @@ import common as C
 import history as H
 import sandbox
 import models
+import engine as E
+import pool as P
 
 ROLLOUTS = "rollouts"  # one JSONL per generation: every episode of every member, with its transcript
 REWARD_CURVE = "reward_curve.png"  # beside the history: mean and max member fitness per generation
@@ -54,7 +56,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
                 tracker.log_missing(recorded["generations"])
             print_final_summary(recorded, run_dir)
             return recorded
-    with C.EnginePool(cfg, model_path) as engine, C.Tracker(cfg, run_dir) as tracker:  # pool: section 4b
+    with P.EnginePool(cfg, model_path) as engine, C.Tracker(cfg, run_dir) as tracker:
         history = start_or_resume(cfg, model_path, engine, history_path)
         tracker.log_missing(history["generations"])  # generations the history has and the event files lack
         done = len(history["generations"])
@@ -62,7 +64,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
                                 desc="generations"):
             try:
                 record = run_generation(engine, cfg, problems, g, fitness, run_dir / ROLLOUTS)
-            except (C.EngineFailure, C.Interrupted) as stop:  # nothing of generation g has been written
+            except (C.EngineFailure, E.Interrupted) as stop:  # nothing of generation g has been written
                 tqdm.write(f"[train] generation {g} abandoned ({stop}); {history_path} keeps the {g} finished "
                            "generations: run the same command again to resume")
                 raise
@@ -136,10 +138,10 @@ def print_final_summary(history: dict, run_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    C.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
+    E.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
     except C.StageError as exc:
         sys.exit(f"[train] error: {exc}")
-    except C.Interrupted as stop:
+    except E.Interrupted as stop:
         sys.exit(stop.exit_status)

@@ -18,6 +18,7 @@ from pathlib import Path
 import common as C
 import history as H
 import models
+import engine as E
 
 HISTORY = ""  # default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by --preset=smoke)
 OUT = ""  # default: <run_dir>/export
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> Path:
     partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        with C.Engine(cfg, model_path) as engine:
+        with E.Engine(cfg, model_path) as engine:
             # the base, noise, layout and device must be the history's; the training data is not needed
             identity, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations,
                                                        compare_config=False,
@@ -119,10 +120,10 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
 
 
 if __name__ == "__main__":
-    C.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
+    E.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
     except C.StageError as exc:
         sys.exit(f"[export] error: {exc}")
-    except C.Interrupted as stop:
+    except E.Interrupted as stop:
         sys.exit(stop.exit_status)

@@ -19,6 +19,8 @@ import common as C
 import history as H
 import sandbox
 import models
+import engine as E
+import pool as P
 
 EXPORT = "<run_dir>/export"  # a folder written by 02_export.py; empty: evaluate the base model itself
 OUT = ""  # default: <run_dir>/eval (or <run_dir>/eval-base for the base model)
@@ -94,11 +96,11 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
     """An engine holding the export (its files verified against the manifest before; its loaded bits checked
     after loading) or, without an export, the base model."""
     if not export:
-        with C.EnginePool(cfg, models.resolve_model(cfg.model)) as engine:
+        with P.EnginePool(cfg, models.resolve_model(cfg.model)) as engine:
             yield engine, {"kind": "base", "model": cfg.model, "per_rank_digests": engine.digests()}
         return
     if manifest.get("noise") == "checkpoint":  # a Hugging Face folder: any TP size, digests in checkpoint terms
-        with C.EnginePool(cfg, export) as engine:
+        with P.EnginePool(cfg, export) as engine:
             loaded = engine.digests()
             if loaded != [manifest["digest"]]:
                 raise H.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
@@ -107,7 +109,7 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
                            "manifest_sha256": H.sha256_file(Path(export) / C.HF_EXPORT_MANIFEST),
                            "per_rank_digests": loaded}
         return
-    with C.EnginePool(cfg, export, load_format="sharded_state", tokenizer=export) as engine:
+    with P.EnginePool(cfg, export, load_format="sharded_state", tokenizer=export) as engine:
         loaded = H.check_loaded_export(engine, manifest, export)  # the bits vLLM holds are the exported ones
         yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
                        "manifest_sha256": H.sha256_file(Path(export) / H.EXPORT_MANIFEST),
@@ -140,7 +142,7 @@ def evaluate(engine, problems: list[dict], sample_indices, log: Path, name: str)
         print(f"[eval] {name}: resuming, {len(done)} episodes already finished, {len(todo)} to go")
     try:
         records = engine.run_agent(todo, desc=f"{name} episodes", on_record=lambda r: C.append_jsonl(log, [r]))
-    except (C.EngineFailure, C.Interrupted) as stop:
+    except (C.EngineFailure, E.Interrupted) as stop:
         finished = len(C.read_jsonl(log)) if log.exists() else 0
         print(f"[eval] {name}: stopped ({stop}); {log} keeps the {finished} finished episodes: run the same "
               "command again to resume")
@@ -156,10 +158,10 @@ def strip_transcripts(records: list[dict]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    C.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
+    E.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
     except C.StageError as exc:
         sys.exit(f"[eval] error: {exc}")
-    except C.Interrupted as stop:
+    except E.Interrupted as stop:
         sys.exit(stop.exit_status)

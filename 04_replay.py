@@ -17,6 +17,8 @@ import common as C
 import history as H
 import sandbox
 import models
+import engine as E
+import pool as P
 
 HISTORY = ""  # default: <run_dir>/es_history.json
 EXPORT = ""  # optionally an export folder whose manifest must match the rebuilt digests too
@@ -53,7 +55,7 @@ def main(argv: list[str]) -> dict:
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
     sandbox.check_sandbox(cfg.run_dir, data=[o["data"] for o in originals.values()], checkpoint=export or None,
                           allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
-    with C.EnginePool(cfg, model_path) as engine:
+    with P.EnginePool(cfg, model_path) as engine:
         _, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations, compare_config=False,
                                             desc=f"rebuilding theta from {len(generations)} generations")
         for source, wanted in expected.items():
@@ -177,10 +179,10 @@ def print_report(report: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    C.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
+    E.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
     try:
         main(sys.argv[1:])
     except C.StageError as exc:
         sys.exit(f"[replay] error: {exc}")
-    except C.Interrupted as stop:
+    except E.Interrupted as stop:
         sys.exit(stop.exit_status)

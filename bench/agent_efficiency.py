@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
 import models  # noqa: E402
+import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
+import plain_generation  # noqa: E402
 from report import emit  # noqa: E402
 
 
@@ -61,7 +63,7 @@ def plain_rounds(engine, prompts_per_round, max_new_tokens):
     tokens = 0
     for turn, prompts in enumerate(prompts_per_round):
         if prompts:
-            tokens += sum(len(o) for o in engine.generate(prompts, max_new_tokens, greedy=False,
+            tokens += sum(len(o) for o in plain_generation.generate(engine, prompts, max_new_tokens, greedy=False,
                                                           seed=turn * len(prompts)))
     return [tokens]
 
@@ -69,7 +71,7 @@ def plain_rounds(engine, prompts_per_round, max_new_tokens):
 def copies_rounds(engine, prompt, copies, rounds, max_new_tokens):
     """One prompt `copies` times with one seed per round: identical sequences (the old baseline). Returns [tokens]."""
     async def one_round(turn):
-        params = C.sampling_params(engine.cfg, seed=turn, max_tokens=max_new_tokens, ignore_eos=True)
+        params = E.sampling_params(engine.cfg, seed=turn, max_tokens=max_new_tokens, ignore_eos=True)
         return await asyncio.gather(*(engine._complete(prompt, params, f"copy-{turn}-{i}-{time.time_ns()}")
                                       for i in range(copies)))
 
@@ -119,7 +121,7 @@ def main(argv):
         model = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-tinytok", tokenizer_from=tokenizer_from)
         load_format = "dummy"
     model = model or models.resolve_model(cfg.model)
-    with C.Engine(cfg, model, load_format=load_format) as engine:
+    with E.Engine(cfg, model, load_format=load_format) as engine:
         engine.run_agent(jobs[:2])  # warm-up
         counts = count_requests(engine)
         runs = {"agent loop": [], "plain generate": [], "plain, agent contexts": [], "plain, copies of one": []}

@@ -16,7 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
+import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
+import plain_generation  # noqa: E402
 from report import emit  # noqa: E402
 
 
@@ -31,8 +33,8 @@ def timed(fn, repeats):
 
 def generate_tokens_per_s(engine, gen_tokens: int, sequences: int = 16) -> float:
     prompts = [[1000 + i + j for j in range(128)] for i in range(sequences)]
-    engine.generate(prompts[:2], 16)  # warm-up
-    seconds, _ = timed(lambda: engine.generate(prompts, gen_tokens, greedy=True), 2)
+    plain_generation.generate(engine, prompts[:2], 16)  # warm-up
+    seconds, _ = timed(lambda: plain_generation.generate(engine, prompts, gen_tokens, greedy=True), 2)
     return sequences * gen_tokens / seconds
 
 
@@ -49,7 +51,7 @@ def main(argv):
     cfg = C.parse_config(["--max_model_len=8192", *overrides])
     folder = qwen3_30b.write_config(opts["folder"])
     t0 = time.perf_counter()
-    with C.Engine(cfg, folder, load_format="dummy", skip_tokenizer_init=True) as engine:
+    with E.Engine(cfg, folder, load_format="dummy", skip_tokenizer_init=True) as engine:
         start_s = time.perf_counter() - t0
         if not opts["ops"]:
             return generation_only(engine, cfg, opts, start_s)

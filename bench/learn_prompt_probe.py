@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
 import models  # noqa: E402
+import engine as E  # noqa: E402
 import learning as L  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -31,7 +32,7 @@ def main(argv):
     rows = []
     for turns in map(int, str(opts["turns"]).split(",")):
         cfg = C.parse_config(["--preset=learn", *overrides, f"--max_turns={turns}"])
-        with C.Engine(cfg, models.resolve_model(cfg.model)) as engine:
+        with E.Engine(cfg, models.resolve_model(cfg.model)) as engine:
             for name, template in VARIANTS.items():
                 problems = [dict(p, question=template.format(a=int(a), b=int(b))) for p in heldout
                             for a, b in [L.operands(p["question"])]]
@@ -47,5 +48,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    C.prepare_script()
+    E.prepare_script()
     main(sys.argv[1:])

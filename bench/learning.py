@@ -38,6 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common as C  # noqa: E402
 import models  # noqa: E402
+import engine as E  # noqa: E402
+import pool as P  # noqa: E402
 from report import emit  # noqa: E402
 
 # 8 samples per held-out problem: at 2, the paired difference's interval was +-0.018 around effects of +0.01 (GPU,
@@ -103,7 +105,7 @@ def evaluate_base_and_trained(cfg, history, problems, samples):
     --engines, in input order)."""
     model_path = models.resolve_model(cfg.model)
     jobs = [(p, i) for p in problems for i in range(samples)]
-    with C.EnginePool(cfg, model_path) as engine:
+    with P.EnginePool(cfg, model_path) as engine:
         t0 = time.perf_counter()
         base = engine.run_agent(jobs, desc="held-out, base model")
         seconds = time.perf_counter() - t0
@@ -264,8 +266,8 @@ def format_table(runs):
 
 
 if __name__ == "__main__":
-    C.prepare_script()  # SIGINT/SIGTERM stop training between generations' writes; a later call resumes the history
+    E.prepare_script()  # SIGINT/SIGTERM stop training between generations' writes; a later call resumes the history
     try:
         main(sys.argv[1:])
-    except C.Interrupted as stop:
+    except E.Interrupted as stop:
         sys.exit(stop.exit_status)

@@ -5,7 +5,7 @@
 #   ROUNDING=stochastic bash bench/learning_paper_h200.sh OUT_DIR SECONDS
 # Each seed stops (SIGINT, between history writes) when SECONDS run out and resumes from its history in the next
 # call; a finished history goes straight to the held-out evaluation. The two processes' engine starts take turns
-# (common.gpu_memory_lock, held around every engine start, restore copy and shutdown): starts that overlapped
+# (engine.gpu_memory_lock, held around every engine start, restore copy and shutdown): starts that overlapped
 # another process's start or shutdown on one GPU failed ("No available memory for the cache blocks").
 # DELAY seconds between the two processes' launches stay settable (default 0).
 set -uo pipefail

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
 import models  # noqa: E402
+import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -32,7 +33,7 @@ def seconds_of(fn, repeats: int) -> float:
 
 
 def measure(cfg, path: str, repeats: int, population: int) -> dict:
-    with C.Engine(cfg, path, skip_tokenizer_init=True) as engine:
+    with E.Engine(cfg, path, skip_tokenizer_init=True) as engine:
         t0 = time.perf_counter()
         engine.digests()  # the first call derives the checkpoint layout (checkpoint noise)
         first_digest = time.perf_counter() - t0
@@ -76,5 +77,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    C.prepare_script()
+    E.prepare_script()
     main(sys.argv[1:])

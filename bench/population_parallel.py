@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
 import models  # noqa: E402
+import engine as E  # noqa: E402
+import pool as P  # noqa: E402
 from report import emit  # noqa: E402
 
 train = importlib.import_module("01_train")
@@ -37,22 +39,41 @@ def member_tails(rollout_file: Path, member_timings: list[dict]) -> list[float]:
     return [max(0.0, t["rollout"] - statistics.median(seconds[m])) for m, t in enumerate(member_timings)]
 
 
+def watch_members(pool) -> dict:
+    """{member seed: (the engine that evaluated it, its perturb/rollout/restore seconds)}, filled as the pool's
+    engines evaluate members (their evaluate_member, noted)."""
+    members = {}
+
+    def noted(k: int, evaluate_member):
+        def call(seed, *args, **kwargs):
+            records, timings = evaluate_member(seed, *args, **kwargs)
+            members[seed] = (k, timings)
+            return records, timings
+        return call
+
+    for k, engine in enumerate(pool.engines):
+        engine.evaluate_member = noted(k, engine.evaluate_member)
+    return members
+
+
 def measure(engines: int, overrides: list[str], generations: int, workdir: Path) -> dict:
     cfg = C.parse_config([*overrides, f"--engines={engines}", f"--run_dir={workdir / f'k{engines}'}"])
     problems = C.training_problems(cfg)
     t0 = time.perf_counter()
-    with C.EnginePool(cfg, models.resolve_model(cfg.model)) as pool:
+    with P.EnginePool(cfg, models.resolve_model(cfg.model)) as pool:
         start_s = time.perf_counter() - t0
-        rows = []
+        members, rows = watch_members(pool), []
         for g in range(generations):
+            members.clear()
             t = time.perf_counter()
             record = train.run_generation(pool, cfg, problems, g, train.mean_score, Path(cfg.run_dir) / "rollouts")
             wall = time.perf_counter() - t
-            tails = member_tails(Path(cfg.run_dir) / "rollouts" / f"generation-{g:03d}.jsonl", pool.member_timings)
+            engine_of, member_timings = zip(*(members[seed] for seed in record["seeds"]))  # in member order
+            tails = member_tails(Path(cfg.run_dir) / "rollouts" / f"generation-{g:03d}.jsonl", member_timings)
             rows.append({"wall_s": wall, "member_s": sum(t["rollout"] + t["perturb"] + t["restore"]
-                                                         for t in pool.member_timings),
+                                                         for t in member_timings),
                          "tail_s": sum(tails), "digests": record["digests"],
-                         "members_per_engine": [pool.task_engines.count(k) for k in range(pool.size)]})
+                         "members_per_engine": [engine_of.count(k) for k in range(pool.size)]})
     mean = lambda key: round(statistics.mean(r[key] for r in rows), 2)  # noqa: E731
     return {"engines": pool.size, "engine_start_s": round(start_s, 1), "generation_wall_s": mean("wall_s"),
             "member_seconds_per_generation": mean("member_s"), "straggler_tail_s_per_generation": mean("tail_s"),
@@ -83,5 +104,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    C.prepare_script()
+    E.prepare_script()
     main(sys.argv[1:])

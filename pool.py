@@ -1,0 +1,746 @@
+"""The engine pool: K engines evaluate population members (training) or episodes (evaluation, replay) at once,
+through one work queue (a thread per engine takes the next task when its engine is free). After each generation
+every engine applies the same update from (seeds, coefficients), so no weights travel; their per-rank digests must
+then agree.
+
+Placement, fixed: a node's GPUs form G = GPUs // tensor_parallel_size groups of consecutive GPUs (group j: GPUs
+j*tp .. j*tp+tp-1); engine k runs on group k mod G. Engines spread over the groups first and share a group's GPUs
+(co-locate) only when K > G; co-located engines start one after another, also across processes (vLLM sizes its
+memory from what is free when it starts: engine.gpu_memory_lock), and at tensor_parallel_size > 1 they need CUDA
+MPS (without it their NCCL collectives stall under time-slicing). Each GPU engine's memory plan (weights, KV cache,
+where its exact-restore copy goes) is made from what its node has free when it starts. On one node the K engines
+live in this process; with --ray_address they are Ray actors, one placement group per GPU group, on the nodes of a
+cluster. Ray is imported only then.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import common as C
+import engine as E
+import history as H
+import sandbox
+
+
+POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
+POOL_START_TIMEOUT_S = 900  # for the cluster to find room for a GPU group's placement group
+GIB = 1 << 30
+# memory a GPU engine needs besides vLLM's share (gpu_memory_utilization x GPU memory): its CUDA context, NCCL
+# buffers and CUDA graphs (a reserve, not a measurement); and within that share, room for activations
+ENGINE_OVERHEAD_BYTES = 1 * GIB
+ACTIVATION_RESERVE_BYTES = 2 * GIB
+HOST_PINNED_SHARE = 0.8  # exact-restore copies in pinned host memory may take this share of the node's free RAM
+MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # nvidia-cuda-mps-control's default when CUDA_MPS_PIPE_DIRECTORY is unset
+MPS_COMMANDS = ("export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log; "
+                "mkdir -p $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d   (as root; stop: echo quit | "
+                "nvidia-cuda-mps-control)")
+
+
+class EnginesDisagree(C.EngineFailure):
+    """Two engines of the pool hold different weights after the same updates: their results cannot be mixed."""
+
+
+# ---- placement: pure functions ----
+
+def pool_size(cfg: C.Config, device: str) -> int:
+    """--engines, else one engine per tensor_parallel_size GPUs (of the Ray cluster with --ray_address), at least
+    one; on CPU one unless asked."""
+    if cfg.engines:
+        return cfg.engines
+    if device != "cuda":
+        return 1
+    if cfg.ray_address:
+        _start_ray(cfg.ray_address)
+        return max(1, ray_gpu_groups(cfg.tensor_parallel_size))
+    return max(1, torch.cuda.device_count() // cfg.tensor_parallel_size)
+
+
+def ray_gpu_groups(tensor_parallel_size: int) -> int:
+    """GPU groups of the Ray cluster: on each live node, its GPUs // tensor_parallel_size (no group spans nodes)."""
+    import ray
+
+    return sum(int(n["Resources"].get("GPU", 0)) // tensor_parallel_size for n in ray.nodes() if n["Alive"])
+
+
+def gpu_groups(gpu_ids: list[str], tensor_parallel_size: int) -> list[list[str]]:
+    """A node's GPUs in groups of tensor_parallel_size consecutive ones (a remainder stays unused)."""
+    tp = tensor_parallel_size
+    return [gpu_ids[j * tp:(j + 1) * tp] for j in range(len(gpu_ids) // tp)]
+
+
+def place_engines(engines: int, groups: int) -> list[int]:
+    """The GPU group of each engine: k mod G, so that engines share GPUs only when there are more than groups."""
+    if groups < 1:
+        raise C.ConfigError("no GPU group to place an engine on (fewer GPUs than tensor_parallel_size)")
+    return [k % groups for k in range(engines)]
+
+
+def cpu_binding(engine: int, tensor_parallel_size: int, cores: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for engine k of a CPU pool: its own core per rank ('0', '1'; '0|1', '2|3' at
+    TP=2), wrapping around when the pool has more ranks than the machine has cores."""
+    return "|".join(str((engine * tensor_parallel_size + r) % cores) for r in range(tensor_parallel_size))
+
+
+def parameter_count(config: dict, folder: str | Path | None = None) -> int:
+    """Parameters of a model: counted from the safetensors headers in `folder` when it holds weight files (exact,
+    any architecture), else from its config.json for the layouts formula_parameter_count knows."""
+    counted = safetensors_parameter_count(folder) if folder is not None else None
+    return counted if counted is not None else formula_parameter_count(config)
+
+
+def safetensors_parameter_count(folder: str | Path) -> int | None:
+    """Elements of every tensor in a folder's safetensors files, from their JSON headers (no weights read): the
+    files its index names when it has one (a folder may keep a consolidated copy beside the shards), else all.
+    None when it has none."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = (sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.exists()
+             else sorted(folder.glob("*.safetensors")))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))  # 8-byte length, then the JSON
+        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return total
+
+
+# the model types whose parameters formula_parameter_count adds up (embeddings, attention with the q/k norms of
+# Qwen3, dense or expert MLPs with their router, norms); any other is counted from its weight files
+FORMULA_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
+
+
+def formula_parameter_count(config: dict) -> int:
+    """Parameters of a checkpoint of FORMULA_MODEL_TYPES from its config.json alone; a ConfigError for others."""
+    model_type = config.get("model_type")
+    if model_type not in FORMULA_MODEL_TYPES:
+        raise C.ConfigError(f"cannot size the engines' memory: the model folder has no safetensors weights to count "
+                            f"its parameters from, and its config.json (model_type {model_type!r}) is not one of the "
+                            f"layouts counted from the config ({', '.join(FORMULA_MODEL_TYPES)})")
+    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    heads, head_dim = config["num_attention_heads"], _head_dim(config)
+    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+    attention = 2 * h * q + 2 * h * kv + (2 * head_dim if model_type.startswith("qwen3") else 0)
+    experts = config.get("num_experts") or config.get("num_local_experts")  # (Mixtral, transformers 5: the latter)
+    if experts:
+        expert_size = config.get("moe_intermediate_size") or config["intermediate_size"]  # Mixtral: the latter
+        mlp = experts * 3 * h * expert_size + h * experts
+    else:
+        mlp = 3 * h * config["intermediate_size"]
+    embeddings = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
+    return embeddings + h + layers * (attention + mlp + 2 * h)
+
+
+def language_model_config(config: dict) -> dict:
+    """The part of a config.json that sizes the language model (layers, heads): the config itself, or its
+    text_config where a model with a vision or audio tower nests it."""
+    text = config if "num_hidden_layers" in config or "text_config" not in config else config["text_config"]
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in text]
+    if missing:
+        raise C.ConfigError(f"cannot size the engines' memory: config.json (model_type {config.get('model_type')!r}) "
+                            f"has no {', '.join(missing)}, at its top level or in a text_config")
+    return text
+
+
+def engine_memory_needs(config: dict, cfg: C.Config, folder: str | Path | None = None) -> dict:
+    """Bytes per GPU of one engine: its weights (one TP rank's share; counted from the weight files in `folder`
+    when it has them) and the KV cache of one full-length sequence."""
+    element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    tp = cfg.tensor_parallel_size
+    text = language_model_config(config)
+    kv_heads = max(1, text.get("num_key_value_heads", text["num_attention_heads"]) // tp)
+    return {"weights_bytes": parameter_count(config, folder) * element // tp,
+            "sequence_kv_bytes": 2 * text["num_hidden_layers"] * kv_heads * _head_dim(text) * element
+                                 * cfg.max_model_len}
+
+
+def _head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: int, gpu_free: int,
+                    host_free: int, utilization: float, weights_bytes: int, sequence_kv_bytes: int,
+                    restore: str, tensor_parallel_size: int) -> dict:
+    """Whether `engines_per_gpu` engines fit on each GPU of a group, and where their exact-restore copies go: on
+    the GPU where they fit, else in pinned host memory. Refuses (ConfigError) with the numbers when they do not
+    fit. Every engine gets `utilization` x gpu_total from vLLM, plus ENGINE_OVERHEAD_BYTES outside it."""
+    gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    share = utilization * gpu_total
+    kv_room = share - weights_bytes - ACTIVATION_RESERVE_BYTES
+    numbers = (f"per GPU: {gib(gpu_total)} total, {gib(gpu_free)} free; per engine: weights {gib(weights_bytes)}, "
+               f"vLLM share {utilization} x {gib(gpu_total)} = {gib(share)}, one {gib(sequence_kv_bytes)} "
+               f"max_model_len sequence of KV cache")
+    if kv_room < sequence_kv_bytes:
+        raise C.ConfigError(f"an engine's vLLM share does not hold its weights, {gib(ACTIVATION_RESERVE_BYTES)} of "
+                            f"activations and one max_model_len sequence ({numbers}): raise --gpu_memory_utilization "
+                            "or lower --max_model_len")
+    vllm_bytes = engines_per_gpu * (share + ENGINE_OVERHEAD_BYTES)
+    if vllm_bytes > gpu_free:
+        most = (gpu_free / engines_per_gpu - ENGINE_OVERHEAD_BYTES) / gpu_total
+        raise C.ConfigError(f"{engines_per_gpu} engines per GPU need {gib(vllm_bytes)} ({numbers}, "
+                            f"{gib(ENGINE_OVERHEAD_BYTES)} overhead each): use --gpu_memory_utilization={most:.2f} "
+                            "or less, or fewer --engines")
+    copies_on_gpu = engines_per_gpu * weights_bytes
+    host_copies = engines_on_node * tensor_parallel_size * weights_bytes
+    if restore == "copy_device" and vllm_bytes + copies_on_gpu > gpu_free:
+        restore = "copy_host"  # as exact; a host-to-device copy per restore instead of a device copy
+    if restore == "copy_host" and host_copies > HOST_PINNED_SHARE * host_free:
+        raise C.ConfigError(f"the exact-restore copies fit neither on the GPUs ({engines_per_gpu} x "
+                            f"{gib(weights_bytes)} beside {gib(vllm_bytes)} of vLLM, {gib(gpu_free)} free) nor in "
+                            f"pinned host memory ({engines_on_node} engines x {tensor_parallel_size} ranks x "
+                            f"{gib(weights_bytes)} = {gib(host_copies)}, {HOST_PINNED_SHARE:.0%} of "
+                            f"{gib(host_free)} free); lower --gpu_memory_utilization or use fewer --engines")
+    return {"restore": restore, "engines_per_gpu": engines_per_gpu, "gpu_total_bytes": gpu_total,
+            "gpu_free_bytes": gpu_free, "vllm_share_bytes": int(share), "weights_bytes": weights_bytes,
+            "kv_cache_bytes": int(kv_room), "device_copy_bytes": weights_bytes if restore == "copy_device" else 0,
+            "host_copy_bytes": weights_bytes * tensor_parallel_size if restore == "copy_host" else 0}
+
+
+def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: bool) -> str | None:
+    """Co-located engines at TP > 1 without MPS are refused (their collectives stall, GPU.md); at TP=1 they run
+    with a warning (returned)."""
+    if engines_per_group <= 1 or mps:
+        return None
+    if tensor_parallel_size > 1:
+        raise C.ConfigError(f"{engines_per_group} engines at tensor_parallel_size={tensor_parallel_size} would share "
+                            "GPUs without CUDA MPS: their NCCL collectives stall under time-slicing. Start MPS on "
+                            f"the node first:\n  {MPS_COMMANDS}\nor use --engines <= GPUs // tensor_parallel_size")
+    return (f"{engines_per_group} engines share each GPU without CUDA MPS: their kernels only time-slice (measured "
+            "on one H200: 4 engines 1.2x one engine's throughput without MPS, 2.2x with it). Start MPS: "
+            + MPS_COMMANDS)
+
+
+def engines_to_plan(where: list[int], counts: list[int], k: int) -> dict:
+    """What engine k's memory plan must still make room for, given the GPU group of each engine of a node in start
+    order (`where`) and each group's engine count: the engines of its group from k on (the earlier ones already
+    hold their memory), and the exact-restore copies still to take on the node (engines from k on, and earlier
+    engines alone on their group, which take theirs at the first perturbation)."""
+    return {"engines_per_gpu": where[k:].count(where[k]), "co_located": counts[where[k]],
+            "engines_on_node": sum(1 for i, j in enumerate(where) if i >= k or counts[j] == 1)}
+
+
+def start_gpu_engine(cfg: C.Config, model_path: str, gpus: list[str], *, engines_per_gpu: int, engines_on_node: int,
+                     co_located: int, **engine_kwargs) -> E.Engine:
+    """One GPU engine of a pool, under the machine's GPU memory lock: its memory plan from what is free now (after
+    every engine started before it, this run's or another's; the refusal names the numbers), its start, and for
+    co-located engines the exact-restore copy, so that the next start sees that memory used."""
+    with E.gpu_memory_lock():
+        report = node_report(gpus)
+        if report["gpu_total_bytes"] is not None:  # nvidia-smi told
+            config = json.loads((Path(model_path) / "config.json").read_text())
+            plan = plan_gpu_memory(
+                engines_per_gpu=engines_per_gpu, engines_on_node=engines_on_node,
+                gpu_total=report["gpu_total_bytes"], gpu_free=report["gpu_free_bytes"],
+                host_free=report["host_free_bytes"], utilization=cfg.gpu_memory_utilization, restore=cfg.restore,
+                tensor_parallel_size=cfg.tensor_parallel_size, **engine_memory_needs(config, cfg, model_path))
+            cfg = dataclasses.replace(cfg, restore=plan["restore"])
+        engine = E.Engine(cfg, model_path, **engine_kwargs)
+        try:
+            if co_located > 1:
+                engine.reserve_restore_copy()
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+
+# ---- what a node has ----
+
+def mps_running() -> bool:
+    """Whether an MPS control daemon serves this process's GPUs: its control pipe exists in the pipe directory this
+    process would connect through, and the daemon runs."""
+    import psutil
+
+    pipe = os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DIRECTORY), "control")
+    return os.path.exists(pipe) and any(p.info["name"] == "nvidia-cuda-mps-control"
+                                        for p in psutil.process_iter(["name"]))
+
+
+def visible_gpus() -> list[str]:
+    """This process's GPUs as CUDA_VISIBLE_DEVICES names them (all of the node's when it is unset)."""
+    count = torch.cuda.device_count()
+    named = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return named[:count] if named else [str(i) for i in range(count)]
+
+
+def gpu_memory(gpu_ids: list[str]) -> tuple[int, int] | None:
+    """(total, free) bytes of the smallest / fullest of these GPUs, from nvidia-smi (no CUDA context here)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total,memory.free",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    rows = [[f.strip() for f in line.split(",")] for line in out.strip().splitlines()]
+    picked = [r for r in rows if r[0] in gpu_ids or r[1] in gpu_ids]
+    if not picked:
+        return None
+    return min(int(r[2]) for r in picked) << 20, min(int(r[3]) for r in picked) << 20
+
+
+def node_report(gpu_ids: list[str]) -> dict:
+    """What placement needs to know about a node: its GPUs' memory, free host memory, MPS, CPU cores."""
+    import psutil
+
+    memory = gpu_memory(gpu_ids) if gpu_ids else None
+    return {"gpus": gpu_ids, "gpu_total_bytes": memory and memory[0], "gpu_free_bytes": memory and memory[1],
+            "host_free_bytes": psutil.virtual_memory().available, "mps": mps_running(), "cores": os.cpu_count() or 1}
+
+
+@contextlib.contextmanager
+def environment(**variables):
+    """os.environ with these variables set for the block (an engine's processes inherit them at start)."""
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _start_ray(address: str) -> None:
+    import ray
+
+    if not ray.is_initialized():  # a caller (a test, a notebook) may have started or joined one already
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+
+
+# ---- an engine in a Ray actor ----
+
+class _EngineActor:
+    """One Engine inside a Ray actor process (--ray_address). It runs two calls at a time (max_concurrency=2), so
+    that poll() answers while a member or a batch of episodes runs."""
+
+    def __init__(self, cfg: C.Config, model_path: str, engine_kwargs: dict, env: dict, sandbox_check: dict | None,
+                 plan: dict | None = None):
+        os.environ.update(env)  # the GPUs of its group (Ray sets CUDA_VISIBLE_DEVICES for num_gpus=0 actors)
+        self._lock, self._finished = threading.Lock(), []
+        self._engine, self._start_error = None, None
+        # An exception out of __init__ reaches the driver as an ActorDiedError holding only text: the start's
+        # failure (a refusal of this node's sandbox, say) is kept and raised by the first call instead, which Ray
+        # hands over as a RayTaskError carrying the exception itself.
+        try:
+            if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as well
+                sandbox.check_sandbox(cfg.run_dir, allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError,
+                                      **sandbox_check)
+            # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
+            executor = "mp" if cfg.tensor_parallel_size > 1 else None
+            if plan is None:
+                self._engine = E.Engine(cfg, model_path, executor=executor, **engine_kwargs)
+            else:  # a GPU group's engine: its memory plan is made on its node, from what is free when it starts
+                gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+                self._engine = start_gpu_engine(cfg, model_path, gpus, executor=executor, **plan, **engine_kwargs)
+        except Exception as exc:
+            self._start_error = exc
+
+    @property
+    def engine(self) -> E.Engine:
+        if self._start_error is not None:
+            raise self._start_error
+        return self._engine
+
+    def _keep(self, record: dict) -> None:
+        with self._lock:
+            self._finished.append(record)
+
+    def poll(self) -> list[dict]:
+        """The episodes finished since the last poll."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def where(self) -> dict:
+        import ray
+
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "device": self.engine.device,
+                "restore": self.engine.cfg.restore, "core_pids": self.engine.engine_core_pids()}
+
+    def call(self, method: str, /, *args, **kwargs):
+        """The engine's method, for RemoteEngine's blocking calls (rpc, update, digests, ...)."""
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    def evaluate_member(self, seed: int, sigma: float, jobs: list) -> tuple[list[dict], dict]:
+        return self.engine.evaluate_member(seed, sigma, jobs, desc=None, on_record=self._keep)
+
+    def run_agent(self, jobs: list) -> list[dict]:
+        return self.engine.run_agent(jobs, desc=None, on_record=self._keep)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+
+
+class RemoteEngine:
+    """The driver's handle on an engine in a Ray actor: the blocking methods of Engine that the pool calls on its
+    engines (and tests and benchmarks on pool.engines[k]), each run in the actor. A lost actor or a failure inside
+    it is an EngineFailure."""
+
+    def __init__(self, actor, name: str):
+        self.actor, self.name = actor, name
+
+    def _get(self, ref, what: str):
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, Exception) else exc
+            if isinstance(cause, C.ConfigError):
+                raise C.ConfigError(f"{self.name}: {cause}") from exc
+            raise C.EngineFailure(f"{self.name} failed during {what}: {cause}") from exc
+        except ray.exceptions.RayError as exc:  # actor died (process killed, node lost), or unavailable
+            # a failed creation task (one _EngineActor does not catch) says what failed: all of it
+            detail = str(exc) if getattr(exc, "actor_init_failed", False) else str(exc)[:600]
+            raise C.EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {detail})") from exc
+
+    def _call(self, method: str, /, *args, **kwargs):
+        """engine.method(*args, **kwargs) in the actor, waited for."""
+        return self._get(self.actor.call.remote(method, *args, **kwargs), method)
+
+    def rpc(self, method: str, **kwargs) -> list:
+        return self._call("rpc", method, **kwargs)
+
+    def parameter_names_sha256(self) -> str:
+        return self._call("parameter_names_sha256")
+
+    def perturb(self, seed: int, sigma: float) -> float:
+        return self._call("perturb", seed, sigma)
+
+    def restore(self) -> float:
+        return self._call("restore")
+
+    def update(self, seeds: list[int], coeffs: list[float]) -> float:
+        return self._call("update", seeds, coeffs)
+
+    def digests(self) -> list[str]:
+        return self._call("digests")
+
+    def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
+        return self._call("checkpoint_sums")
+
+    def where(self) -> dict:
+        return self._get(self.actor.where.remote(), "start")
+
+    def _streamed(self, ref, what: str, on_record):
+        """Wait for a long call, handing the episodes it finishes to on_record as they end."""
+        import ray
+
+        while True:
+            ready, _ = ray.wait([ref], timeout=POOL_POLL_S)
+            for record in self._get(self.actor.poll.remote(), what):
+                if on_record is not None:
+                    on_record(record)
+            if ready:
+                return self._get(ref, what)
+
+    def evaluate_member(self, seed, sigma, jobs, *, desc=None, on_record=None):
+        return self._streamed(self.actor.evaluate_member.remote(seed, sigma, jobs), "a member", on_record)
+
+    def run_agent(self, jobs, desc=None, on_record=None):
+        return self._streamed(self.actor.run_agent.remote(jobs), "episodes", on_record)
+
+    def close(self) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
+            ray.get(self.actor.close.remote(), timeout=E.ENGINE_SHUTDOWN_S + 30)
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor)
+
+
+def _probe_node(gpu_count: int) -> dict:
+    """Runs as a Ray task inside a GPU group's placement group: the group's GPUs and its node."""
+    import ray
+
+    gpus = [str(g) for g in ray.get_gpu_ids()][:gpu_count]
+    return dict(node_report(gpus), node=ray.get_runtime_context().get_node_id())
+
+
+# ---- the pool ----
+
+class EnginePool(C.ClosedOnExit):
+    """K engines with the facade the scripts need: evaluate_members (training), run_agent (evaluation, replay),
+    update, digests (checked to agree across engines), rpc and parameter_names_sha256 (engine 0's). A context
+    manager; leaving it shuts every engine down. An engine that dies fails the call with an EngineFailure naming
+    it; the stage then resumes from its files when started again."""
+
+    def __init__(self, cfg: C.Config, model_path: str, **engine_kwargs):
+        self.cfg, self.engines, self._groups = cfg, [], []
+        self.device = C.device_type()
+        self.size = pool_size(cfg, self.device)
+        self.placement = []  # per engine: where it runs (node, GPUs or CPU cores, restore copy)
+        try:
+            if cfg.ray_address:
+                self._start_remote(model_path, engine_kwargs)
+                self.device = self.placement[0]["device"]  # the engines' (the driver may have no GPU)
+            else:
+                self._start_local(model_path, engine_kwargs)
+            self.check_same_devices(self._each("rpc", "es_device"))
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- starting and stopping ----
+    def _check_colocation(self, engines_per_group: list[int], mps: list[bool]) -> None:
+        """The MPS rule for every GPU group, before any engine starts."""
+        for count, mps_on in zip(engines_per_group, mps):
+            warning = check_colocation(count, self.cfg.tensor_parallel_size, mps_on)
+            if warning:
+                warnings.warn(warning, stacklevel=3)
+
+    def _start_local(self, model_path: str, engine_kwargs: dict) -> None:
+        """K engines in this process (one node), started one after another on their GPU groups or CPU cores."""
+        if self.size == 1:
+            self.engines.append(E.Engine(self.cfg, model_path, **engine_kwargs))
+            self.placement.append({"node": "local", "devices": "all visible"})
+            return
+        tp = self.cfg.tensor_parallel_size
+        if self.device != "cuda":
+            cores = os.cpu_count() or 1
+            for k in range(self.size):
+                with environment(VLLM_CPU_OMP_THREADS_BIND=cpu_binding(k, tp, cores)):
+                    self.engines.append(E.Engine(self.cfg, model_path, **engine_kwargs))
+                self._started({"node": "local", "cpu_cores": cpu_binding(k, tp, cores)})
+            return
+        groups = gpu_groups(visible_gpus(), tp)
+        where = place_engines(self.size, len(groups))
+        counts = [where.count(j) for j in range(len(groups))]
+        mps = mps_running()
+        self._check_colocation(counts, [mps] * len(groups))
+        for k, j in enumerate(where):
+            with environment(CUDA_VISIBLE_DEVICES=",".join(groups[j])):
+                engine = start_gpu_engine(self.cfg, model_path, groups[j], **engines_to_plan(where, counts, k),
+                                          **engine_kwargs)
+            self.engines.append(engine)
+            self._started({"node": "local", "gpus": groups[j], "group": j, "co_located": counts[j],
+                           "restore": engine.cfg.restore, "mps": mps})
+
+    def _start_remote(self, model_path: str, engine_kwargs: dict) -> None:
+        """K engines as Ray actors: per GPU group one placement group (its GPUs on one node) holding that group's
+        engines; on a CPU cluster one core per engine. Started one after another."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        _start_ray(self.cfg.ray_address)
+        tp = self.cfg.tensor_parallel_size
+        gpu = ray.cluster_resources().get("GPU", 0) > 0
+        groups = ray_gpu_groups(tp) if gpu else self.size
+        where = place_engines(self.size, min(groups, self.size))
+        counts = [where.count(j) for j in range(max(where) + 1)]
+        for j, count in enumerate(counts):
+            bundle = {"GPU": tp, "CPU": count} if gpu else {"CPU": count}
+            group = placement_group([bundle], strategy="STRICT_PACK", name=f"es-gpu-group-{j}")
+            self._groups.append(group)
+            try:
+                ray.get(group.ready(), timeout=POOL_START_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise C.ConfigError(f"the Ray cluster has no room for GPU group {j} ({bundle} on one node); it has "
+                                    f"{ray.cluster_resources()}") from None
+        strategy = lambda j: PlacementGroupSchedulingStrategy(self._groups[j], placement_group_bundle_index=0)  # noqa
+        reports = [ray.get(ray.remote(_probe_node).options(num_cpus=0, num_gpus=tp if gpu else 0,
+                                                            scheduling_strategy=strategy(j)).remote(tp))
+                   for j in range(len(counts))]
+        if gpu:
+            self._check_colocation(counts, [r["mps"] for r in reports])
+        path = os.pathsep.join(p for p in (str(C.REPO), os.environ.get("PYTHONPATH", "")) if p)
+        checked = dict(sandbox.SANDBOX_CHECKED) if sandbox.SANDBOX_CHECKED else None
+        remote = ray.remote(_EngineActor)
+        for k, j in enumerate(where):
+            env = {"PYTHONPATH": path, "TQDM_DISABLE": "1"}  # the driver draws the progress
+            if gpu:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(reports[j]["gpus"])
+            if self.device == "cpu":
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(k, tp, reports[j]["cores"])
+            same_node = [i for i, g in enumerate(where) if reports[g]["node"] == reports[j]["node"]]
+            plan = engines_to_plan([where[i] for i in same_node], counts, same_node.index(k)) if gpu else None
+            actor = remote.options(num_cpus=1, num_gpus=0, max_concurrency=2, runtime_env={"env_vars": env},
+                                   scheduling_strategy=strategy(j)).remote(
+                self.cfg, str(model_path), engine_kwargs, env, checked, plan)
+            engine = RemoteEngine(actor, f"engine {k} of {self.size}")
+            self.engines.append(engine)
+            where_k = engine.where()  # waits for this engine to be up before the next one starts
+            self._started(dict(where_k, group=j, co_located=counts[j], mps=reports[j]["mps"]))
+
+    def _started(self, placement: dict) -> None:
+        self.placement.append(placement)
+        shown = ", ".join(f"{k} {v}" for k, v in placement.items() if k not in ("pid", "core_pids", "device"))
+        print(f"[pool] engine {len(self.placement) - 1} of {self.size} started: {shown}", flush=True)
+
+    def close(self) -> None:
+        """Shut every engine down (also after a failure of one of them)."""
+        for engine in self.engines:
+            with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
+                engine.close()
+        self.engines = []
+        if self._groups:
+            from ray.util.placement_group import remove_placement_group
+
+            for group in self._groups:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(group)
+            self._groups = []
+
+    # ---- calls on every engine ----
+    def _name(self, k: int) -> str:
+        return f"engine {k} of {self.size}"
+
+    def _named(self, k: int, what: str, exc: BaseException) -> BaseException:
+        """An engine's failure, naming the engine when the pool has several."""
+        if self.size == 1 or isinstance(exc, (C.ConfigError, KeyboardInterrupt)) or str(exc).startswith("engine "):
+            return exc
+        if isinstance(exc, C.EngineFailure):
+            return C.EngineFailure(f"{self._name(k)} failed during {what}: {exc}")
+        return exc
+
+    def _each(self, method: str, *args, **kwargs) -> list:
+        """engine.method(*args) on every engine at once; results in engine order."""
+        if len(self.engines) == 1:
+            return [getattr(self.engines[0], method)(*args, **kwargs)]
+        with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as threads:
+            futures = [threads.submit(getattr(e, method), *args, **kwargs) for e in self.engines]
+            results = []
+            for k, future in enumerate(futures):
+                try:
+                    results.append(future.result())
+                except Exception as exc:
+                    raise self._named(k, method, exc) from exc
+            return results
+
+    def check_same_devices(self, devices: list[list[dict]]) -> None:
+        """The noise streams depend on the device model: a mixed pool would train on two different noises."""
+        if any(d != devices[0] for d in devices):
+            raise C.ConfigError("the engines run on different device models (" + "; ".join(
+                f"engine {k}: {H.describe_devices(d)}" for k, d in enumerate(devices)) + "); the noise depends on the "
+                "device model, so every engine of a pool must use the same one")
+
+    def rpc(self, method: str, **kwargs) -> list:
+        return self._each("rpc", method, **kwargs)[0]
+
+    def parameter_names_sha256(self) -> str:
+        return self._each("parameter_names_sha256")[0]
+
+    def update(self, seeds: list[int], coeffs: list[float]) -> float:
+        """The same update on every engine; returns the slowest engine's seconds."""
+        return max(self._each("update", seeds, coeffs))
+
+    def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """Engine 0's checkpoint digest sums, after checking that every engine holds the same bits (one pass)."""
+        per_engine = self._each("checkpoint_sums")
+        self._check_agreement([[C.combine_checkpoint_digest(*sums, self.cfg.dtype)] for sums in per_engine])
+        return per_engine[0]
+
+    def digests(self) -> list[str]:
+        """Engine 0's per-rank digests, after checking that every engine holds the same bits."""
+        per_engine = self._each("digests")
+        self._check_agreement(per_engine)
+        return per_engine[0]
+
+    def _check_agreement(self, per_engine: list[list[str]]) -> None:
+        for k, digests in enumerate(per_engine[1:], start=1):
+            ranks = [r for r, (mine, first) in enumerate(zip(digests, per_engine[0])) if mine != first]
+            if ranks or len(digests) != len(per_engine[0]):
+                raise EnginesDisagree(f"engine {k} of {self.size} disagrees with engine 0 on the weights of rank "
+                                      f"{ranks[0] if ranks else '?'} ({digests} != {per_engine[0]}): the pool's "
+                                      "engines no longer hold the same theta")
+
+    # ---- the work ----
+    def evaluate_members(self, seeds: list[int], sigma: float, jobs: list[tuple[dict, int]],
+                         desc: str = "members") -> tuple[list[list[dict]], dict]:
+        """Every member i (theta + sigma * eps(seeds[i])) on `jobs`: records[i] is member i's, whichever engine
+        ran it and whenever it finished. Timings: the members' summed perturb/rollout/restore seconds and the
+        wall time of the whole population ("members")."""
+        timings, t0 = {}, time.perf_counter()
+        results = self.work(len(seeds), desc, "member", lambda engine, i, on_record: engine.evaluate_member(
+            seeds[i], sigma, jobs, desc=f"member {i} episodes" if self.size == 1 else None, on_record=on_record))
+        for _, member_timings in results:
+            for key, seconds in member_timings.items():
+                timings[key] = timings.get(key, 0.0) + seconds
+        timings["members"] = time.perf_counter() - t0
+        return [records for records, _ in results], timings
+
+    def run_agent(self, jobs: list[tuple[dict, int]], desc: str = "episodes", on_record=None) -> list[dict]:
+        """Engine.run_agent spread over the pool: contiguous slices of `jobs` (a problem's samples stay together,
+        sharing the prefix cache) handed to free engines; records in input order; on_record as episodes end."""
+        if self.size == 1:
+            return self.engines[0].run_agent(jobs, desc=desc, on_record=on_record)
+        size = max(1, math.ceil(len(jobs) / self.size))
+        slices = [jobs[i:i + size] for i in range(0, len(jobs), size)]
+        results = self.work(len(slices), desc, "slice", lambda engine, i, record: engine.run_agent(
+            slices[i], desc=None, on_record=record), on_record=on_record, total_episodes=len(jobs))
+        return [record for records in results for record in records]
+
+    def work(self, tasks: int, desc: str, noun: str, run, on_record=None, total_episodes: int = 0) -> list:
+        """The work queue: one thread per engine takes the next task i when its engine is free and runs
+        run(engine, i, on_record), so one task's straggler overlaps the others' work. Results are keyed by task
+        index, never by completion order; the first failure stops the queue and is raised, naming its engine."""
+        results, todo, failures = [None] * tasks, list(range(tasks)), []
+        lock, status = threading.Lock(), ["idle"] * self.size
+        bar = C.progress_bar(total=total_episodes or tasks, desc=desc, leave=False)
+
+        def recorder(k: int, i: int):
+            episodes = [0]
+
+            def record(r: dict) -> None:
+                with lock:
+                    episodes[0] += 1
+                    status[k] = f"{noun} {i}, {episodes[0]} episodes"
+                    if total_episodes:
+                        bar.update(1)
+                    bar.set_postfix_str("  ".join(f"engine {e}: {s}" for e, s in enumerate(status)))
+                    if on_record is not None:
+                        on_record(r)
+            return record
+
+        def worker(k: int) -> None:
+            while True:
+                with lock:
+                    if failures or not todo:
+                        return
+                    i = todo.pop(0)
+                    status[k] = f"{noun} {i}"
+                try:
+                    results[i] = run(self.engines[k], i, recorder(k, i))
+                except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
+                    with lock:
+                        failures.append((k, i, exc))
+                    return
+                with lock:
+                    status[k] = "idle"
+                    if not total_episodes:
+                        bar.update(1)
+
+        try:
+            if self.size == 1:
+                worker(0)  # in this thread: nothing to overlap
+            else:
+                threads = [threading.Thread(target=worker, args=(k,), name=f"es-pool-{k}", daemon=True)
+                           for k in range(self.size)]
+                for thread in threads:
+                    thread.start()
+                while any(t.is_alive() for t in threads) and not failures:
+                    threads[0].join(timeout=0.2)  # short waits: SIGTERM/Ctrl-C reach this (main) thread
+        finally:
+            bar.close()
+        if failures:
+            k, i, exc = failures[0]
+            raise self._named(k, f"{noun} {i}", exc) from exc
+        return results
