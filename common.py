@@ -30,6 +30,7 @@ import difflib
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import queue
@@ -660,6 +661,9 @@ def keep_cpu_linear_weights():
     in-place change of `named_parameters()` would never reach the matmul. ES perturbs parameters in place, so on
     CPU the linear layers keep their weights and use plain F.linear. This module is imported in each worker
     before the model loads (vLLM resolves worker_extension_cls first), which is when this must run."""
+    vllm_logger = logging.getLogger("vllm")
+    if not vllm_logger.handlers:  # until vLLM configures its logging, its import-time notes would print bare
+        vllm_logger.addHandler(logging.NullHandler())
     from vllm.model_executor.layers import utils as layer_utils
 
     original = layer_utils.dispatch_cpu_unquantized_gemm
