@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import checkpoint_noise
 import common as C
 import history as H
 import models
@@ -31,7 +32,7 @@ def main(argv: list[str]) -> Path:
     C.exit_if_help(argv, __doc__, __file__, options)
     opts, overrides = C.parse_args(argv, options)
     if opts["verify"]:
-        kind = C.verify_any_export(opts["verify"])["format"]
+        kind = checkpoint_noise.verify_any_export(opts["verify"])["format"]
         print(f"[export] {opts['verify']} ({kind}): every file matches its SHA256SUMS and manifest")
         return Path(opts["verify"])
 
@@ -54,16 +55,17 @@ def main(argv: list[str]) -> Path:
                                                        compare_config=False,
                                                        desc=f"replaying {len(generations)} generations")
             if cfg.noise == "checkpoint":  # the same weights at every TP size: a Hugging Face folder
-                files, sums = engine.save_checkpoint(partial)
-                C.check_held_tensors(model_path, set(sums))  # each base tensor: in the folder or in left_out_tensors
+                files, sums = checkpoint_noise.save_checkpoint(engine, partial)
+                # each base tensor: in the folder or in left_out_tensors
+                checkpoint_noise.check_held_tensors(model_path, set(sums))
             else:  # rank-salted: the weights exist only as this TP size's shards
                 engine.save_sharded_state(partial)
         H.copy_model_files(model_path, partial)
         if cfg.noise == "checkpoint":
-            C.set_config_dtype(partial, cfg.dtype)
+            checkpoint_noise.set_config_dtype(partial, cfg.dtype)
         write_manifest(partial, history, history_path, generations, digests, identity,
                        sums if cfg.noise == "checkpoint" else None,
-                       C.ignored_checkpoint_tensors(model_path) if cfg.noise == "checkpoint" else None)
+                       checkpoint_noise.ignored_checkpoint_tensors(model_path) if cfg.noise == "checkpoint" else None)
         partial.rename(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -115,7 +117,8 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
         "torch_version": identity["torch_version"],
         "config": history["config"],
     }
-    C.write_json_atomic(manifest, folder / (C.HF_EXPORT_MANIFEST if sums is not None else H.EXPORT_MANIFEST))
+    name = checkpoint_noise.HF_EXPORT_MANIFEST if sums is not None else H.EXPORT_MANIFEST
+    C.write_json_atomic(manifest, folder / name)
     H.write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != H.SHA256SUMS])
 
 

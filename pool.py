@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+import checkpoint_noise
 import common as C
 import engine as E
 import history as H
@@ -645,7 +646,8 @@ class EnginePool(C.ClosedOnExit):
     def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
         """Engine 0's checkpoint digest sums, after checking that every engine holds the same bits (one pass)."""
         per_engine = self._each("checkpoint_sums")
-        self._check_agreement([[C.combine_checkpoint_digest(*sums, self.cfg.dtype)] for sums in per_engine])
+        self._check_agreement([[checkpoint_noise.combine_checkpoint_digest(*sums, self.cfg.dtype)]
+                               for sums in per_engine])
         return per_engine[0]
 
     def digests(self) -> list[str]:

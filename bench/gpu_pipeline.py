@@ -20,6 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+import checkpoint_noise  # noqa: E402
 import common as C  # noqa: E402
 import history as H  # noqa: E402
 
@@ -95,13 +96,13 @@ def export_checks(export: Path, history: dict) -> dict:
     for a Hugging Face export (checkpoint noise) whether it holds every base tensor but the ones its manifest
     names as left out."""
     try:
-        manifest = C.verify_any_export(export)
+        manifest = checkpoint_noise.verify_any_export(export)
     except H.ExportError as e:
         return {"export_verifies": False, "export_error": str(e), "export_digests": None}
     if manifest.get("noise") != "checkpoint":
         return {"export_verifies": True, "export_digests": manifest["per_rank_digests"]}
-    base = {name for name, _ in C.checkpoint_tensors(history["base_model_path"])}
-    exported = {name for name, _ in C.checkpoint_tensors(export)}
+    base = {name for name, _ in checkpoint_noise.checkpoint_tensors(history["base_model_path"])}
+    exported = {name for name, _ in checkpoint_noise.checkpoint_tensors(export)}
     left_out = set(manifest.get("left_out_tensors", {}))
     return {"export_verifies": True, "export_digests": [manifest["digest"]],
             "export_holds_every_base_tensor": (exported == base - left_out and left_out <= base

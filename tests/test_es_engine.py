@@ -38,17 +38,15 @@ def model_parameters(worker) -> list[dict]:
 
 def es_tensors(worker, saved: bool = False) -> dict:
     """The ES parameters (or the saved exact-restore copy) as raw bytes: {name: (dtype, bytes)}."""
-    es = worker._es_state()
-    tensors = es["copy"] if saved else [t for _, t in es["params"]]
+    tensors = worker.es_copy if saved else [t for _, t in worker.es_params]
     return {name: (str(t.dtype).replace("torch.", ""), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            for (name, _), t in zip(es["params"], tensors)}
+            for (name, _), t in zip(worker.es_params, tensors)}
 
 
 def experts_back_to_centre(worker) -> list[str]:
     """Undo the current perturbation on the MoE expert weights only (from the saved centre); returns their names."""
-    es = worker._es_state()
     names = []
-    for (name, t), saved in zip(es["params"], es["copy"]):
+    for (name, t), saved in zip(worker.es_params, worker.es_copy):
         if ".experts." in name:
             t.copy_(saved)
             names.append(name)
@@ -57,15 +55,14 @@ def experts_back_to_centre(worker) -> list[str]:
 
 def es_describe(worker) -> dict:
     """Per ES parameter of this rank: shape, dtype, the dimension vLLM shards it along, and its digest."""
-    es = worker._es_state()
     module_params = dict(worker.model_runner.model.named_parameters())
     rows = []
-    for name, t in es["params"]:
+    for name, t in worker.es_params:
         p = module_params[name]  # vLLM tags sharded parameters with the dimension they are split along
         rows.append({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                      "numel": t.numel(), "tp_dim": getattr(p, "output_dim", getattr(p, "input_dim", None)),
                      "digest": C.tensor_digest(name, t)})
-    return {"rank": es["rank"], "device": str(es["params"][0][1].device), "params": rows}
+    return {"rank": worker.es_rank, "device": str(worker.es_params[0][1].device), "params": rows}
 
 
 def flat_per_rank(engine, saved: bool = False) -> list[torch.Tensor]:

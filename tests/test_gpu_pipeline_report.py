@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint_noise
 import common as C
 import history as H
 
@@ -42,10 +43,10 @@ def finished_pipeline(run_dir: Path, noise: str, exported_without: str = "") -> 
     export.mkdir()
     sums = left_out = None
     if noise == "checkpoint":
-        left_out = C.ignored_checkpoint_tensors(base)
+        left_out = checkpoint_noise.ignored_checkpoint_tensors(base)
         held = {n: t for n, t in tensors.items() if n not in left_out and n != exported_without}
         save_file(held, str(export / "model.safetensors"))
-        sums = {n: C.tensor_digest_sum(n, t) for n, t in held.items()}
+        sums = {n: checkpoint_noise.tensor_digest_sum(n, t) for n, t in held.items()}
     else:
         for rank in range(2):
             (export / f"model-rank-{rank}-part-0.safetensors").write_bytes(b"shard %d" % rank)

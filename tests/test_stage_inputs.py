@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+import checkpoint_noise
 import common as C
 import history as H
 import engine as E
@@ -130,11 +131,12 @@ def test_an_export_manifest_that_lacks_a_key_is_refused(tmp_path):
         H.verify_export(tmp_path / "a")
     write(without(manifest, "shards", 0, "sha256"), tmp_path / "b" / H.EXPORT_MANIFEST)
     with pytest.raises(C.StageError, match=r"shards\[0\] missing key 'sha256'"):
-        C.verify_any_export(tmp_path / "b", 2)
-    write({"format": "es-hf-export/1", "replayed_generations": 2}, tmp_path / "c" / C.HF_EXPORT_MANIFEST)
-    H.write_sha256sums(tmp_path / "c", [C.HF_EXPORT_MANIFEST])  # intact files, a manifest without the digest
-    with pytest.raises(C.StageError, match=f"{C.HF_EXPORT_MANIFEST}: missing key 'digest'"):
-        C.verify_any_export(tmp_path / "c")
+        checkpoint_noise.verify_any_export(tmp_path / "b", 2)
+    hf_manifest = checkpoint_noise.HF_EXPORT_MANIFEST
+    write({"format": "es-hf-export/1", "replayed_generations": 2}, tmp_path / "c" / hf_manifest)
+    H.write_sha256sums(tmp_path / "c", [hf_manifest])  # intact files, a manifest without the digest
+    with pytest.raises(C.StageError, match=f"{hf_manifest}: missing key 'digest'"):
+        checkpoint_noise.verify_any_export(tmp_path / "c")
 
 
 def evaluation(tmp_path, problems=2):
