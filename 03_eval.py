@@ -11,6 +11,7 @@ evaluation resumes without redoing them.
 """
 
 import contextlib
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> dict:
     # before any writing
     manifest = checkpoint_noise.verify_any_export(export, cfg.tensor_parallel_size) if export else None
     if manifest:  # the loaded bits are checked, and recorded, in the digests of the export's noise
-        cfg = C.dataclasses.replace(cfg, noise=manifest.get("noise", "rank_salted"))
+        cfg = dataclasses.replace(cfg, noise=manifest.get("noise", "rank_salted"))
     if not export:
         models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> dict:
         for name, problems in datasets.items():
             records = evaluate(engine, problems, range(C.EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
             C.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
-                                 "config": C.dataclasses.asdict(cfg), "records": strip_transcripts(records)},
+                                 "config": dataclasses.asdict(cfg), "records": strip_transcripts(records)},
                                 out / f"{name}_eval16.json")
             C.write_transcripts_markdown(records, out / f"{name}_failed.md")
             metrics["datasets"][name] = C.dataset_metrics(records)
@@ -80,7 +81,7 @@ def base_config(cfg, overrides: list[str]):
     history = C.read_json(path)
     if history["config"].get("model") != cfg.model:
         return cfg
-    return C.config_from_history(history, overrides, settings=C.dataclasses.asdict(cfg))
+    return C.config_from_history(history, overrides, settings=dataclasses.asdict(cfg))
 
 
 def data_paths(opts: dict, cfg) -> dict:
@@ -124,7 +125,7 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
     def settings(config: dict) -> dict:
         return {k: v for k, v in config.items() if k not in C.RESUME_FREE_FIELDS}
 
-    run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(C.dataclasses.asdict(cfg)),
+    run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
                                  "data": data}))
     marker = out / "eval_run.json"
     if marker.exists():

@@ -1,24 +1,21 @@
-"""Everything the four stages share: the ES algorithm of SPEC section 3 running inside vLLM workers at TP=2,
-the 50-turn bash-tool math agent of section 4, metrics and the files of section 7.
+"""The algorithm the four stages share: the ES of SPEC section 3 running inside vLLM workers at TP=2, the 50-turn
+bash-tool math agent of section 4, the data, the metrics and the files of section 7.
 
 Sections, in order:
   1. run constants and command-line overrides
-  2. noise and ES math (pure functions): the rank-salted noise of the reference
-  3. vLLM worker extension (runs inside each TP rank)
-  3b. (the checkpoint noise, noise="checkpoint": its noise, layout, worker extension, digests and Hugging Face
-      export: checkpoint_noise.py)
-  4. (the engine, one AsyncLLM at TP=2 behind a small synchronous facade: engine.py; the engine pool, K engines
-     that evaluate members or episodes at once: pool.py)
-  5. replay: a run history's updates applied again to the base weights (the history file, the run's identity and
-     the checks that refuse another run's: history.py)
-  6. (scoring: the committed answer against the gold, in killable worker processes: scoring.py)
-  7. (the sandbox for model-written commands and its start-up leak check: sandbox.py)
-  8. the math agent: prompts, reply parsing, per-request seeds, the episode loop
-  9. data: problem files and case batches
-  10. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, step timings, TensorBoard tracking
-  11. files and hashing: atomic JSON, crash-tolerant JSONL, weight digests (SHA256SUMS, fingerprints and the
-      sharded_state export's manifest: history.py; the Hugging Face export: checkpoint_noise.py)
-  12-13. (the tiny models and the real small model, and resolve_model: models.py)
+  2. noise and ES math (pure functions): the rank-salted noise of the reference, sigma_at, zscore, the update
+  3. the vLLM worker extension that applies them inside each TP rank
+  4. replay: a run history's updates applied again to the base weights
+  5. the math agent: prompts, reply parsing, per-request seeds, the episode loop
+  6. data: problem files and case batches
+  7. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, step timings, TensorBoard tracking
+  8. files: atomic JSON, crash-tolerant JSONL
+
+The infrastructure lives beside it, one concern per module: engine.py (one vLLM engine behind a synchronous facade),
+pool.py (K engines: placement, memory plan, MPS, Ray), sandbox.py (the sandbox of the bash tool), scoring.py (the
+committed answer against the gold, in killable workers), digests.py (sha256 of the weights per tensor and per rank),
+checkpoint_noise.py (the TP-invariant noise and its Hugging Face export), history.py (run identity, manifests,
+SHA256SUMS) and models.py (the tiny models, SmolLM2).
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ import json
 import logging
 import math
 import os
-import queue
 import re
 import sys
 import tempfile
@@ -47,6 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+import digests
 import sandbox
 import scoring
 
@@ -60,6 +57,19 @@ REPO = Path(__file__).resolve().parent
 #    python 01_train.py --population=8 --alpha=1e-3      (nanoGPT style, parsed once by parse_config)
 #    python 01_train.py --preset=smoke                    (the tiny CPU run of the README)
 # ============================================================================================================
+
+
+# The values of the settings that name a mode
+RESTORE_MODES = ("copy_device", "copy_host", "subtract")
+ROUNDING_MODES = ("nearest", "stochastic")
+NOISE_MODES = ("rank_salted", "checkpoint")
+PROMPT_MODES = ("render", "continue")  # see ChatPrompts
+TRACKING_MODES = ("none", "tensorboard")
+DTYPES = ("bfloat16", "float16", "float32")
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
+SETTING_CHOICES = {"restore": RESTORE_MODES, "rounding": ROUNDING_MODES, "noise": NOISE_MODES, "scope": ("full",),
+                   "prompt_mode": PROMPT_MODES, "tracking": TRACKING_MODES, "dtype": DTYPES,
+                   "cudagraph_mode": CUDAGRAPH_MODES}
 
 
 @dataclass(frozen=True)
@@ -90,9 +100,9 @@ class Config:
     noise_chunk: int = 8_388_608  # elements per float32 noise draw: part of the noise definition
     restore: str = "copy_device"  # copy_device | copy_host (pinned) | subtract (low memory, NOT bit-exact in bf16)
     rounding: str = "nearest"  # bf16 rounding of every weight change: "nearest" (the reference) or "stochastic"
+                               # (unbiased: steps below half an ulp still move theta in expectation)
     noise: str = "rank_salted"  # "rank_salted" (the reference: per-rank noise, the model exists at this TP size
                                 # only) or "checkpoint" (per checkpoint element: any TP size, a Hugging Face export)
-                               # (unbiased: steps below half an ulp still move theta in expectation; section 2)
     # the math agent (SPEC section 4)
     max_turns: int = 50  # assistant turns per episode
     max_new_tokens: int = 4096  # per assistant turn
@@ -154,7 +164,7 @@ class Bounds:
         return text + (f" ({self.why})" if self.why else "")
 
 
-# Every numeric setting's valid values, checked (with setting_choices) whenever a Config is made: the defaults, a
+# Every numeric setting's valid values, checked (with SETTING_CHOICES) whenever a Config is made: the defaults, a
 # preset, the command line, or the settings read back from a history or an evaluation.
 SETTING_BOUNDS = {
     "tensor_parallel_size": Bounds(1),
@@ -183,12 +193,10 @@ SETTING_BOUNDS = {
     "concurrency": Bounds(1),
     "eval_problems": Bounds(0, why="0: all"),
 }
-DTYPES = ("bfloat16", "float16", "float32")
-CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
 
 
 def setting_problem(name: str, value, kind: type) -> str | None:
-    """What is wrong with one Config value (its default's type `kind`, SETTING_BOUNDS, setting_choices), or None."""
+    """What is wrong with one Config value (its default's type `kind`, SETTING_BOUNDS, SETTING_CHOICES), or None."""
     numeric = kind in (int, float)
     if kind is float:
         expected, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -201,21 +209,11 @@ def setting_problem(name: str, value, kind: type) -> str | None:
     if numeric and name in SETTING_BOUNDS and not SETTING_BOUNDS[name].admits(value):
         finite = "a finite number " if kind is float else ""
         return f"{name} must be {finite}{SETTING_BOUNDS[name]}, got {value!r}"
-    choices = setting_choices().get(name)
+    choices = SETTING_CHOICES.get(name)
     if choices is not None and value not in choices:
         return f"{name} must be one of {', '.join(choices)}, got {value!r}"
     return None
 
-
-def setting_choices() -> dict[str, tuple]:
-    """The valid values of every setting that names a mode (a function: some tuples are defined further on)."""
-    return {"restore": RESTORE_MODES, "rounding": ROUNDING_MODES, "noise": NOISE_MODES, "prompt_mode": PROMPT_MODES,
-            "tracking": TRACKING_MODES, "scope": ("full",), "dtype": DTYPES, "cudagraph_mode": CUDAGRAPH_MODES}
-
-
-RESTORE_MODES = ("copy_device", "copy_host", "subtract")
-ROUNDING_MODES = ("nearest", "stochastic")
-PROMPT_MODES = ("render", "continue")  # see ChatPrompts
 
 # The README's main job: a tiny random Qwen3 the project writes itself, tiny arithmetic problems, CPU-sized budgets.
 PRESETS = {
@@ -226,9 +224,8 @@ PRESETS = {
     ),
     # Evidence that ES learns: the real SmolLM2-135M-Instruct (models.py) on small additions made locally, where
     # the base model succeeds sometimes (bench/learning.py measures it and the trained model on held-out problems).
-    # Sampling: temperature 0.7 without presence penalty (at 1.0 with penalty 2.0 this 135M model rambles: CPU
-    # probe, 24 problems: bash calls 9% -> 12%). sigma 2x and alpha 8x the paper's: 12 generations, not hundreds
-    # (on 2x H200 these moved held-out reward beyond its 95% interval on both run seeds tried; the paper's did not).
+    # A gentler sampling than the paper's (this 135M model rambles at temperature 1 with presence penalty 2) and
+    # sigma 2x, alpha 8x the paper's: 12 generations, not hundreds (bench/README.md, "Learning").
     "learn": dict(
         model="smollm2-135m", max_model_len=2048, generations=12, population=16, case_batch=32, max_turns=3,
         max_new_tokens=96, bash_timeout_s=5.0, train_data="learn", eval_problems=64, run_dir="runs/learn",
@@ -386,7 +383,7 @@ def _parse_value(key: str, text: str, kind: type):
 #    One generation (01_train.run_generation): member_seeds -> per member, engine.Engine.evaluate_member: perturb
 #    (ESWorker.es_perturb: noise_seed -> noise_chunks -> add_noise_ with +sigma), the agent's episodes, restore (a
 #    copy back) -> fitness -> zscore -> update_coefficients -> update (ESWorker.es_update: add_noise_ with every
-#    member's coefficient), then the per-rank digests (section 11). All noise enters through one method,
+#    member's coefficient), then the per-rank digests (digests.py). All noise enters through one method,
 #    ESWorker._es_add_noise; with noise="checkpoint" checkpoint_noise.CheckpointESWorker overrides it with the
 #    checkpoint noise (checkpoint_noise.py).
 # ============================================================================================================
@@ -516,7 +513,6 @@ def rounding_seed(kind: str, seeds: list[int], rank: int, name: str) -> int:
 # What a history records of the checkpoint noise stays here, beside the rank-salted noise's record, so that
 # histories compare without it.
 
-NOISE_MODES = ("rank_salted", "checkpoint")
 CHECKPOINT_NOISE = {
     "distribution": "float32(r cos(2 pi u2)), r = sqrt(-2 ln u1): Box-Muller in float64 with ln and cos as fixed "
                     "polynomials, Horner with one multiply and one add per term (ln: 2 s sum s^2k/(2k+1), k < 12, "
@@ -641,9 +637,9 @@ class ESWorker:
     def es_digest(self) -> dict:
         device = self.es_params[0][1].device
         if device.type == "cuda" and self.es_staging is None:  # pinned once, reused every generation
-            self.es_staging = [DigestStaging(device) for _ in range(DIGEST_THREADS_PER_RANK)]
-        digests = tensor_digests(self.es_params, threads=DIGEST_THREADS_PER_RANK, staging=self.es_staging)
-        return {"rank": self.es_rank, "digest": combine_digests(digests), "params": len(digests)}
+            self.es_staging = [digests.DigestStaging(device) for _ in range(digests.DIGEST_THREADS_PER_RANK)]
+        named = digests.tensor_digests(self.es_params, digests.DIGEST_THREADS_PER_RANK, self.es_staging)
+        return {"rank": self.es_rank, "digest": digests.combine_digests(named), "params": len(named)}
 
     def es_perturb(self, seed: int, sigma: float, chunk: int, restore: str, rounding: str = "nearest") -> float:
         """theta_r <- theta_r + sigma * eps(seed) for every parameter. Returns seconds."""
@@ -722,7 +718,7 @@ class ESWorker:
 
 
 # ============================================================================================================
-# 5. Replay: a run history records everything that defines theta (history.py: its file, the run's identity and
+# 4. Replay: a run history records everything that defines theta (history.py: its file, the run's identity and
 #    the refusals of another run's), so that any stage can rebuild theta from the base weights.
 # ============================================================================================================
 
@@ -734,19 +730,19 @@ def replay(engine: Engine, generations: list[dict], base_digests: list[str],
            desc: str = "replaying history") -> list[str]:
     """Re-apply recorded updates to the base weights, checking each generation's per-rank digests; returns the
     digests of the rebuilt weights."""
-    digests = base_digests
+    per_rank = base_digests
     for record in progress_bar(generations, desc=desc, leave=False):
         z = zscore(record["rewards"])  # the rewards define the update; the recorded z must be theirs
         if z != record["z"]:
             raise HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} are not "
                                   f"the z-scores of the recorded rewards {record['rewards']} (edited history?)")
         engine.update(record["seeds"], update_coefficients(z, record["alpha"]))
-        digests = engine.digests()
-        if digests != record["digests"]:
+        per_rank = engine.digests()
+        if per_rank != record["digests"]:
             raise HistoryMismatch(
-                f"replay diverged at generation {record['generation']}: per-rank digests {digests} "
+                f"replay diverged at generation {record['generation']}: per-rank digests {per_rank} "
                 f"!= recorded {record['digests']} (different base weights, vLLM version or device?)")
-    return digests
+    return per_rank
 
 
 def rebuild_from_history(engine: Engine, cfg: Config, model_path: str, history: dict, generations: list[dict],
@@ -761,7 +757,7 @@ def rebuild_from_history(engine: Engine, cfg: Config, model_path: str, history: 
 
 
 # ============================================================================================================
-# 8. The math agent (SPEC section 4): a ReAct loop with one sandboxed `bash` tool
+# 5. The math agent (SPEC section 4): a ReAct loop with one sandboxed `bash` tool
 # ============================================================================================================
 
 
@@ -1154,12 +1150,23 @@ def write_transcripts_markdown(records, path):
 
 
 # ============================================================================================================
-# 9. Data: problem files and per-generation case batches (SPEC section 5)
+# 6. Data: problem files and per-generation case batches (SPEC section 5)
 # ============================================================================================================
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
 DATA_MANIFEST = REPO / "data_manifest.json"  # the problem files 00_data.py builds (ids, answers, sha256s)
 CASE_BATCH_SEED_TAG = 0xCA5E  # keeps case-batch streams apart from other streams seeded by (run seed, g)
+SMOKE_PROBLEMS = 64
+GENERATED_DATA = ("smoke", "learn")  # train_data values made here from a seed (no file to hash)
+LEARN_PROBLEMS = 192  # training set of the learn preset: 324 questions less the 132 held out (learn_pairs)
+LEARN_HELDOUT_PAIRS = 66  # unordered pairs of two different numbers held out, in both orders: 132 questions
+LEARN_SPLIT_SEED = 0x5911  # which pairs are held out (fixed: every run and every held-out set agree)
+LEARN_OPERANDS = (2, 19)  # sums the base SmolLM2-135M gets right sometimes, not always (bench/README.md)
+LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other streams seeded by the run seed
+# The question shows the tool call, which the base SmolLM2-135M otherwise rarely makes (bench/README.md)
+LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
+                  "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
+LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
 
 
 class DataError(StageError, ValueError):
@@ -1280,22 +1287,6 @@ def learn_problems(n, seed, split="train"):
              "source": "learn"} for i, (a, b) in enumerate(pairs[j] for j in rng.permutation(len(pairs))[:n])]
 
 
-SMOKE_PROBLEMS = 64
-GENERATED_DATA = ("smoke", "learn")  # train_data values made here from a seed (no file to hash)
-LEARN_PROBLEMS = 192  # training set of the learn preset: 324 questions less the 132 held out (learn_pairs)
-LEARN_HELDOUT_PAIRS = 66  # unordered pairs of two different numbers held out, in both orders: 132 questions
-LEARN_SPLIT_SEED = 0x5911  # which pairs are held out (fixed: every run and every held-out set agree)
-# Sums of two numbers from 2 to 19: SmolLM2-135M writes the right "a + b = n" in ~30% of single-digit episodes and
-# ~4% of two-digit ones (CPU probe, 24 problems each), so the base model has partial success.
-LEARN_OPERANDS = (2, 19)
-LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other streams seeded by the run seed
-# The question shows the tool call: without it SmolLM2-135M makes a bash call in ~5% of 3-turn episodes, with it ~9%
-# (GPU, 128 problems); either way it almost never ends with a correct final answer after one (bench/learning.py).
-LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
-                  "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
-LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
-
-
 def training_problems(cfg: Config) -> list[dict]:
     """The training set: a JSONL file, or the preset's arithmetic problems generated here ("smoke", "learn")."""
     problems = problems_from(cfg.train_data, cfg.run_seed)
@@ -1305,7 +1296,7 @@ def training_problems(cfg: Config) -> list[dict]:
 
 
 # ============================================================================================================
-# 10. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4 (SPEC section 6)
+# 7. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4 (SPEC section 6)
 # ============================================================================================================
 
 EVAL_SAMPLES = 16     # samples per problem in eval16
@@ -1412,10 +1403,9 @@ def format_metrics_table(metrics_by_dataset):
              for r in rows]
     return "\n".join(line.rstrip() for line in lines)
 
-def plot_reward_curve(history: dict, path: str | Path, heldout: dict | None = None,
-                      heldout_metric: str = "accuracy") -> Path:
-    """A PNG of a run's rewards per generation: mean and max member fitness and, where given, the centre
-    model's held-out metric {updates applied: (mean, ci_low, ci_high)} (0 updates: the base model)."""
+def reward_curve_axes(history: dict):
+    """A figure of a run's rewards per generation, mean and max member fitness: (figure, axes), for a caller to add
+    to (bench/learning.py adds the held-out reward) before save_figure."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -1426,26 +1416,31 @@ def plot_reward_curve(history: dict, path: str | Path, heldout: dict | None = No
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     ax.plot(x, [sum(g["rewards"]) / len(g["rewards"]) for g in gens], "o-", label="mean member fitness")
     ax.plot(x, [max(g["rewards"]) for g in gens], "^--", alpha=0.7, label="max member fitness")
-    if heldout:
-        updates = sorted(heldout)
-        acc = [heldout[u][0] for u in updates]
-        err = [[heldout[u][0] - heldout[u][1] for u in updates], [heldout[u][2] - heldout[u][0] for u in updates]]
-        ax.errorbar(updates, acc, yerr=err, fmt="s-", color="black", capsize=4,
-                    label=f"centre model, held-out {heldout_metric} (95% CI)")
     c = history["config"]
-    ax.set(xlabel="generation (held-out: after that many updates)", ylabel="reward / accuracy",
+    ax.set(xlabel="generation", ylabel="reward",
            title=f"{history['base_model']}: N={c['population']}, alpha={c['alpha']:g}, "
                  f"sigma={c['sigma_start']:g}->{c['sigma_end']:g}, seed {c['run_seed']}")
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return fig, ax
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """The figure as a PNG, atomically (a reader never sees half a picture), and closed."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
-    os.replace(tmp, path)  # a reader never sees half a picture
+    os.replace(tmp, path)
     return path
+
+
+def plot_reward_curve(history: dict, path: str | Path) -> Path:
+    return save_figure(reward_curve_axes(history)[0], path)
 
 
 # ---- Timings: the seconds each step of a generation takes (perturb, rollout, restore, update, digest), recorded
@@ -1463,7 +1458,6 @@ def stopwatch(timings: dict, key: str):
 
 # ---- Experiment tracking (optional): the per-generation summary as TensorBoard scalars
 
-TRACKING_MODES = ("none", "tensorboard")
 TENSORBOARD_DIR = "tensorboard"  # in the run dir: `tensorboard --logdir runs/es/tensorboard`
 
 
@@ -1545,8 +1539,8 @@ class Tracker(ClosedOnExit):
 
 
 # ============================================================================================================
-# 11. Files and hashing: atomic JSON, JSONL that survives a crash, weight digests (SHA256SUMS, fingerprints and the
-#     sharded_state export's manifest: history.py)
+# 8. Files: atomic JSON, JSONL that survives a crash (the weight digests: digests.py; SHA256SUMS, fingerprints and
+#    the sharded_state export's manifest: history.py)
 # ============================================================================================================
 
 def _fsync_dir(folder):
@@ -1676,95 +1670,6 @@ def read_jsonl(path, required=None):
     if required is not None:
         check_shape(rows, [required], path, "row")
     return rows
-
-
-# ---- weight digests: sha256 per rank (rank-salted noise; the checkpoint noise's digests, the same at every TP
-# size, are in checkpoint_noise.py)
-
-def tensor_digest(name: str, t: torch.Tensor, staging: "DigestStaging | None" = None) -> str:
-    """sha256 over name, shape, dtype and the tensor's bytes. A CPU tensor is hashed in place; a GPU tensor streams
-    through `staging` (pinned host buffers) chunk by chunk, or without it is copied whole: the same bytes in the
-    same order either way, so the same digest."""
-    h = hashlib.sha256()
-    h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-    data = t.detach().contiguous().view(-1).view(torch.uint8)
-    if data.device.type != "cpu" and staging is not None:
-        staging.hash_into(h, data)
-    else:
-        h.update(data.cpu().numpy())  # on the CPU: the buffer itself, no extra copy
-    return h.hexdigest()
-
-
-class DigestStaging:
-    """Two pinned host buffers and a copy stream: while chunk k is hashed on the CPU, chunk k+1 is copied off the
-    GPU. Pageable copies of whole tensors would fault in fresh host pages on every call; these buffers are pinned
-    once and reused every generation."""
-
-    def __init__(self, device, chunk_bytes: int = 0):
-        self.device = torch.device(device)
-        self.chunk = chunk_bytes or DIGEST_CHUNK_BYTES
-        self.buffers = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.stream = torch.cuda.Stream(device=self.device)
-        self.copied = [torch.cuda.Event() for _ in range(2)]
-
-    def hash_into(self, h, data: torch.Tensor) -> None:
-        with torch.cuda.device(self.device):
-            # the copies may start only after every write to the weights queued on the current stream
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            pending = None  # (buffer index, bytes) of the chunk copied last, not yet hashed
-            for k, start in enumerate(range(0, data.numel(), self.chunk)):
-                piece = data[start : start + self.chunk]
-                with torch.cuda.stream(self.stream):  # buffer k % 2 held chunk k-2, hashed already
-                    self.buffers[k % 2][: piece.numel()].copy_(piece, non_blocking=True)
-                    self.copied[k % 2].record(self.stream)
-                if pending:
-                    self._hash(h, *pending)
-                pending = (k % 2, piece.numel())
-            if pending:
-                self._hash(h, *pending)
-
-    def _hash(self, h, index: int, size: int) -> None:
-        self.copied[index].synchronize()
-        h.update(self.buffers[index][:size].numpy())
-
-
-def tensor_digests(named_tensors: list[tuple[str, torch.Tensor]], threads: int,
-                   staging: list[DigestStaging] | None = None) -> list[tuple[str, str]]:
-    """(name, tensor_digest) for each tensor, hashed in `threads` threads (hashlib releases the GIL on large
-    buffers), largest tensors first so that no thread is left with a big one at the end. GPU tensors go through
-    `staging` (one per thread, kept by the caller: ESWorker pins them once); without it they are copied whole. The
-    same digests, in the same order, as one thread."""
-    threads = max(1, min(threads, len(named_tensors)))
-    slots = list(staging[:threads]) if staging else [None] * threads  # each thread holds one slot while it hashes
-    threads = len(slots)
-    free = queue.SimpleQueue()
-    for s in slots:
-        free.put(s)
-
-    def digest(name_and_tensor):
-        s = free.get()
-        try:
-            return tensor_digest(*name_and_tensor, staging=s)
-        finally:
-            free.put(s)
-
-    largest_first = sorted(range(len(named_tensors)), key=lambda i: -named_tensors[i][1].numel())
-    with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="digest") as pool:
-        done = dict(zip(largest_first, pool.map(digest, (named_tensors[i] for i in largest_first))))
-    return [(name, done[i]) for i, (name, _) in enumerate(named_tensors)]
-
-
-# threads hashing one rank's tensors: the node's cores shared by its TP ranks (16 of 32 on a 2x H200 node); sha256
-# runs at about 1-2 GB/s per core, so a 30.5 GB rank of Qwen3-30B-A3B needs about 16 of them to stay near 2 s
-DIGEST_THREADS_PER_RANK = max(1, min(16, len(os.sched_getaffinity(0)) // 2))
-DIGEST_CHUNK_BYTES = 32 << 20  # bytes per pinned staging buffer (two per thread)
-
-
-def combine_digests(named_digests: list[tuple[str, str]]) -> str:
-    h = hashlib.sha256()
-    for name, d in named_digests:
-        h.update(f"{name}={d}\n".encode())
-    return h.hexdigest()
 
 
 # A vLLM CPU worker imports this module (worker_extension_cls) before its model loads, which is when the linear

@@ -2,7 +2,7 @@
 (vLLM's fused layout, random bytes, 15.27e9 bf16 elements = 30.5 GB), both hashing at once as the two TP workers do.
 
     before: every tensor copied whole to pageable host memory, then hashed; 8 threads per rank (the old es_digest)
-    after:  common.tensor_digests: chunks streamed through pinned buffers (copy of chunk k+1 overlapping the hash
+    after:  digests.tensor_digests: chunks streamed through pinned buffers (copy of chunk k+1 overlapping the hash
             of chunk k), DIGEST_THREADS_PER_RANK threads, largest tensors first, buffers pinned once
 
 Both must give the same per-tensor digests (the history's digests keep their definition). Prints a table and one
@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
+import digests  # noqa: E402
 import qwen3_30b  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -52,7 +53,7 @@ def digests_before(named):
     """The old es_digest: whole tensors to pageable host memory, then sha256, in BEFORE_THREADS threads."""
     def one(name_and_tensor):
         name, t = name_and_tensor
-        return C.tensor_digest(name, t.cpu())
+        return digests.tensor_digest(name, t.cpu())
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=BEFORE_THREADS) as pool:
         return [(n, d) for (n, _), d in zip(named, pool.map(one, named))]
@@ -69,12 +70,12 @@ def rank_main(rank, results, repeats):
         named.append((name, t))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    staging = [C.DigestStaging(device) for _ in range(C.DIGEST_THREADS_PER_RANK)]
+    staging = [digests.DigestStaging(device) for _ in range(digests.DIGEST_THREADS_PER_RANK)]
     pin_s = time.perf_counter() - t0
     after_s, after = [], None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        after = C.tensor_digests(named, threads=C.DIGEST_THREADS_PER_RANK, staging=staging)
+        after = digests.tensor_digests(named, threads=digests.DIGEST_THREADS_PER_RANK, staging=staging)
         after_s.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     before = digests_before(named)
@@ -82,7 +83,7 @@ def rank_main(rank, results, repeats):
     results[rank] = {"rank": rank, "tensors": len(named), "elements": sum(t.numel() for _, t in named),
                      "bytes": sum(t.numel() * 2 for _, t in named), "pin_staging_s": round(pin_s, 3),
                      "after_s": [round(s, 2) for s in after_s], "before_s": round(before_s, 2),
-                     "same_digests": before == after, "digest": C.combine_digests(after)}
+                     "same_digests": before == after, "digest": digests.combine_digests(after)}
 
 
 def sha256_gb_per_s(size=1 << 30) -> float:
@@ -110,8 +111,8 @@ def main(argv):
         sys.exit(f"a rank process failed (exit codes {[p.exitcode for p in procs]})")
     result = {"bench": "digest", "date": time.strftime("%Y-%m-%d"), "torch_version": torch.__version__,
               "gpu": torch.cuda.get_device_name(0), "cpu_cores": len(os.sched_getaffinity(0)), "ranks": ranks,
-              "threads_per_rank": {"before": BEFORE_THREADS, "after": C.DIGEST_THREADS_PER_RANK},
-              "chunk_bytes": C.DIGEST_CHUNK_BYTES, "sha256_one_core_gb_per_s": round(sha256_gb_per_s(), 2),
+              "threads_per_rank": {"before": BEFORE_THREADS, "after": digests.DIGEST_THREADS_PER_RANK},
+              "chunk_bytes": digests.DIGEST_CHUNK_BYTES, "sha256_one_core_gb_per_s": round(sha256_gb_per_s(), 2),
               "before_s": max(r["before_s"] for r in per_rank),
               "after_s": max(min(r["after_s"]) for r in per_rank),
               "same_digests": all(r["same_digests"] for r in per_rank), "per_rank": per_rank}
@@ -120,7 +121,7 @@ def main(argv):
         print(f"{r['rank']:>4} {r['bytes'] / 1e9:>6.1f} {r['before_s']:>9.2f} {str(r['after_s']):>14} "
               f"{str(r['same_digests']):>13}")
     print(f"per-rank digest, both ranks at once: {result['before_s']:.1f} s before -> {result['after_s']:.2f} s after "
-          f"({C.DIGEST_THREADS_PER_RANK} threads, sha256 {result['sha256_one_core_gb_per_s']} GB/s on one core)")
+          f"({digests.DIGEST_THREADS_PER_RANK} threads, sha256 {result['sha256_one_core_gb_per_s']} GB/s on one core)")
     emit(result, opts["out"])
     if not result["same_digests"]:
         sys.exit("the streamed digests differ from the whole-tensor ones")

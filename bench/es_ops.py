@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
@@ -75,7 +77,7 @@ def main(argv):
     floor_rollout_s = 16 * cfg.max_new_tokens / tokens_per_s
     result = {
         "bench": "es_ops", "date": time.strftime("%Y-%m-%d"), "device": engine.device,
-        "vllm_version": __import__("vllm").__version__, "torch_version": C.torch.__version__,
+        "vllm_version": __import__("vllm").__version__, "torch_version": torch.__version__,
         "cuda_graphs": cfg.cuda_graphs, "restore": cfg.restore, "noise_chunk": cfg.noise_chunk,
         "engine_start_s": round(start_s, 1),
         "params_per_rank": [m["params"] for m in memory], "param_bytes_per_rank": [m["param_bytes"] for m in memory],

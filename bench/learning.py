@@ -151,6 +151,21 @@ def compare(base_records, trained_records, problems, seed):
     return result
 
 
+def plot_with_heldout(history, path, heldout):
+    """The run's reward curve with the centre model's held-out PRIMARY metric {updates applied: its mean and 95%
+    interval} (0 updates: the base model)."""
+    fig, ax = C.reward_curve_axes(history)
+    updates = sorted(heldout)
+    mean = [heldout[u]["mean"] for u in updates]
+    err = [[heldout[u]["mean"] - heldout[u]["ci_low"] for u in updates],
+           [heldout[u]["ci_high"] - heldout[u]["mean"] for u in updates]]
+    ax.errorbar(updates, mean, yerr=err, fmt="s-", color="black", capsize=4,
+                label=f"centre model, held-out {PRIMARY} (95% CI)")
+    ax.set_xlabel("generation (held-out: after that many updates)")
+    ax.legend(fontsize=8)
+    C.save_figure(fig, path)
+
+
 def update_change_fraction(model_path, alpha, population, sigma, seed=0, rounding="nearest"):
     """What fraction of the bf16 weights one ES step changes, measured on the model's own weights with fresh
     float32 noise, rounded once to bf16 as the worker does (to nearest, or stochastically). An update alpha/N * sum_i z_i eps_i has standard
@@ -206,8 +221,7 @@ def main(argv):
         result = compare(base, trained, problems, run_seed)
         gens = history["generations"]
         primary = result[PRIMARY]
-        heldout_points = {0: tuple(primary["base"].values()), len(gens): tuple(primary["trained"].values())}
-        C.plot_reward_curve(history, run_dir / train.REWARD_CURVE, heldout=heldout_points, heldout_metric=PRIMARY)
+        plot_with_heldout(history, run_dir / train.REWARD_CURVE, {0: primary["base"], len(gens): primary["trained"]})
         C.write_json_atomic({"problems": problems, "base": train_records(base), "trained": train_records(trained)},
                             run_dir / "heldout_eval.json")
         episodes = sum(len(g["rewards"]) for g in gens) * cfg.case_batch

@@ -2,6 +2,7 @@
 trained weights are the same at every TP size and export as a Hugging Face folder. Pure functions first, then the
 smoke run (real vLLM engines at TP=2 and TP=1, the test reward) through export, transformers and resume."""
 
+import dataclasses
 import importlib
 import os
 import signal
@@ -111,12 +112,12 @@ def test_checkpoint_noise_is_its_own_recorded_definition():
         "stochastic: the float32 value's bits + (splitmix64_mix")
     with pytest.raises(C.ConfigError, match="restore=subtract is for the rank-salted noise"):
         C.Config(noise="checkpoint", restore="subtract")
-    history = {"config": C.dataclasses.asdict(ckpt)}
+    history = {"config": dataclasses.asdict(ckpt)}
     H.check_config(history, C.Config(noise="checkpoint", tensor_parallel_size=1))  # any TP size resumes it
     with pytest.raises(C.HistoryMismatch, match="config noise: history has 'checkpoint'"):
         H.check_config(history, salted)
     with pytest.raises(C.HistoryMismatch, match="config tensor_parallel_size"):
-        H.check_config({"config": C.dataclasses.asdict(salted)}, C.Config(tensor_parallel_size=1))
+        H.check_config({"config": dataclasses.asdict(salted)}, C.Config(tensor_parallel_size=1))
     assert C.config_from_history(history, ["--tensor_parallel_size=1"]).tensor_parallel_size == 1
 
 
@@ -124,7 +125,7 @@ def test_the_base_model_is_evaluated_with_the_noise_and_tp_size_of_the_run_in_it
     """Its digests are then the ones 04_replay rebuilds from that run's history."""
     smoke = C.parse_config(["--preset=smoke"])
     for noise, tp in [("checkpoint", 2), ("rank_salted", 1)]:
-        history = {"config": C.dataclasses.asdict(C.dataclasses.replace(smoke, noise=noise, tensor_parallel_size=tp,
+        history = {"config": dataclasses.asdict(dataclasses.replace(smoke, noise=noise, tensor_parallel_size=tp,
                                                                         run_dir=str(tmp_path)))}
         C.write_json_atomic(history, tmp_path / H.HISTORY_FILE)
         argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--max_turns=1"]
@@ -139,7 +140,7 @@ def test_the_base_model_is_evaluated_with_the_noise_and_tp_size_of_the_run_in_it
 
 def test_replay_of_a_base_evaluated_with_other_noise_says_what_to_run_before_any_engine_starts(tmp_path, monkeypatch):
     run_dir, eval_dir = tmp_path / "run", tmp_path / "eval-base"
-    settings = C.dataclasses.asdict(C.parse_config(["--preset=smoke", f"--run_dir={run_dir}"]))
+    settings = dataclasses.asdict(C.parse_config(["--preset=smoke", f"--run_dir={run_dir}"]))
     C.write_json_atomic({"config": dict(settings, noise="checkpoint"), "base_model": settings["model"], "base_digests": ["ckpt:0"],
                          "generations": []}, run_dir / H.HISTORY_FILE)
     base = {"kind": "base", "model": settings["model"], "per_rank_digests": ["a" * 64, "b" * 64]}  # rank-salted
@@ -354,7 +355,7 @@ def checkpoint_history(folder, tensors, rounding, generations=2):
         shapes = {n: list(t.shape) for n, t in state.items()}
         return [checkpoint_noise.combine_checkpoint_digest(sums, shapes, "bfloat16")]
 
-    history = {"config": C.dataclasses.asdict(cfg), "noise": C.noise_definition(cfg), "base_digests": digests(),
+    history = {"config": dataclasses.asdict(cfg), "noise": C.noise_definition(cfg), "base_digests": digests(),
                "generations": []}
     for g in range(generations):
         seeds, rewards = C.member_seeds(7, g, 4), [0.0, 1.0, 0.5, 0.25 * g]

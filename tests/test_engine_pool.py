@@ -5,8 +5,9 @@ history and the episode records must not depend on the number or placement of th
 dead engine stops the work and names the engine; a restart resumes bit-exactly from a history made with either
 pool. Placement, the memory plan and the MPS rule are pure functions, tested with the numbers of real machines."""
 
-import contextlib
 import asyncio
+import contextlib
+import dataclasses
 import importlib
 import json
 import math
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import common as C
 import history as H
@@ -188,9 +190,9 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
         P.engine_memory_needs(config, cfg)
     with pytest.raises(C.ConfigError, match="no safetensors weights"):
         P.engine_memory_needs(config, cfg, tmp_path)  # an empty folder
-    save_file({"a": C.torch.zeros(3, 5), "b": C.torch.zeros(7)}, str(tmp_path / "model-00001-of-00002.safetensors"))
-    save_file({"c": C.torch.zeros(2, 2, 2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
-    save_file({"a": C.torch.zeros(3, 5)}, str(tmp_path / "consolidated.safetensors"))  # a copy the index leaves out
+    save_file({"a": torch.zeros(3, 5), "b": torch.zeros(7)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    save_file({"a": torch.zeros(3, 5)}, str(tmp_path / "consolidated.safetensors"))  # a copy the index leaves out
     C.write_json_atomic({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
                                         "c": "model-00002-of-00002.safetensors"}},
                         tmp_path / "model.safetensors.index.json")
@@ -266,7 +268,7 @@ def test_without_a_terminal_the_pool_s_progress_is_a_plain_line_now_and_then(cap
 
     def slow(engine, i, on_record):
         for _ in range(4):
-            C.time.sleep(0.05)
+            time.sleep(0.05)
             on_record({})
         return i
 
@@ -534,7 +536,7 @@ def test_a_mixed_pool_is_refused():
 
 
 def test_the_pool_size_is_not_part_of_the_run(tmp_path):
-    history = {"config": {k: v for k, v in C.dataclasses.asdict(config(1, tmp_path)).items()
+    history = {"config": {k: v for k, v in dataclasses.asdict(config(1, tmp_path)).items()
                           if k not in C.POOL_FIELDS}}
     H.check_config(history, config(4, tmp_path))  # a history made with any K resumes with any K
     assert C.config_from_history(history, ["--engines=2"]).engines == 2

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common as C
+import digests
 import history as H
 import models
 import engine as E
@@ -61,7 +62,7 @@ def es_describe(worker) -> dict:
         p = module_params[name]  # vLLM tags sharded parameters with the dimension they are split along
         rows.append({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                      "numel": t.numel(), "tp_dim": getattr(p, "output_dim", getattr(p, "input_dim", None)),
-                     "digest": C.tensor_digest(name, t)})
+                     "digest": digests.tensor_digest(name, t)})
     return {"rank": worker.es_rank, "device": str(worker.es_params[0][1].device), "params": rows}
 
 

@@ -1,8 +1,8 @@
 """Pure ES mathematics (SPEC section 3) and run-constant parsing: no engine needed."""
 
+import dataclasses
 import importlib
 import inspect
-import dataclasses
 import math
 import re
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common as C
+import digests
 import history as H
 import engine as E
 
@@ -193,11 +194,11 @@ def test_digests_are_sha256_of_name_shape_dtype_and_bytes_in_any_number_of_threa
     expected = [(n, by_hand(n, t)) for n, t in named]
     assert len({d for _, d in expected}) == len(named)
     for threads in (1, 2, 3, 16):  # largest-first scheduling must hand the digests back in the tensors' order
-        assert C.tensor_digests(named, threads=threads) == expected
+        assert digests.tensor_digests(named, threads=threads) == expected
     flipped = named[0][1].clone()
     flipped.view(torch.int16)[5] ^= 1  # one bit of one weight
-    assert C.tensor_digest("embed", flipped) != expected[0][1]
-    assert C.combine_digests(expected) != C.combine_digests(expected[::-1])  # the order is part of the digest
+    assert digests.tensor_digest("embed", flipped) != expected[0][1]
+    assert digests.combine_digests(expected) != digests.combine_digests(expected[::-1])  # the order is part of the digest
 
 
 def test_digest_threads_hash_at_once(monkeypatch):
@@ -205,15 +206,15 @@ def test_digest_threads_hash_at_once(monkeypatch):
     import threading
 
     both_in = threading.Barrier(2, timeout=30)
-    digest = C.tensor_digest
+    digest = digests.tensor_digest
 
     def waiting_digest(*args, **kwargs):
         both_in.wait()  # BrokenBarrierError if the threads take turns
         return digest(*args, **kwargs)
 
-    monkeypatch.setattr(C, "tensor_digest", waiting_digest)
+    monkeypatch.setattr(digests, "tensor_digest", waiting_digest)
     named = [("a", torch.zeros(3)), ("b", torch.ones(3))]
-    assert C.tensor_digests(named, threads=2) == [(n, digest(n, t)) for n, t in named]
+    assert digests.tensor_digests(named, threads=2) == [(n, digest(n, t)) for n, t in named]
 
 
 def test_es_parameters_every_floating_storage_once_in_order():
@@ -323,7 +324,7 @@ def recorded_history(**config):
     """A history header as 01_train.py writes it: here a smoke run trained with a local --model folder."""
     cfg = C.parse_config(["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100",
                           *(f"--{k}={v}" for k, v in config.items())])
-    return {"config": C.dataclasses.asdict(cfg)}
+    return {"config": dataclasses.asdict(cfg)}
 
 
 def test_preset_never_overrides_recorded_values():
@@ -353,7 +354,7 @@ def test_replay_takes_weights_from_the_history_and_sampling_from_the_eval():
     """An evaluation run with the defaults (the hub model, the reference noise chunk) of a history trained with a
     local --model and another noise chunk: the replay rebuilds the history's weights with the eval's sampling."""
     history = recorded_history(noise_chunk=4096, dtype="float16")
-    evaluation = C.dataclasses.asdict(C.parse_config(["--max_new_tokens=64", "--temperature=0.7", "--run_seed=5"]))
+    evaluation = dataclasses.asdict(C.parse_config(["--max_new_tokens=64", "--temperature=0.7", "--run_seed=5"]))
     cfg = C.config_from_history(history, ["--preset=smoke"], settings=evaluation)
     assert (cfg.model, cfg.noise_chunk, cfg.dtype, cfg.tensor_parallel_size) == ("/models/my-base", 4096, "float16", 2)
     assert (cfg.max_new_tokens, cfg.temperature, cfg.run_seed, cfg.max_turns) == (64, 0.7, 5, C.Config.max_turns)
@@ -482,7 +483,7 @@ def test_help_prints_the_stage_its_options_and_every_setting(script, capsys):
         assert "--source_dir=" in text and "--model=" not in text  # its own options only
         return
     meanings = C._comments_beside(inspect.getsource(C.Config), r"^    (\w+): [^=]+= ")
-    for name, default in C.dataclasses.asdict(C.Config()).items():
+    for name, default in dataclasses.asdict(C.Config()).items():
         assert meanings[name], f"Config.{name} has no comment for --help"
         assert f"--{name}={default}" in text and meanings[name] in text
     assert all(f"  {preset}: " in text for preset in C.PRESETS)

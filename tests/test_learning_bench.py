@@ -118,3 +118,33 @@ def test_fitness_trend_recovers_a_known_slope_and_finds_none_in_noise():
 def test_fitness_trend_refuses_a_history_too_short_for_a_slope():
     with pytest.raises(ValueError, match="at least 3 generations"):
         fitness_trend.fitness_trend(trend_history([0.05, 0.06]))
+
+
+def reward_history(rewards):
+    config = {"population": len(rewards[0]), "alpha": 4e-3, "sigma_start": 2e-3, "sigma_end": 1e-3, "run_seed": 3}
+    return {"base_model": "tiny", "config": config,
+            "generations": [{"generation": g, "rewards": r} for g, r in enumerate(rewards)]}
+
+
+def test_the_reward_curve_plots_each_generation_and_replaces_its_file_whole(tmp_path):
+    history = reward_history([[0.1, 0.3], [0.2, 0.6], [0.4, 0.4]])
+    fig, ax = C.reward_curve_axes(history)
+    mean, best = ax.get_lines()[:2]
+    assert list(mean.get_ydata()) == pytest.approx([0.2, 0.4, 0.4]) and list(best.get_ydata()) == [0.3, 0.6, 0.4]
+    path = tmp_path / "reward_curve.png"
+    path.write_bytes(b"an older picture")
+    assert C.plot_reward_curve(history, path) == path
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_the_learning_curve_adds_the_heldout_metric_with_its_interval(tmp_path, monkeypatch):
+    saved = []
+    monkeypatch.setattr(C, "save_figure", lambda fig, path: saved.append(fig))
+    heldout = {0: {"mean": 0.2, "ci_low": 0.1, "ci_high": 0.25}, 2: {"mean": 0.5, "ci_low": 0.45, "ci_high": 0.7}}
+    learning.plot_with_heldout(reward_history([[0.1, 0.3], [0.2, 0.6], [0.4, 0.4]]), tmp_path / "c.png", heldout)
+    (fig,) = saved
+    bars = [c for c in fig.axes[0].containers if c.has_yerr]
+    (line,) = [b.lines[0] for b in bars]
+    assert list(line.get_xdata()) == [0, 2] and list(line.get_ydata()) == [0.2, 0.5]
+    (segments,) = [b.lines[2][0].get_segments() for b in bars]
+    assert [(s[0][1], s[1][1]) for s in segments] == [pytest.approx((0.1, 0.25)), pytest.approx((0.45, 0.7))]

@@ -1,3 +1,4 @@
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -430,7 +431,7 @@ def test_a_finished_run_started_again_logs_the_last_generation_its_process_did_n
     timings = {k: 1.0 for k in ("rollout", "perturb", "restore", "update", "digest")}
     records = [dict(generation_record(g), timings=timings, digests=["d"], seeds=[1, 2, 3, 4], z=[0.0] * 4)
                for g in range(cfg.generations)]
-    C.write_json_atomic({"config": C.dataclasses.asdict(cfg), "base_model": "tiny", "base_digests": ["d0"],
+    C.write_json_atomic({"config": dataclasses.asdict(cfg), "base_model": "tiny", "base_digests": ["d0"],
                          "generations": records}, tmp_path / H.HISTORY_FILE)
     with C.Tracker(cfg, tmp_path) as tracker:
         for record in records[:-1]:

@@ -4,6 +4,7 @@ model does, the ES cycle and the sharded_state round trip are exact, and agent e
 its ChatML template. One engine on the base model and one on its export, shared by the module; the checkpoint
 noise's layout test starts its own."""
 
+import dataclasses
 import importlib
 import sys
 
@@ -142,7 +143,7 @@ def test_the_checkpoint_layout_of_a_tied_llama_reads_the_checkpoint_back_exactly
     """noise=checkpoint on Llama at TP=2 (tied embeddings, vocabulary shards with padding, padded heads): what
     the ranks hold, read through the layout found by load_weights, is the checkpoint, element for element. An
     engine of its own: noise=checkpoint runs the checkpoint noise's worker extension."""
-    with E.Engine(C.dataclasses.replace(CFG, noise="checkpoint"), base_path) as e:
+    with E.Engine(dataclasses.replace(CFG, noise="checkpoint"), base_path) as e:
         before = [r["digest"] for r in e.rpc("es_digest")]  # per rank, before the layout's probes
         assert checkpoint_noise.checked_checkpoint_digests(e, base_path, "bfloat16")[0].startswith("ckpt:")
         sums, _ = e.checkpoint_sums()

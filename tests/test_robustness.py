@@ -3,6 +3,7 @@ instead of scoring 0, SIGTERM/SIGINT end the process with the conventional statu
 the engine. The run-level checks (01_train.py stopped and restarted) are in test_pipeline.py."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -150,7 +151,7 @@ def test_a_dead_engine_aborts_the_episodes_and_close_leaves_no_process(engine, m
 
     monkeypatch.setattr(engine, "_policy", policy)
     # 4 episodes in flight: the second four start as the first end, and their first turn meets the dead worker
-    monkeypatch.setattr(engine, "cfg", C.dataclasses.replace(engine.cfg, concurrency=4))
+    monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, concurrency=4))
     jobs = [(p, i) for p in C.smoke_problems(4, seed=2) for i in (0, 1)]
     with pytest.raises(C.EngineFailure, match="vLLM failed during request"):
         engine.run_agent(jobs, on_record=reported.append)
