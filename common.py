@@ -527,8 +527,8 @@ CHECKPOINT_ROUNDING = ("the float32 value's bits + (splitmix64_mix(key + index *
 
 
 def noise_definition(cfg: "Config") -> dict:
-    """What a history records of the noise. Round-to-nearest histories carry no rounding key (older ones did not
-    either), so they still compare equal; a stochastic one records its source."""
+    """What a history records of the noise: its definition, and for stochastic rounding the rounding's source
+    (round to nearest, the reference, adds no key)."""
     if cfg.noise == "checkpoint":
         definition = dict(CHECKPOINT_NOISE)
     else:
