@@ -11,7 +11,6 @@ generation is enough to rebuild the weights from the base model: start the scrip
     python 01_train.py --engines=4          # 4 engines evaluate members at once (co-located past GPUs // TP; README)
 """
 
-import sys
 import time
 from pathlib import Path
 
@@ -138,10 +137,4 @@ def print_final_summary(history: dict, run_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    E.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
-    try:
-        main(sys.argv[1:])
-    except C.StageError as exc:
-        sys.exit(f"[train] error: {exc}")
-    except E.Interrupted as stop:
-        sys.exit(stop.exit_status)
+    E.run_stage(main, "train")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly

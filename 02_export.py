@@ -11,7 +11,6 @@ Every replayed generation's digests are checked against the history; the first m
 """
 
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -123,10 +122,4 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
 
 
 if __name__ == "__main__":
-    E.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
-    try:
-        main(sys.argv[1:])
-    except C.StageError as exc:
-        sys.exit(f"[export] error: {exc}")
-    except E.Interrupted as stop:
-        sys.exit(stop.exit_status)
+    E.run_stage(main, "export")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly

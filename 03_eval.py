@@ -13,7 +13,6 @@ evaluation resumes without redoing them.
 import contextlib
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import checkpoint_noise
@@ -161,10 +160,4 @@ def strip_transcripts(records: list[dict]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    E.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
-    try:
-        main(sys.argv[1:])
-    except C.StageError as exc:
-        sys.exit(f"[eval] error: {exc}")
-    except E.Interrupted as stop:
-        sys.exit(stop.exit_status)
+    E.run_stage(main, "eval")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly

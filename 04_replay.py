@@ -10,7 +10,6 @@ beside the original ones with per-problem agreement, into a new file; the eval16
     python 04_replay.py --preset=smoke       # the smoke run
 """
 
-import sys
 from pathlib import Path
 
 import checkpoint_noise
@@ -181,10 +180,4 @@ def print_report(report: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    E.prepare_script()  # vLLM's log to <run_dir>/vllm.log; SIGTERM/SIGINT shut the engine down
-    try:
-        main(sys.argv[1:])
-    except C.StageError as exc:
-        sys.exit(f"[replay] error: {exc}")
-    except E.Interrupted as stop:
-        sys.exit(stop.exit_status)
+    E.run_stage(main, "replay")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly

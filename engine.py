@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -75,6 +76,18 @@ def prepare_script() -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+
+
+def run_stage(main, name: str) -> None:
+    """A numbered script's __main__ block: prepare_script, then main(sys.argv[1:]). A StageError ends the script
+    with one line for its user ("[name] error: ..."), a SIGTERM or SIGINT with the shell's status for that signal."""
+    prepare_script()
+    try:
+        main(sys.argv[1:])
+    except C.StageError as exc:
+        sys.exit(f"[{name}] error: {exc}")
+    except Interrupted as stop:
+        sys.exit(stop.exit_status)
 
 
 def send_vllm_log_to(path: Path) -> None:

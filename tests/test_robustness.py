@@ -69,16 +69,22 @@ def test_any_other_policy_error_is_an_episode_error_that_scores_zero():
 # ---- the scripts' signal handling and vLLM log level (a Python process without an engine) ----
 
 SCRIPT = """
-import logging, os, signal, sys, time
+import logging, os, signal, time
+import common as C
 import engine as E
-E.prepare_script()
-print(os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").getEffectiveLevel(), flush=True)
-try:
-    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
-    time.sleep(60)
-except E.Interrupted as stop:
-    print(stop, flush=True)
-    sys.exit(stop.exit_status)
+
+def main(argv):
+    print(os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").getEffectiveLevel(), flush=True)
+    if argv[0] == "refuse":
+        raise C.ConfigError("a refusal for its user")
+    try:
+        os.kill(os.getpid(), getattr(signal, argv[0]))
+        time.sleep(60)
+    except E.Interrupted as stop:
+        print(stop, flush=True)
+        raise
+
+E.run_stage(main, "probe")
 """
 
 
@@ -90,6 +96,12 @@ def test_sigterm_and_sigint_raise_interrupted_and_exit_128_plus_signum(name, sta
     assert proc.returncode == status, proc.stderr[-3000:]
     level, stop = proc.stdout.splitlines()[:2]
     assert level == "ERROR 40" and stop == f"stopped by {name}"  # ERROR until an engine names its log file
+
+
+def test_a_stage_error_ends_the_script_with_one_line_for_its_user():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, "refuse"], cwd=C.REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip() == "[probe] error: a refusal for its user"
 
 
 def test_the_users_vllm_log_level_wins():

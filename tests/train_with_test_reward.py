@@ -4,6 +4,7 @@ plugged in through main(fitness=...), the training script's one reward seam.
 For the interruption tests, ES_TEST_PAUSE=<file>:<n> holds the run after its n-th member step while <file>
 exists, having written <file>.paused: the test interrupts it at a known point instead of racing a timer."""
 
+import functools
 import importlib
 import os
 import sys
@@ -36,13 +37,7 @@ def pause_after_member_steps(gate: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    train.E.prepare_script()
     if os.environ.get("ES_TEST_PAUSE"):
         gate, steps = os.environ["ES_TEST_PAUSE"].rsplit(":", 1)
         pause_after_member_steps(gate, int(steps))
-    try:
-        train.main(sys.argv[1:], fitness=reply_variety)
-    except train.C.EngineFailure as exc:
-        sys.exit(f"[train] error: {exc}")
-    except train.E.Interrupted as stop:
-        sys.exit(stop.exit_status)
+    train.E.run_stage(functools.partial(train.main, fitness=reply_variety), "train")
