@@ -1,6 +1,7 @@
 """Answer extraction and scoring (SPEC section 4, "Scoring")."""
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -408,3 +409,13 @@ def test_scoring_imports_nothing_heavy():
     result = subprocess.run([sys.executable, "-c", code], cwd=Path(scoring.__file__).parent, capture_output=True,
                             text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_the_algorithm_modules_import_neither_vllm_nor_math_verify_and_no_import_hook():
+    # a TP worker imports common (the worker extension): it must not pull in vLLM's layers or the grader with it
+    code = ("import sys; hooks = len(sys.meta_path); import common, sandbox, scoring, digests; "
+            "print(sorted({'vllm', 'math_verify', 'sympy'} & set(sys.modules)), len(sys.meta_path) - hooks)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(scoring.__file__).parent, capture_output=True,
+                            text=True, check=True, env={k: v for k, v in os.environ.items()
+                                                        if k != "ES_KEEP_CPU_LINEAR_WEIGHTS"})
+    assert result.stdout.strip() == "[] 0"
