@@ -22,6 +22,8 @@ qualified name (common.WORKER_EXTENSIONS["lowrank"]).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import os
@@ -181,11 +183,36 @@ def remove_adapter_dir(folder: Path) -> None:
 # ============================================================================================================
 
 
+@contextlib.contextmanager
+def lora_wrappers_removed(model):
+    """Each of vLLM's LoRA layers replaced by the layer it wraps (the same parameters), and put back after."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    swapped = []
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, BaseLayerWithLoRA) and isinstance(getattr(child, "base_layer", None), torch.nn.Module):
+                swapped.append((parent, child_name, child))
+                setattr(parent, child_name, child.base_layer)
+    try:
+        yield
+    finally:
+        for parent, child_name, child in reversed(swapped):
+            setattr(parent, child_name, child)
+
+
 class LowRankESWorker(N.CheckpointESWorker):
     """checkpoint_noise.CheckpointESWorker with the low-rank update (add_lowrank_update_) through the rank's
     checkpoint layout. vLLM mixes it into every TP worker when cfg.scope == "lowrank" (common.WORKER_EXTENSIONS)."""
 
     es_lora_rank: int | None = None
+
+    @functools.cached_property
+    def es_checkpoint_layout(self) -> dict:
+        """The checkpoint layout (CheckpointESWorker's), derived with vLLM's LoRA wrappers taken off: the model's
+        load_weights knows the layers by their own names, not by the wrappers' (<layer>.base_layer.weight)."""
+        with lora_wrappers_removed(self.model_runner.model):
+            return N.CheckpointESWorker.es_checkpoint_layout.func(self)
 
     def es_update(self, seeds: list[int], coeffs: list[float], chunk: int, rounding: str = "nearest",
                   lora_rank: int | None = None) -> float:
