@@ -392,6 +392,8 @@ class Engine(C.ClosedOnExit):
         first perturbation."""
         if getattr(self, "_restore_copy_taken", False) or self.cfg.restore == "subtract":
             return
+        if self.cfg.scope == "lowrank":  # its members are adapters: the weights are never perturbed in place
+            return
         with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
             self.rpc("es_snapshot", restore=self.cfg.restore)
         self._restore_copy_taken = True
