@@ -61,7 +61,8 @@ def factor_key(seed: int, name: str, factor: str) -> int:
 
 def factor(seed: int, name: str, which: str, rows: int, rank: int) -> torch.Tensor:
     """Factor A (rows = in) or B (rows = out) of a member's perturbation of one tensor: rows x rank, float32."""
-    return N.checkpoint_noise(factor_key(seed, name, which), torch.arange(rows * rank, dtype=torch.int64)).view(rows, rank)
+    index = torch.arange(rows * rank, dtype=torch.int64)  # row-major: element (row, k) at row * rank + k
+    return N.checkpoint_noise(factor_key(seed, name, which), index).view(rows, rank)
 
 
 def perturbation(seed: int, sigma: float, name: str, shape: list[int], rank: int) -> torch.Tensor:
