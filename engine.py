@@ -442,8 +442,8 @@ class Engine(C.ClosedOnExit):
         try:
             with C.stopwatch(timings, "perturb"):
                 requests = []
-                for seed in seeds:
-                    path = lowrank.write_adapter(folder / f"member-{seed}", seed, sigma, self.cfg.lora_rank,
+                for i, seed in enumerate(seeds):
+                    path = lowrank.write_adapter(folder / f"member-{i}", seed, sigma, self.cfg.lora_rank,
                                                  self._lowrank_tensors, self._model_path)
                     requests.append(LoRARequest(f"es-{self._next_adapter_id}-{seed}", self._next_adapter_id, str(path)))
                     self._next_adapter_id += 1

@@ -17,6 +17,7 @@ import engine as E
 import history as H
 import lowrank
 import models
+import pool as P
 
 CFG = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--scope=lowrank", "--lora_rank=2",
                       "--noise_chunk=4096", "--population=4", "--max_turns=1", "--max_new_tokens=8"])
@@ -150,28 +151,40 @@ def base_path():
 
 @pytest.fixture(scope="module")
 def engine(base_path):
-    with E.Engine(CFG, base_path) as e:
-        yield e
+    """The pool 01_train.py uses (one engine on CPU): evaluate_members takes its low-rank path."""
+    with P.EnginePool(CFG, base_path) as pool:
+        yield pool
 
 
-def greedy(engine, ids, adapter=None) -> list[int]:
+PROMPT = [10 + i % 200 for i in range(40)]
+
+
+def greedy(engine, ids=PROMPT, adapter=None, tokens=12) -> list[int]:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    out = engine._run(engine._complete(ids, params, f"greedy-{id(adapter)}-{len(ids)}-{time.time_ns()}", adapter))
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    out = engine._run(engine._complete(ids, params, f"greedy-{id(adapter)}-{time.time_ns()}", adapter))
     return list(out.token_ids)
 
 
 def test_an_adapter_changes_the_greedy_output(engine, base_path, tmp_path):
     from vllm.lora.request import LoRARequest
 
-    prompt = [10 + i % 200 for i in range(40)]
-    tensors = lowrank.covered_tensors(base_path)
-    strong = lowrank.write_adapter(tmp_path / "strong", 3, 0.5, CFG.lora_rank, tensors, base_path)
-    base = greedy(engine, prompt)
-    assert greedy(engine, prompt, LoRARequest("strong", 900001, str(strong))) != base
-    assert greedy(engine, prompt) == base  # the adapter changed nothing of the weights
-    engine._run(engine.llm.remove_lora(900001))
+    single = engine.engines[0]
+    strong = lowrank.write_adapter(tmp_path / "strong", 3, 0.5, CFG.lora_rank, lowrank.covered_tensors(base_path),
+                                   base_path)
+    base = greedy(single)
+    assert greedy(single, adapter=LoRARequest("strong", 900001, str(strong))) != base
+    assert greedy(single) == base  # the adapter changed nothing of the weights
+    single._run(single.llm.remove_lora(900001))
+
+
+def test_members_at_once_each_see_their_own_adapter(engine):
+    """Members of equal seeds run the same episodes, a member of another seed other ones (large sigma)."""
+    jobs = [(p, 0) for p in C.training_problems(CFG)[:2]]
+    per_member, _ = engine.evaluate_members([5, 6, 5], 0.5, jobs)
+    replies = [[r["messages"][2:] for r in records] for records in per_member]
+    assert replies[0] == replies[2] and replies[0] != replies[1]
 
 
 @pytest.fixture(scope="module")
@@ -183,10 +196,10 @@ def trained(engine, base_path):
     for g, rewards in enumerate(REWARDS):
         sigma = C.sigma_at(g, len(REWARDS), CFG.sigma_start, CFG.sigma_end)
         seeds = C.member_seeds(CFG.run_seed, g, CFG.population)
-        per_member, timings = engine.evaluate_lowrank_members(seeds, sigma, [(p, 0) for p in problems], desc=None)
+        per_member, timings = engine.evaluate_members(seeds, sigma, [(p, 0) for p in problems])
         assert [len(records) for records in per_member] == [len(problems)] * len(seeds)
         assert all(r["problem_id"] == p["id"] for records in per_member for r, p in zip(records, problems))
-        assert {"perturb", "rollout", "restore"} <= set(timings)
+        assert {"perturb", "rollout", "restore", "members"} <= set(timings)
         z = C.zscore(rewards)
         engine.update(seeds, C.update_coefficients(z, ALPHA))
         history["generations"].append({"generation": g, "sigma": sigma, "alpha": ALPHA, "seeds": seeds,
@@ -195,7 +208,7 @@ def trained(engine, base_path):
 
 
 def test_members_leave_no_adapters_and_updates_move_the_weights(engine, trained):
-    assert not engine._run(engine.llm.list_loras())  # every member's adapter removed after its generation
+    assert not engine.engines[0]._run(engine.engines[0].llm.list_loras())  # every member's adapter removed after its generation
     digests = [trained["base_digests"]] + [g["digests"] for g in trained["generations"]]
     assert len({d[0] for d in digests}) == len(digests) and digests[0][0].startswith("ckpt:")
 
@@ -220,10 +233,29 @@ def test_the_export_holds_the_replayed_tensors(engine, trained, base_path, tmp_p
     assert all(torch.equal(exported[n], replayed[n]) for n in replayed)
 
 
-def test_an_exact_resume_at_tp1(engine, trained, base_path):
+@pytest.fixture(scope="module")
+def tp1(engine, trained, base_path):
+    """A fresh TP=1 engine, once the module's TP=2 engine is done (two CPU cores: one engine at a time)."""
+    engine.close()
+    with E.Engine(dataclasses.replace(CFG, tensor_parallel_size=1), base_path) as single:
+        yield single
+
+
+def test_an_exact_resume_at_tp1(tp1, trained, base_path):
     """The history made at TP=2, rebuilt on a fresh TP=1 engine: every generation's digest is the same."""
-    engine.close()  # two CPU cores: one engine at a time (the module's engine is not used after this test)
-    cfg = dataclasses.replace(CFG, tensor_parallel_size=1)
-    with E.Engine(cfg, base_path) as single:
-        _, digests = C.rebuild_from_history(single, cfg, base_path, trained, trained["generations"])
+    _, digests = C.rebuild_from_history(tp1, tp1.cfg, base_path, trained, trained["generations"])
     assert digests == trained["generations"][-1]["digests"]
+
+
+def test_an_adapter_acts_as_its_perturbation_merged_into_the_weights(tp1, base_path, tmp_path):
+    """Serving member s's adapter and adding E_s to the weights (an update of coefficient sigma) give the same greedy
+    tokens: the adapter's orientation and scale are the update's."""
+    from vllm.lora.request import LoRARequest
+
+    seed, sigma = 8, 0.3
+    adapter = lowrank.write_adapter(tmp_path / "m", seed, sigma, CFG.lora_rank, lowrank.covered_tensors(base_path),
+                                    base_path)
+    base = greedy(tp1, tokens=6)
+    served = greedy(tp1, adapter=LoRARequest("m", 900002, str(adapter)), tokens=6)
+    tp1.update([seed], [sigma])
+    assert served != base and greedy(tp1, tokens=6) == served
