@@ -141,6 +141,8 @@ class Config:
                               "or copy_host with rounding=stochastic")
         if self.scope == "lowrank" and self.noise != "checkpoint":
             raise ConfigError("scope=lowrank draws its factors from the checkpoint noise: use noise=checkpoint")
+        if self.scope == "lowrank" and self.ray_address:
+            raise ConfigError("scope=lowrank runs its engines in this process for now; drop --ray_address")
         if self.rounding == "stochastic" and self.dtype != "bfloat16":
             # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
             raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "

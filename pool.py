@@ -684,8 +684,6 @@ class EnginePool(C.ClosedOnExit):
     def _evaluate_lowrank_members(self, seeds, sigma, jobs, desc, t0) -> tuple[list[list[dict]], dict]:
         """scope="lowrank": contiguous shares of the members, one per engine, each share's episodes all at once
         (Engine.evaluate_lowrank_members); timings summed over the engines as evaluate_members sums members'."""
-        if self.cfg.ray_address:
-            raise C.ConfigError("scope=lowrank runs its engines in this process; drop --ray_address")
         size = math.ceil(len(seeds) / self.size)
         shares = [list(range(i, min(i + size, len(seeds)))) for i in range(0, len(seeds), size)]
         results = self.work(len(shares), desc, "share", lambda engine, k, on_record: engine.evaluate_lowrank_members(

@@ -118,6 +118,7 @@ def test_covered_tensors_are_the_attention_and_mlp_matrices():
     (["--scope=lowrank", "--noise=checkpoint", "--lora_rank=0"], "lora_rank must be"),
     (["--scope=lowrank", "--noise=checkpoint", "--lora_rank=513"], "lora_rank must be"),
     (["--scope=sparse"], "scope must be one of"),
+    (["--scope=lowrank", "--noise=checkpoint", "--ray_address=auto"], "drop --ray_address"),
 ])
 def test_bad_settings_are_refused(args, message):
     with pytest.raises(C.ConfigError, match=message):
