@@ -209,7 +209,8 @@ def trained(engine, base_path):
 
 
 def test_members_leave_no_adapters_and_updates_move_the_weights(engine, trained):
-    assert not engine.engines[0]._run(engine.engines[0].llm.list_loras())  # every member's adapter removed after its generation
+    single = engine.engines[0]
+    assert not single._run(single.llm.list_loras())  # every member's adapter removed after its generation
     digests = [trained["base_digests"]] + [g["digests"] for g in trained["generations"]]
     assert len({d[0] for d in digests}) == len(digests) and digests[0][0].startswith("ckpt:")
 
