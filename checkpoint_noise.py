@@ -557,6 +557,12 @@ def replay_on_checkpoint(folder: str | Path, history: dict,
         whole = torch.tensor([[0, t.numel(), 0, 0]])
         sums[0][name] = tensor_digest_sum(name, t)
         for k, g in enumerate(generations, start=1):
+            if cfg.scope == "lowrank":  # members as LoRA adapters: the merged low-rank update instead
+                import lowrank  # it imports this module
+
+                lowrank.update_checkpoint_tensor_(name, t, g, cfg)
+                sums[k][name] = tensor_digest_sum(name, t)
+                continue
             coeffs = C.update_coefficients(C.zscore(g["rewards"]), g["alpha"])
             active = C.active_members(g["seeds"], coeffs)
             rounding_keys = (checkpoint_rounding_keys("update", g["seeds"], [name], "cpu")

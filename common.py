@@ -63,11 +63,12 @@ REPO = Path(__file__).resolve().parent
 RESTORE_MODES = ("copy_device", "copy_host", "subtract")
 ROUNDING_MODES = ("nearest", "stochastic")
 NOISE_MODES = ("rank_salted", "checkpoint")
+SCOPES = ("full", "lowrank")  # lowrank: experimental members as LoRA adapters (lowrank.py)
 PROMPT_MODES = ("render", "continue")  # see ChatPrompts
 TRACKING_MODES = ("none", "tensorboard")
 DTYPES = ("bfloat16", "float16", "float32")
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
-SETTING_CHOICES = {"restore": RESTORE_MODES, "rounding": ROUNDING_MODES, "noise": NOISE_MODES, "scope": ("full",),
+SETTING_CHOICES = {"restore": RESTORE_MODES, "rounding": ROUNDING_MODES, "noise": NOISE_MODES, "scope": SCOPES,
                    "prompt_mode": PROMPT_MODES, "tracking": TRACKING_MODES, "dtype": DTYPES,
                    "cudagraph_mode": CUDAGRAPH_MODES}
 
@@ -96,7 +97,9 @@ class Config:
     sigma_start: float = 1e-3  # noise scale at generation 0 (cosine schedule)
     sigma_end: float = 5e-4  # noise scale at the last generation
     alpha: float = 5e-4  # step size: theta += alpha / N * sum_i z_i eps_i (1/sigma folded in)
-    scope: str = "full"  # every floating-point parameter of the runtime model
+    scope: str = "full"  # every floating-point parameter of the runtime model; "lowrank" (experimental, lowrank.py):
+                         # rank-r members on the attention and MLP matrices, served as LoRA adapters
+    lora_rank: int = 1  # scope="lowrank": the rank r of each member's perturbation of a weight matrix
     noise_chunk: int = 8_388_608  # elements per float32 noise draw: part of the noise definition
     restore: str = "copy_device"  # copy_device | copy_host (pinned) | subtract (low memory, NOT bit-exact in bf16)
     rounding: str = "nearest"  # bf16 rounding of every weight change: "nearest" (the reference) or "stochastic"
@@ -136,6 +139,10 @@ class Config:
         if self.rounding == "stochastic" and self.restore == "subtract":
             raise ConfigError("restore=subtract cannot undo a stochastically rounded perturbation; use copy_device "
                               "or copy_host with rounding=stochastic")
+        if self.scope == "lowrank" and self.noise != "checkpoint":
+            raise ConfigError("scope=lowrank draws its factors from the checkpoint noise: use noise=checkpoint")
+        if self.scope == "lowrank" and self.ray_address:
+            raise ConfigError("scope=lowrank runs its engines in this process for now; drop --ray_address")
         if self.rounding == "stochastic" and self.dtype != "bfloat16":
             # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
             raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "
@@ -180,6 +187,7 @@ SETTING_BOUNDS = {
     "sigma_end": Bounds(0, low_open=True),
     "alpha": Bounds(0, why="0: members are evaluated, the weights never move"),
     "noise_chunk": Bounds(1),
+    "lora_rank": Bounds(1, 512, why="vLLM serves LoRA ranks up to 512"),
     "max_turns": Bounds(1),
     "max_new_tokens": Bounds(1),
     "temperature": Bounds(0, 2, why="vLLM's range; 0: greedy"),
@@ -325,7 +333,7 @@ def exit_if_help(argv: list[str], doc: str, script: str | None = None, options: 
 # What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
 # the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
 # command line, a preset or an evaluation's settings.
-WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "scope", "rounding", "noise")
+WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "scope", "lora_rank", "rounding", "noise")
 POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
 # settings that may change between a run and its resume: where files go, and how fast and how many episodes the
 # engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
@@ -522,6 +530,13 @@ CHECKPOINT_NOISE = {
     "index": "the element's row-major index in the checkpoint tensor",
     "member_seeds": NOISE_DEFINITION["member_seeds"],
 }
+LOWRANK_NOISE = {  # scope="lowrank" (lowrank.py): on top of CHECKPOINT_NOISE, which draws each factor
+    "perturbation": "E = sigma / sqrt(r) * B A^T per covered checkpoint matrix W (out x in); B (out x r), A (in x r) "
+                    "the checkpoint noise at row-major index, keys of (member seed, name + '#lora_B' / '#lora_A')",
+    "update": "sum over members and k < r of (coefficient / sqrt(r) * B[o, k]) * A[i, k], float32, in that order",
+    "covered": "2-D tensors named *.{q,k,v,o,gate,up,down}_proj.weight (MoE experts on GPU only); norms, "
+               "embeddings, lm_head and the MoE router never change",
+}
 CHECKPOINT_ROUNDING = ("the float32 value's bits + (splitmix64_mix(key + index * golden) >> 40) & 0xffff, low 16 "
                        "bits cleared; key splitmix64(rounding seed of rank 0 ^ name_hash(checkpoint tensor name))")
 
@@ -531,6 +546,8 @@ def noise_definition(cfg: "Config") -> dict:
     (round to nearest, the reference, adds no key)."""
     if cfg.noise == "checkpoint":
         definition = dict(CHECKPOINT_NOISE)
+        if cfg.scope == "lowrank":
+            definition.update(LOWRANK_NOISE, rank=cfg.lora_rank)
     else:
         definition = dict(NOISE_DEFINITION, chunk=cfg.noise_chunk)
     if cfg.rounding != "nearest":
@@ -600,7 +617,8 @@ def es_parameters(named_parameters) -> list[tuple[str, torch.Tensor]]:
 
 # The worker extension of each noise kind (Config.noise), by qualified name: vLLM imports it in every worker. The
 # checkpoint noise's subclass lives in checkpoint_noise.py, which imports this module.
-WORKER_EXTENSIONS = {"rank_salted": "common.ESWorker", "checkpoint": "checkpoint_noise.CheckpointESWorker"}
+WORKER_EXTENSIONS = {"rank_salted": "common.ESWorker", "checkpoint": "checkpoint_noise.CheckpointESWorker",
+                     "lowrank": "lowrank.LowRankESWorker"}  # scope="lowrank" (with noise="checkpoint")
 
 
 class ESWorker:
