@@ -7,6 +7,10 @@ every base tensor except those its manifest names as left out. Writes a JSON rep
     python bench/gpu_pipeline.py --out=$OUT/gpu_pipeline.json --run_dir=/tmp/gpu-pipeline
     python bench/gpu_pipeline.py --restore=copy_host ...   # the exact-restore copy in pinned host memory
     python bench/gpu_pipeline.py --noise=checkpoint ...    # checkpoint noise: a Hugging Face export
+    python bench/gpu_pipeline.py --qwen3_30b_layers=2 --tensor_parallel_size=1 --gpu_memory_utilization=0.3 ...
+
+--qwen3_30b_layers=n runs the stages on Qwen3-30B-A3B's layout cut to n layers instead (random bf16 safetensors
+written by qwen3_30b.py, with the tiny model's tokenizer: its vocabulary, the real layer dimensions).
 
 Export and replay only apply updates, so "export == training digests" also proves that every restore during
 training (from the GPU copy, or with --restore=copy_host from pinned host memory) was bit-exact.
@@ -23,6 +27,8 @@ sys.path.insert(0, str(REPO))
 import checkpoint_noise  # noqa: E402
 import common as C  # noqa: E402
 import history as H  # noqa: E402
+import models  # noqa: E402
+import qwen3_30b  # noqa: E402
 
 STAGES = [
     ("train", "tests/train_with_test_reward.py"),
@@ -40,12 +46,21 @@ CHECKS = {
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"out": "gpu_pipeline.json", "run_dir": "/tmp/gpu-pipeline"})
+    opts, overrides = C.parse_args(argv, {"out": "gpu_pipeline.json", "run_dir": "/tmp/gpu-pipeline",
+                                          "qwen3_30b_layers": 0})
     run_dir = Path(opts["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
+    model = "tiny-qwen3-moe"
+    if opts["qwen3_30b_layers"]:
+        folder = Path(f"/tmp/qwen3-30b-a3b-{opts['qwen3_30b_layers']}layers")
+        if not (folder / "model.safetensors.index.json").exists():
+            qwen3_30b.write_config(folder, tokenizer_from=models.resolve_model("tiny-qwen3-moe"),
+                                   layers=opts["qwen3_30b_layers"])
+            qwen3_30b.write_random_checkpoint(folder)
+        model = str(folder)
     eval_data = run_dir / "eval_problems.jsonl"  # the GPU machine has no ../shared/data: tiny problems instead
     C.write_jsonl(C.smoke_problems(2, seed=7), eval_data)
-    args = ["--preset=smoke", "--model=tiny-qwen3-moe", f"--run_dir={run_dir}", *overrides]
+    args = ["--preset=smoke", f"--model={model}", f"--run_dir={run_dir}", *overrides]
     report = {"bench": "gpu_pipeline", "date": time.strftime("%Y-%m-%d"), "args": args, "stages": {}}
     for name, script in STAGES:
         t0 = time.perf_counter()

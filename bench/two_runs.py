@@ -61,7 +61,7 @@ def main(argv):
         log, report_path = root / f"log_seed{seed}.txt", root / f"learning_seed{seed}.json"
         command = [sys.executable, str(REPO / "bench" / "learning.py"), f"--out={report_path}", "--seeds=1",
                    f"--run_seed={seed}", f"--run_root={root}", *overrides]
-        with open(log, "w") as out:
+        with open(log, "a") as out:  # a resumed call adds to the log: the counts cover every call
             processes.append((seed, log, report_path, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)))
     runs = [run_summary(seed, finished(process), log, report_path, root / f"seed-{seed}" / "es_history.json")
             for seed, log, report_path, process in processes]
