@@ -91,21 +91,36 @@ def add_lowrank_update_(flat: torch.Tensor, segments: torch.Tensor, in_dims: tor
         if not bool(selected.any()):
             continue
         tid, index, cols = tid[selected], index[selected], cols[selected]
-        row, col = index // cols, index % cols
+        # each factor element is drawn once per chunk, for the distinct (tensor, row) and (tensor, column) pairs
+        # the chunk holds, then gathered: the same float32 values as drawing it at every element, far fewer draws
+        rows, at_row = _distinct_pairs(tid, index // cols)
+        columns, at_column = _distinct_pairs(tid, index % cols)
         piece = flat[start:end]
         acc = piece[selected].float()
         for keys_a, keys_b, c in members:
-            scale = c / math.sqrt(rank)
+            b = _factor_values(keys_b, rows, rank) * (c / math.sqrt(rank))
+            a = _factor_values(keys_a, columns, rank)
             for k in range(rank):
-                b = N.checkpoint_noise(keys_b[tid], row * rank + k)
-                a = N.checkpoint_noise(keys_a[tid], col * rank + k)
-                acc = acc + (b * scale) * a  # separate kernels, never a fused multiply-add (its rounding differs)
+                acc = acc + b[at_row, k] * a[at_column, k]  # separate kernels, never a fused multiply-add
         if rounding_keys is None or flat.dtype != torch.bfloat16:
             piece[selected] = acc.to(flat.dtype)
         else:
             rounded = torch.empty_like(acc)
             C.round_with_bits_(rounded, acc, N.rounding_bits(rounding_keys[tid], index).to(torch.int32))
             piece[selected] = rounded.to(flat.dtype)
+
+
+def _distinct_pairs(tid: torch.Tensor, position: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The distinct (tensor id, row or column) pairs among the elements, and each element's pair number."""
+    distinct, at = torch.unique(tid * (1 << 32) + position, return_inverse=True)
+    return (distinct >> 32, distinct & ((1 << 32) - 1)), at
+
+
+def _factor_values(keys: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor], rank: int) -> torch.Tensor:
+    """Factor rows (one per distinct pair: its tensor's key, its row of the factor) x rank, float32."""
+    tid, position = pairs
+    index = position[:, None] * rank + torch.arange(rank, device=position.device)  # as in factor(): row-major
+    return N.checkpoint_noise(keys[tid][:, None], index)
 
 
 def covered_in_dims(names: list[str], shapes: list[list[int]], device) -> torch.Tensor:

@@ -49,6 +49,23 @@ def test_the_update_is_sum_of_coefficients_times_b_a_transposed(rank):
     assert not torch.equal(got, base)
 
 
+def test_the_update_bits_are_the_float32_sum_member_by_member_rounded_once():
+    """Bit for bit, whatever the chunk (each chunk draws its distinct rows and columns of the factors once): float32
+    W, plus (c_i / sqrt(r) * B_i[o, k]) * A_i[j, k] member by member and k by k, rounded to bf16 once."""
+    rows, cols, rank, seeds, coeffs = 12, 10, 2, [31, 32, 33], [2e-2, -3e-2, 1e-2]
+    base = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
+    acc = base.float()
+    for s, c in zip(seeds, coeffs):
+        b = lowrank.factor(s, NAME, "B", rows, rank) * (c / math.sqrt(rank))
+        a = lowrank.factor(s, NAME, "A", cols, rank)
+        for k in range(rank):
+            acc = acc + b[:, k:k + 1] * a[None, :, k]
+    expected = acc.to(torch.bfloat16)
+    assert not torch.equal(expected, base)
+    for chunk in (7, 64, 4096):
+        assert torch.equal(whole_update(base, seeds, coeffs, rank, chunk), expected)
+
+
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_the_update_applied_shard_by_shard_equals_it_on_the_whole_tensor(rounding):
     """Column-parallel ranks hold row blocks, row-parallel ranks a column block of every row, fused q/k/v two tensors
