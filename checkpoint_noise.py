@@ -539,6 +539,19 @@ def set_config_dtype(folder: Path, dtype: str) -> None:
     C.write_json_atomic(config, folder / "config.json")
 
 
+def update_checkpoint_tensor_(name: str, t: torch.Tensor, generation: dict, cfg: C.Config) -> None:
+    """One generation's update of one whole checkpoint tensor (in the run's dtype), as the ranks apply it."""
+    coeffs = C.update_coefficients(C.zscore(generation["rewards"]), generation["alpha"])
+    active = C.active_members(generation["seeds"], coeffs)
+    if not active:
+        return
+    rounding_keys = (checkpoint_rounding_keys("update", generation["seeds"], [name], "cpu")
+                     if cfg.rounding == "stochastic" else None)
+    add_checkpoint_noise_(t.view(-1), torch.tensor([[0, t.numel(), 0, 0]]),
+                          [checkpoint_keys(s, [name], "cpu") for s, _ in active], [c for _, c in active], 1 << 22,
+                          rounding_keys)
+
+
 def replay_on_checkpoint(folder: str | Path, history: dict,
                          generations: list[dict] | None = None) -> dict[str, torch.Tensor]:
     """A checkpoint-noise history applied with no vLLM to its base checkpoint's held tensors (the export's), the
@@ -553,23 +566,15 @@ def replay_on_checkpoint(folder: str | Path, history: dict,
     generations = history["generations"] if generations is None else generations
     out, shapes = {}, {}
     sums = [{} for _ in range(len(generations) + 1)]  # per checkpoint tensor: base, then after each generation
+    update_tensor_ = update_checkpoint_tensor_
+    if cfg.scope == "lowrank":  # members as LoRA adapters: the merged low-rank update instead
+        import lowrank  # it imports this module
+
+        update_tensor_ = lowrank.update_checkpoint_tensor_
     for name, t in checkpoint_float_tensors(folder, cfg.dtype, set(held_checkpoint_tensors(folder))):
-        whole = torch.tensor([[0, t.numel(), 0, 0]])
         sums[0][name] = tensor_digest_sum(name, t)
         for k, g in enumerate(generations, start=1):
-            if cfg.scope == "lowrank":  # members as LoRA adapters: the merged low-rank update instead
-                import lowrank  # it imports this module
-
-                lowrank.update_checkpoint_tensor_(name, t, g, cfg)
-                sums[k][name] = tensor_digest_sum(name, t)
-                continue
-            coeffs = C.update_coefficients(C.zscore(g["rewards"]), g["alpha"])
-            active = C.active_members(g["seeds"], coeffs)
-            rounding_keys = (checkpoint_rounding_keys("update", g["seeds"], [name], "cpu")
-                             if cfg.rounding == "stochastic" else None)
-            if active:
-                add_checkpoint_noise_(t.view(-1), whole, [checkpoint_keys(s, [name], "cpu") for s, _ in active],
-                                      [c for _, c in active], 1 << 22, rounding_keys)
+            update_tensor_(name, t, g, cfg)
             sums[k][name] = tensor_digest_sum(name, t)
         out[name], shapes[name] = t, list(t.shape)
     recorded = [("the base", history["base_digests"])] + [(f"generation {g['generation']}", g["digests"])

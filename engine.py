@@ -289,6 +289,8 @@ class Engine(C.ClosedOnExit):
         try:
             with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
                 self.llm = self._run(self._start(args))
+            if cfg.scope == "lowrank":  # the rank of the members' factors, which the merged update draws again
+                self.rpc("es_set_lora_rank", rank=cfg.lora_rank)
         except BaseException:
             # a failed start cleans up after itself, but a start interrupted by SIGTERM/Ctrl-C cannot be cancelled
             # and would leave EngineCore and its workers running: end what it has spawned
@@ -412,9 +414,8 @@ class Engine(C.ClosedOnExit):
         return seconds
 
     def update(self, seeds: list[int], coeffs: list[float]) -> float:
-        lowrank_args = {"lora_rank": self.cfg.lora_rank} if self.cfg.scope == "lowrank" else {}
         seconds = max(self.rpc("es_update", seeds=seeds, coeffs=coeffs, chunk=self.cfg.noise_chunk,
-                               rounding=self.cfg.rounding, **lowrank_args))
+                               rounding=self.cfg.rounding))
         self.reset_prefix_cache()
         return seconds
 

@@ -221,7 +221,7 @@ class LowRankESWorker(N.CheckpointESWorker):
     """checkpoint_noise.CheckpointESWorker with the low-rank update (add_lowrank_update_) through the rank's
     checkpoint layout. vLLM mixes it into every TP worker when cfg.scope == "lowrank" (common.WORKER_EXTENSIONS)."""
 
-    es_lora_rank: int | None = None
+    es_lora_rank: int | None = None  # the rank r of every member's factors: es_set_lora_rank, once after the start
 
     @functools.cached_property
     def es_checkpoint_layout(self) -> dict:
@@ -230,16 +230,14 @@ class LowRankESWorker(N.CheckpointESWorker):
         with lora_wrappers_removed(self.model_runner.model):
             return N.CheckpointESWorker.es_checkpoint_layout.func(self)
 
-    def es_update(self, seeds: list[int], coeffs: list[float], chunk: int, rounding: str = "nearest",
-                  lora_rank: int | None = None) -> float:
-        if lora_rank is None:
-            raise RuntimeError("a low-rank update needs lora_rank")
-        self.es_lora_rank = lora_rank
-        return super().es_update(seeds, coeffs, chunk, rounding)
+    def es_set_lora_rank(self, rank: int) -> None:
+        self.es_lora_rank = rank
 
     def _es_add_noise(self, kind: str, seeds: list[int], coeffs: list[float], chunk: int, rounding: str) -> None:
         if kind != "update":
             raise RuntimeError(f"scope=lowrank serves members as LoRA adapters: no {kind} of the weights in place")
+        if self.es_lora_rank is None:
+            raise RuntimeError("a low-rank update before es_set_lora_rank")
         layout = self.es_checkpoint_layout
         device, names = self.es_params[0][1].device, layout["names"]
         in_dims = covered_in_dims(names, layout["shapes"], device)
