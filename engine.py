@@ -434,13 +434,22 @@ class Engine(C.ClosedOnExit):
 
     def evaluate_lowrank_members(self, seeds: list[int], sigma: float, jobs: list[tuple[dict, int]], *,
                                  desc: str | None = "episodes", on_record=None) -> tuple[list[list[dict]], dict]:
-        """The member step of low-rank ES (scope="lowrank"): every member's perturbation written as a LoRA adapter,
-        all members' episodes at once on the unchanged theta, each request carrying its member's adapter; then the
-        adapters are dropped. Returns the records per member (input order) and the seconds of each step ("perturb":
-        writing and loading the adapters, "restore": removing them)."""
+        """The member step of low-rank ES (scope="lowrank"): all members' episodes at once on the unchanged theta,
+        each request carrying its member's adapter (member_adapters). Returns the records per member (input order)
+        and the seconds of each step."""
+        timings = {}
+        with self.member_adapters(seeds, sigma, timings) as adapters:
+            with C.stopwatch(timings, "rollout"):
+                records = self.run_agent(jobs, desc=desc, on_record=on_record, adapters=adapters)
+        return [records[i * len(jobs):(i + 1) * len(jobs)] for i in range(len(seeds))], timings
+
+    @contextlib.contextmanager
+    def member_adapters(self, seeds: list[int], sigma: float, timings: dict):
+        """Each member's perturbation written as a LoRA adapter and loaded (timed as "perturb"); yields their
+        LoRARequests; after the body the adapters are removed and the prefix cache reset (timed as "restore")."""
         from vllm.lora.request import LoRARequest
 
-        timings, folder = {}, lowrank.adapter_dir()
+        folder = lowrank.adapter_dir()
         try:
             with C.stopwatch(timings, "perturb"):
                 requests = []
@@ -451,15 +460,13 @@ class Engine(C.ClosedOnExit):
                     self._next_adapter_id += 1
                 for request in requests:  # loaded now, so that a bad adapter fails here rather than mid-episode
                     self._call_vllm(self.llm.add_lora(request), f"loading adapter {request.lora_name}")
-            with C.stopwatch(timings, "rollout"):
-                records = self.run_agent(jobs, desc=desc, on_record=on_record, adapters=requests)
+            yield requests
             with C.stopwatch(timings, "restore"):
                 for request in requests:
                     self._call_vllm(self.llm.remove_lora(request.lora_int_id), f"removing {request.lora_name}")
                 self.reset_prefix_cache()
         finally:
             lowrank.remove_adapter_dir(folder)
-        return [records[i * len(jobs):(i + 1) * len(jobs)] for i in range(len(seeds))], timings
 
     def digests(self) -> list[str]:
         """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order; with
