@@ -54,7 +54,10 @@ def main(argv: list[str]) -> Path:
                                                        compare_config=False,
                                                        desc=f"replaying {len(generations)} generations")
             if cfg.noise == "checkpoint":  # the same weights at every TP size: a Hugging Face folder
+                print("[export] writing the Hugging Face folder: each rank's pieces, then tensor by tensor", flush=True)
+                t0 = time.perf_counter()
                 files, sums = checkpoint_noise.save_checkpoint(engine, partial)
+                print(f"[export] {len(files)} safetensors files in {time.perf_counter() - t0:.1f} s", flush=True)
                 # each base tensor: in the folder or in left_out_tensors
                 checkpoint_noise.check_held_tensors(model_path, set(sums))
             else:  # rank-salted: the weights exist only as this TP size's shards

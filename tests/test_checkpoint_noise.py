@@ -185,7 +185,7 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     from transformers import AutoModelForCausalLM
 
     proc = run("02_export.py", f"--run_dir={trained}")
-    assert "a Hugging Face folder" in proc.stdout
+    assert "a Hugging Face folder" in proc.stdout and "safetensors files in" in proc.stdout  # progress, timed
     export = trained / "export"
     manifest = checkpoint_noise.verify_any_export(export)
     history = C.read_json(trained / H.HISTORY_FILE)
