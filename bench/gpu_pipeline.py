@@ -12,6 +12,9 @@ every base tensor except those its manifest names as left out. Writes a JSON rep
 --qwen3_30b_layers=n runs the stages on Qwen3-30B-A3B's layout cut to n layers instead (random bf16 safetensors
 written by qwen3_30b.py, with the tiny model's tokenizer: its vocabulary, the real layer dimensions).
 
+Each stage's output streams to run_dir/<stage>.log; a stage that finished leaves run_dir/<stage>.done.json, and the
+same command with the same --run_dir goes on from the first unfinished stage (01_train resumes its history).
+
 Export and replay only apply updates, so "export == training digests" also proves that every restore during
 training (from the GPU copy, or with --restore=copy_host from pinned host memory) was bit-exact.
 """
@@ -54,30 +57,46 @@ def main(argv):
     if opts["qwen3_30b_layers"]:
         folder = Path(f"/tmp/qwen3-30b-a3b-{opts['qwen3_30b_layers']}layers")
         if not (folder / "model.safetensors.index.json").exists():
+            t0 = time.perf_counter()
             qwen3_30b.write_config(folder, tokenizer_from=models.resolve_model("tiny-qwen3-moe"),
                                    layers=opts["qwen3_30b_layers"])
             qwen3_30b.write_random_checkpoint(folder)
+            print(f"[gpu_pipeline] {folder}: random weights written in {time.perf_counter() - t0:.0f} s", flush=True)
         model = str(folder)
     eval_data = run_dir / "eval_problems.jsonl"  # the GPU machine has no ../shared/data: tiny problems instead
     C.write_jsonl(C.smoke_problems(2, seed=7), eval_data)
     args = ["--preset=smoke", f"--model={model}", f"--run_dir={run_dir}", *overrides]
     report = {"bench": "gpu_pipeline", "date": time.strftime("%Y-%m-%d"), "args": args, "stages": {}}
     for name, script in STAGES:
-        t0 = time.perf_counter()
+        done = run_dir / f"{name}.done.json"
+        if done.exists():  # finished by an earlier call with this run_dir: the stages resume, never repeat
+            report["stages"][name] = {**C.read_json(done), "earlier_call": True}
+            print(f"[gpu_pipeline] {name}: done in an earlier call", flush=True)
+            continue
         extra = [f"--dapo={eval_data}", f"--aime2026={eval_data}"] if name == "eval" else []
-        proc = subprocess.run([sys.executable, str(REPO / script), *args, *extra], cwd=REPO, capture_output=True,
-                              text=True)
-        (run_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
-        report["stages"][name] = {"seconds": round(time.perf_counter() - t0, 1), "returncode": proc.returncode,
-                                  "tail": (proc.stdout + proc.stderr)[-1500:] if proc.returncode else proc.stdout[-600:]}
-        if proc.returncode:
+        report["stages"][name] = run_stage(name, [sys.executable, str(REPO / script), *args, *extra], run_dir)
+        if report["stages"][name]["returncode"]:
             report["ok"] = False
             break
+        C.write_json_atomic(report["stages"][name], done)
     else:
         report.update(pipeline_report(run_dir))
     Path(opts["out"]).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return report
+
+
+def run_stage(name: str, command: list[str], run_dir: Path) -> dict:
+    """One stage, its output streamed to run_dir/<name>.log (a call stopped by its time limit still shows how far
+    it got): seconds, return code, and the log's tail."""
+    print(f"[gpu_pipeline] {name}: {' '.join(command[1:])}  (log: {run_dir / f'{name}.log'})", flush=True)
+    t0 = time.perf_counter()
+    with open(run_dir / f"{name}.log", "w") as log:
+        returncode = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+    seconds = round(time.perf_counter() - t0, 1)
+    print(f"[gpu_pipeline] {name}: exit {returncode} after {seconds} s", flush=True)
+    tail = (run_dir / f"{name}.log").read_text(errors="replace")[-1500 if returncode else -600:]
+    return {"seconds": seconds, "returncode": returncode, "tail": tail}
 
 
 def pipeline_report(run_dir: Path) -> dict:
