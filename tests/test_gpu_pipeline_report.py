@@ -109,3 +109,34 @@ def test_a_missing_stage_output_fails_the_report_without_crashing(tmp_path, nois
     (tmp_path / "eval" / "aligned_history_replay_eval4.json").unlink()
     report = gpu_pipeline.pipeline_report(tmp_path)
     assert report["ok"] is False and "aligned_history_replay_eval4.json" in report["report_error"]
+
+
+def test_a_stopped_pipeline_goes_on_from_its_first_unfinished_stage(tmp_path, monkeypatch):
+    """Each stage's output is in its log as it runs; a second call with the same run_dir runs only the stages that
+    did not finish (a stage that failed the first time runs again, the ones before it do not)."""
+    script = tmp_path / "stage.py"
+    script.write_text("import sys, pathlib\n"
+                      "name = sys.argv[1]\n"
+                      "runs = pathlib.Path(sys.argv[2]) / (name + '.runs')\n"
+                      "runs.write_text(runs.read_text() + 'x' if runs.exists() else 'x')\n"
+                      "print('stage', name, 'ran', flush=True)\n"
+                      "sys.exit(1 if name == 'second' and len(runs.read_text()) == 1 else 0)\n")
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    stages = [(name, str(script)) for name in ("first", "second", "third")]
+    monkeypatch.setattr(gpu_pipeline, "STAGES", stages)
+    monkeypatch.setattr(gpu_pipeline, "pipeline_report", lambda run_dir: {"ok": True})
+    run_dir, out = tmp_path / "run", tmp_path / "report.json"
+    # each stage gets the pipeline's arguments after its own two (name, counts folder)
+    monkeypatch.setattr(gpu_pipeline, "REPO", tmp_path)
+    real_run_stage = gpu_pipeline.run_stage
+    monkeypatch.setattr(gpu_pipeline, "run_stage", lambda name, command, rd: real_run_stage(
+        name, [command[0], command[1], name, str(counts), *command[2:]], rd))
+
+    first = gpu_pipeline.main([f"--run_dir={run_dir}", f"--out={out}"])
+    assert first["ok"] is False and first["stages"]["second"]["returncode"] == 1
+    assert "third" not in first["stages"]
+    assert "stage second ran" in (run_dir / "second.log").read_text()
+    second = gpu_pipeline.main([f"--run_dir={run_dir}", f"--out={out}"])
+    assert second["ok"] is True and second["stages"]["first"]["earlier_call"] is True
+    assert {n: (counts / f"{n}.runs").read_text() for n, _ in stages} == {"first": "x", "second": "xx", "third": "x"}
