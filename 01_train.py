@@ -97,8 +97,7 @@ def run_generation(engine, cfg, problems, g, fitness, rollout_dir: Path) -> dict
     seeds = C.member_seeds(cfg.run_seed, g, cfg.population)
     # every member sees the same problems with the same request seeds (sample 0): members differ only in weights
     jobs = [(problem, 0) for problem in batch]
-    # each engine of the pool perturbs, runs the agent and restores, one member after another (records by member);
-    # with --scope=lowrank each engine runs all its members at once instead, each as a LoRA adapter (lowrank.py)
+    # each engine of the pool perturbs, runs the agent and restores, one member after another (records by member)
     per_member, timings = engine.evaluate_members(seeds, sigma, jobs, desc=f"generation {g} members")
     rewards = [float(fitness(records)) for records in per_member]
     episodes = [dict(r, generation=g, member=member, member_seed=seed)

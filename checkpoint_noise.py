@@ -566,15 +566,10 @@ def replay_on_checkpoint(folder: str | Path, history: dict,
     generations = history["generations"] if generations is None else generations
     out, shapes = {}, {}
     sums = [{} for _ in range(len(generations) + 1)]  # per checkpoint tensor: base, then after each generation
-    update_tensor_ = update_checkpoint_tensor_
-    if cfg.scope == "lowrank":  # members as LoRA adapters: the merged low-rank update instead
-        import lowrank  # it imports this module
-
-        update_tensor_ = lowrank.update_checkpoint_tensor_
     for name, t in checkpoint_float_tensors(folder, cfg.dtype, set(held_checkpoint_tensors(folder))):
         sums[0][name] = tensor_digest_sum(name, t)
         for k, g in enumerate(generations, start=1):
-            update_tensor_(name, t, g, cfg)
+            update_checkpoint_tensor_(name, t, g, cfg)
             sums[k][name] = tensor_digest_sum(name, t)
         out[name], shapes[name] = t, list(t.shape)
     recorded = [("the base", history["base_digests"])] + [(f"generation {g['generation']}", g["digests"])

@@ -63,12 +63,11 @@ REPO = Path(__file__).resolve().parent
 RESTORE_MODES = ("copy_device", "copy_host", "subtract")
 ROUNDING_MODES = ("nearest", "stochastic")
 NOISE_MODES = ("rank_salted", "checkpoint")
-SCOPES = ("full", "lowrank")  # lowrank: experimental members as LoRA adapters (lowrank.py)
 PROMPT_MODES = ("render", "continue")  # see ChatPrompts
 TRACKING_MODES = ("none", "tensorboard")
 DTYPES = ("bfloat16", "float16", "float32")
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
-SETTING_CHOICES = {"restore": RESTORE_MODES, "rounding": ROUNDING_MODES, "noise": NOISE_MODES, "scope": SCOPES,
+SETTING_CHOICES = {"restore": RESTORE_MODES, "rounding": ROUNDING_MODES, "noise": NOISE_MODES,
                    "prompt_mode": PROMPT_MODES, "tracking": TRACKING_MODES, "dtype": DTYPES,
                    "cudagraph_mode": CUDAGRAPH_MODES}
 
@@ -97,9 +96,6 @@ class Config:
     sigma_start: float = 1e-3  # noise scale at generation 0 (cosine schedule)
     sigma_end: float = 5e-4  # noise scale at the last generation
     alpha: float = 5e-4  # step size: theta += alpha / N * sum_i z_i eps_i (1/sigma folded in)
-    scope: str = "full"  # every floating-point parameter of the runtime model; "lowrank" (experimental, lowrank.py):
-                         # rank-r members on the attention and MLP matrices, served as LoRA adapters
-    lora_rank: int = 1  # scope="lowrank": the rank r of each member's perturbation of a weight matrix
     noise_chunk: int = 8_388_608  # elements per float32 noise draw: part of the noise definition
     restore: str = "copy_device"  # copy_device | copy_host (pinned) | subtract (low memory, NOT bit-exact in bf16)
     rounding: str = "nearest"  # bf16 rounding of every weight change: "nearest" (the reference) or "stochastic"
@@ -139,10 +135,6 @@ class Config:
         if self.rounding == "stochastic" and self.restore == "subtract":
             raise ConfigError("restore=subtract cannot undo a stochastically rounded perturbation; use copy_device "
                               "or copy_host with rounding=stochastic")
-        if self.scope == "lowrank" and self.noise != "checkpoint":
-            raise ConfigError("scope=lowrank draws its factors from the checkpoint noise: use noise=checkpoint")
-        if self.scope == "lowrank" and self.ray_address:
-            raise ConfigError("scope=lowrank runs its engines in this process for now; drop --ray_address")
         if self.rounding == "stochastic" and self.dtype != "bfloat16":
             # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
             raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "
@@ -187,7 +179,6 @@ SETTING_BOUNDS = {
     "sigma_end": Bounds(0, low_open=True),
     "alpha": Bounds(0, why="0: members are evaluated, the weights never move"),
     "noise_chunk": Bounds(1),
-    "lora_rank": Bounds(1, 512, why="vLLM serves LoRA ranks up to 512"),
     "max_turns": Bounds(1),
     "max_new_tokens": Bounds(1),
     "temperature": Bounds(0, 2, why="vLLM's range; 0: greedy"),
@@ -333,7 +324,7 @@ def exit_if_help(argv: list[str], doc: str, script: str | None = None, options: 
 # What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
 # the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
 # command line, a preset or an evaluation's settings.
-WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "scope", "lora_rank", "rounding", "noise")
+WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "rounding", "noise")
 POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
 # settings that may change between a run and its resume: where files go, and how fast and how many episodes the
 # engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
@@ -346,12 +337,23 @@ def resume_free_fields(config: dict) -> tuple[str, ...]:
     return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if config.get("noise") == "checkpoint" else ())
 
 
+def without_retired_settings(config: dict) -> dict:
+    """A recorded config without the settings this code no longer has: `scope` and its `lora_rank` (scope="full",
+    every parameter, is what every run does; "lowrank", members as LoRA adapters, was measured slower than
+    co-located engines and removed: bench/README.md, "Low-rank members")."""
+    if config.get("scope", "full") != "full":
+        raise ConfigError(f"the run was trained with scope={config['scope']!r}, which this version of the code no "
+                          "longer has (measured and removed, see bench/README.md): use the version that trained it")
+    return {k: v for k, v in config.items() if k not in ("scope", "lora_rank")}
+
+
 def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
     """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
     from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
     from the history. `--preset` fills in only the settings that may differ between runs (RESUME_FREE_FIELDS, such
     as run_dir), never a recorded value; an explicit `--key=value` that differs from a recorded one is refused."""
-    recorded_settings = {k: v for k, v in (settings or history["config"]).items()
+    without_retired_settings(history["config"])  # refuses a run this code cannot rebuild
+    recorded_settings = {k: v for k, v in without_retired_settings(settings or history["config"]).items()
                          if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
     free_fields = resume_free_fields(history["config"])
     values = {**recorded_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS
@@ -530,13 +532,6 @@ CHECKPOINT_NOISE = {
     "index": "the element's row-major index in the checkpoint tensor",
     "member_seeds": NOISE_DEFINITION["member_seeds"],
 }
-LOWRANK_NOISE = {  # scope="lowrank" (lowrank.py): on top of CHECKPOINT_NOISE, which draws each factor
-    "perturbation": "E = sigma / sqrt(r) * B A^T per covered checkpoint matrix W (out x in); B (out x r), A (in x r) "
-                    "the checkpoint noise at row-major index, keys of (member seed, name + '#lora_B' / '#lora_A')",
-    "update": "sum over members and k < r of (coefficient / sqrt(r) * B[o, k]) * A[i, k], float32, in that order",
-    "covered": "2-D tensors named *.{q,k,v,o,gate,up,down}_proj.weight (MoE experts on GPU only); norms, "
-               "embeddings, lm_head and the MoE router never change",
-}
 CHECKPOINT_ROUNDING = ("the float32 value's bits + (splitmix64_mix(key + index * golden) >> 40) & 0xffff, low 16 "
                        "bits cleared; key splitmix64(rounding seed of rank 0 ^ name_hash(checkpoint tensor name))")
 
@@ -546,8 +541,6 @@ def noise_definition(cfg: "Config") -> dict:
     (round to nearest, the reference, adds no key)."""
     if cfg.noise == "checkpoint":
         definition = dict(CHECKPOINT_NOISE)
-        if cfg.scope == "lowrank":
-            definition.update(LOWRANK_NOISE, rank=cfg.lora_rank)
     else:
         definition = dict(NOISE_DEFINITION, chunk=cfg.noise_chunk)
     if cfg.rounding != "nearest":
@@ -617,8 +610,7 @@ def es_parameters(named_parameters) -> list[tuple[str, torch.Tensor]]:
 
 # The worker extension of each noise kind (Config.noise), by qualified name: vLLM imports it in every worker. The
 # checkpoint noise's subclass lives in checkpoint_noise.py, which imports this module.
-WORKER_EXTENSIONS = {"rank_salted": "common.ESWorker", "checkpoint": "checkpoint_noise.CheckpointESWorker",
-                     "lowrank": "lowrank.LowRankESWorker"}  # scope="lowrank" (with noise="checkpoint")
+WORKER_EXTENSIONS = {"rank_salted": "common.ESWorker", "checkpoint": "checkpoint_noise.CheckpointESWorker"}
 
 
 class ESWorker:

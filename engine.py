@@ -1,6 +1,5 @@
 """The engine: one vLLM AsyncLLM at TP=2 running the ES worker extension (common.ESWorker, or with
-noise="checkpoint" checkpoint_noise.CheckpointESWorker, with scope="lowrank" lowrank.LowRankESWorker and each
-member a LoRA adapter), behind a synchronous facade so that the numbered scripts read top to bottom. Async inside,
+noise="checkpoint" checkpoint_noise.CheckpointESWorker), behind a synchronous facade so that the numbered scripts read top to bottom. Async inside,
 so that agent episodes advance independently (no per-turn barrier). Every weight change (perturb, restore, update)
 resets vLLM's prefix cache: cached KV blocks are keyed by tokens, not weights.
 
@@ -16,7 +15,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import functools
 import hashlib
 import json
 import logging
@@ -32,7 +30,6 @@ from pathlib import Path
 
 import checkpoint_noise
 import common as C
-import lowrank
 import scoring
 
 
@@ -252,8 +249,6 @@ class Engine(C.ClosedOnExit):
     def __init__(self, cfg: C.Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
                  skip_tokenizer_init: bool = False, executor: str | None = None):
         self.cfg = cfg
-        if cfg.scope == "lowrank":  # before anything starts: a model the low-rank members cannot serve is refused
-            lowrank.check_lowrank_model(model_path, C.device_type())
         self._tokenizer_path = tokenizer or model_path
         self.prompts = (None if skip_tokenizer_init  # no tokenizer: no agent
                         else C.ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
@@ -267,13 +262,9 @@ class Engine(C.ClosedOnExit):
             model=model_path, tokenizer=self._tokenizer_path, load_format=load_format,
             tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
             max_model_len=cfg.max_model_len, enable_prefix_caching=True, seed=cfg.run_seed,
-            worker_extension_cls=C.WORKER_EXTENSIONS["lowrank" if cfg.scope == "lowrank" else cfg.noise],
+            worker_extension_cls=C.WORKER_EXTENSIONS[cfg.noise],
             skip_tokenizer_init=skip_tokenizer_init,
         )
-        if cfg.scope == "lowrank":  # members are LoRA adapters, all of a generation's resident at once
-            args.update(lowrank.engine_lora_args(cfg))
-            self._lowrank_tensors, self._model_path = lowrank.covered_tensors(model_path), model_path
-            self._next_adapter_id = 1  # vLLM caches adapters by id: a fresh one for every member of every generation
         if executor:  # inside a Ray placement group vLLM would pick its Ray executor; the pool wants "mp"
             args["distributed_executor_backend"] = executor
         if self.device == "cuda":
@@ -289,8 +280,6 @@ class Engine(C.ClosedOnExit):
         try:
             with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
                 self.llm = self._run(self._start(args))
-            if cfg.scope == "lowrank":  # the rank of the members' factors, which the merged update draws again
-                self.rpc("es_set_lora_rank", rank=cfg.lora_rank)
         except BaseException:
             # a failed start cleans up after itself, but a start interrupted by SIGTERM/Ctrl-C cannot be cancelled
             # and would leave EngineCore and its workers running: end what it has spawned
@@ -395,8 +384,6 @@ class Engine(C.ClosedOnExit):
         first perturbation."""
         if getattr(self, "_restore_copy_taken", False) or self.cfg.restore == "subtract":
             return
-        if self.cfg.scope == "lowrank":  # its members are adapters: the weights are never perturbed in place
-            return
         with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
             self.rpc("es_snapshot", restore=self.cfg.restore)
         self._restore_copy_taken = True
@@ -431,42 +418,6 @@ class Engine(C.ClosedOnExit):
         with C.stopwatch(timings, "restore"):
             self.restore()
         return records, timings
-
-    def evaluate_lowrank_members(self, seeds: list[int], sigma: float, jobs: list[tuple[dict, int]], *,
-                                 desc: str | None = "episodes", on_record=None) -> tuple[list[list[dict]], dict]:
-        """The member step of low-rank ES (scope="lowrank"): all members' episodes at once on the unchanged theta,
-        each request carrying its member's adapter (member_adapters). Returns the records per member (input order)
-        and the seconds of each step."""
-        timings = {}
-        with self.member_adapters(seeds, sigma, timings) as adapters:
-            with C.stopwatch(timings, "rollout"):
-                records = self.run_agent(jobs, desc=desc, on_record=on_record, adapters=adapters)
-        return [records[i * len(jobs):(i + 1) * len(jobs)] for i in range(len(seeds))], timings
-
-    @contextlib.contextmanager
-    def member_adapters(self, seeds: list[int], sigma: float, timings: dict):
-        """Each member's perturbation written as a LoRA adapter and loaded (timed as "perturb"); yields their
-        LoRARequests; after the body the adapters are removed and the prefix cache reset (timed as "restore")."""
-        from vllm.lora.request import LoRARequest
-
-        folder = lowrank.adapter_dir()
-        try:
-            with C.stopwatch(timings, "perturb"):
-                requests = []
-                for i, seed in enumerate(seeds):
-                    path = lowrank.write_adapter(folder / f"member-{i}", seed, sigma, self.cfg.lora_rank,
-                                                 self._lowrank_tensors, self._model_path)
-                    requests.append(LoRARequest(f"es-{self._next_adapter_id}-{seed}", self._next_adapter_id, str(path)))
-                    self._next_adapter_id += 1
-                for request in requests:  # loaded now, so that a bad adapter fails here rather than mid-episode
-                    self._call_vllm(self.llm.add_lora(request), f"loading adapter {request.lora_name}")
-            yield requests
-            with C.stopwatch(timings, "restore"):
-                for request in requests:
-                    self._call_vllm(self.llm.remove_lora(request.lora_int_id), f"removing {request.lora_name}")
-                self.reset_prefix_cache()
-        finally:
-            lowrank.remove_adapter_dir(folder)
 
     def digests(self) -> list[str]:
         """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order; with
@@ -503,11 +454,11 @@ class Engine(C.ClosedOnExit):
         self._call_vllm(self.llm.engine_core.save_sharded_state_async(path=str(path)), "save_sharded_state")
 
     # ---- requests ----
-    async def _complete(self, ids: list[int], params, request_id: str, adapter=None):
-        """One request from token ids to its finished completion (with a LoRA adapter: a low-rank member's)."""
-        return (await self._finished(ids, params, request_id, adapter)).outputs[0]
+    async def _complete(self, ids: list[int], params, request_id: str):
+        """One request from token ids to its finished completion."""
+        return (await self._finished(ids, params, request_id)).outputs[0]
 
-    async def _finished(self, ids: list[int], params, request_id: str, adapter=None):
+    async def _finished(self, ids: list[int], params, request_id: str):
         """One request from token ids to its final RequestOutput (the completion, cached prompt tokens, ...). A
         request that errors, or that vLLM aborts or ends with an error (not stop/length), is an EngineFailure: its
         partial text is no reply of the model."""
@@ -516,7 +467,7 @@ class Engine(C.ClosedOnExit):
         out = None
         self._check_alive(f"request {request_id}")
         try:
-            async for out in self.llm.generate(tokens_input(ids), params, request_id=request_id, lora_request=adapter):
+            async for out in self.llm.generate(tokens_input(ids), params, request_id=request_id):
                 pass
         except Exception as exc:
             raise self._failure(f"request {request_id}", exc) from exc
@@ -526,15 +477,12 @@ class Engine(C.ClosedOnExit):
         return out
 
     # ---- the agent ----
-    def run_agent(self, jobs: list[tuple[dict, int]], desc: str | None = "episodes", on_record=None,
-                  adapters: list | None = None) -> list[dict]:
+    def run_agent(self, jobs: list[tuple[dict, int]], desc: str | None = "episodes", on_record=None) -> list[dict]:
         """Run one agent episode per (problem, sample_index), all concurrently; records in input order.
         on_record(record) is called as each episode ends (e.g. to append it to a log). desc=None: no progress bar
-        (the pool draws one for all its engines). adapters (LoRARequests): every job once per adapter, all at once,
-        each episode's requests carrying its adapter; records adapter by adapter."""
+        (the pool draws one for all its engines)."""
         c = self.cfg
-        total = len(jobs) * (1 if adapters is None else len(adapters))
-        with C.progress_bar(total=total, desc=desc, leave=False, disable=desc is None) as bar:
+        with C.progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
             def progress(record):
                 record["prompt_mode"] = self.prompt_mode  # how its prompts were built (common.ChatPrompts)
                 bar.update(1)
@@ -545,28 +493,10 @@ class Engine(C.ClosedOnExit):
                                 max_new_tokens=c.max_new_tokens, obs_limit_chars=c.observation_chars,
                                 bash_timeout_s=c.bash_timeout_s)
             try:
-                if adapters is None:
-                    return self._run(C.run_episodes(self._policy, jobs, concurrency=c.concurrency, **episode_args))
-                return self._run(self._episodes_per_adapter(jobs, adapters, episode_args))
+                return self._run(C.run_episodes(self._policy, jobs, concurrency=c.concurrency, **episode_args))
             finally:
                 if self.prompts is not None:
                     self.prompts.forget()
-
-    async def _episodes_per_adapter(self, jobs: list, adapters: list, episode_args: dict) -> list[dict]:
-        """run_episodes of `jobs` once per adapter, all at once (the engine's concurrency shared out, one sandbox
-        pool); the first failure cancels the rest."""
-        concurrency = max(1, self.cfg.concurrency // len(adapters))
-        with concurrent.futures.ThreadPoolExecutor(C.SANDBOX_MAX_PARALLEL, thread_name_prefix="sandbox") as tools:
-            runs = [asyncio.ensure_future(C.run_episodes(functools.partial(self._policy, adapter=adapter), jobs,
-                                                         concurrency=concurrency, tool_executor=tools, **episode_args))
-                    for adapter in adapters]
-            try:
-                return [record for records in await asyncio.gather(*runs) for record in records]
-            except BaseException:
-                for run in runs:
-                    run.cancel()
-                await asyncio.gather(*runs, return_exceptions=True)
-                raise
 
     @property
     def prompt_mode(self) -> str | None:
@@ -582,15 +512,14 @@ class Engine(C.ClosedOnExit):
             self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
         return self._tokenizer
 
-    async def _policy(self, messages: list[dict], *, seed: int, max_tokens: int, adapter=None) -> dict:
-        """One assistant turn: the conversation's prompt ids (common.ChatPrompts), sampled with the turn's seed;
-        with `adapter` (a LoRARequest: a low-rank member) on the base weights plus that adapter."""
+    async def _policy(self, messages: list[dict], *, seed: int, max_tokens: int) -> dict:
+        """One assistant turn: the conversation's prompt ids (common.ChatPrompts), sampled with the turn's seed."""
         ids = self.prompts.ids(messages)
         room = self.cfg.max_model_len - len(ids)
         if room <= 0:
             raise C.ContextOverflow(f"conversation is {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}")
         params = sampling_params(self.cfg, seed=seed, max_tokens=min(max_tokens, room))
-        completion = await self._complete(ids, params, f"turn-{seed}-{time.time_ns()}", adapter)
+        completion = await self._complete(ids, params, f"turn-{seed}-{time.time_ns()}")
         self.prompts.remember(messages, ids, completion)
         return {"text": completion.text, "prompt_tokens": len(ids), "completion_tokens": len(completion.token_ids),
                 "finish_reason": completion.finish_reason}

@@ -671,8 +671,6 @@ class EnginePool(C.ClosedOnExit):
         ran it and whenever it finished. Timings: the members' summed perturb/rollout/restore seconds and the
         wall time of the whole population ("members")."""
         timings, t0 = {}, time.perf_counter()
-        if self.cfg.scope == "lowrank":  # members as adapters: each engine runs its share of them all at once
-            return self._evaluate_lowrank_members(seeds, sigma, jobs, desc, t0)
         results = self.work(len(seeds), desc, "member", lambda engine, i, on_record: engine.evaluate_member(
             seeds[i], sigma, jobs, desc=f"member {i} episodes" if self.size == 1 else None, on_record=on_record))
         for _, member_timings in results:
@@ -680,21 +678,6 @@ class EnginePool(C.ClosedOnExit):
                 timings[key] = timings.get(key, 0.0) + seconds
         timings["members"] = time.perf_counter() - t0
         return [records for records, _ in results], timings
-
-    def _evaluate_lowrank_members(self, seeds, sigma, jobs, desc, t0) -> tuple[list[list[dict]], dict]:
-        """scope="lowrank": contiguous shares of the members, one per engine, each share's episodes all at once
-        (Engine.evaluate_lowrank_members); timings summed over the engines as evaluate_members sums members'."""
-        size = math.ceil(len(seeds) / self.size)
-        shares = [list(range(i, min(i + size, len(seeds)))) for i in range(0, len(seeds), size)]
-        results = self.work(len(shares), desc, "share", lambda engine, k, on_record: engine.evaluate_lowrank_members(
-            [seeds[i] for i in shares[k]], sigma, jobs, desc="member episodes" if self.size == 1 else None,
-            on_record=on_record), total_episodes=len(seeds) * len(jobs) if self.size > 1 else 0)
-        timings = {}
-        for _, share_timings in results:
-            for key, seconds in share_timings.items():
-                timings[key] = timings.get(key, 0.0) + seconds
-        timings["members"] = time.perf_counter() - t0
-        return [records for per_member, _ in results for records in per_member], timings
 
     def run_agent(self, jobs: list[tuple[dict, int]], desc: str = "episodes", on_record=None) -> list[dict]:
         """Engine.run_agent spread over the pool: contiguous slices of `jobs` (a problem's samples stay together,

@@ -1,5 +1,8 @@
-"""How fast did training fitness rise? The least-squares slope of the mean member fitness per generation, with a 95%
-percentile-bootstrap interval over generations, for each ES history given, beside its alpha and mean sigma.
+"""How fast did training fitness rise, and how long did a generation take? The least-squares slope of the mean
+member fitness per generation, with a 95% percentile-bootstrap interval over generations, for each ES history given,
+beside its alpha and mean sigma; and the seconds per generation from the history's own timings (the members' phase,
+the update and the digest: a generation's wall time but its writes), median and range over generations
+--timed_from=k and later (the first ones of a history can have shared the machine with other work).
 
     python bench/fitness_trend.py bench/results/learning_gpu_clean_seed20260627_history.json ... --out=trend.json
 
@@ -49,16 +52,34 @@ def fitness_trend(history: dict, seed: int = 0) -> dict:
             "within_generation_std": float(np.mean([np.std(g["rewards"]) for g in gens]))}
 
 
+def generation_seconds(history: dict, timed_from: int = 0) -> dict:
+    """Seconds per generation (members + update + digest, from each generation's recorded timings) over the
+    generations numbered timed_from and later, and the ES operations' share of them (perturb + restore + update)."""
+    gens = [g for g in history["generations"] if g["generation"] >= timed_from and g.get("timings")]
+    if not gens:
+        return {"timed_generations": 0}
+    total = np.array([g["timings"]["members"] + g["timings"]["update"] + g["timings"].get("digest", 0.0) for g in gens])
+    es_ops = np.array([g["timings"]["perturb"] + g["timings"]["restore"] + g["timings"]["update"] for g in gens])
+    return {"timed_generations": len(gens), "seconds_per_generation": float(np.median(total)),
+            "seconds_min": float(total.min()), "seconds_max": float(total.max()),
+            "es_ops_seconds": float(np.median(es_ops))}
+
+
 def main(argv):
     paths = [a for a in argv if not a.startswith("--")]
-    opts, _ = C.parse_args([a for a in argv if a.startswith("--")], {"out": ""})
+    opts, _ = C.parse_args([a for a in argv if a.startswith("--")], {"out": "", "timed_from": 0})
     if not paths:
         sys.exit("usage: python bench/fitness_trend.py HISTORY.json ... [--out=FILE]")
-    rows = [dict(history=p, **fitness_trend(C.read_json(Path(p)))) for p in paths]
-    print(f"{'history':<58} {'gens':>4} {'alpha x sigma':>13} {'slope / generation [95% CI]':>34}")
+    histories = [(p, C.read_json(Path(p))) for p in paths]
+    rows = [dict(history=p, **fitness_trend(h), **generation_seconds(h, opts["timed_from"])) for p, h in histories]
+    print(f"{'history':<58} {'gens':>4} {'alpha x sigma':>13} {'slope / generation [95% CI]':>34} "
+          f"{'s / generation [range]':>24} {'ES ops s':>8}")
     for r in rows:
+        timing = (f"{r['seconds_per_generation']:6.1f} [{r['seconds_min']:.1f}, {r['seconds_max']:.1f}]"
+                  if r["timed_generations"] else "-")
         print(f"{Path(r['history']).name:<58} {r['generations']:>4} {r['alpha_x_sigma']:>13.2e} "
-              f"{r['slope_per_generation']:+.5f} [{r['ci_low']:+.5f}, {r['ci_high']:+.5f}]")
+              f"{r['slope_per_generation']:+.5f} [{r['ci_low']:+.5f}, {r['ci_high']:+.5f}] {timing:>24} "
+              f"{r.get('es_ops_seconds', float('nan')):8.2f}")
     return emit({"bench": "fitness_trend", "runs": rows}, opts["out"])
 
 

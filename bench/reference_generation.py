@@ -24,12 +24,6 @@ faster lone sequence or several engines at once can shorten the generation.
     python bench/reference_generation.py --qwen3_30b=true --layers=12 --tensor_parallel_size=1 --engines=4 \
         --gpu_memory_utilization=0.18 --token_scale=0.25 --tool_scale=0.25 --members=16  # 4 co-located, one GPU
     bash run_cpu.sh python bench/reference_generation.py --preset=smoke --token_scale=0.02 --members=2 --episodes=4
-
-With --scope=lowrank --noise=checkpoint (lowrank.py) the members are LoRA adapters, each engine runs its share of them
-all at once, and --qwen3_30b writes random safetensors files (the adapters are drawn from the checkpoint's tensors):
-    python bench/reference_generation.py --qwen3_30b=true --layers=12 --tensor_parallel_size=1 --engines=1 \
-        --gpu_memory_utilization=0.7 --token_scale=0.25 --tool_scale=0.25 --members=16 --scope=lowrank \
-        --noise=checkpoint --lora_rank=1
 """
 
 import asyncio
@@ -76,9 +70,8 @@ def draw_episode(seed: int, member: int, episode: int, token_scale: float) -> di
             "tool_seconds": [float(rng.uniform(*TOOL_SECONDS)) for _ in range(turns)]}
 
 
-async def scripted_episode(engine, plan: dict, seed: int, vocab: int, tools, adapter=None) -> dict:
-    """Real requests with the drawn budgets; each turn continues the previous prompt + output + observation.
-    adapter: a low-rank member's LoRARequest (scope="lowrank"), else the engine's own weights."""
+async def scripted_episode(engine, plan: dict, seed: int, vocab: int, tools) -> dict:
+    """Real requests with the drawn budgets; each turn continues the previous prompt + output + observation."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -93,7 +86,7 @@ async def scripted_episode(engine, plan: dict, seed: int, vocab: int, tools, ada
             break
         params = SamplingParams(max_tokens=min(budget, room), ignore_eos=True, temperature=1.0, top_k=40,
                                 seed=seed + turn, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
-        out = await engine._complete(ids, params, f"ref-{seed}-{turn}-{time.time_ns()}", adapter)
+        out = await engine._complete(ids, params, f"ref-{seed}-{turn}-{time.time_ns()}")
         generated += len(out.token_ids)
         turns += 1
         if turn < len(plan["budgets"]) - 1:
@@ -103,17 +96,11 @@ async def scripted_episode(engine, plan: dict, seed: int, vocab: int, tools, ada
     return {"tokens": generated, "turns": turns, "finish": finish, "tool_s": tool_total, "end": time.perf_counter()}
 
 
-def run_member(engine, plans: list[dict], seed: int, vocab: int, adapter=None) -> tuple[list[dict], float]:
-    """One member's episodes at once (member m's episode i seeded m * 1000 + i); their ends from the start."""
-    return run_episodes(engine, [(plan, seed * 1000 + i, adapter) for i, plan in enumerate(plans)], vocab)
-
-
-def run_episodes(engine, episodes: list[tuple[dict, int, object]], vocab: int) -> tuple[list[dict], float]:
-    """(plan, seed, adapter) episodes all at once on one engine; each episode's end counted from the start."""
+def run_member(engine, plans: list[dict], seed: int, vocab: int) -> tuple[list[dict], float]:
     async def all_episodes():
         with concurrent.futures.ThreadPoolExecutor(max_workers=C.SANDBOX_MAX_PARALLEL) as tools:
-            return await asyncio.gather(*(scripted_episode(engine, plan, seed, vocab, tools, adapter)
-                                          for plan, seed, adapter in episodes))
+            return await asyncio.gather(*(scripted_episode(engine, p, seed * 1000 + i, vocab, tools)
+                                          for i, p in enumerate(plans)))
 
     t0 = time.perf_counter()
     episodes = engine._run(all_episodes())
@@ -138,21 +125,6 @@ def straggler_floor_s(episodes: list[dict], single_tokens_per_s: float) -> float
     return last["tokens"] / single_tokens_per_s + last["tool_s"]
 
 
-def member_row(m: int, episodes: list[dict], rollout_s: float, perturb_s: float, restore_s: float,
-               engine: int) -> dict:
-    ends = sorted(e["end"] for e in episodes)
-    row = {"member": m, "rollout_s": round(rollout_s, 2), "perturb_s": round(perturb_s, 3),
-           "restore_s": round(restore_s, 3), "tokens": sum(e["tokens"] for e in episodes),
-           "turns": [e["turns"] for e in episodes],
-           "context_full": sum(e["finish"] == "context_full" for e in episodes),
-           "median_end_s": round(statistics.median(ends), 2), "last_end_s": round(ends[-1], 2),
-           "straggler_share": round((ends[-1] - statistics.median(ends)) / rollout_s, 3), "episodes": episodes,
-           "engine": engine}
-    print(f"member {m:>2}: {row['tokens']:>8} tokens in {rollout_s:8.1f} s  ({row['tokens'] / rollout_s:7.1f} "
-          f"tok/s), straggler share {row['straggler_share']:.2f}", flush=True)
-    return row
-
-
 def run_members(pool, plans, seeds, sigma, vocab) -> list[dict]:
     """Every member on the pool's work queue (K engines at once): perturb, its scripted episodes, restore."""
     def member(engine, m, on_record):
@@ -162,42 +134,27 @@ def run_members(pool, plans, seeds, sigma, vocab) -> list[dict]:
         episodes, rollout_s = run_member(engine, plans[m], m, vocab)
         t0 = time.perf_counter()
         engine.restore()
-        return member_row(m, episodes, rollout_s, perturb_s, time.perf_counter() - t0, pool.engines.index(engine))
+        restore_s = time.perf_counter() - t0
+        ends = sorted(e["end"] for e in episodes)
+        row = {"member": m, "rollout_s": round(rollout_s, 2), "perturb_s": round(perturb_s, 3),
+               "restore_s": round(restore_s, 3), "tokens": sum(e["tokens"] for e in episodes),
+               "turns": [e["turns"] for e in episodes],
+               "context_full": sum(e["finish"] == "context_full" for e in episodes),
+               "median_end_s": round(statistics.median(ends), 2), "last_end_s": round(ends[-1], 2),
+               "straggler_share": round((ends[-1] - statistics.median(ends)) / rollout_s, 3), "episodes": episodes,
+               "engine": pool.engines.index(engine)}
+        print(f"member {m:>2}: {row['tokens']:>8} tokens in {rollout_s:8.1f} s  ({row['tokens'] / rollout_s:7.1f} "
+              f"tok/s), straggler share {row['straggler_share']:.2f}", flush=True)
+        return row
 
     return pool.work(len(seeds), "members", "member", member)
-
-
-def run_lowrank_members(pool, plans, seeds, sigma, vocab) -> list[dict]:
-    """scope="lowrank": each engine's contiguous share of the members as LoRA adapters on its unchanged weights, every
-    episode of the share at once (Engine.member_adapters); a member's perturb/restore seconds are its share's adapter
-    writing + loading / removal over the share's members, its rollout time the share's."""
-    size = -(-len(seeds) // pool.size)
-    shares = [list(range(i, min(i + size, len(seeds)))) for i in range(0, len(seeds), size)]
-
-    def share(engine, k, on_record):
-        timings, members = {}, shares[k]
-        with engine.member_adapters([seeds[m] for m in members], sigma, timings) as adapters:
-            episodes, rollout_s = run_episodes(engine, [(plan, m * 1000 + i, adapter) for m, adapter in
-                                                        zip(members, adapters) for i, plan in enumerate(plans[m])],
-                                               vocab)
-        per_member = len(plans[members[0]])
-        return [member_row(m, episodes[j * per_member:(j + 1) * per_member], rollout_s,
-                           timings["perturb"] / len(members), timings["restore"] / len(members),
-                           pool.engines.index(engine)) for j, m in enumerate(members)]
-
-    return [row for rows in pool.work(len(shares), "member shares", "share", share) for row in rows]
 
 
 def main(argv):
     opts, overrides = C.parse_args(argv, {"members": 16, "episodes": 16, "token_scale": 1.0, "tool_scale": 1.0,
                                           "seed": 0, "qwen3_30b": False, "layers": 0, "plain": True, "out": ""})
     cfg = C.parse_config(overrides)
-    if opts["qwen3_30b"] and cfg.scope == "lowrank":  # adapters are drawn from the checkpoint's tensors: real files
-        model, load_format = qwen3_30b.write_config(f"/tmp/qwen3-30b-a3b-ref-{opts['layers']}-files",
-                                                    layers=opts["layers"]), "auto"
-        if not (Path(model) / "model.safetensors.index.json").exists():
-            qwen3_30b.write_random_checkpoint(model)
-    elif opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
+    if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref", layers=opts["layers"]), "dummy"
     else:
         model, load_format = models.resolve_model(cfg.model), "auto"
@@ -216,8 +173,7 @@ def main(argv):
         single = plain_tokens_per_s(engine, vocab, sequences=1)  # the speed of a straggler decoding alone
         t_gen = time.perf_counter()
         seeds = C.member_seeds(cfg.run_seed, 0, opts["members"])
-        members = (run_lowrank_members if cfg.scope == "lowrank" else run_members)(pool, plans, seeds,
-                                                                                    cfg.sigma_start, vocab)
+        members = run_members(pool, plans, seeds, cfg.sigma_start, vocab)
         rollouts_s = time.perf_counter() - t_gen
         t0 = time.perf_counter()
         pool.update(seeds, C.update_coefficients(C.zscore(range(len(seeds))), cfg.alpha))
@@ -233,13 +189,12 @@ def main(argv):
     tokens = sum(m["tokens"] for m in members)
     rollout = sum(m["rollout_s"] for m in members)
     cut = f" cut to {opts['layers']} layers" if opts["layers"] else ""
-    model_name = (f"Qwen3-30B-A3B layout{cut}, " + ("random weights" if load_format == "auto" else "dummy weights")
+    model_name = (f"Qwen3-30B-A3B layout{cut}, dummy weights"
                   if opts["qwen3_30b"] else cfg.model)
     result = {"bench": "reference_generation", "date": time.strftime("%Y-%m-%d"), "device": pool.device,
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
               "cudagraph_mode": cfg.cudagraph_mode, "max_num_batched_tokens": cfg.max_num_batched_tokens,
               "model": model_name, "tensor_parallel_size": cfg.tensor_parallel_size, "engines": pool.size,
-              "scope": cfg.scope, "lora_rank": cfg.lora_rank if cfg.scope == "lowrank" else None,
               "mps": P.mps_running() if pool.device == "cuda" else None,
               "gpu_memory_utilization": cfg.gpu_memory_utilization, "placement": placement,
               "memory_per_engine": memory,

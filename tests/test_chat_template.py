@@ -44,8 +44,8 @@ def run_turns(engine, mode):
         turns[seed] = {"messages": copy.deepcopy(messages)}
         return await policy(messages, seed=seed, max_tokens=max_tokens)
 
-    async def watched_complete(ids, params, request_id, adapter=None):
-        completion = await complete(ids, params, request_id, adapter)
+    async def watched_complete(ids, params, request_id):
+        completion = await complete(ids, params, request_id)
         turns[params.seed].update(ids=list(ids), completion=completion)
         return completion
 

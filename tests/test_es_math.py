@@ -363,6 +363,19 @@ def test_unknown_recorded_setting_is_a_clear_error():
         C.config_from_history(history, [])
 
 
+def test_a_history_of_the_previous_version_still_rebuilds_and_a_low_rank_one_is_refused():
+    """Histories written while `scope` existed record scope="full" and lora_rank: they rebuild as every run does
+    (an evaluation's recorded settings too); a scope="lowrank" history names what was removed."""
+    history, evaluation = recorded_history(), dataclasses.asdict(C.parse_config([]))
+    history["config"].update(scope="full", lora_rank=1)
+    evaluation.update(scope="full", lora_rank=1)
+    assert C.config_from_history(history, [], settings=evaluation) == C.config_from_history(recorded_history(), [],
+                                                                                           settings=evaluation)
+    history["config"]["scope"] = "lowrank"
+    with pytest.raises(C.ConfigError, match="trained with scope='lowrank', which this version of the code no longer"):
+        C.config_from_history(history, [])
+
+
 # ---- the history's identity: the device model ----
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132}
