@@ -55,7 +55,7 @@ def fitness_trend(history: dict, seed: int = 0) -> dict:
 def generation_seconds(history: dict, timed_from: int = 0) -> dict:
     """Seconds per generation (members + update + digest, from each generation's recorded timings) over the
     generations numbered timed_from and later, and the ES operations' share of them (perturb + restore + update)."""
-    gens = [g for g in history["generations"] if g["generation"] >= timed_from and g.get("timings")]
+    gens = [g for g in history["generations"] if g.get("timings") and g["generation"] >= timed_from]
     if not gens:
         return {"timed_generations": 0}
     total = np.array([g["timings"]["members"] + g["timings"]["update"] + g["timings"].get("digest", 0.0) for g in gens])

@@ -115,6 +115,15 @@ def test_fitness_trend_recovers_a_known_slope_and_finds_none_in_noise():
     assert shaped["alpha_x_sigma"] == pytest.approx(4e-3 * 1.5e-3) and shaped["slope_per_generation"] == pytest.approx(0)
 
 
+def test_generation_seconds_are_the_members_update_and_digest_of_the_timed_generations():
+    gens = [{"generation": g, "timings": {"perturb": 1.0, "rollout": 5.0, "restore": 0.5, "members": 6.5 + g,
+                                          "update": 2.0, "digest": 0.5}} for g in range(4)]
+    timed = fitness_trend.generation_seconds({"generations": gens}, timed_from=1)
+    assert timed["timed_generations"] == 3 and timed["seconds_per_generation"] == 11.0  # 6.5 + 2 + 2.0 + 0.5
+    assert (timed["seconds_min"], timed["seconds_max"], timed["es_ops_seconds"]) == (10.0, 12.0, 3.5)
+    assert fitness_trend.generation_seconds({"generations": gens}, timed_from=9) == {"timed_generations": 0}
+
+
 def test_fitness_trend_refuses_a_history_too_short_for_a_slope():
     with pytest.raises(ValueError, match="at least 3 generations"):
         fitness_trend.fitness_trend(trend_history([0.05, 0.06]))
