@@ -7,7 +7,7 @@ history, digests checked) on held-out additions never seen in training, for seve
 
 Script options (defaults in OPTIONS): out, seeds (run seeds run_seed, run_seed+1, ...), heldout (problems),
 eval_samples (episodes per held-out problem), run_root (one run folder per seed below it), fitness (a name in
-FITNESS), quick. Every other --key=value is a Config override: population, generations, case_batch, alpha,
+FITNESS), quick, combine (comma-separated reports of single seeds: one report of them all, nothing run). Every other --key=value is a Config override: population, generations, case_batch, alpha,
 sigma_start, sigma_end, max_new_tokens, max_turns, concurrency, ...
 
 Held-out metrics (bench/results JSON "metrics"): "reward", the primary one, is the training fitness's own scorer
@@ -45,7 +45,7 @@ from report import emit  # noqa: E402
 # 8 samples per held-out problem: at 2, the paired difference's interval was +-0.018 around effects of +0.01 (GPU,
 # 128 problems); the sampling noise within a problem shrinks with more samples, and evaluation is cheap next to training
 OPTIONS = {"out": "", "seeds": 2, "heldout": 128, "eval_samples": 8, "run_root": "runs/learning",
-           "fitness": "shaped", "quick": False}
+           "fitness": "shaped", "quick": False, "combine": ""}
 QUICK = ["--generations=2", "--population=4", "--case_batch=4"]  # plus heldout=16, eval_samples=1
 HELDOUT_SEED = 1  # the order of the held-out questions (C.learn_pairs: their operands are never trained on)
 BOOTSTRAP = 10_000
@@ -189,8 +189,29 @@ def update_change_fraction(model_path, alpha, population, sigma, seed=0, roundin
     return {k: v / total for k, v in changed.items()}
 
 
+def combine_reports(paths: list[str]) -> dict:
+    """One report of several single-seed reports of the same settings (seeds trained in separate processes, as
+    bench/learning_paper_h200.sh runs them): their runs side by side, every_seed_beyond_ci over all of them."""
+    reports = [C.read_json(Path(p)) for p in paths]
+    differing = [p for p, r in zip(paths, reports)
+                 if {k: v for k, v in r["config"].items() if k not in ("run_seed", "run_dir")}
+                 != {k: v for k, v in reports[0]["config"].items() if k not in ("run_seed", "run_dir")}]
+    if differing:
+        raise C.ConfigError(f"{', '.join(differing)}: other settings than {paths[0]}; only runs of one setting combine")
+    combined = {**reports[0], "combined_from": paths, "runs": [run for r in reports for run in r["runs"]]}
+    combined["every_seed_beyond_ci"] = all(r[PRIMARY]["difference_ci_above_zero"] for r in combined["runs"])
+    return combined
+
+
 def main(argv):
     opts, overrides = C.parse_args(argv, OPTIONS)
+    if opts["combine"]:  # no training: the reports of seeds run apart, as one
+        try:
+            report = combine_reports(opts["combine"].split(","))
+        except (OSError, ValueError, KeyError, C.ConfigError, C.StageError) as e:
+            sys.exit(f"[learning] cannot combine {opts['combine']}: {type(e).__name__}: {e}")
+        print(format_table(report["runs"]))
+        return emit(report, opts["out"])
     if opts["quick"]:
         overrides = QUICK + overrides
         opts.update(heldout=min(opts["heldout"], 16), eval_samples=1)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper's constants (sigma 1e-3 -> 5e-4, alpha 5e-4) for 60 generations, two run seeds trained at once on one
+# The paper's constants (sigma 1e-3 -> 5e-4, alpha 5e-4) for GENERATIONS (default 60), two run seeds trained at once on one
 # GPU machine (TP=1, ENGINES co-located engines each, default 4, under CUDA MPS). Run on the GPU machine after the
 # install of ../shared/GPU.md, once per device call until both reports exist:
 #   ROUNDING=stochastic bash bench/learning_paper_h200.sh OUT_DIR SECONDS
@@ -8,20 +8,33 @@
 # (engine.gpu_memory_lock, held around every engine start, restore copy and shutdown): starts that overlapped
 # another process's start or shutdown on one GPU failed ("No available memory for the cache blocks").
 # DELAY seconds between the two processes' launches stay settable (default 0).
+# A fresh machine resumes from the histories of earlier calls: RESUME=DIR, a folder in the working tree holding the
+# learning_gpu_paper_<tag>_seed<seed>_history.json files an earlier call left in its OUT_DIR (tag: ROUNDING, plus
+# _<n>gen when GENERATIONS is not 60). For 200 generations at round-to-nearest, call after call:
+#   ROUNDING=nearest GENERATIONS=200 RESUME=bench/results bash bench/learning_paper_h200.sh $OUT 540
 set -uo pipefail
 out=${1:?usage: learning_paper_h200.sh OUT_DIR SECONDS}; seconds=${2:?SECONDS}
 rounding=${ROUNDING:-stochastic}; delay=${DELAY:-0}; engines=${ENGINES:-4}; seeds=${SEEDS:-"20260627 20260628"}
-root=${RUN_ROOT:-/tmp/lrp-$rounding}  # outside OUT_DIR: it must survive between device calls
+generations=${GENERATIONS:-60}; resume=${RESUME:-}
+tag=$rounding; [ "$generations" = 60 ] || tag="${rounding}_${generations}gen"
+root=${RUN_ROOT:-/tmp/lrp-$tag}  # outside OUT_DIR: it must survive between device calls
 mkdir -p "$out" "$root"
+for seed in $seeds; do  # a fresh machine: the run goes on from the history an earlier call carried back
+  carried="$resume/learning_gpu_paper_${tag}_seed${seed}_history.json"
+  if [ -n "$resume" ] && [ -f "$carried" ] && [ ! -f "$root/seed-$seed/es_history.json" ]; then
+    mkdir -p "$root/seed-$seed" && cp "$carried" "$root/seed-$seed/es_history.json"
+    echo "[learning_paper] seed $seed resumes from $carried"
+  fi
+done
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 pgrep -f nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d
 
 train_and_evaluate() {  # seed, seconds left
-  timeout -s INT "$2" python bench/learning.py --out="$out/learning_gpu_paper_${rounding}_seed$1.json" --seeds=1 \
-    --run_seed="$1" --alpha=5e-4 --sigma_start=1e-3 --sigma_end=5e-4 --generations=60 --rounding="$rounding" \
+  timeout -s INT "$2" python bench/learning.py --out="$out/learning_gpu_paper_${tag}_seed$1.json" --seeds=1 \
+    --run_seed="$1" --alpha=5e-4 --sigma_start=1e-3 --sigma_end=5e-4 --generations="$generations" --rounding="$rounding" \
     --engines="$engines" --tensor_parallel_size=1 --gpu_memory_utilization=0.1 --run_root="$root" \
-    >> "$out/log_${rounding}_$1.txt" 2>&1
+    >> "$out/log_${tag}_$1.txt" 2>&1
   echo "[learning_paper] seed $1 exit $?"
 }
 i=0
@@ -32,6 +45,6 @@ for seed in $seeds; do
 done
 wait
 for seed in $seeds; do  # the histories travel back, so that a fresh machine can resume them
-  cp "$root/seed-$seed/es_history.json" "$out/learning_gpu_paper_${rounding}_seed${seed}_history.json" 2>/dev/null
-  cp "$root/seed-$seed/reward_curve.png" "$out/learning_gpu_paper_${rounding}_seed$seed.png" 2>/dev/null
+  cp "$root/seed-$seed/es_history.json" "$out/learning_gpu_paper_${tag}_seed${seed}_history.json" 2>/dev/null
+  cp "$root/seed-$seed/reward_curve.png" "$out/learning_gpu_paper_${tag}_seed$seed.png" 2>/dev/null
 done

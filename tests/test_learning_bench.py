@@ -124,6 +124,20 @@ def test_generation_seconds_are_the_members_update_and_digest_of_the_timed_gener
     assert fitness_trend.generation_seconds({"generations": gens}, timed_from=9) == {"timed_generations": 0}
 
 
+def test_single_seed_reports_combine_into_one_with_every_seed_judged(tmp_path):
+    def seed_report(seed, beyond, **config):
+        path = tmp_path / f"seed{seed}.json"
+        C.write_json_atomic({"config": {"run_seed": seed, "run_dir": f"/r/{seed}", "alpha": 5e-4, **config},
+                             "runs": [{"run_seed": seed, "reward": {"difference_ci_above_zero": beyond}}]}, path)
+        return str(path)
+
+    both = learning.combine_reports([seed_report(1, True), seed_report(2, True)])
+    assert [r["run_seed"] for r in both["runs"]] == [1, 2] and both["every_seed_beyond_ci"] is True
+    assert learning.combine_reports([seed_report(1, True), seed_report(2, False)])["every_seed_beyond_ci"] is False
+    with pytest.raises(C.ConfigError, match="only runs of one setting combine"):
+        learning.combine_reports([seed_report(1, True), seed_report(3, True, alpha=4e-3)])
+
+
 def test_fitness_trend_refuses_a_history_too_short_for_a_slope():
     with pytest.raises(ValueError, match="at least 3 generations"):
         fitness_trend.fitness_trend(trend_history([0.05, 0.06]))
