@@ -1,7 +1,7 @@
 """The engine: one vLLM AsyncLLM at TP=2 running the ES worker extension (common.ESWorker, or with
-noise="checkpoint" checkpoint_noise.CheckpointESWorker), behind a synchronous facade so that the numbered scripts read top to bottom. Async inside,
-so that agent episodes advance independently (no per-turn barrier). Every weight change (perturb, restore, update)
-resets vLLM's prefix cache: cached KV blocks are keyed by tokens, not weights.
+noise="checkpoint" checkpoint_noise.CheckpointESWorker), behind a synchronous facade so that the numbered scripts
+read top to bottom. Async inside, so that agent episodes advance independently (no per-turn barrier). Every weight
+change (perturb, restore, update) resets vLLM's prefix cache: cached KV blocks are keyed by tokens, not weights.
 
 Beside it, what running vLLM from a script takes: the scripts' start (vLLM's log to the run folder, SIGTERM and
 SIGINT raised as Interrupted), the watchdog that ends vLLM's EngineCore with the script that started it, the vLLM

@@ -7,7 +7,8 @@ history, digests checked) on held-out additions never seen in training, for seve
 
 Script options (defaults in OPTIONS): out, seeds (run seeds run_seed, run_seed+1, ...), heldout (problems),
 eval_samples (episodes per held-out problem), run_root (one run folder per seed below it), fitness (a name in
-FITNESS), quick, combine (comma-separated reports of single seeds: one report of them all, nothing run). Every other --key=value is a Config override: population, generations, case_batch, alpha,
+FITNESS), quick, combine (comma-separated reports of single seeds: one report of them all, nothing
+run). Every other --key=value is a Config override: population, generations, case_batch, alpha,
 sigma_start, sigma_end, max_new_tokens, max_turns, concurrency, ...
 
 Held-out metrics (bench/results JSON "metrics"): "reward", the primary one, is the training fitness's own scorer
