@@ -52,13 +52,18 @@ def fitness_trend(history: dict, seed: int = 0) -> dict:
             "within_generation_std": float(np.mean([np.std(g["rewards"]) for g in gens]))}
 
 
+def seconds_of(generation: dict) -> float:
+    """A generation's wall time but its writes: the members' phase, the update and the digest, as recorded."""
+    return sum(generation["timings"].get(k, 0.0) for k in ("members", "update", "digest"))
+
+
 def generation_seconds(history: dict, timed_from: int = 0) -> dict:
     """Seconds per generation (members + update + digest, from each generation's recorded timings) over the
     generations numbered timed_from and later, and the ES operations' share of them (perturb + restore + update)."""
     gens = [g for g in history["generations"] if g.get("timings") and g["generation"] >= timed_from]
     if not gens:
         return {"timed_generations": 0}
-    total = np.array([g["timings"]["members"] + g["timings"]["update"] + g["timings"].get("digest", 0.0) for g in gens])
+    total = np.array([seconds_of(g) for g in gens])
     es_ops = np.array([g["timings"]["perturb"] + g["timings"]["restore"] + g["timings"]["update"] for g in gens])
     return {"timed_generations": len(gens), "seconds_per_generation": float(np.median(total)),
             "seconds_min": float(total.min()), "seconds_max": float(total.max()),

@@ -41,6 +41,7 @@ import common as C  # noqa: E402
 import models  # noqa: E402
 import engine as E  # noqa: E402
 import pool as P  # noqa: E402
+from fitness_trend import seconds_of  # noqa: E402
 from report import emit  # noqa: E402
 
 # 8 samples per held-out problem: at 2, the paired difference's interval was +-0.018 around effects of +0.01 (GPU,
@@ -194,9 +195,8 @@ def combine_reports(paths: list[str]) -> dict:
     """One report of several single-seed reports of the same settings (seeds trained in separate processes, as
     bench/learning_paper_h200.sh runs them): their runs side by side, every_seed_beyond_ci over all of them."""
     reports = [C.read_json(Path(p)) for p in paths]
-    differing = [p for p, r in zip(paths, reports)
-                 if {k: v for k, v in r["config"].items() if k not in ("run_seed", "run_dir")}
-                 != {k: v for k, v in reports[0]["config"].items() if k not in ("run_seed", "run_dir")}]
+    settings = [{k: v for k, v in r["config"].items() if k not in ("run_seed", "run_dir")} for r in reports]
+    differing = [p for p, s in zip(paths, settings) if s != settings[0]]
     if differing:
         raise C.ConfigError(f"{', '.join(differing)}: other settings than {paths[0]}; only runs of one setting combine")
     combined = {**reports[0], "combined_from": paths, "runs": [run for r in reports for run in r["runs"]]}
@@ -282,7 +282,7 @@ def main(argv):
 def training_seconds(history):
     """Seconds the history's generations took (members, update, digest; engine starts excluded), from the timings
     each generation recorded: the same whether the run was trained in one call or resumed across several."""
-    return sum(sum(g["timings"].get(k, 0.0) for k in ("members", "update", "digest")) for g in history["generations"])
+    return sum(seconds_of(g) for g in history["generations"])
 
 
 def train_records(records):
