@@ -12,6 +12,8 @@
 # learning_gpu_paper_<tag>_seed<seed>_history.json files an earlier call left in its OUT_DIR (tag: ROUNDING, plus
 # _<n>gen when GENERATIONS is not 60). For 200 generations at round-to-nearest, call after call:
 #   ROUNDING=nearest GENERATIONS=200 RESUME=bench/results bash bench/learning_paper_h200.sh $OUT 540
+# OUT_DIR is kept current while the runs train (histories every COPY_EVERY s, default 20, each written whole) and
+# gets `finished` at the end: bench/learning_paper_detached.sh keeps the runs going across device calls by reading it.
 set -uo pipefail
 out=${1:?usage: learning_paper_h200.sh OUT_DIR SECONDS}; seconds=${2:?SECONDS}
 rounding=${ROUNDING:-stochastic}; delay=${DELAY:-0}; engines=${ENGINES:-4}; seeds=${SEEDS:-"20260627 20260628"}
@@ -37,14 +39,23 @@ train_and_evaluate() {  # seed, seconds left
     >> "$out/log_${tag}_$1.txt" 2>&1
   echo "[learning_paper] seed $1 exit $?"
 }
-i=0
+copy_results() {  # the histories travel back, so that a fresh machine can resume them; each file lands whole
+  for seed in $seeds; do
+    for pair in "es_history.json:learning_gpu_paper_${tag}_seed${seed}_history.json" \
+                "reward_curve.png:learning_gpu_paper_${tag}_seed$seed.png" "vllm.log:vllm_${tag}_$seed.log"; do
+      from="$root/seed-$seed/${pair%%:*}"; to="$out/${pair#*:}"
+      [ -f "$from" ] && cp "$from" "$to.part" && mv "$to.part" "$to"
+    done
+  done
+}
+(while sleep "${COPY_EVERY:-20}"; do copy_results; done) & keeper=$!
+i=0; trainers=()
 for seed in $seeds; do
   [ $i -gt 0 ] && sleep "$delay"
-  train_and_evaluate "$seed" $((seconds - i * delay)) &
+  train_and_evaluate "$seed" $((seconds - i * delay)) & trainers+=($!)
   i=$((i + 1))
 done
-wait
-for seed in $seeds; do  # the histories travel back, so that a fresh machine can resume them
-  cp "$root/seed-$seed/es_history.json" "$out/learning_gpu_paper_${tag}_seed${seed}_history.json" 2>/dev/null
-  cp "$root/seed-$seed/reward_curve.png" "$out/learning_gpu_paper_${tag}_seed$seed.png" 2>/dev/null
-done
+wait "${trainers[@]}"
+kill $keeper 2>/dev/null; wait $keeper 2>/dev/null
+copy_results
+touch "$out/finished"

@@ -171,3 +171,66 @@ def test_the_learning_curve_adds_the_heldout_metric_with_its_interval(tmp_path, 
     assert list(line.get_xdata()) == [0, 2] and list(line.get_ydata()) == [0.2, 0.5]
     (segments,) = [b.lines[2][0].get_segments() for b in bars]
     assert [(s[0][1], s[1][1]) for s in segments] == [pytest.approx((0.1, 0.25)), pytest.approx((0.45, 0.7))]
+
+
+STAND_IN_LEARNING = """#!/usr/bin/env bash
+# stands in for `python bench/learning.py ...`: one generation every 0.2 s into RUN_ROOT/seed-S/es_history.json
+for a in "$@"; do case $a in --run_root=*) root=${a#*=};; --run_seed=*) seed=${a#*=};; esac; done
+history=$root/seed-$seed/es_history.json; mkdir -p "$(dirname "$history")"
+n=0; [ -f "$history" ] && n=$(sed 's/[^0-9]//g' "$history")
+trap 'echo "[train] generation $n abandoned"; exit 130' INT
+while true; do
+  sleep 0.2; n=$((n + 1)); echo "{\\"generations\\": $n}" > "$history.tmp"; mv "$history.tmp" "$history"
+  echo "[train] generation $n/200"
+done
+"""
+
+
+def test_the_detached_paper_runs_outlive_start_and_collect_keeps_their_histories(tmp_path):
+    """bench/learning_paper_detached.sh around bench/learning_paper_h200.sh with a stand-in for learning.py: `start`
+    returns while both seeds train (resumed from RESUME), `collect` copies their current histories, `collect ... stop`
+    stops them and copies the last ones, and a collect where nothing runs says so at once."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text(STAND_IN_LEARNING)
+    (fake / "python").chmod(0o755)
+    resume = tmp_path / "carried"
+    resume.mkdir()
+    (resume / "learning_gpu_paper_nearest_200gen_seed20260627_history.json").write_text('{"generations": 40}')
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "DETACHED_HOME": str(tmp_path / "home"),
+           "RUN_ROOT": str(tmp_path / "root"), "ROUNDING": "nearest", "GENERATIONS": "200", "RESUME": str(resume),
+           "COPY_EVERY": "0.5"}
+    script = Path(__file__).resolve().parents[1] / "bench" / "learning_paper_detached.sh"
+
+    def detached(*args):
+        done = subprocess.run(["bash", str(script), *map(str, args)], env=env, capture_output=True, text=True,
+                              cwd=script.parents[1], timeout=120)
+        return done.returncode, done.stdout
+
+    def generations(folder, seed):
+        return json.loads((folder / f"learning_gpu_paper_nearest_200gen_seed{seed}_history.json").read_text())[
+            "generations"]
+
+    rc, out = detached("collect", tmp_path / "none", 1)
+    assert rc == 3 and "no run here" in out
+    rc, out = detached("start", 600)
+    assert rc == 0 and "started" in out
+    try:
+        assert detached("start", 600)[0] == 1  # one pair of runs at a time
+        rc, out = detached("collect", tmp_path / "first", 2)
+        assert rc == 0 and "still running" in out
+        first = {seed: generations(tmp_path / "first", seed) for seed in (20260627, 20260628)}
+        assert first[20260627] > 40 and first[20260628] > 0  # the carried history resumed, the other started
+        rc, out = detached("collect", tmp_path / "last", 1, "stop")
+        assert rc == 0 and "finished" in out and (tmp_path / "last" / "finished").exists()
+        for seed in first:
+            assert generations(tmp_path / "last", seed) > first[seed]
+            log = (tmp_path / "last" / f"log_nearest_200gen_{seed}.txt").read_text()
+            assert "abandoned" in log  # stopped by SIGINT, as at the script's own time limit
+    finally:
+        session = tmp_path / "home" / "session"
+        if session.exists():  # whatever a failed assertion left running
+            subprocess.run(["pkill", "-KILL", "-s", session.read_text().strip()], check=False)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# bench/learning_paper_h200.sh across device calls without restarting it: a call lasts at most 600 s, and a call that
+# starts the two runs again spends 4-6 min of it starting their 8 engines one after another. `start` launches the
+# script detached from the call (its own session), from a copy of the working tree, and returns; each later call
+# `collect`s: waits up to WAIT seconds (or until the runs finish), then copies what the script keeps current in its
+# folder (histories, curves, logs, and the reports once evaluated) to OUT_DIR. With `stop` it first stops both runs
+# (SIGINT, as at the script's own time limit) and waits for their last history writes.
+# The runs live only as long as the machine is held: issue the calls back to back, and collect before the device
+# time runs out (the last copy is what the next session resumes from: commit it under bench/results).
+#   ROUNDING=nearest GENERATIONS=200 RESUME=bench/results bash bench/learning_paper_detached.sh start SECONDS
+#   bash bench/learning_paper_detached.sh collect OUT_DIR WAIT [stop]
+set -uo pipefail
+home=${DETACHED_HOME:-/tmp/learning-paper-detached}
+running() {  # any process left in the detached session (its id: the pid of the session's first process)
+  [ -f "$home/session" ] && pgrep -s "$(cat "$home/session")" >/dev/null
+}
+case "${1:-}" in
+  start)
+    seconds=${2:?usage: learning_paper_detached.sh start SECONDS}
+    if running; then echo "[detached] already running"; exit 1; fi
+    rm -rf "$home" && mkdir -p "$home/out" "$home/tree" || exit 1
+    tar c --exclude=./.git --exclude=./.venv --exclude=./runs --exclude=./.gpu . | tar x -C "$home/tree" || exit 1
+    cd "$home/tree" || exit 1
+    setsid nohup bash -c 'echo $$ > "$1/session"; exec bash bench/learning_paper_h200.sh "$1/out" "$2"' _ \
+      "$home" "$seconds" > "$home/driver.log" 2>&1 < /dev/null &
+    for _ in $(seq 50); do [ -s "$home/session" ] && break; sleep 0.1; done
+    echo "[detached] started (session $(cat "$home/session")): $home/out, $seconds s"
+    ;;
+  collect)
+    out=${2:?usage: learning_paper_detached.sh collect OUT_DIR WAIT [stop]}; wait_s=${3:?WAIT}; mkdir -p "$out"
+    if ! running && [ ! -f "$home/out/finished" ]; then
+      echo "[detached] no run here: not started on this machine, or ended with an earlier call"; exit 3
+    fi
+    end=$((SECONDS + wait_s))
+    while running && [ $SECONDS -lt "$end" ]; do sleep 5; done
+    if [ "${4:-}" = stop ] && running; then
+      pkill -INT -s "$(cat "$home/session")" -x timeout || true  # the script's own time limit, now
+      for _ in $(seq 120); do running || break; sleep 1; done
+    fi
+    cp "$home/out"/* "$out"/ 2>/dev/null
+    for log in "$home/out"/log_*.txt; do grep -h "\[train\] generation" "$log" | tail -1 | cut -c1-160; done
+    running && echo "[detached] still running" || echo "[detached] finished"
+    ;;
+  *) echo "usage: learning_paper_detached.sh start SECONDS | collect OUT_DIR WAIT [stop]"; exit 2 ;;
+esac
