@@ -352,8 +352,9 @@ def config_from_history(history: dict, argv: list[str], settings: dict | None = 
     from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
     from the history. `--preset` fills in only the settings that may differ between runs (RESUME_FREE_FIELDS, such
     as run_dir), never a recorded value; an explicit `--key=value` that differs from a recorded one is refused."""
-    without_retired_settings(history["config"])  # refuses a run this code cannot rebuild
-    recorded_settings = {k: v for k, v in without_retired_settings(settings or history["config"]).items()
+    history_settings = without_retired_settings(history["config"])  # refuses a run this code cannot rebuild
+    given = without_retired_settings(settings) if settings else history_settings
+    recorded_settings = {k: v for k, v in given.items()
                          if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
     free_fields = resume_free_fields(history["config"])
     values = {**recorded_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS
