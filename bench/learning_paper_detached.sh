@@ -3,7 +3,8 @@
 # starts the two runs again spends 4-6 min of it starting their 8 engines one after another. `start` launches the
 # script detached from the call (its own session), from a copy of the working tree, and returns; each later call
 # `collect`s: waits up to WAIT seconds (or until the runs finish), then copies what the script keeps current in its
-# folder (histories, curves, logs, and the reports once evaluated) to OUT_DIR. With `stop` it first stops both runs
+# folder (histories, curves, and the reports once evaluated) to OUT_DIR, with one logs.txt: the runs' logs and the
+# ends of their vLLM logs (at most 7 files: the device tool brings back 8). With `stop` it first stops both runs
 # (SIGINT, as at the script's own time limit) and waits for their last history writes.
 # The runs live only as long as the machine is held: issue the calls back to back, and collect before the device
 # time runs out (the last copy is what the next session resumes from: commit it under bench/results).
@@ -21,14 +22,16 @@ case "${1:-}" in
     rm -rf "$home" && mkdir -p "$home/out" "$home/tree" || exit 1
     tar c --exclude=./.git --exclude=./.venv --exclude=./runs --exclude=./.gpu . | tar x -C "$home/tree" || exit 1
     cd "$home/tree" || exit 1
-    setsid nohup bash -c 'echo $$ > "$1/session"; exec bash bench/learning_paper_h200.sh "$1/out" "$2"' _ \
-      "$home" "$seconds" > "$home/driver.log" 2>&1 < /dev/null &
+    export RUN_ROOT=${RUN_ROOT:-/tmp/learning-paper-runs}  # outside $home: a new start resumes from it
+    echo "$RUN_ROOT" > "$home/run_root"
+    detached='echo $$ > "$1/session"; bash bench/learning_paper_h200.sh "$1/out" "$2"; touch "$1/finished"'
+    setsid nohup bash -c "$detached" _ "$home" "$seconds" > "$home/driver.log" 2>&1 < /dev/null &
     for _ in $(seq 50); do [ -s "$home/session" ] && break; sleep 0.1; done
     echo "[detached] started (session $(cat "$home/session")): $home/out, $seconds s"
     ;;
   collect)
     out=${2:?usage: learning_paper_detached.sh collect OUT_DIR WAIT [stop]}; wait_s=${3:?WAIT}; mkdir -p "$out"
-    if ! running && [ ! -f "$home/out/finished" ]; then
+    if ! running && [ ! -f "$home/finished" ]; then
       echo "[detached] no run here: not started on this machine, or ended with an earlier call"; exit 3
     fi
     end=$((SECONDS + wait_s))
@@ -37,7 +40,10 @@ case "${1:-}" in
       pkill -INT -s "$(cat "$home/session")" -x timeout || true  # the script's own time limit, now
       for _ in $(seq 120); do running || break; sleep 1; done
     fi
-    cp "$home/out"/* "$out"/ 2>/dev/null
+    cp "$home/out"/*.json "$home/out"/*.png "$out"/ 2>/dev/null
+    for log in "$home/out"/log_*.txt "$(cat "$home/run_root")"/seed-*/vllm.log; do
+      [ -f "$log" ] && { echo "==== $log"; tail -c 4000000 "$log"; }
+    done > "$out/logs.txt"
     for log in "$home/out"/log_*.txt; do grep -h "\[train\] generation" "$log" | tail -1 | cut -c1-160; done
     running && echo "[detached] still running" || echo "[detached] finished"
     ;;

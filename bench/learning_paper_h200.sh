@@ -12,8 +12,9 @@
 # learning_gpu_paper_<tag>_seed<seed>_history.json files an earlier call left in its OUT_DIR (tag: ROUNDING, plus
 # _<n>gen when GENERATIONS is not 60). For 200 generations at round-to-nearest, call after call:
 #   ROUNDING=nearest GENERATIONS=200 RESUME=bench/results bash bench/learning_paper_h200.sh $OUT 540
-# OUT_DIR is kept current while the runs train (histories every COPY_EVERY s, default 20, each written whole) and
-# gets `finished` at the end: bench/learning_paper_detached.sh keeps the runs going across device calls by reading it.
+# OUT_DIR is kept current while the runs train (histories and curves every COPY_EVERY s, default 20, each file written
+# whole), so that a call stopped early still carries them back; bench/learning_paper_detached.sh reads it across calls.
+# OUT_DIR holds at most 8 files (the device tool's limit): per seed its report, history, curve and log.
 set -uo pipefail
 out=${1:?usage: learning_paper_h200.sh OUT_DIR SECONDS}; seconds=${2:?SECONDS}
 rounding=${ROUNDING:-stochastic}; delay=${DELAY:-0}; engines=${ENGINES:-4}; seeds=${SEEDS:-"20260627 20260628"}
@@ -42,7 +43,7 @@ train_and_evaluate() {  # seed, seconds left
 copy_results() {  # the histories travel back, so that a fresh machine can resume them; each file lands whole
   for seed in $seeds; do
     for pair in "es_history.json:learning_gpu_paper_${tag}_seed${seed}_history.json" \
-                "reward_curve.png:learning_gpu_paper_${tag}_seed$seed.png" "vllm.log:vllm_${tag}_$seed.log"; do
+                "reward_curve.png:learning_gpu_paper_${tag}_seed$seed.png"; do
       from="$root/seed-$seed/${pair%%:*}"; to="$out/${pair#*:}"
       [ -f "$from" ] && cp "$from" "$to.part" && mv "$to.part" "$to"
     done
@@ -58,4 +59,3 @@ done
 wait "${trainers[@]}"
 kill $keeper 2>/dev/null; wait $keeper 2>/dev/null
 copy_results
-touch "$out/finished"
