@@ -40,13 +40,13 @@ train_and_evaluate() {  # seed, seconds left
     >> "$out/log_${tag}_$1.txt" 2>&1
   echo "[learning_paper] seed $1 exit $?"
 }
-copy_results() {  # the histories travel back, so that a fresh machine can resume them; each file lands whole
+copy_whole() {  # FROM TO: a reader of TO never sees half a file
+  [ -f "$1" ] && cp "$1" "$2.part" && mv "$2.part" "$2"
+}
+copy_results() {  # the histories travel back, so that a fresh machine can resume them
   for seed in $seeds; do
-    for pair in "es_history.json:learning_gpu_paper_${tag}_seed${seed}_history.json" \
-                "reward_curve.png:learning_gpu_paper_${tag}_seed$seed.png"; do
-      from="$root/seed-$seed/${pair%%:*}"; to="$out/${pair#*:}"
-      [ -f "$from" ] && cp "$from" "$to.part" && mv "$to.part" "$to"
-    done
+    copy_whole "$root/seed-$seed/es_history.json" "$out/learning_gpu_paper_${tag}_seed${seed}_history.json"
+    copy_whole "$root/seed-$seed/reward_curve.png" "$out/learning_gpu_paper_${tag}_seed$seed.png"
   done
 }
 (while sleep "${COPY_EVERY:-20}"; do copy_results; done) & keeper=$!

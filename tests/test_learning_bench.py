@@ -4,6 +4,8 @@ from the history (so that a run resumed across several calls reports its whole t
 
 import asyncio
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -191,9 +193,6 @@ def test_the_detached_paper_runs_outlive_start_and_collect_keeps_their_histories
     """bench/learning_paper_detached.sh around bench/learning_paper_h200.sh with a stand-in for learning.py: `start`
     returns while both seeds train (resumed from RESUME), `collect` copies their current histories, `collect ... stop`
     stops them and copies the last ones, and a collect where nothing runs says so at once."""
-    import os
-    import subprocess
-
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "python").write_text(STAND_IN_LEARNING)
