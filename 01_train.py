@@ -117,10 +117,12 @@ def run_generation(engine, cfg, problems, g, fitness, rollout_dir: Path) -> dict
 
 
 def summary_line(record: dict, cfg) -> str:
+    # members: the population's wall time; rollout, perturb and restore add up every member's, on whichever engine
     r, t = record["rewards"], record["timings"]
     es_ops = t["perturb"] + t["restore"] + t["update"]
     return (f"[train] generation {record['generation'] + 1}/{cfg.generations}  sigma {record['sigma']:.3g}  "
-            f"reward mean {sum(r) / len(r):.3f} max {max(r):.3f}  |  rollout {t['rollout']:.1f}s  "
+            f"reward mean {sum(r) / len(r):.3f} max {max(r):.3f}  |  members {t['members']:.1f}s wall  "
+            f"(summed over members: rollout {t['rollout']:.1f}s)  "
             f"ES ops {es_ops:.2f}s (perturb {t['perturb']:.2f} restore {t['restore']:.2f} update {t['update']:.2f})  "
             f"digest {t['digest']:.2f}s")
 
@@ -128,11 +130,13 @@ def summary_line(record: dict, cfg) -> str:
 def print_final_summary(history: dict, run_dir: Path) -> None:
     gens = history["generations"]
     total = {k: sum(g.get("timings", {}).get(k, 0.0) for g in gens)  # display only: a history may lack them
-             for k in ("rollout", "perturb", "restore", "update", "digest")}
+             for k in ("members", "rollout", "perturb", "restore", "update", "digest")}
     means = [sum(g["rewards"]) / len(g["rewards"]) for g in gens]
     print(f"[train] done: {len(gens)} generations in {run_dir / H.HISTORY_FILE}")
     print("[train] mean reward per generation: " + " ".join(f"{m:.3f}" for m in means))
-    print("[train] time: " + "  ".join(f"{k} {v:.2f}s" for k, v in total.items()))
+    print(f"[train] time: members {total['members']:.2f}s wall; summed over members: "
+          + "  ".join(f"{k} {total[k]:.2f}s" for k in ("rollout", "perturb", "restore"))
+          + f"; update {total['update']:.2f}s  digest {total['digest']:.2f}s")
     print(f"[train] final per-rank digests: {gens[-1]['digests'] if gens else history['base_digests']}")
 
 

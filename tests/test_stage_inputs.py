@@ -122,6 +122,15 @@ def test_a_finished_history_without_timings_still_prints_its_summary(tmp_path, c
     assert "rollout 0.00s" in capsys.readouterr().out
 
 
+def test_the_generation_line_tells_the_population_wall_time_from_the_time_summed_over_members():
+    record = {"generation": 4, "sigma": 1e-3, "rewards": [0.0, 0.5],
+              "timings": {"members": 10.5, "rollout": 38.0, "perturb": 0.3, "restore": 0.2, "update": 0.1,
+                          "digest": 0.2}}
+    line = train_stage.summary_line(record, C.Config(generations=200))
+    assert "generation 5/200" in line
+    assert "members 10.5s wall" in line and "summed over members: rollout 38.0s" in line
+
+
 def test_an_export_manifest_that_lacks_a_key_is_refused(tmp_path):
     manifest = {"format": "es-sharded-export/1", "tensor_parallel_size": 2, "per_rank_digests": ["a", "b"],
                 "parameter_names_sha256": "p", "replayed_generations": 2, "vllm_version": "v",
