@@ -42,7 +42,7 @@ case "${1:-}" in
     fi
     cp "$home/out"/*.json "$home/out"/*.png "$out"/ 2>/dev/null
     for log in "$home/out"/log_*.txt "$(cat "$home/run_root")"/seed-*/vllm.log; do
-      [ -f "$log" ] && { echo "==== $log"; tail -c 4000000 "$log"; }
+      [ -f "$log" ] && { echo "==== $log"; tail -c 3000000 "$log"; }
     done > "$out/logs.txt"
     for log in "$home/out"/log_*.txt; do grep -h "\[train\] generation" "$log" | tail -1 | cut -c1-160; done
     running && echo "[detached] still running" || echo "[detached] finished"
