@@ -117,14 +117,18 @@ def run_generation(engine, cfg, problems, g, fitness, rollout_dir: Path) -> dict
 
 
 def summary_line(record: dict, cfg) -> str:
-    # members: the population's wall time; rollout, perturb and restore add up every member's, on whichever engine
-    r, t = record["rewards"], record["timings"]
-    es_ops = t["perturb"] + t["restore"] + t["update"]
+    r = record["rewards"]
     return (f"[train] generation {record['generation'] + 1}/{cfg.generations}  sigma {record['sigma']:.3g}  "
-            f"reward mean {sum(r) / len(r):.3f} max {max(r):.3f}  |  members {t['members']:.1f}s wall  "
-            f"(summed over members: rollout {t['rollout']:.1f}s)  "
-            f"ES ops {es_ops:.2f}s (perturb {t['perturb']:.2f} restore {t['restore']:.2f} update {t['update']:.2f})  "
-            f"digest {t['digest']:.2f}s")
+            f"reward mean {sum(r) / len(r):.3f} max {max(r):.3f}  |  {timing_text(record['timings'], digits=1)}")
+
+
+def timing_text(t: dict, digits: int) -> str:
+    """members: the population's wall time; rollout, perturb and restore add up every member's, whichever engine
+    ran it (so with several engines they exceed the wall time); update and digest: once per generation."""
+    def seconds(key, d=2):
+        return f"{key} {t[key]:.{d}f}s"
+    return (f"{seconds('members', digits)} wall; summed over members: {seconds('rollout', digits)}  "
+            f"{seconds('perturb')}  {seconds('restore')}; {seconds('update')}  {seconds('digest')}")
 
 
 def print_final_summary(history: dict, run_dir: Path) -> None:
@@ -134,9 +138,7 @@ def print_final_summary(history: dict, run_dir: Path) -> None:
     means = [sum(g["rewards"]) / len(g["rewards"]) for g in gens]
     print(f"[train] done: {len(gens)} generations in {run_dir / H.HISTORY_FILE}")
     print("[train] mean reward per generation: " + " ".join(f"{m:.3f}" for m in means))
-    print(f"[train] time: members {total['members']:.2f}s wall; summed over members: "
-          + "  ".join(f"{k} {total[k]:.2f}s" for k in ("rollout", "perturb", "restore"))
-          + f"; update {total['update']:.2f}s  digest {total['digest']:.2f}s")
+    print(f"[train] time: {timing_text(total, digits=2)}")
     print(f"[train] final per-rank digests: {gens[-1]['digests'] if gens else history['base_digests']}")
 
 

@@ -41,7 +41,7 @@ case "${1:-}" in
       for _ in $(seq 120); do running || break; sleep 1; done
     fi
     cp "$home/out"/*.json "$home/out"/*.png "$out"/ 2>/dev/null
-    for log in "$home/out"/log_*.txt "$(cat "$home/run_root")"/seed-*/vllm.log; do
+    for log in "$home/out"/log_*.txt "$(cat "$home/run_root")"/seed-*/vllm.log; do  # 3 MB each: four under 16 MiB
       [ -f "$log" ] && { echo "==== $log"; tail -c 3000000 "$log"; }
     done > "$out/logs.txt"
     for log in "$home/out"/log_*.txt; do grep -h "\[train\] generation" "$log" | tail -1 | cut -c1-160; done
