@@ -6,6 +6,10 @@ the update and the digest: a generation's wall time but its writes), median and 
 
     python bench/fitness_trend.py bench/results/learning_gpu_clean_seed20260627_history.json ... --out=trend.json
 
+With --match=REFERENCE.json[,...] it also gives, for each history, the generations it needs at its own slope to gain
+the training fitness the reference runs gained over theirs (their mean of slope x generations), with a 95% interval
+from both bootstraps; an interval of this run's slope that reaches 0 leaves the upper bound open.
+
 Why alpha x sigma is printed: the update is alpha/N * sum_i z_i eps_i, and the part of a member's z-score that its
 perturbation explains (rather than sampling) grows with sigma, so the expected fitness gain of one update grows
 about as alpha x sigma. The ratio of two runs' slopes can then be read against the ratio of their alpha x sigma.
@@ -34,22 +38,49 @@ def slopes(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return (xc * (y - y.mean(axis=-1, keepdims=True))).sum(axis=-1) / (xc * xc).sum(axis=-1)
 
 
-def fitness_trend(history: dict, seed: int = 0) -> dict:
-    """Slope of the mean member fitness per generation and its 95% bootstrap interval (resampling generations)."""
+def slope_draws(history: dict, seed: int = 0) -> tuple[float, np.ndarray]:
+    """The slope of the mean member fitness per generation, and its bootstrap draws (resampling generations)."""
     y = mean_fitness(history)
     x = np.arange(len(y), dtype=float)
     if len(y) < 3:
         raise ValueError(f"a trend needs at least 3 generations, the history has {len(y)}")
     idx = np.random.default_rng(seed).integers(0, len(y), size=(BOOTSTRAP, len(y)))
     idx = idx[np.ptp(idx, axis=1) > 0]  # a resample of one repeated generation has no slope
-    boots = slopes(x[idx], y[idx])
+    return float(slopes(x, y)), slopes(x[idx], y[idx])
+
+
+def fitness_trend(history: dict, seed: int = 0) -> dict:
+    """Slope of the mean member fitness per generation and its 95% bootstrap interval (resampling generations)."""
+    y = mean_fitness(history)
+    slope, boots = slope_draws(history, seed)
     gens = history["generations"]
     alpha, sigma = gens[0]["alpha"], float(np.mean([g["sigma"] for g in gens]))
     return {"generations": len(y), "alpha": alpha, "mean_sigma": sigma, "alpha_x_sigma": alpha * sigma,
-            "slope_per_generation": float(slopes(x, y)), "ci_low": float(np.percentile(boots, 2.5)),
+            "slope_per_generation": slope, "ci_low": float(np.percentile(boots, 2.5)),
             "ci_high": float(np.percentile(boots, 97.5)),
             "first_half_mean": float(y[: len(y) // 2].mean()), "second_half_mean": float(y[len(y) // 2:].mean()),
             "within_generation_std": float(np.mean([np.std(g["rewards"]) for g in gens]))}
+
+
+def generations_to_match(history: dict, references: list[dict], seed: int = 0) -> dict:
+    """Generations this run needs, at its own slope, to gain the training fitness the references gained over theirs
+    (the mean of their slope x generations): the point value and a 95% interval from the bootstrap draws of both,
+    taken on the gain per generation and inverted; a bound past a non-positive rate is open (None)."""
+    ref = [slope_draws(h, seed + 1 + i) for i, h in enumerate(references)]
+    n = min(len(d) for _, d in ref)
+    gain = float(np.mean([s * len(h["generations"]) for (s, _), h in zip(ref, references)]))
+    if gain <= 0:
+        raise ValueError(f"the reference runs gained no training fitness ({gain:+.4f}): there is nothing to match")
+    gain_draws = np.mean([d[:n] * len(h["generations"]) for (_, d), h in zip(ref, references)], axis=0)
+    slope, draws = slope_draws(history, seed)
+    n = min(n, len(draws))
+    low, high = np.percentile(draws[:n] / gain_draws[:n], [2.5, 97.5])  # the share of the gain per generation
+
+    def generations(rate):
+        return float(1 / rate) if rate > 0 else None
+
+    return {"reference_gain": gain, "match_generations": generations(slope / gain),
+            "match_ci_low": generations(high), "match_ci_high": generations(low)}
 
 
 def seconds_of(generation: dict) -> float:
@@ -70,22 +101,34 @@ def generation_seconds(history: dict, timed_from: int = 0) -> dict:
             "es_ops_seconds": float(np.median(es_ops))}
 
 
+def count(generations: float | None) -> str:
+    return "open" if generations is None else f"{generations:.0f}"
+
+
 def main(argv):
     paths = [a for a in argv if not a.startswith("--")]
-    opts, _ = C.parse_args([a for a in argv if a.startswith("--")], {"out": "", "timed_from": 0})
+    opts, _ = C.parse_args([a for a in argv if a.startswith("--")], {"out": "", "timed_from": 0, "match": ""})
     if not paths:
-        sys.exit("usage: python bench/fitness_trend.py HISTORY.json ... [--out=FILE]")
+        sys.exit("usage: python bench/fitness_trend.py HISTORY.json ... [--timed_from=K] [--match=REF.json,...] "
+                 "[--out=FILE]")
     histories = [(p, C.read_json(Path(p))) for p in paths]
-    rows = [dict(history=p, **fitness_trend(h), **generation_seconds(h, opts["timed_from"])) for p, h in histories]
+    references = [C.read_json(Path(p)) for p in opts["match"].split(",") if p]
+    rows = [dict(history=p, **fitness_trend(h), **generation_seconds(h, opts["timed_from"]),
+                 **(generations_to_match(h, references) if references else {})) for p, h in histories]
     print(f"{'history':<58} {'gens':>4} {'alpha x sigma':>13} {'slope / generation [95% CI]':>34} "
-          f"{'s / generation [range]':>24} {'ES ops s':>8}")
+          f"{'s / generation [range]':>24} {'ES ops s':>8}" + ("  generations to match [95% CI]" if references else ""))
     for r in rows:
         timing = (f"{r['seconds_per_generation']:6.1f} [{r['seconds_min']:.1f}, {r['seconds_max']:.1f}]"
                   if r["timed_generations"] else "-")
+        match = (f"  {count(r['match_generations'])} [{count(r['match_ci_low'])}, {count(r['match_ci_high'])}]"
+                 if references else "")
         print(f"{Path(r['history']).name:<58} {r['generations']:>4} {r['alpha_x_sigma']:>13.2e} "
               f"{r['slope_per_generation']:+.5f} [{r['ci_low']:+.5f}, {r['ci_high']:+.5f}] {timing:>24} "
-              f"{r.get('es_ops_seconds', float('nan')):8.2f}")
-    return emit({"bench": "fitness_trend", "runs": rows}, opts["out"])
+              f"{r.get('es_ops_seconds', float('nan')):8.2f}{match}")
+    result = {"bench": "fitness_trend", "runs": rows}
+    if references:
+        result["match_references"] = opts["match"].split(",")
+    return emit(result, opts["out"])
 
 
 if __name__ == "__main__":
