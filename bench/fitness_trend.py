@@ -62,18 +62,24 @@ def fitness_trend(history: dict, seed: int = 0) -> dict:
             "within_generation_std": float(np.mean([np.std(g["rewards"]) for g in gens]))}
 
 
-def generations_to_match(history: dict, references: list[dict], seed: int = 0) -> dict:
-    """Generations this run needs, at its own slope, to gain the training fitness the references gained over theirs
-    (the mean of their slope x generations): the point value and a 95% interval from the bootstrap draws of both,
-    taken on the gain per generation and inverted; a bound past a non-positive rate is open (None)."""
-    ref = [slope_draws(h, seed + 1 + i) for i, h in enumerate(references)]
+def reference_gain(references: list[dict], seed: int = 1) -> tuple[float, np.ndarray]:
+    """The training fitness the reference runs gained over their generations (the mean of their slope x
+    generations), and its bootstrap draws."""
+    ref = [slope_draws(h, seed + i) for i, h in enumerate(references)]
     n = min(len(d) for _, d in ref)
     gain = float(np.mean([s * len(h["generations"]) for (s, _), h in zip(ref, references)]))
     if gain <= 0:
         raise ValueError(f"the reference runs gained no training fitness ({gain:+.4f}): there is nothing to match")
-    gain_draws = np.mean([d[:n] * len(h["generations"]) for (_, d), h in zip(ref, references)], axis=0)
+    return gain, np.mean([d[:n] * len(h["generations"]) for (_, d), h in zip(ref, references)], axis=0)
+
+
+def generations_to_match(history: dict, gain: tuple[float, np.ndarray], seed: int = 0) -> dict:
+    """Generations this run needs, at its own slope, to gain the references' training fitness (`reference_gain`):
+    the point value and a 95% interval from the bootstrap draws of both, taken on the gain per generation and
+    inverted; a bound past a non-positive rate is open (None)."""
+    gain, gain_draws = gain
     slope, draws = slope_draws(history, seed)
-    n = min(n, len(draws))
+    n = min(len(gain_draws), len(draws))
     low, high = np.percentile(draws[:n] / gain_draws[:n], [2.5, 97.5])  # the share of the gain per generation
 
     def generations(rate):
@@ -112,9 +118,10 @@ def main(argv):
         sys.exit("usage: python bench/fitness_trend.py HISTORY.json ... [--timed_from=K] [--match=REF.json,...] "
                  "[--out=FILE]")
     histories = [(p, C.read_json(Path(p))) for p in paths]
-    references = [C.read_json(Path(p)) for p in opts["match"].split(",") if p]
+    references = [p for p in opts["match"].split(",") if p]
+    gain = reference_gain([C.read_json(Path(p)) for p in references]) if references else None
     rows = [dict(history=p, **fitness_trend(h), **generation_seconds(h, opts["timed_from"]),
-                 **(generations_to_match(h, references) if references else {})) for p, h in histories]
+                 **(generations_to_match(h, gain) if references else {})) for p, h in histories]
     print(f"{'history':<58} {'gens':>4} {'alpha x sigma':>13} {'slope / generation [95% CI]':>34} "
           f"{'s / generation [range]':>24} {'ES ops s':>8}" + ("  generations to match [95% CI]" if references else ""))
     for r in rows:
@@ -127,7 +134,7 @@ def main(argv):
               f"{r.get('es_ops_seconds', float('nan')):8.2f}{match}")
     result = {"bench": "fitness_trend", "runs": rows}
     if references:
-        result["match_references"] = opts["match"].split(",")
+        result["match_references"] = references
     return emit(result, opts["out"])
 
 

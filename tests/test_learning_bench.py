@@ -121,15 +121,16 @@ def test_generations_to_match_a_reference_gain_is_its_gain_over_the_run_slope_an
     rng = np.random.default_rng(2)
     reference = trend_history(0.05 + 3e-3 * np.arange(12) + rng.normal(0, 0.002, 12))  # gains ~0.036 over 12
     slow = trend_history(0.05 + 3e-4 * np.arange(60) + rng.normal(0, 0.002, 60))  # at 3e-4: ~120 generations
-    match = fitness_trend.generations_to_match(slow, [reference, reference])
+    match = fitness_trend.generations_to_match(slow, fitness_trend.reference_gain([reference, reference]))
     gain = fitness_trend.fitness_trend(reference)["slope_per_generation"] * 12
     assert match["reference_gain"] == pytest.approx(gain)
     assert match["match_generations"] == pytest.approx(gain / fitness_trend.fitness_trend(slow)["slope_per_generation"])
     assert match["match_ci_low"] < 120 < match["match_ci_high"] and 100 < match["match_generations"] < 140
-    flat = fitness_trend.generations_to_match(trend_history(0.05 + rng.normal(0, 0.01, 60)), [reference])
+    flat = fitness_trend.generations_to_match(trend_history(0.05 + rng.normal(0, 0.01, 60)),
+                                               fitness_trend.reference_gain([reference]))
     assert flat["match_ci_high"] is None  # a slope interval reaching 0: no generations suffice for sure
     with pytest.raises(ValueError, match="gained no training fitness"):
-        fitness_trend.generations_to_match(slow, [trend_history(0.08 - 3e-3 * np.arange(12))])
+        fitness_trend.reference_gain([trend_history(0.08 - 3e-3 * np.arange(12))])
 
 
 def test_generation_seconds_are_the_members_update_and_digest_of_the_timed_generations():
