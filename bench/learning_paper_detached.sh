@@ -4,8 +4,10 @@
 # script detached from the call (its own session), from a copy of the working tree, and returns; each later call
 # `collect`s: waits up to WAIT seconds (or until the runs finish), then copies what the script keeps current in its
 # folder (histories, curves, and the reports once evaluated) to OUT_DIR, with one logs.txt: the runs' logs and the
-# ends of their vLLM logs (at most 7 files: the device tool brings back 8). With `stop` it first stops both runs
-# (SIGINT, as at the script's own time limit) and waits for their last history writes.
+# ends of their vLLM logs (at most 7 files: the device tool brings back 8). It copies the histories and curves all
+# along the wait, so a call cut at its time limit still returns the last ones (the logs come only at the end). With
+# `stop` it first stops both runs (SIGINT, as at the script's own time limit) and waits up to 120 s for their last
+# history writes: the last call's WAIT plus those 120 s must fit in the device time left.
 # The runs live only as long as the machine is held: issue the calls back to back, and collect before the device
 # time runs out (the last copy is what the next session resumes from: commit it under bench/results).
 #   ROUNDING=nearest GENERATIONS=200 RESUME=bench/results bash bench/learning_paper_detached.sh start SECONDS
@@ -14,6 +16,15 @@ set -uo pipefail
 home=${DETACHED_HOME:-/tmp/learning-paper-detached}
 running() {  # any process left in the detached session (its id: the pid of the session's first process)
   [ -f "$home/session" ] && pgrep -s "$(cat "$home/session")" >/dev/null
+}
+copy_results() {  # each file whole (copy, then rename), all along: a call cut at its time limit still returns the last
+  local f name
+  for f in "$home/out"/*.json "$home/out"/*.png; do
+    [ -f "$f" ] || continue
+    name=$(basename "$f")
+    [ "$f" -nt "$1/$name" ] && cp "$f" "$1/.$name.part" && mv "$1/.$name.part" "$1/$name"
+  done
+  return 0
 }
 case "${1:-}" in
   start)
@@ -35,12 +46,13 @@ case "${1:-}" in
       echo "[detached] no run here: not started on this machine, or ended with an earlier call"; exit 3
     fi
     end=$((SECONDS + wait_s))
-    while running && [ $SECONDS -lt "$end" ]; do sleep 5; done
+    while running && [ $SECONDS -lt "$end" ]; do copy_results "$out"; sleep 1; done
     if [ "${4:-}" = stop ] && running; then
+      copy_results "$out"
       pkill -INT -s "$(cat "$home/session")" -x timeout || true  # the script's own time limit, now
       for _ in $(seq 120); do running || break; sleep 1; done
     fi
-    cp "$home/out"/*.json "$home/out"/*.png "$out"/ 2>/dev/null
+    copy_results "$out"
     for log in "$home/out"/log_*.txt "$(cat "$home/run_root")"/seed-*/vllm.log; do  # 3 MB each: four under 16 MiB
       [ -f "$log" ] && { echo "==== $log"; tail -c 3000000 "$log"; }
     done > "$out/logs.txt"
