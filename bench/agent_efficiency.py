@@ -41,7 +41,7 @@ import models  # noqa: E402
 import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
 import plain_generation  # noqa: E402
-from report import emit  # noqa: E402
+from report import emit, print_until_reader_gone  # noqa: E402
 
 
 def timed(engine, counts: dict, runs: list, fn):
@@ -185,4 +185,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    print_until_reader_gone()
     main(sys.argv[1:])

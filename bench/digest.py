@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
 import digests  # noqa: E402
 import qwen3_30b  # noqa: E402
-from report import emit  # noqa: E402
+from report import emit, print_until_reader_gone  # noqa: E402
 
 BEFORE_THREADS = 8
 
@@ -128,4 +128,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    print_until_reader_gone()
     main(sys.argv[1:])

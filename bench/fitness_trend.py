@@ -23,7 +23,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common as C  # noqa: E402
-from report import emit  # noqa: E402
+from report import emit, print_until_reader_gone  # noqa: E402
 
 BOOTSTRAP = 10_000
 
@@ -139,4 +139,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    print_until_reader_gone()
     main(sys.argv[1:])

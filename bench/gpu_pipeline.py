@@ -32,6 +32,7 @@ import common as C  # noqa: E402
 import history as H  # noqa: E402
 import models  # noqa: E402
 import qwen3_30b  # noqa: E402
+from report import print_until_reader_gone  # noqa: E402
 
 STAGES = [
     ("train", "tests/train_with_test_reward.py"),
@@ -145,4 +146,5 @@ def export_checks(export: Path, history: dict) -> dict:
 
 
 if __name__ == "__main__":
+    print_until_reader_gone()
     sys.exit(0 if main(sys.argv[1:])["ok"] else 1)

@@ -18,7 +18,7 @@ import common as C  # noqa: E402
 import models  # noqa: E402
 import engine as E  # noqa: E402
 import learning as L  # noqa: E402
-from report import emit  # noqa: E402
+from report import emit, print_until_reader_gone  # noqa: E402
 
 VARIANTS = {
     "as_is": C.LEARN_QUESTION,
@@ -48,5 +48,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    print_until_reader_gone()
     E.prepare_script()
     main(sys.argv[1:])

@@ -42,7 +42,7 @@ import models  # noqa: E402
 import engine as E  # noqa: E402
 import pool as P  # noqa: E402
 from fitness_trend import seconds_of  # noqa: E402
-from report import emit  # noqa: E402
+from report import emit, print_until_reader_gone  # noqa: E402
 
 # 8 samples per held-out problem: at 2, the paired difference's interval was +-0.018 around effects of +0.01 (GPU,
 # 128 problems); the sampling noise within a problem shrinks with more samples, and evaluation is cheap next to training
@@ -302,6 +302,7 @@ def format_table(runs):
 
 
 if __name__ == "__main__":
+    print_until_reader_gone()
     E.prepare_script()  # SIGINT/SIGTERM stop training between generations' writes; a later call resumes the history
     try:
         main(sys.argv[1:])

@@ -20,7 +20,7 @@ import common as C  # noqa: E402
 import models  # noqa: E402
 import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
-from report import emit  # noqa: E402
+from report import emit, print_until_reader_gone  # noqa: E402
 
 
 def seconds_of(fn, repeats: int) -> float:
@@ -77,5 +77,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    print_until_reader_gone()
     E.prepare_script()
     main(sys.argv[1:])

@@ -25,7 +25,7 @@ import common as C  # noqa: E402
 import models  # noqa: E402
 import engine as E  # noqa: E402
 import pool as P  # noqa: E402
-from report import emit  # noqa: E402
+from report import emit, print_until_reader_gone  # noqa: E402
 
 train = importlib.import_module("01_train")
 CPU_WORKLOAD = ["--preset=smoke", "--tensor_parallel_size=1", "--population=8", "--max_turns=3", "--max_new_tokens=48"]
@@ -104,5 +104,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    print_until_reader_gone()
     E.prepare_script()
     main(sys.argv[1:])

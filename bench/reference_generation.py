@@ -43,7 +43,7 @@ import models  # noqa: E402
 import pool as P  # noqa: E402
 import qwen3_30b  # noqa: E402
 import plain_generation  # noqa: E402
-from report import emit  # noqa: E402
+from report import emit, print_until_reader_gone  # noqa: E402
 
 TAIL_SHARE = 0.15
 TURNS, TAIL_TURNS = (2, 8), (9, 50)
@@ -222,4 +222,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    print_until_reader_gone()
     main(sys.argv[1:])

@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common as C  # noqa: E402
-from report import emit  # noqa: E402
+from report import emit, print_until_reader_gone  # noqa: E402
 
 OPTIONS = {"out": "", "seeds": "20260627,20260628", "run_root": "runs/two_runs"}
 LOCK_WAIT = "another process is changing GPU memory on this machine"
@@ -78,4 +78,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    print_until_reader_gone()
     main(sys.argv[1:])

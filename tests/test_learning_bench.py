@@ -15,7 +15,8 @@ import pytest
 import common as C
 import scoring
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
 import fitness_trend  # noqa: E402
 import learning  # noqa: E402
 
@@ -159,6 +160,23 @@ def test_single_seed_reports_combine_into_one_with_every_seed_judged(tmp_path):
 def test_fitness_trend_refuses_a_history_too_short_for_a_slope():
     with pytest.raises(ValueError, match="at least 3 generations"):
         fitness_trend.fitness_trend(trend_history([0.05, 0.06]))
+
+
+def test_a_bench_whose_reader_has_gone_runs_to_its_end_and_writes_its_report(tmp_path):
+    """A bench piped into a reader that has gone (head) still writes its --out file, without a traceback."""
+    history = tmp_path / "es_history.json"
+    history.write_text(json.dumps(trend_history([0.05 + 1e-3 * g for g in range(20)])))
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line: every print meets a closed pipe
+    try:
+        done = subprocess.run([sys.executable, str(BENCH / "fitness_trend.py"), str(history),
+                               f"--out={tmp_path / 'trend.json'}"], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0 and "Error" not in done.stderr, done.stderr
+    report = json.loads((tmp_path / "trend.json").read_text())
+    assert report["runs"][0]["slope_per_generation"] == pytest.approx(1e-3, abs=2e-4)
 
 
 def reward_history(rewards):
