@@ -73,11 +73,11 @@ def reference_gain(references: list[dict], seed: int = 1) -> tuple[float, np.nda
     return gain, np.mean([d[:n] * len(h["generations"]) for (_, d), h in zip(ref, references)], axis=0)
 
 
-def generations_to_match(history: dict, gain: tuple[float, np.ndarray], seed: int = 0) -> dict:
+def generations_to_match(history: dict, reference: tuple[float, np.ndarray], seed: int = 0) -> dict:
     """Generations this run needs, at its own slope, to gain the references' training fitness (`reference_gain`):
     the point value and a 95% interval from the bootstrap draws of both, taken on the gain per generation and
     inverted; a bound past a non-positive rate is open (None)."""
-    gain, gain_draws = gain
+    gain, gain_draws = reference
     slope, draws = slope_draws(history, seed)
     n = min(len(gain_draws), len(draws))
     low, high = np.percentile(draws[:n] / gain_draws[:n], [2.5, 97.5])  # the share of the gain per generation
@@ -119,9 +119,9 @@ def main(argv):
                  "[--out=FILE]")
     histories = [(p, C.read_json(Path(p))) for p in paths]
     references = [p for p in opts["match"].split(",") if p]
-    gain = reference_gain([C.read_json(Path(p)) for p in references]) if references else None
+    reference = reference_gain([C.read_json(Path(p)) for p in references]) if references else None
     rows = [dict(history=p, **fitness_trend(h), **generation_seconds(h, opts["timed_from"]),
-                 **(generations_to_match(h, gain) if references else {})) for p, h in histories]
+                 **(generations_to_match(h, reference) if references else {})) for p, h in histories]
     print(f"{'history':<58} {'gens':>4} {'alpha x sigma':>13} {'slope / generation [95% CI]':>34} "
           f"{'s / generation [range]':>24} {'ES ops s':>8}" + ("  generations to match [95% CI]" if references else ""))
     for r in rows:

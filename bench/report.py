@@ -35,7 +35,9 @@ class StdoutUntilReaderGone:
 
     def reader_gone(self):
         # the rest goes to /dev/null, down to the interpreter's own last flush of the real stdout
-        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())
+        os.close(devnull)
 
     def __getattr__(self, name):
         return getattr(self.stream, name)

@@ -226,8 +226,8 @@ done
 def test_the_detached_paper_runs_outlive_start_and_collect_keeps_their_histories(tmp_path):
     """bench/learning_paper_detached.sh around bench/learning_paper_h200.sh with a stand-in for learning.py: `start`
     returns while both seeds train (resumed from RESUME), `collect` copies their current histories (all along its wait,
-    so a call cut at its limit keeps them), `collect ... stop`
-    stops them and copies the last ones, and a collect where nothing runs says so at once."""
+    so a call cut at its limit keeps them), `collect ... stop` stops them and copies the last ones, and a collect
+    where nothing runs says so at once."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "python").write_text(STAND_IN_LEARNING)
@@ -260,8 +260,8 @@ def test_the_detached_paper_runs_outlive_start_and_collect_keeps_their_histories
         first = {seed: generations(tmp_path / "first", seed) for seed in (20260627, 20260628)}
         assert first[20260627] > 40 and first[20260628] > 0  # the carried history resumed, the other started
         with pytest.raises(subprocess.TimeoutExpired):  # a call cut at its limit mid-wait: its copies are there
-            subprocess.run(["bash", str(script), "collect", str(tmp_path / "cut"), "60"], env=env, cwd=script.parents[1],
-                           capture_output=True, timeout=3)
+            subprocess.run(["bash", str(script), "collect", str(tmp_path / "cut"), "60"], env=env,
+                           cwd=script.parents[1], capture_output=True, timeout=3)
         cut = {seed: generations(tmp_path / "cut", seed) for seed in first}
         assert all(cut[seed] > first[seed] for seed in first)
         assert not (tmp_path / "cut" / "logs.txt").exists()  # the logs come only with a call that ends
