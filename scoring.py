@@ -51,7 +51,7 @@ _BOXED = re.compile(r"\\boxed\s*\{")
 
 
 def _boxes(text):
-    """(start, content, closed) of every \\boxed{ that is not inside an earlier closed box, in order. A box whose
+    """(start, end, content, closed) of every \\boxed{ that is not inside an earlier closed box, in order. A box whose
     braces never close (a reply cut off inside it) holds the rest of its line."""
     boxes, inside_until = [], 0
     for match in _BOXED.finditer(text):
@@ -62,30 +62,95 @@ def _boxes(text):
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         if depth == 0:
-            boxes.append((match.start(), text[match.end():i - 1], True))
+            boxes.append((match.start(), i, text[match.end():i - 1], True))
             inside_until = i
         else:
             line_end = text.find("\n", match.end())
-            boxes.append((match.start(), text[match.end():None if line_end == -1 else line_end], False))
+            line_end = len(text) if line_end == -1 else line_end
+            boxes.append((match.start(), line_end, text[match.end():line_end], False))
     return boxes
 
 
-# A note after the committed value, in parentheses or after a dash: "42 (checked with the tool)", "42 — verified".
-# It is dropped only when it is prose that names no other candidate answer: no digit, no math, no number word and
-# no "or" ("42 (or 43)" stays a hedge).
-_TRAILING_NOTE = re.compile(r"\s+(?:\(([^()]*)\)|[\u2013\u2014]\s*([^\u2013\u2014]*))$")
-_CANDIDATE_ANSWER = re.compile(
-    r"[\d\\$^_=+*/<>{}]|\b(?:or|pi|zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|\w+teen|"
-    r"twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|hundred|thousand|million|billion|half|third|quarter)\b",
-    re.IGNORECASE)
+# A note after the committed value: trailing natural-language prose after a space or punctuation, as a careful grader
+# reads "Final answer: 42 - verified with bash": "42 (checked with the tool)", "42 [computed]", "42 — verified",
+# "42, as the script printed", "42: confirmed", "42; the tool agrees", "42. Verified.", "42 since ...", "42 which ...".
+# It is dropped only when it names no other candidate answer (no digit, no math, no number or math word, no word
+# that offers or conditions an alternative: "42, maybe 43", "42 (or 43)", "42, unless ..." stay whole and score as
+# hedges) and what it leaves is one value (see _is_one_value).
+_NOTE_START = re.compile(
+    r"\s+(?=[(\[])|\s*(?=[\uff08\u3010])"                # 42 (checked)   42 [computed by the tool]   42（已验证）
+    r"|\s*(?=[\u2013\u2014])"                            # 42 — verified   42—verified
+    r"|\s+(?=--?\s)"                                     # 42 - verified   42 -- verified
+    r"|\s*(?=[,;:.]\s|[\uff0c\uff1b\uff1a\u3002])"       # 42, as printed   42: checked   42. Verified.   42，as
+    r"|\s+(?=[^\W\d_])")                                 # 42 since ...   42 verified with bash
+_MARKED_NOTE = re.compile(r"\s*[(\[\uff08\u3010\u2013\u2014]")  # brackets and en/em dashes only ever open a note
+_NOTE_INTRODUCER = re.compile(r"^[\s,;:.\uff0c\uff1b\uff1a\u3002\u2013\u2014-]+")
+# math words: in a note they name a value; in a head they belong to it; after a number they are no unit
+_NEVER_A_UNIT = (r"pi|theta|alpha|beta|gamma|delta|epsilon|phi|omega|lambda|sigma|tau|sin|cos|tan|cot|csc|arcsin|"
+                 r"arccos|arctan|sinh|cosh|tanh|log|ln|exp|sqrt|factorial|infinity")
+_MATH_WORDS = (rf"{_NEVER_A_UNIT}|mu|lg|squared|cubed|times|plus|minus|divided|mod|modulo|pmod|choose|binom|max|"
+               r"gcd|lcm|det|infinite|undefined")
+_NUMBER_WORDS = (r"zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|\w+teen|twenty|thirty|forty|"
+                 r"fifty|sixty|seventy|eighty|ninety|hundred|thousand|million|billion|dozen|half|halves|thirds?|"
+                 r"quarters?|fourths?|fifths?|sixths?|sevenths?|eighths?|ninths?|tenths?|\w+tieths?|hundredths?")
+_ALTERNATIVE_WORDS = r"or|nor|either|else|otherwise|alternatively|unless|versus|vs"
+_MATH_SYMBOL = r"\d\\$^_=+*/<>{}|%\u221a\u03c0\u221e\u00d7\u00f7\u00b1\u2264\u2265\u2260\u2212\u0370-\u03ff"
+_CANDIDATE_ANSWER = re.compile(rf"[{_MATH_SYMBOL}]|\b(?:{_MATH_WORDS}|{_NUMBER_WORDS}|{_ALTERNATIVE_WORDS})\b",
+                               re.IGNORECASE)
+_PRONOUN_ONE = re.compile(r"\b(?:the|this|that|each|every|any|which|only|same|right|correct)\s+one\b", re.IGNORECASE)
+_WORD = re.compile(r"[^\W\d_]{2,}")
+# two words, a long one, or two letters of a script without variables (已验证)
+_LONG_PROSE = re.compile(r"[^\W\d_]{4,}|[^\W\d_]{2,}[\W_]+(?:[^\W\d_][\W_]+)*[^\W\d_]{2,}|[^\W\d_A-Za-z]{2,}")
+# after a value that is text (Yes, \text{red}), only a note that opens like one: "red, green" is a list of two values
+_CONNECTIVE = re.compile(
+    r"(?:since|because|as|which|that|so|thus|hence|therefore|verified|checked|confirmed|computed|calculated|"
+    r"obtained|found|given|per|by|from|according|using|via|with|where|see)\b", re.IGNORECASE)
+_MATH_CHAR = re.compile(rf"[{_MATH_SYMBOL}()\[\]]|(?<![^\W\d_])-")  # a hyphen inside a word is prose
+_HEAD_WORDS_ALLOWED = re.compile(rf"(?:{_MATH_WORDS}|and)", re.IGNORECASE)  # "2 and 3" is a set, "2 pi" a value
+
+
+def _is_one_value(head):
+    """Whether what comes before a note can be the committed value: its brackets balance ("42 (checked with 3" does
+    not) and, in its last sentence, no prose follows its first math ("so it is 42" can be, "42 checked with 3"
+    cannot; \\text{} and LaTeX commands aside)."""
+    if head.count("{") != head.count("}") or sum(map(head.count, "([")) != sum(map(head.count, ")]")):
+        return False
+    last = re.split(r"(?<=[.!?;])\s+", head)[-1]
+    last = re.sub(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+", " ", _TEXT_COMMAND.sub(" ", last))
+    first_math = _MATH_CHAR.search(last)
+    return not first_math or all(_HEAD_WORDS_ALLOWED.fullmatch(word)
+                                 for word in re.findall(r"[^\W\d_]{3,}", last[first_math.start():]))
+
+
+def _is_note(note, marked, text_head):
+    """Whether the text after a possible note start is prose: any word in brackets or after an en/em dash; otherwise
+    two words or a long one ("x^2 - xy" and "3 abc" are math), and after a text value, one that opens like a note."""
+    if marked:
+        return bool(_WORD.search(note))
+    if text_head and not _CONNECTIVE.match(note):
+        return False
+    return bool(_LONG_PROSE.search(note))
 
 
 def _drop_trailing_note(text):
-    note = _TRAILING_NOTE.search(text)
-    if note and text[:note.start()].strip():
-        remark = note.group(1) if note.group(1) is not None else note.group(2)
-        if _PROSE.search(remark) and not _CANDIDATE_ANSWER.search(remark):
-            return text[:note.start()]
+    """The text without its trailing prose note (the longest one that qualifies), or unchanged. A note starts after
+    the last character or word that could belong to a value."""
+    if len(text) > 1000:  # a value with a note is short; the search below is quadratic in the worst case
+        return text
+    masked = _PRONOUN_ONE.sub(lambda m: m[0][:-3] + "   ", text)  # "the same one": a pronoun, not a value
+    notes_from = max((m.end() for m in _CANDIDATE_ANSWER.finditer(masked)), default=0)
+    # the head is math when math precedes that point (\text{}, $ and emphasis aside) or a bracket or a minus
+    # sign follows it before the note starts
+    math_before = _MATH_CHAR.search(re.sub(r"[$*`]", "", _TEXT_COMMAND.sub(r"\1", text[:notes_from])))
+    math_after = _MATH_CHAR.search(text, notes_from)
+    for start in _NOTE_START.finditer(text, notes_from):
+        head, tail = text[:start.start()].strip(), text[start.start():]
+        text_head = not math_before and not (math_after and math_after.start() < start.start())
+        if head and _is_note(_NOTE_INTRODUCER.sub("", tail), bool(_MARKED_NOTE.match(tail)), text_head):
+            if _is_one_value(head):
+                return head
+            if not text_head:
+                break  # a later start leaves more prose after the value in the head: no shorter note qualifies
     return text
 
 
@@ -116,12 +181,36 @@ def _one_answer(values):
     return ", ".join(distinct.values()) or None
 
 
+# Words that offer or condition an alternative: beside a box they make a value written outside it a second one
+_HEDGING = re.compile(rf"\b(?:{_ALTERNATIVE_WORDS}|maybe|perhaps|possibly|possible|could|might)\b", re.IGNORECASE)
+_VALUE_OUTSIDE = re.compile(rf"[{_MATH_SYMBOL}]|\b(?:{_MATH_WORDS}|{_NUMBER_WORDS})\b", re.IGNORECASE)
+
+
+def _opened(text, start, end, boxes):
+    """text[start:end] with each of these boxes (all inside it) replaced by its content."""
+    parts, at = [], start
+    for box_start, box_end, content, _ in boxes:
+        parts += [text[at:box_start], content]
+        at = box_end
+    return "".join(parts + [text[at:end]])
+
+
+def _offers_another_value(text, start, end, boxes):
+    """Whether the committing line text[start:end] offers a value outside its boxes as an alternative to them: a
+    hedging word and a value ("\\boxed{42} or 43", "\\boxed{42}, maybe 43", "42 or \\boxed{43}"); a derivation
+    ("\\boxed{5} since 2+3 = \\boxed{5}") or a note offers none."""
+    outside = _opened(text, start, end, [(b_start, b_end, " ", closed) for b_start, b_end, _, closed in boxes])
+    outside = re.sub(r"\\[,;:! ]|\\q?quad\b|[$*_`]", " ", _TEXT_COMMAND.sub(r" \1 ", outside))
+    return bool(_HEDGING.search(outside) and _VALUE_OUTSIDE.search(outside))
+
+
 def extract_final_answer(text):
     """The answer the reply commits to, or None. Last line that starts with `Final answer:`/`Answer:` (after optional
     markdown such as `**`, `>`, `-`; ASCII or full-width colon): the content of the boxes that open on that line
     (one cut off before its closing brace holds the rest of the line), else the rest of the line without a trailing
     prose note. Without such a line (or with an empty one), the balanced boxes on the line of the last one
-    anywhere. Several different values on the committing line are a hedge (see _one_answer)."""
+    anywhere. Several different values on the committing line are a hedge (see _one_answer), and so is a value
+    offered beside its boxes ("\\boxed{42} or 43": the line is returned with the boxes opened, to score as one)."""
     text = strip_think(text)
     boxes = _boxes(text)
     markers = list(_ANSWER_MARKER.finditer(text))
@@ -129,15 +218,22 @@ def extract_final_answer(text):
         start = markers[-1].end()
         line_end = text.find("\n", start)
         line_end = len(text) if line_end == -1 else line_end
-        on_line = [content.strip() if closed else _clean_answer_text(content)
-                   for box_start, content, closed in boxes if start <= box_start < line_end]
-        answer = _one_answer(on_line) if on_line else _clean_answer_text(text[start:line_end])
+        on_line = [box for box in boxes if start <= box[0] < line_end]
+        if on_line and _offers_another_value(text, start, line_end, on_line):
+            return _clean_answer_text(_opened(text, start, line_end, on_line))
+        values = [content.strip() if closed else _clean_answer_text(content) for _, _, content, closed in on_line]
+        answer = _one_answer(values) if on_line else _clean_answer_text(text[start:line_end])
         if answer:
             return answer
-    closed = [(box_start, content) for box_start, content, is_closed in boxes if is_closed]
+    closed = [box for box in boxes if box[3]]
     if closed:
         line_start = text.rfind("\n", 0, closed[-1][0]) + 1
-        return _one_answer([content.strip() for box_start, content in closed if box_start >= line_start])
+        line_end = text.find("\n", closed[-1][1])
+        line_end = len(text) if line_end == -1 else line_end
+        on_line = [box for box in closed if box[0] >= line_start]
+        if _offers_another_value(text, on_line[0][0], line_end, on_line):  # the work before the box is no offer
+            return _clean_answer_text(_opened(text, on_line[0][0], line_end, on_line))
+        return _one_answer([content.strip() for _, _, content, _ in on_line])
     return None
 
 
@@ -163,8 +259,10 @@ def _math_verify(prediction, gold):
         # $...$ makes bare LaTeX such as \frac{1}{2} or \sqrt{2} parse
         gold_parsed = mv_parse(f"${gold.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
         # the prediction as LaTeX only: where that fails, math_verify's other reading picks one number out of the
-        # text ("42 (i.e. 43)" -> 43, 42\text{, }43 -> 42), and an answer holding several values is none of them
-        pred_parsed = mv_parse(f"${prediction.strip('$')}$", extraction_config=[LatexExtractionConfig()],
+        # text ("42 (i.e. 43)" -> 43, 42\text{, }43 -> 42), and an answer holding several values is none of them;
+        # its own $ signs go, as math_verify reads one math span ("$42$, maybe 43" would read as 42)
+        latex = re.sub(r"(?<!\\)\$", "", prediction)
+        pred_parsed = mv_parse(f"${latex}$", extraction_config=[LatexExtractionConfig()],
                                parsing_timeout=timeout, raise_on_error=True)
         if not gold_parsed or all(isinstance(p, str) for p in pred_parsed):
             return None
@@ -219,11 +317,13 @@ _NUMBER = re.compile(_SIGNED)
 _SLASH_FRACTION = re.compile(rf"({_SIGNED})\s*/\s*({_SIGNED})")
 _LATEX_FRACTION = re.compile(rf"([+-]?)\s*\\[dtc]?frac\s*\{{\s*({_SIGNED})\s*\}}\s*\{{\s*({_SIGNED})\s*\}}")
 _TEXT_COMMAND = re.compile(r"\\(?:text(?:bf|it|rm|normal)?|math(?:rm|bf|it)|mbox|operatorname)\s*\{([^{}]*)\}")
+# never a unit: "2 sin theta" is not 2, "17 but could also be eighteen" not 17
+_NOT_A_UNIT = rf"(?:{_NEVER_A_UNIT}|{_NUMBER_WORDS}|{_ALTERNATIVE_WORDS})\b"
 _TRAILING_QUALIFIER = re.compile(
     r"(?:\s*\(?\s*\\?[pb]?mod(?:ulo)?\s*\{?\s*\d+\s*\}?\s*\)?"          # 12 \pmod{20}, 12 (mod 20)
     r"|\s*(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)"                        # 5^\circ, 5°
     r"|\s*\\?%"                                                          # 25\%
-    r"|(?:\s|\\[,;: ]|~)+(?!pi\b)[A-Za-z]{2,}\.?(?:\^\{?[23]\}?)?)$",    # 1000 dollars, 12 cm^2 (not "2 pi")
+    rf"|(?:\s|\\[,;: ]|~)+(?!{_NOT_A_UNIT})[A-Za-z]{{2,}}\.?(?:\^\{{?[23]\}}?)?)$",      # 1000 dollars, 12 cm^2
     re.IGNORECASE)
 _PROSE = re.compile(r"[A-Za-z]{2,}")
 _PROSE_PREFIX = re.compile(r"^(?:[A-Za-z][A-Za-z'’]*[\s,:]+)+(?=[+\-\\.\d])")  # so the answer is 42
@@ -305,7 +405,7 @@ def read_number(text):
 
 # Words that offer alternatives. math_verify reads "42 or 43" as a set (never equal to one value) but "42 (or 43)" or
 # 42 \lor 43 as one of the values, so an answer that offers alternatives to a gold of one value is decided here.
-_ALTERNATIVES = re.compile(r"\b(?:or|either|alternatively)\b|\\(?:lor|vee)(?![A-Za-z])", re.IGNORECASE)
+_ALTERNATIVES = re.compile(rf"\b(?:{_ALTERNATIVE_WORDS})\b|\\(?:lor|vee)(?![A-Za-z])", re.IGNORECASE)
 _SEVERAL_VALUES = re.compile(r"[,;]|\\(?:pm|mp|cup)(?![A-Za-z])|\band\b", re.IGNORECASE)  # a list, a set, a ± pair
 
 

@@ -135,6 +135,88 @@ ACCEPTED_FORMS = [
     (r"so \boxed{7} and a broken \boxed{8", "8", 0),  # without a marker only a closed box commits
 ]
 
+# A note after the committed value, in any common form: the value is the leading mathematical expression, the note
+# trailing prose that names no other value. A second value (a number, a number word, math, "or", "unless") after it
+# is no note: the line stays as it is and scores as a hedge or a list.
+NOTE_FORMS = [
+    ("Final answer: 42 - verified with bash", "42", 1),  # hyphen
+    ("Final answer: 42 -- verified with bash", "42", 1),
+    ("Final answer: 42 \u2013 checked by brute force", "42", 1),  # en dash
+    ("Final answer: 42\u2014verified", "42", 1),  # em dash without spaces
+    ("Final answer: 42 [computed by the tool]", "42", 1),  # brackets
+    ("Final answer: 42, as the script printed", "42", 1),  # comma + words
+    ("Final answer: 42 which matches the script's output", "42", 1),  # bare words
+    ("Final answer: 42 since the loop counts every case once", "42", 1),
+    ("Final answer: 42 because the simulation agrees", "42", 1),
+    ("Final answer: 42 as computed by the script", "42", 1),
+    ("Final answer: 42 verified with bash", "42", 1),
+    ("Final answer: 42: confirmed by brute force", "42", 1),  # colon
+    ("Final answer: 42; the script agrees", "42", 1),  # semicolon
+    ("Final answer: 42. Verified with bash.", "42", 1),  # a sentence after it
+    ("Final answer: 42 (checked), as the script printed", "42", 1),  # two notes
+    ("Final answer: 42 - the same one the script printed", "42", 1),  # "one" as a pronoun, not a value
+    ("Final answer: -3, because the root is negative", "-3", 1),
+    ("Final answer: 17\uff08\u5df2\u9a8c\u8bc1\uff09", "17", 1),  # full-width brackets, no space
+    ("Final answer: 41 - verified with bash", "42", 0),  # the value still decides
+    ("Final answer: 42, as the script printed", "43", 0),
+    # other values: fractions, negatives, decimals, LaTeX expressions, tuples, intervals, sets, equations, \text{}
+    (r"Final answer: \frac{3}{4}, as the script printed", r"\frac{3}{4}", 1),
+    (r"Final answer: \frac{3}{4} -- exact, not rounded", "0.75", 1),
+    ("Final answer: -17 - confirmed by brute force", "-17", 1),
+    ("Final answer: -17, since the sum is negative", "17", 0),
+    ("Final answer: 3.25 since the series telescopes", "13/4", 1),
+    (r"Final answer: 2\sqrt{3} because the triangle is equilateral", r"2\sqrt{3}", 1),
+    (r"Final answer: 2\sqrt{3} because the triangle is equilateral", r"3\sqrt{2}", 0),
+    ("Final answer: (3, 4) - the only lattice point", "(3, 4)", 1),
+    ("Final answer: (1, 2], since the left endpoint is excluded", "(1, 2]", 1),
+    (r"Final answer: \{1, 2\}, as listed by the script", r"\{1, 2\}", 1),
+    ("Final answer: x = 5, as expected", "5", 1),
+    (r"Final answer: \text{Yes}, since the sum is even", "Yes", 1),
+    ("Final answer: Yes, because the sum is even", "Yes", 1),
+    ("Final answer: 1000 dollars, as the script printed", "1000", 1),
+    ("Final answer: 2 and 3, as the script found", "2, 3", 1),  # a set answer keeps its "and"
+    (r"Final answer: \begin{pmatrix} 1 \\ 2 \end{pmatrix}, as computed", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", 1),
+    # boxes, Answer: lines, full-width punctuation, markdown
+    (r"Final answer: \boxed{\frac{1}{2}} - verified numerically", r"\frac{1}{2}", 1),
+    (r"so the answer is \boxed{7}, which the tool confirmed", "7", 1),
+    ("Answer: 42 - verified with bash", "42", 1),
+    ("Final answer\uff1a 42\uff0cas the script printed", "42", 1),
+    ("Answer\uff1a256\uff0c\u5df2\u9a8c\u8bc1", "256", 1),
+    ("**Final answer:** $42$ - checked with bash", "42", 1),
+    # a second value after the first is a hedge, however it is joined
+    ("Final answer: 42, maybe 43", "42", 0),
+    ("Final answer: 42, maybe 43", "43", 0),
+    ("Final answer: 42 and 43", "42", 0),
+    ("Final answer: 42 / 43", "42", 0),
+    ("Final answer: 42 - or 43", "43", 0),
+    ("Final answer: 42 [or 43]", "42", 0),
+    ("Final answer: 42, or maybe later", "42", 0),
+    ("Final answer: 42, maybe forty-three", "42", 0),
+    ("Final answer: 17 but could also be eighteen", "17", 0),  # nor do number words go as units
+    ("Final answer: $42$, maybe 43", "42", 0),  # nor does math_verify read the first $...$ span alone
+    ("Final answer: $42$; $43$", "43", 0),
+    (r"Final answer: $\text{red}$, green", "red", 0),
+    # beside a box too: a value outside it with a word that offers it as an alternative
+    (r"Final answer: \boxed{42} or 43", "42", 0),
+    (r"Final answer: \boxed{42}, maybe 43", "42", 0),
+    (r"Final answer: \boxed{\frac{3}{4}} - perhaps \frac{2}{3}", r"\frac{3}{4}", 0),
+    (r"Final answer: 42 or \boxed{43}", "43", 0),
+    (r"so it is \boxed{42}, though forty-three is possible", "42", 0),
+    (r"Final answer: \boxed{42} (since 6 \times 7 = 42)", "42", 1),  # a derivation offers no other value
+    (r"Final answer: \boxed{42} - verified either way", "42", 1),  # nor does a note
+    (r"As it might be tricky, we computed 6 \times 7 = \boxed{42}", "42", 1),  # nor the work before it, unmarked
+    ("Final answer: 42 - maybe pi", "42", 0),
+    ("Final answer: 42, unless the grid wraps around", "42", 0),  # a condition, not a commitment
+    (r"Final answer: \frac{3}{4}, maybe \frac{2}{3}", r"\frac{3}{4}", 0),
+    (r"Final answer: -0.5 - or perhaps -\frac{1}{3}", "-0.5", 0),
+    ("Final answer: 42 checked with 3 runs", "42", 0),  # a note with a number is not dropped
+    ("Final answer: red, green", "red", 0),  # a list of words is not a value and a note
+    # math that ends in letters is neither a note nor a unit
+    ("Final answer: x^2 - xy", "x^2", 0),
+    ("Final answer: 2 sin theta", "2", 0),
+    ("Final answer: 5 factorial", "5", 0),
+]
+
 # A finite decimal never equals a gold without a finite decimal expansion (0.333333 is a truncation of 1/3, not its
 # value), whichever comparison decides; decimals that are the value are equal.
 TRUNCATED_DECIMALS = [
@@ -167,7 +249,7 @@ def test_numbers_agree(predicted, gold, expected):
     assert scoring.numbers_agree(Fraction(predicted), Fraction(gold)) is expected
 
 
-@pytest.mark.parametrize("output, gold, expected", CASES + HEDGES + ACCEPTED_FORMS + TRUNCATED_DECIMALS)
+@pytest.mark.parametrize("output, gold, expected", CASES + HEDGES + ACCEPTED_FORMS + NOTE_FORMS + TRUNCATED_DECIMALS)
 def test_extract_and_score(output, gold, expected):
     prediction = scoring.extract_final_answer(output)
     score, method = scoring.score_answer(prediction, gold)
@@ -182,6 +264,19 @@ def test_extract_and_score(output, gold, expected):
     (r"<think>Answer: \boxed{1}", None),  # reply cut off while thinking: nothing committed
     ("reasoning</think>\nAnswer: 3", "3"),  # opening tag was in the prompt
     ("no answer here", None),
+    # a trailing note goes, the value stays whole
+    ("Final answer: 42 - verified with bash", "42"),
+    ("Final answer: (1, 2], since the left endpoint is excluded", "(1, 2]"),
+    (r"Final answer: \{1, 2\} [as listed]", r"\{1, 2\}"),
+    ("Final answer: x = 5, as expected.", "x = 5"),
+    (r"Final answer: \text{Yes}, since the sum is even", r"\text{Yes}"),
+    (r"Final answer: $2\sqrt{3}$ which the script confirms", r"2\sqrt{3}"),
+    ("Final answer: the answer is 42, as computed", "the answer is 42"),
+    ("Final answer: 42 (checked with 3 runs)", "42 (checked with 3 runs)"),  # not a note: kept whole
+    ("Final answer: 42 checked with 3 runs", "42 checked with 3 runs"),
+    ("Final answer: 42, maybe 43", "42, maybe 43"),
+    ("Final answer: red, green", "red, green"),
+    ("Final answer: x^2 - xy", "x^2 - xy"),
 ])
 def test_extract_final_answer_text(output, expected):
     assert scoring.extract_final_answer(output) == expected
