@@ -422,14 +422,14 @@ class RemoteEngine:
     def parameter_names_sha256(self) -> str:
         return self._call("parameter_names_sha256")
 
-    def perturb(self, seed: int, sigma: float) -> float:
-        return self._call("perturb", seed, sigma)
+    def perturb(self, seed: int, sigma: float) -> None:
+        self._call("perturb", seed, sigma)
 
-    def restore(self) -> float:
-        return self._call("restore")
+    def restore(self) -> None:
+        self._call("restore")
 
-    def update(self, seeds: list[int], coeffs: list[float]) -> float:
-        return self._call("update", seeds, coeffs)
+    def update(self, seeds: list[int], coeffs: list[float]) -> None:
+        self._call("update", seeds, coeffs)
 
     def digests(self) -> list[str]:
         return self._call("digests")
@@ -639,9 +639,9 @@ class EnginePool(C.ClosedOnExit):
     def parameter_names_sha256(self) -> str:
         return self._each("parameter_names_sha256")[0]
 
-    def update(self, seeds: list[int], coeffs: list[float]) -> float:
-        """The same update on every engine; returns the slowest engine's seconds."""
-        return max(self._each("update", seeds, coeffs))
+    def update(self, seeds: list[int], coeffs: list[float]) -> None:
+        """The same update on every engine."""
+        self._each("update", seeds, coeffs)
 
     def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
         """Engine 0's checkpoint digest sums, after checking that every engine holds the same bits (one pass)."""
