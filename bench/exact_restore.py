@@ -6,9 +6,10 @@ digest after the restore is the centre's. For the patch: the elements the subtra
 share of the elements), the patch's reserved and used bytes as a share of a copy's. Then the memory plan's largest
 admitted K (engines per GPU) for copy_device, copy_host and patch, from the engine's real weights and patch bytes
 and the GPU's measured free and total memory, at the smallest gpu_memory_utilization holding one engine's weights,
-activations and one max_model_len sequence, and at the configured one. vLLM's dummy weights (uniform in +-1e-3,
-smaller than the noise) would miss far more often than trained weights: with --normal_weights=true (always with
---qwen3_30b) every weight is redrawn N(0, 0.02), norms 1, as bench/qwen3_30b.write_random_checkpoint writes them.
+activations and one max_model_len sequence, and at the configured one; and per K, the KV cache each engine keeps
+at the largest utilization admitting K. vLLM's dummy weights (uniform in +-1e-3, smaller than the noise) would miss
+far more often than trained weights: with --normal_weights=true (always with --qwen3_30b) every weight is redrawn
+N(0, 0.02), norms 1, as bench/qwen3_30b.write_random_checkpoint writes them.
 
 --synthetic=true measures the miss fraction without vLLM on bf16 N(0, std) tensors (std 0.02, 0.01, 0.005; sigma 1e-3
 and 5e-4; both roundings): the measurement behind common.PATCH_CAPACITY.
@@ -91,6 +92,27 @@ def largest_k(restore: str, needs: dict, report: dict, utilization: float, tp: i
     return k
 
 
+def kv_cache_by_k(restore: str, needs: dict, report: dict, tp: int) -> dict:
+    """{K: GiB of KV cache per engine} at the largest gpu_memory_utilization (in steps of 0.01) the plan admits for
+    K engines per GPU with their restore state where `restore` asks; K up to the first that fits at none."""
+    out = {}
+    for k in range(1, 65):
+        best = None
+        for step in range(1, 100):
+            try:
+                plan = P.plan_gpu_memory(engines_per_gpu=k, engines_on_node=k, gpu_total=report["gpu_total_bytes"],
+                                         gpu_free=report["gpu_free_bytes"], host_free=report["host_free_bytes"],
+                                         utilization=step / 100, restore=restore, tensor_parallel_size=tp, **needs)
+            except C.ConfigError:
+                continue
+            if plan["restore"] == restore:
+                best = plan["kv_cache_bytes"]
+        if best is None:
+            break
+        out[k] = round(best / P.GIB, 1)
+    return out
+
+
 def run_mode(cfg, model, load_format, opts, seeds) -> dict:
     t0 = time.perf_counter()
     with E.Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
@@ -147,6 +169,8 @@ def plan_ks(cfg, model, modes: dict) -> dict | None:
             "host_free_bytes": report["host_free_bytes"], "needs": needs, "smallest_utilization": smallest,
             "k_at_smallest_utilization": {r: largest_k(r, needs, report, smallest, cfg.tensor_parallel_size)
                                           for r in PLAN_RESTORES},
+            "kv_cache_gib_per_engine_by_k": {r: kv_cache_by_k(r, needs, report, cfg.tensor_parallel_size)
+                                             for r in PLAN_RESTORES},
             "configured_utilization": cfg.gpu_memory_utilization,
             "k_at_configured_utilization": {r: largest_k(r, needs, report, cfg.gpu_memory_utilization,
                                                          cfg.tensor_parallel_size) for r in PLAN_RESTORES}}
@@ -193,6 +217,9 @@ def main(argv):
             util = plan["smallest_utilization" if key.endswith("smallest_utilization") else "configured_utilization"]
             print(f"engines per GPU at gpu_memory_utilization={util}: "
                   + ", ".join(f"{r} {k}" for r, k in plan[key].items()))
+        for r, by_k in plan["kv_cache_gib_per_engine_by_k"].items():
+            print(f"{r:<12} KV cache GiB per engine at the largest utilization admitting K engines per GPU: "
+                  + ", ".join(f"K={k}: {gib}" for k, gib in by_k.items()))
     return emit(result, opts["out"])
 
 
