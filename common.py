@@ -397,10 +397,10 @@ def _parse_value(key: str, text: str, kind: type):
 # 2. Noise and ES math (SPEC section 3). Pure functions of their arguments; the worker extension applies them.
 #    One generation (01_train.run_generation): member_seeds -> per member, engine.Engine.evaluate_member: perturb
 #    (ESWorker.es_perturb: noise_seed -> noise_chunks -> add_noise_ with +sigma), the agent's episodes, restore (a
-#    copy back) -> fitness -> zscore -> update_coefficients -> update (ESWorker.es_update: add_noise_ with every
-#    member's coefficient), then the per-rank digests (digests.py). All noise enters through one method,
-#    ESWorker._es_add_noise; with noise="checkpoint" checkpoint_noise.CheckpointESWorker overrides it with the
-#    checkpoint noise (checkpoint_noise.py).
+#    copy back, or the noise subtracted and a RestorePatch applied) -> fitness -> zscore -> update_coefficients ->
+#    update (ESWorker.es_update: add_noise_ with every member's coefficient), then the per-rank digests
+#    (digests.py). All noise enters through one method, ESWorker._es_add_noise; with noise="checkpoint"
+#    checkpoint_noise.CheckpointESWorker overrides it with the checkpoint noise (checkpoint_noise.py).
 # ============================================================================================================
 
 MASK64 = (1 << 64) - 1
