@@ -22,7 +22,6 @@ and 5e-4; both roundings): the measurement behind common.PATCH_CAPACITY.
 import dataclasses
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -42,21 +41,6 @@ from report import emit, print_until_reader_gone  # noqa: E402
 RESTORES = ("patch", "copy_device")
 PLAN_RESTORES = ("copy_device", "copy_host", "patch")
 SYNTHETIC_STDS, SYNTHETIC_SIGMAS = (0.02, 0.01, 0.005), (1e-3, 5e-4)
-
-
-def normal_weights(worker, std: float, seed: int) -> int:
-    """Run in each worker: every ES parameter redrawn N(0, std) in bf16 (norms 1), chunk by chunk. Returns elements."""
-    device = worker.es_params[0][1].device
-    g = torch.Generator(device=device).manual_seed(seed + worker.es_rank)
-    for name, t in worker.es_params:
-        flat = t.view(-1)
-        if name.endswith("norm.weight"):
-            flat.fill_(1.0)
-            continue
-        for start in range(0, flat.numel(), 1 << 26):
-            piece = flat[start:start + (1 << 26)]
-            piece.copy_(torch.randn(piece.numel(), generator=g, device=device) * std)
-    return sum(t.numel() for _, t in worker.es_params)
 
 
 def synthetic(n: int = 4_000_000) -> list[dict]:
@@ -118,7 +102,7 @@ def run_mode(cfg, model, load_format, opts, seeds) -> dict:
     with E.Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
         start_s = time.perf_counter() - t0
         if opts["normal_weights"]:
-            engine.rpc(normal_weights, std=0.02, seed=opts["seed"])
+            engine.rpc(qwen3_30b.normal_weights, std=qwen3_30b.NORMAL_STD, seed=opts["seed"])
             engine.reset_prefix_cache()
         engine.reserve_restore_copy()  # the copy or the patch, allocated before any member (as co-located engines)
         centre = engine.digests()
@@ -191,7 +175,7 @@ def main(argv):
     else:
         model, load_format = models.resolve_model(cfg.model), "auto"
     opts["normal_weights"] = opts["normal_weights"] or opts["qwen3_30b"]  # dummy weights would say nothing
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # normal_weights travels to the workers by value
+    qwen3_30b.allow_normal_weights()
     seeds = C.member_seeds(cfg.run_seed, 0, opts["members"])
     modes = {r: run_mode(dataclasses.replace(cfg, restore=r), model, load_format, opts, seeds) for r in RESTORES}
     plan = plan_ks(cfg, model, modes)

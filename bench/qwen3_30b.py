@@ -3,6 +3,7 @@
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -86,3 +87,31 @@ def write_random_checkpoint(folder, seed: int = 0, shard_bytes: int = 4 << 30) -
             shard, size = {}, 0
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     return str(folder)
+
+
+NORMAL_STD = 0.02  # the initializer_range of the config: what write_random_checkpoint draws
+
+
+def allow_normal_weights() -> None:
+    """normal_weights travels to the workers by value (a function, not a worker method): vLLM must allow pickling."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
+
+def normal_weights(worker, std: float, seed: int) -> int:
+    """Run in each worker (engine.rpc(normal_weights, ...)): every ES parameter redrawn N(0, std), norms 1, as
+    write_random_checkpoint writes them. vLLM's dummy weights (uniform in +-1e-3, below the noise) would make an
+    exact restore by subtraction miss far more often than trained weights do. An exact-restore copy already taken
+    is made the new weights' copy. Returns the elements redrawn."""
+    device = worker.es_params[0][1].device
+    g = torch.Generator(device=device).manual_seed(seed + worker.es_rank)
+    for name, t in worker.es_params:
+        flat = t.view(-1)
+        if name.endswith("norm.weight"):
+            flat.fill_(1.0)
+            continue
+        for start in range(0, flat.numel(), 1 << 26):
+            piece = flat[start:start + (1 << 26)]
+            piece.copy_(torch.randn(piece.numel(), generator=g, device=device) * std)
+    for (_, t), saved in zip(worker.es_params, worker.es_copy or []):
+        saved.copy_(t)
+    return sum(t.numel() for _, t in worker.es_params)

@@ -152,12 +152,15 @@ def run_members(pool, plans, seeds, sigma, vocab) -> list[dict]:
 
 def main(argv):
     opts, overrides = C.parse_args(argv, {"members": 16, "episodes": 16, "token_scale": 1.0, "tool_scale": 1.0,
-                                          "seed": 0, "qwen3_30b": False, "layers": 0, "plain": True, "out": ""})
+                                          "seed": 0, "qwen3_30b": False, "layers": 0, "normal_weights": False,
+                                          "plain": True, "out": ""})
     cfg = C.parse_config(overrides)
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref", layers=opts["layers"]), "dummy"
     else:
         model, load_format = models.resolve_model(cfg.model), "auto"
+    if opts["normal_weights"]:
+        qwen3_30b.allow_normal_weights()
     plans = [[draw_episode(opts["seed"], m, e, opts["token_scale"]) for e in range(opts["episodes"])]
              for m in range(opts["members"])]
     for member_plans in plans:
@@ -166,6 +169,10 @@ def main(argv):
     t_start = time.perf_counter()
     with P.EnginePool(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as pool:
         start_s = time.perf_counter() - t_start
+        if opts["normal_weights"]:  # restore="patch" on weights shaped like trained ones, not dummy ones
+            for e in pool.engines:
+                e.rpc(qwen3_30b.normal_weights, std=qwen3_30b.NORMAL_STD, seed=opts["seed"])
+                e.reset_prefix_cache()
         engine = pool.engines[0]
         memory = [e.rpc("es_memory")[0] for e in pool.engines]
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
@@ -189,14 +196,15 @@ def main(argv):
     tokens = sum(m["tokens"] for m in members)
     rollout = sum(m["rollout_s"] for m in members)
     cut = f" cut to {opts['layers']} layers" if opts["layers"] else ""
-    model_name = (f"Qwen3-30B-A3B layout{cut}, dummy weights"
+    weights = "weights N(0, 0.02), norms 1" if opts["normal_weights"] else "dummy weights"
+    model_name = (f"Qwen3-30B-A3B layout{cut}, {weights}"
                   if opts["qwen3_30b"] else cfg.model)
     result = {"bench": "reference_generation", "date": time.strftime("%Y-%m-%d"), "device": pool.device,
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
               "cudagraph_mode": cfg.cudagraph_mode, "max_num_batched_tokens": cfg.max_num_batched_tokens,
               "model": model_name, "tensor_parallel_size": cfg.tensor_parallel_size, "engines": pool.size,
               "mps": P.mps_running() if pool.device == "cuda" else None,
-              "gpu_memory_utilization": cfg.gpu_memory_utilization, "placement": placement,
+              "gpu_memory_utilization": cfg.gpu_memory_utilization, "restore": cfg.restore, "placement": placement,
               "memory_per_engine": memory,
               "members": opts["members"], "episodes": opts["episodes"], "token_scale": opts["token_scale"],
               "tool_scale": opts["tool_scale"], "max_model_len": cfg.max_model_len,
