@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+import cli
 import common as C
 import history as H
 
@@ -36,8 +37,8 @@ BUILD_COMMAND = "python 00_data.py"
 
 def main(argv: list[str]) -> dict:
     options = {"out": OUT, "source_dir": SOURCE_DIR, "cache_dir": CACHE_DIR, "force": FORCE}
-    C.exit_if_help(argv, __doc__, __file__, options, settings=False)
-    opts, rest = C.parse_args(argv, options)
+    cli.exit_if_help(argv, __doc__, __file__, options, settings=False)
+    opts, rest = cli.parse_args(argv, options)
     if rest:
         raise C.ConfigError(f"unknown options {rest}; 00_data.py takes --out, --source_dir, --cache_dir, --force")
     manifest = C.read_json(C.DATA_MANIFEST)["files"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import cli
 import common as C
 import history as H
 import sandbox
@@ -34,8 +35,8 @@ def mean_score(records: list[dict]) -> float:
 
 
 def main(argv: list[str], fitness=mean_score) -> dict:
-    C.exit_if_help(argv, __doc__)
-    cfg = C.parse_config(argv)
+    cli.exit_if_help(argv, __doc__)
+    cfg = cli.parse_config(argv)
     run_dir = Path(cfg.run_dir)
     problems = C.training_problems(cfg)
     sandbox.check_sandbox(cfg.run_dir, data=[cfg.train_data], allow_leaks=cfg.allow_leaky_sandbox,
@@ -87,7 +88,7 @@ def start_or_resume(cfg, model_path, engine, history_path: Path) -> dict:
     history = H.read_history(history_path)
     print(f"[train] resuming {history_path}: replaying {len(history['generations'])} recorded generations")
     # refuses another config, base model, TP size, device type or vLLM
-    C.rebuild_from_history(engine, cfg, model_path, history, history["generations"])
+    H.rebuild_from_history(engine, cfg, model_path, history, history["generations"])
     return history
 
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import checkpoint_noise
+import cli
 import common as C
 import history as H
 import models
@@ -28,21 +29,21 @@ VERIFY = ""  # an export folder: check it against its manifest and exit
 
 def main(argv: list[str]) -> Path:
     options = {"history": HISTORY, "out": OUT, "replay_generations": REPLAY_GENERATIONS, "verify": VERIFY}
-    C.exit_if_help(argv, __doc__, __file__, options)
-    opts, overrides = C.parse_args(argv, options)
+    cli.exit_if_help(argv, __doc__, __file__, options)
+    opts, overrides = cli.parse_args(argv, options)
     if opts["verify"]:
         kind = checkpoint_noise.verify_any_export(opts["verify"])["format"]
         print(f"[export] {opts['verify']} ({kind}): every file matches its SHA256SUMS and manifest")
         return Path(opts["verify"])
 
-    run_dir = Path(C.parse_config(overrides).run_dir)
+    run_dir = Path(cli.parse_config(overrides).run_dir)
     history_path = opts["history"] or run_dir / H.HISTORY_FILE
     history = H.read_history(history_path)
-    cfg = C.config_from_history(history, overrides)  # the recorded run; --preset never overrides it
+    cfg = H.config_from_history(history, overrides)  # the recorded run; --preset never overrides it
     generations = select_generations(history, opts["replay_generations"])
     out = Path(opts["out"] or run_dir / "export")
     if out.exists():
-        raise H.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
+        raise C.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused here, before any work
     partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> Path:
     try:
         with E.Engine(cfg, model_path) as engine:
             # the base, noise, layout and device must be the history's; the training data is not needed
-            identity, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations,
+            identity, digests = H.rebuild_from_history(engine, cfg, model_path, history, generations,
                                                        compare_config=False,
                                                        desc=f"replaying {len(generations)} generations")
             if cfg.noise == "checkpoint":  # the same weights at every TP size: a Hugging Face folder

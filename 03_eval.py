@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import checkpoint_noise
+import cli
 import common as C
 import history as H
 import sandbox
@@ -33,9 +34,9 @@ DATASETS = {  # name -> JSONL (built by 00_data.py); each writes <name>_eval16.j
 
 def main(argv: list[str]) -> dict:
     options = {"export": EXPORT, "out": OUT, **{name: "" for name in DATASETS}}  # --dapo=PATH: another file
-    C.exit_if_help(argv, __doc__, __file__, options)
-    opts, overrides = C.parse_args(argv, options)
-    cfg = C.parse_config(overrides)
+    cli.exit_if_help(argv, __doc__, __file__, options)
+    opts, overrides = cli.parse_args(argv, options)
+    cfg = cli.parse_config(overrides)
     export = opts["export"].replace("<run_dir>", cfg.run_dir)
     if not export:
         cfg = base_config(cfg, overrides)
@@ -80,7 +81,7 @@ def base_config(cfg, overrides: list[str]):
     history = C.read_json(path)
     if history["config"].get("model") != cfg.model:
         return cfg
-    return C.config_from_history(history, overrides, settings=dataclasses.asdict(cfg))
+    return H.config_from_history(history, overrides, settings=dataclasses.asdict(cfg))
 
 
 def data_paths(opts: dict, cfg) -> dict:
@@ -105,7 +106,7 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
         with P.EnginePool(cfg, export) as engine:
             loaded = engine.digests()
             if loaded != [manifest["digest"]]:
-                raise H.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
+                raise C.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
                                     f"{manifest['digest']}")
             yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
                            "manifest_sha256": H.sha256_file(Path(export) / checkpoint_noise.HF_EXPORT_MANIFEST),
@@ -122,7 +123,7 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
     """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data and settings;
     the settings that only say where files go or how fast the engine steps (RESUME_FREE_FIELDS) may differ."""
     def settings(config: dict) -> dict:
-        return {k: v for k, v in config.items() if k not in C.RESUME_FREE_FIELDS}
+        return {k: v for k, v in config.items() if k not in H.RESUME_FREE_FIELDS}
 
     run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
                                  "data": data}))

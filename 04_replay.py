@@ -13,6 +13,7 @@ beside the original ones with per-problem agreement, into a new file; the eval16
 from pathlib import Path
 
 import checkpoint_noise
+import cli
 import common as C
 import history as H
 import sandbox
@@ -29,9 +30,9 @@ GROUP = list(C.REPORTED_SAMPLES)  # the reported group, sample indices 12-15
 
 def main(argv: list[str]) -> dict:
     options = {"history": HISTORY, "export": EXPORT, "eval": EVAL, "out": OUT}
-    C.exit_if_help(argv, __doc__, __file__, options)
-    opts, overrides = C.parse_args(argv, options)
-    run_dir = Path(C.parse_config(overrides).run_dir)
+    cli.exit_if_help(argv, __doc__, __file__, options)
+    opts, overrides = cli.parse_args(argv, options)
+    run_dir = Path(cli.parse_config(overrides).run_dir)
     history_path = Path(opts["history"] or run_dir / H.HISTORY_FILE)
     eval_dir = Path(opts["eval"] or run_dir / "eval")
     out = Path(opts["out"] or eval_dir / "aligned_history_replay_eval4.json")
@@ -56,11 +57,11 @@ def main(argv: list[str]) -> dict:
     sandbox.check_sandbox(cfg.run_dir, data=[o["data"] for o in originals.values()], checkpoint=export or None,
                           allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
     with P.EnginePool(cfg, model_path) as engine:
-        _, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations, compare_config=False,
+        _, digests = H.rebuild_from_history(engine, cfg, model_path, history, generations, compare_config=False,
                                             desc=f"rebuilding theta from {len(generations)} generations")
         for source, wanted in expected.items():
             if digests != wanted:
-                raise H.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
+                raise C.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
         replayed = {name: engine.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
 
     report = {
@@ -88,7 +89,7 @@ def replay_config(history: dict, originals: dict, overrides: list[str]) -> C.Con
     if any((o["config"], o["checkpoint"]) != (first["config"], first["checkpoint"]) for o in originals.values()):
         raise C.ConfigError("the eval16 files come from different checkpoints or settings; they cannot be replayed "
                             "together")
-    return C.config_from_history(history, overrides, settings=first["config"])
+    return H.config_from_history(history, overrides, settings=first["config"])
 
 
 def digest_kind(digests: list[str]) -> str:

@@ -487,7 +487,7 @@ def assembled_tensors(pieces: Path, names: list[str], shapes: dict[str, list[int
                 out[start:start + length] = values[at:at + length]
                 at, filled = at + length, filled + length
         if filled != math.prod(shapes[name]):
-            raise H.ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
+            raise C.ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
         yield name, out.view(shapes[name])
 
 
@@ -518,10 +518,10 @@ def verify_hf_export(folder: str | Path) -> dict:
     """Check a Hugging Face export against its SHA256SUMS before anything loads it; returns its manifest."""
     folder = Path(folder)
     if not (folder / HF_EXPORT_MANIFEST).is_file():
-        raise H.ExportError(f"{folder}: no {HF_EXPORT_MANIFEST}; not a checkpoint-noise export of 02_export.py")
+        raise C.ExportError(f"{folder}: no {HF_EXPORT_MANIFEST}; not a checkpoint-noise export of 02_export.py")
     problems = H.verify_sha256sums(folder) if (folder / H.SHA256SUMS).exists() else [f"missing {H.SHA256SUMS}"]
     if problems:
-        raise H.ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
+        raise C.ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
     return C.read_json(folder / HF_EXPORT_MANIFEST, required=HF_EXPORT_MANIFEST_SHAPE)
 
 
@@ -558,7 +558,7 @@ def replay_on_checkpoint(folder: str | Path, history: dict,
     specified update tensor by tensor, in the history's dtype and rounding; `generations`: a prefix of the
     history's (default: all). The base's and every generation's digests must be the history's: how tests compare
     with vLLM's ranks, and how to check an export by hand."""
-    cfg = C.config_from_history(history, [])  # what defines the weights comes from the history, never a default
+    cfg = H.config_from_history(history, [])  # what defines the weights comes from the history, never a default
     if cfg.noise != "checkpoint":
         raise C.ConfigError(f"replay_on_checkpoint replays noise=checkpoint histories; this one has noise={cfg.noise!r}")
     if history.get("noise") != C.noise_definition(cfg):

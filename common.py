@@ -1,8 +1,8 @@
-"""The algorithm the four stages share: the ES of SPEC section 3 running inside vLLM workers at TP=2, the 50-turn
-bash-tool math agent of section 4, the data, the metrics and the files of section 7.
+"""The algorithm the four stages share: evolution strategies running inside vLLM workers at TP=2, the 50-turn
+bash-tool math agent it trains, the data, the metrics and the files.
 
 Sections, in order:
-  1. run constants and command-line overrides
+  1. run constants (Config) and presets, and the errors a stage stops with
   2. noise and ES math (pure functions): the rank-salted noise of the reference, sigma_at, zscore, the update
   3. the vLLM worker extension that applies them inside each TP rank
   4. replay: a run history's updates applied again to the base weights
@@ -10,12 +10,14 @@ Sections, in order:
   6. data: problem files and case batches
   7. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, step timings, TensorBoard tracking
   8. files: atomic JSON, crash-tolerant JSONL
+  9. the settings' valid values, checked whenever a Config is made
 
-The infrastructure lives beside it, one concern per module: engine.py (one vLLM engine behind a synchronous facade),
-pool.py (K engines: placement, memory plan, MPS, Ray), sandbox.py (the sandbox of the bash tool), scoring.py (the
-committed answer against the gold, in killable workers), digests.py (sha256 of the weights per tensor and per rank),
-checkpoint_noise.py (the TP-invariant noise and its Hugging Face export), history.py (run identity, manifests,
-SHA256SUMS) and models.py (the tiny models, SmolLM2).
+The infrastructure lives beside it, one concern per module: cli.py (the command line and --help), engine.py (one vLLM
+engine behind a synchronous facade), pool.py (K engines: placement, memory plan, MPS, Ray), sandbox.py (the sandbox of
+the bash tool), scoring.py (the committed answer against the gold, in killable workers), digests.py (sha256 of the
+weights per tensor and per rank), checkpoint_noise.py (the TP-invariant noise and its Hugging Face export),
+history.py (run identity, the recorded run's settings, manifests, SHA256SUMS) and models.py (the tiny models,
+SmolLM2).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import difflib
 import functools
 import hashlib
 import json
@@ -53,8 +54,8 @@ if TYPE_CHECKING:  # for annotations only: common imports neither engine nor poo
 REPO = Path(__file__).resolve().parent
 
 # ============================================================================================================
-# 1. Run constants (SPEC section 2: the reference run). Edit here, or override any field on the command line:
-#    python 01_train.py --population=8 --alpha=1e-3      (nanoGPT style, parsed once by parse_config)
+# 1. Run constants: the reference run's. Edit here, or override any field on the command line (cli.py):
+#    python 01_train.py --population=8 --alpha=1e-3      (nanoGPT style, parsed once by cli.parse_config)
 #    python 01_train.py --preset=smoke                    (the tiny CPU run of the README)
 # ============================================================================================================
 
@@ -141,79 +142,6 @@ class Config:
                               "use rounding=nearest with this dtype")
 
 
-@dataclass(frozen=True)
-class Bounds:
-    """The valid values of a numeric setting: low..high, each end included unless marked open."""
-    low: float = -math.inf
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-    why: str = ""
-
-    def admits(self, value) -> bool:
-        above = value > self.low if self.low_open else value >= self.low
-        below = value < self.high if self.high_open else value <= self.high
-        return math.isfinite(value) and above and below
-
-    def __str__(self) -> str:
-        if self.high == math.inf:
-            text = f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
-        else:
-            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-        return text + (f" ({self.why})" if self.why else "")
-
-
-# Every numeric setting's valid values, checked (with SETTING_CHOICES) whenever a Config is made: the defaults, a
-# preset, the command line, or the settings read back from a history or an evaluation.
-SETTING_BOUNDS = {
-    "tensor_parallel_size": Bounds(1),
-    "max_model_len": Bounds(1),
-    "gpu_memory_utilization": Bounds(0, 1, low_open=True, why="the share of each GPU's memory vLLM may take"),
-    "max_num_batched_tokens": Bounds(0, why="0: vLLM's default"),
-    "engines": Bounds(0, why="0: one per tensor_parallel_size GPUs"),
-    "run_seed": Bounds(0, why="seeds numpy's generators"),
-    "generations": Bounds(1),
-    "population": Bounds(2, why="z-scores need two members"),
-    "case_batch": Bounds(1),
-    "sigma_start": Bounds(0, low_open=True),
-    "sigma_end": Bounds(0, low_open=True),
-    "alpha": Bounds(0, why="0: members are evaluated, the weights never move"),
-    "noise_chunk": Bounds(1),
-    "max_turns": Bounds(1),
-    "max_new_tokens": Bounds(1),
-    "temperature": Bounds(0, 2, why="vLLM's range; 0: greedy"),
-    "top_p": Bounds(0, 1, low_open=True),
-    "top_k": Bounds(-1, why="-1 or 0: every token"),
-    "min_p": Bounds(0, 1),
-    "presence_penalty": Bounds(-2, 2, why="vLLM's range"),
-    "repetition_penalty": Bounds(0, low_open=True, why="1: none"),
-    "bash_timeout_s": Bounds(0, low_open=True),
-    "observation_chars": Bounds(1),
-    "concurrency": Bounds(1),
-    "eval_problems": Bounds(0, why="0: all"),
-}
-
-
-def setting_problem(name: str, value, kind: type) -> str | None:
-    """What is wrong with one Config value (its default's type `kind`, SETTING_BOUNDS, SETTING_CHOICES), or None."""
-    numeric = kind in (int, float)
-    if kind is float:
-        expected, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif kind is int:
-        expected, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
-    else:
-        expected, ok = {bool: "true or false", str: "a string"}[kind], isinstance(value, kind)
-    if not ok:
-        return f"{name} must be {expected}, got {value!r}"
-    if numeric and name in SETTING_BOUNDS and not SETTING_BOUNDS[name].admits(value):
-        finite = "a finite number " if kind is float else ""
-        return f"{name} must be {finite}{SETTING_BOUNDS[name]}, got {value!r}"
-    choices = SETTING_CHOICES.get(name)
-    if choices is not None and value not in choices:
-        return f"{name} must be one of {', '.join(choices)}, got {value!r}"
-    return None
-
-
 # The README's main job: a tiny random Qwen3 the project writes itself, tiny arithmetic problems, CPU-sized budgets.
 PRESETS = {
     "smoke": dict(
@@ -233,160 +161,32 @@ PRESETS = {
 }
 
 
+# ---- The error family: a stage stops with one of these, as one line for its user (engine.run_stage)
+
 class StageError(Exception):
     """A stage stops with a message for its user, not a traceback: bad input, another run's files, a vLLM failure.
     The numbered scripts catch this one base class."""
 
 
 class ConfigError(StageError, ValueError):
-    pass
+    """A setting, a command line or a machine the run cannot use."""
 
 
-def parse_config(argv: list[str], base: Config | None = None) -> Config:
-    """`--preset=NAME` first, then `--key=value` overrides, each checked against Config's field types."""
-    preset, explicit = parse_overrides(argv)
-    return Config(**{**dataclasses.asdict(base or Config()), **preset, **explicit})
+class DataError(StageError, ValueError):
+    """A missing, malformed or inconsistent input file or record set."""
 
 
-def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
-    """The values a command line sets: (the preset's, the explicit `--key=value` ones), each checked against
-    Config's fields and types."""
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    defaults = dataclasses.asdict(Config())
-    preset, explicit = {}, {}
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(f"expected --key=value, got {arg!r}")
-        key, text = arg[2:].split("=", 1)
-        key = key.replace("-", "_")
-        if key == "preset":
-            if text not in PRESETS:
-                raise ConfigError(f"unknown preset {text!r}; presets: {', '.join(PRESETS)}")
-            preset = dict(PRESETS[text])
-        elif key in fields:
-            explicit[key] = _parse_value(key, text, type(defaults[key]))
-        else:
-            close = difflib.get_close_matches(key, fields, n=3)
-            hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
-            raise ConfigError(f"unknown setting --{key}{hint}")
-    return preset, explicit
+class HistoryMismatch(StageError, RuntimeError):
+    """A history made by another run, or one whose recorded updates do not rebuild its recorded weights."""
 
 
-def parse_args(argv: list[str], options: dict) -> tuple[dict, list[str]]:
-    """Split a script's own options (`options` holds their defaults) from Config overrides (left for
-    parse_config). Values are parsed to the default's type."""
-    options, rest = dict(options), []
-    for arg in argv:
-        key = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") and "=" in arg else None
-        if key in options:
-            options[key] = _parse_value(key, arg.split("=", 1)[1], type(options[key]))
-        else:
-            rest.append(arg)
-    return options, rest
+class EngineFailure(StageError, RuntimeError):
+    """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
+    fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
 
 
-def _comments_beside(source: str, pattern: str) -> dict[str, str]:
-    """name -> the comment on the line that defines it (its first line), for every line matching `pattern`."""
-    found = {}
-    for line in source.splitlines():
-        match = re.match(pattern + r"[^#]*(?:#\s*(.*))?$", line)
-        if match:
-            found[match.group(1)] = (match.group(2) or "").strip()
-    return found
-
-
-def usage(doc: str, script: str | None = None, options: dict | None = None, settings: bool = True) -> str:
-    """What `--help` prints: the stage's docstring, its own options (the comments beside their constants in the
-    script) and every run setting with its default and the comment beside it in Config, then the presets."""
-    import inspect
-
-    parts = [doc.strip()]
-    if options:
-        meaning = _comments_beside(Path(script).read_text(), r"^([A-Z_]+) = ")
-        parts.append("Options of this stage:\n" + "\n".join(
-            f"  --{k}={v}".ljust(34) + f" {meaning.get(k.upper(), '')}" for k, v in options.items()))
-    if settings:
-        meaning = _comments_beside(inspect.getsource(Config), r"^    (\w+): [^=]+= ")
-        parts.append("Run settings (common.Config; any as --key=value):\n" + "\n".join(
-            f"  --{k}={v}".ljust(34) + f" {meaning.get(k, '')}" for k, v in dataclasses.asdict(Config()).items()))
-        parts.append("Presets (--preset=NAME, before the other settings):\n" + "\n".join(
-            f"  {name}: " + " ".join(f"--{k}={v}" for k, v in values.items()) for name, values in PRESETS.items()))
-    return "\n\n".join(parts)
-
-
-def exit_if_help(argv: list[str], doc: str, script: str | None = None, options: dict | None = None,
-                 settings: bool = True) -> None:
-    if "--help" in argv or "-h" in argv:
-        print(usage(doc, script, options, settings))
-        raise SystemExit(0)
-
-
-# What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
-# the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
-# command line, a preset or an evaluation's settings.
-WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "rounding", "noise")
-POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
-# settings that may change between a run and its resume: where files go, and how fast and how many episodes the
-# engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
-RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
-                      "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
-
-
-def resume_free_fields(config: dict) -> tuple[str, ...]:
-    """RESUME_FREE_FIELDS, and with checkpoint noise the TP size: its weights are the same at every TP size."""
-    return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if config.get("noise") == "checkpoint" else ())
-
-
-def without_retired_settings(config: dict) -> dict:
-    """A recorded config without the settings this code no longer has: `scope` and its `lora_rank` (scope="full",
-    every parameter, is what every run does; "lowrank", members as LoRA adapters, was measured slower than
-    co-located engines and removed: bench/README.md, "Low-rank members")."""
-    if config.get("scope", "full") != "full":
-        raise ConfigError(f"the run was trained with scope={config['scope']!r}, which this version of the code no "
-                          "longer has (measured and removed, see bench/README.md): use the version that trained it")
-    return {k: v for k, v in config.items() if k not in ("scope", "lora_rank")}
-
-
-def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
-    """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
-    from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
-    from the history. `--preset` fills in only the settings that may differ between runs (RESUME_FREE_FIELDS, such
-    as run_dir), never a recorded value; an explicit `--key=value` that differs from a recorded one is refused."""
-    history_settings = without_retired_settings(history["config"])  # refuses a run this code cannot rebuild
-    given = without_retired_settings(settings) if settings else history_settings
-    recorded_settings = {k: v for k, v in given.items()
-                         if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
-    free_fields = resume_free_fields(history["config"])
-    values = {**recorded_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS
-                                      if f in history["config"] and f not in free_fields}}
-    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
-    if unknown:
-        raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
-    recorded = Config(**values)
-    preset, explicit = parse_overrides(argv)
-    refused = [f"--{k}={v!r} (recorded: {getattr(recorded, k)!r}{', from the history' if k in WEIGHT_FIELDS else ''})"
-               for k, v in explicit.items() if k not in free_fields and v != getattr(recorded, k)]
-    if refused:
-        raise ConfigError("these settings were recorded by the run and cannot be overridden: " + ", ".join(refused))
-    free = {k: v for k, v in {**preset, **explicit}.items() if k in free_fields}
-    return dataclasses.replace(recorded, **free)
-
-
-def _parse_value(key: str, text: str, kind: type):
-    try:
-        if kind is bool:
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return text.lower() in ("true", "1")
-        if kind is int:  # also "1e6"
-            value = float(text) if any(c in text.lower() for c in ".e") else int(text)
-            if value != int(value):
-                raise ValueError
-            return int(value)
-        return kind(text)
-    except ValueError:
-        expected = {int: "an integer", float: "a number", bool: "true or false"}.get(kind, kind.__name__)
-        raise ConfigError(f"--{key} expects {expected}, got {text!r}") from None
+class ExportError(StageError, RuntimeError):
+    """An export that is not what its manifest says, or weights that differ from the export's."""
 
 
 # ============================================================================================================
@@ -733,10 +533,6 @@ class ESWorker:
 #    the refusals of another run's), so that any stage can rebuild theta from the base weights.
 # ============================================================================================================
 
-class HistoryMismatch(StageError, RuntimeError):
-    pass
-
-
 def replay(engine: Engine, generations: list[dict], base_digests: list[str],
            desc: str = "replaying history") -> list[str]:
     """Re-apply recorded updates to the base weights, checking each generation's per-rank digests; returns the
@@ -754,17 +550,6 @@ def replay(engine: Engine, generations: list[dict], base_digests: list[str],
                 f"replay diverged at generation {record['generation']}: per-rank digests {per_rank} "
                 f"!= recorded {record['digests']} (different base weights, vLLM version or device?)")
     return per_rank
-
-
-def rebuild_from_history(engine: Engine, cfg: Config, model_path: str, history: dict, generations: list[dict],
-                         compare_config: bool = True, desc: str = "replaying history") -> tuple[dict, list[str]]:
-    """Refuse a history of another base (and, by default, other run constants), then replay `generations` on the
-    engine's base weights. Returns this engine's identity and the rebuilt per-rank digests."""
-    import history as H  # (it imports this module: imported on use, never at import time)
-
-    identity = H.run_identity(cfg, model_path, engine, train_data=compare_config)
-    H.check_base(history, identity, compare_config)
-    return identity, replay(engine, generations, identity["base_digests"], desc=desc)
 
 
 # ============================================================================================================
@@ -808,11 +593,6 @@ def user_prompt(question):
 
 class ContextOverflow(Exception):
     """Raised by a policy when the conversation no longer fits the model context; ends the episode (score 0)."""
-
-
-class EngineFailure(StageError, RuntimeError):
-    """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
-    fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
 
 
 # ---- Reading model replies: the bash action (think blocks and the committed answer: scoring)
@@ -1178,10 +958,6 @@ LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other str
 LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
                   "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
 LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
-
-
-class DataError(StageError, ValueError):
-    """A missing, malformed or inconsistent input file or record set."""
 
 
 def load_problems(path):
@@ -1681,6 +1457,83 @@ def read_jsonl(path, required=None):
     if required is not None:
         check_shape(rows, [required], path, "row")
     return rows
+
+
+# ============================================================================================================
+# 9. The settings' valid values: every Config is checked against them (Config.__post_init__)
+# ============================================================================================================
+
+@dataclass(frozen=True)
+class Bounds:
+    """The valid values of a numeric setting: low..high, each end included unless marked open."""
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+
+    def admits(self, value) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            text = f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return text + (f" ({self.why})" if self.why else "")
+
+
+# Every numeric setting's valid values, checked (with SETTING_CHOICES) whenever a Config is made: the defaults, a
+# preset, the command line, or the settings read back from a history or an evaluation.
+SETTING_BOUNDS = {
+    "tensor_parallel_size": Bounds(1),
+    "max_model_len": Bounds(1),
+    "gpu_memory_utilization": Bounds(0, 1, low_open=True, why="the share of each GPU's memory vLLM may take"),
+    "max_num_batched_tokens": Bounds(0, why="0: vLLM's default"),
+    "engines": Bounds(0, why="0: one per tensor_parallel_size GPUs"),
+    "run_seed": Bounds(0, why="seeds numpy's generators"),
+    "generations": Bounds(1),
+    "population": Bounds(2, why="z-scores need two members"),
+    "case_batch": Bounds(1),
+    "sigma_start": Bounds(0, low_open=True),
+    "sigma_end": Bounds(0, low_open=True),
+    "alpha": Bounds(0, why="0: members are evaluated, the weights never move"),
+    "noise_chunk": Bounds(1),
+    "max_turns": Bounds(1),
+    "max_new_tokens": Bounds(1),
+    "temperature": Bounds(0, 2, why="vLLM's range; 0: greedy"),
+    "top_p": Bounds(0, 1, low_open=True),
+    "top_k": Bounds(-1, why="-1 or 0: every token"),
+    "min_p": Bounds(0, 1),
+    "presence_penalty": Bounds(-2, 2, why="vLLM's range"),
+    "repetition_penalty": Bounds(0, low_open=True, why="1: none"),
+    "bash_timeout_s": Bounds(0, low_open=True),
+    "observation_chars": Bounds(1),
+    "concurrency": Bounds(1),
+    "eval_problems": Bounds(0, why="0: all"),
+}
+
+
+def setting_problem(name: str, value, kind: type) -> str | None:
+    """What is wrong with one Config value (its default's type `kind`, SETTING_BOUNDS, SETTING_CHOICES), or None."""
+    numeric = kind in (int, float)
+    if kind is float:
+        expected, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is int:
+        expected, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
+    else:
+        expected, ok = {bool: "true or false", str: "a string"}[kind], isinstance(value, kind)
+    if not ok:
+        return f"{name} must be {expected}, got {value!r}"
+    if numeric and name in SETTING_BOUNDS and not SETTING_BOUNDS[name].admits(value):
+        finite = "a finite number " if kind is float else ""
+        return f"{name} must be {finite}{SETTING_BOUNDS[name]}, got {value!r}"
+    choices = SETTING_CHOICES.get(name)
+    if choices is not None and value not in choices:
+        return f"{name} must be one of {', '.join(choices)}, got {value!r}"
+    return None
 
 
 # A vLLM CPU worker imports this module (worker_extension_cls) before its model loads, which is when the linear

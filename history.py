@@ -7,9 +7,10 @@ refuses a history of another run before it changes any weight. Published files c
 them (`sha256sum -c SHA256SUMS` checks them), and a sharded_state export its manifest (each shard's sha256, the
 per-rank digests of the weights), checked before anything loads it (verify_export, check_loaded_export).
 
-The algorithm stays in common: replaying a history's updates (replay, rebuild_from_history), the per-rank weight
-digests the TP workers compute, and the atomic JSON and JSONL files. This module imports common; common imports it
-only inside the functions that call it, never at import time.
+Export and replay take the recorded run's settings from its history (config_from_history: what defines the weights
+always, never a preset's or a default) and rebuild its weights (rebuild_from_history: the refusals, then
+common.replay). The algorithm stays in common: replaying a history's updates, the per-rank weight digests the TP
+workers compute, and the atomic JSON and JSONL files. This module imports common and cli; neither imports it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 
 import common as C
+from cli import parse_overrides
+from common import Config, ConfigError, ExportError
 
 if TYPE_CHECKING:  # for annotations only
     from common import Engine
@@ -46,6 +49,59 @@ def read_history(path) -> dict:
     return C.read_json(path, required=HISTORY_SHAPE)
 
 
+# ---- The recorded run's settings: what export and replay take from a history, what a resume may change
+
+# What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
+# the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
+# command line, a preset or an evaluation's settings.
+WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "rounding", "noise")
+POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
+# settings that may change between a run and its resume: where files go, and how fast and how many episodes the
+# engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
+RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
+                      "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
+
+
+def resume_free_fields(config: dict) -> tuple[str, ...]:
+    """RESUME_FREE_FIELDS, and with checkpoint noise the TP size: its weights are the same at every TP size."""
+    return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if config.get("noise") == "checkpoint" else ())
+
+
+def without_retired_settings(config: dict) -> dict:
+    """A recorded config without the settings this code no longer has: `scope` and its `lora_rank` (scope="full",
+    every parameter, is what every run does; "lowrank", members as LoRA adapters, was measured slower than
+    co-located engines and removed: bench/README.md, "Low-rank members")."""
+    if config.get("scope", "full") != "full":
+        raise ConfigError(f"the run was trained with scope={config['scope']!r}, which this version of the code no "
+                          "longer has (measured and removed, see bench/README.md): use the version that trained it")
+    return {k: v for k, v in config.items() if k not in ("scope", "lora_rank")}
+
+
+def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
+    """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
+    from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
+    from the history. `--preset` fills in only the settings that may differ between runs (RESUME_FREE_FIELDS, such
+    as run_dir), never a recorded value; an explicit `--key=value` that differs from a recorded one is refused."""
+    history_settings = without_retired_settings(history["config"])  # refuses a run this code cannot rebuild
+    given = without_retired_settings(settings) if settings else history_settings
+    recorded_settings = {k: v for k, v in given.items()
+                         if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
+    free_fields = resume_free_fields(history["config"])
+    values = {**recorded_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS
+                                      if f in history["config"] and f not in free_fields}}
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
+    if unknown:
+        raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
+    recorded = Config(**values)
+    preset, explicit = parse_overrides(argv)
+    refused = [f"--{k}={v!r} (recorded: {getattr(recorded, k)!r}{', from the history' if k in WEIGHT_FIELDS else ''})"
+               for k, v in explicit.items() if k not in free_fields and v != getattr(recorded, k)]
+    if refused:
+        raise ConfigError("these settings were recorded by the run and cannot be overridden: " + ", ".join(refused))
+    free = {k: v for k, v in {**preset, **explicit}.items() if k in free_fields}
+    return dataclasses.replace(recorded, **free)
+
+
 # ---- A run's identity, and the refusals of a history made by another run
 
 def run_identity(cfg: C.Config, model_path: str, engine: Engine, train_data: bool = True) -> dict:
@@ -60,7 +116,7 @@ def run_identity(cfg: C.Config, model_path: str, engine: Engine, train_data: boo
         data["train_data_sha256"] = train_data_sha256(cfg)
     return {
         "format": HISTORY_FORMAT,
-        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in C.POOL_FIELDS},  # any K, one history
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POOL_FIELDS},  # any K, one history
         "noise": C.noise_definition(cfg),
         **data,
         "base_model": cfg.model,
@@ -101,7 +157,7 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
             defaults = dataclasses.asdict(C.Config())
             for field, now in value.items():
                 then = recorded["config"].get(field, defaults.get(field))
-                if field not in C.resume_free_fields(recorded["config"]) and then != now:
+                if field not in resume_free_fields(recorded["config"]) and then != now:
                     diffs.append(f"config {field}: history has {then!r}, this run has {now!r}")
         elif key == "devices" and any_tp:
             diffs += device_differences(recorded.get(key) and recorded[key][:1], value[:1])
@@ -144,6 +200,15 @@ def check_base(recorded: dict, current: dict, compare_config: bool = True) -> No
 
 def check_config(recorded: dict, cfg: C.Config) -> None:
     check_base({"config": recorded["config"]}, {"config": dataclasses.asdict(cfg)})
+
+
+def rebuild_from_history(engine: Engine, cfg: Config, model_path: str, history: dict, generations: list[dict],
+                         compare_config: bool = True, desc: str = "replaying history") -> tuple[dict, list[str]]:
+    """Refuse a history of another base (and, by default, other run constants), then replay `generations` on the
+    engine's base weights. Returns this engine's identity and the rebuilt per-rank digests."""
+    identity = run_identity(cfg, model_path, engine, train_data=compare_config)
+    check_base(history, identity, compare_config)
+    return identity, C.replay(engine, generations, identity["base_digests"], desc=desc)
 
 
 # ---- Fingerprints: SHA256SUMS beside published files, the weight files of a base model
@@ -246,10 +311,6 @@ EXPORT_MANIFEST_SHAPE = {"tensor_parallel_size": None, "shards": [("file", "rank
                          "per_rank_digests": None, "parameter_names_sha256": None, "replayed_generations": None,
                          "vllm_version": None}
 SHARD_PATTERN = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
-
-
-class ExportError(C.StageError, RuntimeError):
-    pass
 
 
 def shard_entries(folder: str | Path) -> list[dict]:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli  # noqa: E402
 import common as C  # noqa: E402
 import models  # noqa: E402
 import engine as E  # noqa: E402
@@ -107,9 +108,9 @@ def turn_starts(record):
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"episodes": 16, "repeats": 2, "qwen3_30b": False, "chat_template": "",
+    opts, overrides = cli.parse_args(argv, {"episodes": 16, "repeats": 2, "qwen3_30b": False, "chat_template": "",
                                           "out": ""})
-    cfg = C.parse_config(overrides)
+    cfg = cli.parse_config(overrides)
     problems = C.smoke_problems(opts["episodes"], seed=3)
     jobs = [(p, 0) for p in problems]
     model, load_format = None, "auto"

@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli  # noqa: E402
 import common as C  # noqa: E402
 import models  # noqa: E402
 import engine as E  # noqa: E402
@@ -54,9 +55,9 @@ def generate(engine, prompts: list[list[int]], params_for) -> int:
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"tokens": 1024, "long_prompt": 16384, "repeats": 2, "qwen3_30b": False,
+    opts, overrides = cli.parse_args(argv, {"tokens": 1024, "long_prompt": 16384, "repeats": 2, "qwen3_30b": False,
                                           "inductor": False, "out": ""})
-    cfg = C.parse_config(overrides)
+    cfg = cli.parse_config(overrides)
     if opts["inductor"]:
         eager_backend = E.cuda_engine_args
 

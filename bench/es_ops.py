@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli  # noqa: E402
 import common as C  # noqa: E402
 import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
@@ -48,9 +49,9 @@ def generation_only(engine, cfg, opts, start_s) -> dict:
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"out": "", "repeats": 5, "gen_tokens": 256, "folder": "/tmp/qwen3-30b-a3b",
+    opts, overrides = cli.parse_args(argv, {"out": "", "repeats": 5, "gen_tokens": 256, "folder": "/tmp/qwen3-30b-a3b",
                                           "ops": True})  # --ops=false: generation speed only (eager vs graphs)
-    cfg = C.parse_config(["--max_model_len=8192", *overrides])
+    cfg = cli.parse_config(["--max_model_len=8192", *overrides])
     folder = qwen3_30b.write_config(opts["folder"])
     t0 = time.perf_counter()
     with E.Engine(cfg, folder, load_format="dummy", skip_tokenizer_init=True) as engine:

@@ -22,6 +22,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+import cli  # noqa: E402
 import common as C  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -113,7 +114,7 @@ def count(generations: float | None) -> str:
 
 def main(argv):
     paths = [a for a in argv if not a.startswith("--")]
-    opts, _ = C.parse_args([a for a in argv if a.startswith("--")], {"out": "", "timed_from": 0, "match": ""})
+    opts, _ = cli.parse_args([a for a in argv if a.startswith("--")], {"out": "", "timed_from": 0, "match": ""})
     if not paths:
         sys.exit("usage: python bench/fitness_trend.py HISTORY.json ... [--timed_from=K] [--match=REF.json,...] "
                  "[--out=FILE]")

@@ -28,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import checkpoint_noise  # noqa: E402
+import cli  # noqa: E402
 import common as C  # noqa: E402
 import history as H  # noqa: E402
 import models  # noqa: E402
@@ -50,7 +51,7 @@ CHECKS = {
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"out": "gpu_pipeline.json", "run_dir": "/tmp/gpu-pipeline",
+    opts, overrides = cli.parse_args(argv, {"out": "gpu_pipeline.json", "run_dir": "/tmp/gpu-pipeline",
                                           "qwen3_30b_layers": 0})
     run_dir = Path(opts["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +133,7 @@ def export_checks(export: Path, history: dict) -> dict:
     names as left out."""
     try:
         manifest = checkpoint_noise.verify_any_export(export)
-    except H.ExportError as e:
+    except C.ExportError as e:
         return {"export_verifies": False, "export_error": str(e), "export_digests": None}
     if manifest.get("noise") != "checkpoint":
         return {"export_verifies": True, "export_digests": manifest["per_rank_digests"]}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli  # noqa: E402
 import common as C  # noqa: E402
 import models  # noqa: E402
 import engine as E  # noqa: E402
@@ -27,11 +28,11 @@ VARIANTS = {
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"out": "", "problems": 48, "turns": "3,6"})
+    opts, overrides = cli.parse_args(argv, {"out": "", "problems": 48, "turns": "3,6"})
     heldout = L.heldout_problems(opts["problems"])
     rows = []
     for turns in map(int, str(opts["turns"]).split(",")):
-        cfg = C.parse_config(["--preset=learn", *overrides, f"--max_turns={turns}"])
+        cfg = cli.parse_config(["--preset=learn", *overrides, f"--max_turns={turns}"])
         with E.Engine(cfg, models.resolve_model(cfg.model)) as engine:
             for name, template in VARIANTS.items():
                 problems = [dict(p, question=template.format(a=int(a), b=int(b))) for p in heldout

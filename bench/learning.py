@@ -37,9 +37,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+import cli  # noqa: E402
 import common as C  # noqa: E402
 import models  # noqa: E402
 import engine as E  # noqa: E402
+import history as H  # noqa: E402
 import pool as P  # noqa: E402
 from fitness_trend import seconds_of  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
@@ -111,7 +113,7 @@ def evaluate_base_and_trained(cfg, history, problems, samples):
         t0 = time.perf_counter()
         base = engine.run_agent(jobs, desc="held-out, base model")
         seconds = time.perf_counter() - t0
-        _, digests = C.rebuild_from_history(engine, cfg, model_path, history, history["generations"])
+        _, digests = H.rebuild_from_history(engine, cfg, model_path, history, history["generations"])
         trained = engine.run_agent(jobs, desc="held-out, trained model")
     return base, trained, digests, seconds
 
@@ -205,7 +207,7 @@ def combine_reports(paths: list[str]) -> dict:
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, OPTIONS)
+    opts, overrides = cli.parse_args(argv, OPTIONS)
     if opts["combine"]:  # no training: the reports of seeds run apart, as one
         try:
             report = combine_reports(opts["combine"].split(","))
@@ -217,7 +219,7 @@ def main(argv):
         overrides = QUICK + overrides
         opts.update(heldout=min(opts["heldout"], 16), eval_samples=1)
     base_argv = ["--preset=learn", *overrides]
-    base_cfg = C.parse_config(base_argv)
+    base_cfg = cli.parse_config(base_argv)
     problems = heldout_problems(opts["heldout"])
     train = importlib.import_module("01_train")
     report = {"bench": "learning", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": argv,
@@ -233,7 +235,7 @@ def main(argv):
     for run_seed in range(base_cfg.run_seed, base_cfg.run_seed + opts["seeds"]):
         run_dir = Path(opts["run_root"]) / f"seed-{run_seed}"
         argv_run = [*base_argv, f"--run_seed={run_seed}", f"--run_dir={run_dir}"]
-        cfg = C.parse_config(argv_run)
+        cfg = cli.parse_config(argv_run)
         t0 = time.perf_counter()
         history = train.main(argv_run, fitness=FITNESS[opts["fitness"]])
         train_s = time.perf_counter() - t0

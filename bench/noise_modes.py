@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli  # noqa: E402
 import common as C  # noqa: E402
 import models  # noqa: E402
 import engine as E  # noqa: E402
@@ -51,8 +52,8 @@ def measure(cfg, path: str, repeats: int, population: int) -> dict:
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"out": "", "repeats": 3, "population": 8, "qwen3_30b": False, "layers": 0})
-    cfg = C.parse_config(["--preset=smoke", *overrides])
+    opts, overrides = cli.parse_args(argv, {"out": "", "repeats": 3, "population": 8, "qwen3_30b": False, "layers": 0})
+    cfg = cli.parse_config(["--preset=smoke", *overrides])
     if opts["qwen3_30b"]:  # the real layout (cut to `layers`), random weights written as real safetensors files
         t0 = time.perf_counter()
         folder = qwen3_30b.write_config(f"/tmp/qwen3-30b-a3b-checkpoint-{opts['layers']}", layers=opts["layers"])
@@ -62,7 +63,7 @@ def main(argv):
         path = models.resolve_model(cfg.model)
     rows = []
     for noise in C.NOISE_MODES:
-        rows.append(measure(C.parse_config(["--preset=smoke", *overrides, f"--noise={noise}"]), path,
+        rows.append(measure(cli.parse_config(["--preset=smoke", *overrides, f"--noise={noise}"]), path,
                             opts["repeats"], opts["population"]))
         print(f"[noise_modes] {rows[-1]}", flush=True)
     print(f"{'noise':<12} {'params/rank':>12} {'perturb+restore s':>18} {'update s':>9} {'digest s':>9} {'layout s':>9}")

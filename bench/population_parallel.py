@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli  # noqa: E402
 import common as C  # noqa: E402
 import models  # noqa: E402
 import engine as E  # noqa: E402
@@ -57,7 +58,7 @@ def watch_members(pool) -> dict:
 
 
 def measure(engines: int, overrides: list[str], generations: int, workdir: Path) -> dict:
-    cfg = C.parse_config([*overrides, f"--engines={engines}", f"--run_dir={workdir / f'k{engines}'}"])
+    cfg = cli.parse_config([*overrides, f"--engines={engines}", f"--run_dir={workdir / f'k{engines}'}"])
     problems = C.training_problems(cfg)
     t0 = time.perf_counter()
     with P.EnginePool(cfg, models.resolve_model(cfg.model)) as pool:
@@ -81,10 +82,10 @@ def measure(engines: int, overrides: list[str], generations: int, workdir: Path)
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"engines": "1,2", "generations": 2, "out": ""})
+    opts, overrides = cli.parse_args(argv, {"engines": "1,2", "generations": 2, "out": ""})
     overrides = overrides if any(a.startswith("--preset=") for a in overrides) else [*CPU_WORKLOAD, *overrides]
     overrides = [a for a in overrides if a != "--preset="]
-    cfg = C.parse_config(overrides)
+    cfg = cli.parse_config(overrides)
     with tempfile.TemporaryDirectory(prefix="population-parallel-") as tmp:
         runs = [measure(int(k), overrides, opts["generations"], Path(tmp)) for k in opts["engines"].split(",")]
     base = runs[0]["generation_wall_s"]

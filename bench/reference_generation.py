@@ -38,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli  # noqa: E402
 import common as C  # noqa: E402
 import models  # noqa: E402
 import pool as P  # noqa: E402
@@ -151,9 +152,9 @@ def run_members(pool, plans, seeds, sigma, vocab) -> list[dict]:
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"members": 16, "episodes": 16, "token_scale": 1.0, "tool_scale": 1.0,
+    opts, overrides = cli.parse_args(argv, {"members": 16, "episodes": 16, "token_scale": 1.0, "tool_scale": 1.0,
                                           "seed": 0, "qwen3_30b": False, "layers": 0, "plain": True, "out": ""})
-    cfg = C.parse_config(overrides)
+    cfg = cli.parse_config(overrides)
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref", layers=opts["layers"]), "dummy"
     else:

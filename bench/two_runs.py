@@ -18,6 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+import cli  # noqa: E402
 import common as C  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -52,7 +53,7 @@ def finished(process: subprocess.Popen) -> int:
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, OPTIONS)
+    opts, overrides = cli.parse_args(argv, OPTIONS)
     seeds = [int(s) for s in str(opts["seeds"]).split(",")]
     root = Path(opts["run_root"])
     root.mkdir(parents=True, exist_ok=True)

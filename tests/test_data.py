@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import cli
 import common as C
 import history as H
 
@@ -190,7 +191,7 @@ def test_default_paths_are_the_built_files_and_the_smoke_preset_needs_none():
     assert all(os.path.dirname(p) == data.OUT and os.path.basename(p) in MANIFEST for p in defaults)
     no_paths = {name: "" for name in evaluation.DATASETS}
     assert evaluation.data_paths(no_paths, C.Config()) == evaluation.DATASETS
-    smoke = C.parse_config(["--preset=smoke"])
+    smoke = cli.parse_config(["--preset=smoke"])
     assert smoke.train_data == "smoke"
     assert evaluation.data_paths(no_paths, smoke) == {"dapo": "smoke", "aime2026": "smoke"}
     assert evaluation.data_paths(dict(no_paths, dapo="x.jsonl"), smoke) == {"dapo": "x.jsonl", "aime2026": "smoke"}
@@ -218,7 +219,7 @@ def test_learn_problems_are_right_sums_and_held_out_sets_share_no_operands_with_
     with pytest.raises(C.DataError, match="only 132 questions"):  # asking for more than exist
         C.learn_problems(133, seed=1, split="heldout")
     # a history trained on another version of the generated problems (this one's were split differently) is refused
-    learn = C.parse_config(["--preset=learn"])
+    learn = cli.parse_config(["--preset=learn"])
     now = H.train_data_sha256(learn)
     assert now.startswith("learn ") and now == H.train_data_sha256(learn)
     assert H.identity_differences({"train_data_sha256": "learn"}, {"train_data_sha256": now})
@@ -229,17 +230,17 @@ def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(
     setting is refused (the marker kept as it was); a setting of speed or placement may change, also against a
     marker written when such settings were still part of it."""
     checkpoint, data = {"kind": "base", "per_rank_digests": ["a", "b"]}, {"dapo": "d.jsonl", "aime2026": "a.jsonl"}
-    cfg = C.parse_config(["--preset=smoke"])
+    cfg = cli.parse_config(["--preset=smoke"])
     evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
     marker = (tmp_path / "eval_run.json").read_bytes()
     for other in ({"checkpoint": dict(checkpoint, per_rank_digests=["a", "c"])}, {"data": dict(data, dapo="e.jsonl")},
-                  {"cfg": C.parse_config(["--preset=smoke", "--temperature=0.5"])}):
+                  {"cfg": cli.parse_config(["--preset=smoke", "--temperature=0.5"])}):
         args = {"checkpoint": checkpoint, "cfg": cfg, "data": data, **other}
         with pytest.raises(C.ConfigError, match="holds an evaluation of another checkpoint or config"):
             evaluation.claim_output_folder(tmp_path, args["checkpoint"], args["cfg"], args["data"])
         assert (tmp_path / "eval_run.json").read_bytes() == marker
     faster = ["--concurrency=7", "--cudagraph_mode=FULL", "--max_num_batched_tokens=0"]
-    evaluation.claim_output_folder(tmp_path, checkpoint, C.parse_config(["--preset=smoke", *faster]), data)
+    evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", *faster]), data)
     older = json.loads(marker)  # written by a version that kept the engine settings in the marker
     older["config"].update(cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=0, concurrency=3)
     (tmp_path / "eval_run.json").write_text(json.dumps(older))

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cli
 import common as C
 import history as H
 import models
@@ -44,7 +45,7 @@ QWEN3_12_LAYERS = {"weights_bytes": 16_199_559_168, "sequence_kv_bytes": 2 * 12 
 
 
 def config(engines: int, run_dir, *extra) -> C.Config:
-    return C.parse_config([*ARGS, f"--engines={engines}", f"--run_dir={run_dir}", *extra])
+    return cli.parse_config([*ARGS, f"--engines={engines}", f"--run_dir={run_dir}", *extra])
 
 
 def replayable(history: dict) -> list[dict]:
@@ -184,7 +185,7 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
 
     text = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
     config = {"model_type": "mistral3", "text_config": text, "vision_config": {"hidden_size": 32}}
-    cfg = C.parse_config(["--tensor_parallel_size=1", "--max_model_len=1000"])
+    cfg = cli.parse_config(["--tensor_parallel_size=1", "--max_model_len=1000"])
     with pytest.raises(C.ConfigError, match="no safetensors weights to count its parameters from, and its "
                                             "config.json \\(model_type 'mistral3'\\) is not one of"):
         P.engine_memory_needs(config, cfg)
@@ -537,12 +538,12 @@ def test_a_mixed_pool_is_refused():
 
 def test_the_pool_size_is_not_part_of_the_run(tmp_path):
     history = {"config": {k: v for k, v in dataclasses.asdict(config(1, tmp_path)).items()
-                          if k not in C.POOL_FIELDS}}
+                          if k not in H.POOL_FIELDS}}
     H.check_config(history, config(4, tmp_path))  # a history made with any K resumes with any K
-    assert C.config_from_history(history, ["--engines=2"]).engines == 2
+    assert H.config_from_history(history, ["--engines=2"]).engines == 2
     # an evaluation recorded with 4 engines on a Ray cluster: a replay places its engines on this machine
     settings = dict(history["config"], engines=4, ray_address="auto")
-    replayed = C.config_from_history(history, [], settings=settings)
+    replayed = H.config_from_history(history, [], settings=settings)
     assert (replayed.engines, replayed.ray_address) == (0, "")
 
 

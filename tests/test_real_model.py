@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoint_noise
+import cli
 import common as C
 import history as H
 import models
@@ -22,7 +23,7 @@ sys.path.insert(0, str(C.REPO / "bench"))
 import plain_generation  # noqa: E402
 
 NAME = "smollm2-135m"
-CFG = C.parse_config(["--preset=learn", "--max_model_len=1024", "--max_turns=2", "--max_new_tokens=32"])
+CFG = cli.parse_config(["--preset=learn", "--max_model_len=1024", "--max_turns=2", "--max_new_tokens=32"])
 PROMPTS = ["What is 7 + 5?", "Name a primary colour."]
 GREEDY_TOKENS = 6
 

