@@ -23,6 +23,7 @@ import sandbox
 import models
 import engine as E
 import pool as P
+import tracking
 
 ROLLOUTS = "rollouts"  # one JSONL per generation: every episode of every member, with its transcript
 REWARD_CURVE = "reward_curve.png"  # beside the history: mean and max member fitness per generation
@@ -52,15 +53,15 @@ def main(argv: list[str], fitness=mean_score) -> dict:
         if len(recorded["generations"]) >= cfg.generations:  # a finished run: no engine, nothing trained
             print(f"[train] {history_path} already holds all {cfg.generations} generations: nothing to train "
                   "(02_export.py replays and checks them)")
-            with C.Tracker(cfg, run_dir) as tracker:
+            with tracking.Tracker(cfg, run_dir) as tracker:
                 tracker.log_missing(recorded["generations"])
             print_final_summary(recorded, run_dir)
             return recorded
-    with P.EnginePool(cfg, model_path) as engine, C.Tracker(cfg, run_dir) as tracker:
+    with P.EnginePool(cfg, model_path) as engine, tracking.Tracker(cfg, run_dir) as tracker:
         history = start_or_resume(cfg, model_path, engine, history_path)
         tracker.log_missing(history["generations"])  # generations the history has and the event files lack
         done = len(history["generations"])
-        for g in C.progress_bar(range(done, cfg.generations), initial=done, total=cfg.generations,
+        for g in tracking.progress_bar(range(done, cfg.generations), initial=done, total=cfg.generations,
                                 desc="generations"):
             try:
                 record = run_generation(engine, cfg, problems, g, fitness, run_dir / ROLLOUTS)
@@ -70,8 +71,8 @@ def main(argv: list[str], fitness=mean_score) -> dict:
                 raise
             history["generations"].append(record)
             C.write_json_atomic(history, history_path)  # after every generation: a crash loses at most one
-            C.plot_reward_curve(history, run_dir / REWARD_CURVE)
-            tracker.log(g, C.generation_scalars(record))  # --tracking=tensorboard; nothing by default
+            tracking.plot_reward_curve(history, run_dir / REWARD_CURVE)
+            tracker.log(g, tracking.generation_scalars(record))  # --tracking=tensorboard; nothing by default
             tqdm.write(summary_line(record, cfg))
 
     print_final_summary(history, run_dir)

@@ -13,6 +13,7 @@ evaluation resumes without redoing them.
 import contextlib
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import checkpoint_noise
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> dict:
             C.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
                                  "config": dataclasses.asdict(cfg), "records": strip_transcripts(records)},
                                 out / f"{name}_eval16.json")
-            C.write_transcripts_markdown(records, out / f"{name}_failed.md")
+            write_transcripts_markdown(records, out / f"{name}_failed.md")
             metrics["datasets"][name] = C.dataset_metrics(records)
     C.write_json_atomic(metrics, out / C.EVAL_METRICS)  # last: the evaluation is complete
     print(C.format_metrics_table(metrics["datasets"]))
@@ -158,6 +159,29 @@ def evaluate(engine, problems: list[dict], sample_indices, log: Path, name: str)
 def strip_transcripts(records: list[dict]) -> list[dict]:
     """The eval16 files hold the SPEC section 6 fields; transcripts stay in <name>_episodes.jsonl and the .md."""
     return [{k: v for k, v in r.items() if k != "messages"} for r in records]
+
+
+def _fenced(text):
+    """A Markdown code block whose fence is longer than any backtick run inside the text."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}text\n{text}\n{fence}"
+
+
+def write_transcripts_markdown(records, path):
+    """A readable Markdown file with the full conversation of every failed (score 0) episode."""
+    failed = [r for r in records if not r["score"]]
+    parts = [f"# Failed episodes: {len(failed)} of {len(records)}\n"]
+    for r in failed:
+        parts.append(f"## {r['problem_id']} / sample {r['sample_index']}\n")
+        parts.append(f"- score method: {r['score_method']}; finish: {r['finish_reason']}; turns: {r['turns']}; "
+                     f"bash calls: {r['bash_calls']}; sandbox: {r['sandbox']}\n"
+                     f"- prediction: `{r['prediction']}`; gold: `{r['gold']}`\n"
+                     + (f"- error: {r['error']}\n" if r["error"] else ""))
+        for n, message in enumerate(r["messages"]):
+            parts.append(f"### {n}. {message['role']}\n\n{_fenced(message['content'])}\n")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(parts))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Sections, in order:
   4. replay: a run history's updates applied again to the base weights
   5. the math agent: prompts, reply parsing, per-request seeds, the episode loop
   6. data: problem files and case batches
-  7. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, step timings, TensorBoard tracking
+  7. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, step timings
   8. files: atomic JSON, crash-tolerant JSONL
   9. the settings' valid values, checked whenever a Config is made
 
@@ -16,8 +16,8 @@ The infrastructure lives beside it, one concern per module: cli.py (the command 
 engine behind a synchronous facade), pool.py (K engines: placement, memory plan, MPS, Ray), sandbox.py (the sandbox of
 the bash tool), scoring.py (the committed answer against the gold, in killable workers), digests.py (sha256 of the
 weights per tensor and per rank), checkpoint_noise.py (the TP-invariant noise and its Hugging Face export),
-history.py (run identity, the recorded run's settings, manifests, SHA256SUMS) and models.py (the tiny models,
-SmolLM2).
+history.py (run identity, the recorded run's settings, manifests, SHA256SUMS), tracking.py (progress bars, the
+reward curve, TensorBoard) and models.py (the tiny models, SmolLM2).
 """
 
 from __future__ import annotations
@@ -33,10 +33,8 @@ import logging
 import math
 import os
 import re
-import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,7 +62,7 @@ REPO = Path(__file__).resolve().parent
 RESTORE_MODES = ("copy_device", "copy_host", "subtract")
 ROUNDING_MODES = ("nearest", "stochastic")
 NOISE_MODES = ("rank_salted", "checkpoint")
-PROMPT_MODES = ("render", "continue")  # see ChatPrompts
+PROMPT_MODES = ("render", "continue")  # see engine.ChatPrompts
 TRACKING_MODES = ("none", "tensorboard")
 DTYPES = ("bfloat16", "float16", "float32")
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
@@ -187,6 +185,21 @@ class EngineFailure(StageError, RuntimeError):
 
 class ExportError(StageError, RuntimeError):
     """An export that is not what its manifest says, or weights that differ from the export's."""
+
+
+class ClosedOnExit:
+    """`with engine:` closes it on the way out. If the block raised, that error is the one to report, not one
+    from closing after it (an engine that failed may not close cleanly)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 # ============================================================================================================
@@ -533,12 +546,11 @@ class ESWorker:
 #    the refusals of another run's), so that any stage can rebuild theta from the base weights.
 # ============================================================================================================
 
-def replay(engine: Engine, generations: list[dict], base_digests: list[str],
-           desc: str = "replaying history") -> list[str]:
+def replay(engine: Engine, generations, base_digests: list[str]) -> list[str]:
     """Re-apply recorded updates to the base weights, checking each generation's per-rank digests; returns the
-    digests of the rebuilt weights."""
+    digests of the rebuilt weights. `generations`: the records, or a progress bar over them."""
     per_rank = base_digests
-    for record in progress_bar(generations, desc=desc, leave=False):
+    for record in generations:
         z = zscore(record["rewards"])  # the rewards define the update; the recorded z must be theirs
         if z != record["z"]:
             raise HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} are not "
@@ -666,99 +678,6 @@ def request_seed(run_seed, problem_id, sample_index, turn):
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-# ---- The prompt of each turn: the conversation as token ids
-
-# What the model sees on each agent turn (Config.prompt_mode):
-# "render" (default): the chat template renders the whole conversation every turn, Qwen3 thinking off. That is
-#   vLLM's standard chat rendering (how the reference ran its ReAct loop, and how the trained model is served), so
-#   rewards are earned on the prompts the model is evaluated and used with. Qwen3's template is not append-only: an
-#   assistant turn followed by a user message loses the empty think block its generation prompt opened (and any
-#   reasoning), and its text is re-tokenized. The prefix cache then covers the history up to the last assistant
-#   turn's generation prompt; that turn's reply is prefilled again.
-# "continue": the previous prompt + the generated ids (+ the end token if the reply was cut off) + the template's
-#   rendering of the new user message and generation prompt. The model sees exactly the tokens it produced and the
-#   prefix cache covers everything, but with Qwen3's template every earlier assistant turn keeps its
-#   `<think>\n\n</think>\n\n` (and any reasoning), which re-rendering drops. Needs a template that renders a user
-#   turn after an assistant turn the same whatever came before; otherwise the engine warns at start-up and renders,
-#   and every record says prompt_mode="render".
-
-def continuation_user_turn(tokenizer) -> tuple[str, str] | None:
-    """The chat template's text for a user message after an assistant message, from the assistant's end token
-    through the next generation prompt: (before, after) the message. None if the template does not close an
-    assistant message with the end token, or renders the user turn differently after different histories."""
-    mark, eos = "\x00USER\x00", tokenizer.eos_token
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True,
-                               enable_thinking=False)
-    turns = set()
-    for reply in ("a", "<think>\nr\n</think>\n\nb"):  # the user turn must not depend on the history
-        text = render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                       {"role": "assistant", "content": reply}, {"role": "user", "content": mark}])
-        if text.count(mark) != 1 or eos not in text[:text.index(mark)]:
-            return None
-        end = text.rindex(eos, 0, text.index(mark))
-        if not text[:end].endswith(reply[-1]):  # the end token must follow the reply's text directly
-            return None
-        turns.add(text[end + len(eos):])
-    if len(turns) != 1:
-        return None
-    before, after = turns.pop().split(mark)
-    return before, after
-
-
-def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> str:
-    """The prompt mode the engine will use: the requested one, or "render" (with a warning) if it cannot continue."""
-    if requested == "continue" and continuation_user_turn(tokenizer) is None:
-        warnings.warn(f"prompt_mode='continue' is impossible with the chat template of {name} (it does not render "
-                      "a user turn the same after every assistant turn): every turn renders the whole conversation",
-                      stacklevel=2)
-        return "render"
-    return requested
-
-
-class ChatPrompts:
-    """Each agent turn's prompt token ids in `mode` (the requested prompt mode, or "render" where the chat template
-    cannot continue): the template's rendering of the conversation, Qwen3 thinking off; or in "continue" the
-    previous turn's prompt and generated ids + the template's rendering of the new user turn. The policy asks ids()
-    for a turn's prompt and tells remember() what the turn generated; conversations are told apart by their message
-    list (one per episode, see run_episode)."""
-
-    def __init__(self, tokenizer, requested: str, name: str = "the model"):
-        self.tokenizer = tokenizer
-        self.mode = choose_prompt_mode(requested, tokenizer, name)
-        self.turns = {}  # id(messages) -> the last turn's messages and token ids (see remember)
-
-    def ids(self, messages: list[dict]) -> list[int]:
-        """This turn's prompt ids: a continued conversation must be the one remember() kept plus one user message;
-        the first turn is always rendered."""
-        last = self.turns.pop(id(messages), None)
-        if (self.mode == "continue" and last is not None and messages[-1]["role"] == "user"
-                and messages[:-1] == last["messages"]):
-            before, after = self.user_turn
-            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
-                                                       add_special_tokens=False)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
-                                                  tokenize=True, return_dict=False)
-
-    def remember(self, messages: list[dict], ids: list[int], completion) -> None:
-        """A turn's prompt ids and its completion (token_ids, text), for the next turn to continue."""
-        if self.mode != "continue":
-            return
-        generated = list(completion.token_ids)
-        eos = self.tokenizer.eos_token_id
-        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
-            generated.append(eos)
-        self.turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
-                                    "ids": ids + generated}
-
-    def forget(self) -> None:
-        """Drop the remembered turns (a batch of episodes ended)."""
-        self.turns.clear()
-
-    @functools.cached_property
-    def user_turn(self) -> tuple[str, str] | None:
-        return continuation_user_turn(self.tokenizer)
-
-
 # ---- The episode loop
 
 SANDBOX_MAX_PARALLEL = 32  # bash calls running at once in run_episodes (threads in the tool executor)
@@ -876,68 +795,6 @@ async def run_episodes(policy, problems_and_sample_indices, *, concurrency=None,
         if own_executor is not None:
             # after a failure, bash calls still running end on their own timeout; don't hold the loop for them
             own_executor.shutdown(wait=finished, cancel_futures=not finished)
-
-
-# ---- Progress: the bars of episodes, members and generations
-
-PROGRESS_LOG_INTERVAL_S = 10.0  # without a terminal (a log file): one progress line at most this often
-
-
-class _LineStream:
-    """tqdm's stream when the console is not a terminal: each redraw becomes a line of its own (not one more
-    carriage return within a single endless line), and the blank writes that clear a bar are dropped."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text: str) -> None:
-        line = text.replace("\r", "").rstrip()
-        if line:
-            self.stream.write(line + "\n")
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-def progress_bar(iterable=None, *, file=None, **kwargs):
-    """tqdm(iterable, **kwargs) as the stages draw their progress: redrawn in place on a terminal; in a log file
-    a plain line at most every PROGRESS_LOG_INTERVAL_S, where a new postfix waits for the next line instead of
-    forcing one (the pool's per-engine status changes at every episode)."""
-    from tqdm import tqdm
-
-    stream = file or sys.stderr
-    if getattr(stream, "isatty", lambda: False)():
-        return tqdm(iterable, file=stream, dynamic_ncols=True, **kwargs)
-
-    class LoggedProgress(tqdm):
-        def set_postfix_str(self, s="", refresh=True):
-            super().set_postfix_str(s, refresh=False)
-
-    return LoggedProgress(iterable, file=_LineStream(stream), mininterval=PROGRESS_LOG_INTERVAL_S,
-                          maxinterval=PROGRESS_LOG_INTERVAL_S, **kwargs)
-
-
-def _fenced(text):
-    """A Markdown code block whose fence is longer than any backtick run inside the text."""
-    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
-    fence = "`" * max(3, longest + 1)
-    return f"{fence}text\n{text}\n{fence}"
-
-
-def write_transcripts_markdown(records, path):
-    """A readable Markdown file with the full conversation of every failed (score 0) episode."""
-    failed = [r for r in records if not r["score"]]
-    parts = [f"# Failed episodes: {len(failed)} of {len(records)}\n"]
-    for r in failed:
-        parts.append(f"## {r['problem_id']} / sample {r['sample_index']}\n")
-        parts.append(f"- score method: {r['score_method']}; finish: {r['finish_reason']}; turns: {r['turns']}; "
-                     f"bash calls: {r['bash_calls']}; sandbox: {r['sandbox']}\n"
-                     f"- prediction: `{r['prediction']}`; gold: `{r['gold']}`\n"
-                     + (f"- error: {r['error']}\n" if r["error"] else ""))
-        for n, message in enumerate(r["messages"]):
-            parts.append(f"### {n}. {message['role']}\n\n{_fenced(message['content'])}\n")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(parts))
 
 
 # ============================================================================================================
@@ -1190,45 +1047,6 @@ def format_metrics_table(metrics_by_dataset):
              for r in rows]
     return "\n".join(line.rstrip() for line in lines)
 
-def reward_curve_axes(history: dict):
-    """A figure of a run's rewards per generation, mean and max member fitness: (figure, axes), for a caller to add
-    to (bench/learning.py adds the held-out reward) before save_figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    gens = history["generations"]
-    x = [g["generation"] for g in gens]
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    ax.plot(x, [sum(g["rewards"]) / len(g["rewards"]) for g in gens], "o-", label="mean member fitness")
-    ax.plot(x, [max(g["rewards"]) for g in gens], "^--", alpha=0.7, label="max member fitness")
-    c = history["config"]
-    ax.set(xlabel="generation", ylabel="reward",
-           title=f"{history['base_model']}: N={c['population']}, alpha={c['alpha']:g}, "
-                 f"sigma={c['sigma_start']:g}->{c['sigma_end']:g}, seed {c['run_seed']}")
-    ax.title.set_fontsize(9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return fig, ax
-
-
-def save_figure(fig, path: str | Path) -> Path:
-    """The figure as a PNG, atomically (a reader never sees half a picture), and closed."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
-
-
-def plot_reward_curve(history: dict, path: str | Path) -> Path:
-    return save_figure(reward_curve_axes(history)[0], path)
-
 
 # ---- Timings: the seconds each step of a generation takes (perturb, rollout, restore, update, digest), recorded
 # in its history record and tracked as seconds/<step>
@@ -1241,88 +1059,6 @@ def stopwatch(timings: dict, key: str):
         yield
     finally:
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
-
-
-# ---- Experiment tracking (optional): the per-generation summary as TensorBoard scalars
-
-TENSORBOARD_DIR = "tensorboard"  # in the run dir: `tensorboard --logdir runs/es/tensorboard`
-
-
-def generation_scalars(record: dict) -> dict[str, float]:
-    """What a history record says about its generation, as named scalars: rewards, sigma, alpha, seconds."""
-    rewards = np.asarray(record["rewards"], dtype=np.float64)
-    scalars = {"reward/mean": rewards.mean(), "reward/max": rewards.max(), "reward/min": rewards.min(),
-               "reward/std": rewards.std(), "sigma": record["sigma"], "alpha": record["alpha"]}
-    scalars.update({f"seconds/{k}": v for k, v in record["timings"].items()})
-    return {k: float(v) for k, v in scalars.items()}
-
-
-def logged_scalars(folder: str | Path) -> set[tuple[str, int]]:
-    """(tag, step) of every scalar in the TensorBoard event files of a folder."""
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-
-    events = EventAccumulator(str(folder), size_guidance={SCALARS: 0})  # 0: every value, none sampled away
-    events.Reload()
-    return {(tag, e.step) for tag in events.Tags()[SCALARS] for e in events.Scalars(tag)}
-
-
-class ClosedOnExit:
-    """`with engine:` closes it on the way out. If the block raised, that error is the one to report, not one
-    from closing after it (an engine that failed may not close cleanly)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-            return
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-class Tracker(ClosedOnExit):
-    """Scalars per step (the generation) for TensorBoard when cfg.tracking says so; nothing otherwise. A resumed
-    run appends to the same folder (a new event file, opened at the first scalar). The history stays the record of
-    the run: this is for watching it."""
-
-    def __init__(self, cfg: Config, run_dir: str | Path):
-        self.folder, self.writer = None, None
-        if cfg.tracking == "tensorboard":
-            try:
-                import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
-            except ImportError as exc:
-                raise ConfigError("--tracking=tensorboard needs the tensorboard package (pip install "
-                                  "tensorboard)") from exc
-            self.folder = Path(run_dir) / TENSORBOARD_DIR
-
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        if self.folder is None:
-            return
-        if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(self.folder))
-        for name, value in scalars.items():
-            self.writer.add_scalar(name, value, global_step=step)
-        self.writer.flush()  # after every generation: a crash loses nothing already shown
-
-    def log_missing(self, records: list[dict]) -> None:
-        """The scalars of the history's generations that the event files lack: a process that ended between a
-        generation's history write and its log (or a run that turned tracking on when resumed). Called before a
-        resumed run's first new generation, so that the steps still arrive in order."""
-        if self.folder is None:
-            return
-        logged = logged_scalars(self.folder) if self.folder.exists() else set()
-        for record in records:
-            step = record["generation"]
-            missing = {k: v for k, v in generation_scalars(record).items() if (k, step) not in logged}
-            if missing:
-                self.log(step, missing)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 # ============================================================================================================

@@ -29,6 +29,7 @@ import torch
 import common as C
 from cli import parse_overrides
 from common import Config, ConfigError, ExportError
+from tracking import progress_bar
 
 if TYPE_CHECKING:  # for annotations only
     from common import Engine
@@ -208,7 +209,7 @@ def rebuild_from_history(engine: Engine, cfg: Config, model_path: str, history: 
     engine's base weights. Returns this engine's identity and the rebuilt per-rank digests."""
     identity = run_identity(cfg, model_path, engine, train_data=compare_config)
     check_base(history, identity, compare_config)
-    return identity, C.replay(engine, generations, identity["base_digests"], desc=desc)
+    return identity, C.replay(engine, progress_bar(generations, desc=desc, leave=False), identity["base_digests"])
 
 
 # ---- Fingerprints: SHA256SUMS beside published files, the weight files of a base model

@@ -34,6 +34,7 @@ import common as C
 import engine as E
 import history as H
 import sandbox
+import tracking
 
 
 POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
@@ -696,7 +697,7 @@ class EnginePool(C.ClosedOnExit):
         index, never by completion order; the first failure stops the queue and is raised, naming its engine."""
         results, todo, failures = [None] * tasks, list(range(tasks)), []
         lock, status = threading.Lock(), ["idle"] * self.size
-        bar = C.progress_bar(total=total_episodes or tasks, desc=desc, leave=False)
+        bar = tracking.progress_bar(total=total_episodes or tasks, desc=desc, leave=False)
 
         def recorder(k: int, i: int):
             episodes = [0]

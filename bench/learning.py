@@ -43,6 +43,7 @@ import models  # noqa: E402
 import engine as E  # noqa: E402
 import history as H  # noqa: E402
 import pool as P  # noqa: E402
+import tracking  # noqa: E402
 from fitness_trend import seconds_of  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -158,7 +159,7 @@ def compare(base_records, trained_records, problems, seed):
 def plot_with_heldout(history, path, heldout):
     """The run's reward curve with the centre model's held-out PRIMARY metric {updates applied: its mean and 95%
     interval} (0 updates: the base model)."""
-    fig, ax = C.reward_curve_axes(history)
+    fig, ax = tracking.reward_curve_axes(history)
     updates = sorted(heldout)
     mean = [heldout[u]["mean"] for u in updates]
     err = [[heldout[u]["mean"] - heldout[u]["ci_low"] for u in updates],
@@ -167,7 +168,7 @@ def plot_with_heldout(history, path, heldout):
                 label=f"centre model, held-out {PRIMARY} (95% CI)")
     ax.set_xlabel("generation (held-out: after that many updates)")
     ax.legend(fontsize=8)
-    C.save_figure(fig, path)
+    tracking.save_figure(fig, path)
 
 
 def update_change_fraction(model_path, alpha, population, sigma, seed=0, rounding="nearest"):

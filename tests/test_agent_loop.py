@@ -1,6 +1,7 @@
 """The ReAct episode loop (SPEC section 4) with a scripted policy instead of a model."""
 
 import asyncio
+import importlib
 import json
 import os
 import threading
@@ -11,6 +12,8 @@ import pytest
 import common as A
 import sandbox
 import scoring
+
+evaluation = importlib.import_module("03_eval")  # writes the failed episodes' transcripts
 
 PROBLEM = {"id": "p1", "question": "What is 6 times 7?", "answer": "42"}
 RUN_SEED = 1234
@@ -238,7 +241,7 @@ def test_write_transcripts_markdown(tmp_path):
     good = run(ScriptedPolicy([action("echo 42"), "Final answer: \\boxed{42}"]))
     bad = run(ScriptedPolicy([action("echo ```weird```"), "Final answer: \\boxed{41}"]), sample_index=5)
     path = tmp_path / "failed.md"
-    A.write_transcripts_markdown([good, bad], path)
+    evaluation.write_transcripts_markdown([good, bad], path)
     text = path.read_text()
     assert "1 of 2" in text and "sample 5" in text and "sample 0" not in text
     assert "### 0. system" in text and "### 2. assistant" in text and "### 3. user" in text

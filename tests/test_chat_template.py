@@ -131,7 +131,7 @@ def test_continue_mode_appends_the_generated_tokens_and_the_user_turn(engine, co
 
 def test_continue_closes_cut_replies_and_renders_other_conversations(engine):
     tok = engine.tokenizer
-    prompts = C.ChatPrompts(tok, "continue")  # the engine's policy builds its prompts with one of these
+    prompts = E.ChatPrompts(tok, "continue")  # the engine's policy builds its prompts with one of these
     messages = [{"role": "system", "content": C.SYSTEM_PROMPT}, {"role": "user", "content": C.user_prompt("2+2?")}]
     first = prompts.ids(messages)
     reply = "The answer is 4."
@@ -153,10 +153,10 @@ def test_a_template_that_cannot_continue_is_rendered_and_says_so(engine, model):
 
     tok = AutoTokenizer.from_pretrained(model)  # its assistant turns end with <|endoftext|>, not the end token
     tok.chat_template = models.TINY_CHAT_TEMPLATE.replace("<|im_end|>\n{% endfor %}", "<|endoftext|>\n{% endfor %}")
-    assert C.continuation_user_turn(tok) is None
+    assert E.continuation_user_turn(tok) is None
     with pytest.warns(UserWarning, match="prompt_mode='continue' is impossible"):
-        assert C.choose_prompt_mode("continue", tok) == "render"
-    assert C.choose_prompt_mode("render", tok) == "render"
-    assert C.choose_prompt_mode("continue", engine.tokenizer) == "continue"
+        assert E.choose_prompt_mode("continue", tok) == "render"
+    assert E.choose_prompt_mode("render", tok) == "render"
+    assert E.choose_prompt_mode("continue", engine.tokenizer) == "continue"
     with pytest.raises(C.ConfigError, match="prompt_mode"):
         dataclasses.replace(CFG, prompt_mode="append")

@@ -30,6 +30,7 @@ import models
 import sandbox
 import engine as E
 import pool as P
+import tracking
 from train_with_test_reward import reply_variety
 
 train = importlib.import_module("01_train")
@@ -265,7 +266,7 @@ def test_without_a_terminal_the_pool_s_progress_is_a_plain_line_now_and_then(cap
     assert pool_without_engines(2).work(4, "held-out episodes", "batch", run, total_episodes=1000) == [0, 1, 2, 3]
     err = capsys.readouterr().err  # pytest's capture: not a TTY
     assert "\r" not in err and err.splitlines() == ["held-out episodes:   0%|          | 0/1000 [00:00<?, ?it/s]"]
-    monkeypatch.setattr(C, "PROGRESS_LOG_INTERVAL_S", 0.05)
+    monkeypatch.setattr(tracking, "PROGRESS_LOG_INTERVAL_S", 0.05)
 
     def slow(engine, i, on_record):
         for _ in range(4):
@@ -289,7 +290,7 @@ def test_on_a_terminal_the_progress_bar_is_tqdm_s_redrawn_in_place():
             return True
 
     terminal = Terminal()
-    with C.progress_bar(total=3, desc="episodes", file=terminal, leave=False) as bar:
+    with tracking.progress_bar(total=3, desc="episodes", file=terminal, leave=False) as bar:
         for _ in range(3):
             bar.update(1)
             bar.set_postfix_str("engine 0: batch 1")

@@ -14,6 +14,7 @@ import pytest
 
 import common as C
 import scoring
+import tracking
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -187,18 +188,18 @@ def reward_history(rewards):
 
 def test_the_reward_curve_plots_each_generation_and_replaces_its_file_whole(tmp_path):
     history = reward_history([[0.1, 0.3], [0.2, 0.6], [0.4, 0.4]])
-    fig, ax = C.reward_curve_axes(history)
+    fig, ax = tracking.reward_curve_axes(history)
     mean, best = ax.get_lines()[:2]
     assert list(mean.get_ydata()) == pytest.approx([0.2, 0.4, 0.4]) and list(best.get_ydata()) == [0.3, 0.6, 0.4]
     path = tmp_path / "reward_curve.png"
     path.write_bytes(b"an older picture")
-    assert C.plot_reward_curve(history, path) == path
+    assert tracking.plot_reward_curve(history, path) == path
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_the_learning_curve_adds_the_heldout_metric_with_its_interval(tmp_path, monkeypatch):
     saved = []
-    monkeypatch.setattr(C, "save_figure", lambda fig, path: saved.append(fig))
+    monkeypatch.setattr(tracking, "save_figure", lambda fig, path: saved.append(fig))
     heldout = {0: {"mean": 0.2, "ci_low": 0.1, "ci_high": 0.25}, 2: {"mean": 0.5, "ci_low": 0.45, "ci_high": 0.7}}
     learning.plot_with_heldout(reward_history([[0.1, 0.3], [0.2, 0.6], [0.4, 0.4]]), tmp_path / "c.png", heldout)
     (fig,) = saved

@@ -12,6 +12,7 @@ import cli
 import common as C
 import history as H
 import models
+import tracking
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 
@@ -379,19 +380,19 @@ def tensorboard_scalars(folder):
 
 
 def test_generation_scalars_are_the_records_numbers():
-    assert C.generation_scalars(RECORD) == {
+    assert tracking.generation_scalars(RECORD) == {
         "reward/mean": 0.5, "reward/max": 1.0, "reward/min": 0.25, "reward/std": pytest.approx(0.3061862178),
         "sigma": 7.5e-4, "alpha": 5e-4, "seconds/rollout": 12.5, "seconds/perturb": 0.25}
 
 
 def test_tensorboard_tracking_writes_each_step_and_a_resume_appends(tmp_path):
     cfg = C.Config(tracking="tensorboard")
-    with C.Tracker(cfg, tmp_path) as tracker:
+    with tracking.Tracker(cfg, tmp_path) as tracker:
         tracker.log(0, {"reward/mean": 0.125, "sigma": 1e-3})
         tracker.log(1, {"reward/mean": 0.5, "sigma": 9e-4})
-    with C.Tracker(cfg, tmp_path) as tracker:  # the run resumed
+    with tracking.Tracker(cfg, tmp_path) as tracker:  # the run resumed
         tracker.log(2, {"reward/mean": 0.75, "sigma": 8e-4})
-    scalars = tensorboard_scalars(tmp_path / C.TENSORBOARD_DIR)
+    scalars = tensorboard_scalars(tmp_path / tracking.TENSORBOARD_DIR)
     assert scalars["reward/mean"] == [(0, 0.125), (1, 0.5), (2, 0.75)]
     assert [(s, pytest.approx(v)) for s, v in scalars["sigma"]] == [(0, 1e-3), (1, 9e-4), (2, 8e-4)]
 
@@ -404,18 +405,18 @@ def test_a_resume_logs_the_generations_the_history_has_and_the_event_files_lack(
     """The process died after generation 2's history write: generation 1 is all there, generation 2 got one of
     its scalars. The resumed tracker adds exactly what is missing, once."""
     cfg, records = C.Config(tracking="tensorboard"), [generation_record(g) for g in range(3)]
-    with C.Tracker(cfg, tmp_path) as tracker:
+    with tracking.Tracker(cfg, tmp_path) as tracker:
         for record in records[:2]:
-            tracker.log(record["generation"], C.generation_scalars(record))
+            tracker.log(record["generation"], tracking.generation_scalars(record))
         tracker.log(2, {"sigma": records[2]["sigma"]})
-    with C.Tracker(cfg, tmp_path) as tracker:
+    with tracking.Tracker(cfg, tmp_path) as tracker:
         tracker.log_missing(records)
-    files = sorted((tmp_path / C.TENSORBOARD_DIR).iterdir())
-    with C.Tracker(cfg, tmp_path) as tracker:
+    files = sorted((tmp_path / tracking.TENSORBOARD_DIR).iterdir())
+    with tracking.Tracker(cfg, tmp_path) as tracker:
         tracker.log_missing(records)  # nothing missing: no new event file either
-    assert sorted((tmp_path / C.TENSORBOARD_DIR).iterdir()) == files
-    scalars = tensorboard_scalars(tmp_path / C.TENSORBOARD_DIR)
-    expected = [C.generation_scalars(r) for r in records]
+    assert sorted((tmp_path / tracking.TENSORBOARD_DIR).iterdir()) == files
+    scalars = tensorboard_scalars(tmp_path / tracking.TENSORBOARD_DIR)
+    expected = [tracking.generation_scalars(r) for r in records]
     assert set(scalars) == set(expected[0])
     for name, points in scalars.items():
         assert points == [(g, pytest.approx(expected[g][name])) for g in range(3)], name
@@ -434,16 +435,16 @@ def test_a_finished_run_started_again_logs_the_last_generation_its_process_did_n
                for g in range(cfg.generations)]
     C.write_json_atomic({"config": dataclasses.asdict(cfg), "base_model": "tiny", "base_digests": ["d0"],
                          "generations": records}, tmp_path / H.HISTORY_FILE)
-    with C.Tracker(cfg, tmp_path) as tracker:
+    with tracking.Tracker(cfg, tmp_path) as tracker:
         for record in records[:-1]:
-            tracker.log(record["generation"], C.generation_scalars(record))
+            tracker.log(record["generation"], tracking.generation_scalars(record))
     train.main(argv)
-    steps = [step for step, _ in tensorboard_scalars(tmp_path / C.TENSORBOARD_DIR)["reward/mean"]]
+    steps = [step for step, _ in tensorboard_scalars(tmp_path / tracking.TENSORBOARD_DIR)["reward/mean"]]
     assert steps == list(range(cfg.generations))
 
 
 def test_no_tracking_writes_nothing_and_an_unknown_tracker_is_refused(tmp_path):
-    with C.Tracker(C.Config(), tmp_path) as tracker:
+    with tracking.Tracker(C.Config(), tmp_path) as tracker:
         tracker.log(0, {"reward/mean": 1.0})
         tracker.log_missing([RECORD])
     assert list(tmp_path.iterdir()) == []

@@ -22,6 +22,7 @@ import common as C
 import history as H
 import models
 import engine as E
+import tracking
 from conftest import still_running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -93,9 +94,9 @@ def test_the_console_shows_the_run_and_vllm_logs_into_the_run_dir(trained):
 def test_tracking_shows_each_generation_of_the_history(trained):
     from test_metrics_and_files import tensorboard_scalars
 
-    scalars = tensorboard_scalars(trained / C.TENSORBOARD_DIR)
+    scalars = tensorboard_scalars(trained / tracking.TENSORBOARD_DIR)
     for g in C.read_json(trained / H.HISTORY_FILE)["generations"]:
-        expected = C.generation_scalars(g)
+        expected = tracking.generation_scalars(g)
         assert set(scalars) == set(expected)
         for name, value in expected.items():
             assert scalars[name][g["generation"]] == (g["generation"], pytest.approx(value, rel=1e-6))
