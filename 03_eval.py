@@ -18,12 +18,13 @@ from pathlib import Path
 
 import checkpoint_noise
 import cli
-import common as C
-import history as H
-import sandbox
+import common
+import engine
 import models
-import engine as E
-import pool as P
+import sandbox
+from history import (EXPORT_MANIFEST, HISTORY_FILE, RESUME_FREE_FIELDS, check_loaded_export, config_from_history,
+                     sha256_file)
+from pool import EnginePool
 
 EXPORT = "<run_dir>/export"  # a folder written by 02_export.py; empty: evaluate the base model itself
 OUT = ""  # default: <run_dir>/eval (or <run_dir>/eval-base for the base model)
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> dict:
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
     sandbox.check_sandbox(cfg.run_dir, data=list(data.values()), checkpoint=export,  # (unless allowed)
-                          allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
+                          allow_leaks=cfg.allow_leaky_sandbox, error=common.ConfigError)
     # before any writing
     manifest = checkpoint_noise.verify_any_export(export, cfg.tensor_parallel_size) if export else None
     if manifest:  # the loaded bits are checked, and recorded, in the digests of the export's noise
@@ -54,20 +55,20 @@ def main(argv: list[str]) -> dict:
         models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
 
-    with open_checkpoint(cfg, export, manifest) as (engine, checkpoint):
+    with open_checkpoint(cfg, export, manifest) as (engines, checkpoint):
         claim_output_folder(out, checkpoint, cfg, data)
-        metrics = {"checkpoint": checkpoint, "samples": C.EVAL_SAMPLES, "reported_group": C.REPORTED_GROUP,
+        metrics = {"checkpoint": checkpoint, "samples": common.EVAL_SAMPLES, "reported_group": common.REPORTED_GROUP,
                    "datasets": {}}
         for name, problems in datasets.items():
-            records = evaluate(engine, problems, range(C.EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
-            C.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
-                                 "config": dataclasses.asdict(cfg), "records": strip_transcripts(records)},
-                                out / f"{name}_eval16.json")
+            records = evaluate(engines, problems, range(common.EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
+            common.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
+                                      "config": dataclasses.asdict(cfg), "records": strip_transcripts(records)},
+                                     out / f"{name}_eval16.json")
             write_transcripts_markdown(records, out / f"{name}_failed.md")
-            metrics["datasets"][name] = C.dataset_metrics(records)
-    C.write_json_atomic(metrics, out / C.EVAL_METRICS)  # last: the evaluation is complete
-    print(C.format_metrics_table(metrics["datasets"]))
-    print(f"[eval] wrote {out}/{{{','.join(DATASETS)}}}_eval16.json and {C.EVAL_METRICS}")
+            metrics["datasets"][name] = common.dataset_metrics(records)
+    common.write_json_atomic(metrics, out / common.EVAL_METRICS)  # last: the evaluation is complete
+    print(common.format_metrics_table(metrics["datasets"]))
+    print(f"[eval] wrote {out}/{{{','.join(DATASETS)}}}_eval16.json and {common.EVAL_METRICS}")
     return metrics
 
 
@@ -76,13 +77,13 @@ def base_config(cfg, overrides: list[str]):
     that define the weights and their digests (WEIGHT_FIELDS: the noise kind, the TP size, the dtype), as export
     and replay take them, so that the evaluation records the digests 04_replay rebuilds. An explicit --key=value
     that contradicts the history is refused."""
-    path = Path(cfg.run_dir) / H.HISTORY_FILE
+    path = Path(cfg.run_dir) / HISTORY_FILE
     if not path.exists():
         return cfg
-    history = C.read_json(path)
+    history = common.read_json(path)
     if history["config"].get("model") != cfg.model:
         return cfg
-    return H.config_from_history(history, overrides, settings=dataclasses.asdict(cfg))
+    return config_from_history(history, overrides, settings=dataclasses.asdict(cfg))
 
 
 def data_paths(opts: dict, cfg) -> dict:
@@ -91,7 +92,7 @@ def data_paths(opts: dict, cfg) -> dict:
 
 
 def eval_problems(path: str, cfg) -> list[dict]:
-    problems = C.problems_from(path, cfg.run_seed)
+    problems = common.problems_from(path, cfg.run_seed)
     return problems[:cfg.eval_problems] if cfg.eval_problems else problems
 
 
@@ -100,23 +101,23 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
     """An engine holding the export (its files verified against the manifest before; its loaded bits checked
     after loading) or, without an export, the base model."""
     if not export:
-        with P.EnginePool(cfg, models.resolve_model(cfg.model)) as engine:
-            yield engine, {"kind": "base", "model": cfg.model, "per_rank_digests": engine.digests()}
+        with EnginePool(cfg, models.resolve_model(cfg.model)) as engines:
+            yield engines, {"kind": "base", "model": cfg.model, "per_rank_digests": engines.digests()}
         return
     if manifest.get("noise") == "checkpoint":  # a Hugging Face folder: any TP size, digests in checkpoint terms
-        with P.EnginePool(cfg, export) as engine:
-            loaded = engine.digests()
+        with EnginePool(cfg, export) as engines:
+            loaded = engines.digests()
             if loaded != [manifest["digest"]]:
-                raise C.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
-                                    f"{manifest['digest']}")
-            yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
-                           "manifest_sha256": H.sha256_file(Path(export) / checkpoint_noise.HF_EXPORT_MANIFEST),
+                raise common.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
+                                         f"{manifest['digest']}")
+            yield engines, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
+                           "manifest_sha256": sha256_file(Path(export) / checkpoint_noise.HF_EXPORT_MANIFEST),
                            "per_rank_digests": loaded}
         return
-    with P.EnginePool(cfg, export, load_format="sharded_state", tokenizer=export) as engine:
-        loaded = H.check_loaded_export(engine, manifest, export)  # the bits vLLM holds are the exported ones
-        yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
-                       "manifest_sha256": H.sha256_file(Path(export) / H.EXPORT_MANIFEST),
+    with EnginePool(cfg, export, load_format="sharded_state", tokenizer=export) as engines:
+        loaded = check_loaded_export(engines, manifest, export)  # the bits vLLM holds are the exported ones
+        yield engines, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
+                       "manifest_sha256": sha256_file(Path(export) / EXPORT_MANIFEST),
                        "per_rank_digests": loaded}
 
 
@@ -124,30 +125,30 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
     """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data and settings;
     the settings that only say where files go or how fast the engine steps (RESUME_FREE_FIELDS) may differ."""
     def settings(config: dict) -> dict:
-        return {k: v for k, v in config.items() if k not in H.RESUME_FREE_FIELDS}
+        return {k: v for k, v in config.items() if k not in RESUME_FREE_FIELDS}
 
     run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
                                  "data": data}))
     marker = out / "eval_run.json"
     if marker.exists():
-        recorded = C.read_json(marker)
+        recorded = common.read_json(marker)
         if dict(recorded, config=settings(recorded.get("config", {}))) != run:
-            raise C.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
-    C.write_json_atomic(run, marker)
+            raise common.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
+    common.write_json_atomic(run, marker)
 
 
-def evaluate(engine, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
+def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
     """All (problem, sample) episodes. Each finished episode (with its transcript) is appended to `log` as it
     ends; the ones already there are kept, not re-run."""
-    finished = C.read_jsonl(log, required=C.EPISODE_RECORD_KEYS) if log.exists() else []
+    finished = common.read_jsonl(log, required=common.EPISODE_RECORD_KEYS) if log.exists() else []
     done = {(r["problem_id"], r["sample_index"]): r for r in finished}
     todo = [(p, i) for p in problems for i in sample_indices if (p["id"], i) not in done]
     if done:
         print(f"[eval] {name}: resuming, {len(done)} episodes already finished, {len(todo)} to go")
     try:
-        records = engine.run_agent(todo, desc=f"{name} episodes", on_record=lambda r: C.append_jsonl(log, [r]))
-    except (C.EngineFailure, E.Interrupted) as stop:
-        finished = len(C.read_jsonl(log)) if log.exists() else 0
+        records = engines.run_agent(todo, desc=f"{name} episodes", on_record=lambda r: common.append_jsonl(log, [r]))
+    except (common.EngineFailure, engine.Interrupted) as stop:
+        finished = len(common.read_jsonl(log)) if log.exists() else 0
         print(f"[eval] {name}: stopped ({stop}); {log} keeps the {finished} finished episodes: run the same "
               "command again to resume")
         raise
@@ -185,4 +186,4 @@ def write_transcripts_markdown(records, path):
 
 
 if __name__ == "__main__":
-    E.run_stage(main, "eval")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly
+    engine.run_stage(main, "eval")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly

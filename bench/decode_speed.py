@@ -31,11 +31,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cli  # noqa: E402
-import common as C  # noqa: E402
 import models  # noqa: E402
-import engine as E  # noqa: E402
-import qwen3_30b  # noqa: E402
 import plain_generation  # noqa: E402
+import qwen3_30b  # noqa: E402
+from engine import Engine, cuda_engine_args, sampling_params  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 SHORT_PROMPT = 64
@@ -59,13 +58,13 @@ def main(argv):
                                           "inductor": False, "out": ""})
     cfg = cli.parse_config(overrides)
     if opts["inductor"]:
-        eager_backend = E.cuda_engine_args
+        eager_backend = cuda_engine_args
 
         def inductor_backend(c):
             args = eager_backend(c)
             return {**args, "compilation_config": {**args["compilation_config"], "mode": 3, "backend": "inductor"}}
 
-        E.cuda_engine_args = inductor_backend
+        cuda_engine_args = inductor_backend
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref"), "dummy"
     else:
@@ -74,7 +73,7 @@ def main(argv):
     from vllm.sampling_params import RequestOutputKind
 
     def sampled(c):  # the run's sampling settings, never stopping early
-        return lambda seed: E.sampling_params(c, seed=seed, max_tokens=opts["tokens"], ignore_eos=True)
+        return lambda seed: sampling_params(c, seed=seed, max_tokens=opts["tokens"], ignore_eos=True)
 
     sampling = {"run sampling": sampled(cfg),
                 "no penalty": sampled(dataclasses.replace(cfg, presence_penalty=0.0, repetition_penalty=1.0)),
@@ -86,7 +85,7 @@ def main(argv):
         (16, "distinct", "greedy"), (64, "distinct", "run sampling"),
     ]
     results = []
-    with E.Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
+    with Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         plain_generation.generate(engine, [random_prompt(0, SHORT_PROMPT, vocab)] * 2, 16)  # warm-up
         for n, prompts, how in rows:

@@ -24,7 +24,6 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cli  # noqa: E402
-import common as C  # noqa: E402
 import digests  # noqa: E402
 import qwen3_30b  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402

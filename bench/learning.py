@@ -38,13 +38,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import cli  # noqa: E402
-import common as C  # noqa: E402
+import common  # noqa: E402
 import models  # noqa: E402
-import engine as E  # noqa: E402
-import history as H  # noqa: E402
-import pool as P  # noqa: E402
 import tracking  # noqa: E402
+from engine import Interrupted, prepare_script  # noqa: E402
 from fitness_trend import seconds_of  # noqa: E402
+from history import rebuild_from_history  # noqa: E402
+from pool import EnginePool  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 # 8 samples per held-out problem: at 2, the paired difference's interval was +-0.018 around effects of +0.01 (GPU,
@@ -52,7 +52,7 @@ from report import emit, print_until_reader_gone  # noqa: E402
 OPTIONS = {"out": "", "seeds": 2, "heldout": 128, "eval_samples": 8, "run_root": "runs/learning",
            "fitness": "shaped", "quick": False, "combine": ""}
 QUICK = ["--generations=2", "--population=4", "--case_batch=4"]  # plus heldout=16, eval_samples=1
-HELDOUT_SEED = 1  # the order of the held-out questions (C.learn_pairs: their operands are never trained on)
+HELDOUT_SEED = 1  # the order of the held-out questions (common.learn_pairs: their operands are never trained on)
 BOOTSTRAP = 10_000
 PRIMARY = "reward"  # the held-out metric the target is judged on (the others are reported beside it)
 PAPER = {"alpha": 5e-4, "sigma_start": 1e-3, "sigma_end": 5e-4}  # SPEC section 2
@@ -102,7 +102,7 @@ FITNESS = {"score": agent_score, "shaped": shaped_score}
 
 def heldout_problems(n):
     """n of the learn task's held-out questions: none shares its operands with a training question (either order)."""
-    return C.learn_problems(n, seed=HELDOUT_SEED, split="heldout")
+    return common.learn_problems(n, seed=HELDOUT_SEED, split="heldout")
 
 
 def evaluate_base_and_trained(cfg, history, problems, samples):
@@ -110,11 +110,11 @@ def evaluate_base_and_trained(cfg, history, problems, samples):
     --engines, in input order)."""
     model_path = models.resolve_model(cfg.model)
     jobs = [(p, i) for p in problems for i in range(samples)]
-    with P.EnginePool(cfg, model_path) as engine:
+    with EnginePool(cfg, model_path) as engine:
         t0 = time.perf_counter()
         base = engine.run_agent(jobs, desc="held-out, base model")
         seconds = time.perf_counter() - t0
-        _, digests = H.rebuild_from_history(engine, cfg, model_path, history, history["generations"])
+        _, digests = rebuild_from_history(engine, cfg, model_path, history, history["generations"])
         trained = engine.run_agent(jobs, desc="held-out, trained model")
     return base, trained, digests, seconds
 
@@ -186,7 +186,7 @@ def update_change_fraction(model_path, alpha, population, sigma, seed=0, roundin
             moved = w32 + scale * torch.randn(w32.shape, generator=g)
             if rounding == "stochastic" and w.dtype == torch.bfloat16:
                 moved, exact = torch.empty_like(w), moved
-                C.round_stochastic_(moved, exact, g)
+                common.round_stochastic_(moved, exact, g)
             else:
                 moved = moved.to(w.dtype)
             changed[key] += int((moved != w).sum())
@@ -197,11 +197,12 @@ def update_change_fraction(model_path, alpha, population, sigma, seed=0, roundin
 def combine_reports(paths: list[str]) -> dict:
     """One report of several single-seed reports of the same settings (seeds trained in separate processes, as
     bench/learning_paper_h200.sh runs them): their runs side by side, every_seed_beyond_ci over all of them."""
-    reports = [C.read_json(Path(p)) for p in paths]
+    reports = [common.read_json(Path(p)) for p in paths]
     settings = [{k: v for k, v in r["config"].items() if k not in ("run_seed", "run_dir")} for r in reports]
     differing = [p for p, s in zip(paths, settings) if s != settings[0]]
     if differing:
-        raise C.ConfigError(f"{', '.join(differing)}: other settings than {paths[0]}; only runs of one setting combine")
+        raise common.ConfigError(f"{', '.join(differing)}: other settings than {paths[0]}; only runs of one setting "
+                                 "combine")
     combined = {**reports[0], "combined_from": paths, "runs": [run for r in reports for run in r["runs"]]}
     combined["every_seed_beyond_ci"] = all(r[PRIMARY]["difference_ci_above_zero"] for r in combined["runs"])
     return combined
@@ -212,7 +213,7 @@ def main(argv):
     if opts["combine"]:  # no training: the reports of seeds run apart, as one
         try:
             report = combine_reports(opts["combine"].split(","))
-        except (OSError, ValueError, KeyError, C.ConfigError, C.StageError) as e:
+        except (OSError, ValueError, KeyError, common.ConfigError, common.StageError) as e:
             sys.exit(f"[learning] cannot combine {opts['combine']}: {type(e).__name__}: {e}")
         print(format_table(report["runs"]))
         return emit(report, opts["out"])
@@ -247,8 +248,8 @@ def main(argv):
         gens = history["generations"]
         primary = result[PRIMARY]
         plot_with_heldout(history, run_dir / train.REWARD_CURVE, {0: primary["base"], len(gens): primary["trained"]})
-        C.write_json_atomic({"problems": problems, "base": train_records(base), "trained": train_records(trained)},
-                            run_dir / "heldout_eval.json")
+        common.write_json_atomic({"problems": problems, "base": train_records(base), "trained": train_records(trained)},
+                                 run_dir / "heldout_eval.json")
         episodes = sum(len(g["rewards"]) for g in gens) * cfg.case_batch
         generation_s = training_seconds(history)
         report["runs"].append({
@@ -275,7 +276,7 @@ def main(argv):
                                            population=base_cfg.population, rounding=mode, **update_change_fraction(
                                                model_path, PAPER["alpha"], base_cfg.population, PAPER["sigma_start"],
                                                rounding=mode))
-           for mode in C.ROUNDING_MODES},
+           for mode in common.ROUNDING_MODES},
     }
     report["every_seed_beyond_ci"] = all(r[PRIMARY]["difference_ci_above_zero"] for r in report["runs"])
     print(format_table(report["runs"]))
@@ -306,8 +307,8 @@ def format_table(runs):
 
 if __name__ == "__main__":
     print_until_reader_gone()
-    E.prepare_script()  # SIGINT/SIGTERM stop training between generations' writes; a later call resumes the history
+    prepare_script()  # SIGINT/SIGTERM stop training between generations' writes; a later call resumes the history
     try:
         main(sys.argv[1:])
-    except E.Interrupted as stop:
+    except Interrupted as stop:
         sys.exit(stop.exit_status)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import common as C
+import common
 import scoring
 import tracking
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(BENCH))
 import fitness_trend  # noqa: E402
 import learning  # noqa: E402
 
-PROBLEM = C.learn_problems(1, seed=7)[0]
+PROBLEM = common.learn_problems(1, seed=7)[0]
 A, B = (int(x) for x in PROBLEM["question"].split("?")[0].split("What is ")[1].split(" + "))
 GOLD = str(A + B)
 
@@ -38,7 +38,7 @@ def episode(*replies):
         text = script.pop(0) if script else "..."
         return {"text": text, "prompt_tokens": 1, "completion_tokens": 1, "finish_reason": "stop"}
 
-    return asyncio.run(C.run_episode(policy, PROBLEM, 0, run_seed=1, max_turns=3, bash_timeout_s=5.0))
+    return asyncio.run(common.run_episode(policy, PROBLEM, 0, run_seed=1, max_turns=3, bash_timeout_s=5.0))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -147,14 +147,14 @@ def test_generation_seconds_are_the_members_update_and_digest_of_the_timed_gener
 def test_single_seed_reports_combine_into_one_with_every_seed_judged(tmp_path):
     def seed_report(seed, beyond, **config):
         path = tmp_path / f"seed{seed}.json"
-        C.write_json_atomic({"config": {"run_seed": seed, "run_dir": f"/r/{seed}", "alpha": 5e-4, **config},
-                             "runs": [{"run_seed": seed, "reward": {"difference_ci_above_zero": beyond}}]}, path)
+        common.write_json_atomic({"config": {"run_seed": seed, "run_dir": f"/r/{seed}", "alpha": 5e-4, **config},
+                                  "runs": [{"run_seed": seed, "reward": {"difference_ci_above_zero": beyond}}]}, path)
         return str(path)
 
     both = learning.combine_reports([seed_report(1, True), seed_report(2, True)])
     assert [r["run_seed"] for r in both["runs"]] == [1, 2] and both["every_seed_beyond_ci"] is True
     assert learning.combine_reports([seed_report(1, True), seed_report(2, False)])["every_seed_beyond_ci"] is False
-    with pytest.raises(C.ConfigError, match="only runs of one setting combine"):
+    with pytest.raises(common.ConfigError, match="only runs of one setting combine"):
         learning.combine_reports([seed_report(1, True), seed_report(3, True, alpha=4e-3)])
 
 
