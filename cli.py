@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import textwrap
 from pathlib import Path
 
 from common import PRESETS, Config, ConfigError
+
+HELP_WIDTH = 120  # --help wraps each option's meaning at this column
 
 
 def parse_config(argv: list[str], base: Config | None = None) -> Config:
@@ -56,13 +59,25 @@ def parse_args(argv: list[str], options: dict) -> tuple[dict, list[str]]:
 
 
 def _comments_beside(source: str, pattern: str) -> dict[str, str]:
-    """name -> the comment on the line that defines it (its first line), for every line matching `pattern`."""
-    found = {}
+    """name -> the comment beside the line that defines it, for every line matching `pattern`, joined with the
+    comment lines right under it that continue it (their `#` in the same column)."""
+    found, name, column = {}, None, None
     for line in source.splitlines():
         match = re.match(pattern + r"[^#]*(?:#\s*(.*))?$", line)
         if match:
-            found[match.group(1)] = (match.group(2) or "").strip()
+            name, column = match.group(1), line.index("#") if match.group(2) is not None else None
+            found[name] = (match.group(2) or "").strip()
+        elif column is not None and line.lstrip().startswith("#") and line.index("#") == column:
+            found[name] += " " + line.strip()[1:].strip()
+        else:
+            name, column = None, None
     return found
+
+
+def _described(flag: str, meaning: str) -> str:
+    """One option of --help: the flag, then its meaning wrapped at HELP_WIDTH beside it."""
+    return textwrap.fill(meaning, width=HELP_WIDTH, initial_indent=flag.ljust(34) + " ", subsequent_indent=" " * 35,
+                         break_long_words=False, break_on_hyphens=False) if meaning else flag
 
 
 def usage(doc: str, script: str | None = None, options: dict | None = None, settings: bool = True) -> str:
@@ -74,11 +89,11 @@ def usage(doc: str, script: str | None = None, options: dict | None = None, sett
     if options:
         meaning = _comments_beside(Path(script).read_text(), r"^([A-Z_]+) = ")
         parts.append("Options of this stage:\n" + "\n".join(
-            f"  --{k}={v}".ljust(34) + f" {meaning.get(k.upper(), '')}" for k, v in options.items()))
+            _described(f"  --{k}={v}", meaning.get(k.upper(), "")) for k, v in options.items()))
     if settings:
         meaning = _comments_beside(inspect.getsource(Config), r"^    (\w+): [^=]+= ")
         parts.append("Run settings (common.Config; any as --key=value):\n" + "\n".join(
-            f"  --{k}={v}".ljust(34) + f" {meaning.get(k, '')}" for k, v in dataclasses.asdict(Config()).items()))
+            _described(f"  --{k}={v}", meaning.get(k, "")) for k, v in dataclasses.asdict(Config()).items()))
         parts.append("Presets (--preset=NAME, before the other settings):\n" + "\n".join(
             f"  {name}: " + " ".join(f"--{k}={v}" for k, v in values.items()) for name, values in PRESETS.items()))
     return "\n\n".join(parts)

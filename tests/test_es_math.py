@@ -483,6 +483,21 @@ def test_gpu_engine_arguments(argv, compilation):
         cli.parse_config([*argv, "--max_num_batched_tokens=-1"])
 
 
+# What --help prints for the settings whose comment in Config runs over two lines: every sentence whole
+HELP_OF_TWO_LINE_COMMENTS = [
+    """  --cudagraph_mode=FULL_AND_PIECEWISE decode steps as full graphs, steps with a prefill as piecewise ones;
+                                   "FULL_DECODE_ONLY" runs the latter eagerly (README)""",
+    """  --max_num_batched_tokens=256     GPU: tokens per engine step, and CUDA graphs are captured up to it. 0: vLLM's
+                                   defaults (2048-token steps, graphs only up to 256 tokens: longer steps eager)""",
+    """  --rounding=nearest               bf16 rounding of every weight change: "nearest" (the reference) or "stochastic"
+                                   (unbiased: steps below half an ulp still move theta in expectation)""",
+    """  --noise=rank_salted              "rank_salted" (the reference: per-rank noise, the model exists at this TP size only)
+                                   or "checkpoint" (per checkpoint element: any TP size, a Hugging Face export)""",
+    """  --allow_leaky_sandbox=False      run even when the start-up leak check finds the data, run folder or other episodes
+                                   visible to the sandbox (then every record says so)""",
+]
+
+
 @pytest.mark.parametrize("script", ["00_data", "01_train", "02_export", "03_eval", "04_replay"])
 def test_help_prints_the_stage_its_options_and_every_setting(script, capsys):
     module = importlib.import_module(script)
@@ -494,11 +509,27 @@ def test_help_prints_the_stage_its_options_and_every_setting(script, capsys):
     if script == "00_data":
         assert "--source_dir=" in text and "--model=" not in text  # its own options only
         return
-    meanings = cli._comments_beside(inspect.getsource(common.Config), r"^    (\w+): [^=]+= ")
-    for name, default in dataclasses.asdict(common.Config()).items():
-        assert meanings[name], f"Config.{name} has no comment for --help"
-        assert f"--{name}={default}" in text and meanings[name] in text
+    for name, default in dataclasses.asdict(common.Config()).items():  # each with its default and a meaning
+        assert re.search(rf"^  --{name}={re.escape(str(default))} +\S", text, re.M), f"Config.{name} in --help"
+    for lines in HELP_OF_TWO_LINE_COMMENTS:
+        assert lines in text
     assert all(f"  {preset}: " in text for preset in common.PRESETS)
+    if script == "02_export":  # a stage option's comment is read whole too
+        assert """  --history=                       default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by
+                                   --preset=smoke)""" in text
+
+
+def test_a_comment_continued_under_its_field_is_read_whole_and_a_section_comment_is_not():
+    source = """\
+    first: int = 1  # a comment that
+                    # goes on here
+    # a section of settings
+    second: str = ""  # its own comment
+    third: bool = True
+                       # not a continuation: third has no comment
+"""
+    assert cli._comments_beside(source, r"^    (\w+): [^=]+= ") == {
+        "first": "a comment that goes on here", "second": "its own comment", "third": ""}
 
 
 # ---- stochastic rounding (rounding="stochastic") ----
