@@ -41,6 +41,7 @@ def main(argv: list[str]) -> Path:
     history_path = opts["history"] or run_dir / HISTORY_FILE
     history = read_history(history_path)
     cfg = config_from_history(history, overrides)  # the recorded run; --preset never overrides it
+    hf_folder = common.is_checkpoint_noise(cfg)  # the same weights at every TP size: a Hugging Face folder
     generations = select_generations(history, opts["replay_generations"])
     out = Path(opts["out"] or run_dir / "export")
     if out.exists():
@@ -55,7 +56,7 @@ def main(argv: list[str]) -> Path:
             identity, digests = rebuild_from_history(engine, cfg, model_path, history, generations,
                                                      compare_config=False,
                                                      desc=f"replaying {len(generations)} generations")
-            if cfg.noise == "checkpoint":  # the same weights at every TP size: a Hugging Face folder
+            if hf_folder:
                 print("[export] writing the Hugging Face folder: each rank's pieces, then tensor by tensor", flush=True)
                 t0 = time.perf_counter()
                 files, sums = checkpoint_noise.save_checkpoint(engine, partial)
@@ -65,17 +66,17 @@ def main(argv: list[str]) -> Path:
             else:  # rank-salted: the weights exist only as this TP size's shards
                 engine.save_sharded_state(partial)
         copy_model_files(model_path, partial)
-        if cfg.noise == "checkpoint":
+        if hf_folder:
             checkpoint_noise.set_config_dtype(partial, cfg.dtype)
         write_manifest(partial, history, history_path, generations, digests, identity,
-                       sums if cfg.noise == "checkpoint" else None,
-                       checkpoint_noise.ignored_checkpoint_tensors(model_path) if cfg.noise == "checkpoint" else None)
+                       sums if hf_folder else None,
+                       checkpoint_noise.ignored_checkpoint_tensors(model_path) if hf_folder else None)
         partial.rename(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     print(f"[export] {out}: theta after {len(generations)} generations, digests {digests}")
-    if cfg.noise == "checkpoint":
+    if hf_folder:
         print(f"[export] a Hugging Face folder: AutoModelForCausalLM.from_pretrained({str(out)!r}), or "
               f"LLM(model={str(out)!r}, tensor_parallel_size=any, dtype={cfg.dtype!r})")
     else:

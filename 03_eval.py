@@ -104,7 +104,7 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
         with EnginePool(cfg, models.resolve_model(cfg.model)) as engines:
             yield engines, {"kind": "base", "model": cfg.model, "per_rank_digests": engines.digests()}
         return
-    if manifest.get("noise") == "checkpoint":  # a Hugging Face folder: any TP size, digests in checkpoint terms
+    if common.is_checkpoint_noise(manifest):  # a Hugging Face folder: any TP size, digests in checkpoint terms
         with EnginePool(cfg, export) as engines:
             loaded = engines.digests()
             if loaded != [manifest["digest"]]:

@@ -105,7 +105,7 @@ def check_digest_kind(checkpoint: dict, cfg: common.Config, eval_dir: Path) -> N
     """The evaluation recorded its checkpoint's digests in the terms of the noise (and TP size) it ran with; the
     replay rebuilds them in the history's. Where those differ no rebuild can match: say what to run instead."""
     recorded = digest_kind(checkpoint["per_rank_digests"])
-    rebuilt = ("noise=checkpoint" if cfg.noise == "checkpoint"
+    rebuilt = ("noise=checkpoint" if common.is_checkpoint_noise(cfg)
                else f"noise=rank_salted at tensor_parallel_size={cfg.tensor_parallel_size}")
     if recorded == rebuilt:
         return
@@ -113,7 +113,7 @@ def check_digest_kind(checkpoint: dict, cfg: common.Config, eval_dir: Path) -> N
                f"{rebuilt}: they cannot match. ")
     if checkpoint["kind"] != "base":
         raise common.ConfigError(problem + "The evaluated export was not made from this history")
-    settings = f"--noise={cfg.noise}" + ("" if cfg.noise == "checkpoint"
+    settings = f"--noise={cfg.noise}" + ("" if common.is_checkpoint_noise(cfg)
                                         else f" --tensor_parallel_size={cfg.tensor_parallel_size}")
     raise common.ConfigError(problem + f"Evaluate the base model again with the run's settings into a new folder "
                              f"(python 03_eval.py --export= {settings} --out=FOLDER) and replay that one "

@@ -20,8 +20,9 @@ Sections, in order:
 
 What a history records of this noise (CHECKPOINT_NOISE, CHECKPOINT_ROUNDING) lives in common.py beside the
 rank-salted noise's record, with the rest of what defines a run's weights: a change to section 1 changes them too.
-This module imports common and history. common never imports it and history only inside run_identity; engine.py
-and pool.py import it, and vLLM loads CheckpointESWorker by its qualified name (common.WORKER_EXTENSIONS).
+This module imports common and history; neither imports it. engine.py and pool.py import it (Engine.base_digests
+proves a checkpoint-noise run's layout before its history records the base), and vLLM loads CheckpointESWorker by
+its qualified name (common.WORKER_EXTENSIONS).
 """
 
 from __future__ import annotations
@@ -559,7 +560,7 @@ def replay_on_checkpoint(folder: str | Path, history: dict,
     history's (default: all). The base's and every generation's digests must be the history's: how tests compare
     with vLLM's ranks, and how to check an export by hand."""
     cfg = H.config_from_history(history, [])  # what defines the weights comes from the history, never a default
-    if cfg.noise != "checkpoint":
+    if not C.is_checkpoint_noise(cfg):
         raise C.ConfigError(f"replay_on_checkpoint replays noise=checkpoint histories; this one has noise={cfg.noise!r}")
     if history.get("noise") != C.noise_definition(cfg):
         raise C.HistoryMismatch("the history's noise definition is not this code's: its weights cannot be rebuilt here")

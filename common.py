@@ -37,7 +37,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -45,9 +44,6 @@ import torch
 import digests
 import sandbox
 import scoring
-
-if TYPE_CHECKING:  # for annotations only: common imports neither engine nor pool when it runs
-    from engine import Engine
 
 REPO = Path(__file__).resolve().parent
 
@@ -128,7 +124,7 @@ class Config:
             problem = setting_problem(field.name, getattr(self, field.name), type(getattr(Config, field.name)))
             if problem:
                 raise ConfigError(problem)
-        if self.noise == "checkpoint" and self.restore == "subtract":
+        if is_checkpoint_noise(self) and self.restore == "subtract":
             raise ConfigError("restore=subtract is for the rank-salted noise; use copy_device or copy_host with "
                               "noise=checkpoint")
         if self.rounding == "stochastic" and self.restore == "subtract":
@@ -350,15 +346,21 @@ CHECKPOINT_ROUNDING = ("the float32 value's bits + (splitmix64_mix(key + index *
                        "bits cleared; key splitmix64(rounding seed of rank 0 ^ name_hash(checkpoint tensor name))")
 
 
+def is_checkpoint_noise(settings: Config | dict) -> bool:
+    """Whether a run's settings (a Config, or what a file records of one: a history's config, an export's manifest)
+    use the checkpoint noise. The one place that asks."""
+    return (settings.get("noise") if isinstance(settings, dict) else settings.noise) == "checkpoint"
+
+
 def noise_definition(cfg: "Config") -> dict:
     """What a history records of the noise: its definition, and for stochastic rounding the rounding's source
     (round to nearest, the reference, adds no key)."""
-    if cfg.noise == "checkpoint":
+    if is_checkpoint_noise(cfg):
         definition = dict(CHECKPOINT_NOISE)
     else:
         definition = dict(NOISE_DEFINITION, chunk=cfg.noise_chunk)
     if cfg.rounding != "nearest":
-        source = CHECKPOINT_ROUNDING if cfg.noise == "checkpoint" else STOCHASTIC_ROUNDING
+        source = CHECKPOINT_ROUNDING if is_checkpoint_noise(cfg) else STOCHASTIC_ROUNDING
         definition["rounding"] = f"{cfg.rounding}: {source}"
     return definition
 
@@ -546,9 +548,10 @@ class ESWorker:
 #    the refusals of another run's), so that any stage can rebuild theta from the base weights.
 # ============================================================================================================
 
-def replay(engine: Engine, generations, base_digests: list[str]) -> list[str]:
-    """Re-apply recorded updates to the base weights, checking each generation's per-rank digests; returns the
-    digests of the rebuilt weights. `generations`: the records, or a progress bar over them."""
+def replay(engine, generations, base_digests: list[str]) -> list[str]:
+    """Re-apply recorded updates to the base weights of `engine` (an engine.Engine or a pool.EnginePool), checking
+    each generation's per-rank digests; returns the digests of the rebuilt weights. `generations`: the records, or a
+    progress bar over them."""
     per_rank = base_digests
     for record in generations:
         z = zscore(record["rewards"])  # the rewards define the update; the recorded z must be theirs

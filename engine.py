@@ -518,9 +518,16 @@ class Engine(C.ClosedOnExit):
     def digests(self) -> list[str]:
         """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order; with
         noise="checkpoint" one digest of the state in checkpoint terms, the same at every TP size."""
-        if self.cfg.noise == "checkpoint":
+        if C.is_checkpoint_noise(self.cfg):
             return [checkpoint_noise.combine_checkpoint_digest(*self.checkpoint_sums(), self.cfg.dtype)]
         return [r["digest"] for r in self.rpc("es_digest")]
+
+    def base_digests(self, model_path: str) -> list[str]:
+        """digests() of the base weights just loaded from model_path; with noise="checkpoint" after proving that the
+        ranks hold that checkpoint exactly (checkpoint_noise.checked_checkpoint_digests)."""
+        if C.is_checkpoint_noise(self.cfg):
+            return checkpoint_noise.checked_checkpoint_digests(self, model_path, self.cfg.dtype)
+        return self.digests()
 
     def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
         """{checkpoint tensor: digest sum} over the tensors the ES parameters hold, and their shapes. Every element

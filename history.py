@@ -10,7 +10,8 @@ per-rank digests of the weights), checked before anything loads it (verify_expor
 Export and replay take the recorded run's settings from its history (config_from_history: what defines the weights
 always, never a preset's or a default) and rebuild its weights (rebuild_from_history: the refusals, then
 common.replay). The algorithm stays in common: replaying a history's updates, the per-rank weight digests the TP
-workers compute, and the atomic JSON and JSONL files. This module imports common and cli; neither imports it.
+workers compute, and the atomic JSON and JSONL files. This module imports common, cli and tracking; none of them
+imports it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,9 +30,6 @@ import common as C
 from cli import parse_overrides
 from common import Config, ConfigError, ExportError
 from tracking import progress_bar
-
-if TYPE_CHECKING:  # for annotations only
-    from common import Engine
 
 
 # ---- The history file: what the stages read from it, checked before any engine starts
@@ -65,7 +62,7 @@ RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke
 
 def resume_free_fields(config: dict) -> tuple[str, ...]:
     """RESUME_FREE_FIELDS, and with checkpoint noise the TP size: its weights are the same at every TP size."""
-    return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if config.get("noise") == "checkpoint" else ())
+    return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if C.is_checkpoint_noise(config) else ())
 
 
 def without_retired_settings(config: dict) -> dict:
@@ -105,12 +102,11 @@ def config_from_history(history: dict, argv: list[str], settings: dict | None = 
 
 # ---- A run's identity, and the refusals of a history made by another run
 
-def run_identity(cfg: C.Config, model_path: str, engine: Engine, train_data: bool = True) -> dict:
-    """The header of a history: what must be equal for a replay to reproduce the trained weights bit for bit.
-    Without train_data the training data file is not read (export and replay rebuild theta without it)."""
+def run_identity(cfg: C.Config, model_path: str, engine, train_data: bool = True) -> dict:
+    """The header of a history: what must be equal for a replay to reproduce the trained weights bit for bit, read
+    from `engine` (an engine.Engine or a pool.EnginePool holding the base weights). Without train_data the training
+    data file is not read (export and replay rebuild theta without it)."""
     import vllm
-
-    import checkpoint_noise  # (it imports this module: imported on use, never at import time)
 
     data = {}
     if train_data:  # export and replay rebuild theta without the training data file
@@ -123,8 +119,7 @@ def run_identity(cfg: C.Config, model_path: str, engine: Engine, train_data: boo
         "base_model": cfg.model,
         "base_model_path": str(model_path),
         "base_fingerprint": model_fingerprint(model_path),
-        "base_digests": (checkpoint_noise.checked_checkpoint_digests(engine, model_path, cfg.dtype)
-                         if cfg.noise == "checkpoint" else engine.digests()),
+        "base_digests": engine.base_digests(model_path),
         "parameter_names_sha256": engine.parameter_names_sha256(),
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "dtype": cfg.dtype,
@@ -147,7 +142,7 @@ def train_data_sha256(cfg: C.Config) -> str:
 def identity_differences(recorded: dict, current: dict, compare_config: bool = True) -> list[str]:
     """Human-readable differences between a history's identity and this run's (empty: compatible). Without
     compare_config only what defines the weights is compared (base, noise, layout, TP, device, versions)."""
-    diffs, any_tp = [], recorded.get("noise", {}).get("index") == C.CHECKPOINT_NOISE["index"]
+    diffs, any_tp = [], C.is_checkpoint_noise(recorded.get("config", {}))
     for key, value in current.items():
         if not compare_config and key in ("config", "train_data_sha256"):
             continue
@@ -203,7 +198,7 @@ def check_config(recorded: dict, cfg: C.Config) -> None:
     check_base({"config": recorded["config"]}, {"config": dataclasses.asdict(cfg)})
 
 
-def rebuild_from_history(engine: Engine, cfg: Config, model_path: str, history: dict, generations: list[dict],
+def rebuild_from_history(engine, cfg: Config, model_path: str, history: dict, generations: list[dict],
                          compare_config: bool = True, desc: str = "replaying history") -> tuple[dict, list[str]]:
     """Refuse a history of another base (and, by default, other run constants), then replay `generations` on the
     engine's base weights. Returns this engine's identity and the rebuilt per-rank digests."""
@@ -325,7 +320,7 @@ def shard_entries(folder: str | Path) -> list[dict]:
     return rows
 
 
-def check_loaded_export(engine: Engine, manifest: dict, folder) -> list[str]:
+def check_loaded_export(engine, manifest: dict, folder) -> list[str]:
     """After loading: the running vLLM must see the exported parameter names and bits, rank by rank."""
     if engine.parameter_names_sha256() != manifest["parameter_names_sha256"]:
         raise ExportError(f"{folder}: this vLLM ({manifest['vllm_version']} wrote the export) lays out the model's "

@@ -657,6 +657,12 @@ class EnginePool(C.ClosedOnExit):
         self._check_agreement(per_engine)
         return per_engine[0]
 
+    def base_digests(self, model_path: str) -> list[str]:
+        """Engine.base_digests for the pool: its engines hold the same base (digests() checks it)."""
+        if C.is_checkpoint_noise(self.cfg):
+            return checkpoint_noise.checked_checkpoint_digests(self, model_path, self.cfg.dtype)
+        return self.digests()
+
     def _check_agreement(self, per_engine: list[list[str]]) -> None:
         for k, digests in enumerate(per_engine[1:], start=1):
             ranks = [r for r, (mine, first) in enumerate(zip(digests, per_engine[0])) if mine != first]
