@@ -1,4 +1,4 @@
-"""Stage 1: evolution strategies on a 50-turn bash-tool math agent (SPEC section 3).
+"""Stage 1: evolution strategies on a 50-turn bash-tool math agent.
 
 Each generation g takes a case batch of problems, draws N member seeds, and for each member perturbs the weights
 by sigma_g * eps (rank-salted noise on every TP rank), runs the agent on the batch, and restores the exact weights.

@@ -1,4 +1,4 @@
-"""Stage 2: rebuild the trained weights from the base model and the history, and save them (SPEC section 7).
+"""Stage 2: rebuild the trained weights from the base model and the history, and save them.
 
 With the reference's rank-salted noise the trained weights exist only as per-rank shards: they are saved with
 save_sharded_state and load only with load_format="sharded_state" at the run's TP size. With noise=checkpoint they

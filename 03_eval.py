@@ -1,4 +1,4 @@
-"""Stage 3: 16-sample agent evaluation of a checkpoint on DAPO-100 and AIME-2026 (SPEC section 6).
+"""Stage 3: 16-sample agent evaluation of a checkpoint on DAPO-100 and AIME-2026.
 
 Every problem gets sample_index 0..15, each episode with its own seeds, so any sample can be re-run alone. The
 reported row is the group of samples 12-15 (Mean4 / Pass4); the other groups, mean@16 and the unbiased pass@4
@@ -158,7 +158,8 @@ def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str
 
 
 def strip_transcripts(records: list[dict]) -> list[dict]:
-    """The eval16 files hold the SPEC section 6 fields; transcripts stay in <name>_episodes.jsonl and the .md."""
+    """The eval16 files hold every record field but the conversation; transcripts stay in <name>_episodes.jsonl and
+    the .md."""
     return [{k: v for k, v in r.items() if k != "messages"} for r in records]
 
 

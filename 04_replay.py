@@ -1,4 +1,4 @@
-"""Stage 4: the aligned four-sample replay (SPEC section 6), a reproduction artifact.
+"""Stage 4: the aligned four-sample replay, a reproduction artifact.
 
 Rebuilds theta in memory from the base model and the history (no export needed): as many generations as the
 evaluated checkpoint had, and the rebuilt per-rank digests must equal the ones the evaluation recorded (and an

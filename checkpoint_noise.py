@@ -2,7 +2,7 @@
 rank, so that the trained weights are the same at every TP size, replay at any TP size, and export as a Hugging Face
 folder that transformers and vLLM load as they load the base model.
 
-The reference's rank-salted noise (common.py, SPEC section 3) draws torch.randn per (member, TP rank, runtime
+The reference's rank-salted noise (common.py) draws torch.randn per (member, TP rank, runtime
 parameter): its trained state exists only as per-rank shards of one TP size. Here each element's noise is a function
 of (member seed, the checkpoint tensor the element comes from, its row-major index in that tensor) alone, computed
 from integer hashing and IEEE basic operations, so it does not depend on where the element sits in a rank's buffers.

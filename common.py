@@ -75,7 +75,7 @@ class Config:
     dtype: str = "bfloat16"  # the runtime weights' dtype: perturbed, updated and saved in it
     max_model_len: int = 40960  # Qwen3-30B-A3B's native context; a longer conversation ends the episode
     gpu_memory_utilization: float = 0.6  # leaves room for the exact-restore copy of the weights on the GPU
-    cuda_graphs: bool = True  # CUDA graphs without inductor (GPU.md); CPU always runs eager
+    cuda_graphs: bool = True  # CUDA graphs without inductor (engine.cuda_engine_args); CPU always runs eager
     cudagraph_mode: str = "FULL_AND_PIECEWISE"  # decode steps as full graphs, steps with a prefill as piecewise
                                                 # ones; "FULL_DECODE_ONLY" runs the latter eagerly (README)
     max_num_batched_tokens: int = 256  # GPU: tokens per engine step, and CUDA graphs are captured up to it. 0: vLLM's
@@ -97,7 +97,7 @@ class Config:
                                # (unbiased: steps below half an ulp still move theta in expectation)
     noise: str = "rank_salted"  # "rank_salted" (the reference: per-rank noise, the model exists at this TP size
                                 # only) or "checkpoint" (per checkpoint element: any TP size, a Hugging Face export)
-    # the math agent (SPEC section 4)
+    # the math agent
     max_turns: int = 50  # assistant turns per episode
     max_new_tokens: int = 4096  # per assistant turn
     temperature: float = 1.0  # sampling (training and evaluation alike)
@@ -199,7 +199,7 @@ class ClosedOnExit:
 
 
 # ============================================================================================================
-# 2. Noise and ES math (SPEC section 3). Pure functions of their arguments; the worker extension applies them.
+# 2. Noise and ES math. Pure functions of their arguments; the worker extension applies them.
 #    One generation (01_train.run_generation): member_seeds -> per member, engine.Engine.evaluate_member: perturb
 #    (ESWorker.es_perturb: noise_seed -> noise_chunks -> add_noise_ with +sigma), the agent's episodes, restore (a
 #    copy back) -> fitness -> zscore -> update_coefficients -> update (ESWorker.es_update: add_noise_ with every
@@ -404,7 +404,7 @@ def device_type() -> str:
 
 
 def es_parameters(named_parameters) -> list[tuple[str, torch.Tensor]]:
-    """The ES parameter set (SPEC section 3): every floating-point parameter, one entry per storage (tied or
+    """The ES parameter set: every floating-point parameter, one entry per storage (tied or
     shared tensors are perturbed once), in the model's order. A floating parameter freed to shape [0] means vLLM
     moved the weight elsewhere (e.g. a prepacked kernel handle): noise added to it would never reach the
     computation, so that is an error rather than a silent skip."""
@@ -568,7 +568,7 @@ def replay(engine, generations, base_digests: list[str]) -> list[str]:
 
 
 # ============================================================================================================
-# 5. The math agent (SPEC section 4): a ReAct loop with one sandboxed `bash` tool
+# 5. The math agent: a ReAct loop with one sandboxed `bash` tool
 # ============================================================================================================
 
 
@@ -801,7 +801,7 @@ async def run_episodes(policy, problems_and_sample_indices, *, concurrency=None,
 
 
 # ============================================================================================================
-# 6. Data: problem files and per-generation case batches (SPEC section 5)
+# 6. Data: problem files and per-generation case batches
 # ============================================================================================================
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
@@ -943,12 +943,12 @@ def training_problems(cfg: Config) -> list[dict]:
 
 
 # ============================================================================================================
-# 7. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4 (SPEC section 6)
+# 7. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4
 # ============================================================================================================
 
 EVAL_SAMPLES = 16     # samples per problem in eval16
 GROUP_SIZE = 4        # samples per Mean4/Pass4 group
-REPORTED_SAMPLES = (12, 13, 14, 15)  # the reported Mean4/Pass4 group (SPEC section 2)
+REPORTED_SAMPLES = (12, 13, 14, 15)  # the reported Mean4/Pass4 group: the last four samples, as the reference
 REPORTED_GROUP = f"{REPORTED_SAMPLES[0]}-{REPORTED_SAMPLES[-1]}"
 EVAL_METRICS = "metrics.json"  # 03_eval.py's last file: the metrics of every set it evaluated, by set name
 # what the replay reads from 03_eval.py's files (check_shape)

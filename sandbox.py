@@ -1,4 +1,4 @@
-"""The sandbox for model-written commands (SPEC section 4, "Sandbox"): every bash command the agent writes runs
+"""The sandbox for model-written commands: every bash command the agent writes runs
 here, in a fresh per-episode work directory, without network, with limits on time, memory, CPU, processes and file
 size, seeing none of the data, the project, the run folder or the checkpoint; and the start-up leak check that
 probes what a command could see.

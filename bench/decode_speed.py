@@ -15,7 +15,7 @@ random prompts, each with its own seed.
     bash run_cpu.sh python bench/decode_speed.py --preset=smoke --tokens=32 --long_prompt=512
 
 --inductor=true compiles the piecewise graphs with vLLM's default backend (inductor) instead of "eager": inductor
-fused kernels save per-step launches. It failed inside vLLM's compile flow at TP=2 on 2026-11-29 (GPU.md), so the
+fused kernels save per-step launches. It failed inside vLLM's compile flow at TP=2 on 2x H200 on 2026-11-29, so the
 engine never uses it; this option only measures what it would buy.
 """
 

@@ -13,7 +13,7 @@ sigma_start, sigma_end, max_new_tokens, max_turns, concurrency, ...
 
 Held-out metrics (bench/results JSON "metrics"): "reward", the primary one, is the training fitness's own scorer
 (episode_reward: 1 correct final answer after a bash call, 0.5 a bash call that printed the right number, 0.25 any
-bash call, 0.1 a right "a + b = n" in the text); "accuracy" is the agent's unchanged SPEC section 4 score;
+bash call, 0.1 a right "a + b = n" in the text); "accuracy" is the agent's unchanged score (scoring.py);
 "bash_call_rate"; "tool_sum_rate" (episodes whose bash call printed the right sum, or better). 95% intervals: percentile
 bootstrap over problems (episodes of one problem are not independent), for each mean and for the paired difference
 trained - base (same problems, same request seeds). Writes the JSON report, each run's reward_curve.png (with the
@@ -55,7 +55,7 @@ QUICK = ["--generations=2", "--population=4", "--case_batch=4"]  # plus heldout=
 HELDOUT_SEED = 1  # the order of the held-out questions (common.learn_pairs: their operands are never trained on)
 BOOTSTRAP = 10_000
 PRIMARY = "reward"  # the held-out metric the target is judged on (the others are reported beside it)
-PAPER = {"alpha": 5e-4, "sigma_start": 1e-3, "sigma_end": 5e-4}  # SPEC section 2
+PAPER = {"alpha": 5e-4, "sigma_start": 1e-3, "sigma_end": 5e-4}  # the reference run's constants (common.Config)
 
 
 def agent_score(records):

@@ -1,4 +1,4 @@
-"""The ReAct episode loop (SPEC section 4) with a scripted policy instead of a model."""
+"""The ReAct episode loop with a scripted policy instead of a model."""
 
 import asyncio
 import importlib

@@ -1,4 +1,4 @@
-"""Pure ES mathematics (SPEC section 3) and run-constant parsing: no engine needed."""
+"""Pure ES mathematics and run-constant parsing: no engine needed."""
 
 import dataclasses
 import importlib
@@ -65,7 +65,7 @@ def test_zscore_equal_rewards_leave_exact_zero_weights_untouched():
 @pytest.mark.parametrize("rewards", [[0.3, 0.3, 0.7, 0.7], [0.3] * 9 + [0.4], [1e-9] * 15 + [2e-9], [0.0, 1.0] * 8])
 def test_zscore_mixed_rewards_keep_ddof0_and_epsilon(rewards):
     r = np.asarray(rewards, dtype=np.float64)
-    want = (r - r.mean()) / (r.std(ddof=0) + 1e-8)  # SPEC section 3, by numpy
+    want = (r - r.mean()) / (r.std(ddof=0) + 1e-8)  # the z-score's formula, by numpy
     z = common.zscore(rewards)
     assert z == pytest.approx(want.tolist(), rel=1e-12, abs=0)
     assert any(v != 0 for v in z)

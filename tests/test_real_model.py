@@ -192,8 +192,8 @@ def test_agent_episodes_use_the_chatml_template(engine):
 
 
 def test_evaluation_gives_records_and_metrics(export, tmp_path):
-    """03_eval's evaluation on the loaded export: one problem x 16 samples, the SPEC section 6 records and
-    metrics consistent with their scores."""
+    """03_eval's evaluation on the loaded export: one problem x 16 samples, the eval16 records and the metrics
+    consistent with their scores."""
     _, loaded = export
     evaluation = importlib.import_module("03_eval")
     problems = common.learn_problems(1, seed=6)

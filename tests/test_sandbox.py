@@ -1,4 +1,4 @@
-"""Adversarial tests of the bash sandbox (SPEC section 4, "Sandbox"), run against every private sandbox kind this
+"""Adversarial tests of the bash sandbox, run against every private sandbox kind this
 machine can run (bwrap, and the root fallback "unshare"). Every test checks that nothing it started is left
 running, found by a unique marker in the process command lines, and that no zombie is left behind."""
 

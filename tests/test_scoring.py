@@ -1,4 +1,4 @@
-"""Answer extraction and scoring (SPEC section 4, "Scoring")."""
+"""Answer extraction and scoring."""
 
 import asyncio
 import os
