@@ -32,7 +32,6 @@ FORCE = False  # replace a file that is there but differs from the manifest
 
 DAPO = "BytedTsinghua-SIA/DAPO-Math-17k"
 AIME = "MathArena/aime_2026"
-BUILD_COMMAND = "python 00_data.py"
 
 
 def main(argv: list[str]) -> dict:
@@ -57,7 +56,7 @@ def main(argv: list[str]) -> dict:
         rows = select_rows(sources[entry["source"]], entry, name)
         text = jsonl_text(rows)
         check_against_manifest(rows, text, entry, name)  # before anything is written
-        common.write_text_atomic(text, path)
+        common.write_file_atomic(text, path)
         print(f"[data] {path}: built, {len(rows)} rows from {entry['source']}, sha256 matches the manifest")
         status[name] = "built"
 

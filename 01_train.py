@@ -20,7 +20,6 @@ import cli
 import common
 import engine
 import models
-import sandbox
 import tracking
 from history import HISTORY_FILE, check_config, read_history, rebuild_from_history, run_identity
 from pool import EnginePool
@@ -40,8 +39,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
     cfg = cli.parse_config(argv)
     run_dir = Path(cfg.run_dir)
     problems = common.training_problems(cfg)
-    sandbox.check_sandbox(cfg.run_dir, data=[cfg.train_data], allow_leaks=cfg.allow_leaky_sandbox,
-                          error=common.ConfigError)  # refuses a sandbox that could see the answers (unless allowed)
+    common.check_sandbox(cfg, data=[cfg.train_data])  # refuses a sandbox that could see the answers (unless allowed)
     model_path = models.resolve_model(cfg.model, download=True)  # a hub id: its local snapshot, fetched once
     print(f"[train] {cfg.model} at TP={cfg.tensor_parallel_size}: {cfg.generations} generations x "
           f"{cfg.population} members x {cfg.case_batch} problems -> {run_dir}")

@@ -21,9 +21,8 @@ import cli
 import common
 import engine
 import models
-import sandbox
 from history import (EXPORT_MANIFEST, HISTORY_FILE, RESUME_FREE_FIELDS, check_loaded_export, config_from_history,
-                     sha256_file)
+                     read_history, sha256_file)
 from pool import EnginePool
 
 EXPORT = "<run_dir>/export"  # a folder written by 02_export.py; empty: evaluate the base model itself
@@ -45,8 +44,7 @@ def main(argv: list[str]) -> dict:
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
-    sandbox.check_sandbox(cfg.run_dir, data=list(data.values()), checkpoint=export,  # (unless allowed)
-                          allow_leaks=cfg.allow_leaky_sandbox, error=common.ConfigError)
+    common.check_sandbox(cfg, data=list(data.values()), checkpoint=export)
     # before any writing
     manifest = checkpoint_noise.verify_any_export(export, cfg.tensor_parallel_size) if export else None
     if manifest:  # the loaded bits are checked, and recorded, in the digests of the export's noise
@@ -80,7 +78,7 @@ def base_config(cfg, overrides: list[str]):
     path = Path(cfg.run_dir) / HISTORY_FILE
     if not path.exists():
         return cfg
-    history = common.read_json(path)
+    history = read_history(path)
     if history["config"].get("model") != cfg.model:
         return cfg
     return config_from_history(history, overrides, settings=dataclasses.asdict(cfg))

@@ -17,7 +17,6 @@ import cli
 import common
 import engine
 import models
-import sandbox
 from history import HISTORY_FILE, config_from_history, read_history, rebuild_from_history, sha256_file
 from pool import EnginePool
 
@@ -54,8 +53,7 @@ def main(argv: list[str]) -> dict:
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before any engine
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
-    sandbox.check_sandbox(cfg.run_dir, data=[o["data"] for o in originals.values()], checkpoint=export or None,
-                          allow_leaks=cfg.allow_leaky_sandbox, error=common.ConfigError)
+    common.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export or None)
     with EnginePool(cfg, model_path) as engines:
         _, digests = rebuild_from_history(engines, cfg, model_path, history, generations, compare_config=False,
                                           desc=f"rebuilding theta from {len(generations)} generations")

@@ -106,7 +106,7 @@ class Config:
     min_p: float = 0.0  # sampling
     presence_penalty: float = 2.0  # sampling
     repetition_penalty: float = 1.0  # sampling
-    bash_timeout_s: float = sandbox.BASH_TIMEOUT_S  # wall-clock limit of one sandboxed bash command
+    bash_timeout_s: float = 20.0  # wall-clock limit of one sandboxed bash command
     observation_chars: int = 4000  # tool output shown to the model (head + tail)
     concurrency: int = 256  # episodes in flight at once
     allow_leaky_sandbox: bool = False  # run even when the start-up leak check finds the data, run folder or other
@@ -681,6 +681,14 @@ def request_seed(run_seed, problem_id, sample_index, turn):
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+# ---- The sandbox of a run: checked once at start-up, by every stage that runs model-written commands
+
+def check_sandbox(cfg: Config, data=(), checkpoint=None) -> list[str]:
+    """sandbox.check_sandbox for this run's folder and the given data and checkpoint: a sandbox that lets commands see
+    them is refused (a ConfigError) unless cfg.allow_leaky_sandbox. Returns the leaks it found."""
+    return sandbox.check_sandbox(cfg.run_dir, data, checkpoint, allow_leaks=cfg.allow_leaky_sandbox, error=ConfigError)
+
+
 # ---- The episode loop
 
 SANDBOX_MAX_PARALLEL = 32  # bash calls running at once in run_episodes (threads in the tool executor)
@@ -1078,15 +1086,15 @@ def _fsync_dir(folder):
         os.close(fd)
 
 
-def write_text_atomic(text, path):
-    """Temp file in the same folder, fsync, rename over path: readers see the old file or the new one, never
-    a partial one. Same folder so os.replace is a rename on one filesystem."""
+def write_file_atomic(data: str | bytes, path):
+    """Text (UTF-8) or bytes into a temp file in the same folder, fsync, rename over path: readers see the old file
+    or the new one, never a partial one. Same folder so os.replace is a rename on one filesystem."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644)  # mkstemp gives 0600
@@ -1102,7 +1110,7 @@ def write_json_atomic(obj, path):
     """Serialise first (a non-JSON value fails before any file is touched), then replace path atomically.
     Strict JSON: NaN/Infinity are refused so every reader can parse the file."""
     text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    write_text_atomic(text, path)
+    write_file_atomic(text, path)
 
 
 def read_json(path, required=None):
@@ -1172,7 +1180,7 @@ def append_jsonl(path, rows):
 def write_jsonl(rows, path):
     """Write rows as JSONL, atomically (a reader never sees half a file)."""
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    write_text_atomic(text, path)
+    write_file_atomic(text, path)
 
 
 def read_jsonl(path, required=None):

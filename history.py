@@ -237,7 +237,7 @@ def write_sha256sums(folder, files):
     folder. Returns {name: hex}."""
     names = sorted({_relative_name(folder, f) for f in files} - {SHA256SUMS})
     sums = {name: sha256_file(os.path.join(folder, name)) for name in names}
-    C.write_text_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
+    C.write_file_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
     return sums
 
 

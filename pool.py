@@ -340,8 +340,7 @@ class _EngineActor:
         # hands over as a RayTaskError carrying the exception itself.
         try:
             if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as well
-                sandbox.check_sandbox(cfg.run_dir, allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError,
-                                      **sandbox_check)
+                C.check_sandbox(cfg, **sandbox_check)
             # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
             executor = "mp" if cfg.tensor_parallel_size > 1 else None
             if plan is None:

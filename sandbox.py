@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent  # the project folder: hidden from every command
 
-BASH_TIMEOUT_S = 20.0                # wall-clock limit of one command (the default of common.Config.bash_timeout_s)
+BASH_TIMEOUT_S = 20.0                # wall-clock limit of one command run here directly (the stages pass theirs)
 SANDBOX_MEMORY_BYTES = 2 * 1024**3   # RLIMIT_AS of every sandboxed process
 SANDBOX_FILE_BYTES = 64 * 1024**2    # RLIMIT_FSIZE: largest file a command may write
 SANDBOX_TMPFS_BYTES = 64 * 1024**2   # size of the private /tmp and /dev/shm (where bwrap supports --size)

@@ -4,13 +4,13 @@ record of a run; nothing here is read back by a stage, except the scalars a resu
 
 from __future__ import annotations
 
-import os
+import io
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from common import ClosedOnExit, Config, ConfigError
+from common import ClosedOnExit, Config, ConfigError, write_file_atomic
 
 
 # ---- Progress: the bars of episodes, members and generations
@@ -82,12 +82,11 @@ def save_figure(fig, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    write_file_atomic(png.getvalue(), path)
+    return Path(path)
 
 
 def plot_reward_curve(history: dict, path: str | Path) -> Path:

@@ -21,6 +21,7 @@ from history import EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, verify_export
 export_stage = importlib.import_module("02_export")
 train_stage = importlib.import_module("01_train")
 replay_stage = importlib.import_module("04_replay")
+eval_stage = importlib.import_module("03_eval")
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +29,7 @@ def no_engine(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an engine started before the bad input was refused")
     for module, name in ((export_stage, "Engine"), (train_stage, "EnginePool"), (replay_stage, "EnginePool"),
-                         (engine, "Engine"), (pool, "EnginePool")):
+                         (eval_stage, "EnginePool"), (engine, "Engine"), (pool, "EnginePool")):
         monkeypatch.setattr(module, name, refuse)  # where each stage, and the pool, look it up
     monkeypatch.setattr(models, "resolve_model", lambda name, *args, **kwargs: name)
     monkeypatch.setattr(sandbox, "check_sandbox", lambda *args, **kwargs: [])
@@ -113,6 +114,17 @@ def test_training_refuses_a_history_that_lacks_a_key_before_any_engine(tmp_path)
     bad = write(without(history(), "generations", 0, "rewards"), tmp_path / HISTORY_FILE)
     with pytest.raises(common.StageError, match=rf"{bad}: generations\[0\] missing key 'rewards'"):
         train_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("path, message", [(("config",), "missing key 'config'"),
+                                           (("generations", 0, "digests"), r"generations\[0\] missing key 'digests'")])
+def test_evaluating_the_base_refuses_a_run_dir_history_that_lacks_a_key(tmp_path, path, message):
+    """03_eval.py --export= takes the settings that define the base's digests from the run dir's history: that
+    history is checked like every other stage's, before any engine starts."""
+    bad = write(without(history(), *path), tmp_path / HISTORY_FILE)
+    argv = ["--preset=smoke", f"--run_dir={tmp_path}"]
+    with pytest.raises(common.StageError, match=f"{bad}: {message}"):
+        eval_stage.base_config(cli.parse_config(argv), argv)
 
 
 def test_a_finished_history_without_timings_still_prints_its_summary(tmp_path, capsys):
