@@ -104,9 +104,9 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
                 for member, (seed, records) in enumerate(zip(seeds, per_member)) for r in records]
 
     z = common.zscore(rewards)
-    with common.stopwatch(timings, "update"):
+    with tracking.stopwatch(timings, "update"):
         engines.update(seeds, common.update_coefficients(z, cfg.alpha))
-    with common.stopwatch(timings, "digest"):
+    with tracking.stopwatch(timings, "digest"):
         digests = engines.digests()
     common.write_jsonl(episodes, rollout_dir / f"generation-{g:03d}.jsonl")
     return {

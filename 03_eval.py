@@ -65,7 +65,7 @@ def main(argv: list[str]) -> dict:
             write_transcripts_markdown(records, out / f"{name}_failed.md")
             metrics["datasets"][name] = common.dataset_metrics(records)
     common.write_json_atomic(metrics, out / common.EVAL_METRICS)  # last: the evaluation is complete
-    print(common.format_metrics_table(metrics["datasets"]))
+    print(format_metrics_table(metrics["datasets"]))
     print(f"[eval] wrote {out}/{{{','.join(DATASETS)}}}_eval16.json and {common.EVAL_METRICS}")
     return metrics
 
@@ -159,6 +159,23 @@ def strip_transcripts(records: list[dict]) -> list[dict]:
     """The eval16 files hold every record field but the conversation; transcripts stay in <name>_episodes.jsonl and
     the .md."""
     return [{k: v for k, v in r.items() if k != "messages"} for r in records]
+
+
+def format_metrics_table(metrics_by_dataset):
+    """Aligned text table: one row per dataset, the reported group first, then the per-group Mean4 spread."""
+    first = next(iter(metrics_by_dataset.values()), None)
+    group_names = [g["group"] for g in first["groups"]] if first else []
+    header = ["dataset", f"Mean4@{common.REPORTED_GROUP}", f"Pass4@{common.REPORTED_GROUP}", "mean@16", "pass@4 unbiased"]
+    header += [f"Mean4 {name}" for name in group_names]
+    rows = [header]
+    for name, m in metrics_by_dataset.items():
+        row = [name, m["reported"]["mean4"], m["reported"]["pass4"], m["mean_at_16"], m["pass_at_4_unbiased"]]
+        row += [g["mean4"] for g in m["groups"]]
+        rows.append([row[0]] + [f"{x:.4f}" for x in row[1:]])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _fenced(text):

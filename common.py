@@ -8,16 +8,12 @@ Sections, in order:
   4. replay: a run history's updates applied again to the base weights
   5. the math agent: prompts, reply parsing, per-request seeds, the episode loop
   6. data: problem files and case batches
-  7. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, step timings
+  7. metrics: Mean4 / Pass4, mean@16, unbiased pass@4
   8. files: atomic JSON, crash-tolerant JSONL
   9. the settings' valid values, checked whenever a Config is made
 
-The infrastructure lives beside it, one concern per module: cli.py (the command line and --help), engine.py (one vLLM
-engine behind a synchronous facade), pool.py (K engines: placement, memory plan, MPS, Ray), sandbox.py (the sandbox of
-the bash tool), scoring.py (the committed answer against the gold, in killable workers), digests.py (sha256 of the
-weights per tensor and per rank), checkpoint_noise.py (the TP-invariant noise and its Hugging Face export),
-history.py (run identity, the recorded run's settings, manifests, SHA256SUMS), tracking.py (progress bars, the
-reward curve, TensorBoard) and models.py (the tiny models, SmolLM2).
+The infrastructure lives beside it, one concern per module (the README's Layout lists them): engine.py and pool.py
+run this on K vLLM engines, history.py records, refuses and rebuilds runs, cli.py and tracking.py parse and watch.
 """
 
 from __future__ import annotations
@@ -1040,36 +1036,6 @@ def dataset_metrics(records):
         "n_problems": len(scores),
         "n_records": len(records),
     }
-
-
-def format_metrics_table(metrics_by_dataset):
-    """Aligned text table: one row per dataset, the reported group first, then the per-group Mean4 spread."""
-    first = next(iter(metrics_by_dataset.values()), None)
-    group_names = [g["group"] for g in first["groups"]] if first else []
-    header = ["dataset", f"Mean4@{REPORTED_GROUP}", f"Pass4@{REPORTED_GROUP}", "mean@16", "pass@4 unbiased"]
-    header += [f"Mean4 {name}" for name in group_names]
-    rows = [header]
-    for name, m in metrics_by_dataset.items():
-        row = [name, m["reported"]["mean4"], m["reported"]["pass4"], m["mean_at_16"], m["pass_at_4_unbiased"]]
-        row += [g["mean4"] for g in m["groups"]]
-        rows.append([row[0]] + [f"{x:.4f}" for x in row[1:]])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
-             for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-# ---- Timings: the seconds each step of a generation takes (perturb, rollout, restore, update, digest), recorded
-# in its history record and tracked as seconds/<step>
-
-@contextlib.contextmanager
-def stopwatch(timings: dict, key: str):
-    """Adds the wall time of the block to timings[key]."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
 
 
 # ============================================================================================================

@@ -33,7 +33,7 @@ from pathlib import Path
 import checkpoint_noise
 import common as C
 import scoring
-from tracking import progress_bar
+from tracking import progress_bar, stopwatch
 
 
 class Interrupted(KeyboardInterrupt):
@@ -507,11 +507,11 @@ class Engine(C.ClosedOnExit):
         """The member step of ES: theta + sigma * eps(seed), the agent on `jobs`, then the exact theta back.
         Returns the member's records (input order) and the seconds of each step."""
         timings = {}
-        with C.stopwatch(timings, "perturb"):
+        with stopwatch(timings, "perturb"):
             self.perturb(seed, sigma)
-        with C.stopwatch(timings, "rollout"):
+        with stopwatch(timings, "rollout"):
             records = self.run_agent(jobs, desc=desc, on_record=on_record)
-        with C.stopwatch(timings, "restore"):
+        with stopwatch(timings, "restore"):
             self.restore()
         return records, timings
 

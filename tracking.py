@@ -1,11 +1,13 @@
 """Watching a run: the progress bars of the stages (redrawn in place on a terminal, plain lines in a log file), the
-reward curve beside the history, and the optional TensorBoard scalars of each generation. The history stays the
+seconds of each step, the reward curve beside the history, and the optional TensorBoard scalars of each generation. The history stays the
 record of a run; nothing here is read back by a stage, except the scalars a resumed run has yet to log."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +52,19 @@ def progress_bar(iterable=None, *, file=None, **kwargs):
 
     return LoggedProgress(iterable, file=_LineStream(stream), mininterval=PROGRESS_LOG_INTERVAL_S,
                           maxinterval=PROGRESS_LOG_INTERVAL_S, **kwargs)
+
+
+# ---- Timings: the seconds each step of a generation takes (perturb, rollout, restore, update, digest), recorded
+# in its history record and tracked as seconds/<step>
+
+@contextlib.contextmanager
+def stopwatch(timings: dict, key: str):
+    """Adds the wall time of the block to timings[key]."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
 
 
 # ---- The reward curve: mean and max member fitness per generation, beside the history

@@ -1,5 +1,6 @@
 import dataclasses
 import hashlib
+import importlib
 import itertools
 import json
 import os
@@ -206,7 +207,7 @@ def test_metrics_validation_errors(records, message):
 
 def test_format_metrics_table():
     m = common.dataset_metrics(make_records())
-    table = common.format_metrics_table({"dapo100": m, "aime2026": m})
+    table = importlib.import_module("03_eval").format_metrics_table({"dapo100": m, "aime2026": m})
     lines = table.splitlines()
     assert len(lines) == 3
     assert "Mean4@12-15" in lines[0] and "pass@4 unbiased" in lines[0] and "Mean4 0-3" in lines[0]
@@ -425,7 +426,6 @@ def test_a_resume_logs_the_generations_the_history_has_and_the_event_files_lack(
 def test_a_finished_run_started_again_logs_the_last_generation_its_process_did_not(tmp_path):
     """01_train.py on a history that holds every generation starts no engine; the event files still get the
     generation whose process ended between the history write and the log."""
-    import importlib
 
     train = importlib.import_module("01_train")
     argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--tracking=tensorboard"]
