@@ -21,8 +21,9 @@ import json
 import sys
 from pathlib import Path
 
-import common as C
-import history as H
+import cli
+import common
+import history
 
 OUT = "data"  # where the three problem files are written
 SOURCE_DIR = ""  # empty: the Hugging Face hub
@@ -31,16 +32,15 @@ FORCE = False  # replace a file that is there but differs from the manifest
 
 DAPO = "BytedTsinghua-SIA/DAPO-Math-17k"
 AIME = "MathArena/aime_2026"
-BUILD_COMMAND = "python 00_data.py"
 
 
 def main(argv: list[str]) -> dict:
     options = {"out": OUT, "source_dir": SOURCE_DIR, "cache_dir": CACHE_DIR, "force": FORCE}
-    C.exit_if_help(argv, __doc__, __file__, options, settings=False)
-    opts, rest = C.parse_args(argv, options)
+    cli.exit_if_help(argv, __doc__, __file__, options, settings=False)
+    opts, rest = cli.parse_args(argv, options)
     if rest:
-        raise C.ConfigError(f"unknown options {rest}; 00_data.py takes --out, --source_dir, --cache_dir, --force")
-    manifest = C.read_json(C.DATA_MANIFEST)["files"]
+        raise common.ConfigError(f"unknown options {rest}; 00_data.py takes --out, --source_dir, --cache_dir, --force")
+    manifest = common.read_json(common.DATA_MANIFEST)["files"]
     out = Path(opts["out"])
 
     status, sources = {}, {}
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> dict:
         rows = select_rows(sources[entry["source"]], entry, name)
         text = jsonl_text(rows)
         check_against_manifest(rows, text, entry, name)  # before anything is written
-        C.write_text_atomic(text, path)
+        common.write_file_atomic(text, path)
         print(f"[data] {path}: built, {len(rows)} rows from {entry['source']}, sha256 matches the manifest")
         status[name] = "built"
 
@@ -68,11 +68,11 @@ def is_built(path: Path, entry: dict, force: bool) -> bool:
     """True when path already holds the manifest's file. A different file there is replaced only with --force."""
     if not path.exists():
         return False
-    if H.sha256_file(path) == entry["sha256"]:
+    if history.sha256_file(path) == entry["sha256"]:
         return True
     if not force:
-        raise C.DataError(f"{path} exists but differs from data_manifest.json (not the reference build); move it "
-                          f"away or pass --force to replace it")
+        raise common.DataError(f"{path} exists but differs from data_manifest.json (not the reference build); move it "
+                               f"away or pass --force to replace it")
     return False
 
 
@@ -86,14 +86,14 @@ def load_source(repo: str, split: str, source_dir: str, cache_dir: str):
     if source_dir:
         where = str(Path(source_dir) / repo)
         if not Path(where).is_dir():
-            raise C.DataError(f"--source_dir: no local copy of {repo} at {where}")
+            raise common.DataError(f"--source_dir: no local copy of {repo} at {where}")
     try:
         return datasets.load_dataset(where, split=split, cache_dir=cache_dir or None)
     except Exception as exc:  # any failure to get the data (network, hub, files) ends the build with its reason
         place, hint = ((f"the local copy {where}", "Check the files there") if source_dir else
                        ("the Hugging Face hub", "Check the network, or pass --source_dir=DIR with local copies"))
-        raise C.DataError(f"could not load {repo} (split {split!r}) from {place}: {type(exc).__name__}: {exc}. "
-                          f"{hint}") from None
+        raise common.DataError(f"could not load {repo} (split {split!r}) from {place}: {type(exc).__name__}: {exc}. "
+                               f"{hint}") from None
 
 
 def require_columns(ds, repo: str, columns: dict) -> None:
@@ -102,7 +102,7 @@ def require_columns(ds, repo: str, columns: dict) -> None:
         feature = ds.features.get(column)
         if feature is None or subfields and not (isinstance(feature, dict) and all(f in feature for f in subfields)):
             wanted = f"{column} with {', '.join(subfields)}" if subfields else column
-            raise C.DataError(f"{repo}: expected column {wanted}; its columns are {dict(ds.features)}")
+            raise common.DataError(f"{repo}: expected column {wanted}; its columns are {dict(ds.features)}")
 
 
 def field(row: dict, repo: str, dotted: str, kinds: tuple):
@@ -111,7 +111,7 @@ def field(row: dict, repo: str, dotted: str, kinds: tuple):
     for key in dotted.split("."):
         value = value.get(key) if isinstance(value, dict) else None
     if not isinstance(value, kinds) or isinstance(value, bool):
-        raise C.DataError(f"{repo}: field {dotted} is {value!r}, expected {'/'.join(k.__name__ for k in kinds)}")
+        raise common.DataError(f"{repo}: field {dotted} is {value!r}, expected {'/'.join(k.__name__ for k in kinds)}")
     return value
 
 
@@ -127,7 +127,7 @@ def dapo_problem(row: dict) -> dict:
     messages = field(row, DAPO, "prompt", (list,))
     user = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
     if len(user) != 1:
-        raise C.DataError(f"{DAPO}: expected one user message in prompt, got {messages!r}")
+        raise common.DataError(f"{DAPO}: expected one user message in prompt, got {messages!r}")
     return {"id": "dapo_" + field(row, DAPO, "extra_info.index", (str,)), "source": DAPO,
             "question": field(user[0], DAPO, "content", (str,)),
             "answer": field(row, DAPO, "reward_model.ground_truth", (str,)),
@@ -138,7 +138,7 @@ def aime_ids(ds) -> list[str]:
     require_columns(ds, AIME, {"problem_idx": (), "problem": (), "answer": ()})
     indices = ds.data.column("problem_idx").to_pylist()
     if not all(type(i) is int for i in indices):
-        raise C.DataError(f"{AIME}: problem_idx must hold integers, got {ds.features['problem_idx']}")
+        raise common.DataError(f"{AIME}: problem_idx must hold integers, got {ds.features['problem_idx']}")
     return [f"aime_2026_{i:03d}" for i in indices]
 
 
@@ -162,8 +162,8 @@ def select_rows(ds, entry: dict, name: str) -> list[dict]:
     wanted = [pid for pid, _, _ in entry["rows"]]
     missing = [pid for pid in wanted if pid not in first]
     if missing:
-        raise C.DataError(f"{entry['source']} lacks {len(missing)} of the {len(wanted)} ids of {name}: "
-                          f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        raise common.DataError(f"{entry['source']} lacks {len(missing)} of the {len(wanted)} ids of {name}: "
+                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     return [to_problem(row) for row in ds.select([first[pid] for pid in wanted])]
 
 
@@ -177,20 +177,20 @@ def check_against_manifest(rows: list[dict], text: str, entry: dict, name: str) 
     wrong = [f"{r['id']}: source says {r['answer']!r}, manifest {answer!r}"
              for r, (_, answer, _) in zip(rows, entry["rows"]) if r["answer"] != answer]
     if wrong:
-        raise C.DataError(f"{name}: answer mismatch in {len(wrong)} rows: " + "; ".join(wrong[:5]))
+        raise common.DataError(f"{name}: answer mismatch in {len(wrong)} rows: " + "; ".join(wrong[:5]))
     lines = text.splitlines()
     changed = [r["id"] for r, line, (_, _, digest) in zip(rows, lines, entry["rows"])
                if hashlib.sha256(line.encode()).hexdigest()[:12] != digest]
     if changed:
-        raise C.DataError(f"{name}: {len(changed)} rows differ from the reference build (question text or other "
-                          f"fields; has the public dataset changed?): {', '.join(changed[:5])}")
+        raise common.DataError(f"{name}: {len(changed)} rows differ from the reference build (question text or other "
+                               f"fields; has the public dataset changed?): {', '.join(changed[:5])}")
     digest = hashlib.sha256(text.encode()).hexdigest()
     if digest != entry["sha256"]:
-        raise C.DataError(f"{name}: sha256 {digest} differs from the manifest's {entry['sha256']}")
+        raise common.DataError(f"{name}: sha256 {digest} differs from the manifest's {entry['sha256']}")
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except C.StageError as exc:
+    except common.StageError as exc:
         sys.exit(f"[data] error: {exc}")

@@ -1,4 +1,4 @@
-"""Stage 1: evolution strategies on a 50-turn bash-tool math agent (SPEC section 3).
+"""Stage 1: evolution strategies on a 50-turn bash-tool math agent.
 
 Each generation g takes a case batch of problems, draws N member seeds, and for each member perturbs the weights
 by sigma_g * eps (rank-salted noise on every TP rank), runs the agent on the batch, and restores the exact weights.
@@ -16,12 +16,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import common as C
-import history as H
-import sandbox
+import cli
+import common
+import engine
 import models
-import engine as E
-import pool as P
+import tracking
+from history import HISTORY_FILE, check_config, read_history, rebuild_from_history, run_identity
+from pool import EnginePool
 
 ROLLOUTS = "rollouts"  # one JSONL per generation: every episode of every member, with its transcript
 REWARD_CURVE = "reward_curve.png"  # beside the history: mean and max member fitness per generation
@@ -34,81 +35,80 @@ def mean_score(records: list[dict]) -> float:
 
 
 def main(argv: list[str], fitness=mean_score) -> dict:
-    C.exit_if_help(argv, __doc__)
-    cfg = C.parse_config(argv)
+    cli.exit_if_help(argv, __doc__)
+    cfg = cli.parse_config(argv)
     run_dir = Path(cfg.run_dir)
-    problems = C.training_problems(cfg)
-    sandbox.check_sandbox(cfg.run_dir, data=[cfg.train_data], allow_leaks=cfg.allow_leaky_sandbox,
-                          error=C.ConfigError)  # refuses a sandbox that could see the answers (unless allowed)
+    problems = common.training_problems(cfg)
+    common.check_sandbox(cfg, data=[cfg.train_data])  # refuses a sandbox that could see the answers (unless allowed)
     model_path = models.resolve_model(cfg.model, download=True)  # a hub id: its local snapshot, fetched once
     print(f"[train] {cfg.model} at TP={cfg.tensor_parallel_size}: {cfg.generations} generations x "
           f"{cfg.population} members x {cfg.case_batch} problems -> {run_dir}")
 
-    history_path = run_dir / H.HISTORY_FILE
+    history_path = run_dir / HISTORY_FILE
     if history_path.exists():  # cheap checks first: a history of other constants is refused before vLLM starts
-        recorded = H.read_history(history_path)
-        H.check_config(recorded, cfg)
+        recorded = read_history(history_path)
+        check_config(recorded, cfg)
         if len(recorded["generations"]) >= cfg.generations:  # a finished run: no engine, nothing trained
             print(f"[train] {history_path} already holds all {cfg.generations} generations: nothing to train "
                   "(02_export.py replays and checks them)")
-            with C.Tracker(cfg, run_dir) as tracker:
+            with tracking.Tracker(cfg, run_dir) as tracker:
                 tracker.log_missing(recorded["generations"])
             print_final_summary(recorded, run_dir)
             return recorded
-    with P.EnginePool(cfg, model_path) as engine, C.Tracker(cfg, run_dir) as tracker:
-        history = start_or_resume(cfg, model_path, engine, history_path)
+    with EnginePool(cfg, model_path) as engines, tracking.Tracker(cfg, run_dir) as tracker:
+        history = start_or_resume(cfg, model_path, engines, history_path)
         tracker.log_missing(history["generations"])  # generations the history has and the event files lack
         done = len(history["generations"])
-        for g in C.progress_bar(range(done, cfg.generations), initial=done, total=cfg.generations,
+        for g in tracking.progress_bar(range(done, cfg.generations), initial=done, total=cfg.generations,
                                 desc="generations"):
             try:
-                record = run_generation(engine, cfg, problems, g, fitness, run_dir / ROLLOUTS)
-            except (C.EngineFailure, E.Interrupted) as stop:  # nothing of generation g has been written
+                record = run_generation(engines, cfg, problems, g, fitness, run_dir / ROLLOUTS)
+            except (common.EngineFailure, engine.Interrupted) as stop:  # nothing of generation g has been written
                 tqdm.write(f"[train] generation {g} abandoned ({stop}); {history_path} keeps the {g} finished "
                            "generations: run the same command again to resume")
                 raise
             history["generations"].append(record)
-            C.write_json_atomic(history, history_path)  # after every generation: a crash loses at most one
-            C.plot_reward_curve(history, run_dir / REWARD_CURVE)
-            tracker.log(g, C.generation_scalars(record))  # --tracking=tensorboard; nothing by default
+            common.write_json_atomic(history, history_path)  # after every generation: a crash loses at most one
+            tracking.plot_reward_curve(history, run_dir / REWARD_CURVE)
+            tracker.log(g, tracking.generation_scalars(record))  # --tracking=tensorboard; nothing by default
             tqdm.write(summary_line(record, cfg))
 
     print_final_summary(history, run_dir)
     return history
 
 
-def start_or_resume(cfg, model_path, engine, history_path: Path) -> dict:
+def start_or_resume(cfg, model_path, engines, history_path: Path) -> dict:
     """A new history, or the existing one after replaying its updates on the base (digests checked)."""
     if not history_path.exists():
         history_path.parent.mkdir(parents=True, exist_ok=True)
-        history = dict(H.run_identity(cfg, model_path, engine), generations=[])
-        C.write_json_atomic(history, history_path)
+        history = dict(run_identity(cfg, model_path, engines), generations=[])
+        common.write_json_atomic(history, history_path)
         return history
-    history = H.read_history(history_path)
+    history = read_history(history_path)
     print(f"[train] resuming {history_path}: replaying {len(history['generations'])} recorded generations")
     # refuses another config, base model, TP size, device type or vLLM
-    C.rebuild_from_history(engine, cfg, model_path, history, history["generations"])
+    rebuild_from_history(engines, cfg, model_path, history, history["generations"])
     return history
 
 
-def run_generation(engine, cfg, problems, g, fitness, rollout_dir: Path) -> dict:
-    batch = C.case_batch(problems, cfg.run_seed, g, cfg.case_batch)
-    sigma = C.sigma_at(g, cfg.generations, cfg.sigma_start, cfg.sigma_end)
-    seeds = C.member_seeds(cfg.run_seed, g, cfg.population)
+def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dict:
+    batch = common.case_batch(problems, cfg.run_seed, g, cfg.case_batch)
+    sigma = common.sigma_at(g, cfg.generations, cfg.sigma_start, cfg.sigma_end)
+    seeds = common.member_seeds(cfg.run_seed, g, cfg.population)
     # every member sees the same problems with the same request seeds (sample 0): members differ only in weights
     jobs = [(problem, 0) for problem in batch]
     # each engine of the pool perturbs, runs the agent and restores, one member after another (records by member)
-    per_member, timings = engine.evaluate_members(seeds, sigma, jobs, desc=f"generation {g} members")
+    per_member, timings = engines.evaluate_members(seeds, sigma, jobs, desc=f"generation {g} members")
     rewards = [float(fitness(records)) for records in per_member]
     episodes = [dict(r, generation=g, member=member, member_seed=seed)
                 for member, (seed, records) in enumerate(zip(seeds, per_member)) for r in records]
 
-    z = C.zscore(rewards)
-    with C.stopwatch(timings, "update"):
-        engine.update(seeds, C.update_coefficients(z, cfg.alpha))
-    with C.stopwatch(timings, "digest"):
-        digests = engine.digests()
-    C.write_jsonl(episodes, rollout_dir / f"generation-{g:03d}.jsonl")
+    z = common.zscore(rewards)
+    with tracking.stopwatch(timings, "update"):
+        engines.update(seeds, common.update_coefficients(z, cfg.alpha))
+    with tracking.stopwatch(timings, "digest"):
+        digests = engines.digests()
+    common.write_jsonl(episodes, rollout_dir / f"generation-{g:03d}.jsonl")
     return {
         "generation": g, "sigma": sigma, "alpha": cfg.alpha, "seeds": seeds, "rewards": rewards, "z": z,
         "problem_ids": [p["id"] for p in batch], "digests": digests,
@@ -136,11 +136,11 @@ def print_final_summary(history: dict, run_dir: Path) -> None:
     total = {k: sum(g.get("timings", {}).get(k, 0.0) for g in gens)  # display only: a history may lack them
              for k in ("members", "rollout", "perturb", "restore", "update", "digest")}
     means = [sum(g["rewards"]) / len(g["rewards"]) for g in gens]
-    print(f"[train] done: {len(gens)} generations in {run_dir / H.HISTORY_FILE}")
+    print(f"[train] done: {len(gens)} generations in {run_dir / HISTORY_FILE}")
     print("[train] mean reward per generation: " + " ".join(f"{m:.3f}" for m in means))
     print(f"[train] time: {timing_text(total, digits=2)}")
     print(f"[train] final per-rank digests: {gens[-1]['digests'] if gens else history['base_digests']}")
 
 
 if __name__ == "__main__":
-    E.run_stage(main, "train")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly
+    engine.run_stage(main, "train")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly

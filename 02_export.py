@@ -1,4 +1,4 @@
-"""Stage 2: rebuild the trained weights from the base model and the history, and save them (SPEC section 7).
+"""Stage 2: rebuild the trained weights from the base model and the history, and save them.
 
 With the reference's rank-salted noise the trained weights exist only as per-rank shards: they are saved with
 save_sharded_state and load only with load_format="sharded_state" at the run's TP size. With noise=checkpoint they
@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 
 import checkpoint_noise
-import common as C
-import history as H
+import cli
+import common
 import models
-import engine as E
+from engine import Engine, run_stage
+from history import (EXPORT_MANIFEST, HISTORY_FILE, SHA256SUMS, config_from_history, copy_model_files, read_history,
+                     rebuild_from_history, sha256_file, shard_entries, write_sha256sums)
 
 HISTORY = ""  # default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by --preset=smoke)
 OUT = ""  # default: <run_dir>/export
@@ -28,32 +30,33 @@ VERIFY = ""  # an export folder: check it against its manifest and exit
 
 def main(argv: list[str]) -> Path:
     options = {"history": HISTORY, "out": OUT, "replay_generations": REPLAY_GENERATIONS, "verify": VERIFY}
-    C.exit_if_help(argv, __doc__, __file__, options)
-    opts, overrides = C.parse_args(argv, options)
+    cli.exit_if_help(argv, __doc__, __file__, options)
+    opts, overrides = cli.parse_args(argv, options)
     if opts["verify"]:
         kind = checkpoint_noise.verify_any_export(opts["verify"])["format"]
         print(f"[export] {opts['verify']} ({kind}): every file matches its SHA256SUMS and manifest")
         return Path(opts["verify"])
 
-    run_dir = Path(C.parse_config(overrides).run_dir)
-    history_path = opts["history"] or run_dir / H.HISTORY_FILE
-    history = H.read_history(history_path)
-    cfg = C.config_from_history(history, overrides)  # the recorded run; --preset never overrides it
+    run_dir = Path(cli.parse_config(overrides).run_dir)
+    history_path = opts["history"] or run_dir / HISTORY_FILE
+    history = read_history(history_path)
+    cfg = config_from_history(history, overrides)  # the recorded run; --preset never overrides it
+    hf_folder = common.is_checkpoint_noise(cfg)  # the same weights at every TP size: a Hugging Face folder
     generations = select_generations(history, opts["replay_generations"])
     out = Path(opts["out"] or run_dir / "export")
     if out.exists():
-        raise H.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
+        raise common.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused here, before any work
     partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        with E.Engine(cfg, model_path) as engine:
+        with Engine(cfg, model_path) as engine:
             # the base, noise, layout and device must be the history's; the training data is not needed
-            identity, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations,
-                                                       compare_config=False,
-                                                       desc=f"replaying {len(generations)} generations")
-            if cfg.noise == "checkpoint":  # the same weights at every TP size: a Hugging Face folder
+            identity, digests = rebuild_from_history(engine, cfg, model_path, history, generations,
+                                                     compare_config=False,
+                                                     desc=f"replaying {len(generations)} generations")
+            if hf_folder:
                 print("[export] writing the Hugging Face folder: each rank's pieces, then tensor by tensor", flush=True)
                 t0 = time.perf_counter()
                 files, sums = checkpoint_noise.save_checkpoint(engine, partial)
@@ -62,18 +65,18 @@ def main(argv: list[str]) -> Path:
                 checkpoint_noise.check_held_tensors(model_path, set(sums))
             else:  # rank-salted: the weights exist only as this TP size's shards
                 engine.save_sharded_state(partial)
-        H.copy_model_files(model_path, partial)
-        if cfg.noise == "checkpoint":
+        copy_model_files(model_path, partial)
+        if hf_folder:
             checkpoint_noise.set_config_dtype(partial, cfg.dtype)
         write_manifest(partial, history, history_path, generations, digests, identity,
-                       sums if cfg.noise == "checkpoint" else None,
-                       checkpoint_noise.ignored_checkpoint_tensors(model_path) if cfg.noise == "checkpoint" else None)
+                       sums if hf_folder else None,
+                       checkpoint_noise.ignored_checkpoint_tensors(model_path) if hf_folder else None)
         partial.rename(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     print(f"[export] {out}: theta after {len(generations)} generations, digests {digests}")
-    if cfg.noise == "checkpoint":
+    if hf_folder:
         print(f"[export] a Hugging Face folder: AutoModelForCausalLM.from_pretrained({str(out)!r}), or "
               f"LLM(model={str(out)!r}, tensor_parallel_size=any, dtype={cfg.dtype!r})")
     else:
@@ -87,7 +90,7 @@ def select_generations(history: dict, k: int) -> list[dict]:
     if k == -1:
         return recorded
     if not 0 <= k <= len(recorded):
-        raise C.ConfigError(f"--replay_generations={k}: the history has {len(recorded)} generations")
+        raise common.ConfigError(f"--replay_generations={k}: the history has {len(recorded)} generations")
     return recorded[:k]
 
 
@@ -99,7 +102,7 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
     manifest = {
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "source_history": str(history_path),
-        "source_history_sha256": H.sha256_file(history_path),
+        "source_history_sha256": sha256_file(history_path),
         "replayed_generations": len(generations),
         "history_generations": len(history["generations"]),
         "dtype": identity["config"]["dtype"],
@@ -109,7 +112,7 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
             "left_out_tensors": dict(sorted((left_out or {}).items())),  # base tensors not in this folder, and why
             "exported_at_tensor_parallel_size": identity["tensor_parallel_size"]} if sums is not None else
            {"format": "es-sharded-export/1", "load_format": "sharded_state",
-            "tensor_parallel_size": identity["tensor_parallel_size"], "shards": H.shard_entries(folder),
+            "tensor_parallel_size": identity["tensor_parallel_size"], "shards": shard_entries(folder),
             "per_rank_digests": digests, "parameter_names_sha256": identity["parameter_names_sha256"],
             "devices": identity["devices"]}),
         "base_model": identity["base_model"],
@@ -119,10 +122,10 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
         "torch_version": identity["torch_version"],
         "config": history["config"],
     }
-    name = checkpoint_noise.HF_EXPORT_MANIFEST if sums is not None else H.EXPORT_MANIFEST
-    C.write_json_atomic(manifest, folder / name)
-    H.write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != H.SHA256SUMS])
+    name = checkpoint_noise.HF_EXPORT_MANIFEST if sums is not None else EXPORT_MANIFEST
+    common.write_json_atomic(manifest, folder / name)
+    write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != SHA256SUMS])
 
 
 if __name__ == "__main__":
-    E.run_stage(main, "export")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly
+    run_stage(main, "export")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly

@@ -1,4 +1,4 @@
-"""Stage 3: 16-sample agent evaluation of a checkpoint on DAPO-100 and AIME-2026 (SPEC section 6).
+"""Stage 3: 16-sample agent evaluation of a checkpoint on DAPO-100 and AIME-2026.
 
 Every problem gets sample_index 0..15, each episode with its own seeds, so any sample can be re-run alone. The
 reported row is the group of samples 12-15 (Mean4 / Pass4); the other groups, mean@16 and the unbiased pass@4
@@ -13,15 +13,17 @@ evaluation resumes without redoing them.
 import contextlib
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import checkpoint_noise
-import common as C
-import history as H
-import sandbox
+import cli
+import common
+import engine
 import models
-import engine as E
-import pool as P
+from history import (EXPORT_MANIFEST, HISTORY_FILE, RESUME_FREE_FIELDS, check_loaded_export, config_from_history,
+                     read_history, sha256_file)
+from pool import EnginePool
 
 EXPORT = "<run_dir>/export"  # a folder written by 02_export.py; empty: evaluate the base model itself
 OUT = ""  # default: <run_dir>/eval (or <run_dir>/eval-base for the base model)
@@ -33,17 +35,16 @@ DATASETS = {  # name -> JSONL (built by 00_data.py); each writes <name>_eval16.j
 
 def main(argv: list[str]) -> dict:
     options = {"export": EXPORT, "out": OUT, **{name: "" for name in DATASETS}}  # --dapo=PATH: another file
-    C.exit_if_help(argv, __doc__, __file__, options)
-    opts, overrides = C.parse_args(argv, options)
-    cfg = C.parse_config(overrides)
+    cli.exit_if_help(argv, __doc__, __file__, options)
+    opts, overrides = cli.parse_args(argv, options)
+    cfg = cli.parse_config(overrides)
     export = opts["export"].replace("<run_dir>", cfg.run_dir)
     if not export:
         cfg = base_config(cfg, overrides)
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
-    sandbox.check_sandbox(cfg.run_dir, data=list(data.values()), checkpoint=export,  # (unless allowed)
-                          allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
+    common.check_sandbox(cfg, data=list(data.values()), checkpoint=export)
     # before any writing
     manifest = checkpoint_noise.verify_any_export(export, cfg.tensor_parallel_size) if export else None
     if manifest:  # the loaded bits are checked, and recorded, in the digests of the export's noise
@@ -52,20 +53,20 @@ def main(argv: list[str]) -> dict:
         models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
 
-    with open_checkpoint(cfg, export, manifest) as (engine, checkpoint):
+    with open_checkpoint(cfg, export, manifest) as (engines, checkpoint):
         claim_output_folder(out, checkpoint, cfg, data)
-        metrics = {"checkpoint": checkpoint, "samples": C.EVAL_SAMPLES, "reported_group": C.REPORTED_GROUP,
+        metrics = {"checkpoint": checkpoint, "samples": common.EVAL_SAMPLES, "reported_group": common.REPORTED_GROUP,
                    "datasets": {}}
         for name, problems in datasets.items():
-            records = evaluate(engine, problems, range(C.EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
-            C.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
-                                 "config": dataclasses.asdict(cfg), "records": strip_transcripts(records)},
-                                out / f"{name}_eval16.json")
-            C.write_transcripts_markdown(records, out / f"{name}_failed.md")
-            metrics["datasets"][name] = C.dataset_metrics(records)
-    C.write_json_atomic(metrics, out / C.EVAL_METRICS)  # last: the evaluation is complete
-    print(C.format_metrics_table(metrics["datasets"]))
-    print(f"[eval] wrote {out}/{{{','.join(DATASETS)}}}_eval16.json and {C.EVAL_METRICS}")
+            records = evaluate(engines, problems, range(common.EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
+            common.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
+                                      "config": dataclasses.asdict(cfg), "records": strip_transcripts(records)},
+                                     out / f"{name}_eval16.json")
+            write_transcripts_markdown(records, out / f"{name}_failed.md")
+            metrics["datasets"][name] = common.dataset_metrics(records)
+    common.write_json_atomic(metrics, out / common.EVAL_METRICS)  # last: the evaluation is complete
+    print(format_metrics_table(metrics["datasets"]))
+    print(f"[eval] wrote {out}/{{{','.join(DATASETS)}}}_eval16.json and {common.EVAL_METRICS}")
     return metrics
 
 
@@ -74,13 +75,13 @@ def base_config(cfg, overrides: list[str]):
     that define the weights and their digests (WEIGHT_FIELDS: the noise kind, the TP size, the dtype), as export
     and replay take them, so that the evaluation records the digests 04_replay rebuilds. An explicit --key=value
     that contradicts the history is refused."""
-    path = Path(cfg.run_dir) / H.HISTORY_FILE
+    path = Path(cfg.run_dir) / HISTORY_FILE
     if not path.exists():
         return cfg
-    history = C.read_json(path)
+    history = read_history(path)
     if history["config"].get("model") != cfg.model:
         return cfg
-    return C.config_from_history(history, overrides, settings=dataclasses.asdict(cfg))
+    return config_from_history(history, overrides, settings=dataclasses.asdict(cfg))
 
 
 def data_paths(opts: dict, cfg) -> dict:
@@ -89,7 +90,7 @@ def data_paths(opts: dict, cfg) -> dict:
 
 
 def eval_problems(path: str, cfg) -> list[dict]:
-    problems = C.problems_from(path, cfg.run_seed)
+    problems = common.problems_from(path, cfg.run_seed)
     return problems[:cfg.eval_problems] if cfg.eval_problems else problems
 
 
@@ -98,23 +99,23 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
     """An engine holding the export (its files verified against the manifest before; its loaded bits checked
     after loading) or, without an export, the base model."""
     if not export:
-        with P.EnginePool(cfg, models.resolve_model(cfg.model)) as engine:
-            yield engine, {"kind": "base", "model": cfg.model, "per_rank_digests": engine.digests()}
+        with EnginePool(cfg, models.resolve_model(cfg.model)) as engines:
+            yield engines, {"kind": "base", "model": cfg.model, "per_rank_digests": engines.digests()}
         return
-    if manifest.get("noise") == "checkpoint":  # a Hugging Face folder: any TP size, digests in checkpoint terms
-        with P.EnginePool(cfg, export) as engine:
-            loaded = engine.digests()
+    if common.is_checkpoint_noise(manifest):  # a Hugging Face folder: any TP size, digests in checkpoint terms
+        with EnginePool(cfg, export) as engines:
+            loaded = engines.digests()
             if loaded != [manifest["digest"]]:
-                raise H.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
-                                    f"{manifest['digest']}")
-            yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
-                           "manifest_sha256": H.sha256_file(Path(export) / checkpoint_noise.HF_EXPORT_MANIFEST),
+                raise common.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
+                                         f"{manifest['digest']}")
+            yield engines, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
+                           "manifest_sha256": sha256_file(Path(export) / checkpoint_noise.HF_EXPORT_MANIFEST),
                            "per_rank_digests": loaded}
         return
-    with P.EnginePool(cfg, export, load_format="sharded_state", tokenizer=export) as engine:
-        loaded = H.check_loaded_export(engine, manifest, export)  # the bits vLLM holds are the exported ones
-        yield engine, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
-                       "manifest_sha256": H.sha256_file(Path(export) / H.EXPORT_MANIFEST),
+    with EnginePool(cfg, export, load_format="sharded_state", tokenizer=export) as engines:
+        loaded = check_loaded_export(engines, manifest, export)  # the bits vLLM holds are the exported ones
+        yield engines, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
+                       "manifest_sha256": sha256_file(Path(export) / EXPORT_MANIFEST),
                        "per_rank_digests": loaded}
 
 
@@ -122,30 +123,30 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
     """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data and settings;
     the settings that only say where files go or how fast the engine steps (RESUME_FREE_FIELDS) may differ."""
     def settings(config: dict) -> dict:
-        return {k: v for k, v in config.items() if k not in C.RESUME_FREE_FIELDS}
+        return {k: v for k, v in config.items() if k not in RESUME_FREE_FIELDS}
 
     run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
                                  "data": data}))
     marker = out / "eval_run.json"
     if marker.exists():
-        recorded = C.read_json(marker)
+        recorded = common.read_json(marker)
         if dict(recorded, config=settings(recorded.get("config", {}))) != run:
-            raise C.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
-    C.write_json_atomic(run, marker)
+            raise common.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
+    common.write_json_atomic(run, marker)
 
 
-def evaluate(engine, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
+def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
     """All (problem, sample) episodes. Each finished episode (with its transcript) is appended to `log` as it
     ends; the ones already there are kept, not re-run."""
-    finished = C.read_jsonl(log, required=C.EPISODE_RECORD_KEYS) if log.exists() else []
+    finished = common.read_jsonl(log, required=common.EPISODE_RECORD_KEYS) if log.exists() else []
     done = {(r["problem_id"], r["sample_index"]): r for r in finished}
     todo = [(p, i) for p in problems for i in sample_indices if (p["id"], i) not in done]
     if done:
         print(f"[eval] {name}: resuming, {len(done)} episodes already finished, {len(todo)} to go")
     try:
-        records = engine.run_agent(todo, desc=f"{name} episodes", on_record=lambda r: C.append_jsonl(log, [r]))
-    except (C.EngineFailure, E.Interrupted) as stop:
-        finished = len(C.read_jsonl(log)) if log.exists() else 0
+        records = engines.run_agent(todo, desc=f"{name} episodes", on_record=lambda r: common.append_jsonl(log, [r]))
+    except (common.EngineFailure, engine.Interrupted) as stop:
+        finished = len(common.read_jsonl(log)) if log.exists() else 0
         print(f"[eval] {name}: stopped ({stop}); {log} keeps the {finished} finished episodes: run the same "
               "command again to resume")
         raise
@@ -155,9 +156,50 @@ def evaluate(engine, problems: list[dict], sample_indices, log: Path, name: str)
 
 
 def strip_transcripts(records: list[dict]) -> list[dict]:
-    """The eval16 files hold the SPEC section 6 fields; transcripts stay in <name>_episodes.jsonl and the .md."""
+    """The eval16 files hold every record field but the conversation; transcripts stay in <name>_episodes.jsonl and
+    the .md."""
     return [{k: v for k, v in r.items() if k != "messages"} for r in records]
 
 
+def format_metrics_table(metrics_by_dataset):
+    """Aligned text table: one row per dataset, the reported group first, then the per-group Mean4 spread."""
+    first = next(iter(metrics_by_dataset.values()), None)
+    group_names = [g["group"] for g in first["groups"]] if first else []
+    header = ["dataset", f"Mean4@{common.REPORTED_GROUP}", f"Pass4@{common.REPORTED_GROUP}", "mean@16", "pass@4 unbiased"]
+    header += [f"Mean4 {name}" for name in group_names]
+    rows = [header]
+    for name, m in metrics_by_dataset.items():
+        row = [name, m["reported"]["mean4"], m["reported"]["pass4"], m["mean_at_16"], m["pass_at_4_unbiased"]]
+        row += [g["mean4"] for g in m["groups"]]
+        rows.append([row[0]] + [f"{x:.4f}" for x in row[1:]])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _fenced(text):
+    """A Markdown code block whose fence is longer than any backtick run inside the text."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}text\n{text}\n{fence}"
+
+
+def write_transcripts_markdown(records, path):
+    """A readable Markdown file with the full conversation of every failed (score 0) episode."""
+    failed = [r for r in records if not r["score"]]
+    parts = [f"# Failed episodes: {len(failed)} of {len(records)}\n"]
+    for r in failed:
+        parts.append(f"## {r['problem_id']} / sample {r['sample_index']}\n")
+        parts.append(f"- score method: {r['score_method']}; finish: {r['finish_reason']}; turns: {r['turns']}; "
+                     f"bash calls: {r['bash_calls']}; sandbox: {r['sandbox']}\n"
+                     f"- prediction: `{r['prediction']}`; gold: `{r['gold']}`\n"
+                     + (f"- error: {r['error']}\n" if r["error"] else ""))
+        for n, message in enumerate(r["messages"]):
+            parts.append(f"### {n}. {message['role']}\n\n{_fenced(message['content'])}\n")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(parts))
+
+
 if __name__ == "__main__":
-    E.run_stage(main, "eval")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly
+    engine.run_stage(main, "eval")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly

@@ -1,4 +1,4 @@
-"""Stage 4: the aligned four-sample replay (SPEC section 6), a reproduction artifact.
+"""Stage 4: the aligned four-sample replay, a reproduction artifact.
 
 Rebuilds theta in memory from the base model and the history (no export needed): as many generations as the
 evaluated checkpoint had, and the rebuilt per-rank digests must equal the ones the evaluation recorded (and an
@@ -13,32 +13,32 @@ beside the original ones with per-problem agreement, into a new file; the eval16
 from pathlib import Path
 
 import checkpoint_noise
-import common as C
-import history as H
-import sandbox
+import cli
+import common
+import engine
 import models
-import engine as E
-import pool as P
+from history import HISTORY_FILE, config_from_history, read_history, rebuild_from_history, sha256_file
+from pool import EnginePool
 
 HISTORY = ""  # default: <run_dir>/es_history.json
 EXPORT = ""  # optionally an export folder whose manifest must match the rebuilt digests too
 EVAL = ""  # default: <run_dir>/eval, holding <name>_eval16.json of 03_eval.py (read only)
 OUT = ""  # default: <EVAL>/aligned_history_replay_eval4.json
-GROUP = list(C.REPORTED_SAMPLES)  # the reported group, sample indices 12-15
+GROUP = list(common.REPORTED_SAMPLES)  # the reported group, sample indices 12-15
 
 
 def main(argv: list[str]) -> dict:
     options = {"history": HISTORY, "export": EXPORT, "eval": EVAL, "out": OUT}
-    C.exit_if_help(argv, __doc__, __file__, options)
-    opts, overrides = C.parse_args(argv, options)
-    run_dir = Path(C.parse_config(overrides).run_dir)
-    history_path = Path(opts["history"] or run_dir / H.HISTORY_FILE)
+    cli.exit_if_help(argv, __doc__, __file__, options)
+    opts, overrides = cli.parse_args(argv, options)
+    run_dir = Path(cli.parse_config(overrides).run_dir)
+    history_path = Path(opts["history"] or run_dir / HISTORY_FILE)
     eval_dir = Path(opts["eval"] or run_dir / "eval")
     out = Path(opts["out"] or eval_dir / "aligned_history_replay_eval4.json")
     export = opts["export"]
 
-    history = H.read_history(history_path)
-    originals = {name: C.read_json(eval_dir / f"{name}_eval16.json", required=C.EVAL16_SHAPE)
+    history = read_history(history_path)
+    originals = {name: common.read_json(eval_dir / f"{name}_eval16.json", required=common.EVAL16_SHAPE)
                  for name in evaluated_sets(eval_dir)}
     cfg = replay_config(history, originals, overrides)
     checkpoint = next(iter(originals.values()))["checkpoint"]  # what was evaluated: the base, or an export of K generations
@@ -53,42 +53,41 @@ def main(argv: list[str]) -> dict:
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before any engine
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
-    sandbox.check_sandbox(cfg.run_dir, data=[o["data"] for o in originals.values()], checkpoint=export or None,
-                          allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
-    with P.EnginePool(cfg, model_path) as engine:
-        _, digests = C.rebuild_from_history(engine, cfg, model_path, history, generations, compare_config=False,
-                                            desc=f"rebuilding theta from {len(generations)} generations")
+    common.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export or None)
+    with EnginePool(cfg, model_path) as engines:
+        _, digests = rebuild_from_history(engines, cfg, model_path, history, generations, compare_config=False,
+                                          desc=f"rebuilding theta from {len(generations)} generations")
         for source, wanted in expected.items():
             if digests != wanted:
-                raise H.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
-        replayed = {name: engine.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
+                raise common.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
+        replayed = {name: engines.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
 
     report = {
-        "group": C.group_label(GROUP), "history": str(history_path), "history_sha256": H.sha256_file(history_path),
+        "group": common.group_label(GROUP), "history": str(history_path), "history_sha256": sha256_file(history_path),
         "replayed_generations": len(generations), "per_rank_digests": digests, "export": export or None,
         "datasets": {name: compare(originals[name], replayed[name], transcripts[name]) for name in originals},
     }
-    C.write_json_atomic(report, out)
+    common.write_json_atomic(report, out)
     print_report(report, out)
     return report
 
 
 def evaluated_sets(eval_dir: Path) -> list[str]:
     """The sets 03_eval.py evaluated, named in its metrics file (written last: only a finished evaluation)."""
-    metrics = eval_dir / C.EVAL_METRICS
+    metrics = eval_dir / common.EVAL_METRICS
     if not metrics.exists():
-        raise C.ConfigError(f"{metrics} not found: 04_replay.py replays a finished 03_eval.py (--eval=FOLDER)")
-    return list(C.read_json(metrics, required=C.EVAL_METRICS_SHAPE)["datasets"])
+        raise common.ConfigError(f"{metrics} not found: 04_replay.py replays a finished 03_eval.py (--eval=FOLDER)")
+    return list(common.read_json(metrics, required=common.EVAL_METRICS_SHAPE)["datasets"])
 
 
-def replay_config(history: dict, originals: dict, overrides: list[str]) -> C.Config:
+def replay_config(history: dict, originals: dict, overrides: list[str]) -> common.Config:
     """What defines the weights (base model, TP size, dtype, noise) from the history; the sampling and agent
     settings from the original evaluation, so that the same requests meet the same weights."""
     first = next(iter(originals.values()))
     if any((o["config"], o["checkpoint"]) != (first["config"], first["checkpoint"]) for o in originals.values()):
-        raise C.ConfigError("the eval16 files come from different checkpoints or settings; they cannot be replayed "
-                            "together")
-    return C.config_from_history(history, overrides, settings=first["config"])
+        raise common.ConfigError("the eval16 files come from different checkpoints or settings; they cannot be "
+                                 "replayed together")
+    return config_from_history(history, overrides, settings=first["config"])
 
 
 def digest_kind(digests: list[str]) -> str:
@@ -100,36 +99,37 @@ def digest_kind(digests: list[str]) -> str:
     return f"noise=rank_salted at tensor_parallel_size={len(digests)}"
 
 
-def check_digest_kind(checkpoint: dict, cfg: C.Config, eval_dir: Path) -> None:
+def check_digest_kind(checkpoint: dict, cfg: common.Config, eval_dir: Path) -> None:
     """The evaluation recorded its checkpoint's digests in the terms of the noise (and TP size) it ran with; the
     replay rebuilds them in the history's. Where those differ no rebuild can match: say what to run instead."""
     recorded = digest_kind(checkpoint["per_rank_digests"])
-    rebuilt = ("noise=checkpoint" if cfg.noise == "checkpoint"
+    rebuilt = ("noise=checkpoint" if common.is_checkpoint_noise(cfg)
                else f"noise=rank_salted at tensor_parallel_size={cfg.tensor_parallel_size}")
     if recorded == rebuilt:
         return
     problem = (f"{eval_dir} holds its checkpoint's digests for {recorded}, and this history rebuilds them for "
                f"{rebuilt}: they cannot match. ")
     if checkpoint["kind"] != "base":
-        raise C.ConfigError(problem + "The evaluated export was not made from this history")
-    settings = f"--noise={cfg.noise}" + ("" if cfg.noise == "checkpoint"
+        raise common.ConfigError(problem + "The evaluated export was not made from this history")
+    settings = f"--noise={cfg.noise}" + ("" if common.is_checkpoint_noise(cfg)
                                         else f" --tensor_parallel_size={cfg.tensor_parallel_size}")
-    raise C.ConfigError(problem + f"Evaluate the base model again with the run's settings into a new folder "
-                        f"(python 03_eval.py --export= {settings} --out=FOLDER) and replay that one (--eval=FOLDER)")
+    raise common.ConfigError(problem + f"Evaluate the base model again with the run's settings into a new folder "
+                             f"(python 03_eval.py --export= {settings} --out=FOLDER) and replay that one "
+                             "(--eval=FOLDER)")
 
 
 def aligned_jobs(original: dict, run_seed: int) -> list[tuple[dict, int]]:
     """The reported group's (problem, sample_index) requests of one eval16 file, problems as evaluated."""
-    problems = {p["id"]: p for p in C.problems_from(original["data"], run_seed)}
+    problems = {p["id"]: p for p in common.problems_from(original["data"], run_seed)}
     ids = list(dict.fromkeys(r["problem_id"] for r in original["records"]))
     missing = [pid for pid in ids if pid not in problems]
     if missing:
-        raise C.DataError(f"{original['data']} no longer holds evaluated problems {missing[:5]}")
+        raise common.DataError(f"{original['data']} no longer holds evaluated problems {missing[:5]}")
     recorded = {(r["problem_id"], r["sample_index"]) for r in original["records"]}
     unrecorded = [(pid, i) for pid in ids for i in GROUP if (pid, i) not in recorded]
     if unrecorded:  # the comparison needs every original sample of the group: refused before the engine starts
-        raise C.DataError(f"the evaluation of {original['data']} has no records of (problem, sample) "
-                          f"{unrecorded[:5]} ({len(unrecorded)} in all)")
+        raise common.DataError(f"the evaluation of {original['data']} has no records of (problem, sample) "
+                               f"{unrecorded[:5]} ({len(unrecorded)} in all)")
     return [(problems[pid], i) for pid in ids for i in GROUP]
 
 
@@ -137,7 +137,7 @@ def original_transcripts(log: Path) -> dict:
     """The original episodes' conversations (03_eval's <name>_episodes.jsonl), when that log is at hand."""
     if not log.exists():
         return {}
-    rows = C.read_jsonl(log, required=("problem_id", "sample_index", "messages"))
+    rows = common.read_jsonl(log, required=("problem_id", "sample_index", "messages"))
     return {(r["problem_id"], r["sample_index"]): r["messages"] for r in rows}
 
 
@@ -150,14 +150,14 @@ def compare(original: dict, replayed: list[dict], transcripts: dict) -> dict:
         new = {r["sample_index"]: r for r in replayed if r["problem_id"] == pid}
         old = [before[(pid, i)] for i in GROUP]
         if [o["seed"] for o in old] != [new[i]["seed"] for i in GROUP]:
-            raise C.DataError(f"problem {pid}: replay seeds differ from the original evaluation's")
+            raise common.DataError(f"problem {pid}: replay seeds differ from the original evaluation's")
         rows.append({"problem_id": pid, "sample_indices": GROUP, "seeds": [o["seed"] for o in old],
                      "original_scores": [o["score"] for o in old], "replayed_scores": [new[i]["score"] for i in GROUP],
                      "agree": [o["score"] == new[i]["score"] for o, i in zip(old, GROUP)],
                      "same_transcript": [transcripts.get((pid, i)) == new[i]["messages"] if transcripts else None
                                          for i in GROUP]})
-    orig_mean4, orig_pass4 = C.mean4_pass4([r["original_scores"] for r in rows])
-    new_mean4, new_pass4 = C.mean4_pass4([r["replayed_scores"] for r in rows])
+    orig_mean4, orig_pass4 = common.mean4_pass4([r["original_scores"] for r in rows])
+    new_mean4, new_pass4 = common.mean4_pass4([r["replayed_scores"] for r in rows])
     agree = [a for r in rows for a in r["agree"]]
     same = [t for r in rows for t in r["same_transcript"]]
     return {"original": {"mean4": orig_mean4, "pass4": orig_pass4},
@@ -180,4 +180,5 @@ def print_report(report: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    E.run_stage(main, "replay")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly
+    # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly
+    engine.run_stage(main, "replay")

@@ -2,7 +2,7 @@
 rank, so that the trained weights are the same at every TP size, replay at any TP size, and export as a Hugging Face
 folder that transformers and vLLM load as they load the base model.
 
-The reference's rank-salted noise (common.py, SPEC section 3) draws torch.randn per (member, TP rank, runtime
+The reference's rank-salted noise (common.py) draws torch.randn per (member, TP rank, runtime
 parameter): its trained state exists only as per-rank shards of one TP size. Here each element's noise is a function
 of (member seed, the checkpoint tensor the element comes from, its row-major index in that tensor) alone, computed
 from integer hashing and IEEE basic operations, so it does not depend on where the element sits in a rank's buffers.
@@ -20,8 +20,9 @@ Sections, in order:
 
 What a history records of this noise (CHECKPOINT_NOISE, CHECKPOINT_ROUNDING) lives in common.py beside the
 rank-salted noise's record, with the rest of what defines a run's weights: a change to section 1 changes them too.
-This module imports common and history. common never imports it and history only inside run_identity; engine.py
-and pool.py import it, and vLLM loads CheckpointESWorker by its qualified name (common.WORKER_EXTENSIONS).
+This module imports common and history; neither imports it. engine.py and pool.py import it (Engine.base_digests
+proves a checkpoint-noise run's layout before its history records the base), and vLLM loads CheckpointESWorker by
+its qualified name (common.WORKER_EXTENSIONS).
 """
 
 from __future__ import annotations
@@ -506,7 +507,7 @@ def assembled_tensors(pieces: Path, names: list[str], shapes: dict[str, list[int
                 out[start:start + length] = values[at:at + length]
                 at, filled = at + length, filled + length
         if filled != math.prod(shapes[name]):
-            raise H.ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
+            raise C.ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
         yield name, out.view(shapes[name])
 
 
@@ -537,10 +538,10 @@ def verify_hf_export(folder: str | Path) -> dict:
     """Check a Hugging Face export against its SHA256SUMS before anything loads it; returns its manifest."""
     folder = Path(folder)
     if not (folder / HF_EXPORT_MANIFEST).is_file():
-        raise H.ExportError(f"{folder}: no {HF_EXPORT_MANIFEST}; not a checkpoint-noise export of 02_export.py")
+        raise C.ExportError(f"{folder}: no {HF_EXPORT_MANIFEST}; not a checkpoint-noise export of 02_export.py")
     problems = H.verify_sha256sums(folder) if (folder / H.SHA256SUMS).exists() else [f"missing {H.SHA256SUMS}"]
     if problems:
-        raise H.ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
+        raise C.ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
     return C.read_json(folder / HF_EXPORT_MANIFEST, required=HF_EXPORT_MANIFEST_SHAPE)
 
 
@@ -577,8 +578,8 @@ def replay_on_checkpoint(folder: str | Path, history: dict,
     specified update tensor by tensor, in the history's dtype and rounding; `generations`: a prefix of the
     history's (default: all). The base's and every generation's digests must be the history's: how tests compare
     with vLLM's ranks, and how to check an export by hand."""
-    cfg = C.config_from_history(history, [])  # what defines the weights comes from the history, never a default
-    if cfg.noise != "checkpoint":
+    cfg = H.config_from_history(history, [])  # what defines the weights comes from the history, never a default
+    if not C.is_checkpoint_noise(cfg):
         raise C.ConfigError(f"replay_on_checkpoint replays noise=checkpoint histories; this one has noise={cfg.noise!r}")
     if history.get("noise") != C.noise_definition(cfg):
         raise C.HistoryMismatch("the history's noise definition is not this code's: its weights cannot be rebuilt here")

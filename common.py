@@ -1,21 +1,19 @@
-"""The algorithm the four stages share: the ES of SPEC section 3 running inside vLLM workers at TP=2, the 50-turn
-bash-tool math agent of section 4, the data, the metrics and the files of section 7.
+"""The algorithm the four stages share: evolution strategies running inside vLLM workers at TP=2, the 50-turn
+bash-tool math agent it trains, the data, the metrics and the files.
 
 Sections, in order:
-  1. run constants and command-line overrides
+  1. run constants (Config) and presets, and the errors a stage stops with
   2. noise and ES math (pure functions): the rank-salted noise of the reference, sigma_at, zscore, the update
   3. the vLLM worker extension that applies them inside each TP rank
   4. replay: a run history's updates applied again to the base weights
   5. the math agent: prompts, reply parsing, per-request seeds, the episode loop
   6. data: problem files and case batches
-  7. metrics: Mean4 / Pass4, mean@16, unbiased pass@4, reward curves, step timings, TensorBoard tracking
+  7. metrics: Mean4 / Pass4, mean@16, unbiased pass@4
   8. files: atomic JSON, crash-tolerant JSONL
+  9. the settings' valid values, checked whenever a Config is made
 
-The infrastructure lives beside it, one concern per module: engine.py (one vLLM engine behind a synchronous facade),
-pool.py (K engines: placement, memory plan, MPS, Ray), sandbox.py (the sandbox of the bash tool), scoring.py (the
-committed answer against the gold, in killable workers), digests.py (sha256 of the weights per tensor and per rank),
-checkpoint_noise.py (the TP-invariant noise and its Hugging Face export), history.py (run identity, manifests,
-SHA256SUMS) and models.py (the tiny models, SmolLM2).
+The infrastructure lives beside it, one concern per module (the README's Layout lists them): engine.py and pool.py
+run this on K vLLM engines, history.py records, refuses and rebuilds runs, cli.py and tracking.py parse and watch.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import difflib
 import functools
 import hashlib
 import json
@@ -32,13 +29,10 @@ import logging
 import math
 import os
 import re
-import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -47,14 +41,11 @@ import digests
 import sandbox
 import scoring
 
-if TYPE_CHECKING:  # for annotations only: common imports neither engine nor pool when it runs
-    from engine import Engine
-
 REPO = Path(__file__).resolve().parent
 
 # ============================================================================================================
-# 1. Run constants (SPEC section 2: the reference run). Edit here, or override any field on the command line:
-#    python 01_train.py --population=8 --alpha=1e-3      (nanoGPT style, parsed once by parse_config)
+# 1. Run constants: the reference run's. Edit here, or override any field on the command line (cli.py):
+#    python 01_train.py --population=8 --alpha=1e-3      (nanoGPT style, parsed once by cli.parse_config)
 #    python 01_train.py --preset=smoke                    (the tiny CPU run of the README)
 # ============================================================================================================
 
@@ -63,7 +54,7 @@ REPO = Path(__file__).resolve().parent
 RESTORE_MODES = ("copy_device", "copy_host", "subtract", "patch")
 ROUNDING_MODES = ("nearest", "stochastic")
 NOISE_MODES = ("rank_salted", "checkpoint")
-PROMPT_MODES = ("render", "continue")  # see ChatPrompts
+PROMPT_MODES = ("render", "continue")  # see engine.ChatPrompts
 TRACKING_MODES = ("none", "tensorboard")
 DTYPES = ("bfloat16", "float16", "float32")
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
@@ -80,7 +71,7 @@ class Config:
     dtype: str = "bfloat16"  # the runtime weights' dtype: perturbed, updated and saved in it
     max_model_len: int = 40960  # Qwen3-30B-A3B's native context; a longer conversation ends the episode
     gpu_memory_utilization: float = 0.6  # leaves room for the exact-restore copy of the weights on the GPU
-    cuda_graphs: bool = True  # CUDA graphs without inductor (GPU.md); CPU always runs eager
+    cuda_graphs: bool = True  # CUDA graphs without inductor (engine.cuda_engine_args); CPU always runs eager
     cudagraph_mode: str = "FULL_AND_PIECEWISE"  # decode steps as full graphs, steps with a prefill as piecewise
                                                 # ones; "FULL_DECODE_ONLY" runs the latter eagerly (README)
     max_num_batched_tokens: int = 256  # GPU: tokens per engine step, and CUDA graphs are captured up to it. 0: vLLM's
@@ -105,7 +96,7 @@ class Config:
                                # (unbiased: steps below half an ulp still move theta in expectation)
     noise: str = "rank_salted"  # "rank_salted" (the reference: per-rank noise, the model exists at this TP size
                                 # only) or "checkpoint" (per checkpoint element: any TP size, a Hugging Face export)
-    # the math agent (SPEC section 4)
+    # the math agent
     max_turns: int = 50  # assistant turns per episode
     max_new_tokens: int = 4096  # per assistant turn
     temperature: float = 1.0  # sampling (training and evaluation alike)
@@ -114,7 +105,7 @@ class Config:
     min_p: float = 0.0  # sampling
     presence_penalty: float = 2.0  # sampling
     repetition_penalty: float = 1.0  # sampling
-    bash_timeout_s: float = sandbox.BASH_TIMEOUT_S  # wall-clock limit of one sandboxed bash command
+    bash_timeout_s: float = 20.0  # wall-clock limit of one sandboxed bash command
     observation_chars: int = 4000  # tool output shown to the model (head + tail)
     concurrency: int = 256  # episodes in flight at once
     allow_leaky_sandbox: bool = False  # run even when the start-up leak check finds the data, run folder or other
@@ -132,7 +123,7 @@ class Config:
             problem = setting_problem(field.name, getattr(self, field.name), type(getattr(Config, field.name)))
             if problem:
                 raise ConfigError(problem)
-        if self.noise == "checkpoint" and self.restore == "subtract":
+        if is_checkpoint_noise(self) and self.restore == "subtract":
             raise ConfigError("restore=subtract is for the rank-salted noise; use copy_device or copy_host with "
                               "noise=checkpoint")
         if self.rounding == "stochastic" and self.restore == "subtract":
@@ -142,80 +133,6 @@ class Config:
             # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
             raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "
                               "use rounding=nearest with this dtype")
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The valid values of a numeric setting: low..high, each end included unless marked open."""
-    low: float = -math.inf
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-    why: str = ""
-
-    def admits(self, value) -> bool:
-        above = value > self.low if self.low_open else value >= self.low
-        below = value < self.high if self.high_open else value <= self.high
-        return math.isfinite(value) and above and below
-
-    def __str__(self) -> str:
-        if self.high == math.inf:
-            text = f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
-        else:
-            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-        return text + (f" ({self.why})" if self.why else "")
-
-
-# Every numeric setting's valid values, checked (with SETTING_CHOICES) whenever a Config is made: the defaults, a
-# preset, the command line, or the settings read back from a history or an evaluation.
-SETTING_BOUNDS = {
-    "tensor_parallel_size": Bounds(1),
-    "max_model_len": Bounds(1),
-    "gpu_memory_utilization": Bounds(0, 1, low_open=True, why="the share of each GPU's memory vLLM may take"),
-    "max_num_batched_tokens": Bounds(0, why="0: vLLM's default"),
-    "engines": Bounds(0, why="0: one per tensor_parallel_size GPUs"),
-    "run_seed": Bounds(0, why="seeds numpy's generators"),
-    "generations": Bounds(1),
-    "population": Bounds(2, why="z-scores need two members"),
-    "case_batch": Bounds(1),
-    "sigma_start": Bounds(0, low_open=True),
-    "sigma_end": Bounds(0, low_open=True),
-    "alpha": Bounds(0, why="0: members are evaluated, the weights never move"),
-    "noise_chunk": Bounds(1),
-    "patch_capacity": Bounds(0, 1, why="0: 0.12 with rounding=nearest, 0.32 with stochastic"),
-    "max_turns": Bounds(1),
-    "max_new_tokens": Bounds(1),
-    "temperature": Bounds(0, 2, why="vLLM's range; 0: greedy"),
-    "top_p": Bounds(0, 1, low_open=True),
-    "top_k": Bounds(-1, why="-1 or 0: every token"),
-    "min_p": Bounds(0, 1),
-    "presence_penalty": Bounds(-2, 2, why="vLLM's range"),
-    "repetition_penalty": Bounds(0, low_open=True, why="1: none"),
-    "bash_timeout_s": Bounds(0, low_open=True),
-    "observation_chars": Bounds(1),
-    "concurrency": Bounds(1),
-    "eval_problems": Bounds(0, why="0: all"),
-}
-
-
-def setting_problem(name: str, value, kind: type) -> str | None:
-    """What is wrong with one Config value (its default's type `kind`, SETTING_BOUNDS, SETTING_CHOICES), or None."""
-    numeric = kind in (int, float)
-    if kind is float:
-        expected, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif kind is int:
-        expected, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
-    else:
-        expected, ok = {bool: "true or false", str: "a string"}[kind], isinstance(value, kind)
-    if not ok:
-        return f"{name} must be {expected}, got {value!r}"
-    if numeric and name in SETTING_BOUNDS and not SETTING_BOUNDS[name].admits(value):
-        finite = "a finite number " if kind is float else ""
-        return f"{name} must be {finite}{SETTING_BOUNDS[name]}, got {value!r}"
-    choices = SETTING_CHOICES.get(name)
-    if choices is not None and value not in choices:
-        return f"{name} must be one of {', '.join(choices)}, got {value!r}"
-    return None
 
 
 # The README's main job: a tiny random Qwen3 the project writes itself, tiny arithmetic problems, CPU-sized budgets.
@@ -237,164 +154,51 @@ PRESETS = {
 }
 
 
+# ---- The error family: a stage stops with one of these, as one line for its user (engine.run_stage)
+
 class StageError(Exception):
     """A stage stops with a message for its user, not a traceback: bad input, another run's files, a vLLM failure.
     The numbered scripts catch this one base class."""
 
 
 class ConfigError(StageError, ValueError):
-    pass
+    """A setting, a command line or a machine the run cannot use."""
 
 
-def parse_config(argv: list[str], base: Config | None = None) -> Config:
-    """`--preset=NAME` first, then `--key=value` overrides, each checked against Config's field types."""
-    preset, explicit = parse_overrides(argv)
-    return Config(**{**dataclasses.asdict(base or Config()), **preset, **explicit})
+class DataError(StageError, ValueError):
+    """A missing, malformed or inconsistent input file or record set."""
 
 
-def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
-    """The values a command line sets: (the preset's, the explicit `--key=value` ones), each checked against
-    Config's fields and types."""
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    defaults = dataclasses.asdict(Config())
-    preset, explicit = {}, {}
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(f"expected --key=value, got {arg!r}")
-        key, text = arg[2:].split("=", 1)
-        key = key.replace("-", "_")
-        if key == "preset":
-            if text not in PRESETS:
-                raise ConfigError(f"unknown preset {text!r}; presets: {', '.join(PRESETS)}")
-            preset = dict(PRESETS[text])
-        elif key in fields:
-            explicit[key] = _parse_value(key, text, type(defaults[key]))
-        else:
-            close = difflib.get_close_matches(key, fields, n=3)
-            hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
-            raise ConfigError(f"unknown setting --{key}{hint}")
-    return preset, explicit
+class HistoryMismatch(StageError, RuntimeError):
+    """A history made by another run, or one whose recorded updates do not rebuild its recorded weights."""
 
 
-def parse_args(argv: list[str], options: dict) -> tuple[dict, list[str]]:
-    """Split a script's own options (`options` holds their defaults) from Config overrides (left for
-    parse_config). Values are parsed to the default's type."""
-    options, rest = dict(options), []
-    for arg in argv:
-        key = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") and "=" in arg else None
-        if key in options:
-            options[key] = _parse_value(key, arg.split("=", 1)[1], type(options[key]))
-        else:
-            rest.append(arg)
-    return options, rest
+class EngineFailure(StageError, RuntimeError):
+    """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
+    fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
 
 
-def _comments_beside(source: str, pattern: str) -> dict[str, str]:
-    """name -> the comment on the line that defines it (its first line), for every line matching `pattern`."""
-    found = {}
-    for line in source.splitlines():
-        match = re.match(pattern + r"[^#]*(?:#\s*(.*))?$", line)
-        if match:
-            found[match.group(1)] = (match.group(2) or "").strip()
-    return found
+class ExportError(StageError, RuntimeError):
+    """An export that is not what its manifest says, or weights that differ from the export's."""
 
 
-def usage(doc: str, script: str | None = None, options: dict | None = None, settings: bool = True) -> str:
-    """What `--help` prints: the stage's docstring, its own options (the comments beside their constants in the
-    script) and every run setting with its default and the comment beside it in Config, then the presets."""
-    import inspect
+class ClosedOnExit:
+    """`with engine:` closes it on the way out. If the block raised, that error is the one to report, not one
+    from closing after it (an engine that failed may not close cleanly)."""
 
-    parts = [doc.strip()]
-    if options:
-        meaning = _comments_beside(Path(script).read_text(), r"^([A-Z_]+) = ")
-        parts.append("Options of this stage:\n" + "\n".join(
-            f"  --{k}={v}".ljust(34) + f" {meaning.get(k.upper(), '')}" for k, v in options.items()))
-    if settings:
-        meaning = _comments_beside(inspect.getsource(Config), r"^    (\w+): [^=]+= ")
-        parts.append("Run settings (common.Config; any as --key=value):\n" + "\n".join(
-            f"  --{k}={v}".ljust(34) + f" {meaning.get(k, '')}" for k, v in dataclasses.asdict(Config()).items()))
-        parts.append("Presets (--preset=NAME, before the other settings):\n" + "\n".join(
-            f"  {name}: " + " ".join(f"--{k}={v}" for k, v in values.items()) for name, values in PRESETS.items()))
-    return "\n\n".join(parts)
+    def __enter__(self):
+        return self
 
-
-def exit_if_help(argv: list[str], doc: str, script: str | None = None, options: dict | None = None,
-                 settings: bool = True) -> None:
-    if "--help" in argv or "-h" in argv:
-        print(usage(doc, script, options, settings))
-        raise SystemExit(0)
-
-
-# What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
-# the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
-# command line, a preset or an evaluation's settings.
-WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "rounding", "noise")
-POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
-# settings that may change between a run and its resume: where files go, and how fast and how many episodes the
-# engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
-RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
-                      "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
-
-
-def resume_free_fields(config: dict) -> tuple[str, ...]:
-    """RESUME_FREE_FIELDS, and with checkpoint noise the TP size: its weights are the same at every TP size."""
-    return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if config.get("noise") == "checkpoint" else ())
-
-
-def without_retired_settings(config: dict) -> dict:
-    """A recorded config without the settings this code no longer has: `scope` and its `lora_rank` (scope="full",
-    every parameter, is what every run does; "lowrank", members as LoRA adapters, was measured slower than
-    co-located engines and removed: bench/README.md, "Low-rank members")."""
-    if config.get("scope", "full") != "full":
-        raise ConfigError(f"the run was trained with scope={config['scope']!r}, which this version of the code no "
-                          "longer has (measured and removed, see bench/README.md): use the version that trained it")
-    return {k: v for k, v in config.items() if k not in ("scope", "lora_rank")}
-
-
-def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
-    """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
-    from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
-    from the history. `--preset` fills in only the settings that may differ between runs (RESUME_FREE_FIELDS, such
-    as run_dir), never a recorded value; an explicit `--key=value` that differs from a recorded one is refused."""
-    history_settings = without_retired_settings(history["config"])  # refuses a run this code cannot rebuild
-    given = without_retired_settings(settings) if settings else history_settings
-    recorded_settings = {k: v for k, v in given.items()
-                         if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
-    free_fields = resume_free_fields(history["config"])
-    values = {**recorded_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS
-                                      if f in history["config"] and f not in free_fields}}
-    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
-    if unknown:
-        raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
-    recorded = Config(**values)
-    preset, explicit = parse_overrides(argv)
-    refused = [f"--{k}={v!r} (recorded: {getattr(recorded, k)!r}{', from the history' if k in WEIGHT_FIELDS else ''})"
-               for k, v in explicit.items() if k not in free_fields and v != getattr(recorded, k)]
-    if refused:
-        raise ConfigError("these settings were recorded by the run and cannot be overridden: " + ", ".join(refused))
-    free = {k: v for k, v in {**preset, **explicit}.items() if k in free_fields}
-    return dataclasses.replace(recorded, **free)
-
-
-def _parse_value(key: str, text: str, kind: type):
-    try:
-        if kind is bool:
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return text.lower() in ("true", "1")
-        if kind is int:  # also "1e6"
-            value = float(text) if any(c in text.lower() for c in ".e") else int(text)
-            if value != int(value):
-                raise ValueError
-            return int(value)
-        return kind(text)
-    except ValueError:
-        expected = {int: "an integer", float: "a number", bool: "true or false"}.get(kind, kind.__name__)
-        raise ConfigError(f"--{key} expects {expected}, got {text!r}") from None
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 # ============================================================================================================
-# 2. Noise and ES math (SPEC section 3). Pure functions of their arguments; the worker extension applies them.
+# 2. Noise and ES math. Pure functions of their arguments; the worker extension applies them.
 #    One generation (01_train.run_generation): member_seeds -> per member, engine.Engine.evaluate_member: perturb
 #    (ESWorker.es_perturb: noise_seed -> noise_chunks -> add_noise_ with +sigma), the agent's episodes, restore (a
 #    copy back, or the noise subtracted and a RestorePatch applied) -> fitness -> zscore -> update_coefficients ->
@@ -660,15 +464,21 @@ CHECKPOINT_ROUNDING = ("the float32 value's bits + (splitmix64_mix(key + index *
                        "bits cleared; key splitmix64(rounding seed of rank 0 ^ name_hash(checkpoint tensor name))")
 
 
+def is_checkpoint_noise(settings: Config | dict) -> bool:
+    """Whether a run's settings (a Config, or what a file records of one: a history's config, an export's manifest)
+    use the checkpoint noise. The one place that asks."""
+    return (settings.get("noise") if isinstance(settings, dict) else settings.noise) == "checkpoint"
+
+
 def noise_definition(cfg: "Config") -> dict:
     """What a history records of the noise: its definition, and for stochastic rounding the rounding's source
     (round to nearest, the reference, adds no key)."""
-    if cfg.noise == "checkpoint":
+    if is_checkpoint_noise(cfg):
         definition = dict(CHECKPOINT_NOISE)
     else:
         definition = dict(NOISE_DEFINITION, chunk=cfg.noise_chunk)
     if cfg.rounding != "nearest":
-        source = CHECKPOINT_ROUNDING if cfg.noise == "checkpoint" else STOCHASTIC_ROUNDING
+        source = CHECKPOINT_ROUNDING if is_checkpoint_noise(cfg) else STOCHASTIC_ROUNDING
         definition["rounding"] = f"{cfg.rounding}: {source}"
     return definition
 
@@ -712,7 +522,7 @@ def device_type() -> str:
 
 
 def es_parameters(named_parameters) -> list[tuple[str, torch.Tensor]]:
-    """The ES parameter set (SPEC section 3): every floating-point parameter, one entry per storage (tied or
+    """The ES parameter set: every floating-point parameter, one entry per storage (tied or
     shared tensors are perturbed once), in the model's order. A floating parameter freed to shape [0] means vLLM
     moved the weight elsewhere (e.g. a prepacked kernel handle): noise added to it would never reach the
     computation, so that is an error rather than a silent skip."""
@@ -912,16 +722,12 @@ class ESWorker:
 #    the refusals of another run's), so that any stage can rebuild theta from the base weights.
 # ============================================================================================================
 
-class HistoryMismatch(StageError, RuntimeError):
-    pass
-
-
-def replay(engine: Engine, generations: list[dict], base_digests: list[str],
-           desc: str = "replaying history") -> list[str]:
-    """Re-apply recorded updates to the base weights, checking each generation's per-rank digests; returns the
-    digests of the rebuilt weights."""
+def replay(engine, generations, base_digests: list[str]) -> list[str]:
+    """Re-apply recorded updates to the base weights of `engine` (an engine.Engine or a pool.EnginePool), checking
+    each generation's per-rank digests; returns the digests of the rebuilt weights. `generations`: the records, or a
+    progress bar over them."""
     per_rank = base_digests
-    for record in progress_bar(generations, desc=desc, leave=False):
+    for record in generations:
         z = zscore(record["rewards"])  # the rewards define the update; the recorded z must be theirs
         if z != record["z"]:
             raise HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} are not "
@@ -935,19 +741,8 @@ def replay(engine: Engine, generations: list[dict], base_digests: list[str],
     return per_rank
 
 
-def rebuild_from_history(engine: Engine, cfg: Config, model_path: str, history: dict, generations: list[dict],
-                         compare_config: bool = True, desc: str = "replaying history") -> tuple[dict, list[str]]:
-    """Refuse a history of another base (and, by default, other run constants), then replay `generations` on the
-    engine's base weights. Returns this engine's identity and the rebuilt per-rank digests."""
-    import history as H  # (it imports this module: imported on use, never at import time)
-
-    identity = H.run_identity(cfg, model_path, engine, train_data=compare_config)
-    H.check_base(history, identity, compare_config)
-    return identity, replay(engine, generations, identity["base_digests"], desc=desc)
-
-
 # ============================================================================================================
-# 5. The math agent (SPEC section 4): a ReAct loop with one sandboxed `bash` tool
+# 5. The math agent: a ReAct loop with one sandboxed `bash` tool
 # ============================================================================================================
 
 
@@ -987,11 +782,6 @@ def user_prompt(question):
 
 class ContextOverflow(Exception):
     """Raised by a policy when the conversation no longer fits the model context; ends the episode (score 0)."""
-
-
-class EngineFailure(StageError, RuntimeError):
-    """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
-    fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
 
 
 # ---- Reading model replies: the bash action (think blocks and the committed answer: scoring)
@@ -1065,97 +855,12 @@ def request_seed(run_seed, problem_id, sample_index, turn):
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-# ---- The prompt of each turn: the conversation as token ids
+# ---- The sandbox of a run: checked once at start-up, by every stage that runs model-written commands
 
-# What the model sees on each agent turn (Config.prompt_mode):
-# "render" (default): the chat template renders the whole conversation every turn, Qwen3 thinking off. That is
-#   vLLM's standard chat rendering (how the reference ran its ReAct loop, and how the trained model is served), so
-#   rewards are earned on the prompts the model is evaluated and used with. Qwen3's template is not append-only: an
-#   assistant turn followed by a user message loses the empty think block its generation prompt opened (and any
-#   reasoning), and its text is re-tokenized. The prefix cache then covers the history up to the last assistant
-#   turn's generation prompt; that turn's reply is prefilled again.
-# "continue": the previous prompt + the generated ids (+ the end token if the reply was cut off) + the template's
-#   rendering of the new user message and generation prompt. The model sees exactly the tokens it produced and the
-#   prefix cache covers everything, but with Qwen3's template every earlier assistant turn keeps its
-#   `<think>\n\n</think>\n\n` (and any reasoning), which re-rendering drops. Needs a template that renders a user
-#   turn after an assistant turn the same whatever came before; otherwise the engine warns at start-up and renders,
-#   and every record says prompt_mode="render".
-
-def continuation_user_turn(tokenizer) -> tuple[str, str] | None:
-    """The chat template's text for a user message after an assistant message, from the assistant's end token
-    through the next generation prompt: (before, after) the message. None if the template does not close an
-    assistant message with the end token, or renders the user turn differently after different histories."""
-    mark, eos = "\x00USER\x00", tokenizer.eos_token
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True,
-                               enable_thinking=False)
-    turns = set()
-    for reply in ("a", "<think>\nr\n</think>\n\nb"):  # the user turn must not depend on the history
-        text = render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                       {"role": "assistant", "content": reply}, {"role": "user", "content": mark}])
-        if text.count(mark) != 1 or eos not in text[:text.index(mark)]:
-            return None
-        end = text.rindex(eos, 0, text.index(mark))
-        if not text[:end].endswith(reply[-1]):  # the end token must follow the reply's text directly
-            return None
-        turns.add(text[end + len(eos):])
-    if len(turns) != 1:
-        return None
-    before, after = turns.pop().split(mark)
-    return before, after
-
-
-def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> str:
-    """The prompt mode the engine will use: the requested one, or "render" (with a warning) if it cannot continue."""
-    if requested == "continue" and continuation_user_turn(tokenizer) is None:
-        warnings.warn(f"prompt_mode='continue' is impossible with the chat template of {name} (it does not render "
-                      "a user turn the same after every assistant turn): every turn renders the whole conversation",
-                      stacklevel=2)
-        return "render"
-    return requested
-
-
-class ChatPrompts:
-    """Each agent turn's prompt token ids in `mode` (the requested prompt mode, or "render" where the chat template
-    cannot continue): the template's rendering of the conversation, Qwen3 thinking off; or in "continue" the
-    previous turn's prompt and generated ids + the template's rendering of the new user turn. The policy asks ids()
-    for a turn's prompt and tells remember() what the turn generated; conversations are told apart by their message
-    list (one per episode, see run_episode)."""
-
-    def __init__(self, tokenizer, requested: str, name: str = "the model"):
-        self.tokenizer = tokenizer
-        self.mode = choose_prompt_mode(requested, tokenizer, name)
-        self.turns = {}  # id(messages) -> the last turn's messages and token ids (see remember)
-
-    def ids(self, messages: list[dict]) -> list[int]:
-        """This turn's prompt ids: a continued conversation must be the one remember() kept plus one user message;
-        the first turn is always rendered."""
-        last = self.turns.pop(id(messages), None)
-        if (self.mode == "continue" and last is not None and messages[-1]["role"] == "user"
-                and messages[:-1] == last["messages"]):
-            before, after = self.user_turn
-            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
-                                                       add_special_tokens=False)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
-                                                  tokenize=True, return_dict=False)
-
-    def remember(self, messages: list[dict], ids: list[int], completion) -> None:
-        """A turn's prompt ids and its completion (token_ids, text), for the next turn to continue."""
-        if self.mode != "continue":
-            return
-        generated = list(completion.token_ids)
-        eos = self.tokenizer.eos_token_id
-        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
-            generated.append(eos)
-        self.turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
-                                    "ids": ids + generated}
-
-    def forget(self) -> None:
-        """Drop the remembered turns (a batch of episodes ended)."""
-        self.turns.clear()
-
-    @functools.cached_property
-    def user_turn(self) -> tuple[str, str] | None:
-        return continuation_user_turn(self.tokenizer)
+def check_sandbox(cfg: Config, data=(), checkpoint=None) -> list[str]:
+    """sandbox.check_sandbox for this run's folder and the given data and checkpoint: a sandbox that lets commands see
+    them is refused (a ConfigError) unless cfg.allow_leaky_sandbox. Returns the leaks it found."""
+    return sandbox.check_sandbox(cfg.run_dir, data, checkpoint, allow_leaks=cfg.allow_leaky_sandbox, error=ConfigError)
 
 
 # ---- The episode loop
@@ -1277,70 +982,8 @@ async def run_episodes(policy, problems_and_sample_indices, *, concurrency=None,
             own_executor.shutdown(wait=finished, cancel_futures=not finished)
 
 
-# ---- Progress: the bars of episodes, members and generations
-
-PROGRESS_LOG_INTERVAL_S = 10.0  # without a terminal (a log file): one progress line at most this often
-
-
-class _LineStream:
-    """tqdm's stream when the console is not a terminal: each redraw becomes a line of its own (not one more
-    carriage return within a single endless line), and the blank writes that clear a bar are dropped."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text: str) -> None:
-        line = text.replace("\r", "").rstrip()
-        if line:
-            self.stream.write(line + "\n")
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-def progress_bar(iterable=None, *, file=None, **kwargs):
-    """tqdm(iterable, **kwargs) as the stages draw their progress: redrawn in place on a terminal; in a log file
-    a plain line at most every PROGRESS_LOG_INTERVAL_S, where a new postfix waits for the next line instead of
-    forcing one (the pool's per-engine status changes at every episode)."""
-    from tqdm import tqdm
-
-    stream = file or sys.stderr
-    if getattr(stream, "isatty", lambda: False)():
-        return tqdm(iterable, file=stream, dynamic_ncols=True, **kwargs)
-
-    class LoggedProgress(tqdm):
-        def set_postfix_str(self, s="", refresh=True):
-            super().set_postfix_str(s, refresh=False)
-
-    return LoggedProgress(iterable, file=_LineStream(stream), mininterval=PROGRESS_LOG_INTERVAL_S,
-                          maxinterval=PROGRESS_LOG_INTERVAL_S, **kwargs)
-
-
-def _fenced(text):
-    """A Markdown code block whose fence is longer than any backtick run inside the text."""
-    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
-    fence = "`" * max(3, longest + 1)
-    return f"{fence}text\n{text}\n{fence}"
-
-
-def write_transcripts_markdown(records, path):
-    """A readable Markdown file with the full conversation of every failed (score 0) episode."""
-    failed = [r for r in records if not r["score"]]
-    parts = [f"# Failed episodes: {len(failed)} of {len(records)}\n"]
-    for r in failed:
-        parts.append(f"## {r['problem_id']} / sample {r['sample_index']}\n")
-        parts.append(f"- score method: {r['score_method']}; finish: {r['finish_reason']}; turns: {r['turns']}; "
-                     f"bash calls: {r['bash_calls']}; sandbox: {r['sandbox']}\n"
-                     f"- prediction: `{r['prediction']}`; gold: `{r['gold']}`\n"
-                     + (f"- error: {r['error']}\n" if r["error"] else ""))
-        for n, message in enumerate(r["messages"]):
-            parts.append(f"### {n}. {message['role']}\n\n{_fenced(message['content'])}\n")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(parts))
-
-
 # ============================================================================================================
-# 6. Data: problem files and per-generation case batches (SPEC section 5)
+# 6. Data: problem files and per-generation case batches
 # ============================================================================================================
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
@@ -1357,10 +1000,6 @@ LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other str
 LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
                   "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
 LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
-
-
-class DataError(StageError, ValueError):
-    """A missing, malformed or inconsistent input file or record set."""
 
 
 def load_problems(path):
@@ -1486,12 +1125,12 @@ def training_problems(cfg: Config) -> list[dict]:
 
 
 # ============================================================================================================
-# 7. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4 (SPEC section 6)
+# 7. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4
 # ============================================================================================================
 
 EVAL_SAMPLES = 16     # samples per problem in eval16
 GROUP_SIZE = 4        # samples per Mean4/Pass4 group
-REPORTED_SAMPLES = (12, 13, 14, 15)  # the reported Mean4/Pass4 group (SPEC section 2)
+REPORTED_SAMPLES = (12, 13, 14, 15)  # the reported Mean4/Pass4 group: the last four samples, as the reference
 REPORTED_GROUP = f"{REPORTED_SAMPLES[0]}-{REPORTED_SAMPLES[-1]}"
 EVAL_METRICS = "metrics.json"  # 03_eval.py's last file: the metrics of every set it evaluated, by set name
 # what the replay reads from 03_eval.py's files (check_shape)
@@ -1577,157 +1216,6 @@ def dataset_metrics(records):
     }
 
 
-def format_metrics_table(metrics_by_dataset):
-    """Aligned text table: one row per dataset, the reported group first, then the per-group Mean4 spread."""
-    first = next(iter(metrics_by_dataset.values()), None)
-    group_names = [g["group"] for g in first["groups"]] if first else []
-    header = ["dataset", f"Mean4@{REPORTED_GROUP}", f"Pass4@{REPORTED_GROUP}", "mean@16", "pass@4 unbiased"]
-    header += [f"Mean4 {name}" for name in group_names]
-    rows = [header]
-    for name, m in metrics_by_dataset.items():
-        row = [name, m["reported"]["mean4"], m["reported"]["pass4"], m["mean_at_16"], m["pass_at_4_unbiased"]]
-        row += [g["mean4"] for g in m["groups"]]
-        rows.append([row[0]] + [f"{x:.4f}" for x in row[1:]])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
-             for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
-
-def reward_curve_axes(history: dict):
-    """A figure of a run's rewards per generation, mean and max member fitness: (figure, axes), for a caller to add
-    to (bench/learning.py adds the held-out reward) before save_figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    gens = history["generations"]
-    x = [g["generation"] for g in gens]
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    ax.plot(x, [sum(g["rewards"]) / len(g["rewards"]) for g in gens], "o-", label="mean member fitness")
-    ax.plot(x, [max(g["rewards"]) for g in gens], "^--", alpha=0.7, label="max member fitness")
-    c = history["config"]
-    ax.set(xlabel="generation", ylabel="reward",
-           title=f"{history['base_model']}: N={c['population']}, alpha={c['alpha']:g}, "
-                 f"sigma={c['sigma_start']:g}->{c['sigma_end']:g}, seed {c['run_seed']}")
-    ax.title.set_fontsize(9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return fig, ax
-
-
-def save_figure(fig, path: str | Path) -> Path:
-    """The figure as a PNG, atomically (a reader never sees half a picture), and closed."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
-
-
-def plot_reward_curve(history: dict, path: str | Path) -> Path:
-    return save_figure(reward_curve_axes(history)[0], path)
-
-
-# ---- Timings: the seconds each step of a generation takes (perturb, rollout, restore, update, digest), recorded
-# in its history record and tracked as seconds/<step>
-
-@contextlib.contextmanager
-def stopwatch(timings: dict, key: str):
-    """Adds the wall time of the block to timings[key]."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
-
-
-# ---- Experiment tracking (optional): the per-generation summary as TensorBoard scalars
-
-TENSORBOARD_DIR = "tensorboard"  # in the run dir: `tensorboard --logdir runs/es/tensorboard`
-
-
-def generation_scalars(record: dict) -> dict[str, float]:
-    """What a history record says about its generation, as named scalars: rewards, sigma, alpha, seconds."""
-    rewards = np.asarray(record["rewards"], dtype=np.float64)
-    scalars = {"reward/mean": rewards.mean(), "reward/max": rewards.max(), "reward/min": rewards.min(),
-               "reward/std": rewards.std(), "sigma": record["sigma"], "alpha": record["alpha"]}
-    scalars.update({f"seconds/{k}": v for k, v in record["timings"].items()})
-    return {k: float(v) for k, v in scalars.items()}
-
-
-def logged_scalars(folder: str | Path) -> set[tuple[str, int]]:
-    """(tag, step) of every scalar in the TensorBoard event files of a folder."""
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-
-    events = EventAccumulator(str(folder), size_guidance={SCALARS: 0})  # 0: every value, none sampled away
-    events.Reload()
-    return {(tag, e.step) for tag in events.Tags()[SCALARS] for e in events.Scalars(tag)}
-
-
-class ClosedOnExit:
-    """`with engine:` closes it on the way out. If the block raised, that error is the one to report, not one
-    from closing after it (an engine that failed may not close cleanly)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-            return
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-class Tracker(ClosedOnExit):
-    """Scalars per step (the generation) for TensorBoard when cfg.tracking says so; nothing otherwise. A resumed
-    run appends to the same folder (a new event file, opened at the first scalar). The history stays the record of
-    the run: this is for watching it."""
-
-    def __init__(self, cfg: Config, run_dir: str | Path):
-        self.folder, self.writer = None, None
-        if cfg.tracking == "tensorboard":
-            try:
-                import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
-            except ImportError as exc:
-                raise ConfigError("--tracking=tensorboard needs the tensorboard package (pip install "
-                                  "tensorboard)") from exc
-            self.folder = Path(run_dir) / TENSORBOARD_DIR
-
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        if self.folder is None:
-            return
-        if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(self.folder))
-        for name, value in scalars.items():
-            self.writer.add_scalar(name, value, global_step=step)
-        self.writer.flush()  # after every generation: a crash loses nothing already shown
-
-    def log_missing(self, records: list[dict]) -> None:
-        """The scalars of the history's generations that the event files lack: a process that ended between a
-        generation's history write and its log (or a run that turned tracking on when resumed). Called before a
-        resumed run's first new generation, so that the steps still arrive in order."""
-        if self.folder is None:
-            return
-        logged = logged_scalars(self.folder) if self.folder.exists() else set()
-        for record in records:
-            step = record["generation"]
-            missing = {k: v for k, v in generation_scalars(record).items() if (k, step) not in logged}
-            if missing:
-                self.log(step, missing)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
 # ============================================================================================================
 # 8. Files: atomic JSON, JSONL that survives a crash (the weight digests: digests.py; SHA256SUMS, fingerprints and
 #    the sharded_state export's manifest: history.py)
@@ -1742,15 +1230,15 @@ def _fsync_dir(folder):
         os.close(fd)
 
 
-def write_text_atomic(text, path):
-    """Temp file in the same folder, fsync, rename over path: readers see the old file or the new one, never
-    a partial one. Same folder so os.replace is a rename on one filesystem."""
+def write_file_atomic(data: str | bytes, path):
+    """Text (UTF-8) or bytes into a temp file in the same folder, fsync, rename over path: readers see the old file
+    or the new one, never a partial one. Same folder so os.replace is a rename on one filesystem."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644)  # mkstemp gives 0600
@@ -1766,7 +1254,7 @@ def write_json_atomic(obj, path):
     """Serialise first (a non-JSON value fails before any file is touched), then replace path atomically.
     Strict JSON: NaN/Infinity are refused so every reader can parse the file."""
     text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    write_text_atomic(text, path)
+    write_file_atomic(text, path)
 
 
 def read_json(path, required=None):
@@ -1836,7 +1324,7 @@ def append_jsonl(path, rows):
 def write_jsonl(rows, path):
     """Write rows as JSONL, atomically (a reader never sees half a file)."""
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    write_text_atomic(text, path)
+    write_file_atomic(text, path)
 
 
 def read_jsonl(path, required=None):
@@ -1860,6 +1348,84 @@ def read_jsonl(path, required=None):
     if required is not None:
         check_shape(rows, [required], path, "row")
     return rows
+
+
+# ============================================================================================================
+# 9. The settings' valid values: every Config is checked against them (Config.__post_init__)
+# ============================================================================================================
+
+@dataclass(frozen=True)
+class Bounds:
+    """The valid values of a numeric setting: low..high, each end included unless marked open."""
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+
+    def admits(self, value) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            text = f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return text + (f" ({self.why})" if self.why else "")
+
+
+# Every numeric setting's valid values, checked (with SETTING_CHOICES) whenever a Config is made: the defaults, a
+# preset, the command line, or the settings read back from a history or an evaluation.
+SETTING_BOUNDS = {
+    "tensor_parallel_size": Bounds(1),
+    "max_model_len": Bounds(1),
+    "gpu_memory_utilization": Bounds(0, 1, low_open=True, why="the share of each GPU's memory vLLM may take"),
+    "max_num_batched_tokens": Bounds(0, why="0: vLLM's default"),
+    "engines": Bounds(0, why="0: one per tensor_parallel_size GPUs"),
+    "run_seed": Bounds(0, why="seeds numpy's generators"),
+    "generations": Bounds(1),
+    "population": Bounds(2, why="z-scores need two members"),
+    "case_batch": Bounds(1),
+    "sigma_start": Bounds(0, low_open=True),
+    "sigma_end": Bounds(0, low_open=True),
+    "alpha": Bounds(0, why="0: members are evaluated, the weights never move"),
+    "noise_chunk": Bounds(1),
+    "patch_capacity": Bounds(0, 1, why="0: 0.12 with rounding=nearest, 0.32 with stochastic"),
+    "max_turns": Bounds(1),
+    "max_new_tokens": Bounds(1),
+    "temperature": Bounds(0, 2, why="vLLM's range; 0: greedy"),
+    "top_p": Bounds(0, 1, low_open=True),
+    "top_k": Bounds(-1, why="-1 or 0: every token"),
+    "min_p": Bounds(0, 1),
+    "presence_penalty": Bounds(-2, 2, why="vLLM's range"),
+    "repetition_penalty": Bounds(0, low_open=True, why="1: none"),
+    "bash_timeout_s": Bounds(0, low_open=True),
+    "observation_chars": Bounds(1),
+    "concurrency": Bounds(1),
+    "eval_problems": Bounds(0, why="0: all"),
+}
+
+
+def setting_problem(name: str, value, kind: type) -> str | None:
+    """What is wrong with one Config value (its default's type `kind`, SETTING_BOUNDS, SETTING_CHOICES), or None."""
+    numeric = kind in (int, float)
+    if kind is float:
+        expected, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is int:
+        expected, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
+    else:
+        expected, ok = {bool: "true or false", str: "a string"}[kind], isinstance(value, kind)
+    if not ok:
+        return f"{name} must be {expected}, got {value!r}"
+    if numeric and name in SETTING_BOUNDS and not SETTING_BOUNDS[name].admits(value):
+        finite = "a finite number " if kind is float else ""
+        return f"{name} must be {finite}{SETTING_BOUNDS[name]}, got {value!r}"
+    choices = SETTING_CHOICES.get(name)
+    if choices is not None and value not in choices:
+        return f"{name} must be one of {', '.join(choices)}, got {value!r}"
+    return None
 
 
 # A vLLM CPU worker imports this module (worker_extension_cls) before its model loads, which is when the linear

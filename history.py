@@ -7,9 +7,11 @@ refuses a history of another run before it changes any weight. Published files c
 them (`sha256sum -c SHA256SUMS` checks them), and a sharded_state export its manifest (each shard's sha256, the
 per-rank digests of the weights), checked before anything loads it (verify_export, check_loaded_export).
 
-The algorithm stays in common: replaying a history's updates (replay, rebuild_from_history), the per-rank weight
-digests the TP workers compute, and the atomic JSON and JSONL files. This module imports common; common imports it
-only inside the functions that call it, never at import time.
+Export and replay take the recorded run's settings from its history (config_from_history: what defines the weights
+always, never a preset's or a default) and rebuild its weights (rebuild_from_history: the refusals, then
+common.replay). The algorithm stays in common: replaying a history's updates, the per-rank weight digests the TP
+workers compute, and the atomic JSON and JSONL files. This module imports common, cli and tracking; none of them
+imports it.
 """
 
 from __future__ import annotations
@@ -21,14 +23,13 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 import common as C
-
-if TYPE_CHECKING:  # for annotations only
-    from common import Engine
+from cli import parse_overrides
+from common import Config, ConfigError, ExportError
+from tracking import progress_bar
 
 
 # ---- The history file: what the stages read from it, checked before any engine starts
@@ -46,28 +47,79 @@ def read_history(path) -> dict:
     return C.read_json(path, required=HISTORY_SHAPE)
 
 
+# ---- The recorded run's settings: what export and replay take from a history, what a resume may change
+
+# What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
+# the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
+# command line, a preset or an evaluation's settings.
+WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "rounding", "noise")
+POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
+# settings that may change between a run and its resume: where files go, and how fast and how many episodes the
+# engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
+RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
+                      "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
+
+
+def resume_free_fields(config: dict) -> tuple[str, ...]:
+    """RESUME_FREE_FIELDS, and with checkpoint noise the TP size: its weights are the same at every TP size."""
+    return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if C.is_checkpoint_noise(config) else ())
+
+
+def without_retired_settings(config: dict) -> dict:
+    """A recorded config without the settings this code no longer has: `scope` and its `lora_rank` (scope="full",
+    every parameter, is what every run does; "lowrank", members as LoRA adapters, was measured slower than
+    co-located engines and removed: bench/README.md, "Low-rank members")."""
+    if config.get("scope", "full") != "full":
+        raise ConfigError(f"the run was trained with scope={config['scope']!r}, which this version of the code no "
+                          "longer has (measured and removed, see bench/README.md): use the version that trained it")
+    return {k: v for k, v in config.items() if k not in ("scope", "lora_rank")}
+
+
+def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
+    """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
+    from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
+    from the history. `--preset` fills in only the settings that may differ between runs (RESUME_FREE_FIELDS, such
+    as run_dir), never a recorded value; an explicit `--key=value` that differs from a recorded one is refused."""
+    history_settings = without_retired_settings(history["config"])  # refuses a run this code cannot rebuild
+    given = without_retired_settings(settings) if settings else history_settings
+    recorded_settings = {k: v for k, v in given.items()
+                         if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
+    free_fields = resume_free_fields(history["config"])
+    values = {**recorded_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS
+                                      if f in history["config"] and f not in free_fields}}
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
+    if unknown:
+        raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
+    recorded = Config(**values)
+    preset, explicit = parse_overrides(argv)
+    refused = [f"--{k}={v!r} (recorded: {getattr(recorded, k)!r}{', from the history' if k in WEIGHT_FIELDS else ''})"
+               for k, v in explicit.items() if k not in free_fields and v != getattr(recorded, k)]
+    if refused:
+        raise ConfigError("these settings were recorded by the run and cannot be overridden: " + ", ".join(refused))
+    free = {k: v for k, v in {**preset, **explicit}.items() if k in free_fields}
+    return dataclasses.replace(recorded, **free)
+
+
 # ---- A run's identity, and the refusals of a history made by another run
 
-def run_identity(cfg: C.Config, model_path: str, engine: Engine, train_data: bool = True) -> dict:
-    """The header of a history: what must be equal for a replay to reproduce the trained weights bit for bit.
-    Without train_data the training data file is not read (export and replay rebuild theta without it)."""
+def run_identity(cfg: C.Config, model_path: str, engine, train_data: bool = True) -> dict:
+    """The header of a history: what must be equal for a replay to reproduce the trained weights bit for bit, read
+    from `engine` (an engine.Engine or a pool.EnginePool holding the base weights). Without train_data the training
+    data file is not read (export and replay rebuild theta without it)."""
     import vllm
-
-    import checkpoint_noise  # (it imports this module: imported on use, never at import time)
 
     data = {}
     if train_data:  # export and replay rebuild theta without the training data file
         data["train_data_sha256"] = train_data_sha256(cfg)
     return {
         "format": HISTORY_FORMAT,
-        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in C.POOL_FIELDS},  # any K, one history
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POOL_FIELDS},  # any K, one history
         "noise": C.noise_definition(cfg),
         **data,
         "base_model": cfg.model,
         "base_model_path": str(model_path),
         "base_fingerprint": model_fingerprint(model_path),
-        "base_digests": (checkpoint_noise.checked_checkpoint_digests(engine, model_path, cfg.dtype)
-                         if cfg.noise == "checkpoint" else engine.digests()),
+        "base_digests": engine.base_digests(model_path),
         "parameter_names_sha256": engine.parameter_names_sha256(),
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "dtype": cfg.dtype,
@@ -90,7 +142,7 @@ def train_data_sha256(cfg: C.Config) -> str:
 def identity_differences(recorded: dict, current: dict, compare_config: bool = True) -> list[str]:
     """Human-readable differences between a history's identity and this run's (empty: compatible). Without
     compare_config only what defines the weights is compared (base, noise, layout, TP, device, versions)."""
-    diffs, any_tp = [], recorded.get("noise", {}).get("index") == C.CHECKPOINT_NOISE["index"]
+    diffs, any_tp = [], C.is_checkpoint_noise(recorded.get("config", {}))
     for key, value in current.items():
         if not compare_config and key in ("config", "train_data_sha256"):
             continue
@@ -101,7 +153,7 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
             defaults = dataclasses.asdict(C.Config())
             for field, now in value.items():
                 then = recorded["config"].get(field, defaults.get(field))
-                if field not in C.resume_free_fields(recorded["config"]) and then != now:
+                if field not in resume_free_fields(recorded["config"]) and then != now:
                     diffs.append(f"config {field}: history has {then!r}, this run has {now!r}")
         elif key == "devices" and any_tp:
             diffs += device_differences(recorded.get(key) and recorded[key][:1], value[:1])
@@ -146,6 +198,15 @@ def check_config(recorded: dict, cfg: C.Config) -> None:
     check_base({"config": recorded["config"]}, {"config": dataclasses.asdict(cfg)})
 
 
+def rebuild_from_history(engine, cfg: Config, model_path: str, history: dict, generations: list[dict],
+                         compare_config: bool = True, desc: str = "replaying history") -> tuple[dict, list[str]]:
+    """Refuse a history of another base (and, by default, other run constants), then replay `generations` on the
+    engine's base weights. Returns this engine's identity and the rebuilt per-rank digests."""
+    identity = run_identity(cfg, model_path, engine, train_data=compare_config)
+    check_base(history, identity, compare_config)
+    return identity, C.replay(engine, progress_bar(generations, desc=desc, leave=False), identity["base_digests"])
+
+
 # ---- Fingerprints: SHA256SUMS beside published files, the weight files of a base model
 
 SHA256SUMS = "SHA256SUMS"
@@ -176,7 +237,7 @@ def write_sha256sums(folder, files):
     folder. Returns {name: hex}."""
     names = sorted({_relative_name(folder, f) for f in files} - {SHA256SUMS})
     sums = {name: sha256_file(os.path.join(folder, name)) for name in names}
-    C.write_text_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
+    C.write_file_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
     return sums
 
 
@@ -248,10 +309,6 @@ EXPORT_MANIFEST_SHAPE = {"tensor_parallel_size": None, "shards": [("file", "rank
 SHARD_PATTERN = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 
 
-class ExportError(C.StageError, RuntimeError):
-    pass
-
-
 def shard_entries(folder: str | Path) -> list[dict]:
     """The worker shards vLLM's save_sharded_state wrote: file, rank, bytes, sha256."""
     rows = []
@@ -263,7 +320,7 @@ def shard_entries(folder: str | Path) -> list[dict]:
     return rows
 
 
-def check_loaded_export(engine: Engine, manifest: dict, folder) -> list[str]:
+def check_loaded_export(engine, manifest: dict, folder) -> list[str]:
     """After loading: the running vLLM must see the exported parameter names and bits, rank by rank."""
     if engine.parameter_names_sha256() != manifest["parameter_names_sha256"]:
         raise ExportError(f"{folder}: this vLLM ({manifest['vllm_version']} wrote the export) lays out the model's "

@@ -34,6 +34,7 @@ import common as C
 import engine as E
 import history as H
 import sandbox
+import tracking
 
 
 POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
@@ -222,8 +223,8 @@ def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: in
 
 
 def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: bool) -> str | None:
-    """Co-located engines at TP > 1 without MPS are refused (their collectives stall, GPU.md); at TP=1 they run
-    with a warning (returned)."""
+    """Co-located engines at TP > 1 without MPS are refused (on 2x H200, two TP=2 engines on the same GPUs stalled
+    as soon as both generated: NCCL collectives under time-slicing); at TP=1 they run with a warning (returned)."""
     if engines_per_group <= 1 or mps:
         return None
     if tensor_parallel_size > 1:
@@ -349,8 +350,7 @@ class _EngineActor:
         # hands over as a RayTaskError carrying the exception itself.
         try:
             if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as well
-                sandbox.check_sandbox(cfg.run_dir, allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError,
-                                      **sandbox_check)
+                C.check_sandbox(cfg, **sandbox_check)
             # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
             executor = "mp" if cfg.tensor_parallel_size > 1 else None
             if plan is None:
@@ -666,6 +666,12 @@ class EnginePool(C.ClosedOnExit):
         self._check_agreement(per_engine)
         return per_engine[0]
 
+    def base_digests(self, model_path: str) -> list[str]:
+        """Engine.base_digests for the pool: its engines hold the same base (digests() checks it)."""
+        if C.is_checkpoint_noise(self.cfg):
+            return checkpoint_noise.checked_checkpoint_digests(self, model_path, self.cfg.dtype)
+        return self.digests()
+
     def _check_agreement(self, per_engine: list[list[str]]) -> None:
         for k, digests in enumerate(per_engine[1:], start=1):
             ranks = [r for r, (mine, first) in enumerate(zip(digests, per_engine[0])) if mine != first]
@@ -706,7 +712,7 @@ class EnginePool(C.ClosedOnExit):
         index, never by completion order; the first failure stops the queue and is raised, naming its engine."""
         results, todo, failures = [None] * tasks, list(range(tasks)), []
         lock, status = threading.Lock(), ["idle"] * self.size
-        bar = C.progress_bar(total=total_episodes or tasks, desc=desc, leave=False)
+        bar = tracking.progress_bar(total=total_episodes or tasks, desc=desc, leave=False)
 
         def recorder(k: int, i: int):
             episodes = [0]

@@ -1,4 +1,4 @@
-"""The sandbox for model-written commands (SPEC section 4, "Sandbox"): every bash command the agent writes runs
+"""The sandbox for model-written commands: every bash command the agent writes runs
 here, in a fresh per-episode work directory, without network, with limits on time, memory, CPU, processes and file
 size, seeing none of the data, the project, the run folder or the checkpoint; and the start-up leak check that
 probes what a command could see.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent  # the project folder: hidden from every command
 
-BASH_TIMEOUT_S = 20.0                # wall-clock limit of one command (the default of common.Config.bash_timeout_s)
+BASH_TIMEOUT_S = 20.0                # wall-clock limit of one command run here directly (the stages pass theirs)
 SANDBOX_MEMORY_BYTES = 2 * 1024**3   # RLIMIT_AS of every sandboxed process
 SANDBOX_FILE_BYTES = 64 * 1024**2    # RLIMIT_FSIZE: largest file a command may write
 SANDBOX_TMPFS_BYTES = 64 * 1024**2   # size of the private /tmp and /dev/shm (where bwrap supports --size)

@@ -1,4 +1,4 @@
-"""Scoring (SPEC section 4, "Scoring"): what an agent's reply commits to as its answer, that answer against the gold
+"""Scoring: what an agent's reply commits to as its answer, that answer against the gold
 (as a number, by math-verify, else normalised exact match), and which episodes score at all.
 
 The episode loop scores in worker processes that a hung sympy call cannot stall (score_answer_isolated): a worker

@@ -17,7 +17,7 @@ the baseline used until 2026-12-01: one prompt E times with one seed, so E ident
 experts that is no baseline: the copies route every token of a step to the same 8 experts, so a step reads a
 fraction of the expert weights that E distinct sequences read. Prints a table and one JSON line.
 
-What the prompts are depends on --prompt_mode (Config.prompt_mode, see common.choose_prompt_mode) and on the chat
+What the prompts are depends on --prompt_mode (Config.prompt_mode, see engine.choose_prompt_mode) and on the chat
 template: the tiny model's own template by default; --chat_template=FILE writes the tiny model (or, with
 --qwen3_30b, the tokenizer) with that template and Qwen3's tag tokens. With Qwen3-30B-A3B's published template
 (../shared/fixtures/qwen3_chat_template.jinja), "render" re-renders the conversation every turn (earlier replies lose
@@ -36,11 +36,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common as C  # noqa: E402
+import cli  # noqa: E402
+import common  # noqa: E402
 import models  # noqa: E402
-import engine as E  # noqa: E402
-import qwen3_30b  # noqa: E402
 import plain_generation  # noqa: E402
+import qwen3_30b  # noqa: E402
+from engine import Engine, sampling_params  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 
@@ -71,7 +72,7 @@ def plain_rounds(engine, prompts_per_round, max_new_tokens):
 def copies_rounds(engine, prompt, copies, rounds, max_new_tokens):
     """One prompt `copies` times with one seed per round: identical sequences (the old baseline). Returns [tokens]."""
     async def one_round(turn):
-        params = E.sampling_params(engine.cfg, seed=turn, max_tokens=max_new_tokens, ignore_eos=True)
+        params = sampling_params(engine.cfg, seed=turn, max_tokens=max_new_tokens, ignore_eos=True)
         return await asyncio.gather(*(engine._complete(prompt, params, f"copy-{turn}-{i}-{time.time_ns()}")
                                       for i in range(copies)))
 
@@ -107,10 +108,10 @@ def turn_starts(record):
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"episodes": 16, "repeats": 2, "qwen3_30b": False, "chat_template": "",
+    opts, overrides = cli.parse_args(argv, {"episodes": 16, "repeats": 2, "qwen3_30b": False, "chat_template": "",
                                           "out": ""})
-    cfg = C.parse_config(overrides)
-    problems = C.smoke_problems(opts["episodes"], seed=3)
+    cfg = cli.parse_config(overrides)
+    problems = common.smoke_problems(opts["episodes"], seed=3)
     jobs = [(p, 0) for p in problems]
     model, load_format = None, "auto"
     if opts["chat_template"]:  # the tiny model again, with this template and Qwen3's tag tokens
@@ -121,7 +122,7 @@ def main(argv):
         model = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-tinytok", tokenizer_from=tokenizer_from)
         load_format = "dummy"
     model = model or models.resolve_model(cfg.model)
-    with E.Engine(cfg, model, load_format=load_format) as engine:
+    with Engine(cfg, model, load_format=load_format) as engine:
         engine.run_agent(jobs[:2])  # warm-up
         counts = count_requests(engine)
         runs = {"agent loop": [], "plain generate": [], "plain, agent contexts": [], "plain, copies of one": []}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Co-located engines on one GPU machine (TP=1): the reference-shaped generation (bench/reference_generation.py)
 # with K engines on the same GPU, under CUDA MPS ("K:mps") or without ("K"). Run on the GPU machine after the
-# install of ../shared/GPU.md:
+# install of vLLM 0.26.0:
 #   bash bench/colocation_h200.sh OUT_DIR 1 4 2:mps 4:mps
 # The workload is the reference's scripted one scaled down (BENCH_ARGS) so that each K fits one device call.
 set -uo pipefail

@@ -15,7 +15,7 @@ random prompts, each with its own seed.
     bash run_cpu.sh python bench/decode_speed.py --preset=smoke --tokens=32 --long_prompt=512
 
 --inductor=true compiles the piecewise graphs with vLLM's default backend (inductor) instead of "eager": inductor
-fused kernels save per-step launches. It failed inside vLLM's compile flow at TP=2 on 2026-11-29 (GPU.md), so the
+fused kernels save per-step launches. It failed inside vLLM's compile flow at TP=2 on 2x H200 on 2026-11-29, so the
 engine never uses it; this option only measures what it would buy.
 """
 
@@ -30,11 +30,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common as C  # noqa: E402
+import cli  # noqa: E402
 import models  # noqa: E402
-import engine as E  # noqa: E402
-import qwen3_30b  # noqa: E402
 import plain_generation  # noqa: E402
+import qwen3_30b  # noqa: E402
+from engine import Engine, cuda_engine_args, sampling_params  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 SHORT_PROMPT = 64
@@ -54,17 +54,17 @@ def generate(engine, prompts: list[list[int]], params_for) -> int:
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"tokens": 1024, "long_prompt": 16384, "repeats": 2, "qwen3_30b": False,
+    opts, overrides = cli.parse_args(argv, {"tokens": 1024, "long_prompt": 16384, "repeats": 2, "qwen3_30b": False,
                                           "inductor": False, "out": ""})
-    cfg = C.parse_config(overrides)
+    cfg = cli.parse_config(overrides)
     if opts["inductor"]:
-        eager_backend = E.cuda_engine_args
+        eager_backend = cuda_engine_args
 
         def inductor_backend(c):
             args = eager_backend(c)
             return {**args, "compilation_config": {**args["compilation_config"], "mode": 3, "backend": "inductor"}}
 
-        E.cuda_engine_args = inductor_backend
+        cuda_engine_args = inductor_backend
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref"), "dummy"
     else:
@@ -73,7 +73,7 @@ def main(argv):
     from vllm.sampling_params import RequestOutputKind
 
     def sampled(c):  # the run's sampling settings, never stopping early
-        return lambda seed: E.sampling_params(c, seed=seed, max_tokens=opts["tokens"], ignore_eos=True)
+        return lambda seed: sampling_params(c, seed=seed, max_tokens=opts["tokens"], ignore_eos=True)
 
     sampling = {"run sampling": sampled(cfg),
                 "no penalty": sampled(dataclasses.replace(cfg, presence_penalty=0.0, repetition_penalty=1.0)),
@@ -85,7 +85,7 @@ def main(argv):
         (16, "distinct", "greedy"), (64, "distinct", "run sampling"),
     ]
     results = []
-    with E.Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
+    with Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         plain_generation.generate(engine, [random_prompt(0, SHORT_PROMPT, vocab)] * 2, 16)  # warm-up
         for n, prompts, how in rows:

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common as C  # noqa: E402
+import cli  # noqa: E402
 import digests  # noqa: E402
 import qwen3_30b  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
@@ -94,7 +94,7 @@ def sha256_gb_per_s(size=1 << 30) -> float:
 
 
 def main(argv):
-    opts, _ = C.parse_args(argv, {"out": "", "repeats": 2})
+    opts, _ = cli.parse_args(argv, {"out": "", "repeats": 2})
     ranks = min(2, torch.cuda.device_count())
     if ranks == 0:
         sys.exit("bench/digest.py needs CUDA GPUs (CPU tensors are hashed in place, without staging)")

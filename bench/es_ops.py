@@ -17,10 +17,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common as C  # noqa: E402
-import engine as E  # noqa: E402
-import qwen3_30b  # noqa: E402
+import cli  # noqa: E402
+import common  # noqa: E402
 import plain_generation  # noqa: E402
+import qwen3_30b  # noqa: E402
+from engine import Engine  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 
@@ -48,16 +49,16 @@ def generation_only(engine, cfg, opts, start_s) -> dict:
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"out": "", "repeats": 5, "gen_tokens": 256, "folder": "/tmp/qwen3-30b-a3b",
+    opts, overrides = cli.parse_args(argv, {"out": "", "repeats": 5, "gen_tokens": 256, "folder": "/tmp/qwen3-30b-a3b",
                                           "ops": True})  # --ops=false: generation speed only (eager vs graphs)
-    cfg = C.parse_config(["--max_model_len=8192", *overrides])
+    cfg = cli.parse_config(["--max_model_len=8192", *overrides])
     folder = qwen3_30b.write_config(opts["folder"])
     t0 = time.perf_counter()
-    with E.Engine(cfg, folder, load_format="dummy", skip_tokenizer_init=True) as engine:
+    with Engine(cfg, folder, load_format="dummy", skip_tokenizer_init=True) as engine:
         start_s = time.perf_counter() - t0
         if not opts["ops"]:
             return generation_only(engine, cfg, opts, start_s)
-        seeds = C.member_seeds(cfg.run_seed, 0, 16)
+        seeds = common.member_seeds(cfg.run_seed, 0, 16)
         sigma = cfg.sigma_start
         perturb, restore, reset = [], [], []
         for seed in seeds[: opts["repeats"]]:
@@ -66,7 +67,7 @@ def main(argv):
             t = time.perf_counter(); engine.rpc("es_restore"); restore.append(time.perf_counter() - t)
             engine.reset_prefix_cache()
         memory = engine.rpc("es_memory")
-        coeffs = C.update_coefficients(C.zscore(list(range(16))), cfg.alpha)
+        coeffs = common.update_coefficients(common.zscore(list(range(16))), cfg.alpha)
         update_s, update_runs = timed(lambda: engine.update(seeds, coeffs), 2)
         digest_s, _ = timed(engine.digests, 1)
 

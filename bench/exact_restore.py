@@ -31,10 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common as C  # noqa: E402
-import engine as E  # noqa: E402
+import cli  # noqa: E402
+import common  # noqa: E402
+import pool  # noqa: E402
+from engine import Engine  # noqa: E402
 import models  # noqa: E402
-import pool as P  # noqa: E402
 import qwen3_30b  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -49,12 +50,12 @@ def synthetic(n: int = 4_000_000) -> list[dict]:
     for std in SYNTHETIC_STDS:
         theta = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * std).bfloat16()
         for sigma in SYNTHETIC_SIGMAS:
-            for rounding in C.ROUNDING_MODES:
-                patch = C.RestorePatch([theta], 1.0)
+            for rounding in common.ROUNDING_MODES:
+                patch = common.RestorePatch([theta], 1.0)
                 work = theta.clone()
                 patch.start_recording()
-                rs = C.rounding_seed("perturb", [5], 0, "w") if rounding == "stochastic" else None
-                C.add_noise_(work, [C.noise_seed(5, 0, "w")], [sigma], 1 << 20, rs, patch)
+                rs = common.rounding_seed("perturb", [5], 0, "w") if rounding == "stochastic" else None
+                common.add_noise_(work, [common.noise_seed(5, 0, "w")], [sigma], 1 << 20, rs, patch)
                 rows.append({"std": std, "sigma": sigma, "rounding": rounding,
                              "miss_fraction": round(patch.used[torch.bfloat16] / n, 5)})
     return rows
@@ -65,10 +66,11 @@ def largest_k(restore: str, needs: dict, report: dict, utilization: float, tp: i
     k = 0
     while k < 64:
         try:
-            plan = P.plan_gpu_memory(engines_per_gpu=k + 1, engines_on_node=k + 1, gpu_total=report["gpu_total_bytes"],
-                                     gpu_free=report["gpu_free_bytes"], host_free=report["host_free_bytes"],
-                                     utilization=utilization, restore=restore, tensor_parallel_size=tp, **needs)
-        except C.ConfigError:
+            plan = pool.plan_gpu_memory(engines_per_gpu=k + 1, engines_on_node=k + 1,
+                                        gpu_total=report["gpu_total_bytes"], gpu_free=report["gpu_free_bytes"],
+                                        host_free=report["host_free_bytes"], utilization=utilization, restore=restore,
+                                        tensor_parallel_size=tp, **needs)
+        except common.ConfigError:
             break
         if plan["restore"] != restore:
             break
@@ -84,22 +86,22 @@ def kv_cache_by_k(restore: str, needs: dict, report: dict, tp: int) -> dict:
         best = None
         for step in range(1, 100):
             try:
-                plan = P.plan_gpu_memory(engines_per_gpu=k, engines_on_node=k, gpu_total=report["gpu_total_bytes"],
-                                         gpu_free=report["gpu_free_bytes"], host_free=report["host_free_bytes"],
-                                         utilization=step / 100, restore=restore, tensor_parallel_size=tp, **needs)
-            except C.ConfigError:
+                plan = pool.plan_gpu_memory(engines_per_gpu=k, engines_on_node=k, gpu_total=report["gpu_total_bytes"],
+                                            gpu_free=report["gpu_free_bytes"], host_free=report["host_free_bytes"],
+                                            utilization=step / 100, restore=restore, tensor_parallel_size=tp, **needs)
+            except common.ConfigError:
                 continue
             if plan["restore"] == restore:
                 best = plan["kv_cache_bytes"]
         if best is None:
             break
-        out[k] = round(best / P.GIB, 1)
+        out[k] = round(best / pool.GIB, 1)
     return out
 
 
 def run_mode(cfg, model, load_format, opts, seeds) -> dict:
     t0 = time.perf_counter()
-    with E.Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
+    with Engine(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as engine:
         start_s = time.perf_counter() - t0
         if opts["normal_weights"]:
             engine.rpc(qwen3_30b.normal_weights, std=qwen3_30b.NORMAL_STD, seed=opts["seed"])
@@ -129,7 +131,7 @@ def run_mode(cfg, model, load_format, opts, seeds) -> dict:
               "params_per_rank": rank0["params"], "param_bytes_per_rank": rank0["param_bytes"],
               "copy_bytes_per_rank": rank0["copy_bytes"], "patch_bytes_per_rank": rank0["patch_bytes"]}
     if cfg.restore == "patch":
-        result.update(patch_capacity=C.patch_capacity(cfg),
+        result.update(patch_capacity=common.patch_capacity(cfg),
                       patch_reserved_of_copy=round(rank0["patch_bytes"] / rank0["param_bytes"], 4),
                       patch_used_of_copy_max=round(max(max(m["patch_used_bytes_per_rank"]) for m in members)
                                                    / rank0["param_bytes"], 4),
@@ -139,15 +141,15 @@ def run_mode(cfg, model, load_format, opts, seeds) -> dict:
 
 def plan_ks(cfg, model, modes: dict) -> dict | None:
     """The memory plan's largest K per restore mode on this node's first GPU group (None without nvidia-smi)."""
-    gpus = P.visible_gpus()[:cfg.tensor_parallel_size]
-    report = P.node_report(gpus)
+    gpus = pool.visible_gpus()[:cfg.tensor_parallel_size]
+    report = pool.node_report(gpus)
     if report["gpu_total_bytes"] is None:
         return None
     config = json.loads((Path(model) / "config.json").read_text())
-    needs = P.engine_memory_needs(config, cfg, model)
+    needs = pool.engine_memory_needs(config, cfg, model)
     needs.update(weights_bytes=modes["copy_device"]["param_bytes_per_rank"],  # the engine's real bytes
                  patch_bytes=modes["patch"]["patch_bytes_per_rank"])
-    smallest = math.ceil((needs["weights_bytes"] + P.ACTIVATION_RESERVE_BYTES + needs["sequence_kv_bytes"])
+    smallest = math.ceil((needs["weights_bytes"] + pool.ACTIVATION_RESERVE_BYTES + needs["sequence_kv_bytes"])
                          / report["gpu_total_bytes"] * 100) / 100
     return {"gpu_total_bytes": report["gpu_total_bytes"], "gpu_free_bytes": report["gpu_free_bytes"],
             "host_free_bytes": report["host_free_bytes"], "needs": needs, "smallest_utilization": smallest,
@@ -161,7 +163,7 @@ def plan_ks(cfg, model, modes: dict) -> dict | None:
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"members": 4, "seed": 0, "qwen3_30b": False, "layers": 0,
+    opts, overrides = cli.parse_args(argv, {"members": 4, "seed": 0, "qwen3_30b": False, "layers": 0,
                                           "normal_weights": False, "synthetic": False, "out": ""})
     if opts["synthetic"]:
         rows = synthetic()
@@ -169,14 +171,14 @@ def main(argv):
             print(f"std {r['std']:<6} sigma {r['sigma']:<7} {r['rounding']:<10} misses {r['miss_fraction']:.4f}")
         return emit({"bench": "exact_restore/synthetic", "date": time.strftime("%Y-%m-%d"), "dtype": "bfloat16",
                      "rows": rows}, opts["out"])
-    cfg = C.parse_config(overrides)
+    cfg = cli.parse_config(overrides)
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-exact-restore", layers=opts["layers"]), "dummy"
     else:
         model, load_format = models.resolve_model(cfg.model), "auto"
     opts["normal_weights"] = opts["normal_weights"] or opts["qwen3_30b"]  # dummy weights would say nothing
     qwen3_30b.allow_normal_weights()
-    seeds = C.member_seeds(cfg.run_seed, 0, opts["members"])
+    seeds = common.member_seeds(cfg.run_seed, 0, opts["members"])
     modes = {r: run_mode(dataclasses.replace(cfg, restore=r), model, load_format, opts, seeds) for r in RESTORES}
     plan = plan_ks(cfg, model, modes)
     cut = f" cut to {opts['layers']} layers" if opts["layers"] else ""

@@ -22,7 +22,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import common as C  # noqa: E402
+import cli  # noqa: E402
+import common  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 BOOTSTRAP = 10_000
@@ -113,13 +114,13 @@ def count(generations: float | None) -> str:
 
 def main(argv):
     paths = [a for a in argv if not a.startswith("--")]
-    opts, _ = C.parse_args([a for a in argv if a.startswith("--")], {"out": "", "timed_from": 0, "match": ""})
+    opts, _ = cli.parse_args([a for a in argv if a.startswith("--")], {"out": "", "timed_from": 0, "match": ""})
     if not paths:
         sys.exit("usage: python bench/fitness_trend.py HISTORY.json ... [--timed_from=K] [--match=REF.json,...] "
                  "[--out=FILE]")
-    histories = [(p, C.read_json(Path(p))) for p in paths]
+    histories = [(p, common.read_json(Path(p))) for p in paths]
     references = [p for p in opts["match"].split(",") if p]
-    reference = reference_gain([C.read_json(Path(p)) for p in references]) if references else None
+    reference = reference_gain([common.read_json(Path(p)) for p in references]) if references else None
     rows = [dict(history=p, **fitness_trend(h), **generation_seconds(h, opts["timed_from"]),
                  **(generations_to_match(h, reference) if references else {})) for p, h in histories]
     print(f"{'history':<58} {'gens':>4} {'alpha x sigma':>13} {'slope / generation [95% CI]':>34} "

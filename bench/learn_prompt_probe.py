@@ -14,40 +14,42 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common as C  # noqa: E402
+import cli  # noqa: E402
+import common  # noqa: E402
+import learning  # noqa: E402
 import models  # noqa: E402
-import engine as E  # noqa: E402
-import learning as L  # noqa: E402
+from engine import Engine, prepare_script  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 VARIANTS = {
-    "as_is": C.LEARN_QUESTION,
-    "shows_final_line": C.LEARN_QUESTION + " Then, when it prints the sum, reply: Final answer: \\boxed{{<the sum>}}",
+    "as_is": common.LEARN_QUESTION,
+    "shows_final_line": (common.LEARN_QUESTION
+                         + " Then, when it prints the sum, reply: Final answer: \\boxed{{<the sum>}}"),
 }
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"out": "", "problems": 48, "turns": "3,6"})
-    heldout = L.heldout_problems(opts["problems"])
+    opts, overrides = cli.parse_args(argv, {"out": "", "problems": 48, "turns": "3,6"})
+    heldout = learning.heldout_problems(opts["problems"])
     rows = []
     for turns in map(int, str(opts["turns"]).split(",")):
-        cfg = C.parse_config(["--preset=learn", *overrides, f"--max_turns={turns}"])
-        with E.Engine(cfg, models.resolve_model(cfg.model)) as engine:
+        cfg = cli.parse_config(["--preset=learn", *overrides, f"--max_turns={turns}"])
+        with Engine(cfg, models.resolve_model(cfg.model)) as engine:
             for name, template in VARIANTS.items():
                 problems = [dict(p, question=template.format(a=int(a), b=int(b))) for p in heldout
-                            for a, b in [L.operands(p["question"])]]
+                            for a, b in [learning.operands(p["question"])]]
                 t0 = time.perf_counter()
                 records = engine.run_agent([(p, 0) for p in problems], desc=f"{name}, {turns} turns")
                 rows.append(emit({"variant": name, "max_turns": turns, "problems": len(records),
-                                  "strict": L.agent_score(records),
+                                  "strict": learning.agent_score(records),
                                   "bash_call_rate": sum(1 for r in records if r["bash_calls"]) / len(records),
-                                  "shaped": round(L.shaped_score(records), 4),
+                                  "shaped": round(learning.shaped_score(records), 4),
                                   "seconds": round(time.perf_counter() - t0, 1)}))
     return emit({"bench": "learn_prompt_probe", "date": time.strftime("%Y-%m-%d"), "model": cfg.model,
-                 "device": C.device_type(), "rows": rows}, opts["out"])
+                 "device": common.device_type(), "rows": rows}, opts["out"])
 
 
 if __name__ == "__main__":
     print_until_reader_gone()
-    E.prepare_script()
+    prepare_script()
     main(sys.argv[1:])

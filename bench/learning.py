@@ -13,7 +13,7 @@ sigma_start, sigma_end, max_new_tokens, max_turns, concurrency, ...
 
 Held-out metrics (bench/results JSON "metrics"): "reward", the primary one, is the training fitness's own scorer
 (episode_reward: 1 correct final answer after a bash call, 0.5 a bash call that printed the right number, 0.25 any
-bash call, 0.1 a right "a + b = n" in the text); "accuracy" is the agent's unchanged SPEC section 4 score;
+bash call, 0.1 a right "a + b = n" in the text); "accuracy" is the agent's unchanged score (scoring.py);
 "bash_call_rate"; "tool_sum_rate" (episodes whose bash call printed the right sum, or better). 95% intervals: percentile
 bootstrap over problems (episodes of one problem are not independent), for each mean and for the paired difference
 trained - base (same problems, same request seeds). Writes the JSON report, each run's reward_curve.png (with the
@@ -37,11 +37,14 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import common as C  # noqa: E402
+import cli  # noqa: E402
+import common  # noqa: E402
 import models  # noqa: E402
-import engine as E  # noqa: E402
-import pool as P  # noqa: E402
+import tracking  # noqa: E402
+from engine import Interrupted, prepare_script  # noqa: E402
 from fitness_trend import seconds_of  # noqa: E402
+from history import rebuild_from_history  # noqa: E402
+from pool import EnginePool  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 # 8 samples per held-out problem: at 2, the paired difference's interval was +-0.018 around effects of +0.01 (GPU,
@@ -49,10 +52,10 @@ from report import emit, print_until_reader_gone  # noqa: E402
 OPTIONS = {"out": "", "seeds": 2, "heldout": 128, "eval_samples": 8, "run_root": "runs/learning",
            "fitness": "shaped", "quick": False, "combine": ""}
 QUICK = ["--generations=2", "--population=4", "--case_batch=4"]  # plus heldout=16, eval_samples=1
-HELDOUT_SEED = 1  # the order of the held-out questions (C.learn_pairs: their operands are never trained on)
+HELDOUT_SEED = 1  # the order of the held-out questions (common.learn_pairs: their operands are never trained on)
 BOOTSTRAP = 10_000
 PRIMARY = "reward"  # the held-out metric the target is judged on (the others are reported beside it)
-PAPER = {"alpha": 5e-4, "sigma_start": 1e-3, "sigma_end": 5e-4}  # SPEC section 2
+PAPER = {"alpha": 5e-4, "sigma_start": 1e-3, "sigma_end": 5e-4}  # the reference run's constants (common.Config)
 
 
 def agent_score(records):
@@ -99,7 +102,7 @@ FITNESS = {"score": agent_score, "shaped": shaped_score}
 
 def heldout_problems(n):
     """n of the learn task's held-out questions: none shares its operands with a training question (either order)."""
-    return C.learn_problems(n, seed=HELDOUT_SEED, split="heldout")
+    return common.learn_problems(n, seed=HELDOUT_SEED, split="heldout")
 
 
 def evaluate_base_and_trained(cfg, history, problems, samples):
@@ -107,11 +110,11 @@ def evaluate_base_and_trained(cfg, history, problems, samples):
     --engines, in input order)."""
     model_path = models.resolve_model(cfg.model)
     jobs = [(p, i) for p in problems for i in range(samples)]
-    with P.EnginePool(cfg, model_path) as engine:
+    with EnginePool(cfg, model_path) as engine:
         t0 = time.perf_counter()
         base = engine.run_agent(jobs, desc="held-out, base model")
         seconds = time.perf_counter() - t0
-        _, digests = C.rebuild_from_history(engine, cfg, model_path, history, history["generations"])
+        _, digests = rebuild_from_history(engine, cfg, model_path, history, history["generations"])
         trained = engine.run_agent(jobs, desc="held-out, trained model")
     return base, trained, digests, seconds
 
@@ -156,7 +159,7 @@ def compare(base_records, trained_records, problems, seed):
 def plot_with_heldout(history, path, heldout):
     """The run's reward curve with the centre model's held-out PRIMARY metric {updates applied: its mean and 95%
     interval} (0 updates: the base model)."""
-    fig, ax = C.reward_curve_axes(history)
+    fig, ax = tracking.reward_curve_axes(history)
     updates = sorted(heldout)
     mean = [heldout[u]["mean"] for u in updates]
     err = [[heldout[u]["mean"] - heldout[u]["ci_low"] for u in updates],
@@ -165,7 +168,7 @@ def plot_with_heldout(history, path, heldout):
                 label=f"centre model, held-out {PRIMARY} (95% CI)")
     ax.set_xlabel("generation (held-out: after that many updates)")
     ax.legend(fontsize=8)
-    C.save_figure(fig, path)
+    tracking.save_figure(fig, path)
 
 
 def update_change_fraction(model_path, alpha, population, sigma, seed=0, rounding="nearest"):
@@ -183,7 +186,7 @@ def update_change_fraction(model_path, alpha, population, sigma, seed=0, roundin
             moved = w32 + scale * torch.randn(w32.shape, generator=g)
             if rounding == "stochastic" and w.dtype == torch.bfloat16:
                 moved, exact = torch.empty_like(w), moved
-                C.round_stochastic_(moved, exact, g)
+                common.round_stochastic_(moved, exact, g)
             else:
                 moved = moved.to(w.dtype)
             changed[key] += int((moved != w).sum())
@@ -194,22 +197,23 @@ def update_change_fraction(model_path, alpha, population, sigma, seed=0, roundin
 def combine_reports(paths: list[str]) -> dict:
     """One report of several single-seed reports of the same settings (seeds trained in separate processes, as
     bench/learning_paper_h200.sh runs them): their runs side by side, every_seed_beyond_ci over all of them."""
-    reports = [C.read_json(Path(p)) for p in paths]
+    reports = [common.read_json(Path(p)) for p in paths]
     settings = [{k: v for k, v in r["config"].items() if k not in ("run_seed", "run_dir")} for r in reports]
     differing = [p for p, s in zip(paths, settings) if s != settings[0]]
     if differing:
-        raise C.ConfigError(f"{', '.join(differing)}: other settings than {paths[0]}; only runs of one setting combine")
+        raise common.ConfigError(f"{', '.join(differing)}: other settings than {paths[0]}; only runs of one setting "
+                                 "combine")
     combined = {**reports[0], "combined_from": paths, "runs": [run for r in reports for run in r["runs"]]}
     combined["every_seed_beyond_ci"] = all(r[PRIMARY]["difference_ci_above_zero"] for r in combined["runs"])
     return combined
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, OPTIONS)
+    opts, overrides = cli.parse_args(argv, OPTIONS)
     if opts["combine"]:  # no training: the reports of seeds run apart, as one
         try:
             report = combine_reports(opts["combine"].split(","))
-        except (OSError, ValueError, KeyError, C.ConfigError, C.StageError) as e:
+        except (OSError, ValueError, KeyError, common.ConfigError, common.StageError) as e:
             sys.exit(f"[learning] cannot combine {opts['combine']}: {type(e).__name__}: {e}")
         print(format_table(report["runs"]))
         return emit(report, opts["out"])
@@ -217,7 +221,7 @@ def main(argv):
         overrides = QUICK + overrides
         opts.update(heldout=min(opts["heldout"], 16), eval_samples=1)
     base_argv = ["--preset=learn", *overrides]
-    base_cfg = C.parse_config(base_argv)
+    base_cfg = cli.parse_config(base_argv)
     problems = heldout_problems(opts["heldout"])
     train = importlib.import_module("01_train")
     report = {"bench": "learning", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": argv,
@@ -233,7 +237,7 @@ def main(argv):
     for run_seed in range(base_cfg.run_seed, base_cfg.run_seed + opts["seeds"]):
         run_dir = Path(opts["run_root"]) / f"seed-{run_seed}"
         argv_run = [*base_argv, f"--run_seed={run_seed}", f"--run_dir={run_dir}"]
-        cfg = C.parse_config(argv_run)
+        cfg = cli.parse_config(argv_run)
         t0 = time.perf_counter()
         history = train.main(argv_run, fitness=FITNESS[opts["fitness"]])
         train_s = time.perf_counter() - t0
@@ -244,8 +248,8 @@ def main(argv):
         gens = history["generations"]
         primary = result[PRIMARY]
         plot_with_heldout(history, run_dir / train.REWARD_CURVE, {0: primary["base"], len(gens): primary["trained"]})
-        C.write_json_atomic({"problems": problems, "base": train_records(base), "trained": train_records(trained)},
-                            run_dir / "heldout_eval.json")
+        common.write_json_atomic({"problems": problems, "base": train_records(base), "trained": train_records(trained)},
+                                 run_dir / "heldout_eval.json")
         episodes = sum(len(g["rewards"]) for g in gens) * cfg.case_batch
         generation_s = training_seconds(history)
         report["runs"].append({
@@ -272,7 +276,7 @@ def main(argv):
                                            population=base_cfg.population, rounding=mode, **update_change_fraction(
                                                model_path, PAPER["alpha"], base_cfg.population, PAPER["sigma_start"],
                                                rounding=mode))
-           for mode in C.ROUNDING_MODES},
+           for mode in common.ROUNDING_MODES},
     }
     report["every_seed_beyond_ci"] = all(r[PRIMARY]["difference_ci_above_zero"] for r in report["runs"])
     print(format_table(report["runs"]))
@@ -303,8 +307,8 @@ def format_table(runs):
 
 if __name__ == "__main__":
     print_until_reader_gone()
-    E.prepare_script()  # SIGINT/SIGTERM stop training between generations' writes; a later call resumes the history
+    prepare_script()  # SIGINT/SIGTERM stop training between generations' writes; a later call resumes the history
     try:
         main(sys.argv[1:])
-    except E.Interrupted as stop:
+    except Interrupted as stop:
         sys.exit(stop.exit_status)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The paper's constants (sigma 1e-3 -> 5e-4, alpha 5e-4) for GENERATIONS (default 60), two run seeds trained at once on one
 # GPU machine (TP=1, ENGINES co-located engines each, default 4, under CUDA MPS). Run on the GPU machine after the
-# install of ../shared/GPU.md, once per device call until both reports exist:
+# install of vLLM 0.26.0, once per device call until both reports exist:
 #   ROUNDING=stochastic bash bench/learning_paper_h200.sh OUT_DIR SECONDS
 # Each seed stops (SIGINT, between history writes) when SECONDS run out and resumes from its history in the next
 # call; a finished history goes straight to the held-out evaluation. The two processes' engine starts take turns

@@ -16,10 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common as C  # noqa: E402
+import cli  # noqa: E402
+import common  # noqa: E402
 import models  # noqa: E402
-import engine as E  # noqa: E402
 import qwen3_30b  # noqa: E402
+from engine import Engine, prepare_script  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 
@@ -33,12 +34,12 @@ def seconds_of(fn, repeats: int) -> float:
 
 
 def measure(cfg, path: str, repeats: int, population: int) -> dict:
-    with E.Engine(cfg, path, skip_tokenizer_init=True) as engine:
+    with Engine(cfg, path, skip_tokenizer_init=True) as engine:
         t0 = time.perf_counter()
         engine.digests()  # the first call derives the checkpoint layout (checkpoint noise)
         first_digest = time.perf_counter() - t0
-        seeds = C.member_seeds(cfg.run_seed, 0, population)
-        coeffs = C.update_coefficients(C.zscore(list(range(population))), cfg.alpha)
+        seeds = common.member_seeds(cfg.run_seed, 0, population)
+        coeffs = common.update_coefficients(common.zscore(list(range(population))), cfg.alpha)
         return {
             "noise": cfg.noise,
             "params_per_rank": sum(r["params"] for r in engine.rpc("es_memory")) // cfg.tensor_parallel_size,
@@ -51,8 +52,8 @@ def measure(cfg, path: str, repeats: int, population: int) -> dict:
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"out": "", "repeats": 3, "population": 8, "qwen3_30b": False, "layers": 0})
-    cfg = C.parse_config(["--preset=smoke", *overrides])
+    opts, overrides = cli.parse_args(argv, {"out": "", "repeats": 3, "population": 8, "qwen3_30b": False, "layers": 0})
+    cfg = cli.parse_config(["--preset=smoke", *overrides])
     if opts["qwen3_30b"]:  # the real layout (cut to `layers`), random weights written as real safetensors files
         t0 = time.perf_counter()
         folder = qwen3_30b.write_config(f"/tmp/qwen3-30b-a3b-checkpoint-{opts['layers']}", layers=opts["layers"])
@@ -61,8 +62,8 @@ def main(argv):
     else:
         path = models.resolve_model(cfg.model)
     rows = []
-    for noise in C.NOISE_MODES:
-        rows.append(measure(C.parse_config(["--preset=smoke", *overrides, f"--noise={noise}"]), path,
+    for noise in common.NOISE_MODES:
+        rows.append(measure(cli.parse_config(["--preset=smoke", *overrides, f"--noise={noise}"]), path,
                             opts["repeats"], opts["population"]))
         print(f"[noise_modes] {rows[-1]}", flush=True)
     print(f"{'noise':<12} {'params/rank':>12} {'perturb+restore s':>18} {'update s':>9} {'digest s':>9} {'layout s':>9}")
@@ -72,11 +73,11 @@ def main(argv):
     model = f"Qwen3-30B-A3B layout cut to {opts['layers']} layers, random weights" if opts["qwen3_30b"] else cfg.model
     return emit({"bench": "noise_modes", "date": time.strftime("%Y-%m-%d"), "model": model,
                  "update_members": opts["population"],
-                 "tensor_parallel_size": cfg.tensor_parallel_size, "device": C.device_type(), "rows": rows},
+                 "tensor_parallel_size": cfg.tensor_parallel_size, "device": common.device_type(), "rows": rows},
                 opts["out"])
 
 
 if __name__ == "__main__":
     print_until_reader_gone()
-    E.prepare_script()
+    prepare_script()
     main(sys.argv[1:])

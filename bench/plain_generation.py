@@ -5,10 +5,10 @@ never generate this way."""
 import asyncio
 import time
 
-import engine as E
+from engine import Engine, sampling_params
 
 
-def generate(engine: E.Engine, prompts_token_ids: list[list[int]], max_tokens: int, *, greedy: bool = True,
+def generate(engine: Engine, prompts_token_ids: list[list[int]], max_tokens: int, *, greedy: bool = True,
              seed: int = 0, with_cached_tokens: bool = False):
     """Greedy, or sampled (greedy=False) with the run's settings, request i with seed + i: distinct samples, as
     from one batched sampler, even of the same prompt. with_cached_tokens: returns (token ids, prompt tokens each
@@ -18,7 +18,7 @@ def generate(engine: E.Engine, prompts_token_ids: list[list[int]], max_tokens: i
     def params(i):
         if greedy:
             return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-        return E.sampling_params(engine.cfg, seed=seed + i, max_tokens=max_tokens, ignore_eos=True)
+        return sampling_params(engine.cfg, seed=seed + i, max_tokens=max_tokens, ignore_eos=True)
 
     async def one(i, ids):
         out = await engine._finished(ids, params(i), f"gen-{time.time_ns()}-{i}")

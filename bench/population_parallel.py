@@ -21,10 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common as C  # noqa: E402
+import cli  # noqa: E402
+import common  # noqa: E402
 import models  # noqa: E402
-import engine as E  # noqa: E402
-import pool as P  # noqa: E402
+from engine import prepare_script  # noqa: E402
+from pool import EnginePool  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 train = importlib.import_module("01_train")
@@ -34,7 +35,7 @@ CPU_WORKLOAD = ["--preset=smoke", "--tensor_parallel_size=1", "--population=8", 
 def member_tails(rollout_file: Path, member_timings: list[dict]) -> list[float]:
     """Per member: rollout wall seconds - its median episode's seconds."""
     seconds = {}
-    for r in C.read_jsonl(rollout_file):
+    for r in common.read_jsonl(rollout_file):
         seconds.setdefault(r["member"], []).append(r["seconds"])
     return [max(0.0, t["rollout"] - statistics.median(seconds[m])) for m, t in enumerate(member_timings)]
 
@@ -57,10 +58,10 @@ def watch_members(pool) -> dict:
 
 
 def measure(engines: int, overrides: list[str], generations: int, workdir: Path) -> dict:
-    cfg = C.parse_config([*overrides, f"--engines={engines}", f"--run_dir={workdir / f'k{engines}'}"])
-    problems = C.training_problems(cfg)
+    cfg = cli.parse_config([*overrides, f"--engines={engines}", f"--run_dir={workdir / f'k{engines}'}"])
+    problems = common.training_problems(cfg)
     t0 = time.perf_counter()
-    with P.EnginePool(cfg, models.resolve_model(cfg.model)) as pool:
+    with EnginePool(cfg, models.resolve_model(cfg.model)) as pool:
         start_s = time.perf_counter() - t0
         members, rows = watch_members(pool), []
         for g in range(generations):
@@ -81,10 +82,10 @@ def measure(engines: int, overrides: list[str], generations: int, workdir: Path)
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"engines": "1,2", "generations": 2, "out": ""})
+    opts, overrides = cli.parse_args(argv, {"engines": "1,2", "generations": 2, "out": ""})
     overrides = overrides if any(a.startswith("--preset=") for a in overrides) else [*CPU_WORKLOAD, *overrides]
     overrides = [a for a in overrides if a != "--preset="]
-    cfg = C.parse_config(overrides)
+    cfg = cli.parse_config(overrides)
     with tempfile.TemporaryDirectory(prefix="population-parallel-") as tmp:
         runs = [measure(int(k), overrides, opts["generations"], Path(tmp)) for k in opts["engines"].split(",")]
     base = runs[0]["generation_wall_s"]
@@ -97,7 +98,7 @@ def main(argv):
               f"{r['member_seconds_per_generation']:>9} {r['straggler_tail_s_per_generation']:>7} "
               f"{r['tail_share_of_wall']:>9} {r['speedup']:>8}")
     same = all(r["final_digests"] == runs[0]["final_digests"] for r in runs)
-    return emit({"bench": "population_parallel", "date": time.strftime("%Y-%m-%d"), "device": C.device_type(),
+    return emit({"bench": "population_parallel", "date": time.strftime("%Y-%m-%d"), "device": common.device_type(),
                  "model": cfg.model, "tensor_parallel_size": cfg.tensor_parallel_size, "population": cfg.population,
                  "case_batch": cfg.case_batch, "generations": opts["generations"], "same_weights_for_every_k": same,
                  "runs": [{k: v for k, v in r.items() if k != "final_digests"} for r in runs]}, opts["out"])
@@ -105,5 +106,5 @@ def main(argv):
 
 if __name__ == "__main__":
     print_until_reader_gone()
-    E.prepare_script()
+    prepare_script()
     main(sys.argv[1:])

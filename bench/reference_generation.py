@@ -38,11 +38,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common as C  # noqa: E402
+import cli  # noqa: E402
+import common  # noqa: E402
 import models  # noqa: E402
-import pool as P  # noqa: E402
-import qwen3_30b  # noqa: E402
 import plain_generation  # noqa: E402
+import qwen3_30b  # noqa: E402
+from pool import EnginePool, mps_running  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 TAIL_SHARE = 0.15
@@ -98,7 +99,7 @@ async def scripted_episode(engine, plan: dict, seed: int, vocab: int, tools) -> 
 
 def run_member(engine, plans: list[dict], seed: int, vocab: int) -> tuple[list[dict], float]:
     async def all_episodes():
-        with concurrent.futures.ThreadPoolExecutor(max_workers=C.SANDBOX_MAX_PARALLEL) as tools:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=common.SANDBOX_MAX_PARALLEL) as tools:
             return await asyncio.gather(*(scripted_episode(engine, p, seed * 1000 + i, vocab, tools)
                                           for i, p in enumerate(plans)))
 
@@ -151,10 +152,10 @@ def run_members(pool, plans, seeds, sigma, vocab) -> list[dict]:
 
 
 def main(argv):
-    opts, overrides = C.parse_args(argv, {"members": 16, "episodes": 16, "token_scale": 1.0, "tool_scale": 1.0,
-                                          "seed": 0, "qwen3_30b": False, "layers": 0, "normal_weights": False,
-                                          "plain": True, "out": ""})
-    cfg = C.parse_config(overrides)
+    opts, overrides = cli.parse_args(argv, {"members": 16, "episodes": 16, "token_scale": 1.0, "tool_scale": 1.0,
+                                            "seed": 0, "qwen3_30b": False, "layers": 0, "normal_weights": False,
+                                            "plain": True, "out": ""})
+    cfg = cli.parse_config(overrides)
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model, load_format = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-ref", layers=opts["layers"]), "dummy"
     else:
@@ -167,7 +168,7 @@ def main(argv):
         for plan in member_plans:
             plan["tool_seconds"] = [t * opts["tool_scale"] for t in plan["tool_seconds"]]
     t_start = time.perf_counter()
-    with P.EnginePool(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as pool:
+    with EnginePool(cfg, model, load_format=load_format, skip_tokenizer_init=opts["qwen3_30b"]) as pool:
         start_s = time.perf_counter() - t_start
         if opts["normal_weights"]:  # restore="patch" on weights shaped like trained ones, not dummy ones
             for e in pool.engines:
@@ -179,11 +180,11 @@ def main(argv):
         plain = plain_tokens_per_s(engine, vocab) if opts["plain"] else None
         single = plain_tokens_per_s(engine, vocab, sequences=1)  # the speed of a straggler decoding alone
         t_gen = time.perf_counter()
-        seeds = C.member_seeds(cfg.run_seed, 0, opts["members"])
+        seeds = common.member_seeds(cfg.run_seed, 0, opts["members"])
         members = run_members(pool, plans, seeds, cfg.sigma_start, vocab)
         rollouts_s = time.perf_counter() - t_gen
         t0 = time.perf_counter()
-        pool.update(seeds, C.update_coefficients(C.zscore(range(len(seeds))), cfg.alpha))
+        pool.update(seeds, common.update_coefficients(common.zscore(range(len(seeds))), cfg.alpha))
         update_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         pool.digests()  # every engine's, checked to agree
@@ -203,7 +204,7 @@ def main(argv):
               "vllm_version": __import__("vllm").__version__, "cuda_graphs": cfg.cuda_graphs,
               "cudagraph_mode": cfg.cudagraph_mode, "max_num_batched_tokens": cfg.max_num_batched_tokens,
               "model": model_name, "tensor_parallel_size": cfg.tensor_parallel_size, "engines": pool.size,
-              "mps": P.mps_running() if pool.device == "cuda" else None,
+              "mps": mps_running() if pool.device == "cuda" else None,
               "gpu_memory_utilization": cfg.gpu_memory_utilization, "restore": cfg.restore, "placement": placement,
               "memory_per_engine": memory,
               "members": opts["members"], "episodes": opts["episodes"], "token_scale": opts["token_scale"],

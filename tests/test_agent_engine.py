@@ -5,18 +5,19 @@ import time
 
 import pytest
 
-import common as C
+import cli
+import common
 import models
-import engine as E
+from engine import Engine
 
-CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
-PROBLEMS = C.smoke_problems(4, seed=1)
+CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
+PROBLEMS = common.smoke_problems(4, seed=1)
 JOBS = [(p, i) for p in PROBLEMS for i in (0, 1)]
 
 
 @pytest.fixture(scope="module")
 def engine():
-    with E.Engine(CFG, models.resolve_model("tiny-qwen3-dense")) as e:
+    with Engine(CFG, models.resolve_model("tiny-qwen3-dense")) as e:
         yield e
 
 
@@ -36,7 +37,7 @@ def test_records_are_complete_and_within_limits(records):
         assert r["finish_reason"] in ("final_answer", "max_turns", "context_overflow", "error")
         assert r["error"] is None, r["error"]
         assert r["prompt_mode"] == "render"  # the default: the chat template renders every turn
-        assert r["seed"] == C.request_seed(CFG.run_seed, r["problem_id"], r["sample_index"], 0)
+        assert r["seed"] == common.request_seed(CFG.run_seed, r["problem_id"], r["sample_index"], 0)
         assert r["score"] in (0, 0.0, 1, 1.0) and r["gold"] is not None
         assert r["messages"][0]["role"] == "system" and r["messages"][1]["role"] == "user"
         assert sum(m["role"] == "assistant" for m in r["messages"]) == r["turns"]

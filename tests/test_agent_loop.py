@@ -1,6 +1,7 @@
-"""The ReAct episode loop (SPEC section 4) with a scripted policy instead of a model."""
+"""The ReAct episode loop with a scripted policy instead of a model."""
 
 import asyncio
+import importlib
 import json
 import os
 import threading
@@ -8,9 +9,11 @@ import time
 
 import pytest
 
-import common as A
+import common
 import sandbox
 import scoring
+
+evaluation = importlib.import_module("03_eval")  # writes the failed episodes' transcripts
 
 PROBLEM = {"id": "p1", "question": "What is 6 times 7?", "answer": "42"}
 RUN_SEED = 1234
@@ -58,7 +61,7 @@ async def _score_concurrently(pairs):
 
 def run(policy, problem=PROBLEM, sample_index=0, **kwargs):
     kwargs.setdefault("run_seed", RUN_SEED)
-    return asyncio.run(A.run_episode(policy, problem, sample_index, **kwargs))
+    return asyncio.run(common.run_episode(policy, problem, sample_index, **kwargs))
 
 
 def test_correct_answer_after_bash_scores(monkeypatch):
@@ -71,11 +74,11 @@ def test_correct_answer_after_bash_scores(monkeypatch):
     assert (record["score"], record["score_method"], record["prediction"]) == (1.0, "integer_match", "42")
     assert (record["turns"], record["bash_calls"], record["finish_reason"], record["error"]) == (2, 1, "final_answer", None)
     assert record["completion_tokens"] == 14 and record["prompt_tokens"] == 400  # sum, last
-    assert record["seed"] == A.request_seed(RUN_SEED, "p1", 0, 0)
+    assert record["seed"] == common.request_seed(RUN_SEED, "p1", 0, 0)
     assert record["sandbox"] == sandbox.sandbox_kind() and record["gold"] == "42"
     roles = [m["role"] for m in record["messages"]]
     assert roles == ["system", "user", "assistant", "user", "assistant"]
-    assert record["messages"][0]["content"] == A.SYSTEM_PROMPT
+    assert record["messages"][0]["content"] == common.SYSTEM_PROMPT
     assert "What is 6 times 7?" in record["messages"][1]["content"]
     observation = record["messages"][3]["content"]
     assert "exit code: 0" in observation and "42" in observation
@@ -86,7 +89,7 @@ def test_correct_answer_after_bash_scores(monkeypatch):
 def test_answer_before_bash_is_refused():
     policy = ScriptedPolicy(["Final answer: \\boxed{42}", action("echo 42"), "Final answer: \\boxed{42}"])
     record = run(policy)
-    assert record["messages"][3] == {"role": "user", "content": A.ANSWER_BEFORE_BASH_MESSAGE}
+    assert record["messages"][3] == {"role": "user", "content": common.ANSWER_BEFORE_BASH_MESSAGE}
     assert (record["turns"], record["bash_calls"], record["score"]) == (3, 1, 1.0)
 
 
@@ -94,15 +97,15 @@ def test_never_running_bash_never_scores():
     policy = ScriptedPolicy(["Final answer: \\boxed{42}"] * 3)
     record = run(policy, max_turns=3)
     assert record["score"] == 0.0 and record["bash_calls"] == 0 and record["finish_reason"] == "max_turns"
-    assert [m["content"] for m in record["messages"][3::2]] == [A.ANSWER_BEFORE_BASH_MESSAGE] * 3
+    assert [m["content"] for m in record["messages"][3::2]] == [common.ANSWER_BEFORE_BASH_MESSAGE] * 3
 
 
 def test_blank_command_is_not_the_required_bash_call():
     blank = json.dumps({"name": "bash", "arguments": {"command": "  \n "}})
     policy = ScriptedPolicy([blank, "Final answer: \\boxed{42}", action("echo 42"), "Final answer: \\boxed{42}"])
     record = run(policy)
-    assert record["messages"][3] == {"role": "user", "content": A.NO_ACTION_MESSAGE}
-    assert record["messages"][5] == {"role": "user", "content": A.ANSWER_BEFORE_BASH_MESSAGE}
+    assert record["messages"][3] == {"role": "user", "content": common.NO_ACTION_MESSAGE}
+    assert record["messages"][5] == {"role": "user", "content": common.ANSWER_BEFORE_BASH_MESSAGE}
     assert (record["turns"], record["bash_calls"], record["score"]) == (4, 1, 1.0)
 
 
@@ -110,14 +113,14 @@ def test_answer_mentioned_mid_line_does_not_end_the_episode():
     policy = ScriptedPolicy([action("echo 16"), "I computed the answer: 16 earlier, let me double-check.",
                              action("echo 42"), "Checked.\nFinal answer: \\boxed{42}"])
     record = run(policy)
-    assert record["messages"][5] == {"role": "user", "content": A.NO_ACTION_MESSAGE}
+    assert record["messages"][5] == {"role": "user", "content": common.NO_ACTION_MESSAGE}
     assert (record["turns"], record["prediction"], record["score"]) == (4, "42", 1.0)
 
 
 def test_no_action_gets_the_corrective_message():
     policy = ScriptedPolicy(["Let me think about it.", action("echo 42"), "Final answer: \\boxed{42}"])
     record = run(policy)
-    assert record["messages"][3] == {"role": "user", "content": A.NO_ACTION_MESSAGE}
+    assert record["messages"][3] == {"role": "user", "content": common.NO_ACTION_MESSAGE}
     assert record["score"] == 1.0 and record["turns"] == 3
 
 
@@ -161,8 +164,8 @@ def test_seeds_per_turn_and_sample():
     run(second, sample_index=4, max_new_tokens=123)
     seeds_3 = [c["seed"] for c in first.calls]
     seeds_4 = [c["seed"] for c in second.calls]
-    assert seeds_3 == [A.request_seed(RUN_SEED, "p1", 3, turn) for turn in range(3)]
-    assert seeds_4 == [A.request_seed(RUN_SEED, "p1", 4, turn) for turn in range(3)]
+    assert seeds_3 == [common.request_seed(RUN_SEED, "p1", 3, turn) for turn in range(3)]
+    assert seeds_4 == [common.request_seed(RUN_SEED, "p1", 4, turn) for turn in range(3)]
     assert len(set(seeds_3 + seeds_4)) == 6
     assert all(c["max_tokens"] == 123 for c in first.calls + second.calls)
     # the same request again gets the same seed: any sample can be re-run on its own
@@ -172,7 +175,7 @@ def test_seeds_per_turn_and_sample():
 
 
 def test_context_overflow_ends_the_episode():
-    policy = ScriptedPolicy([action("echo 42"), A.ContextOverflow("prompt 40961 > 40960 tokens")])
+    policy = ScriptedPolicy([action("echo 42"), common.ContextOverflow("prompt 40961 > 40960 tokens")])
     record = run(policy)
     assert (record["finish_reason"], record["score"], record["score_method"]) == ("context_overflow", 0.0,
                                                                                  "context_overflow")
@@ -217,7 +220,7 @@ def test_run_episodes_is_concurrent_and_keeps_order(monkeypatch):
 
     items = [({"id": f"p{i}", "question": f"problem #p{i} ?", "answer": "42"}, i % 2) for i in range(n)]
     finished = []
-    records = asyncio.run(A.run_episodes(policy, items, run_seed=RUN_SEED, progress=finished.append))
+    records = asyncio.run(common.run_episodes(policy, items, run_seed=RUN_SEED, progress=finished.append))
     assert shared.max_in_flight > 1 and bash["max_in_flight"] > 1  # model calls AND bash commands overlap
     assert [(r["problem_id"], r["sample_index"]) for r in records] == [(p["id"], s) for p, s in items]
     assert all(r["score"] == 1.0 for r in records)
@@ -230,7 +233,7 @@ def test_run_episodes_concurrency_limit():
     async def in_order(messages, *, seed, max_tokens):  # one shared script: replies alternate action/answer
         return await policy(messages, seed=seed, max_tokens=max_tokens)
 
-    asyncio.run(A.run_episodes(in_order, [(PROBLEM, i) for i in range(5)], concurrency=1, run_seed=RUN_SEED))
+    asyncio.run(common.run_episodes(in_order, [(PROBLEM, i) for i in range(5)], concurrency=1, run_seed=RUN_SEED))
     assert policy.max_in_flight == 1
 
 
@@ -238,7 +241,7 @@ def test_write_transcripts_markdown(tmp_path):
     good = run(ScriptedPolicy([action("echo 42"), "Final answer: \\boxed{42}"]))
     bad = run(ScriptedPolicy([action("echo ```weird```"), "Final answer: \\boxed{41}"]), sample_index=5)
     path = tmp_path / "failed.md"
-    A.write_transcripts_markdown([good, bad], path)
+    evaluation.write_transcripts_markdown([good, bad], path)
     text = path.read_text()
     assert "1 of 2" in text and "sample 5" in text and "sample 0" not in text
     assert "### 0. system" in text and "### 2. assistant" in text and "### 3. user" in text
@@ -262,7 +265,7 @@ def test_a_hanging_answer_times_out_without_delaying_other_episodes(monkeypatch)
 
     items = [({"id": pid, "question": f"problem #{pid} ?", "answer": "42"}, 0) for pid in ("tower", "a", "b", "c")]
     finished = []
-    records = asyncio.run(A.run_episodes(policy, items, run_seed=RUN_SEED, progress=finished.append))
+    records = asyncio.run(common.run_episodes(policy, items, run_seed=RUN_SEED, progress=finished.append))
     tower = records[0]
     assert (tower["score"], tower["score_method"], tower["finish_reason"]) == (0.0, "score_timeout", "final_answer")
     assert tower["seconds"] < 3 * scoring.SCORE_TIMEOUT_S  # it ended (not minutes of sympy)

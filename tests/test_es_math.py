@@ -1,4 +1,4 @@
-"""Pure ES mathematics (SPEC section 3) and run-constant parsing: no engine needed."""
+"""Pure ES mathematics and run-constant parsing: no engine needed."""
 
 import dataclasses
 import importlib
@@ -10,61 +10,63 @@ import numpy as np
 import pytest
 import torch
 
-import common as C
+import cli
+import common
 import digests
-import history as H
-import engine as E
+import engine
+from history import (HISTORY_FORMAT, check_base, check_config, config_from_history, identity_differences,
+                     name_only_fingerprint)
 
 
 # ---- sigma schedule ----
 
 def test_sigma_schedule_endpoints_and_shape():
     G, s0, s1 = 20, 1e-3, 5e-4
-    sigmas = [C.sigma_at(g, G, s0, s1) for g in range(G)]
+    sigmas = [common.sigma_at(g, G, s0, s1) for g in range(G)]
     assert sigmas[0] == s0 and math.isclose(sigmas[-1], s1, rel_tol=0, abs_tol=1e-18)
     assert all(a > b for a, b in zip(sigmas, sigmas[1:]))  # strictly decreasing from s0 to s1
     # cosine: symmetric around the middle, halfway value is the mean of the endpoints
-    assert math.isclose(C.sigma_at(0.5 * (G - 1), G, s0, s1), 0.5 * (s0 + s1), rel_tol=1e-12)
+    assert math.isclose(common.sigma_at(0.5 * (G - 1), G, s0, s1), 0.5 * (s0 + s1), rel_tol=1e-12)
     for g in range(G):
         assert math.isclose(sigmas[g] - s1, s0 - sigmas[G - 1 - g], rel_tol=1e-9, abs_tol=1e-15)
-    assert C.sigma_at(0, 1, s0, s1) == s0  # one generation uses s0
+    assert common.sigma_at(0, 1, s0, s1) == s0  # one generation uses s0
 
 
 # ---- z-scores and the update coefficients ----
 
 def test_zscore_uses_population_std():
-    z = C.zscore([1.0, 2.0, 3.0, 4.0])
+    z = common.zscore([1.0, 2.0, 3.0, 4.0])
     std0 = math.sqrt(((1.5**2) * 2 + (0.5**2) * 2) / 4)  # ddof=0 by hand: 1.1180...
     assert z == pytest.approx([(-1.5) / std0, -0.5 / std0, 0.5 / std0, 1.5 / std0], rel=1e-7)
     assert sum(z) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_zscore_all_equal_is_zero_and_no_update():
-    assert C.zscore([0.25] * 16) == [0.0] * 16
-    assert C.update_coefficients(C.zscore([0.0] * 4), 5e-4) == [0.0] * 4
+    assert common.zscore([0.25] * 16) == [0.0] * 16
+    assert common.update_coefficients(common.zscore([0.0] * 4), 5e-4) == [0.0] * 4
 
 
 @pytest.mark.parametrize("rewards", [[0.3] * 10, [1e-9] * 16, [0.1] * 3, [1 / 3] * 7, [0.7] * 16, [-2.5e-3] * 5])
 def test_zscore_equal_rewards_are_exactly_zero(rewards):
     """The float mean of equal values can miss them by an ulp (mean([0.3] * 10) != 0.3), and 1e-8 in the
     denominator then turns that ulp into z ~ 5.6e-9: exactly 0 is what makes the update a no-op."""
-    z = C.zscore(rewards)
+    z = common.zscore(rewards)
     assert z == [0.0] * len(rewards) and all(math.copysign(1, v) == 1 for v in z)
 
 
 def test_zscore_equal_rewards_leave_exact_zero_weights_untouched():
-    coeffs = C.update_coefficients(C.zscore([0.3] * 10), 5e-4)
+    coeffs = common.update_coefficients(common.zscore([0.3] * 10), 5e-4)
     assert coeffs == [0.0] * 10  # the worker's es_update skips zero coefficients: nothing is drawn or added
     theta = torch.zeros(4096, dtype=torch.bfloat16)  # bf16 holds 1e-13 exactly as well as 1.0: any coefficient shows
-    C.add_noise_(theta, list(range(10)), coeffs, 1024)
+    common.add_noise_(theta, list(range(10)), coeffs, 1024)
     assert torch.equal(theta.view(torch.int16), torch.zeros(4096, dtype=torch.int16))
 
 
 @pytest.mark.parametrize("rewards", [[0.3, 0.3, 0.7, 0.7], [0.3] * 9 + [0.4], [1e-9] * 15 + [2e-9], [0.0, 1.0] * 8])
 def test_zscore_mixed_rewards_keep_ddof0_and_epsilon(rewards):
     r = np.asarray(rewards, dtype=np.float64)
-    want = (r - r.mean()) / (r.std(ddof=0) + 1e-8)  # SPEC section 3, by numpy
-    z = C.zscore(rewards)
+    want = (r - r.mean()) / (r.std(ddof=0) + 1e-8)  # the z-score's formula, by numpy
+    z = common.zscore(rewards)
     assert z == pytest.approx(want.tolist(), rel=1e-12, abs=0)
     assert any(v != 0 for v in z)
     assert len({z[i] for i, v in enumerate(rewards) if v == rewards[0]}) == 1  # equal rewards, equal z
@@ -74,30 +76,30 @@ def test_zscore_mixed_rewards_keep_ddof0_and_epsilon(rewards):
 
 def test_update_coefficients_fold_sigma_into_alpha():
     z = [1.0, -1.0, 0.5, -0.5]
-    assert C.update_coefficients(z, 5e-4) == pytest.approx([5e-4 / 4 * v for v in z])
+    assert common.update_coefficients(z, 5e-4) == pytest.approx([5e-4 / 4 * v for v in z])
 
 
 # ---- seeds and noise ----
 
 def test_member_seeds_are_deterministic_and_distinct():
-    a = C.member_seeds(7, 3, 16)
-    assert a == C.member_seeds(7, 3, 16) and len(set(a)) == 16
-    assert a != C.member_seeds(7, 4, 16) and a != C.member_seeds(8, 3, 16)
+    a = common.member_seeds(7, 3, 16)
+    assert a == common.member_seeds(7, 3, 16) and len(set(a)) == 16
+    assert a != common.member_seeds(7, 4, 16) and a != common.member_seeds(8, 3, 16)
 
 
 def test_noise_seed_mixes_member_rank_and_name():
-    s = C.noise_seed(123, 0, "model.norm.weight")
-    assert s == C.noise_seed(123, 0, "model.norm.weight")
+    s = common.noise_seed(123, 0, "model.norm.weight")
+    assert s == common.noise_seed(123, 0, "model.norm.weight")
     assert 0 <= s < 2**63
-    others = {C.noise_seed(124, 0, "model.norm.weight"), C.noise_seed(123, 1, "model.norm.weight"),
-              C.noise_seed(123, 0, "model.embed_tokens.weight")}
+    others = {common.noise_seed(124, 0, "model.norm.weight"), common.noise_seed(123, 1, "model.norm.weight"),
+              common.noise_seed(123, 0, "model.embed_tokens.weight")}
     assert s not in others and len(others) == 3
-    assert C.name_hash64("x") == int.from_bytes(__import__("hashlib").sha256(b"x").digest()[:8], "big")
+    assert common.name_hash64("x") == int.from_bytes(__import__("hashlib").sha256(b"x").digest()[:8], "big")
 
 
 def test_noise_stream_is_chunked_from_one_generator():
     """The chunked stream is the generator's draws in order: chunk size is part of the noise definition."""
-    chunks = list(C.noise_chunks(10, seed=5, chunk=4, device="cpu"))
+    chunks = list(common.noise_chunks(10, seed=5, chunk=4, device="cpu"))
     assert [(a, b) for a, b, _ in chunks] == [(0, 4), (4, 8), (8, 10)]
     gen = torch.Generator().manual_seed(5)
     expected = [torch.randn(n, generator=gen) for n in (4, 4, 2)]
@@ -110,11 +112,11 @@ def test_update_matches_numpy_float32_accumulation():
     theta = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     seeds, coeffs, chunk = [11, 22, 33], [1e-2, -2e-2, 5e-3], 256
     got = theta.clone()
-    C.add_noise_(got, seeds, coeffs, chunk)
+    common.add_noise_(got, seeds, coeffs, chunk)
 
     acc = theta.float().numpy().copy()
     for s, c in zip(seeds, coeffs):
-        eps = np.concatenate([e.numpy() for _, _, e in C.noise_chunks(1000, s, chunk, "cpu")])
+        eps = np.concatenate([e.numpy() for _, _, e in common.noise_chunks(1000, s, chunk, "cpu")])
         acc = (acc + np.float32(c) * eps).astype(np.float32)
     want = torch.from_numpy(acc).to(torch.bfloat16)  # one rounding, at the end
     assert torch.equal(got, want)
@@ -144,9 +146,9 @@ def test_perturb_then_subtract_in_bf16_is_not_exact_but_within_rounding():
     """Why restore copies: x + s*eps rounded to bf16, minus s*eps rounded again, is not x (but is close)."""
     theta = (0.02 * torch.randn(100_000, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
     perturbed = theta.clone()
-    C.add_noise_(perturbed, [9], [1e-3], 4096)
+    common.add_noise_(perturbed, [9], [1e-3], 4096)
     restored = perturbed.clone()
-    C.add_noise_(restored, [9], [-1e-3], 4096)
+    common.add_noise_(restored, [9], [-1e-3], 4096)
     check_subtract_restore(theta, perturbed, restored)
 
 
@@ -154,14 +156,14 @@ def test_noise_definition_golden_values():
     """Pins the noise definition (seed mix, name hash, generator, chunking) on CPU: a change here silently makes
     every recorded history unreplayable, so it must show up as a failing test. Values from torch 2.13 CPU."""
     name = "model.layers.0.self_attn.qkv_proj.weight"
-    seed = C.noise_seed(20260627, 1, name)
+    seed = common.noise_seed(20260627, 1, name)
     assert seed == 138453374855308281
-    assert C.noise_seed(20260627, 0, name) == 6266319409785437437
-    eps = torch.cat([e for _, _, e in C.noise_chunks(24_576, seed, C.Config().noise_chunk, "cpu")])
+    assert common.noise_seed(20260627, 0, name) == 6266319409785437437
+    eps = torch.cat([e for _, _, e in common.noise_chunks(24_576, seed, common.Config().noise_chunk, "cpu")])
     golden = torch.tensor([-1.7884882688522339, 0.7180325388908386, 1.0545233488082886, 0.09129620343446732])
     assert torch.equal(eps[:4], golden)
     # drawn in chunks of 4096, the second chunk continues the same generator
-    chunked = torch.cat([e for _, _, e in C.noise_chunks(24_576, seed, 4096, "cpu")])
+    chunked = torch.cat([e for _, _, e in common.noise_chunks(24_576, seed, 4096, "cpu")])
     golden_4096 = torch.tensor([-0.11121739447116852, -1.0960077047348022, 2.413072347640991, 1.5774480104446411])
     assert torch.equal(chunked[4096:4100], golden_4096) and torch.equal(chunked[:4], golden)
 
@@ -219,7 +221,7 @@ def test_digest_threads_hash_at_once(monkeypatch):
 
 def test_es_parameters_every_floating_storage_once_in_order():
     model = ToyModel()
-    params = C.es_parameters(model.named_parameters())
+    params = common.es_parameters(model.named_parameters())
     assert [n for n, _ in params] == ["embed.weight", "proj.weight", "proj.bias"]
     assert all(t.data_ptr() == dict(model.named_parameters())[n].data_ptr() for n, t in params)  # in place
 
@@ -229,20 +231,20 @@ def test_es_parameters_refuses_a_freed_weight():
     model = ToyModel()
     model.proj.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
     with pytest.raises(RuntimeError, match=r"parameter proj.weight has been freed to shape \[0\]"):
-        C.es_parameters(model.named_parameters())
+        common.es_parameters(model.named_parameters())
     model = ToyModel()
     model.proj.weight = torch.nn.Parameter(model.proj.weight.data.t(), requires_grad=False)
     with pytest.raises(RuntimeError, match="proj.weight is not contiguous"):
-        C.es_parameters(model.named_parameters())
+        common.es_parameters(model.named_parameters())
 
 
 # ---- run constants from the command line ----
 
 def test_parse_config_overrides_and_preset():
-    cfg = C.parse_config(["--preset=smoke", "--population=6", "--alpha=1e-3", "--cuda_graphs=false"])
+    cfg = cli.parse_config(["--preset=smoke", "--population=6", "--alpha=1e-3", "--cuda_graphs=false"])
     assert (cfg.population, cfg.alpha, cfg.cuda_graphs, cfg.model) == (6, 1e-3, False, "tiny-qwen3-dense")
-    assert C.parse_config([]) == C.Config()
-    assert C.Config().generations == 20 and C.Config().population == 16 and C.Config().case_batch == 16
+    assert cli.parse_config([]) == common.Config()
+    assert common.Config().generations == 20 and common.Config().population == 16 and common.Config().case_batch == 16
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -281,17 +283,18 @@ def test_parse_config_overrides_and_preset():
     (["--preset=smoke", "--population=1"], "population must be at least 2 (z-scores need two members), got 1"),
 ])
 def test_parse_config_refuses_bad_input_and_out_of_range_settings(argv, message):
-    with pytest.raises(C.ConfigError, match=re.escape(message)):
-        C.parse_config(argv)
+    with pytest.raises(common.ConfigError, match=re.escape(message)):
+        cli.parse_config(argv)
 
 
 def test_every_numeric_setting_has_its_range_and_defaults_and_presets_are_in_it():
-    numeric = {f.name for f in dataclasses.fields(C.Config) if type(getattr(C.Config, f.name)) in (int, float)}
-    assert numeric == set(C.SETTING_BOUNDS)  # a new numeric setting needs its bounds
-    defaults = dataclasses.asdict(C.Config())
-    assert all(C.SETTING_BOUNDS[name].admits(defaults[name]) for name in numeric)
-    for name, preset in C.PRESETS.items():
-        assert C.parse_config([f"--preset={name}"]) == C.Config(**{**defaults, **preset})
+    numeric = {f.name for f in dataclasses.fields(common.Config)
+               if type(getattr(common.Config, f.name)) in (int, float)}
+    assert numeric == set(common.SETTING_BOUNDS)  # a new numeric setting needs its bounds
+    defaults = dataclasses.asdict(common.Config())
+    assert all(common.SETTING_BOUNDS[name].admits(defaults[name]) for name in numeric)
+    for name, preset in common.PRESETS.items():
+        assert cli.parse_config([f"--preset={name}"]) == common.Config(**{**defaults, **preset})
 
 
 @pytest.mark.parametrize("values, message", [
@@ -301,34 +304,34 @@ def test_every_numeric_setting_has_its_range_and_defaults_and_presets_are_in_it(
     ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization must be a finite number in (0, 1]"),
 ])
 def test_values_of_the_wrong_type_are_refused(values, message):
-    with pytest.raises(C.ConfigError, match=re.escape(message)):
-        C.Config(**values)
+    with pytest.raises(common.ConfigError, match=re.escape(message)):
+        common.Config(**values)
 
 
 def test_a_history_with_an_out_of_range_setting_is_refused():
     history = recorded_history()
     history["config"]["top_p"] = 1.5  # an edited history: never trained with these constants
-    with pytest.raises(C.ConfigError, match=re.escape("top_p must be a finite number in (0, 1], got 1.5")):
-        C.config_from_history(history, [])
+    with pytest.raises(common.ConfigError, match=re.escape("top_p must be a finite number in (0, 1], got 1.5")):
+        config_from_history(history, [])
 
 
 # ---- the recorded run: export and replay take what defines the weights from the history ----
 
 def recorded_history(**config):
     """A history header as 01_train.py writes it: here a smoke run trained with a local --model folder."""
-    cfg = C.parse_config(["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100",
+    cfg = cli.parse_config(["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100",
                           *(f"--{k}={v}" for k, v in config.items())])
     return {"config": dataclasses.asdict(cfg)}
 
 
 def test_preset_never_overrides_recorded_values():
-    cfg = C.config_from_history(recorded_history(run_dir="/runs/a"), ["--preset=smoke"])
+    cfg = config_from_history(recorded_history(run_dir="/runs/a"), ["--preset=smoke"])
     assert (cfg.model, cfg.max_new_tokens) == ("/models/my-base", 100)  # the preset says tiny-qwen3-dense, 48
     assert cfg.run_dir == "runs/smoke"  # what may differ between runs comes from the preset
-    free = C.config_from_history(recorded_history(), ["--preset=smoke", "--concurrency=3", "--run_dir=/x",
-                                                      "--cudagraph_mode=FULL", "--max_num_batched_tokens=0",
-                                                      "--custom_all_reduce=true",
-                                                      "--model=/models/my-base"])  # equal to the record: fine
+    free = config_from_history(recorded_history(), ["--preset=smoke", "--concurrency=3", "--run_dir=/x",
+                                                    "--cudagraph_mode=FULL", "--max_num_batched_tokens=0",
+                                                    "--custom_all_reduce=true",
+                                                    "--model=/models/my-base"])  # equal to the record: fine
     assert (free.concurrency, free.run_dir, free.model) == (3, "/x", "/models/my-base")
     assert (free.cudagraph_mode, free.max_num_batched_tokens, free.custom_all_reduce) == ("FULL", 0, True)
 
@@ -340,40 +343,41 @@ def test_preset_never_overrides_recorded_values():
     ("--population=8", "--population=8 \\(recorded: 4\\)"),
 ])
 def test_explicit_values_that_differ_from_the_record_are_refused(arg, message):
-    with pytest.raises(C.ConfigError, match="cannot be overridden: " + message):
-        C.config_from_history(recorded_history(), ["--preset=smoke", arg])
+    with pytest.raises(common.ConfigError, match="cannot be overridden: " + message):
+        config_from_history(recorded_history(), ["--preset=smoke", arg])
 
 
 def test_replay_takes_weights_from_the_history_and_sampling_from_the_eval():
     """An evaluation run with the defaults (the hub model, the reference noise chunk) of a history trained with a
     local --model and another noise chunk: the replay rebuilds the history's weights with the eval's sampling."""
     history = recorded_history(noise_chunk=4096, dtype="float16")
-    evaluation = dataclasses.asdict(C.parse_config(["--max_new_tokens=64", "--temperature=0.7", "--run_seed=5"]))
-    cfg = C.config_from_history(history, ["--preset=smoke"], settings=evaluation)
+    evaluation = dataclasses.asdict(cli.parse_config(["--max_new_tokens=64", "--temperature=0.7", "--run_seed=5"]))
+    cfg = config_from_history(history, ["--preset=smoke"], settings=evaluation)
     assert (cfg.model, cfg.noise_chunk, cfg.dtype, cfg.tensor_parallel_size) == ("/models/my-base", 4096, "float16", 2)
-    assert (cfg.max_new_tokens, cfg.temperature, cfg.run_seed, cfg.max_turns) == (64, 0.7, 5, C.Config.max_turns)
-    with pytest.raises(C.ConfigError, match="--temperature=1.0 \\(recorded: 0.7\\)"):
-        C.config_from_history(history, ["--temperature=1.0"], settings=evaluation)
+    assert (cfg.max_new_tokens, cfg.temperature, cfg.run_seed, cfg.max_turns) == (64, 0.7, 5, common.Config.max_turns)
+    with pytest.raises(common.ConfigError, match="--temperature=1.0 \\(recorded: 0.7\\)"):
+        config_from_history(history, ["--temperature=1.0"], settings=evaluation)
 
 
 def test_unknown_recorded_setting_is_a_clear_error():
     history = recorded_history()
     history["config"]["retired_setting"] = 1
-    with pytest.raises(C.ConfigError, match="recorded settings retired_setting are unknown"):
-        C.config_from_history(history, [])
+    with pytest.raises(common.ConfigError, match="recorded settings retired_setting are unknown"):
+        config_from_history(history, [])
 
 
 def test_a_history_of_the_previous_version_still_rebuilds_and_a_low_rank_one_is_refused():
     """Histories written while `scope` existed record scope="full" and lora_rank: they rebuild as every run does
     (an evaluation's recorded settings too); a scope="lowrank" history names what was removed."""
-    history, evaluation = recorded_history(), dataclasses.asdict(C.parse_config([]))
+    history, evaluation = recorded_history(), dataclasses.asdict(cli.parse_config([]))
     history["config"].update(scope="full", lora_rank=1)
     evaluation.update(scope="full", lora_rank=1)
-    assert C.config_from_history(history, [], settings=evaluation) == C.config_from_history(recorded_history(), [],
+    assert config_from_history(history, [], settings=evaluation) == config_from_history(recorded_history(), [],
                                                                                            settings=evaluation)
     history["config"]["scope"] = "lowrank"
-    with pytest.raises(C.ConfigError, match="trained with scope='lowrank', which this version of the code no longer"):
-        C.config_from_history(history, [])
+    with pytest.raises(common.ConfigError,
+                       match="trained with scope='lowrank', which this version of the code no longer"):
+        config_from_history(history, [])
 
 
 # ---- the history's identity: the device model ----
@@ -383,20 +387,20 @@ H200 = {"name": "NVIDIA H200", "sm_count": 132}
 
 
 def identity(devices, **extra):
-    return {"format": H.HISTORY_FORMAT, "base_model": "m", "base_fingerprint": "sha256:" + "a" * 64,
+    return {"format": HISTORY_FORMAT, "base_model": "m", "base_fingerprint": "sha256:" + "a" * 64,
             "tensor_parallel_size": 2, "device_type": "cuda", "devices": devices, **extra}
 
 
 @pytest.mark.parametrize("compare_config", [True, False])  # resume compares the config too; export/replay not
 def test_another_gpu_model_is_refused_naming_both(compare_config):
-    with pytest.raises(C.HistoryMismatch, match=r"made on 2 x NVIDIA H100 80GB HBM3 \(132 SMs\), this run is on "
+    with pytest.raises(common.HistoryMismatch, match=r"made on 2 x NVIDIA H100 80GB HBM3 \(132 SMs\), this run is on "
                                                 r"2 x NVIDIA H200 \(132 SMs\)"):
-        H.check_base(identity([H100, H100]), identity([H200, H200]), compare_config)
-    H.check_base(identity([H200, H200]), identity([H200, H200]), compare_config)  # the same model: accepted
+        check_base(identity([H100, H100]), identity([H200, H200]), compare_config)
+    check_base(identity([H200, H200]), identity([H200, H200]), compare_config)  # the same model: accepted
 
 
 def test_same_name_other_sm_count_is_another_gpu_model():
-    diffs = H.identity_differences(identity([H100, H100]), identity([dict(H100, sm_count=114)] * 2), False)
+    diffs = identity_differences(identity([H100, H100]), identity([dict(H100, sm_count=114)] * 2), False)
     assert diffs and "2 x NVIDIA H100 80GB HBM3 (114 SMs)" in diffs[0]
 
 
@@ -404,15 +408,15 @@ def test_cpu_kernel_sets_differ_and_cpu_models_do_not_matter():
     """torch's CPU normals come from mt19937 on every CPU model, but the AVX2 kernel turns them into different
     floats than the scalar one: the kernel set is the CPU's device model here."""
     avx2, scalar = {"name": "cpu (AVX2 kernels)", "sm_count": None}, {"name": "cpu (DEFAULT kernels)", "sm_count": None}
-    assert H.identity_differences(identity([avx2, avx2]), identity([avx2, avx2])) == []
+    assert identity_differences(identity([avx2, avx2]), identity([avx2, avx2])) == []
     assert "made on 2 x cpu (AVX2 kernels), this run is on 2 x cpu (DEFAULT kernels)" in \
-        H.identity_differences(identity([avx2, avx2]), identity([scalar, scalar]))[0]
+        identity_differences(identity([avx2, avx2]), identity([scalar, scalar]))[0]
 
 
 def test_history_without_device_model_gets_a_clear_message():
     older = identity(None)
     del older["devices"]
-    diffs = H.identity_differences(older, identity([H200, H200]), compare_config=False)
+    diffs = identity_differences(older, identity([H200, H200]), compare_config=False)
     assert len(diffs) == 1 and "does not record the device model it was made on" in diffs[0]
     assert "this run is on 2 x NVIDIA H200 (132 SMs)" in diffs[0]
 
@@ -421,20 +425,20 @@ def test_older_name_only_fingerprint_of_the_same_hub_id_is_accepted():
     """Older histories fingerprinted a hub id by its name; now the snapshot's weights are hashed. The same id is
     accepted (the per-rank base digests, compared too, still prove the same bits); another base is not."""
     older = identity([H200, H200], base_model="Qwen/Qwen3-30B-A3B",
-                     base_fingerprint=H.name_only_fingerprint("Qwen/Qwen3-30B-A3B"))
+                     base_fingerprint=name_only_fingerprint("Qwen/Qwen3-30B-A3B"))
     current = identity([H200, H200], base_model="Qwen/Qwen3-30B-A3B")
-    assert H.identity_differences(older, current, compare_config=False) == []
-    assert H.identity_differences(dict(older, base_fingerprint="sha256:" + "b" * 64), current, False)
+    assert identity_differences(older, current, compare_config=False) == []
+    assert identity_differences(dict(older, base_fingerprint="sha256:" + "b" * 64), current, False)
 
 
 def test_a_setting_newer_than_the_history_counts_as_its_default():
     """A history written before a Config field existed resumes when the field keeps its default (the behaviour
     the history was made with), and is refused when the field is set to anything else."""
-    config = dataclasses.asdict(C.Config())
+    config = dataclasses.asdict(common.Config())
     older = identity([H200, H200], config={k: v for k, v in config.items() if k != "prompt_mode"})
-    assert H.identity_differences(older, identity([H200, H200], config=config)) == []
+    assert identity_differences(older, identity([H200, H200], config=config)) == []
     changed = dict(config, prompt_mode="continue")
-    assert H.identity_differences(older, identity([H200, H200], config=changed)) == [
+    assert identity_differences(older, identity([H200, H200], config=changed)) == [
         "config prompt_mode: history has 'render', this run has 'continue'"]
 
 
@@ -442,15 +446,15 @@ def test_engine_speed_settings_may_change_on_resume():
     """CUDA graphs, the step size and the all-reduce change how fast the engine steps, never the weights: a run
     started with vLLM's old defaults (or before a setting existed) resumes under the new ones (and any other), while
     a sampling setting is still refused."""
-    config = dataclasses.asdict(C.Config())
+    config = dataclasses.asdict(common.Config())
     older = identity([H200, H200], config=dict(config, cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=0))
-    assert H.identity_differences(older, identity([H200, H200], config=config)) == []
-    assert H.identity_differences(older, identity([H200, H200], config=dict(config, cuda_graphs=False))) == []
-    assert H.identity_differences(older, identity([H200, H200], config=dict(config, custom_all_reduce=True))) == []
+    assert identity_differences(older, identity([H200, H200], config=config)) == []
+    assert identity_differences(older, identity([H200, H200], config=dict(config, cuda_graphs=False))) == []
+    assert identity_differences(older, identity([H200, H200], config=dict(config, custom_all_reduce=True))) == []
     before_the_setting = {k: v for k, v in older["config"].items() if k != "custom_all_reduce"}
-    assert H.identity_differences(dict(older, config=before_the_setting),
-                                  identity([H200, H200], config=dict(config, custom_all_reduce=True))) == []
-    assert H.identity_differences(older, identity([H200, H200], config=dict(config, top_k=20))) == [
+    assert identity_differences(dict(older, config=before_the_setting),
+                                identity([H200, H200], config=dict(config, custom_all_reduce=True))) == []
+    assert identity_differences(older, identity([H200, H200], config=dict(config, top_k=20))) == [
         "config top_k: history has 40, this run has 20"]
 
 
@@ -465,17 +469,33 @@ def test_gpu_engine_arguments(argv, compilation):
     ones vLLM's graph splitting on the eager backend. The step size reaches vLLM unless it is 0, and graphs are
     captured up to it (vLLM would stop at 256 tokens and run longer steps eagerly)."""
     for tokens in (256, 1024):
-        args = E.cuda_engine_args(C.parse_config([*argv, f"--max_num_batched_tokens={tokens}"]))
+        args = engine.cuda_engine_args(cli.parse_config([*argv, f"--max_num_batched_tokens={tokens}"]))
         graphs = compilation and dict(compilation, max_cudagraph_capture_size=tokens)
         assert args.get("compilation_config") == graphs and args["max_num_batched_tokens"] == tokens
-    assert E.cuda_engine_args(C.parse_config(argv)) == E.cuda_engine_args(  # the default: 256-token steps
-        C.parse_config([*argv, "--max_num_batched_tokens=256"]))
-    args = E.cuda_engine_args(C.parse_config([*argv, "--max_num_batched_tokens=0"]))  # vLLM's own defaults
+    assert engine.cuda_engine_args(cli.parse_config(argv)) == engine.cuda_engine_args(  # the default: 256-token steps
+        cli.parse_config([*argv, "--max_num_batched_tokens=256"]))
+    args = engine.cuda_engine_args(cli.parse_config([*argv, "--max_num_batched_tokens=0"]))  # vLLM's own defaults
     assert args.get("compilation_config") == compilation and "max_num_batched_tokens" not in args
     assert args["enforce_eager"] is (compilation is None) and args["disable_custom_all_reduce"] is True
-    assert E.cuda_engine_args(C.parse_config([*argv, "--custom_all_reduce=true"]))["disable_custom_all_reduce"] is False
-    with pytest.raises(C.ConfigError, match="max_num_batched_tokens must be at least 0"):
-        C.parse_config([*argv, "--max_num_batched_tokens=-1"])
+    all_reduce = engine.cuda_engine_args(cli.parse_config([*argv, "--custom_all_reduce=true"]))
+    assert all_reduce["disable_custom_all_reduce"] is False
+    with pytest.raises(common.ConfigError, match="max_num_batched_tokens must be at least 0"):
+        cli.parse_config([*argv, "--max_num_batched_tokens=-1"])
+
+
+# What --help prints for the settings whose comment in Config runs over two lines: every sentence whole
+HELP_OF_TWO_LINE_COMMENTS = [
+    """  --cudagraph_mode=FULL_AND_PIECEWISE decode steps as full graphs, steps with a prefill as piecewise ones;
+                                   "FULL_DECODE_ONLY" runs the latter eagerly (README)""",
+    """  --max_num_batched_tokens=256     GPU: tokens per engine step, and CUDA graphs are captured up to it. 0: vLLM's
+                                   defaults (2048-token steps, graphs only up to 256 tokens: longer steps eager)""",
+    """  --rounding=nearest               bf16 rounding of every weight change: "nearest" (the reference) or "stochastic"
+                                   (unbiased: steps below half an ulp still move theta in expectation)""",
+    """  --noise=rank_salted              "rank_salted" (the reference: per-rank noise, the model exists at this TP size only)
+                                   or "checkpoint" (per checkpoint element: any TP size, a Hugging Face export)""",
+    """  --allow_leaky_sandbox=False      run even when the start-up leak check finds the data, run folder or other episodes
+                                   visible to the sandbox (then every record says so)""",
+]
 
 
 @pytest.mark.parametrize("script", ["00_data", "01_train", "02_export", "03_eval", "04_replay"])
@@ -489,11 +509,27 @@ def test_help_prints_the_stage_its_options_and_every_setting(script, capsys):
     if script == "00_data":
         assert "--source_dir=" in text and "--model=" not in text  # its own options only
         return
-    meanings = C._comments_beside(inspect.getsource(C.Config), r"^    (\w+): [^=]+= ")
-    for name, default in dataclasses.asdict(C.Config()).items():
-        assert meanings[name], f"Config.{name} has no comment for --help"
-        assert f"--{name}={default}" in text and meanings[name] in text
-    assert all(f"  {preset}: " in text for preset in C.PRESETS)
+    for name, default in dataclasses.asdict(common.Config()).items():  # each with its default and a meaning
+        assert re.search(rf"^  --{name}={re.escape(str(default))} +\S", text, re.M), f"Config.{name} in --help"
+    for lines in HELP_OF_TWO_LINE_COMMENTS:
+        assert lines in text
+    assert all(f"  {preset}: " in text for preset in common.PRESETS)
+    if script == "02_export":  # a stage option's comment is read whole too
+        assert """  --history=                       default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by
+                                   --preset=smoke)""" in text
+
+
+def test_a_comment_continued_under_its_field_is_read_whole_and_a_section_comment_is_not():
+    source = """\
+    first: int = 1  # a comment that
+                    # goes on here
+    # a section of settings
+    second: str = ""  # its own comment
+    third: bool = True
+                       # not a continuation: third has no comment
+"""
+    assert cli._comments_beside(source, r"^    (\w+): [^=]+= ") == {
+        "first": "a comment that goes on here", "second": "its own comment", "third": ""}
 
 
 # ---- stochastic rounding (rounding="stochastic") ----
@@ -504,7 +540,7 @@ def test_stochastic_rounding_is_unbiased_where_nearest_loses_a_small_step():
     w = (torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
     acc = w.float() + 1e-5
     nearest, stochastic = acc.to(torch.bfloat16), torch.empty_like(w)
-    C.round_stochastic_(stochastic, acc, torch.Generator().manual_seed(1))
+    common.round_stochastic_(stochastic, acc, torch.Generator().manual_seed(1))
     error = stochastic.float() - acc
     assert abs(error.mean().item()) < 4 * error.std().item() / error.numel() ** 0.5  # unbiased
     assert abs((stochastic.float() - w.float()).mean().item() - 1e-5) < 0.05e-5  # the whole step, on average
@@ -521,54 +557,57 @@ def test_stochastic_rounding_is_a_function_of_its_seed():
     runs = []
     for seed in (5, 5, 6):
         t = theta.clone()
-        C.add_noise_(t, [11, 12], [1e-4, -2e-4], 4096, rounding_seed=seed)
+        common.add_noise_(t, [11, 12], [1e-4, -2e-4], 4096, rounding_seed=seed)
         runs.append(t)
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     nearest = theta.clone()
-    C.add_noise_(nearest, [11, 12], [1e-4, -2e-4], 4096)
+    common.add_noise_(nearest, [11, 12], [1e-4, -2e-4], 4096)
     assert not torch.equal(nearest, runs[0])
     fp32 = theta.float()  # a float32 parameter is stored exactly: nothing to round
     exact = fp32.clone()
-    C.add_noise_(fp32, [11], [1e-4], 4096, rounding_seed=5)
-    C.add_noise_(exact, [11], [1e-4], 4096)
+    common.add_noise_(fp32, [11], [1e-4], 4096, rounding_seed=5)
+    common.add_noise_(exact, [11], [1e-4], 4096)
     assert torch.equal(fp32, exact)
     # the random source: per member for a perturbation, per generation's seeds for an update; per rank and name
-    perturb = {C.rounding_seed("perturb", [s], r, n) for s in (1, 2) for r in (0, 1) for n in ("a", "b")}
-    update = {C.rounding_seed("update", seeds, 0, "a") for seeds in ([1, 2], [2, 1], [1, 3])}
+    perturb = {common.rounding_seed("perturb", [s], r, n) for s in (1, 2) for r in (0, 1) for n in ("a", "b")}
+    update = {common.rounding_seed("update", seeds, 0, "a") for seeds in ([1, 2], [2, 1], [1, 3])}
     assert len(perturb) == 8 and len(update) == 3 and all(0 <= s < 2**63 for s in perturb | update)
 
 
 def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
-    nearest, stochastic = C.parse_config([]), C.parse_config(["--rounding=stochastic"])
-    assert C.noise_definition(nearest) == dict(C.NOISE_DEFINITION, chunk=nearest.noise_chunk)  # older histories
-    assert "rounding" in C.noise_definition(stochastic)
+    nearest, stochastic = cli.parse_config([]), cli.parse_config(["--rounding=stochastic"])
+    # what older histories recorded
+    assert common.noise_definition(nearest) == dict(common.NOISE_DEFINITION, chunk=nearest.noise_chunk)
+    assert "rounding" in common.noise_definition(stochastic)
     history = {"config": {k: v for k, v in dataclasses.asdict(nearest).items() if k != "rounding"}}  # an older one
-    H.check_config(history, nearest)
-    with pytest.raises(C.HistoryMismatch, match="config rounding: history has 'nearest', this run has 'stochastic'"):
-        H.check_config(history, stochastic)
-    diffs = H.identity_differences({"noise": C.noise_definition(nearest)}, {"noise": C.noise_definition(stochastic)})
+    check_config(history, nearest)
+    with pytest.raises(common.HistoryMismatch,
+                       match="config rounding: history has 'nearest', this run has 'stochastic'"):
+        check_config(history, stochastic)
+    diffs = identity_differences({"noise": common.noise_definition(nearest)},
+                                 {"noise": common.noise_definition(stochastic)})
     assert len(diffs) == 1 and diffs[0].startswith("noise:")
     # export and replay take it from the history, never from the command line or an evaluation's settings
     recorded = {"config": dataclasses.asdict(stochastic)}
-    assert C.config_from_history(recorded, [], settings=dataclasses.asdict(nearest)).rounding == "stochastic"
-    with pytest.raises(C.ConfigError, match="cannot be overridden"):
-        C.config_from_history(recorded, ["--rounding=nearest"])
-    with pytest.raises(C.ConfigError, match="restore=subtract cannot undo"):
-        C.parse_config(["--rounding=stochastic", "--restore=subtract"])
-    with pytest.raises(C.ConfigError, match="rounding must be one of nearest, stochastic"):
-        C.parse_config(["--rounding=up"])
+    assert config_from_history(recorded, [], settings=dataclasses.asdict(nearest)).rounding == "stochastic"
+    with pytest.raises(common.ConfigError, match="cannot be overridden"):
+        config_from_history(recorded, ["--rounding=nearest"])
+    with pytest.raises(common.ConfigError, match="restore=subtract cannot undo"):
+        cli.parse_config(["--rounding=stochastic", "--restore=subtract"])
+    with pytest.raises(common.ConfigError, match="rounding must be one of nearest, stochastic"):
+        cli.parse_config(["--rounding=up"])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("noise", C.NOISE_MODES)
+@pytest.mark.parametrize("noise", common.NOISE_MODES)
 def test_stochastic_rounding_with_a_dtype_other_than_bf16_is_refused(dtype, noise):
     """Stochastic rounding is bf16's: in another dtype the change would round to nearest under a history that says
     "stochastic". Refused on the command line and in a history that records the pair (export, replay)."""
     refusal = f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype='{dtype}'"
-    with pytest.raises(C.ConfigError, match=refusal):
-        C.parse_config(["--rounding=stochastic", f"--dtype={dtype}", f"--noise={noise}"])
-    recorded = {"config": dict(dataclasses.asdict(C.Config(noise=noise)), rounding="stochastic", dtype=dtype)}
-    with pytest.raises(C.ConfigError, match=refusal):
-        C.config_from_history(recorded, [])
-    assert C.parse_config([f"--dtype={dtype}", f"--noise={noise}"]).rounding == "nearest"
-    assert C.parse_config(["--rounding=stochastic", f"--noise={noise}"]).dtype == "bfloat16"
+    with pytest.raises(common.ConfigError, match=refusal):
+        cli.parse_config(["--rounding=stochastic", f"--dtype={dtype}", f"--noise={noise}"])
+    recorded = {"config": dict(dataclasses.asdict(common.Config(noise=noise)), rounding="stochastic", dtype=dtype)}
+    with pytest.raises(common.ConfigError, match=refusal):
+        config_from_history(recorded, [])
+    assert cli.parse_config([f"--dtype={dtype}", f"--noise={noise}"]).rounding == "nearest"
+    assert cli.parse_config(["--rounding=stochastic", f"--noise={noise}"]).dtype == "bfloat16"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import checkpoint_noise
-import common as C
+import common
 
 CHUNK = 1001  # not a multiple of 8: chunks start inside a byte of the mask
 SIGMA = 1e-3
@@ -44,9 +44,9 @@ def bits(t: torch.Tensor) -> bytes:
 def rank_salted(kind: str, rounding: str):
     """The rank-salted noise of one member on parameter i, as the worker applies it."""
     def apply(i, flat, coeff, patch):
-        seed = C.noise_seed(77, 0, f"p{i}")
-        rounded = C.rounding_seed(kind, [77], 0, f"p{i}") if rounding == "stochastic" else None
-        C.add_noise_(flat, [seed], [coeff], CHUNK, rounded, patch)
+        seed = common.noise_seed(77, 0, f"p{i}")
+        rounded = common.rounding_seed(kind, [77], 0, f"p{i}") if rounding == "stochastic" else None
+        common.add_noise_(flat, [seed], [coeff], CHUNK, rounded, patch)
     return apply
 
 
@@ -86,7 +86,7 @@ def test_subtract_and_patch_restore_every_bit(noise, dtype, rounding):
     params = weights(dtype)
     centre, special = [bits(t) for t in params], special_values(dtype).numel()
     first = params[0][:special].double()
-    patch = C.RestorePatch(params, 0.5)
+    patch = common.RestorePatch(params, 0.5)
     for member in range(2):  # the patch is reused member after member
         perturb(params, NOISES[noise], rounding, patch)
         perturbed = [t.clone() for t in params]
@@ -104,7 +104,7 @@ def test_subtract_and_patch_restore_every_bit(noise, dtype, rounding):
 def test_the_patch_holds_the_elements_subtraction_misses_and_nothing_else():
     params = weights(torch.bfloat16, sizes=(50_000,))
     centre = params[0].clone()
-    patch = C.RestorePatch(params, 0.5)
+    patch = common.RestorePatch(params, 0.5)
     perturb(params, rank_salted, "nearest", patch)
     subtracted = params[0].clone()
     rank_salted("restore", "nearest")(0, subtracted, -SIGMA, None)
@@ -117,23 +117,23 @@ def test_the_patch_holds_the_elements_subtraction_misses_and_nothing_else():
 
 def test_patch_bytes_are_its_bound_and_allocated_up_front():
     params = weights(torch.bfloat16, sizes=(1000, 37))
-    patch = C.RestorePatch(params, 0.12)
-    assert patch.nbytes == C.patch_bytes(1037, 2, 0.12) == 130 + 125 * 2
-    assert C.patch_capacity(C.Config()) == C.PATCH_CAPACITY["nearest"]
-    assert C.patch_capacity(C.Config(rounding="stochastic")) == C.PATCH_CAPACITY["stochastic"]
-    assert C.patch_capacity(C.Config(patch_capacity=0.2, rounding="stochastic")) == 0.2
+    patch = common.RestorePatch(params, 0.12)
+    assert patch.nbytes == common.patch_bytes(1037, 2, 0.12) == 130 + 125 * 2
+    assert common.patch_capacity(common.Config()) == common.PATCH_CAPACITY["nearest"]
+    assert common.patch_capacity(common.Config(rounding="stochastic")) == common.PATCH_CAPACITY["stochastic"]
+    assert common.patch_capacity(common.Config(patch_capacity=0.2, rounding="stochastic")) == 0.2
 
 
 def test_patch_restore_is_allowed_where_subtract_is_refused():
-    C.Config(restore="patch", noise="checkpoint")
-    C.Config(restore="patch", rounding="stochastic")
-    with pytest.raises(C.ConfigError, match=r"patch_capacity must be a finite number in \[0, 1\]"):
-        C.Config(restore="patch", patch_capacity=1.5)
+    common.Config(restore="patch", noise="checkpoint")
+    common.Config(restore="patch", rounding="stochastic")
+    with pytest.raises(common.ConfigError, match=r"patch_capacity must be a finite number in \[0, 1\]"):
+        common.Config(restore="patch", patch_capacity=1.5)
 
 
 # ---- the worker's overflow path, without vLLM ----
 
-class Worker(C.ESWorker):
+class Worker(common.ESWorker):
     """ESWorker on plain tensors: rank 0 of `ranks`, where the other ranks report `others` from their pass."""
 
     def __init__(self, params, others=()):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import checkpoint_noise
-import common as C
-import history as H
+import common
+from history import HISTORY_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_pipeline  # noqa: E402
@@ -32,13 +32,13 @@ def finished_pipeline(run_dir: Path, noise: str, exported_without: str = "") -> 
                "model.norm.weight": torch.ones(4, dtype=torch.bfloat16),
                "lm_head.weight": torch.ones(6, 4, dtype=torch.bfloat16)}
     save_file(tensors, str(base / "model.safetensors"))
-    C.write_json_atomic({"model_type": "qwen3", "tie_word_embeddings": True}, base / "config.json")
+    common.write_json_atomic({"model_type": "qwen3", "tie_word_embeddings": True}, base / "config.json")
     trained = ["ckpt:trained"] if noise == "checkpoint" else ["rank0-trained", "rank1-trained"]
-    history = {"config": dataclasses.asdict(C.Config(noise=noise)), "base_model": "tiny", "device_type": "cuda",
+    history = {"config": dataclasses.asdict(common.Config(noise=noise)), "base_model": "tiny", "device_type": "cuda",
                "base_model_path": str(base), "vllm_version": "0.26.0",
                "base_digests": ["ckpt:base"] if noise == "checkpoint" else ["rank0-base", "rank1-base"],
                "generations": [{"generation": 0, "digests": trained}]}
-    C.write_json_atomic(history, run_dir / H.HISTORY_FILE)
+    common.write_json_atomic(history, run_dir / HISTORY_FILE)
     export = run_dir / "export"
     export.mkdir()
     sums = left_out = None
@@ -53,17 +53,17 @@ def finished_pipeline(run_dir: Path, noise: str, exported_without: str = "") -> 
     identity = {"config": history["config"], "tensor_parallel_size": 2, "parameter_names_sha256": "names",
                 "devices": [], "base_model": "tiny", "base_fingerprint": "sha256:base", "device_type": "cuda",
                 "vllm_version": "0.26.0", "torch_version": torch.__version__}
-    export_stage.write_manifest(export, history, run_dir / H.HISTORY_FILE, history["generations"], trained, identity,
+    export_stage.write_manifest(export, history, run_dir / HISTORY_FILE, history["generations"], trained, identity,
                                 sums, left_out)
     (run_dir / "eval").mkdir()
-    C.write_json_atomic({"checkpoint": {"kind": "export", "per_rank_digests": trained}},
-                        run_dir / "eval" / "metrics.json")
-    C.write_json_atomic({"per_rank_digests": trained, "datasets": {"dapo": {"sample_agreement": 1.0}}},
-                        run_dir / "eval" / "aligned_history_replay_eval4.json")
+    common.write_json_atomic({"checkpoint": {"kind": "export", "per_rank_digests": trained}},
+                             run_dir / "eval" / "metrics.json")
+    common.write_json_atomic({"per_rank_digests": trained, "datasets": {"dapo": {"sample_agreement": 1.0}}},
+                             run_dir / "eval" / "aligned_history_replay_eval4.json")
     return trained
 
 
-@pytest.mark.parametrize("noise", C.NOISE_MODES)
+@pytest.mark.parametrize("noise", common.NOISE_MODES)
 def test_the_report_of_a_finished_pipeline_holds_for_either_noise_kind(tmp_path, noise):
     trained = finished_pipeline(tmp_path, noise)
     report = gpu_pipeline.pipeline_report(tmp_path)
@@ -81,7 +81,7 @@ def test_a_hugging_face_export_that_drops_a_base_tensor_fails_the_report(tmp_pat
     assert report["base_tensors_missing"] == ["model.norm.weight"]
 
 
-@pytest.mark.parametrize("noise", C.NOISE_MODES)
+@pytest.mark.parametrize("noise", common.NOISE_MODES)
 @pytest.mark.parametrize("damage, failed", [
     ("eval/metrics.json", "moe_round_trip_exact"),
     ("eval/aligned_history_replay_eval4.json", "replay_equals_export"),
@@ -93,17 +93,17 @@ def test_each_failed_check_fails_the_report(tmp_path, noise, damage, failed):
         victim = next(f for f in (tmp_path / "export").iterdir() if f.name.endswith(".safetensors"))
         victim.write_bytes(victim.read_bytes() + b"x")
     else:
-        record = C.read_json(tmp_path / damage)
+        record = common.read_json(tmp_path / damage)
         key = record["checkpoint"] if "checkpoint" in record else record
         key["per_rank_digests"] = ["other"] * len(key["per_rank_digests"])
-        C.write_json_atomic(record, tmp_path / damage)
+        common.write_json_atomic(record, tmp_path / damage)
     report = gpu_pipeline.pipeline_report(tmp_path)
     assert report[failed] is False and report["ok"] is False
     if failed != "export_verifies":  # an export that fails verification has no digests to compare
         assert [c for c in gpu_pipeline.CHECKS[noise] if report[c] is not True] == [failed]
 
 
-@pytest.mark.parametrize("noise", C.NOISE_MODES)
+@pytest.mark.parametrize("noise", common.NOISE_MODES)
 def test_a_missing_stage_output_fails_the_report_without_crashing(tmp_path, noise):
     finished_pipeline(tmp_path, noise)
     (tmp_path / "eval" / "aligned_history_replay_eval4.json").unlink()

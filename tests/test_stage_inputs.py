@@ -10,39 +10,42 @@ import re
 import pytest
 
 import checkpoint_noise
-import common as C
-import history as H
-import engine as E
+import cli
+import common
+import engine
 import models
-import pool as P
+import pool
 import sandbox
+from history import EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, verify_export, write_sha256sums
 
 export_stage = importlib.import_module("02_export")
 train_stage = importlib.import_module("01_train")
 replay_stage = importlib.import_module("04_replay")
+eval_stage = importlib.import_module("03_eval")
 
 
 @pytest.fixture(autouse=True)
 def no_engine(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an engine started before the bad input was refused")
-    monkeypatch.setattr(E, "Engine", refuse)
-    monkeypatch.setattr(P, "EnginePool", refuse)
+    for module, name in ((export_stage, "Engine"), (train_stage, "EnginePool"), (replay_stage, "EnginePool"),
+                         (eval_stage, "EnginePool"), (engine, "Engine"), (pool, "EnginePool")):
+        monkeypatch.setattr(module, name, refuse)  # where each stage, and the pool, look it up
     monkeypatch.setattr(models, "resolve_model", lambda name, *args, **kwargs: name)
     monkeypatch.setattr(sandbox, "check_sandbox", lambda *args, **kwargs: [])
 
 
-SMOKE = C.parse_config(["--preset=smoke"])
+SMOKE = cli.parse_config(["--preset=smoke"])
 
 
 def generation_record(g):
     return {"generation": g, "sigma": 1e-3, "alpha": 5e-4, "seeds": [1, 2, 3, 4], "rewards": [0.0, 1.0, 0.0, 1.0],
-            "z": C.zscore([0.0, 1.0, 0.0, 1.0]), "problem_ids": ["a", "b"], "digests": ["d0", "d1"],
+            "z": common.zscore([0.0, 1.0, 0.0, 1.0]), "problem_ids": ["a", "b"], "digests": ["d0", "d1"],
             "timings": {}}
 
 
 def history(generations=2):
-    return {"format": H.HISTORY_FORMAT, "config": dataclasses.asdict(SMOKE), "base_model": SMOKE.model,
+    return {"format": HISTORY_FORMAT, "config": dataclasses.asdict(SMOKE), "base_model": SMOKE.model,
             "base_digests": ["b0", "b1"], "generations": [generation_record(g) for g in range(generations)]}
 
 
@@ -70,20 +73,20 @@ def write(value, path):
     ({"a": {}}, {"a": [("b",)]}, "f.json: a expected a list, got dict"),
 ])
 def test_check_shape_names_the_file_and_the_key(value, shape, message):
-    with pytest.raises(C.DataError, match=f"^{re.escape(message)}$"):
-        C.check_shape(value, shape, "f.json")
-    C.check_shape(value, None, "f.json")  # no shape: anything
+    with pytest.raises(common.DataError, match=f"^{re.escape(message)}$"):
+        common.check_shape(value, shape, "f.json")
+    common.check_shape(value, None, "f.json")  # no shape: anything
 
 
 def test_read_json_and_read_jsonl_check_the_required_shape(tmp_path):
     path = write({"generations": []}, tmp_path / "h.json")
-    assert C.read_json(path, required=("generations",)) == {"generations": []}
-    with pytest.raises(C.DataError, match="h.json: missing key 'config'"):
-        C.read_json(path, required=("config", "generations"))
+    assert common.read_json(path, required=("generations",)) == {"generations": []}
+    with pytest.raises(common.DataError, match="h.json: missing key 'config'"):
+        common.read_json(path, required=("config", "generations"))
     log = tmp_path / "episodes.jsonl"
     log.write_text('{"problem_id": "a", "sample_index": 0}\n{"problem_id": "a"}\n')
-    with pytest.raises(C.DataError, match=r"episodes.jsonl: row\[1\] missing key 'sample_index'"):
-        C.read_jsonl(log, required=("problem_id", "sample_index"))
+    with pytest.raises(common.DataError, match=r"episodes.jsonl: row\[1\] missing key 'sample_index'"):
+        common.read_jsonl(log, required=("problem_id", "sample_index"))
 
 
 @pytest.mark.parametrize("path, message", [
@@ -96,28 +99,39 @@ def test_read_json_and_read_jsonl_check_the_required_shape(tmp_path):
 ])
 def test_export_refuses_a_history_that_lacks_a_key_before_any_engine(tmp_path, path, message):
     bad = write(without(history(), *path), tmp_path / "es_history.json")
-    with pytest.raises(C.StageError, match=f"{bad}: {message}"):
+    with pytest.raises(common.StageError, match=f"{bad}: {message}"):
         export_stage.main([f"--history={bad}", f"--out={tmp_path / 'export'}"])
     assert not (tmp_path / "export").exists() and not (tmp_path / "export.partial").exists()
 
 
 def test_export_refuses_generations_that_are_not_a_list(tmp_path):
     bad = write(dict(history(), generations={"0": generation_record(0)}), tmp_path / "es_history.json")
-    with pytest.raises(C.StageError, match=f"{bad}: generations expected a list, got dict"):
+    with pytest.raises(common.StageError, match=f"{bad}: generations expected a list, got dict"):
         export_stage.main([f"--history={bad}", f"--out={tmp_path / 'export'}"])
 
 
 def test_training_refuses_a_history_that_lacks_a_key_before_any_engine(tmp_path):
-    bad = write(without(history(), "generations", 0, "rewards"), tmp_path / H.HISTORY_FILE)
-    with pytest.raises(C.StageError, match=rf"{bad}: generations\[0\] missing key 'rewards'"):
+    bad = write(without(history(), "generations", 0, "rewards"), tmp_path / HISTORY_FILE)
+    with pytest.raises(common.StageError, match=rf"{bad}: generations\[0\] missing key 'rewards'"):
         train_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("path, message", [(("config",), "missing key 'config'"),
+                                           (("generations", 0, "digests"), r"generations\[0\] missing key 'digests'")])
+def test_evaluating_the_base_refuses_a_run_dir_history_that_lacks_a_key(tmp_path, path, message):
+    """03_eval.py --export= takes the settings that define the base's digests from the run dir's history: that
+    history is checked like every other stage's, before any engine starts."""
+    bad = write(without(history(), *path), tmp_path / HISTORY_FILE)
+    argv = ["--preset=smoke", f"--run_dir={tmp_path}"]
+    with pytest.raises(common.StageError, match=f"{bad}: {message}"):
+        eval_stage.base_config(cli.parse_config(argv), argv)
 
 
 def test_a_finished_history_without_timings_still_prints_its_summary(tmp_path, capsys):
     finished = history()
     for record in finished["generations"]:
         del record["timings"]
-    write(finished, tmp_path / H.HISTORY_FILE)
+    write(finished, tmp_path / HISTORY_FILE)
     assert train_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"]) == finished
     assert "rollout 0.00s" in capsys.readouterr().out
 
@@ -126,7 +140,7 @@ def test_the_generation_line_tells_the_population_wall_time_from_the_time_summed
     record = {"generation": 4, "sigma": 1e-3, "rewards": [0.0, 0.5],
               "timings": {"members": 10.5, "rollout": 38.0, "perturb": 0.3, "restore": 0.2, "update": 0.1,
                           "digest": 0.2}}
-    line = train_stage.summary_line(record, C.Config(generations=200))
+    line = train_stage.summary_line(record, common.Config(generations=200))
     assert "generation 5/200" in line
     assert "members 10.5s wall" in line and "summed over members: rollout 38.0s" in line
 
@@ -135,28 +149,28 @@ def test_an_export_manifest_that_lacks_a_key_is_refused(tmp_path):
     manifest = {"format": "es-sharded-export/1", "tensor_parallel_size": 2, "per_rank_digests": ["a", "b"],
                 "parameter_names_sha256": "p", "replayed_generations": 2, "vllm_version": "v",
                 "shards": [{"file": "model-rank-0-part-0.safetensors", "rank": 0, "sha256": "s"}]}
-    write(without(manifest, "shards"), tmp_path / "a" / H.EXPORT_MANIFEST)
-    with pytest.raises(C.StageError, match=f"{H.EXPORT_MANIFEST}: missing key 'shards'"):
-        H.verify_export(tmp_path / "a")
-    write(without(manifest, "shards", 0, "sha256"), tmp_path / "b" / H.EXPORT_MANIFEST)
-    with pytest.raises(C.StageError, match=r"shards\[0\] missing key 'sha256'"):
+    write(without(manifest, "shards"), tmp_path / "a" / EXPORT_MANIFEST)
+    with pytest.raises(common.StageError, match=f"{EXPORT_MANIFEST}: missing key 'shards'"):
+        verify_export(tmp_path / "a")
+    write(without(manifest, "shards", 0, "sha256"), tmp_path / "b" / EXPORT_MANIFEST)
+    with pytest.raises(common.StageError, match=r"shards\[0\] missing key 'sha256'"):
         checkpoint_noise.verify_any_export(tmp_path / "b", 2)
     hf_manifest = checkpoint_noise.HF_EXPORT_MANIFEST
     write({"format": "es-hf-export/1", "replayed_generations": 2}, tmp_path / "c" / hf_manifest)
-    H.write_sha256sums(tmp_path / "c", [hf_manifest])  # intact files, a manifest without the digest
-    with pytest.raises(C.StageError, match=f"{hf_manifest}: missing key 'digest'"):
+    write_sha256sums(tmp_path / "c", [hf_manifest])  # intact files, a manifest without the digest
+    with pytest.raises(common.StageError, match=f"{hf_manifest}: missing key 'digest'"):
         checkpoint_noise.verify_any_export(tmp_path / "c")
 
 
 def evaluation(tmp_path, problems=2):
     """A finished 03_eval.py folder of the base model on the smoke problems, and its history beside it."""
-    ids = [p["id"] for p in C.problems_from("smoke", SMOKE.run_seed)[:problems]]
-    records = [{"problem_id": pid, "sample_index": i, "seed": C.request_seed(SMOKE.run_seed, pid, i, 0),
-                "score": 0.0} for pid in ids for i in range(C.EVAL_SAMPLES)]
+    ids = [p["id"] for p in common.problems_from("smoke", SMOKE.run_seed)[:problems]]
+    records = [{"problem_id": pid, "sample_index": i, "seed": common.request_seed(SMOKE.run_seed, pid, i, 0),
+                "score": 0.0} for pid in ids for i in range(common.EVAL_SAMPLES)]
     eval16 = {"dataset": "dapo", "data": "smoke", "config": dataclasses.asdict(SMOKE), "records": records,
               "checkpoint": {"kind": "base", "model": SMOKE.model, "per_rank_digests": ["b0", "b1"]}}
-    write(history(), tmp_path / H.HISTORY_FILE)
-    write({"datasets": {"dapo": {}}}, tmp_path / "eval" / C.EVAL_METRICS)
+    write(history(), tmp_path / HISTORY_FILE)
+    write({"datasets": {"dapo": {}}}, tmp_path / "eval" / common.EVAL_METRICS)
     return eval16
 
 
@@ -169,21 +183,21 @@ def evaluation(tmp_path, problems=2):
 ])
 def test_replay_refuses_eval_records_that_lack_a_key_before_any_engine(tmp_path, damage, message):
     write(damage(evaluation(tmp_path)), tmp_path / "eval" / "dapo_eval16.json")
-    with pytest.raises(C.StageError, match=message):
+    with pytest.raises(common.StageError, match=message):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
 
 
 def test_replay_refuses_metrics_or_transcripts_that_lack_a_key_before_any_engine(tmp_path):
     eval16 = evaluation(tmp_path)
     write(eval16, tmp_path / "eval" / "dapo_eval16.json")
-    write({"dapo": {}}, tmp_path / "eval" / C.EVAL_METRICS)
-    with pytest.raises(C.StageError, match=f"{C.EVAL_METRICS}: missing key 'datasets'"):
+    write({"dapo": {}}, tmp_path / "eval" / common.EVAL_METRICS)
+    with pytest.raises(common.StageError, match=f"{common.EVAL_METRICS}: missing key 'datasets'"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
-    write({"datasets": {"dapo": {}}}, tmp_path / "eval" / C.EVAL_METRICS)
-    C.write_jsonl([{k: v for k, v in r.items() if k != "score"} for r in eval16["records"]],
-                  tmp_path / "eval" / "dapo_episodes.jsonl")
-    with pytest.raises(C.StageError, match=r"dapo_episodes.jsonl: row\[0\] missing key 'messages'"):
+    write({"datasets": {"dapo": {}}}, tmp_path / "eval" / common.EVAL_METRICS)
+    common.write_jsonl([{k: v for k, v in r.items() if k != "score"} for r in eval16["records"]],
+                       tmp_path / "eval" / "dapo_episodes.jsonl")
+    with pytest.raises(common.StageError, match=r"dapo_episodes.jsonl: row\[0\] missing key 'messages'"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
-    write(without(history(), "generations", 0, "digests"), tmp_path / H.HISTORY_FILE)
-    with pytest.raises(C.StageError, match=rf"{H.HISTORY_FILE}: generations\[0\] missing key 'digests'"):
+    write(without(history(), "generations", 0, "digests"), tmp_path / HISTORY_FILE)
+    with pytest.raises(common.StageError, match=rf"{HISTORY_FILE}: generations\[0\] missing key 'digests'"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])

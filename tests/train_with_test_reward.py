@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import engine  # noqa: E402
+
 train = importlib.import_module("01_train")
 
 
@@ -22,7 +24,7 @@ def reply_variety(records: list[dict]) -> float:
 
 
 def pause_after_member_steps(gate: str, steps: int) -> None:
-    evaluate_member, done = train.E.Engine.evaluate_member, [0]
+    evaluate_member, done = engine.Engine.evaluate_member, [0]
 
     def evaluate_then_maybe_pause(self, *args, **kwargs):
         result = evaluate_member(self, *args, **kwargs)
@@ -33,11 +35,11 @@ def pause_after_member_steps(gate: str, steps: int) -> None:
                 time.sleep(0.05)
         return result
 
-    train.E.Engine.evaluate_member = evaluate_then_maybe_pause
+    engine.Engine.evaluate_member = evaluate_then_maybe_pause
 
 
 if __name__ == "__main__":
     if os.environ.get("ES_TEST_PAUSE"):
         gate, steps = os.environ["ES_TEST_PAUSE"].rsplit(":", 1)
         pause_after_member_steps(gate, int(steps))
-    train.E.run_stage(functools.partial(train.main, fitness=reply_variety), "train")
+    engine.run_stage(functools.partial(train.main, fitness=reply_variety), "train")
