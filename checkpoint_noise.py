@@ -38,6 +38,7 @@ import torch
 
 import common as C
 import history as H
+import restore_patch
 
 # ============================================================================================================
 # 1. The counter-hash noise: every element's noise from (member seed, checkpoint tensor name, the element's index in
@@ -131,7 +132,7 @@ def checkpoint_positions(segments: torch.Tensor, start: int, end: int):
 
 def add_checkpoint_noise_(flat: torch.Tensor, segments: torch.Tensor, keys: list[torch.Tensor],
                           coeffs: list[float], chunk: int, rounding_keys: torch.Tensor | None = None,
-                          patch: C.RestorePatch | None = None) -> None:
+                          patch: restore_patch.RestorePatch | None = None) -> None:
     """flat <- round(float32(flat) + sum_i eps_i * coeffs_i), eps_i of each element checkpoint_noise(keys_i[its
     tensor id], its checkpoint index); padding (no checkpoint element) keeps its value. The same function on a
     whole checkpoint tensor (one segment) is the export's replay: the same operations, so the same bits. With a
@@ -320,7 +321,7 @@ class CheckpointESWorker(C.ESWorker):
         return layout
 
     def _es_add_noise(self, kind: str, seeds: list[int], coeffs: list[float], chunk: int, rounding: str,
-                      patch: C.RestorePatch | None = None) -> bool:
+                      patch: restore_patch.RestorePatch | None = None) -> bool:
         """theta <- theta + sum_i coeffs_i * eps_i over the active members, eps_i the checkpoint noise of each
         element's checkpoint tensor and index (add_checkpoint_noise_, through `patch` when given); stochastic
         rounding keyed per tensor. Returns whether any member is active (False: theta untouched)."""

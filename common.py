@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 import digests
+import restore_patch
 import sandbox
 import scoring
 
@@ -89,9 +90,9 @@ class Config:
     alpha: float = 5e-4  # step size: theta += alpha / N * sum_i z_i eps_i (1/sigma folded in)
     noise_chunk: int = 8_388_608  # elements per float32 noise draw: part of the noise definition
     restore: str = "copy_device"  # copy_device | copy_host (pinned) | subtract (low memory, NOT bit-exact in bf16) |
-                                  # patch (exact: subtract, then put back the elements it misses; RestorePatch)
+                                  # patch (exact: subtract, then put back the elements it misses; restore_patch.py)
     patch_capacity: float = 0.0  # restore=patch: the share of each rank's elements whose bits the patch can hold;
-                                 # 0: PATCH_CAPACITY of the rounding mode
+                                 # 0: restore_patch.PATCH_CAPACITY of the rounding mode
     rounding: str = "nearest"  # bf16 rounding of every weight change: "nearest" (the reference) or "stochastic"
                                # (unbiased: steps below half an ulp still move theta in expectation)
     noise: str = "rank_salted"  # "rank_salted" (the reference: per-rank noise, the model exists at this TP size
@@ -176,6 +177,10 @@ class HistoryMismatch(StageError, RuntimeError):
 class EngineFailure(StageError, RuntimeError):
     """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
     fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
+
+
+class PatchOverflow(StageError, RuntimeError):
+    """restore="patch": a member misses more elements than the patch holds (the weights are back at the centre)."""
 
 
 class ExportError(StageError, RuntimeError):
@@ -278,7 +283,7 @@ def noise_chunks(numel: int, seed: int, chunk: int, device):
 
 
 def add_noise_(flat: torch.Tensor, seeds: list[int], coeffs: list[float], chunk: int,
-               rounding_seed: int | None = None, patch: RestorePatch | None = None) -> None:
+               rounding_seed: int | None = None, patch: restore_patch.RestorePatch | None = None) -> None:
     """flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)), accumulated in float32, rounded once.
     Perturbation is the one-member case (coeff = sigma); the update is the N-member case. Rounding to nearest, or
     with rounding_seed stochastically (bf16 only: round_stochastic_, its random bits drawn from that seed). With a
@@ -340,110 +345,6 @@ def rounding_seed(kind: str, seeds: list[int], rank: int, name: str) -> int:
     for s in seeds:
         folded = _splitmix64(folded ^ (s & MASK64))
     return noise_seed(folded ^ UPDATE_ROUNDING_SALT, rank, name)
-
-
-# ---- restore="patch": the exact restore without a copy of the weights. Subtracting the same noise from the rounded
-# perturbed value gives the original bits back for most elements (measured on bf16 N(0, 0.02) weights at sigma 1e-3:
-# ~95% to nearest, ~74% after stochastic rounding); the perturbation itself finds the others, chunk by chunk, by
-# computing the restore's result before it is needed, and the patch keeps their original bits. A patch is one bit
-# per element (where the subtraction misses) plus the missed elements' bits in order, in buffers of fixed capacity
-# allocated once, so that the memory plan can count them.
-
-PATCH_CAPACITY = {"nearest": 0.12, "stochastic": 0.32}  # Config.patch_capacity=0: measured ~5% / ~26% misses
-BIT_SHIFTS = (0, 1, 2, 3, 4, 5, 6, 7)
-
-
-def patch_capacity(cfg: "Config") -> float:
-    """The share of each rank's elements a patch holds: Config.patch_capacity, or its rounding mode's default."""
-    return cfg.patch_capacity or PATCH_CAPACITY[cfg.rounding]
-
-
-def patch_bytes(numel: int, element_size: int, capacity: float) -> int:
-    """The bytes of one rank's patch: its bound, all of it allocated when the patch is made."""
-    return (numel + 7) // 8 + math.ceil(capacity * numel) * element_size
-
-
-class PatchOverflow(StageError, RuntimeError):
-    """A perturbation misses more elements than the patch holds; the chunk being perturbed has been put back."""
-
-
-class RestorePatch:
-    """The patch of one rank's ES parameters, for one perturbation at a time. The noise functions walk the
-    parameters in the same order, chunk by chunk, when perturbing (recording) and restoring (applying), so an
-    element is its position in that walk (`cursor`): a bit per element in `mask`, and in `values` (one buffer per
-    dtype) the original bits of the missed elements, in walk order."""
-
-    def __init__(self, tensors: list[torch.Tensor], capacity: float):
-        numel = {}
-        for t in tensors:
-            numel[t.dtype] = numel.get(t.dtype, 0) + t.numel()
-        device = tensors[0].device
-        self.numel, self.capacity = sum(numel.values()), capacity
-        self.mask = torch.zeros((self.numel + 7) // 8, dtype=torch.uint8, device=device)
-        self.values = {d: torch.empty(math.ceil(capacity * n), dtype=d, device=device) for d, n in numel.items()}
-        self.shifts = torch.tensor(BIT_SHIFTS, dtype=torch.uint8, device=device)
-        self.recording, self.cursor, self.end = False, 0, self.numel
-        self.used = dict.fromkeys(numel, 0)  # values recorded, per dtype
-        self.taken = dict.fromkeys(numel, 0)  # values put back in this restore
-
-    @property
-    def nbytes(self) -> int:
-        return self.mask.numel() + sum(v.numel() * v.element_size() for v in self.values.values())
-
-    def start_recording(self) -> None:
-        self.mask.zero_()
-        self.recording, self.cursor, self.end = True, 0, self.numel
-        self.used = dict.fromkeys(self.used, 0)
-
-    def start_applying(self) -> None:
-        """Before a restore: of the whole perturbation, or, after an overflow, of the part done (cursor)."""
-        self.recording, self.end, self.cursor = False, self.cursor if self.recording else self.end, 0
-        self.taken = dict.fromkeys(self.taken, 0)
-
-    def done(self) -> bool:
-        """Every element the perturbation changed has been seen (the walk stops here after an overflow)."""
-        return self.cursor >= self.end
-
-    def check_applied(self) -> None:
-        if self.cursor != self.end or self.taken != self.used:
-            raise RuntimeError(f"restore=patch: the restore walked {self.cursor} of {self.end} elements and put back "
-                               f"{self.taken} of {self.used} patched values: not the perturbation's walk")
-
-    def chunk(self, values: torch.Tensor, original: torch.Tensor | None, restored) -> None:
-        """Called by a noise function after writing a chunk: recording, `restored()` is what the restore will
-        compute (float32) and the chunk's misses against `original` are noted; applying, the chunk has just been
-        restored and its misses get their bits back."""
-        if self.recording:
-            self._record(values, original, torch.empty_like(values).copy_(restored()))
-        else:
-            self._apply(values)
-
-    def _record(self, values: torch.Tensor, original: torch.Tensor, estimate: torch.Tensor) -> None:
-        width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
-        misses = original.view(width) != estimate.view(width)  # bitwise: -0.0 vs +0.0 and NaN payloads are misses
-        k, used, store = int(misses.sum()), self.used[values.dtype], self.values[values.dtype]
-        if used + k > store.numel():
-            values.copy_(original)
-            raise PatchOverflow(f"at least {used + k} of {self.numel} elements ({values.dtype}) need the patch after "
-                                f"{self.cursor + values.numel()} of them, capacity {store.numel()}")
-        lead, n = self.cursor % 8, values.numel()
-        padded = torch.zeros(lead + n + (-(lead + n)) % 8, dtype=torch.uint8, device=values.device)
-        padded[lead:lead + n] = misses
-        first = self.cursor // 8
-        packed = (padded.view(-1, 8) << self.shifts).sum(1, dtype=torch.uint8)
-        self.mask[first:first + packed.numel()] |= packed
-        store[used:used + k] = original[misses]
-        self.used[values.dtype] += k
-        self.cursor += n
-
-    def _apply(self, values: torch.Tensor) -> None:
-        lead, n, first = self.cursor % 8, values.numel(), self.cursor // 8
-        bits = (self.mask[first:(self.cursor + n + 7) // 8, None] >> self.shifts) & 1
-        where = bits.view(-1)[lead:lead + n].nonzero().squeeze(1)
-        taken, k = self.taken[values.dtype], where.numel()
-        values[where] = self.values[values.dtype][taken:taken + k]
-        self.taken[values.dtype] += k
-        self.cursor += n
 
 
 # ---- The noise kinds (Config.noise): the reference's rank-salted noise above, or the checkpoint noise
@@ -552,7 +453,7 @@ class ESWorker:
     through _es_add_noise: the rank-salted noise here, the checkpoint noise in checkpoint_noise.CheckpointESWorker."""
 
     es_copy: list[torch.Tensor] | None = None  # the exact-restore copy: always the centre theta (es_snapshot)
-    es_patch: RestorePatch | None = None  # restore="patch": where subtracting the noise misses, and those bits
+    es_patch: restore_patch.RestorePatch | None = None  # restore="patch": where subtracting the noise misses
     es_perturbation: tuple | None = None  # (seed, sigma, chunk, restore) of the perturbation in effect
     es_staging: list | None = None  # es_digest's pinned host buffers on a GPU: made once, reused every generation
 
@@ -587,7 +488,7 @@ class ESWorker:
         return {"rank": self.es_rank, "digest": digests.combine_digests(named), "params": len(named)}
 
     def es_perturb(self, seed: int, sigma: float, chunk: int, restore: str, rounding: str = "nearest",
-                   patch_capacity: float = PATCH_CAPACITY["nearest"]) -> str | None:
+                   patch_capacity: float = restore_patch.PATCH_CAPACITY["nearest"]) -> str | None:
         """theta_r <- theta_r + sigma * eps(seed) for every parameter, keeping what the restore mode needs. Returns
         None; with restore="patch", for a member that misses more elements than the patch holds on any rank, every
         rank is left at the exact centre, unperturbed, and returns the refusal with the numbers (the driver raises
@@ -612,7 +513,7 @@ class ESWorker:
         try:
             self._es_add_noise("perturb", [seed], [sigma], chunk, rounding, patch)
             overflow = None
-        except PatchOverflow as e:
+        except restore_patch.PatchFull as e:
             overflow = str(e)
         overflows = self._es_gather(overflow)  # every rank learns of any rank's overflow
         if not any(overflows):
@@ -627,11 +528,11 @@ class ESWorker:
                             "The weights are back at the centre; raise --patch_capacity or use "
                             "--restore=copy_device")
 
-    def _es_patch(self, capacity: float) -> RestorePatch:
+    def _es_patch(self, capacity: float) -> restore_patch.RestorePatch:
         """The patch of this capacity, allocated once (co-located engines reserve it at start: es_snapshot)."""
         if self.es_patch is None or self.es_patch.capacity != capacity:
             self.es_patch = None  # the old one's memory first
-            self.es_patch = RestorePatch([t for _, t in self.es_params], capacity)
+            self.es_patch = restore_patch.RestorePatch([t for _, t in self.es_params], capacity)
         return self.es_patch
 
     def _es_gather(self, value) -> list:
@@ -673,7 +574,7 @@ class ESWorker:
         self._es_sync()
 
     def _es_add_noise(self, kind: str, seeds: list[int], coeffs: list[float], chunk: int, rounding: str,
-                      patch: RestorePatch | None = None) -> bool:
+                      patch: restore_patch.RestorePatch | None = None) -> bool:
         """theta_r <- theta_r + sum_i coeffs_i * eps(seeds_i, r, name) over the active members, per parameter: the
         rank-salted noise (add_noise_), through `patch` when given (restore="patch"). kind ("perturb", "update";
         "restore" subtracts, to nearest) picks the stochastic rounding's random source. Returns whether any member
@@ -698,7 +599,8 @@ class ESWorker:
                 "patch_used": sum(self.es_patch.used.values()) if self.es_patch else 0,
                 "device_free_bytes": free, "device_total_bytes": total}
 
-    def es_snapshot(self, restore: str, patch_capacity: float = PATCH_CAPACITY["nearest"]) -> int:
+    def es_snapshot(self, restore: str, patch_capacity: float = restore_patch.PATCH_CAPACITY["nearest"]
+                    ) -> int:
         """Take the exact-restore copy, or allocate the patch (restore="patch"), now: co-located engines reserve it
         at start. Returns its bytes."""
         if restore == "patch":

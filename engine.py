@@ -32,6 +32,7 @@ from pathlib import Path
 
 import checkpoint_noise
 import common as C
+import restore_patch
 import scoring
 from tracking import progress_bar, stopwatch
 
@@ -481,14 +482,14 @@ class Engine(C.ClosedOnExit):
         if getattr(self, "_restore_copy_taken", False) or self.cfg.restore == "subtract":
             return
         with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
-            self.rpc("es_snapshot", restore=self.cfg.restore, patch_capacity=C.patch_capacity(self.cfg))
+            self.rpc("es_snapshot", restore=self.cfg.restore, patch_capacity=restore_patch.patch_capacity(self.cfg))
         self._restore_copy_taken = True
 
     def perturb(self, seed: int, sigma: float) -> None:
         self.reserve_restore_copy()
         refusals = self.rpc("es_perturb", seed=seed, sigma=sigma, chunk=self.cfg.noise_chunk,
                             restore=self.cfg.restore, rounding=self.cfg.rounding,
-                            patch_capacity=C.patch_capacity(self.cfg))
+                            patch_capacity=restore_patch.patch_capacity(self.cfg))
         if any(refusals):  # restore="patch" overflowed: every rank is back at the exact centre
             raise C.PatchOverflow(next(r for r in refusals if r))
         self.reset_prefix_cache()

@@ -33,6 +33,7 @@ import checkpoint_noise
 import common as C
 import engine as E
 import history as H
+import restore_patch
 import sandbox
 import tracking
 
@@ -169,7 +170,7 @@ def engine_memory_needs(config: dict, cfg: C.Config, folder: str | Path | None =
     return {"weights_bytes": params * element,
             "sequence_kv_bytes": 2 * text["num_hidden_layers"] * kv_heads * _head_dim(text) * element
                                  * cfg.max_model_len,
-            "patch_bytes": C.patch_bytes(params, element, C.patch_capacity(cfg))}
+            "patch_bytes": restore_patch.patch_bytes(params, element, restore_patch.patch_capacity(cfg))}
 
 
 def _head_dim(config: dict) -> int:

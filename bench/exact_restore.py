@@ -12,7 +12,7 @@ far more often than trained weights: with --normal_weights=true (always with --q
 N(0, 0.02), norms 1, as bench/qwen3_30b.write_random_checkpoint writes them.
 
 --synthetic=true measures the miss fraction without vLLM on bf16 N(0, std) tensors (std 0.02, 0.01, 0.005; sigma 1e-3
-and 5e-4; both roundings): the measurement behind common.PATCH_CAPACITY.
+and 5e-4; both roundings): the measurement behind restore_patch.PATCH_CAPACITY.
 
     python bench/exact_restore.py --qwen3_30b=true --layers=24 --tensor_parallel_size=1 --out=$OUT/exact_restore.json
     bash run_cpu.sh python bench/exact_restore.py --preset=smoke --out=bench/results/exact_restore_cpu.json
@@ -33,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cli  # noqa: E402
 import common  # noqa: E402
-import pool  # noqa: E402
-from engine import Engine  # noqa: E402
 import models  # noqa: E402
+import pool  # noqa: E402
 import qwen3_30b  # noqa: E402
+import restore_patch  # noqa: E402
+from engine import Engine  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 RESTORES = ("patch", "copy_device")
@@ -51,7 +52,7 @@ def synthetic(n: int = 4_000_000) -> list[dict]:
         theta = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * std).bfloat16()
         for sigma in SYNTHETIC_SIGMAS:
             for rounding in common.ROUNDING_MODES:
-                patch = common.RestorePatch([theta], 1.0)
+                patch = restore_patch.RestorePatch([theta], 1.0)
                 work = theta.clone()
                 patch.start_recording()
                 rs = common.rounding_seed("perturb", [5], 0, "w") if rounding == "stochastic" else None
@@ -131,7 +132,7 @@ def run_mode(cfg, model, load_format, opts, seeds) -> dict:
               "params_per_rank": rank0["params"], "param_bytes_per_rank": rank0["param_bytes"],
               "copy_bytes_per_rank": rank0["copy_bytes"], "patch_bytes_per_rank": rank0["patch_bytes"]}
     if cfg.restore == "patch":
-        result.update(patch_capacity=common.patch_capacity(cfg),
+        result.update(patch_capacity=restore_patch.patch_capacity(cfg),
                       patch_reserved_of_copy=round(rank0["patch_bytes"] / rank0["param_bytes"], 4),
                       patch_used_of_copy_max=round(max(max(m["patch_used_bytes_per_rank"]) for m in members)
                                                    / rank0["param_bytes"], 4),

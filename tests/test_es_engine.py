@@ -14,6 +14,7 @@ import cli
 import common
 import digests
 import models
+import restore_patch
 from engine import Engine
 from history import copy_model_files, rebuild_from_history, run_identity
 from test_es_math import check_subtract_restore
@@ -216,7 +217,7 @@ def test_patch_restore_is_bit_exact_on_every_rank(engine, monkeypatch, rounding)
         assert engine.digests() == base
     for m in engine.rpc("es_memory"):
         assert 0 < m["patch_used"]
-        assert m["patch_bytes"] == common.patch_bytes(m["params"], 2, common.patch_capacity(engine.cfg))
+        assert m["patch_bytes"] == restore_patch.patch_bytes(m["params"], 2, restore_patch.patch_capacity(engine.cfg))
 
 
 def test_a_patch_overflow_is_one_clear_error_and_leaves_the_centre(engine, monkeypatch):

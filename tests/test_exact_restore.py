@@ -1,5 +1,5 @@
-"""restore="patch": the exact restore without a copy of the weights (common.RestorePatch). Pure tests of the patch
-on random tensors (every dtype, both roundings, both noise kinds, special values), the worker's overflow path
+"""restore="patch": the exact restore without a copy of the weights (restore_patch.RestorePatch). Pure tests of the
+patch on random tensors (every dtype, both roundings, both noise kinds, special values), the worker's overflow path
 without vLLM, and the memory plan's bound. The real engines (TP=2, tiny dense and MoE) are checked in
 tests/test_es_engine.py and tests/test_checkpoint_noise.py, on their modules' engines."""
 
@@ -11,6 +11,7 @@ import torch
 
 import checkpoint_noise
 import common
+import restore_patch
 
 CHUNK = 1001  # not a multiple of 8: chunks start inside a byte of the mask
 SIGMA = 1e-3
@@ -86,7 +87,7 @@ def test_subtract_and_patch_restore_every_bit(noise, dtype, rounding):
     params = weights(dtype)
     centre, special = [bits(t) for t in params], special_values(dtype).numel()
     first = params[0][:special].double()
-    patch = common.RestorePatch(params, 0.5)
+    patch = restore_patch.RestorePatch(params, 0.5)
     for member in range(2):  # the patch is reused member after member
         perturb(params, NOISES[noise], rounding, patch)
         perturbed = [t.clone() for t in params]
@@ -104,7 +105,7 @@ def test_subtract_and_patch_restore_every_bit(noise, dtype, rounding):
 def test_the_patch_holds_the_elements_subtraction_misses_and_nothing_else():
     params = weights(torch.bfloat16, sizes=(50_000,))
     centre = params[0].clone()
-    patch = common.RestorePatch(params, 0.5)
+    patch = restore_patch.RestorePatch(params, 0.5)
     perturb(params, rank_salted, "nearest", patch)
     subtracted = params[0].clone()
     rank_salted("restore", "nearest")(0, subtracted, -SIGMA, None)
@@ -117,11 +118,12 @@ def test_the_patch_holds_the_elements_subtraction_misses_and_nothing_else():
 
 def test_patch_bytes_are_its_bound_and_allocated_up_front():
     params = weights(torch.bfloat16, sizes=(1000, 37))
-    patch = common.RestorePatch(params, 0.12)
-    assert patch.nbytes == common.patch_bytes(1037, 2, 0.12) == 130 + 125 * 2
-    assert common.patch_capacity(common.Config()) == common.PATCH_CAPACITY["nearest"]
-    assert common.patch_capacity(common.Config(rounding="stochastic")) == common.PATCH_CAPACITY["stochastic"]
-    assert common.patch_capacity(common.Config(patch_capacity=0.2, rounding="stochastic")) == 0.2
+    patch = restore_patch.RestorePatch(params, 0.12)
+    assert patch.nbytes == restore_patch.patch_bytes(1037, 2, 0.12) == 130 + 125 * 2
+    assert restore_patch.patch_capacity(common.Config()) == restore_patch.PATCH_CAPACITY["nearest"]
+    stochastic = common.Config(rounding="stochastic")
+    assert restore_patch.patch_capacity(stochastic) == restore_patch.PATCH_CAPACITY["stochastic"]
+    assert restore_patch.patch_capacity(common.Config(patch_capacity=0.2, rounding="stochastic")) == 0.2
 
 
 def test_patch_restore_is_allowed_where_subtract_is_refused():
