@@ -61,8 +61,13 @@ RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke
 
 
 def resume_free_fields(config: dict) -> tuple[str, ...]:
-    """RESUME_FREE_FIELDS, and with checkpoint noise the TP size: its weights are the same at every TP size."""
-    return RESUME_FREE_FIELDS + (("tensor_parallel_size",) if C.is_checkpoint_noise(config) else ())
+    """RESUME_FREE_FIELDS; after an exact restore mode the restore mode and the patch's capacity (every exact mode
+    leaves the same bits: a patch overflow's advice, another capacity or copy_device, resumes the run; a move to the
+    inexact subtract is refused by identity_differences); with checkpoint noise the TP size: its weights are the
+    same at every TP size."""
+    exact = config.get("restore", C.Config.restore) != "subtract"
+    return (RESUME_FREE_FIELDS + (("restore", "patch_capacity") if exact else ())
+            + (("tensor_parallel_size",) if C.is_checkpoint_noise(config) else ()))
 
 
 def without_retired_settings(config: dict) -> dict:
@@ -155,6 +160,8 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
                 then = recorded["config"].get(field, defaults.get(field))
                 if field not in resume_free_fields(recorded["config"]) and then != now:
                     diffs.append(f"config {field}: history has {then!r}, this run has {now!r}")
+                elif field == "restore" and now == "subtract" != then:
+                    diffs.append(f"config restore: history has {then!r} (exact), this run has 'subtract' (not exact)")
         elif key == "devices" and any_tp:
             diffs += device_differences(recorded.get(key) and recorded[key][:1], value[:1])
         elif key == "devices":

@@ -442,6 +442,21 @@ def test_a_setting_newer_than_the_history_counts_as_its_default():
         "config prompt_mode: history has 'render', this run has 'continue'"]
 
 
+def test_an_exact_restore_mode_may_change_on_resume_but_not_to_subtract():
+    """copy_device, copy_host and patch leave the same bits, so a run resumes under another of them or another
+    patch capacity (a patch overflow's advice); subtract is not exact, so a move to or from it is refused."""
+    config = dataclasses.asdict(common.Config())
+    recorded = identity([H200, H200], config=config)
+    for restore, capacity in [("patch", 0.3), ("copy_host", 0.0), ("patch", 0.0)]:
+        now = identity([H200, H200], config=dict(config, restore=restore, patch_capacity=capacity))
+        assert identity_differences(recorded, now) == []
+    assert identity_differences(recorded, identity([H200, H200], config=dict(config, restore="subtract"))) == [
+        "config restore: history has 'copy_device' (exact), this run has 'subtract' (not exact)"]
+    subtracted = identity([H200, H200], config=dict(config, restore="subtract"))
+    assert identity_differences(subtracted, recorded) == [
+        "config restore: history has 'subtract', this run has 'copy_device'"]
+
+
 def test_engine_speed_settings_may_change_on_resume():
     """CUDA graphs, the step size and the all-reduce change how fast the engine steps, never the weights: a run
     started with vLLM's old defaults (or before a setting existed) resumes under the new ones (and any other), while
