@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
+import sys
 import textwrap
 from pathlib import Path
 
@@ -102,7 +104,10 @@ def usage(doc: str, script: str | None = None, options: dict | None = None, sett
 def exit_if_help(argv: list[str], doc: str, script: str | None = None, options: dict | None = None,
                  settings: bool = True) -> None:
     if "--help" in argv or "-h" in argv:
-        print(usage(doc, script, options, settings))
+        try:
+            print(usage(doc, script, options, settings), flush=True)
+        except BrokenPipeError:  # a pipe into head: its reader has what it wanted; nothing more to print
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
 
 

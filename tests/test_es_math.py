@@ -5,6 +5,8 @@ import importlib
 import inspect
 import math
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -508,6 +510,10 @@ HELP_OF_TWO_LINE_COMMENTS = [
                                    (unbiased: steps below half an ulp still move theta in expectation)""",
     """  --noise=rank_salted              "rank_salted" (the reference: per-rank noise, the model exists at this TP size only)
                                    or "checkpoint" (per checkpoint element: any TP size, a Hugging Face export)""",
+    """  --restore=copy_device            copy_device | copy_host (pinned) | subtract (low memory, NOT bit-exact in bf16) |
+                                   patch (exact: subtract, then put back the elements it misses; restore_patch.py)""",
+    """  --patch_capacity=0.0             restore=patch: the share of each rank's elements whose bits the patch can hold; 0:
+                                   restore_patch.PATCH_CAPACITY of the rounding mode""",
     """  --allow_leaky_sandbox=False      run even when the start-up leak check finds the data, run folder or other episodes
                                    visible to the sandbox (then every record says so)""",
 ]
@@ -532,6 +538,16 @@ def test_help_prints_the_stage_its_options_and_every_setting(script, capsys):
     if script == "02_export":  # a stage option's comment is read whole too
         assert """  --history=                       default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by
                                    --preset=smoke)""" in text
+
+
+def test_help_into_a_pipe_closed_early_ends_quietly():
+    """`python 01_train.py --help | head -1`: its reader may be gone before the text is written (here it is gone
+    from the start); the stage exits 0 without a BrokenPipeError traceback."""
+    stage = subprocess.Popen([sys.executable, "01_train.py", "--help"], cwd=common.REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    stage.stdout.close()
+    _, stderr = stage.communicate(timeout=120)
+    assert stage.returncode == 0 and "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
 
 
 def test_a_comment_continued_under_its_field_is_read_whole_and_a_section_comment_is_not():
