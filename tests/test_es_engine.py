@@ -177,13 +177,24 @@ def test_sampled_generate_gives_each_request_its_own_seed(engine):
     assert shifted == first[1:3]
 
 
-def test_perturb_restore_is_bit_exact(engine):
+@pytest.mark.parametrize("restore, rounding", [("copy_device", "nearest"), ("patch", "nearest"),
+                                               ("patch", "stochastic")])
+def test_perturb_restore_is_bit_exact(engine, monkeypatch, restore, rounding):
+    """Every rank's digest is the centre's again, member after member: from the copy, or (restore="patch") by
+    subtracting the noise and putting back the elements the subtraction misses, with either rounding (which
+    subtract alone cannot undo)."""
+    monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, restore=restore, rounding=rounding))
     base = engine.digests()
     for seed in (1, 2, 3):
         engine.perturb(seed=seed, sigma=1e-3)
         assert engine.digests() != base
         engine.restore()
         assert engine.digests() == base
+    if restore == "patch":
+        for m in engine.rpc("es_memory"):
+            assert 0 < m["patch_used"]
+            capacity = restore_patch.patch_capacity(engine.cfg)
+            assert m["patch_bytes"] == restore_patch.patch_bytes(m["params"], 2, capacity)
 
 
 def test_subtract_restore_is_within_bf16_rounding_but_not_exact(engine):
@@ -202,22 +213,6 @@ def test_subtract_restore_is_within_bf16_rounding_but_not_exact(engine):
     engine.perturb(seed=8, sigma=1e-3)  # a copy-mode restore brings back the exact saved centre
     engine.restore()
     assert engine.digests() == base
-
-
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_patch_restore_is_bit_exact_on_every_rank(engine, monkeypatch, rounding):
-    """restore="patch": subtract the noise, put back the elements the subtraction misses; every rank's digest is
-    the centre's again, member after member, with either rounding (which subtract alone cannot undo)."""
-    monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, restore="patch", rounding=rounding))
-    base = engine.digests()
-    for seed in (1, 2, 3):
-        engine.perturb(seed=seed, sigma=1e-3)
-        assert engine.digests() != base
-        engine.restore()
-        assert engine.digests() == base
-    for m in engine.rpc("es_memory"):
-        assert 0 < m["patch_used"]
-        assert m["patch_bytes"] == restore_patch.patch_bytes(m["params"], 2, restore_patch.patch_capacity(engine.cfg))
 
 
 def test_a_patch_overflow_is_one_clear_error_and_leaves_the_centre(engine, monkeypatch):
