@@ -50,9 +50,9 @@ def main(argv: list[str]) -> dict:
         cfg = dataclasses.replace(cfg, noise=manifest.get("noise", "rank_salted"))
     if not export:
         models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
-    out.mkdir(parents=True, exist_ok=True)
 
     with open_checkpoint(cfg, export, manifest) as (engine, checkpoint):
+        out.mkdir(parents=True, exist_ok=True)  # once the engine runs: a refused setting leaves no folder behind
         claim_output_folder(out, checkpoint, cfg, data)
         metrics = {"checkpoint": checkpoint, "samples": C.EVAL_SAMPLES, "reported_group": C.REPORTED_GROUP,
                    "datasets": {}}

@@ -36,14 +36,27 @@ if TYPE_CHECKING:  # for annotations only
 HISTORY_FILE = "es_history.json"
 HISTORY_FORMAT = "es-history/1"
 # what the stages read from a history (check_shape): a file without it is refused before any engine starts
-GENERATION_RECORD_KEYS = ("generation", "sigma", "alpha", "seeds", "rewards", "z", "digests")
-HISTORY_SHAPE = {"config": ("population", "alpha"), "base_model": None, "base_digests": None,
-                 "generations": [GENERATION_RECORD_KEYS]}
+GENERATION_RECORD_SHAPE = {"generation": int, "sigma": float, "alpha": float, "seeds": [int], "rewards": [float],
+                           "z": [float], "digests": [str]}
+HISTORY_SHAPE = {"config": {"population": None, "alpha": None}, "base_model": None, "base_digests": [str],
+                 "generations": [GENERATION_RECORD_SHAPE]}
 
 
 def read_history(path) -> dict:
-    """A run history, refused with the file and the key when it lacks anything a stage reads."""
-    return C.read_json(path, required=HISTORY_SHAPE)
+    """A run history, refused with the file and the key when it lacks anything a stage reads, or when its
+    generations are not generations 0, 1, 2, ... in order, each with a seed, a reward and a z-score per member."""
+    history = C.read_json(path, required=HISTORY_SHAPE)
+    for i, record in enumerate(history["generations"]):
+        where = f"{path}: generations[{i}]"
+        if record["generation"] != i:
+            raise C.DataError(f"{where} is generation {record['generation']}; a history holds generations 0, 1, "
+                              "2, ... in order")
+        members = {len(record[key]) for key in ("seeds", "rewards", "z")}
+        if len(members) > 1 or members != {history["config"]["population"]}:
+            raise C.DataError(f"{where} has {len(record['seeds'])} seeds, {len(record['rewards'])} rewards and "
+                              f"{len(record['z'])} z-scores; the run's population is "
+                              f"{history['config']['population']!r}: one of each per member")
+    return history
 
 
 # ---- A run's identity, and the refusals of a history made by another run
@@ -298,5 +311,5 @@ def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -
         problems.append(f"manifest shards do not cover ranks 0..{tp - 1}")
     problems += verify_sha256sums(folder) if (folder / SHA256SUMS).exists() else [f"missing {SHA256SUMS}"]
     if problems:
-        raise ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
+        raise ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
     return manifest

@@ -1,0 +1,322 @@
+"""Settings without sense and inputs a stage cannot use, met as a user meets them: the numbered scripts run as
+subprocesses. Each refusal is one line on stderr naming the setting or the file (and its line where it has lines),
+a non-zero exit, no traceback, and nothing left behind: no run folder, no export or evaluation folder, no file
+changed. Fast: every refusal comes before any engine starts (the engine would write <run_dir>/vllm.log first)."""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import common as C
+import engine as E
+import history as H
+import models
+import pool as P
+
+SMOKE = C.parse_config(["--preset=smoke"])
+CORES = len(os.sched_getaffinity(0))
+
+
+@pytest.fixture
+def environment_restored():
+    """os.environ as it was before the test (an engine's set-up writes vLLM's variables into it)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def stage(script: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, script, *map(str, args)], cwd=C.REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def files_under(folder: Path) -> dict:
+    """Every file under folder with its bytes: what a refused stage must leave as it was."""
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def assert_refused(proc: subprocess.CompletedProcess, name: str, *says: str) -> str:
+    """One line '[name] error: ...' holding every one of `says`, and a non-zero exit."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"[{name}] error: ") and all(s in lines[0] for s in says), lines[0]
+    return lines[0]
+
+
+# ---- settings: each range means something, checked before any engine ----
+
+@pytest.mark.parametrize("setting, says", [
+    ("--population=1", "population must be in [2, 65536]"),
+    ("--case_batch=0", "case_batch must be at least 1"),
+    ("--sigma_start=-1e-3", "sigma_start must be a finite number greater than 0"),
+    ("--sigma_end=0", "sigma_end must be a finite number greater than 0"),
+    ("--sigma_start=nan", "sigma_start must be a finite number"),
+    ("--alpha=inf", "alpha must be a finite number"),
+    ("--alpha=nan", "alpha must be a finite number"),
+    ("--max_turns=0", "max_turns must be at least 1"),
+    ("--temperature=-0.5", "temperature must be a finite number in [0, 2]"),
+    ("--top_k=-2", "top_k must be at least -1"),
+    ("--max_new_tokens=2048", "max_new_tokens=2048 leaves no room for the prompt in max_model_len=2048"),
+    ("--run_seed=4294967296", "run_seed must be in [0, 4294967295]"),
+    ("--generations=1e19", "generations must fit in 64 bits"),
+    ("--population=1e400", "--population expects an integer"),
+])
+def test_a_setting_without_sense_is_one_line_before_anything_starts(tmp_path, setting, says):
+    assert_refused(stage("01_train.py", "--preset=smoke", setting, f"--run_dir={tmp_path / 'run'}"), "train", says)
+    assert not (tmp_path / "run").exists()
+
+
+def test_top_k_minus_one_and_zero_both_mean_every_token_in_vllm():
+    """Both are admitted and reach vLLM, whose batch cuts to the top k only for 0 < top_k < vocabulary size (vLLM
+    accepts -1 as 0); -2 has no meaning and never reaches it."""
+    params = [E.sampling_params(C.Config(top_k=k), seed=1, max_tokens=8).top_k for k in (-1, 0, 40)]
+    assert params == [-1, 0, 40]
+    with pytest.raises(C.ConfigError, match="top_k must be at least -1"):
+        C.Config(top_k=-2)
+
+
+# ---- what the machine can place: TP ranks and engines, before any engine starts ----
+
+def test_a_tp_size_beyond_the_machine_s_cores_is_refused_before_any_engine(tmp_path):
+    line = assert_refused(stage("01_train.py", "--preset=smoke", f"--tensor_parallel_size={CORES + 1}",
+                                f"--run_dir={tmp_path / 'run'}"), "train")
+    assert f"tensor_parallel_size={CORES + 1} needs {CORES + 1} CPU cores" in line and f"process {CORES}" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_more_cpu_engines_than_cores_are_refused_before_any_engine(tmp_path):
+    line = assert_refused(stage("01_train.py", "--preset=smoke", "--tensor_parallel_size=1", f"--engines={CORES + 1}",
+                                f"--run_dir={tmp_path / 'run'}"), "train")
+    assert f"engines={CORES + 1} x tensor_parallel_size=1 = {CORES + 1} TP ranks" in line
+    assert f"has {CORES} CPU cores" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_placement_counts_gpus_cores_and_the_user_s_core_groups(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(E, "_cpu_bind_default", None)  # no engine of this process chose a binding
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(C.ConfigError, match=r"^tensor_parallel_size=2 needs 2 GPUs, one per TP rank; this process "
+                                            r"sees 1 \(CUDA_VISIBLE_DEVICES=3\)$"):
+        E.check_placement(2, "cuda")
+    E.check_placement(1, "cuda")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    with pytest.raises(C.ConfigError, match="tensor_parallel_size=5 needs 5 CPU cores"):
+        E.check_placement(5, "cpu")
+    monkeypatch.setenv(E.CPU_BIND, "0|1")  # the user's: two core groups
+    with pytest.raises(C.ConfigError, match=r"tensor_parallel_size=3 needs a core group per TP rank in "
+                                            r"VLLM_CPU_OMP_THREADS_BIND, which names 2 \('0\|1'\)"):
+        E.check_placement(3, "cpu")
+    E.check_placement(2, "cpu")
+    monkeypatch.setenv(E.CPU_BIND, "auto")
+    E.check_placement(4, "cpu")
+    with pytest.raises(C.ConfigError, match="engines=3 x tensor_parallel_size=2 = 6 TP ranks, but this machine has "
+                                            "4 CPU cores, one per rank: use --engines=2 or fewer"):
+        P.check_cpu_pool(3, 2, 4)
+    P.check_cpu_pool(2, 2, 4)
+
+
+def test_the_default_core_binding_follows_each_engine_s_tp_size_and_leaves_the_user_s(monkeypatch,
+                                                                                       environment_restored):
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(C, "keep_cpu_linear_weights", lambda: None)
+    monkeypatch.setattr(E, "_cpu_bind_default", None)
+    os.environ.pop(E.CPU_BIND, None)
+    E.configure_cpu_env(3)
+    assert os.environ[E.CPU_BIND] == "0|1|2"
+    E.configure_cpu_env(1)  # another engine of this process, at another TP size
+    assert os.environ[E.CPU_BIND] == "0"
+    os.environ[E.CPU_BIND] = "2"  # the user's (or the pool's) choice wins
+    E.configure_cpu_env(1)
+    assert os.environ[E.CPU_BIND] == "2"
+
+
+# ---- what vLLM refuses: asked before the run folder or any process exists ----
+
+def test_a_max_model_len_beyond_the_model_s_is_one_line_and_no_run_folder(tmp_path):
+    line = assert_refused(stage("01_train.py", "--preset=smoke", "--max_model_len=100000",
+                                f"--run_dir={tmp_path / 'run'}"), "train", "vLLM refuses to run", "max_model_len")
+    assert "(100000)" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_evaluation_vllm_refuses_leaves_no_output_folder(tmp_path):
+    assert_refused(stage("03_eval.py", "--preset=smoke", "--export=", "--max_model_len=100000",
+                         f"--run_dir={tmp_path / 'run'}"), "eval", "vLLM refuses to run", "max_model_len (100000)")
+    assert not (tmp_path / "run").exists()  # neither <run_dir>/eval-base nor vllm.log
+
+
+def test_a_tp_size_that_does_not_divide_the_attention_heads_is_refused_by_vllm_before_it_starts(
+        tmp_path, environment_restored):
+    folder = tmp_path / "three-heads"
+    shutil.copytree(models.resolve_model("tiny-qwen3-dense"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, num_attention_heads=3, num_key_value_heads=3)))
+    cfg = dataclasses.replace(SMOKE, tensor_parallel_size=2, run_dir=str(tmp_path / "run"))
+    with pytest.raises(C.ConfigError, match=r"^vLLM refuses to run .*three-heads with these settings: Total number "
+                                            r"of attention heads \(3\) must be divisible by tensor parallel size "
+                                            r"\(2\)\.$"):
+        E.Engine(cfg, str(folder))
+    assert not (tmp_path / "run").exists()
+
+
+# ---- data: problem files ----
+
+def problem(i, **fields) -> str:
+    return json.dumps({"id": f"p{i}", "question": f"What is {i} + 1?", "answer": str(i + 1), **fields})
+
+
+@pytest.mark.parametrize("content, says", [
+    (problem(1) + "\n" + '{"id": "p2", "question": \n' + problem(3) + "\n", ":2: malformed JSON"),
+    (problem(1) + "\n" + json.dumps({"id": "p2", "question": "q"}) + "\n", ":2: missing required field 'answer'"),
+    ("", ": no problems in file"),
+    ("\n  \n", ": no problems in file"),
+    (problem(1) + "\n[1, 2]\n", ":2: expected a JSON object, got list"),
+    (problem(1) + "\n" + problem(1) + "\n", ":2: duplicate id 'p1' (first seen on line 1)"),
+    (problem(1) + "\n" + problem(2, question=5) + "\n", ":2: field 'question' must be a string, got int"),
+    (problem(1) + "\n" + problem(2, answer="  ") + "\n", ":2: field 'answer' is empty"),
+    ((problem(1) + "\n").encode() + b'{"id": "p2", "question": "caf\xe9", "answer": "1"}\n',
+     ":2: not UTF-8 text (invalid continuation byte"),
+])
+def test_a_bad_training_file_names_the_file_and_line(tmp_path, content, says):
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert_refused(stage("01_train.py", "--preset=smoke", f"--train_data={data}", "--case_batch=1",
+                         f"--run_dir={tmp_path / 'run'}"), "train", f"{data}{says}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_training_file_may_open_with_a_byte_order_mark(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("\ufeff" + problem(1) + "\n" + problem(2) + "\n", encoding="utf-8")
+    assert [p["id"] for p in C.load_problems(data)] == ["p1", "p2"]
+
+
+def test_a_folder_given_as_a_json_file_is_one_line():
+    with pytest.raises(C.DataError, match=r"^.*tests: cannot read it \(Is a directory\)$"):
+        C.read_json(C.REPO / "tests")
+    with pytest.raises(C.DataError, match=r"^.*tests: cannot read it \(Is a directory\)$"):
+        C.read_jsonl(C.REPO / "tests")
+    with pytest.raises(C.DataError, match=r"^.*tests: a folder, not a problems file$"):
+        C.load_problems(C.REPO / "tests")
+
+
+# ---- histories: cut off, or valid JSON of the wrong shape ----
+
+def generation_record(g, members=4):
+    rewards = [float(m % 2) for m in range(members)]
+    return {"generation": g, "sigma": 1e-3, "alpha": 5e-4, "seeds": list(range(1, members + 1)), "rewards": rewards,
+            "z": C.zscore(rewards), "problem_ids": ["a", "b"], "digests": ["d0", "d1"], "timings": {}}
+
+
+def history(generations=2) -> dict:
+    return {"format": H.HISTORY_FORMAT, "config": dataclasses.asdict(SMOKE), "base_model": SMOKE.model,
+            "base_digests": ["b0", "b1"], "generations": [generation_record(g) for g in range(generations)]}
+
+
+def edited(change) -> dict:
+    value = history()
+    change(value)
+    return value
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda h: h["generations"][0].update(seeds="1,2,3,4"), "generations[0].seeds expected a list, got str"),
+    (lambda h: h["generations"][1]["seeds"].__setitem__(2, "3"), 'generations[1].seeds[2] expected an integer, got "3"'),
+    (lambda h: h["generations"][0].update(sigma=None), "generations[0].sigma expected a finite number, got null"),
+    (lambda h: h["generations"][0]["rewards"].__setitem__(0, True), "generations[0].rewards[0] expected a finite number, got true"),
+    (lambda h: h["generations"][0].update(z=[0.5]), "generations[0] has 4 seeds, 4 rewards and 1 z-scores; the "
+                                                    "run's population is 4"),
+    (lambda h: h["generations"].__setitem__(1, generation_record(1, members=6)), "generations[1] has 6 seeds"),
+    (lambda h: h["generations"][1].update(generation=5), "generations[1] is generation 5; a history holds "
+                                                         "generations 0, 1, 2, ... in order"),
+    (lambda h: h.update(base_digests="b0"), "base_digests expected a list, got str"),
+    (lambda h: h["generations"][0].update(digests=[1, 2]), "generations[0].digests[0] expected a string, got 1"),
+])
+def test_a_history_of_the_wrong_shape_is_refused_by_export_before_any_engine(tmp_path, change, says):
+    path = tmp_path / H.HISTORY_FILE
+    path.write_text(json.dumps(edited(change)))
+    assert_refused(stage("02_export.py", "--preset=smoke", f"--history={path}", f"--out={tmp_path / 'export'}"),
+                   "export", f"{path}: {says}")
+    assert sorted(os.listdir(tmp_path)) == [H.HISTORY_FILE]  # no export, no export.partial
+
+
+def test_a_history_cut_off_mid_file_is_one_line_and_training_changes_nothing(tmp_path):
+    text = json.dumps(history(), indent=2)
+    (tmp_path / H.HISTORY_FILE).write_text(text[: len(text) // 2])  # a full disk, before the atomic writes
+    before = files_under(tmp_path)
+    assert_refused(stage("01_train.py", "--preset=smoke", f"--run_dir={tmp_path}"), "train",
+                   f"{tmp_path / H.HISTORY_FILE}: not valid JSON")
+    assert files_under(tmp_path) == before
+    assert_refused(stage("02_export.py", "--preset=smoke", f"--run_dir={tmp_path}"), "export",
+                   f"{tmp_path / H.HISTORY_FILE}: not valid JSON")
+    assert files_under(tmp_path) == before
+
+
+# ---- exports and evaluations ----
+
+def sharded_export(folder: Path) -> Path:
+    """An export folder as 02_export.py lays it out at TP=2 (stand-in shard bytes), its manifest and SHA256SUMS."""
+    folder.mkdir(parents=True)
+    shards = []
+    for rank in range(2):
+        name = f"model-rank-{rank}-part-0.safetensors"
+        (folder / name).write_bytes(bytes([rank]) * 64)
+        shards.append({"file": name, "rank": rank, "part": 0, "bytes": 64, "sha256": H.sha256_file(folder / name)})
+    manifest = {"format": "es-sharded-export/1", "tensor_parallel_size": 2, "shards": shards,
+                "per_rank_digests": ["a", "b"], "parameter_names_sha256": "p", "replayed_generations": 2,
+                "vllm_version": "v"}
+    C.write_json_atomic(manifest, folder / H.EXPORT_MANIFEST)
+    H.write_sha256sums(folder, [s["file"] for s in shards] + [H.EXPORT_MANIFEST])
+    return folder
+
+
+def test_an_export_missing_a_rank_shard_is_one_line_for_verify_and_for_eval(tmp_path):
+    export = sharded_export(tmp_path / "export")
+    H.verify_export(export, 2)  # whole, it passes
+    (export / "model-rank-1-part-0.safetensors").unlink()
+    line = assert_refused(stage("02_export.py", "--preset=smoke", f"--verify={export}"), "export",
+                          f"{export} failed verification: missing shard model-rank-1-part-0.safetensors")
+    assert "model-rank-1-part-0.safetensors: missing" in line
+    before = files_under(tmp_path)
+    assert_refused(stage("03_eval.py", "--preset=smoke", f"--run_dir={tmp_path / 'run'}", f"--export={export}"),
+                   "eval", "missing shard model-rank-1-part-0.safetensors")
+    assert files_under(tmp_path) == before and not (tmp_path / "run").exists()
+
+
+def evaluation(run_dir: Path) -> Path:
+    """A finished 03_eval.py folder of the smoke run's base model, and the history beside it."""
+    ids = [p["id"] for p in C.problems_from("smoke", SMOKE.run_seed)[:2]]
+    records = [{"problem_id": pid, "sample_index": i, "seed": C.request_seed(SMOKE.run_seed, pid, i, 0),
+                "score": 0.0} for pid in ids for i in range(C.EVAL_SAMPLES)]
+    eval_dir = run_dir / "eval"
+    C.write_json_atomic(history(), run_dir / H.HISTORY_FILE)
+    C.write_json_atomic({"dataset": "dapo", "data": "smoke", "config": dataclasses.asdict(SMOKE), "records": records,
+                         "checkpoint": {"kind": "base", "model": SMOKE.model, "per_rank_digests": ["b0", "b1"]}},
+                        eval_dir / "dapo_eval16.json")
+    C.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / C.EVAL_METRICS)
+    return eval_dir
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda e: (e / C.EVAL_METRICS).write_text("metrics: none\n"), f"{C.EVAL_METRICS}: not valid JSON"),
+    (lambda e: (e / C.EVAL_METRICS).write_bytes(b"\xff\xfe"), f"{C.EVAL_METRICS}: not valid JSON"),
+    (lambda e: (e / "dapo_eval16.json").write_text((e / "dapo_eval16.json").read_text()[:500]),
+     "dapo_eval16.json: not valid JSON"),
+])
+def test_an_evaluation_that_is_not_json_is_one_line_and_replay_writes_nothing(tmp_path, damage, says):
+    eval_dir = evaluation(tmp_path)
+    damage(eval_dir)
+    before = files_under(tmp_path)
+    assert_refused(stage("04_replay.py", "--preset=smoke", f"--run_dir={tmp_path}"), "replay", says)
+    assert files_under(tmp_path) == before
