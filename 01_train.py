@@ -38,6 +38,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
     cfg = C.parse_config(argv)
     run_dir = Path(cfg.run_dir)
     problems = C.training_problems(cfg)
+    C.check_output_path(run_dir, "run_dir")
     sandbox.check_sandbox(cfg.run_dir, data=[cfg.train_data], allow_leaks=cfg.allow_leaky_sandbox,
                           error=C.ConfigError)  # refuses a sandbox that could see the answers (unless allowed)
     model_path = models.resolve_model(cfg.model, download=True)  # a hub id: its local snapshot, fetched once

@@ -42,6 +42,9 @@ def main(argv: list[str]) -> dict:
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
+    C.check_output_path(cfg.run_dir, "run_dir")
+    C.check_output_path(out, "out")
+    check_finished_episodes(out)
     sandbox.check_sandbox(cfg.run_dir, data=list(data.values()), checkpoint=export,  # (unless allowed)
                           allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)
     # before any writing
@@ -67,6 +70,16 @@ def main(argv: list[str]) -> dict:
     print(C.format_metrics_table(metrics["datasets"]))
     print(f"[eval] wrote {out}/{{{','.join(DATASETS)}}}_eval16.json and {C.EVAL_METRICS}")
     return metrics
+
+
+def check_finished_episodes(out: Path) -> None:
+    """The files a resumed evaluation keeps, read before the engine starts: a damaged one is refused now, not after
+    minutes of loading."""
+    if (out / "eval_run.json").exists():
+        C.read_json(out / "eval_run.json", required=("checkpoint", "config", "data"))
+    for name in DATASETS:
+        if (out / f"{name}_episodes.jsonl").exists():
+            C.read_jsonl(out / f"{name}_episodes.jsonl", required=C.EPISODE_RECORD_KEYS)
 
 
 def base_config(cfg, overrides: list[str]):

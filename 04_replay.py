@@ -52,6 +52,8 @@ def main(argv: list[str]) -> dict:
     transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in originals}
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before any engine
+    C.check_output_path(out, "out", folder=False)
+    C.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
     sandbox.check_sandbox(cfg.run_dir, data=[o["data"] for o in originals.values()], checkpoint=export or None,
                           allow_leaks=cfg.allow_leaky_sandbox, error=C.ConfigError)

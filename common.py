@@ -195,7 +195,7 @@ SETTING_BOUNDS = {
     "min_p": Bounds(0, 1),
     "presence_penalty": Bounds(-2, 2, why="vLLM's range"),
     "repetition_penalty": Bounds(0, low_open=True, why="1: none"),
-    "bash_timeout_s": Bounds(0, low_open=True),
+    "bash_timeout_s": Bounds(0, 86400, low_open=True, why="at most a day: the sandbox's CPU-time limit is made of it"),
     "observation_chars": Bounds(1),
     "concurrency": Bounds(1),
     "eval_problems": Bounds(0, why="0: all"),
@@ -1585,6 +1585,21 @@ def _fsync_dir(folder):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_output_path(path, setting: str, folder: bool = True) -> None:
+    """Refuse, before any work, an output a stage could not write at the end: a folder (or with folder=False a
+    file) where something else is in the way, or whose nearest existing parent is a file or not writable.
+    `setting` names the option that gave the path."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != folder:
+        raise ConfigError(f"--{setting}={path}: a {'file' if folder else 'folder'} is in the way of the "
+                          f"{'folder' if folder else 'file'} this stage writes")
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise ConfigError(f"--{setting}={path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--{setting}={path}: no permission to write in {parent}")
 
 
 def write_text_atomic(text, path):

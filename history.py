@@ -199,8 +199,11 @@ def verify_sha256sums(folder):
     if not os.path.isfile(sums_path):
         return [f"{sums_path}: missing"]
     problems = []
-    with open(sums_path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    try:
+        with open(sums_path, "rb") as f:
+            lines = f.read().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        return [f"{sums_path}: not UTF-8 text ({e.reason} at byte {e.start})"]
     if not any(line.strip() for line in lines):
         problems.append(f"{sums_path}: lists no files")
     for lineno, line in enumerate(lines, start=1):

@@ -268,7 +268,7 @@ def test_parse_config_overrides_and_preset():
     (["--presence_penalty=3"], "presence_penalty must be a finite number in [-2, 2]"),
     (["--repetition_penalty=0"], "repetition_penalty must be a finite number greater than 0"),
     (["--top_k=-2"], "top_k must be at least -1 (-1 or 0: every token), got -2"),
-    (["--bash_timeout_s=0"], "bash_timeout_s must be a finite number greater than 0, got 0.0"),
+    (["--bash_timeout_s=0"], "bash_timeout_s must be a finite number in (0, 86400]"),
     (["--tensor_parallel_size=0"], "tensor_parallel_size must be at least 1, got 0"),
     (["--max_model_len=0"], "max_model_len must be at least 1, got 0"),
     (["--concurrency=0"], "concurrency must be at least 1, got 0"),

@@ -67,6 +67,7 @@ def assert_refused(proc: subprocess.CompletedProcess, name: str, *says: str) -> 
     ("--run_seed=4294967296", "run_seed must be in [0, 4294967295]"),
     ("--generations=1e19", "generations must fit in 64 bits"),
     ("--population=1e400", "--population expects an integer"),
+    ("--bash_timeout_s=1e300", "bash_timeout_s must be a finite number in (0, 86400]"),
 ])
 def test_a_setting_without_sense_is_one_line_before_anything_starts(tmp_path, setting, says):
     assert_refused(stage("01_train.py", "--preset=smoke", setting, f"--run_dir={tmp_path / 'run'}"), "train", says)
@@ -288,6 +289,9 @@ def test_an_export_missing_a_rank_shard_is_one_line_for_verify_and_for_eval(tmp_
     line = assert_refused(stage("02_export.py", "--preset=smoke", f"--verify={export}"), "export",
                           f"{export} failed verification: missing shard model-rank-1-part-0.safetensors")
     assert "model-rank-1-part-0.safetensors: missing" in line
+    (export / H.SHA256SUMS).write_bytes(b"\xff" + (export / H.SHA256SUMS).read_bytes())
+    assert_refused(stage("02_export.py", "--preset=smoke", f"--verify={export}"), "export",
+                   f"{export / H.SHA256SUMS}: not UTF-8 text")
     before = files_under(tmp_path)
     assert_refused(stage("03_eval.py", "--preset=smoke", f"--run_dir={tmp_path / 'run'}", f"--export={export}"),
                    "eval", "missing shard model-rank-1-part-0.safetensors")
@@ -320,3 +324,38 @@ def test_an_evaluation_that_is_not_json_is_one_line_and_replay_writes_nothing(tm
     before = files_under(tmp_path)
     assert_refused(stage("04_replay.py", "--preset=smoke", f"--run_dir={tmp_path}"), "replay", says)
     assert files_under(tmp_path) == before
+
+
+def test_damaged_episodes_of_an_evaluation_to_resume_are_one_line_before_any_engine(tmp_path):
+    out = tmp_path / "eval-base"
+    rows = [{"problem_id": "smoke-000", "sample_index": i, "seed": i, "score": 0.0} for i in range(3)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (out).mkdir()
+    (out / "dapo_episodes.jsonl").write_text(text.replace('"seed": 1,', '"seed": 1'))  # line 2 broken, not torn
+    before = files_under(tmp_path)
+    assert_refused(stage("03_eval.py", "--preset=smoke", "--export=", f"--out={out}", f"--run_dir={tmp_path / 'run'}"),
+                   "eval", f"{out / 'dapo_episodes.jsonl'}:2: malformed JSON line")
+    assert files_under(tmp_path) == before and not (tmp_path / "run").exists()
+
+
+# ---- outputs a stage could not write at its end, refused at its start ----
+
+@pytest.mark.parametrize("script, option, says", [
+    ("01_train.py", "--run_dir={file}", "--run_dir={file}: a file is in the way of the folder this stage writes"),
+    ("01_train.py", "--run_dir={file}/run", "--run_dir={file}/run: {file} is a file, not a folder"),
+    ("02_export.py", "--out={file}/export", "--out={file}/export: {file} is a file, not a folder"),
+    ("03_eval.py", "--out={file}", "--out={file}: a file is in the way of the folder this stage writes"),
+    ("04_replay.py", "--out={folder}", "--out={folder}: a folder is in the way of the file this stage writes"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, script, option, says):
+    run_dir = tmp_path / "run"
+    evaluation(run_dir)  # a history and a finished evaluation: what export and replay read first
+    (tmp_path / "file").write_text("in the way")
+    (tmp_path / "folder").mkdir()
+    paths = {"file": tmp_path / "file", "folder": tmp_path / "folder"}
+    before = files_under(tmp_path)
+    name = {"01": "train", "02": "export", "03": "eval", "04": "replay"}[script[:2]]
+    extra = ["--export="] if name == "eval" else []  # the base model
+    assert_refused(stage(script, "--preset=smoke", f"--run_dir={run_dir}", *extra, option.format(**paths)), name,
+                   says.format(**paths))
+    assert files_under(tmp_path) == before and sorted(os.listdir(tmp_path / "folder")) == []
