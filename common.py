@@ -1654,8 +1654,8 @@ def check_shape(value, shape, path, inside=""):
     where = f"{path}: {inside}" if inside else f"{path}:"
     if isinstance(shape, type):
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not {int: number and isinstance(value, int), float: number and math.isfinite(value),
-                str: isinstance(value, str)}[shape]:
+        if not (isinstance(value, str) if shape is str else number and isinstance(value, int) if shape is int
+                else number and (isinstance(value, int) or math.isfinite(value))):
             expected = {int: "an integer", float: "a finite number", str: "a string"}[shape]
             raise DataError(f"{where} expected {expected}, got {json.dumps(value)[:40]}")
         return

@@ -51,8 +51,7 @@ def read_history(path) -> dict:
         if record["generation"] != i:
             raise C.DataError(f"{where} is generation {record['generation']}; a history holds generations 0, 1, "
                               "2, ... in order")
-        members = {len(record[key]) for key in ("seeds", "rewards", "z")}
-        if len(members) > 1 or members != {history["config"]["population"]}:
+        if {len(record[key]) for key in ("seeds", "rewards", "z")} != {history["config"]["population"]}:
             raise C.DataError(f"{where} has {len(record['seeds'])} seeds, {len(record['rewards'])} rewards and "
                               f"{len(record['z'])} z-scores; the run's population is "
                               f"{history['config']['population']!r}: one of each per member")
