@@ -39,6 +39,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
     cfg = cli.parse_config(argv)
     run_dir = Path(cfg.run_dir)
     problems = common.training_problems(cfg)
+    common.check_output_path(run_dir, "run_dir")
     common.check_sandbox(cfg, data=[cfg.train_data])  # refuses a sandbox that could see the answers (unless allowed)
     model_path = models.resolve_model(cfg.model, download=True)  # a hub id: its local snapshot, fetched once
     print(f"[train] {cfg.model} at TP={cfg.tensor_parallel_size}: {cfg.generations} generations x "

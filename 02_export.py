@@ -46,6 +46,8 @@ def main(argv: list[str]) -> Path:
     out = Path(opts["out"] or run_dir / "export")
     if out.exists():
         raise common.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
+    common.check_output_path(out, "out")
+    common.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused here, before any work
     partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete

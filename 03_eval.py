@@ -44,16 +44,19 @@ def main(argv: list[str]) -> dict:
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
-    common.check_sandbox(cfg, data=list(data.values()), checkpoint=export)
+    common.check_output_path(cfg.run_dir, "run_dir")
+    common.check_output_path(out, "out")
+    check_finished_episodes(out)
+    common.check_sandbox(cfg, data=list(data.values()), checkpoint=export)  # (unless allowed)
     # before any writing
     manifest = checkpoint_noise.verify_any_export(export, cfg.tensor_parallel_size) if export else None
     if manifest:  # the loaded bits are checked, and recorded, in the digests of the export's noise
         cfg = dataclasses.replace(cfg, noise=manifest.get("noise", "rank_salted"))
     if not export:
         models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
-    out.mkdir(parents=True, exist_ok=True)
 
     with open_checkpoint(cfg, export, manifest) as (engines, checkpoint):
+        out.mkdir(parents=True, exist_ok=True)  # once the engines run: a refused setting leaves no folder behind
         claim_output_folder(out, checkpoint, cfg, data)
         metrics = {"checkpoint": checkpoint, "samples": common.EVAL_SAMPLES, "reported_group": common.REPORTED_GROUP,
                    "datasets": {}}
@@ -68,6 +71,16 @@ def main(argv: list[str]) -> dict:
     print(format_metrics_table(metrics["datasets"]))
     print(f"[eval] wrote {out}/{{{','.join(DATASETS)}}}_eval16.json and {common.EVAL_METRICS}")
     return metrics
+
+
+def check_finished_episodes(out: Path) -> None:
+    """The files a resumed evaluation keeps, read before the engine starts: a damaged one is refused now, not after
+    minutes of loading."""
+    if (out / "eval_run.json").exists():
+        common.read_json(out / "eval_run.json", required=("checkpoint", "config", "data"))
+    for name in DATASETS:
+        if (out / f"{name}_episodes.jsonl").exists():
+            common.read_jsonl(out / f"{name}_episodes.jsonl", required=common.EPISODE_RECORD_KEYS)
 
 
 def base_config(cfg, overrides: list[str]):

@@ -52,6 +52,8 @@ def main(argv: list[str]) -> dict:
     transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in originals}
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before any engine
+    common.check_output_path(out, "out", folder=False)
+    common.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
     common.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export or None)
     with EnginePool(cfg, model_path) as engines:

@@ -542,7 +542,7 @@ def verify_hf_export(folder: str | Path) -> dict:
         raise C.ExportError(f"{folder}: no {HF_EXPORT_MANIFEST}; not a checkpoint-noise export of 02_export.py")
     problems = H.verify_sha256sums(folder) if (folder / H.SHA256SUMS).exists() else [f"missing {H.SHA256SUMS}"]
     if problems:
-        raise C.ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
+        raise C.ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
     return C.read_json(folder / HF_EXPORT_MANIFEST, required=HF_EXPORT_MANIFEST_SHAPE)
 
 

@@ -123,6 +123,6 @@ def _parse_value(key: str, text: str, kind: type):
                 raise ValueError
             return int(value)
         return kind(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: an integer setting given as 1e400 (float infinity)
         expected = {int: "an integer", float: "a number", bool: "true or false"}.get(kind, kind.__name__)
         raise ConfigError(f"--{key} expects {expected}, got {text!r}") from None

@@ -130,6 +130,9 @@ class Config:
         if self.rounding == "stochastic" and self.restore == "subtract":
             raise ConfigError("restore=subtract cannot undo a stochastically rounded perturbation; use copy_device "
                               "or copy_host with rounding=stochastic")
+        if self.max_new_tokens >= self.max_model_len:  # a turn's prompt needs at least one token of the context
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} leaves no room for the prompt in max_model_len="
+                              f"{self.max_model_len}; use --max_new_tokens below --max_model_len")
         if self.rounding == "stochastic" and self.dtype != "bfloat16":
             # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
             raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "
@@ -906,32 +909,42 @@ LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
 
 def load_problems(path):
     """Read a problems JSONL file: one object per line with string id, question, answer (other fields kept)."""
+    if os.path.isdir(path):
+        raise DataError(f"{path}: a folder, not a problems file")
     if not os.path.isfile(path):
         raise DataError(f"{path}: problems file not found{build_hint(path)}")
     problems, line_of_id = [], {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue  # tolerate blank lines (e.g. a trailing empty line)
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for field in REQUIRED_PROBLEM_FIELDS:
-                if field not in row:
-                    raise DataError(f"{where}: missing required field {field!r}")
-                if not isinstance(row[field], str):
-                    raise DataError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__}")
-                if not row[field].strip():
-                    raise DataError(f"{where}: field {field!r} is empty")
-            pid = row["id"]
-            if pid in line_of_id:
-                raise DataError(f"{where}: duplicate id {pid!r} (first seen on line {line_of_id[pid]})")
-            line_of_id[pid] = lineno
-            problems.append(row)
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+    for lineno, raw in enumerate(lines, start=1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a byte order mark may open the file)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
+        if not line.strip():
+            continue  # tolerate blank lines (e.g. a trailing empty line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: malformed JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        for field in REQUIRED_PROBLEM_FIELDS:
+            if field not in row:
+                raise DataError(f"{where}: missing required field {field!r}")
+            if not isinstance(row[field], str):
+                raise DataError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__}")
+            if not row[field].strip():
+                raise DataError(f"{where}: field {field!r} is empty")
+        pid = row["id"]
+        if pid in line_of_id:
+            raise DataError(f"{where}: duplicate id {pid!r} (first seen on line {line_of_id[pid]})")
+        line_of_id[pid] = lineno
+        problems.append(row)
     if not problems:
         raise DataError(f"{path}: no problems in file")
     return problems
@@ -1132,6 +1145,21 @@ def _fsync_dir(folder):
         os.close(fd)
 
 
+def check_output_path(path, setting: str, folder: bool = True) -> None:
+    """Refuse, before any work, an output a stage could not write at the end: a folder (or with folder=False a
+    file) where something else is in the way, or whose nearest existing parent is a file or not writable.
+    `setting` names the option that gave the path."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != folder:
+        raise ConfigError(f"--{setting}={path}: a {'file' if folder else 'folder'} is in the way of the "
+                          f"{'folder' if folder else 'file'} this stage writes")
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise ConfigError(f"--{setting}={path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--{setting}={path}: no permission to write in {parent}")
+
+
 def write_file_atomic(data: str | bytes, path):
     """Text (UTF-8) or bytes into a temp file in the same folder, fsync, rename over path: readers see the old file
     or the new one, never a partial one. Same folder so os.replace is a rename on one filesystem."""
@@ -1168,6 +1196,8 @@ def read_json(path, required=None):
         raise DataError(f"{path}: file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # a folder, no permission
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
     check_shape(value, required, path)
     return value
 
@@ -1175,10 +1205,18 @@ def read_json(path, required=None):
 def check_shape(value, shape, path, inside=""):
     """Refuse valid JSON that lacks what a stage reads, with one error naming the file and the key, before any work
     starts. `shape`: None (anything), a tuple of the keys an object must hold, a dict of key -> the shape of its
-    value, or a one-item list: a list whose every item has that item's shape."""
+    value, a one-item list: a list whose every item has that item's shape, or a type: int, float (any finite
+    number), str."""
     if shape is None:
         return
     where = f"{path}: {inside}" if inside else f"{path}:"
+    if isinstance(shape, type):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (isinstance(value, str) if shape is str else number and isinstance(value, int) if shape is int
+                else number and (isinstance(value, int) or math.isfinite(value))):
+            expected = {int: "an integer", float: "a finite number", str: "a string"}[shape]
+            raise DataError(f"{where} expected {expected}, got {json.dumps(value)[:40]}")
+        return
     if isinstance(shape, list):
         if not isinstance(value, list):
             raise DataError(f"{where} expected a list, got {type(value).__name__}")
@@ -1237,6 +1275,8 @@ def read_jsonl(path, required=None):
             lines = f.read().split(b"\n")
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
+    except OSError as e:  # a folder, no permission
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
     rows = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -1268,13 +1308,17 @@ class Bounds:
     def admits(self, value) -> bool:
         above = value > self.low if self.low_open else value >= self.low
         below = value < self.high if self.high_open else value <= self.high
-        return math.isfinite(value) and above and below
+        return (isinstance(value, int) or math.isfinite(value)) and above and below
 
     def __str__(self) -> str:
+        def number(x):
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
         if self.high == math.inf:
-            text = f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
+            text = f"{'greater than' if self.low_open else 'at least'} {number(self.low)}"
         else:
-            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+            text = (f"in {'(' if self.low_open else '['}{number(self.low)}, {number(self.high)}"
+                    f"{')' if self.high_open else ']'}")
         return text + (f" ({self.why})" if self.why else "")
 
 
@@ -1286,9 +1330,10 @@ SETTING_BOUNDS = {
     "gpu_memory_utilization": Bounds(0, 1, low_open=True, why="the share of each GPU's memory vLLM may take"),
     "max_num_batched_tokens": Bounds(0, why="0: vLLM's default"),
     "engines": Bounds(0, why="0: one per tensor_parallel_size GPUs"),
-    "run_seed": Bounds(0, why="seeds numpy's generators"),
+    "run_seed": Bounds(0, 2**32 - 1, why="vLLM seeds numpy's global generator with it"),
     "generations": Bounds(1),
-    "population": Bounds(2, why="z-scores need two members"),
+    "population": Bounds(2, 65536, why="z-scores need two members; every member's seed, reward and z-score is "
+                                      "recorded each generation"),
     "case_batch": Bounds(1),
     "sigma_start": Bounds(0, low_open=True),
     "sigma_end": Bounds(0, low_open=True),
@@ -1303,7 +1348,7 @@ SETTING_BOUNDS = {
     "min_p": Bounds(0, 1),
     "presence_penalty": Bounds(-2, 2, why="vLLM's range"),
     "repetition_penalty": Bounds(0, low_open=True, why="1: none"),
-    "bash_timeout_s": Bounds(0, low_open=True),
+    "bash_timeout_s": Bounds(0, 86400, low_open=True, why="at most a day: the sandbox's CPU-time limit is made of it"),
     "observation_chars": Bounds(1),
     "concurrency": Bounds(1),
     "eval_problems": Bounds(0, why="0: all"),
@@ -1324,6 +1369,8 @@ def setting_problem(name: str, value, kind: type) -> str | None:
     if numeric and name in SETTING_BOUNDS and not SETTING_BOUNDS[name].admits(value):
         finite = "a finite number " if kind is float else ""
         return f"{name} must be {finite}{SETTING_BOUNDS[name]}, got {value!r}"
+    if kind is int and not -2**63 <= value < 2**63:
+        return f"{name} must fit in 64 bits (numpy, torch and vLLM hold it as an int64), got {value!r}"
     choices = SETTING_CHOICES.get(name)
     if choices is not None and value not in choices:
         return f"{name} must be one of {', '.join(choices)}, got {value!r}"

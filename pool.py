@@ -93,8 +93,18 @@ def place_engines(engines: int, groups: int) -> list[int]:
 
 def cpu_binding(engine: int, tensor_parallel_size: int, cores: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for engine k of a CPU pool: its own core per rank ('0', '1'; '0|1', '2|3' at
-    TP=2), wrapping around when the pool has more ranks than the machine has cores."""
+    TP=2), wrapping around when a node has more ranks than cores (a local pool refuses that: check_cpu_pool)."""
     return "|".join(str((engine * tensor_parallel_size + r) % cores) for r in range(tensor_parallel_size))
+
+
+def check_cpu_pool(engines: int, tensor_parallel_size: int, cores: int) -> None:
+    """A local CPU pool binds every TP rank of every engine to a core of its own: ranks beyond the cores would only
+    take turns on the same cores (no faster than fewer engines), each engine holding its own weights and KV cache."""
+    ranks = engines * tensor_parallel_size
+    if ranks > cores:
+        raise C.ConfigError(f"engines={engines} x tensor_parallel_size={tensor_parallel_size} = {ranks} TP ranks, "
+                            f"but this machine has {cores} CPU cores, one per rank: use --engines="
+                            f"{max(1, cores // tensor_parallel_size)} or fewer")
 
 
 def parameter_count(config: dict, folder: str | Path | None = None) -> int:
@@ -497,6 +507,11 @@ class EnginePool(C.ClosedOnExit):
     def __init__(self, cfg: C.Config, model_path: str, **engine_kwargs):
         self.cfg, self.engines, self._groups = cfg, [], []
         self.device = C.device_type()
+        if not cfg.ray_address:  # before any engine starts: the TP size, and on the CPU the pool, must fit here
+            E.check_placement(cfg.tensor_parallel_size, self.device,
+                              len(visible_gpus()) if self.device == "cuda" else None)
+            if self.device != "cuda":
+                check_cpu_pool(pool_size(cfg, self.device), cfg.tensor_parallel_size, len(os.sched_getaffinity(0)))
         self.size = pool_size(cfg, self.device)
         self.placement = []  # per engine: where it runs (node, GPUs or CPU cores, restore copy)
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import sys
 import time
 from pathlib import Path
@@ -20,17 +21,21 @@ from common import ClosedOnExit, Config, ConfigError, write_file_atomic
 PROGRESS_LOG_INTERVAL_S = 10.0  # without a terminal (a log file): one progress line at most this often
 
 
+_TERMINAL_CONTROL = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|[@-Z\\-_])?")  # ANSI escape sequences (cursor moves)
+
+
 class _LineStream:
-    """tqdm's stream when the console is not a terminal: each redraw becomes a line of its own (not one more
-    carriage return within a single endless line), and the blank writes that clear a bar are dropped."""
+    """tqdm's stream when the console is not a terminal: plain lines only. Each redraw becomes a line of its own
+    (not one more carriage return within a single endless line); the blank writes that clear a bar are dropped, and
+    so are the cursor moves (ESC[A) by which nested bars redraw their own line of a terminal."""
 
     def __init__(self, stream):
         self.stream = stream
 
     def write(self, text: str) -> None:
-        line = text.replace("\r", "").rstrip()
-        if line:
-            self.stream.write(line + "\n")
+        for line in _TERMINAL_CONTROL.sub("", text).replace("\r", "\n").split("\n"):
+            if line.strip():
+                self.stream.write(line.rstrip() + "\n")
 
     def flush(self) -> None:
         self.stream.flush()

@@ -301,6 +301,27 @@ def test_without_a_terminal_the_pool_s_progress_is_a_plain_line_now_and_then(cap
     assert "engine 0: batch " in lines[-1] and "engine 1: batch " in lines[-1]
 
 
+def test_without_a_terminal_nested_progress_bars_write_plain_lines_without_escape_codes(capsys):
+    """A training run's bars nest: generations, the pool's members, a member's episodes. On a terminal tqdm moves
+    the cursor up (ESC[A) to redraw each on its own line; in a log file those codes were garbage. Without a TTY
+    every line is plain text: a bar's state or a message, no escape byte, no blank line."""
+    from tqdm import tqdm
+
+    for g in tracking.progress_bar(range(2), desc="generations"):
+        with tracking.progress_bar(total=2, desc=f"generation {g} members", leave=False) as members:
+            for member in range(2):
+                for _ in tracking.progress_bar(range(3), desc=f"member {member} episodes", leave=False):
+                    pass
+                members.update(1)
+                members.set_postfix_str("engine 0: idle")
+        tqdm.write(f"[train] generation {g + 1}/2", file=sys.stderr)
+    err = capsys.readouterr().err  # pytest's capture: not a TTY
+    assert "\x1b" not in err and "\r" not in err
+    lines = err.splitlines()
+    assert all(line.strip() and (line.startswith(("generation", "member", "[train]"))) for line in lines), lines
+    assert "[train] generation 2/2" in lines and lines[-1].startswith("generations: 100%|")
+
+
 def test_on_a_terminal_the_progress_bar_is_tqdm_s_redrawn_in_place():
     import io
 

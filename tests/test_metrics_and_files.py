@@ -6,6 +6,9 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -363,6 +366,115 @@ def test_model_that_is_not_local_is_refused_without_network(hub_cache, name, mes
         models.resolve_model(name)
     with pytest.raises(common.ConfigError, match="not a model folder"):
         history.model_fingerprint(name)
+
+
+# ---- the models the project builds: two runs at once, and folders that are not models ----
+
+RESOLVE_AT_ONCE = """
+import json, os, sys, time
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+import models
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+cache, barrier, me = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+(barrier / f"ready-{{me}}").touch()
+while not (barrier / "go").exists():
+    time.sleep(0.005)
+path = Path(models.resolve_model("tiny-qwen3-dense", cache_dir=cache))
+given = path.stat().st_ino
+(barrier / f"resolved-{{me}}").touch()
+while len(list(barrier.glob("resolved-*"))) < 2:  # the other process resolves (and maybe builds) meanwhile
+    time.sleep(0.005)
+assert path.stat().st_ino == given, "the folder this process was given was replaced while it used it"
+tokens = AutoTokenizer.from_pretrained(path)("What is 2 + 2?")["input_ids"]
+print(json.dumps({{"inode": given, "tensors": len(load_file(path / "model.safetensors")), "tokens": len(tokens)}}))
+"""
+
+
+def test_two_processes_started_at_once_build_one_tiny_model_and_both_load_it(tmp_path):
+    """Two runs started together on one machine both need the tiny model: one builds it, neither removes or
+    replaces the folder the other was given, both load it whole, and no build folder is left behind."""
+    cache, barrier = tmp_path / "models", tmp_path / "barrier"
+    barrier.mkdir()
+    script = RESOLVE_AT_ONCE.format(repo=str(common.REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(cache), str(barrier), str(k)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(2)]
+    deadline = time.monotonic() + 300
+    while len(list(barrier.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (barrier / "go").touch()  # both resolve at the same moment
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert results[0] == results[1] and results[0]["tensors"] > 0 and results[0]["tokens"] > 0
+    assert sorted(os.listdir(cache)) == [".tiny-qwen3-dense.lock", "tiny-qwen3-dense"]
+    assert models.model_folder_problem(cache / "tiny-qwen3-dense") is None
+
+
+def test_a_build_that_died_leaves_no_folder_in_use_and_the_next_one_cleans_up(tmp_path, monkeypatch):
+    cache = tmp_path / "models"
+
+    def dies(path, kind):
+        (Path(path) / "config.json").write_text("{}")  # half a model in its own build folder
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "write_tiny_model", dies)
+    with pytest.raises(KeyboardInterrupt):
+        models.resolve_model("tiny-qwen3-dense", cache_dir=cache)
+    assert sorted(os.listdir(cache)) == [".tiny-qwen3-dense.lock"]
+    (cache / ".tiny-qwen3-dense.building-left-by-a-killed-process").mkdir()  # SIGKILL runs no cleanup
+    monkeypatch.undo()
+    path = models.resolve_model("tiny-qwen3-dense", cache_dir=cache)
+    assert sorted(os.listdir(cache)) == [".tiny-qwen3-dense.lock", "tiny-qwen3-dense"]
+    assert models.model_folder_problem(Path(path)) is None
+
+
+def damaged_copy(tmp_path, damage) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(models.resolve_model("tiny-qwen3-dense"), folder)
+    damage(folder)
+    return folder
+
+
+def cut_in_half(file: Path) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: shutil.rmtree(f) or f.mkdir(), "no config.json"),
+    (lambda f: (f / "model.safetensors").unlink(), r"no weight files \(\*.safetensors"),
+    (lambda f: cut_in_half(f / "model.safetensors"), "model.safetensors: truncated or damaged: its header describes"),
+    (lambda f: (f / "model.safetensors").write_bytes(b"\x05"), "model.safetensors: not a whole safetensors file"),
+    (lambda f: (f / "config.json").write_text('{"model_type": "qwen3", '), "config.json is not readable JSON"),
+    (lambda f: (f / "config.json").write_bytes(b"\xff\xfe{}"), "config.json is not readable JSON .*utf-8"),
+    (lambda f: (f / "config.json").write_text("[1, 2]"), "config.json names no model_type or architectures"),
+    (lambda f: (f / "tokenizer.json").unlink(), "no tokenizer"),
+    (lambda f: (f / "chat_template.jinja").unlink(), "no chat template"),
+    (lambda f: (f / models.SAFETENSORS_INDEX).write_text(json.dumps({"weight_map": {"a": "model-00002.safetensors"}})),
+     "model.safetensors.index.json names 1 missing weight files \\(model-00002.safetensors\\)"),
+    (lambda f: (f / "pytorch_model.bin").write_bytes(b"PK\x03\x04" + b"\0" * 100), "pytorch_model.bin: a torch archive"),
+])
+def test_a_folder_that_is_not_a_model_is_refused_naming_what_is_wrong(tmp_path, damage, message):
+    folder = damaged_copy(tmp_path, damage)
+    with pytest.raises(common.ConfigError, match=f"^{folder} is not a model folder: {message}"):
+        models.resolve_model(str(folder))
+
+
+def test_a_model_folder_that_is_not_a_model_stops_training_before_any_engine_or_run_folder(tmp_path):
+    folder = damaged_copy(tmp_path, lambda f: cut_in_half(f / "model.safetensors"))
+    proc = subprocess.run([sys.executable, "01_train.py", "--preset=smoke", f"--model={folder}",
+                           f"--run_dir={tmp_path / 'run'}"], cwd=common.REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    whole = (Path(models.resolve_model("tiny-qwen3-dense")) / "model.safetensors").stat().st_size
+    assert proc.stderr.strip().splitlines() == [
+        f"[train] error: {folder} is not a model folder: model.safetensors: truncated or damaged: its header "
+        f"describes {whole} bytes, the file has {whole // 2}"]
+    assert not (tmp_path / "run").exists()
 
 
 # ---- experiment tracking ----

@@ -71,6 +71,11 @@ def write(value, path):
     ({"a": {"b": 1}}, {"a": ("c",)}, "f.json: a missing key 'c'"),
     ({"a": [{"b": 1}, {}]}, {"a": [("b",)]}, "f.json: a[1] missing key 'b'"),
     ({"a": {}}, {"a": [("b",)]}, "f.json: a expected a list, got dict"),
+    ({"a": "1"}, {"a": int}, 'f.json: a expected an integer, got "1"'),
+    ({"a": [1.0, float("nan")]}, {"a": [float]}, "f.json: a[1] expected a finite number, got NaN"),
+    ({"a": [1, True]}, {"a": [float]}, "f.json: a[1] expected a finite number, got true"),
+    ({"a": [1.5]}, {"a": [int]}, "f.json: a[0] expected an integer, got 1.5"),
+    ({"a": ["x", 2]}, {"a": [str]}, "f.json: a[1] expected a string, got 2"),
 ])
 def test_check_shape_names_the_file_and_the_key(value, shape, message):
     with pytest.raises(common.DataError, match=f"^{re.escape(message)}$"):
