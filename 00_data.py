@@ -23,6 +23,7 @@ from pathlib import Path
 
 import cli
 import common
+import fileio
 import history
 
 OUT = "data"  # where the three problem files are written
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> dict:
     opts, rest = cli.parse_args(argv, options)
     if rest:
         raise common.ConfigError(f"unknown options {rest}; 00_data.py takes --out, --source_dir, --cache_dir, --force")
-    manifest = common.read_json(common.DATA_MANIFEST)["files"]
+    manifest = fileio.read_json(common.DATA_MANIFEST)["files"]
     out = Path(opts["out"])
 
     status, sources = {}, {}
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> dict:
         rows = select_rows(sources[entry["source"]], entry, name)
         text = jsonl_text(rows)
         check_against_manifest(rows, text, entry, name)  # before anything is written
-        common.write_file_atomic(text, path)
+        fileio.write_file_atomic(text, path)
         print(f"[data] {path}: built, {len(rows)} rows from {entry['source']}, sha256 matches the manifest")
         status[name] = "built"
 

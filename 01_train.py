@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 import cli
 import common
+import fileio
 import engine
 import models
 import tracking
@@ -39,7 +40,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
     cfg = cli.parse_config(argv)
     run_dir = Path(cfg.run_dir)
     problems = common.training_problems(cfg)
-    common.check_output_path(run_dir, "run_dir")
+    fileio.check_output_path(run_dir, "run_dir")
     common.check_sandbox(cfg, data=[cfg.train_data])  # refuses a sandbox that could see the answers (unless allowed)
     model_path = models.resolve_model(cfg.model, download=True)  # a hub id: its local snapshot, fetched once
     print(f"[train] {cfg.model} at TP={cfg.tensor_parallel_size}: {cfg.generations} generations x "
@@ -69,7 +70,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
                            "generations: run the same command again to resume")
                 raise
             history["generations"].append(record)
-            common.write_json_atomic(history, history_path)  # after every generation: a crash loses at most one
+            fileio.write_json_atomic(history, history_path)  # after every generation: a crash loses at most one
             tracking.plot_reward_curve(history, run_dir / REWARD_CURVE)
             tracker.log(g, tracking.generation_scalars(record))  # --tracking=tensorboard; nothing by default
             tqdm.write(summary_line(record, cfg))
@@ -83,7 +84,7 @@ def start_or_resume(cfg, model_path, engines, history_path: Path) -> dict:
     if not history_path.exists():
         history_path.parent.mkdir(parents=True, exist_ok=True)
         history = dict(run_identity(cfg, model_path, engines), generations=[])
-        common.write_json_atomic(history, history_path)
+        fileio.write_json_atomic(history, history_path)
         return history
     history = read_history(history_path)
     print(f"[train] resuming {history_path}: replaying {len(history['generations'])} recorded generations")
@@ -109,7 +110,7 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
         engines.update(seeds, common.update_coefficients(z, cfg.alpha))
     with tracking.stopwatch(timings, "digest"):
         digests = engines.digests()
-    common.write_jsonl(episodes, rollout_dir / f"generation-{g:03d}.jsonl")
+    fileio.write_jsonl(episodes, rollout_dir / f"generation-{g:03d}.jsonl")
     return {
         "generation": g, "sigma": sigma, "alpha": cfg.alpha, "seeds": seeds, "rewards": rewards, "z": z,
         "problem_ids": [p["id"] for p in batch], "digests": digests,

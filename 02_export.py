@@ -17,6 +17,7 @@ from pathlib import Path
 import checkpoint_noise
 import cli
 import common
+import fileio
 import models
 from engine import Engine, run_stage
 from history import (EXPORT_MANIFEST, HISTORY_FILE, SHA256SUMS, config_from_history, copy_model_files, read_history,
@@ -46,8 +47,8 @@ def main(argv: list[str]) -> Path:
     out = Path(opts["out"] or run_dir / "export")
     if out.exists():
         raise common.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
-    common.check_output_path(out, "out")
-    common.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
+    fileio.check_output_path(out, "out")
+    fileio.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused here, before any work
     partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete
@@ -125,7 +126,7 @@ def write_manifest(folder: Path, history: dict, history_path: str, generations: 
         "config": history["config"],
     }
     name = checkpoint_noise.HF_EXPORT_MANIFEST if sums is not None else EXPORT_MANIFEST
-    common.write_json_atomic(manifest, folder / name)
+    fileio.write_json_atomic(manifest, folder / name)
     write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != SHA256SUMS])
 
 

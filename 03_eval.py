@@ -19,6 +19,7 @@ from pathlib import Path
 import checkpoint_noise
 import cli
 import common
+import fileio
 import engine
 import models
 from history import (EXPORT_MANIFEST, HISTORY_FILE, RESUME_FREE_FIELDS, check_loaded_export, config_from_history,
@@ -44,8 +45,8 @@ def main(argv: list[str]) -> dict:
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
-    common.check_output_path(cfg.run_dir, "run_dir")
-    common.check_output_path(out, "out")
+    fileio.check_output_path(cfg.run_dir, "run_dir")
+    fileio.check_output_path(out, "out")
     check_finished_episodes(out)
     common.check_sandbox(cfg, data=list(data.values()), checkpoint=export)  # (unless allowed)
     # before any writing
@@ -62,12 +63,12 @@ def main(argv: list[str]) -> dict:
                    "datasets": {}}
         for name, problems in datasets.items():
             records = evaluate(engines, problems, range(common.EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
-            common.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
+            fileio.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
                                       "config": dataclasses.asdict(cfg), "records": strip_transcripts(records)},
                                      out / f"{name}_eval16.json")
             write_transcripts_markdown(records, out / f"{name}_failed.md")
             metrics["datasets"][name] = common.dataset_metrics(records)
-    common.write_json_atomic(metrics, out / common.EVAL_METRICS)  # last: the evaluation is complete
+    fileio.write_json_atomic(metrics, out / common.EVAL_METRICS)  # last: the evaluation is complete
     print(format_metrics_table(metrics["datasets"]))
     print(f"[eval] wrote {out}/{{{','.join(DATASETS)}}}_eval16.json and {common.EVAL_METRICS}")
     return metrics
@@ -77,10 +78,10 @@ def check_finished_episodes(out: Path) -> None:
     """The files a resumed evaluation keeps, read before the engine starts: a damaged one is refused now, not after
     minutes of loading."""
     if (out / "eval_run.json").exists():
-        common.read_json(out / "eval_run.json", required=("checkpoint", "config", "data"))
+        fileio.read_json(out / "eval_run.json", required=("checkpoint", "config", "data"))
     for name in DATASETS:
         if (out / f"{name}_episodes.jsonl").exists():
-            common.read_jsonl(out / f"{name}_episodes.jsonl", required=common.EPISODE_RECORD_KEYS)
+            fileio.read_jsonl(out / f"{name}_episodes.jsonl", required=common.EPISODE_RECORD_KEYS)
 
 
 def base_config(cfg, overrides: list[str]):
@@ -142,24 +143,24 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
                                  "data": data}))
     marker = out / "eval_run.json"
     if marker.exists():
-        recorded = common.read_json(marker)
+        recorded = fileio.read_json(marker)
         if dict(recorded, config=settings(recorded.get("config", {}))) != run:
             raise common.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
-    common.write_json_atomic(run, marker)
+    fileio.write_json_atomic(run, marker)
 
 
 def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
     """All (problem, sample) episodes. Each finished episode (with its transcript) is appended to `log` as it
     ends; the ones already there are kept, not re-run."""
-    finished = common.read_jsonl(log, required=common.EPISODE_RECORD_KEYS) if log.exists() else []
+    finished = fileio.read_jsonl(log, required=common.EPISODE_RECORD_KEYS) if log.exists() else []
     done = {(r["problem_id"], r["sample_index"]): r for r in finished}
     todo = [(p, i) for p in problems for i in sample_indices if (p["id"], i) not in done]
     if done:
         print(f"[eval] {name}: resuming, {len(done)} episodes already finished, {len(todo)} to go")
     try:
-        records = engines.run_agent(todo, desc=f"{name} episodes", on_record=lambda r: common.append_jsonl(log, [r]))
+        records = engines.run_agent(todo, desc=f"{name} episodes", on_record=lambda r: fileio.append_jsonl(log, [r]))
     except (common.EngineFailure, engine.Interrupted) as stop:
-        finished = len(common.read_jsonl(log)) if log.exists() else 0
+        finished = len(fileio.read_jsonl(log)) if log.exists() else 0
         print(f"[eval] {name}: stopped ({stop}); {log} keeps the {finished} finished episodes: run the same "
               "command again to resume")
         raise

@@ -15,6 +15,7 @@ from pathlib import Path
 import checkpoint_noise
 import cli
 import common
+import fileio
 import engine
 import models
 from history import HISTORY_FILE, config_from_history, read_history, rebuild_from_history, sha256_file
@@ -38,7 +39,7 @@ def main(argv: list[str]) -> dict:
     export = opts["export"]
 
     history = read_history(history_path)
-    originals = {name: common.read_json(eval_dir / f"{name}_eval16.json", required=common.EVAL16_SHAPE)
+    originals = {name: fileio.read_json(eval_dir / f"{name}_eval16.json", required=common.EVAL16_SHAPE)
                  for name in evaluated_sets(eval_dir)}
     cfg = replay_config(history, originals, overrides)
     checkpoint = next(iter(originals.values()))["checkpoint"]  # what was evaluated: the base, or an export of K generations
@@ -52,8 +53,8 @@ def main(argv: list[str]) -> dict:
     transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in originals}
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before any engine
-    common.check_output_path(out, "out", folder=False)
-    common.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
+    fileio.check_output_path(out, "out", folder=False)
+    fileio.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
     common.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export or None)
     with EnginePool(cfg, model_path) as engines:
@@ -69,7 +70,7 @@ def main(argv: list[str]) -> dict:
         "replayed_generations": len(generations), "per_rank_digests": digests, "export": export or None,
         "datasets": {name: compare(originals[name], replayed[name], transcripts[name]) for name in originals},
     }
-    common.write_json_atomic(report, out)
+    fileio.write_json_atomic(report, out)
     print_report(report, out)
     return report
 
@@ -79,7 +80,7 @@ def evaluated_sets(eval_dir: Path) -> list[str]:
     metrics = eval_dir / common.EVAL_METRICS
     if not metrics.exists():
         raise common.ConfigError(f"{metrics} not found: 04_replay.py replays a finished 03_eval.py (--eval=FOLDER)")
-    return list(common.read_json(metrics, required=common.EVAL_METRICS_SHAPE)["datasets"])
+    return list(fileio.read_json(metrics, required=common.EVAL_METRICS_SHAPE)["datasets"])
 
 
 def replay_config(history: dict, originals: dict, overrides: list[str]) -> common.Config:
@@ -139,7 +140,7 @@ def original_transcripts(log: Path) -> dict:
     """The original episodes' conversations (03_eval's <name>_episodes.jsonl), when that log is at hand."""
     if not log.exists():
         return {}
-    rows = common.read_jsonl(log, required=("problem_id", "sample_index", "messages"))
+    rows = fileio.read_jsonl(log, required=("problem_id", "sample_index", "messages"))
     return {(r["problem_id"], r["sample_index"]): r["messages"] for r in rows}
 
 

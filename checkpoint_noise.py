@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 import common as C
+import fileio
 import history as H
 import restore_patch
 
@@ -531,7 +532,7 @@ def write_safetensors_files(tensors, folder: Path) -> list[str]:
         files.append(f"model-{k:05d}-of-{len(groups):05d}.safetensors")
         save_file(g, str(folder / files[-1]), metadata={"format": "pt"})
         weight_map.update({name: files[-1] for name in g})
-    C.write_json_atomic({"metadata": {}, "weight_map": weight_map}, folder / "model.safetensors.index.json")
+    fileio.write_json_atomic({"metadata": {}, "weight_map": weight_map}, folder / "model.safetensors.index.json")
     return files + ["model.safetensors.index.json"]
 
 
@@ -543,7 +544,7 @@ def verify_hf_export(folder: str | Path) -> dict:
     problems = H.verify_sha256sums(folder) if (folder / H.SHA256SUMS).exists() else [f"missing {H.SHA256SUMS}"]
     if problems:
         raise C.ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
-    return C.read_json(folder / HF_EXPORT_MANIFEST, required=HF_EXPORT_MANIFEST_SHAPE)
+    return fileio.read_json(folder / HF_EXPORT_MANIFEST, required=HF_EXPORT_MANIFEST_SHAPE)
 
 
 def verify_any_export(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:
@@ -555,9 +556,9 @@ def verify_any_export(folder: str | Path, tensor_parallel_size: int | None = Non
 
 def set_config_dtype(folder: Path, dtype: str) -> None:
     """config.json names the exported weights' dtype (transformers and vLLM read it as the default)."""
-    config = C.read_json(folder / "config.json")
+    config = fileio.read_json(folder / "config.json")
     config.update({k: dtype for k in ("torch_dtype", "dtype") if k in config} or {"torch_dtype": dtype})
-    C.write_json_atomic(config, folder / "config.json")
+    fileio.write_json_atomic(config, folder / "config.json")
 
 
 def update_checkpoint_tensor_(name: str, t: torch.Tensor, generation: dict, cfg: C.Config) -> None:

@@ -1,5 +1,5 @@
 """The algorithm the four stages share: evolution strategies running inside vLLM workers at TP=2, the 50-turn
-bash-tool math agent it trains, the data, the metrics and the files.
+bash-tool math agent it trains, the data and the metrics.
 
 Sections, in order:
   1. run constants (Config) and presets, and the errors a stage stops with
@@ -9,11 +9,11 @@ Sections, in order:
   5. the math agent: prompts, reply parsing, per-request seeds, the episode loop
   6. data: problem files and case batches
   7. metrics: Mean4 / Pass4, mean@16, unbiased pass@4
-  8. files: atomic JSON, crash-tolerant JSONL
-  9. the settings' valid values, checked whenever a Config is made
+  8. the settings' valid values, checked whenever a Config is made
 
 The infrastructure lives beside it, one concern per module (the README's Layout lists them): engine.py and pool.py
-run this on K vLLM engines, history.py records, refuses and rebuilds runs, cli.py and tracking.py parse and watch.
+run this on K vLLM engines, history.py records, refuses and rebuilds runs, fileio.py writes and reads its files,
+cli.py and tracking.py parse and watch.
 """
 
 from __future__ import annotations
@@ -953,7 +953,7 @@ def load_problems(path):
 def build_hint(path) -> str:
     """For a missing file that 00_data.py builds: the exact command that builds it."""
     folder, name = os.path.split(os.path.normpath(path))
-    if name not in read_json(DATA_MANIFEST, required=("files",))["files"]:
+    if name not in json.loads(DATA_MANIFEST.read_text())["files"]:
         return ""
     command = "python 00_data.py" + ("" if folder == "data" else f" --out={folder or '.'}")
     return f"; build it with: {command}"
@@ -1132,168 +1132,7 @@ def dataset_metrics(records):
 
 
 # ============================================================================================================
-# 8. Files: atomic JSON, JSONL that survives a crash (the weight digests: digests.py; SHA256SUMS, fingerprints and
-#    the sharded_state export's manifest: history.py)
-# ============================================================================================================
-
-def _fsync_dir(folder):
-    """Make a rename durable: the directory entry itself must reach the disk."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def check_output_path(path, setting: str, folder: bool = True) -> None:
-    """Refuse, before any work, an output a stage could not write at the end: a folder (or with folder=False a
-    file) where something else is in the way, or whose nearest existing parent is a file or not writable.
-    `setting` names the option that gave the path."""
-    path = Path(path)
-    if path.exists() and path.is_dir() != folder:
-        raise ConfigError(f"--{setting}={path}: a {'file' if folder else 'folder'} is in the way of the "
-                          f"{'folder' if folder else 'file'} this stage writes")
-    parent = next(p for p in path.absolute().parents if p.exists())
-    if not parent.is_dir():
-        raise ConfigError(f"--{setting}={path}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--{setting}={path}: no permission to write in {parent}")
-
-
-def write_file_atomic(data: str | bytes, path):
-    """Text (UTF-8) or bytes into a temp file in the same folder, fsync, rename over path: readers see the old file
-    or the new one, never a partial one. Same folder so os.replace is a rename on one filesystem."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644)  # mkstemp gives 0600
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(folder)
-
-
-def write_json_atomic(obj, path):
-    """Serialise first (a non-JSON value fails before any file is touched), then replace path atomically.
-    Strict JSON: NaN/Infinity are refused so every reader can parse the file."""
-    text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    write_file_atomic(text, path)
-
-
-def read_json(path, required=None):
-    """The JSON in path; with `required` (a shape, see check_shape), refused unless it holds what a stage reads."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:  # a folder, no permission
-        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
-    check_shape(value, required, path)
-    return value
-
-
-def check_shape(value, shape, path, inside=""):
-    """Refuse valid JSON that lacks what a stage reads, with one error naming the file and the key, before any work
-    starts. `shape`: None (anything), a tuple of the keys an object must hold, a dict of key -> the shape of its
-    value, a one-item list: a list whose every item has that item's shape, or a type: int, float (any finite
-    number), str."""
-    if shape is None:
-        return
-    where = f"{path}: {inside}" if inside else f"{path}:"
-    if isinstance(shape, type):
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (isinstance(value, str) if shape is str else number and isinstance(value, int) if shape is int
-                else number and (isinstance(value, int) or math.isfinite(value))):
-            expected = {int: "an integer", float: "a finite number", str: "a string"}[shape]
-            raise DataError(f"{where} expected {expected}, got {json.dumps(value)[:40]}")
-        return
-    if isinstance(shape, list):
-        if not isinstance(value, list):
-            raise DataError(f"{where} expected a list, got {type(value).__name__}")
-        for i, item in enumerate(value):
-            check_shape(item, shape[0], path, f"{inside}[{i}]")
-        return
-    if not isinstance(value, dict):
-        raise DataError(f"{where} expected an object, got {type(value).__name__}")
-    for key, inner in (shape if isinstance(shape, dict) else dict.fromkeys(shape)).items():
-        if key not in value:
-            raise DataError(f"{where} missing key {key!r}")
-        check_shape(value[key], inner, path, f"{inside}.{key}" if inside else key)
-
-
-def _drop_torn_tail(f):
-    """f: a file opened 'a+b'. If the last line has no newline (a crash mid-append), complete it when it is
-    whole JSON, else cut it off, so the next row does not get glued onto a fragment."""
-    f.seek(0, os.SEEK_END)
-    size = f.tell()
-    if size == 0:
-        return
-    f.seek(size - 1)
-    if f.read(1) == b"\n":
-        return
-    f.seek(0)
-    data = f.read()
-    start = data.rfind(b"\n") + 1
-    try:
-        json.loads(data[start:].decode("utf-8"))
-        f.write(b"\n")
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        f.truncate(start)
-
-
-def append_jsonl(path, rows):
-    """Append rows to a JSONL log, flushed and fsynced so a crash loses at most the row being written."""
-    data = b"".join((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8") for row in rows)
-    with open(path, "a+b") as f:  # append mode: every write lands at the end, whatever we read before
-        _drop_torn_tail(f)
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_jsonl(rows, path):
-    """Write rows as JSONL, atomically (a reader never sees half a file)."""
-    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    write_file_atomic(text, path)
-
-
-def read_jsonl(path, required=None):
-    """Rows of a JSONL log. A last line cut by a crash mid-write is ignored; a bad line anywhere else is
-    corruption and an error. With `required` (a shape, see check_shape), every row must have it."""
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except OSError as e:  # a folder, no permission
-        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
-    rows = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line.decode("utf-8")))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            if lineno == len(lines):  # no newline after it: a torn write
-                break
-            raise DataError(f"{path}:{lineno}: malformed JSON line ({e})") from None
-    if required is not None:
-        check_shape(rows, [required], path, "row")
-    return rows
-
-
-# ============================================================================================================
-# 9. The settings' valid values: every Config is checked against them (Config.__post_init__)
+# 8. The settings' valid values: every Config is checked against them (Config.__post_init__)
 # ============================================================================================================
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import common as C
+import fileio
 from cli import parse_overrides
 from common import Config, ConfigError, ExportError
 from tracking import progress_bar
@@ -46,7 +47,7 @@ HISTORY_SHAPE = {"config": {"population": None, "alpha": None}, "base_model": No
 def read_history(path) -> dict:
     """A run history, refused with the file and the key when it lacks anything a stage reads, or when its
     generations are not generations 0, 1, 2, ... in order, each with a seed, a reward and a z-score per member."""
-    history = C.read_json(path, required=HISTORY_SHAPE)
+    history = fileio.read_json(path, required=HISTORY_SHAPE)
     for i, record in enumerate(history["generations"]):
         where = f"{path}: generations[{i}]"
         if record["generation"] != i:
@@ -256,7 +257,7 @@ def write_sha256sums(folder, files):
     folder. Returns {name: hex}."""
     names = sorted({_relative_name(folder, f) for f in files} - {SHA256SUMS})
     sums = {name: sha256_file(os.path.join(folder, name)) for name in names}
-    C.write_file_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
+    fileio.write_file_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
     return sums
 
 
@@ -360,7 +361,7 @@ def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -
     folder = Path(folder)
     if not (folder / EXPORT_MANIFEST).is_file():
         raise ExportError(f"{folder}: no {EXPORT_MANIFEST}; not an export of 02_export.py")
-    manifest = C.read_json(folder / EXPORT_MANIFEST, required=EXPORT_MANIFEST_SHAPE)
+    manifest = fileio.read_json(folder / EXPORT_MANIFEST, required=EXPORT_MANIFEST_SHAPE)
     tp = manifest["tensor_parallel_size"]
     if tensor_parallel_size is not None and tensor_parallel_size != tp:
         raise ExportError(f"{folder} holds per-rank shards for tensor_parallel_size={tp}; it cannot be loaded "

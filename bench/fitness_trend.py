@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import cli  # noqa: E402
 import common  # noqa: E402
+import fileio  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 BOOTSTRAP = 10_000
@@ -118,9 +119,9 @@ def main(argv):
     if not paths:
         sys.exit("usage: python bench/fitness_trend.py HISTORY.json ... [--timed_from=K] [--match=REF.json,...] "
                  "[--out=FILE]")
-    histories = [(p, common.read_json(Path(p))) for p in paths]
+    histories = [(p, fileio.read_json(Path(p))) for p in paths]
     references = [p for p in opts["match"].split(",") if p]
-    reference = reference_gain([common.read_json(Path(p)) for p in references]) if references else None
+    reference = reference_gain([fileio.read_json(Path(p)) for p in references]) if references else None
     rows = [dict(history=p, **fitness_trend(h), **generation_seconds(h, opts["timed_from"]),
                  **(generations_to_match(h, reference) if references else {})) for p, h in histories]
     print(f"{'history':<58} {'gens':>4} {'alpha x sigma':>13} {'slope / generation [95% CI]':>34} "

@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 import checkpoint_noise  # noqa: E402
 import cli  # noqa: E402
 import common  # noqa: E402
+import fileio  # noqa: E402
 import models  # noqa: E402
 import qwen3_30b  # noqa: E402
 from history import HISTORY_FILE  # noqa: E402
@@ -66,13 +67,13 @@ def main(argv):
             print(f"[gpu_pipeline] {folder}: random weights written in {time.perf_counter() - t0:.0f} s", flush=True)
         model = str(folder)
     eval_data = run_dir / "eval_problems.jsonl"  # the GPU machine has no ../shared/data: tiny problems instead
-    common.write_jsonl(common.smoke_problems(2, seed=7), eval_data)
+    fileio.write_jsonl(common.smoke_problems(2, seed=7), eval_data)
     args = ["--preset=smoke", f"--model={model}", f"--run_dir={run_dir}", *overrides]
     report = {"bench": "gpu_pipeline", "date": time.strftime("%Y-%m-%d"), "args": args, "stages": {}}
     for name, script in STAGES:
         done = run_dir / f"{name}.done.json"
         if done.exists():  # finished by an earlier call with this run_dir: the stages resume, never repeat
-            report["stages"][name] = {**common.read_json(done), "earlier_call": True}
+            report["stages"][name] = {**fileio.read_json(done), "earlier_call": True}
             print(f"[gpu_pipeline] {name}: done in an earlier call", flush=True)
             continue
         extra = [f"--dapo={eval_data}", f"--aime2026={eval_data}"] if name == "eval" else []
@@ -80,7 +81,7 @@ def main(argv):
         if report["stages"][name]["returncode"]:
             report["ok"] = False
             break
-        common.write_json_atomic(report["stages"][name], done)
+        fileio.write_json_atomic(report["stages"][name], done)
     else:
         report.update(pipeline_report(run_dir))
     Path(opts["out"]).write_text(json.dumps(report, indent=2))
@@ -106,12 +107,12 @@ def pipeline_report(run_dir: Path) -> dict:
     ok: every check of the run's kind holds. A file that is missing or unreadable fails the report, never crashes
     it."""
     try:
-        history = common.read_json(run_dir / HISTORY_FILE)
+        history = fileio.read_json(run_dir / HISTORY_FILE)
         kind = history["config"].get("noise", "rank_salted")
         report = {"noise": kind, "device_type": history["device_type"], "vllm_version": history["vllm_version"]}
         report.update(export_checks(run_dir / "export", history))
-        metrics = common.read_json(run_dir / "eval" / "metrics.json")
-        replay = common.read_json(run_dir / "eval" / "aligned_history_replay_eval4.json")
+        metrics = fileio.read_json(run_dir / "eval" / "metrics.json")
+        replay = fileio.read_json(run_dir / "eval" / "aligned_history_replay_eval4.json")
     except (OSError, KeyError, ValueError, common.StageError) as e:
         return {"report_error": f"{type(e).__name__}: {e}", "ok": False}
     trained = history["generations"][-1]["digests"]

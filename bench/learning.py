@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import cli  # noqa: E402
 import common  # noqa: E402
+import fileio  # noqa: E402
 import models  # noqa: E402
 import tracking  # noqa: E402
 from engine import Interrupted, prepare_script  # noqa: E402
@@ -197,7 +198,7 @@ def update_change_fraction(model_path, alpha, population, sigma, seed=0, roundin
 def combine_reports(paths: list[str]) -> dict:
     """One report of several single-seed reports of the same settings (seeds trained in separate processes, as
     bench/learning_paper_h200.sh runs them): their runs side by side, every_seed_beyond_ci over all of them."""
-    reports = [common.read_json(Path(p)) for p in paths]
+    reports = [fileio.read_json(Path(p)) for p in paths]
     settings = [{k: v for k, v in r["config"].items() if k not in ("run_seed", "run_dir")} for r in reports]
     differing = [p for p, s in zip(paths, settings) if s != settings[0]]
     if differing:
@@ -248,7 +249,7 @@ def main(argv):
         gens = history["generations"]
         primary = result[PRIMARY]
         plot_with_heldout(history, run_dir / train.REWARD_CURVE, {0: primary["base"], len(gens): primary["trained"]})
-        common.write_json_atomic({"problems": problems, "base": train_records(base), "trained": train_records(trained)},
+        fileio.write_json_atomic({"problems": problems, "base": train_records(base), "trained": train_records(trained)},
                                  run_dir / "heldout_eval.json")
         episodes = sum(len(g["rewards"]) for g in gens) * cfg.case_batch
         generation_s = training_seconds(history)

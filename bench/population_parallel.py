@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cli  # noqa: E402
 import common  # noqa: E402
+import fileio  # noqa: E402
 import models  # noqa: E402
 from engine import prepare_script  # noqa: E402
 from pool import EnginePool  # noqa: E402
@@ -35,7 +36,7 @@ CPU_WORKLOAD = ["--preset=smoke", "--tensor_parallel_size=1", "--population=8", 
 def member_tails(rollout_file: Path, member_timings: list[dict]) -> list[float]:
     """Per member: rollout wall seconds - its median episode's seconds."""
     seconds = {}
-    for r in common.read_jsonl(rollout_file):
+    for r in fileio.read_jsonl(rollout_file):
         seconds.setdefault(r["member"], []).append(r["seconds"])
     return [max(0.0, t["rollout"] - statistics.median(seconds[m])) for m, t in enumerate(member_timings)]
 

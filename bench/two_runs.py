@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import cli  # noqa: E402
 import common  # noqa: E402
+import fileio  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 OPTIONS = {"out": "", "seeds": "20260627,20260628", "run_root": "runs/two_runs"}
@@ -31,12 +32,12 @@ def run_summary(seed: int, returncode: int, log: Path, report_path: Path, histor
     """One process's exit status, generations trained, held-out result and what its log says about the GPU memory
     lock."""
     text = log.read_text(errors="replace")
-    trained = len(common.read_json(history)["generations"]) if history.exists() else 0
+    trained = len(fileio.read_json(history)["generations"]) if history.exists() else 0
     summary = {"run_seed": seed, "exit_status": returncode, "log": str(log), "generations_trained": trained,
                "gpu_memory_lock_waits": text.count(LOCK_WAIT),
                "memory_profiling_failures": sum(text.count(f) for f in MEMORY_FAILURES)}
     if report_path.exists():
-        run = common.read_json(report_path)["runs"][0]
+        run = fileio.read_json(report_path)["runs"][0]
         summary.update(heldout_reward=run["reward"], replay_digests_equal_training=run["replay_digests_equal_training"],
                        train_generation_seconds=run["train_generation_seconds"], eval_seconds=run["eval_seconds"])
     return summary

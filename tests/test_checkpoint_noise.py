@@ -15,6 +15,7 @@ import torch
 import checkpoint_noise
 import cli
 import common
+import fileio
 import models
 from engine import Engine
 from history import HISTORY_FILE, check_config, config_from_history, run_identity
@@ -127,7 +128,7 @@ def test_the_base_model_is_evaluated_with_the_noise_and_tp_size_of_the_run_in_it
     for noise, tp in [("checkpoint", 2), ("rank_salted", 1)]:
         history = {"config": dataclasses.asdict(dataclasses.replace(smoke, noise=noise, tensor_parallel_size=tp,
                                                                         run_dir=str(tmp_path)))}
-        common.write_json_atomic(history, tmp_path / HISTORY_FILE)
+        fileio.write_json_atomic(history, tmp_path / HISTORY_FILE)
         argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--max_turns=1"]
         cfg = evaluation.base_config(cli.parse_config(argv), argv)
         assert (cfg.noise, cfg.tensor_parallel_size, cfg.max_turns) == (noise, tp, 1)  # the eval's own settings stay
@@ -142,14 +143,14 @@ def test_the_base_model_is_evaluated_with_the_noise_and_tp_size_of_the_run_in_it
 def test_replay_of_a_base_evaluated_with_other_noise_says_what_to_run_before_any_engine_starts(tmp_path, monkeypatch):
     run_dir, eval_dir = tmp_path / "run", tmp_path / "eval-base"
     settings = dataclasses.asdict(cli.parse_config(["--preset=smoke", f"--run_dir={run_dir}"]))
-    common.write_json_atomic({"config": dict(settings, noise="checkpoint"), "base_model": settings["model"],
+    fileio.write_json_atomic({"config": dict(settings, noise="checkpoint"), "base_model": settings["model"],
                               "base_digests": ["ckpt:0"], "generations": []}, run_dir / HISTORY_FILE)
     base = {"kind": "base", "model": settings["model"], "per_rank_digests": ["a" * 64, "b" * 64]}  # rank-salted
     records = [{"problem_id": p["id"], "sample_index": i, "seed": i, "score": 0.0}
                for p in common.smoke_problems(1) for i in range(16)]
-    common.write_json_atomic({"dataset": "dapo", "data": "smoke", "checkpoint": base, "config": settings,
+    fileio.write_json_atomic({"dataset": "dapo", "data": "smoke", "checkpoint": base, "config": settings,
                               "records": records}, eval_dir / "dapo_eval16.json")
-    common.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / common.EVAL_METRICS)
+    fileio.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / common.EVAL_METRICS)
     monkeypatch.setattr(replay, "EnginePool", None)  # starting one would fail the test
     with pytest.raises(common.ConfigError, match=r"digests for noise=rank_salted at tensor_parallel_size=2, and this "
                                             r"history rebuilds them for noise=checkpoint.*python 03_eval.py --export= "
@@ -167,7 +168,7 @@ def trained(tmp_path_factory):
 
 
 def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_1_and_2(trained):
-    history = common.read_json(trained / HISTORY_FILE)
+    history = fileio.read_json(trained / HISTORY_FILE)
     base = models.resolve_model("tiny-qwen3-dense")
     tensors = dict(checkpoint_noise.checkpoint_float_tensors(base, "bfloat16"))
     sums = {n: checkpoint_noise.tensor_digest_sum(n, t) for n, t in tensors.items()}
@@ -190,7 +191,7 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     assert "a Hugging Face folder" in proc.stdout and "safetensors files in" in proc.stdout  # progress, timed
     export = trained / "export"
     manifest = checkpoint_noise.verify_any_export(export)
-    history = common.read_json(trained / HISTORY_FILE)
+    history = fileio.read_json(trained / HISTORY_FILE)
     assert manifest["digest"] == history["generations"][-1]["digests"][0] and manifest["noise"] == "checkpoint"
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
     loaded = model.state_dict()
@@ -205,7 +206,7 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     with Engine(cfg, str(export)) as engine:  # stock vLLM loading, at another TP size
         assert engine.digests() == [manifest["digest"]]
     run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")  # the evaluation checks it the same way
-    checkpoint = common.read_json(trained / "eval" / common.EVAL_METRICS)["checkpoint"]
+    checkpoint = fileio.read_json(trained / "eval" / common.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "export" and checkpoint["per_rank_digests"] == [manifest["digest"]]
     run("04_replay.py", f"--run_dir={trained}", "--tensor_parallel_size=1")
     report = gpu_pipeline.pipeline_report(trained)  # bench/gpu_pipeline.py's checks on this run's four stages
@@ -216,11 +217,11 @@ def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_nois
     """03_eval.py --export= in the run's folder, without --noise: the digests it records are the history's."""
     out = tmp_path / "eval-base"
     run("03_eval.py", f"--run_dir={trained}", "--export=", f"--out={out}", "--eval_problems=1")
-    history = common.read_json(trained / HISTORY_FILE)
-    checkpoint = common.read_json(out / common.EVAL_METRICS)["checkpoint"]
+    history = fileio.read_json(trained / HISTORY_FILE)
+    checkpoint = fileio.read_json(out / common.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "base" and checkpoint["per_rank_digests"] == history["base_digests"]
     run("04_replay.py", f"--run_dir={trained}", f"--eval={out}")
-    report = common.read_json(out / "aligned_history_replay_eval4.json")
+    report = fileio.read_json(out / "aligned_history_replay_eval4.json")
     assert report["replayed_generations"] == 0 and report["per_rank_digests"] == history["base_digests"]
     assert all(d["sample_agreement"] == 1.0 for d in report["datasets"].values())
 
@@ -231,14 +232,14 @@ def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_
     wait_for(proc, log, gate)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert len(common.read_json(history_path)["generations"]) == 1
+    assert len(fileio.read_json(history_path)["generations"]) == 1
     run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}", "--noise=checkpoint", "--tensor_parallel_size=1")
-    resumed = common.read_json(history_path)
-    reference = common.read_json(trained / HISTORY_FILE)
+    resumed = fileio.read_json(history_path)
+    reference = fileio.read_json(trained / HISTORY_FILE)
     assert replayable(resumed)[0] == replayable(reference)[0]  # generation 0, made at TP=2, replayed at TP=1
     assert len(resumed["generations"]) == 2 and resumed["tensor_parallel_size"] == 2  # the header is the run's
     run("02_export.py", f"--run_dir={tmp_path}")  # at TP=2 again: every generation's digest agrees
-    manifest = common.read_json(tmp_path / "export" / checkpoint_noise.HF_EXPORT_MANIFEST)
+    manifest = fileio.read_json(tmp_path / "export" / checkpoint_noise.HF_EXPORT_MANIFEST)
     assert manifest["digest"] == resumed["generations"][-1]["digests"][0]
 
 
@@ -316,7 +317,7 @@ def small_checkpoint(folder, tie=False, extra=None):
     tensors.update(extra or {})
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"))
-    common.write_json_atomic({"model_type": "qwen3", "tie_word_embeddings": tie}, folder / "config.json")
+    fileio.write_json_atomic({"model_type": "qwen3", "tie_word_embeddings": tie}, folder / "config.json")
     return tensors
 
 

@@ -15,13 +15,14 @@ import pytest
 
 import cli
 import common
+import fileio
 import history
 
 REPO = common.REPO
 SHARED = REPO.parent / "shared" / "data"
 data = importlib.import_module("00_data")
 evaluation = importlib.import_module("03_eval")
-MANIFEST = common.read_json(common.DATA_MANIFEST)["files"]
+MANIFEST = fileio.read_json(common.DATA_MANIFEST)["files"]
 NAMES = list(MANIFEST)  # build order: dapo_train400, dapo_test100, aime2026
 
 

@@ -25,6 +25,7 @@ import torch
 
 import cli
 import common
+import fileio
 import models
 import sandbox
 import tracking
@@ -67,7 +68,7 @@ def header(history: dict) -> dict:
 def episode_records(run_dir) -> list[dict]:
     """Every episode of every generation (transcripts, scores, sandbox fields), without its wall time."""
     return [{k: v for k, v in r.items() if k != "seconds"}
-            for f in sorted((Path(run_dir) / train.ROLLOUTS).glob("*.jsonl")) for r in common.read_jsonl(f)]
+            for f in sorted((Path(run_dir) / train.ROLLOUTS).glob("*.jsonl")) for r in fileio.read_jsonl(f)]
 
 
 @contextlib.contextmanager
@@ -100,7 +101,7 @@ def train_on(pool, run_dir, cfg) -> dict:
             history["generations"].append(train.run_generation(pool, cfg, problems, g, reply_variety,
                                                                run_dir / train.ROLLOUTS))
         assert set(ran) == set(range(pool.size))  # every engine evaluated members
-    common.write_json_atomic(history, run_dir / HISTORY_FILE)
+    fileio.write_json_atomic(history, run_dir / HISTORY_FILE)
     return history
 
 
@@ -199,7 +200,7 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
     save_file({"a": torch.zeros(3, 5), "b": torch.zeros(7)}, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
     save_file({"a": torch.zeros(3, 5)}, str(tmp_path / "consolidated.safetensors"))  # a copy the index leaves out
-    common.write_json_atomic({"weight_map": {"a": "model-00001-of-00002.safetensors",
+    fileio.write_json_atomic({"weight_map": {"a": "model-00001-of-00002.safetensors",
                                              "b": "model-00001-of-00002.safetensors",
                                              "c": "model-00002-of-00002.safetensors"}},
                              tmp_path / "model.safetensors.index.json")
@@ -648,7 +649,7 @@ def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
 
     # the two-engine run stopped after its first generation; started again with one engine, it resumes
     shutil.copytree(trained_dir, run_dir)
-    common.write_json_atomic(dict(history, generations=history["generations"][:1]), run_dir / HISTORY_FILE)
+    fileio.write_json_atomic(dict(history, generations=history["generations"][:1]), run_dir / HISTORY_FILE)
     resumed = train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}"], fitness=reply_variety)
     assert replayable(resumed) == replayable(one_engine_run[1])
 

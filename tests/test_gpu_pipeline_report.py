@@ -12,6 +12,7 @@ import torch
 
 import checkpoint_noise
 import common
+import fileio
 from history import HISTORY_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -32,13 +33,13 @@ def finished_pipeline(run_dir: Path, noise: str, exported_without: str = "") -> 
                "model.norm.weight": torch.ones(4, dtype=torch.bfloat16),
                "lm_head.weight": torch.ones(6, 4, dtype=torch.bfloat16)}
     save_file(tensors, str(base / "model.safetensors"))
-    common.write_json_atomic({"model_type": "qwen3", "tie_word_embeddings": True}, base / "config.json")
+    fileio.write_json_atomic({"model_type": "qwen3", "tie_word_embeddings": True}, base / "config.json")
     trained = ["ckpt:trained"] if noise == "checkpoint" else ["rank0-trained", "rank1-trained"]
     history = {"config": dataclasses.asdict(common.Config(noise=noise)), "base_model": "tiny", "device_type": "cuda",
                "base_model_path": str(base), "vllm_version": "0.26.0",
                "base_digests": ["ckpt:base"] if noise == "checkpoint" else ["rank0-base", "rank1-base"],
                "generations": [{"generation": 0, "digests": trained}]}
-    common.write_json_atomic(history, run_dir / HISTORY_FILE)
+    fileio.write_json_atomic(history, run_dir / HISTORY_FILE)
     export = run_dir / "export"
     export.mkdir()
     sums = left_out = None
@@ -56,9 +57,9 @@ def finished_pipeline(run_dir: Path, noise: str, exported_without: str = "") -> 
     export_stage.write_manifest(export, history, run_dir / HISTORY_FILE, history["generations"], trained, identity,
                                 sums, left_out)
     (run_dir / "eval").mkdir()
-    common.write_json_atomic({"checkpoint": {"kind": "export", "per_rank_digests": trained}},
+    fileio.write_json_atomic({"checkpoint": {"kind": "export", "per_rank_digests": trained}},
                              run_dir / "eval" / "metrics.json")
-    common.write_json_atomic({"per_rank_digests": trained, "datasets": {"dapo": {"sample_agreement": 1.0}}},
+    fileio.write_json_atomic({"per_rank_digests": trained, "datasets": {"dapo": {"sample_agreement": 1.0}}},
                              run_dir / "eval" / "aligned_history_replay_eval4.json")
     return trained
 
@@ -93,10 +94,10 @@ def test_each_failed_check_fails_the_report(tmp_path, noise, damage, failed):
         victim = next(f for f in (tmp_path / "export").iterdir() if f.name.endswith(".safetensors"))
         victim.write_bytes(victim.read_bytes() + b"x")
     else:
-        record = common.read_json(tmp_path / damage)
+        record = fileio.read_json(tmp_path / damage)
         key = record["checkpoint"] if "checkpoint" in record else record
         key["per_rank_digests"] = ["other"] * len(key["per_rank_digests"])
-        common.write_json_atomic(record, tmp_path / damage)
+        fileio.write_json_atomic(record, tmp_path / damage)
     report = gpu_pipeline.pipeline_report(tmp_path)
     assert report[failed] is False and report["ok"] is False
     if failed != "export_verifies":  # an export that fails verification has no digests to compare

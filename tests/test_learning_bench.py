@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import common
+import fileio
 import scoring
 import tracking
 
@@ -147,7 +148,7 @@ def test_generation_seconds_are_the_members_update_and_digest_of_the_timed_gener
 def test_single_seed_reports_combine_into_one_with_every_seed_judged(tmp_path):
     def seed_report(seed, beyond, **config):
         path = tmp_path / f"seed{seed}.json"
-        common.write_json_atomic({"config": {"run_seed": seed, "run_dir": f"/r/{seed}", "alpha": 5e-4, **config},
+        fileio.write_json_atomic({"config": {"run_seed": seed, "run_dir": f"/r/{seed}", "alpha": 5e-4, **config},
                                   "runs": [{"run_seed": seed, "reward": {"difference_ci_above_zero": beyond}}]}, path)
         return str(path)
 

@@ -14,6 +14,7 @@ import pytest
 
 import cli
 import common
+import fileio
 import history
 import models
 import tracking
@@ -118,7 +119,7 @@ def test_smoke_problems_deterministic_and_correct(tmp_path):
         a, op, b = expr.split()
         assert r["answer"] == str(int(a) + int(b) if op == "+" else int(a) * int(b))
     path = str(tmp_path / "smoke.jsonl")
-    common.write_jsonl(rows, path)
+    fileio.write_jsonl(rows, path)
     assert common.load_problems(path) == rows
 
 # -----------------------------------------------------------------------------
@@ -224,36 +225,36 @@ def test_format_metrics_table():
 
 def test_write_json_atomic_roundtrip(tmp_path):
     path = str(tmp_path / "h.json")
-    common.write_json_atomic({"b": [1, 2.5], "a": "é"}, path)
-    assert common.read_json(path) == {"b": [1, 2.5], "a": "é"}
-    assert list(common.read_json(path)) == ["b", "a"]  # insertion order kept
+    fileio.write_json_atomic({"b": [1, 2.5], "a": "é"}, path)
+    assert fileio.read_json(path) == {"b": [1, 2.5], "a": "é"}
+    assert list(fileio.read_json(path)) == ["b", "a"]  # insertion order kept
     assert os.listdir(tmp_path) == ["h.json"]
 
 
 def test_write_json_atomic_keeps_old_content_on_failure(tmp_path, monkeypatch):
     path = tmp_path / "h.json"
-    common.write_json_atomic({"generation": 1}, str(path))
+    fileio.write_json_atomic({"generation": 1}, str(path))
     before = path.read_bytes()
     with pytest.raises(TypeError):
-        common.write_json_atomic({"generation": 2, "bad": object()}, str(path))  # fails mid-serialisation
+        fileio.write_json_atomic({"generation": 2, "bad": object()}, str(path))  # fails mid-serialisation
     with pytest.raises(ValueError):
-        common.write_json_atomic({"sigma": float("nan")}, str(path))
+        fileio.write_json_atomic({"sigma": float("nan")}, str(path))
     def broken_replace(src, dst):
         raise OSError("disk full")                                            # fails after the temp file
     monkeypatch.setattr(common.os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
-        common.write_json_atomic({"generation": 3}, str(path))
+        fileio.write_json_atomic({"generation": 3}, str(path))
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["h.json"]  # no temp files left behind
 
 
 def test_read_json_errors(tmp_path):
     with pytest.raises(common.DataError, match="not found"):
-        common.read_json(str(tmp_path / "missing.json"))
+        fileio.read_json(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
     bad.write_text('{"a": 1', encoding="utf-8")
     with pytest.raises(common.DataError, match="not valid JSON"):
-        common.read_json(str(bad))
+        fileio.read_json(str(bad))
 
 
 def test_sha256_file_known_value(tmp_path):
@@ -300,37 +301,37 @@ def test_sha256sums_rejects_outside_files_and_reports_missing_list(tmp_path):
 
 def test_append_and_read_jsonl(tmp_path):
     path = str(tmp_path / "log.jsonl")
-    common.append_jsonl(path, [{"g": 0}, {"g": 1}])
-    common.append_jsonl(path, [{"g": 2, "text": "é"}])
-    assert common.read_jsonl(path) == [{"g": 0}, {"g": 1}, {"g": 2, "text": "é"}]
+    fileio.append_jsonl(path, [{"g": 0}, {"g": 1}])
+    fileio.append_jsonl(path, [{"g": 2, "text": "é"}])
+    assert fileio.read_jsonl(path) == [{"g": 0}, {"g": 1}, {"g": 2, "text": "é"}]
 
 
 def test_read_jsonl_ignores_torn_last_line_and_append_repairs_it(tmp_path):
     path = tmp_path / "log.jsonl"
-    common.append_jsonl(str(path), [{"g": 0}, {"g": 1}])
+    fileio.append_jsonl(str(path), [{"g": 0}, {"g": 1}])
     with open(path, "ab") as f:
         f.write('{"g": 2, "text": "\u00e9'.encode()[:-1])  # crash mid-row, even mid UTF-8 character
-    assert common.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}]
-    common.append_jsonl(str(path), [{"g": 3}])                   # the fragment is dropped, not glued to g=3
-    assert common.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}, {"g": 3}]
+    assert fileio.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}]
+    fileio.append_jsonl(str(path), [{"g": 3}])                   # the fragment is dropped, not glued to g=3
+    assert fileio.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}, {"g": 3}]
     assert path.read_bytes().endswith(b'{"g": 3}\n')
 
 
 def test_jsonl_whole_last_row_without_newline_is_kept(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_bytes(b'{"g": 0}\n{"g": 1}')  # torn just before the newline: the row itself is whole
-    assert common.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}]
-    common.append_jsonl(str(path), [{"g": 2}])
-    assert common.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}, {"g": 2}]
+    assert fileio.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}]
+    fileio.append_jsonl(str(path), [{"g": 2}])
+    assert fileio.read_jsonl(str(path)) == [{"g": 0}, {"g": 1}, {"g": 2}]
 
 
 def test_read_jsonl_corrupt_middle_line_is_an_error(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_bytes(b'{"g": 0}\n{"g": \n{"g": 2}\n')
     with pytest.raises(common.DataError, match=":2: malformed JSON line"):
-        common.read_jsonl(str(path))
+        fileio.read_jsonl(str(path))
     with pytest.raises(common.DataError, match="not found"):
-        common.read_jsonl(str(tmp_path / "missing.jsonl"))
+        fileio.read_jsonl(str(tmp_path / "missing.jsonl"))
 
 
 # -----------------------------------------------------------------------------
@@ -545,7 +546,7 @@ def test_a_finished_run_started_again_logs_the_last_generation_its_process_did_n
     timings = {k: 1.0 for k in ("rollout", "perturb", "restore", "update", "digest")}
     records = [dict(generation_record(g), timings=timings, digests=["d"], seeds=[1, 2, 3, 4], z=[0.0] * 4)
                for g in range(cfg.generations)]
-    common.write_json_atomic({"config": dataclasses.asdict(cfg), "base_model": "tiny", "base_digests": ["d0"],
+    fileio.write_json_atomic({"config": dataclasses.asdict(cfg), "base_model": "tiny", "base_digests": ["d0"],
                               "generations": records}, tmp_path / history.HISTORY_FILE)
     with tracking.Tracker(cfg, tmp_path) as tracker:
         for record in records[:-1]:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import common
+import fileio
 import models
 import tracking
 from conftest import still_running
@@ -58,7 +59,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     run_dir, base, data = tmp / "run", tmp / "my-base", tmp / "train.jsonl"
     shutil.copytree(models.resolve_model("tiny-qwen3-dense"), base)
-    common.write_jsonl(common.smoke_problems(common.SMOKE_PROBLEMS, seed=common.Config.run_seed), data)
+    fileio.write_jsonl(common.smoke_problems(common.SMOKE_PROBLEMS, seed=common.Config.run_seed), data)
     proc = run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", f"--model={base}", f"--train_data={data}",
                "--tracking=tensorboard")
     (tmp / "console.txt").write_text(proc.stdout + proc.stderr)
@@ -95,7 +96,7 @@ def test_tracking_shows_each_generation_of_the_history(trained):
     from test_metrics_and_files import tensorboard_scalars
 
     scalars = tensorboard_scalars(trained / tracking.TENSORBOARD_DIR)
-    for g in common.read_json(trained / HISTORY_FILE)["generations"]:
+    for g in fileio.read_json(trained / HISTORY_FILE)["generations"]:
         expected = tracking.generation_scalars(g)
         assert set(scalars) == set(expected)
         for name, value in expected.items():
@@ -103,7 +104,7 @@ def test_tracking_shows_each_generation_of_the_history(trained):
 
 
 def test_training_history_is_complete_and_moves_the_weights(trained):
-    history = common.read_json(trained / HISTORY_FILE)
+    history = fileio.read_json(trained / HISTORY_FILE)
     gens = history["generations"]
     assert [g["generation"] for g in gens] == [0, 1]
     for g in gens:
@@ -119,7 +120,7 @@ def test_training_history_is_complete_and_moves_the_weights(trained):
     assert history["config"]["model"].endswith("my-base") and history["config"]["train_data"].endswith("train.jsonl")
     assert not os.path.exists(history["config"]["train_data"])  # the later stages run without it
     assert history["base_fingerprint"].startswith("sha256:") and history["noise"]["chunk"] == 8_388_608
-    episodes = common.read_jsonl(trained / "rollouts" / "generation-001.jsonl")
+    episodes = fileio.read_jsonl(trained / "rollouts" / "generation-001.jsonl")
     assert len(episodes) == 4 * 2 and {e["member"] for e in episodes} == {0, 1, 2, 3}
 
 
@@ -128,11 +129,11 @@ def test_smoke_preset_end_to_end(tmp_path):
     folder is given relative to the repository, as in the README, and exported from there."""
     relative = os.path.relpath(tmp_path, REPO)
     proc = run("01_train.py", f"--run_dir={relative}")
-    history = common.read_json(tmp_path / HISTORY_FILE)
+    history = fileio.read_json(tmp_path / HISTORY_FILE)
     assert len(history["generations"]) == 2
     assert all(g["rewards"] == [0.0] * 4 and g["z"] == [0.0] * 4 for g in history["generations"])
     assert history["generations"][-1]["digests"] == history["base_digests"]
-    record = common.read_jsonl(tmp_path / "rollouts" / "generation-000.jsonl")[0]
+    record = fileio.read_jsonl(tmp_path / "rollouts" / "generation-000.jsonl")[0]
     for key in ("problem_id", "sample_index", "seed", "score", "score_method", "prediction", "turns", "bash_calls",
                 "completion_tokens", "finish_reason", "error", "messages", "member", "member_seed"):
         assert key in record
@@ -143,7 +144,7 @@ def test_smoke_preset_end_to_end(tmp_path):
     assert "[train] done: 2 generations" in again.stdout and "resuming" not in again.stdout
     assert sha(tmp_path / HISTORY_FILE) == before
     run("02_export.py", f"--run_dir={relative}")
-    manifest = common.read_json(tmp_path / "export" / EXPORT_MANIFEST)
+    manifest = fileio.read_json(tmp_path / "export" / EXPORT_MANIFEST)
     assert manifest["per_rank_digests"] == history["base_digests"]
     verify_export(tmp_path / "export", 2)
 
@@ -155,7 +156,7 @@ def test_killed_run_resumes_to_the_same_history(trained, tmp_path):
     history_path = tmp_path / HISTORY_FILE
     proc, log, gate = start_training(tmp_path, "killed", pause_after_members=5)  # generation 0, then member 0 of 1
     wait_for(proc, log, gate)
-    assert len(common.read_json(history_path)["generations"]) == 1
+    assert len(fileio.read_json(history_path)["generations"]) == 1
     engine_core = [p for p in psutil.Process(proc.pid).children() if p.children()]
     engine = engine_core + engine_core[0].children()
     assert len(engine) == 3, engine  # EngineCore and its two TP workers
@@ -164,10 +165,10 @@ def test_killed_run_resumes_to_the_same_history(trained, tmp_path):
     assert still_running(engine) == []
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # anything else of the run (a sandboxed command)
-    assert len(common.read_json(history_path)["generations"]) == 1
+    assert len(fileio.read_json(history_path)["generations"]) == 1
 
     run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}")
-    resumed, reference = common.read_json(history_path), common.read_json(trained / HISTORY_FILE)
+    resumed, reference = fileio.read_json(history_path), fileio.read_json(trained / HISTORY_FILE)
     assert replayable(resumed) == replayable(reference)
     assert resumed["generations"][-1]["digests"] == reference["generations"][-1]["digests"]
 
@@ -199,8 +200,8 @@ def test_bad_training_input_is_refused_and_nothing_is_touched(trained, tmp_path)
 # ---- 02_export.py ----
 
 def test_export_replays_to_the_training_digests(trained, exported):
-    history = common.read_json(trained / HISTORY_FILE)
-    manifest = common.read_json(exported / EXPORT_MANIFEST)
+    history = fileio.read_json(trained / HISTORY_FILE)
+    manifest = fileio.read_json(exported / EXPORT_MANIFEST)
     assert manifest["per_rank_digests"] == history["generations"][-1]["digests"]
     assert manifest["replayed_generations"] == 2 and manifest["tensor_parallel_size"] == 2
     assert manifest["load_format"] == "sharded_state"
@@ -215,9 +216,9 @@ def test_export_replays_to_the_training_digests(trained, exported):
 
 
 def test_export_refuses_a_history_of_another_base(trained, tmp_path):
-    history = common.read_json(trained / HISTORY_FILE)
+    history = fileio.read_json(trained / HISTORY_FILE)
     history["base_fingerprint"] = "sha256:" + "0" * 64
-    common.write_json_atomic(history, tmp_path / "history.json")
+    fileio.write_json_atomic(history, tmp_path / "history.json")
     proc = run("02_export.py", f"--run_dir={trained}", f"--history={tmp_path / 'history.json'}",
                f"--out={tmp_path / 'export'}", ok=False)
     assert "base_fingerprint: history has 'sha256:000" in proc.stderr
@@ -231,18 +232,18 @@ def test_export_of_a_hub_id_run_uses_the_local_snapshot(trained, exported, hub_c
     the cache is refused before anything starts or is written."""
     from conftest import write_hub_cache
 
-    history = common.read_json(trained / HISTORY_FILE)
+    history = fileio.read_json(trained / HISTORY_FILE)
     write_hub_cache(hub_cache, "es-test/my-base", history["base_model_path"])
     for repo_id, name in (("es-test/not-downloaded", "missing"), ("es-test/my-base", "hub")):
         history["config"]["model"] = history["base_model"] = repo_id
-        common.write_json_atomic(history, tmp_path / f"{name}.json")
+        fileio.write_json_atomic(history, tmp_path / f"{name}.json")
     missing = run("02_export.py", f"--history={tmp_path / 'missing.json'}", f"--out={tmp_path / 'missing'}", ok=False)
     assert "'es-test/not-downloaded' is not a local folder and not in the local Hugging Face cache" in missing.stderr
     assert not (tmp_path / "missing").exists() and not (tmp_path / "missing.partial").exists()
 
     run("02_export.py", f"--history={tmp_path / 'hub.json'}", f"--out={tmp_path / 'export'}")
-    manifest = common.read_json(tmp_path / "export" / EXPORT_MANIFEST)
-    assert manifest["per_rank_digests"] == common.read_json(exported / EXPORT_MANIFEST)["per_rank_digests"]
+    manifest = fileio.read_json(tmp_path / "export" / EXPORT_MANIFEST)
+    assert manifest["per_rank_digests"] == fileio.read_json(exported / EXPORT_MANIFEST)["per_rank_digests"]
     assert manifest["base_model"] == "es-test/my-base" and manifest["base_fingerprint"] == history["base_fingerprint"]
     assert not (tmp_path / "export" / "tokenizer.json").is_symlink()
     verify_export(tmp_path / "export", 2)
@@ -251,11 +252,11 @@ def test_export_of_a_hub_id_run_uses_the_local_snapshot(trained, exported, hub_c
 # ---- 03_eval.py ----
 
 def test_eval_writes_records_and_metrics(evaluated, exported):
-    metrics = common.read_json(evaluated / "metrics.json")
+    metrics = fileio.read_json(evaluated / "metrics.json")
     assert set(metrics["datasets"]) == {"dapo", "aime2026"}
-    assert metrics["checkpoint"]["per_rank_digests"] == common.read_json(exported / EXPORT_MANIFEST)["per_rank_digests"]
+    assert metrics["checkpoint"]["per_rank_digests"] == fileio.read_json(exported / EXPORT_MANIFEST)["per_rank_digests"]
     for name in ("dapo", "aime2026"):
-        eval16 = common.read_json(evaluated / f"{name}_eval16.json")
+        eval16 = fileio.read_json(evaluated / f"{name}_eval16.json")
         records = eval16["records"]
         assert len(records) == 2 * 16  # the smoke preset evaluates the first 2 problems of each set
         assert sorted({r["sample_index"] for r in records}) == list(range(16))
@@ -265,7 +266,7 @@ def test_eval_writes_records_and_metrics(evaluated, exported):
             assert r["seed"] == common.request_seed(common.Config.run_seed, r["problem_id"], r["sample_index"], 0)
         assert metrics["datasets"][name] == json.loads(json.dumps(common.dataset_metrics(records)))
         assert metrics["datasets"][name]["reported"]["group"] == "12-15"
-        assert len(common.read_jsonl(evaluated / f"{name}_episodes.jsonl")) == 32  # transcripts, the resume state
+        assert len(fileio.read_jsonl(evaluated / f"{name}_episodes.jsonl")) == 32  # transcripts, the resume state
 
 
 def test_eval_resumes_without_redoing_finished_episodes(evaluated, trained, tmp_path):
@@ -273,17 +274,17 @@ def test_eval_resumes_without_redoing_finished_episodes(evaluated, trained, tmp_
     copy = tmp_path / "eval"
     shutil.copytree(evaluated, copy)
     log = copy / "dapo_episodes.jsonl"
-    rows = common.read_jsonl(log)
-    common.write_jsonl(rows[:-3], log)  # as if killed three episodes before the end
+    rows = fileio.read_jsonl(log)
+    fileio.write_jsonl(rows[:-3], log)  # as if killed three episodes before the end
     proc = run("03_eval.py", f"--run_dir={trained}", f"--out={copy}")
     assert "dapo: resuming, 29 episodes already finished, 3 to go" in proc.stdout
-    after = common.read_jsonl(log)
+    after = fileio.read_jsonl(log)
     keys = [(r["problem_id"], r["sample_index"]) for r in after]
     assert len(keys) == len(set(keys)) == len(rows)  # every episode once: no duplicate rows in the log
     assert after[:-3] == rows[:-3]  # the 29 finished episodes kept as they were (a re-run has other seconds)
     kept = {(r["problem_id"], r["sample_index"]): r for r in rows[:-3]}
-    redone = common.read_json(copy / "dapo_eval16.json")["records"]
-    original = common.read_json(evaluated / "dapo_eval16.json")["records"]
+    redone = fileio.read_json(copy / "dapo_eval16.json")["records"]
+    original = fileio.read_json(evaluated / "dapo_eval16.json")["records"]
     assert [(r["problem_id"], r["sample_index"], r["seed"]) for r in redone] == \
         [(r["problem_id"], r["sample_index"], r["seed"]) for r in original]
     for record in redone:  # the eval16 file holds the kept records themselves, without their transcripts
@@ -321,12 +322,12 @@ def test_aligned_replay_rebuilds_theta_and_reruns_group_12_15(evaluated, exporte
     eval16 = {n: sha(evaluated / f"{n}_eval16.json") for n in ("dapo", "aime2026")}
     proc = run("04_replay.py", f"--run_dir={trained}")
     assert "[sandbox] " in proc.stdout  # the replay re-runs model-written commands: the start-up check ran first
-    report = common.read_json(evaluated / "aligned_history_replay_eval4.json")
-    assert report["per_rank_digests"] == common.read_json(exported / EXPORT_MANIFEST)["per_rank_digests"]
+    report = fileio.read_json(evaluated / "aligned_history_replay_eval4.json")
+    assert report["per_rank_digests"] == fileio.read_json(exported / EXPORT_MANIFEST)["per_rank_digests"]
     assert report["group"] == "12-15" and report["replayed_generations"] == 2
     for name, d in report["datasets"].items():
         original = {(r["problem_id"], r["sample_index"]): r
-                    for r in common.read_json(evaluated / f"{name}_eval16.json")["records"]}
+                    for r in fileio.read_json(evaluated / f"{name}_eval16.json")["records"]}
         assert len(d["problems"]) == 2
         for row in d["problems"]:
             assert row["sample_indices"] == [12, 13, 14, 15]
@@ -346,11 +347,11 @@ def test_replay_replays_the_sets_its_evaluation_names_and_refuses_an_unfinished_
         shutil.copy(evaluated / name, partial / name)
     proc = run("04_replay.py", f"--run_dir={trained}", f"--eval={partial}", ok=False)
     assert f"{partial / common.EVAL_METRICS} not found" in proc.stderr  # the evaluation did not finish
-    metrics = common.read_json(evaluated / common.EVAL_METRICS)
-    common.write_json_atomic(dict(metrics, datasets={"aime2026": metrics["datasets"]["aime2026"]}),
+    metrics = fileio.read_json(evaluated / common.EVAL_METRICS)
+    fileio.write_json_atomic(dict(metrics, datasets={"aime2026": metrics["datasets"]["aime2026"]}),
                              partial / common.EVAL_METRICS)
     run("04_replay.py", f"--run_dir={trained}", f"--eval={partial}")
-    report = common.read_json(partial / "aligned_history_replay_eval4.json")
+    report = fileio.read_json(partial / "aligned_history_replay_eval4.json")
     assert list(report["datasets"]) == ["aime2026"] and report["datasets"]["aime2026"]["identical_transcripts"] == 1.0
 
 
@@ -407,9 +408,9 @@ def test_sigterm_and_a_dead_engine_stop_the_run_cleanly_and_it_resumes(trained, 
             assert "[train] error: vLLM failed during" in log.read_text()
             assert "EngineCore process exited with code -9" in log.read_text()
         assert still_running(tree) == []
-        assert history_path.read_bytes() == before and common.read_json(history_path)["generations"] == []
+        assert history_path.read_bytes() == before and fileio.read_json(history_path)["generations"] == []
         assert not (tmp_path / "rollouts").exists()
 
     run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}")
-    resumed, reference = common.read_json(history_path), common.read_json(trained / HISTORY_FILE)
+    resumed, reference = fileio.read_json(history_path), fileio.read_json(trained / HISTORY_FILE)
     assert replayable(resumed) == replayable(reference)

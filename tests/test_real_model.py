@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import checkpoint_noise
 import cli
 import common
+import fileio
 import history
 import models
 from engine import Engine
@@ -74,7 +75,7 @@ def hf_model(config, state):
 @pytest.fixture(scope="module")
 def reference(base_path, engine):
     """Greedy tokens and their log-probabilities from the unpadded and padded models in float32 transformers."""
-    config = common.read_json(f"{base_path}/config.json")
+    config = fileio.read_json(f"{base_path}/config.json")
     state = load_file(f"{base_path}/model.safetensors")
     ids = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=False) for p in PROMPTS]
@@ -97,7 +98,7 @@ def reference(base_path, engine):
 def test_builder_is_deterministic(base_path, tmp_path):
     fresh = models.write_real_model(tmp_path / NAME, NAME)
     assert sha256_of_files(fresh) == sha256_of_files(common.Path(base_path))
-    config = common.read_json(fresh / "config.json")
+    config = fileio.read_json(fresh / "config.json")
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (12, 4, 64)
     assert config["num_hidden_layers"] == 30 and config["vocab_size"] == 49152 and config["tie_word_embeddings"]
 

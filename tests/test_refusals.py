@@ -15,6 +15,7 @@ import pytest
 
 import cli
 import common
+import fileio
 import engine
 import models
 from history import (EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, SHA256SUMS, sha256_file, verify_export,
@@ -211,9 +212,9 @@ def test_a_training_file_may_open_with_a_byte_order_mark(tmp_path):
 
 def test_a_folder_given_as_a_json_file_is_one_line():
     with pytest.raises(common.DataError, match=r"^.*tests: cannot read it \(Is a directory\)$"):
-        common.read_json(common.REPO / "tests")
+        fileio.read_json(common.REPO / "tests")
     with pytest.raises(common.DataError, match=r"^.*tests: cannot read it \(Is a directory\)$"):
-        common.read_jsonl(common.REPO / "tests")
+        fileio.read_jsonl(common.REPO / "tests")
     with pytest.raises(common.DataError, match=r"^.*tests: a folder, not a problems file$"):
         common.load_problems(common.REPO / "tests")
 
@@ -283,7 +284,7 @@ def sharded_export(folder: Path) -> Path:
     manifest = {"format": "es-sharded-export/1", "tensor_parallel_size": 2, "shards": shards,
                 "per_rank_digests": ["a", "b"], "parameter_names_sha256": "p", "replayed_generations": 2,
                 "vllm_version": "v"}
-    common.write_json_atomic(manifest, folder / EXPORT_MANIFEST)
+    fileio.write_json_atomic(manifest, folder / EXPORT_MANIFEST)
     write_sha256sums(folder, [s["file"] for s in shards] + [EXPORT_MANIFEST])
     return folder
 
@@ -310,12 +311,12 @@ def evaluation(run_dir: Path) -> Path:
     records = [{"problem_id": pid, "sample_index": i, "seed": common.request_seed(SMOKE.run_seed, pid, i, 0),
                 "score": 0.0} for pid in ids for i in range(common.EVAL_SAMPLES)]
     eval_dir = run_dir / "eval"
-    common.write_json_atomic(history(), run_dir / HISTORY_FILE)
-    common.write_json_atomic({"dataset": "dapo", "data": "smoke", "config": dataclasses.asdict(SMOKE),
+    fileio.write_json_atomic(history(), run_dir / HISTORY_FILE)
+    fileio.write_json_atomic({"dataset": "dapo", "data": "smoke", "config": dataclasses.asdict(SMOKE),
                               "records": records,
                               "checkpoint": {"kind": "base", "model": SMOKE.model, "per_rank_digests": ["b0", "b1"]}},
                              eval_dir / "dapo_eval16.json")
-    common.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / common.EVAL_METRICS)
+    fileio.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / common.EVAL_METRICS)
     return eval_dir
 
 

@@ -12,6 +12,7 @@ import pytest
 import checkpoint_noise
 import cli
 import common
+import fileio
 import engine
 import models
 import pool
@@ -79,19 +80,19 @@ def write(value, path):
 ])
 def test_check_shape_names_the_file_and_the_key(value, shape, message):
     with pytest.raises(common.DataError, match=f"^{re.escape(message)}$"):
-        common.check_shape(value, shape, "f.json")
-    common.check_shape(value, None, "f.json")  # no shape: anything
+        fileio.check_shape(value, shape, "f.json")
+    fileio.check_shape(value, None, "f.json")  # no shape: anything
 
 
 def test_read_json_and_read_jsonl_check_the_required_shape(tmp_path):
     path = write({"generations": []}, tmp_path / "h.json")
-    assert common.read_json(path, required=("generations",)) == {"generations": []}
+    assert fileio.read_json(path, required=("generations",)) == {"generations": []}
     with pytest.raises(common.DataError, match="h.json: missing key 'config'"):
-        common.read_json(path, required=("config", "generations"))
+        fileio.read_json(path, required=("config", "generations"))
     log = tmp_path / "episodes.jsonl"
     log.write_text('{"problem_id": "a", "sample_index": 0}\n{"problem_id": "a"}\n')
     with pytest.raises(common.DataError, match=r"episodes.jsonl: row\[1\] missing key 'sample_index'"):
-        common.read_jsonl(log, required=("problem_id", "sample_index"))
+        fileio.read_jsonl(log, required=("problem_id", "sample_index"))
 
 
 @pytest.mark.parametrize("path, message", [
@@ -199,7 +200,7 @@ def test_replay_refuses_metrics_or_transcripts_that_lack_a_key_before_any_engine
     with pytest.raises(common.StageError, match=f"{common.EVAL_METRICS}: missing key 'datasets'"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
     write({"datasets": {"dapo": {}}}, tmp_path / "eval" / common.EVAL_METRICS)
-    common.write_jsonl([{k: v for k, v in r.items() if k != "score"} for r in eval16["records"]],
+    fileio.write_jsonl([{k: v for k, v in r.items() if k != "score"} for r in eval16["records"]],
                        tmp_path / "eval" / "dapo_episodes.jsonl")
     with pytest.raises(common.StageError, match=r"dapo_episodes.jsonl: row\[0\] missing key 'messages'"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
