@@ -307,12 +307,9 @@ class CheckpointESWorker(C.ESWorker):
     def es_checkpoint_layout(self) -> dict:
         """This rank's checkpoint layout, and which of its segments it owns: a segment that a lower rank holds too
         (replicated norms, router, KV heads) counts in that rank's digest only."""
-        from vllm.distributed import get_tp_group
-
         layout = derive_layout(self.model_runner.model, self.es_params, self.model_runner.model_config.model)
         held = {(t, o, n) for segs in layout["segments"].values() for _, n, t, o in segs.tolist() if t >= 0}
-        every_rank = [None] * get_tp_group().world_size
-        torch.distributed.all_gather_object(every_rank, held, group=get_tp_group().cpu_group)
+        every_rank = self._es_gather(held)
         earlier = set().union(*every_rank[:self.es_rank])
         device = self.es_params[0][1].device
         layout["owned"] = {name: torch.tensor([t >= 0 and (t, o, n) not in earlier for _, n, t, o in segs.tolist()],

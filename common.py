@@ -526,10 +526,9 @@ class ESWorker:
         patch.check_applied()
         self._es_sync()
         where = "; ".join(f"rank {r}: {o}" for r, o in enumerate(overflows) if o)
-        return (f"restore=patch: member seed {seed} at sigma {sigma:g} misses more elements than the "
-                            f"patch holds (patch_capacity={patch.capacity:g} of each rank's elements; {where}). "
-                            "The weights are back at the centre; raise --patch_capacity or use "
-                            "--restore=copy_device")
+        return (f"restore=patch: member seed {seed} at sigma {sigma:g} misses more elements than the patch "
+                f"holds (patch_capacity={patch.capacity:g} of each rank's elements; {where}). The weights are back "
+                "at the centre; raise --patch_capacity or use --restore=copy_device")
 
     def _es_patch(self, capacity: float) -> restore_patch.RestorePatch:
         """The patch of this capacity, allocated once (co-located engines reserve it at start: es_snapshot)."""
