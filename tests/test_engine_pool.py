@@ -29,6 +29,7 @@ import fileio
 import models
 import sandbox
 import tracking
+from conftest import as_user
 from engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
 from history import HISTORY_FILE, POOL_FIELDS, check_config, config_from_history, run_identity
 from pool import (ENGINE_OVERHEAD_BYTES, EnginePool, EnginesDisagree, check_colocation, cpu_binding,
@@ -529,26 +530,6 @@ def test_the_gpu_memory_lock_is_one_path_whatever_tmpdir_says(tmp_path):
                             env=dict(os.environ, TMPDIR=str(tmpdir)), capture_output=True, text=True,
                             check=True).stdout.strip() for tmpdir in (tmp_path, "/tmp")}
     assert len(paths) == 1
-
-
-def as_user(uid: int, action) -> str:
-    """action() in a forked child that runs as user `uid`: what it returns, or the error it raises, as text."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            out = str(action())
-        except BaseException as exc:  # noqa: BLE001
-            out = f"{type(exc).__name__}: {exc}"
-        os.write(write, out.encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        out = pipe.read()
-    os.waitpid(pid, 0)
-    return out
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
