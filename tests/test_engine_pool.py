@@ -31,7 +31,8 @@ import sandbox
 import tracking
 from conftest import as_user
 from engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
-from history import HISTORY_FILE, POOL_FIELDS, check_config, config_from_history, run_identity
+from history import (GENERATION_SETTINGS, HISTORY_FILE, POOL_FIELDS, check_config, config_from_history,
+                     run_identity)
 from pool import (ENGINE_OVERHEAD_BYTES, EnginePool, EnginesDisagree, check_colocation, cpu_binding,
                   engine_memory_needs, engines_to_plan, gpu_groups, parameter_count, place_engines, plan_gpu_memory,
                   pool_size, safetensors_parameter_count)
@@ -56,8 +57,10 @@ def config(engines: int, run_dir, *extra) -> common.Config:
 
 
 def replayable(history: dict) -> list[dict]:
-    """Per generation: what two runs of the same seed must share exactly (seeds, rewards, z, digests, problems)."""
-    return [{k: v for k, v in g.items() if k not in ("timings", "finished_at")} for g in history["generations"]]
+    """Per generation: what two runs of the same seed must share exactly (seeds, rewards, z, digests, problems),
+    whatever exact restore mode each ran with."""
+    return [{k: v for k, v in g.items() if k not in ("timings", "finished_at", *GENERATION_SETTINGS)}
+            for g in history["generations"]]
 
 
 def header(history: dict) -> dict:
@@ -628,11 +631,16 @@ def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
     assert not run_dir.exists()  # nothing of the failed generation was written
     two_engines.close()  # the survivor shuts down too
 
-    # the two-engine run stopped after its first generation; started again with one engine, it resumes
+    # the two-engine run stopped after its first generation, its record as an older version wrote it (without the
+    # settings it ran with); started again with one engine and another exact restore mode, it resumes
     shutil.copytree(trained_dir, run_dir)
-    fileio.write_json_atomic(dict(history, generations=history["generations"][:1]), run_dir / HISTORY_FILE)
-    resumed = train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}"], fitness=reply_variety)
+    older = {k: v for k, v in history["generations"][0].items() if k not in GENERATION_SETTINGS}
+    fileio.write_json_atomic(dict(history, generations=[older]), run_dir / HISTORY_FILE)
+    resumed = train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}", "--restore=patch"], fitness=reply_variety)
     assert replayable(resumed) == replayable(one_engine_run[1])
+    assert resumed["config"]["restore"] == "copy_device"  # the header: the first run's
+    assert [{f: g.get(f) for f in GENERATION_SETTINGS} for g in resumed["generations"]] == [
+        {"restore": None, "patch_capacity": None}, {"restore": "patch", "patch_capacity": 0.0}]
 
 
 # ---- a two-node Ray cluster on this machine ----
