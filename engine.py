@@ -32,6 +32,7 @@ from pathlib import Path
 
 import checkpoint_noise
 import common as C
+import fileio
 import restore_patch
 import scoring
 from tracking import progress_bar, stopwatch
@@ -261,14 +262,11 @@ def gpu_memory_lock(path: Path | None = None):
         yield
         return
     path = path or GPU_MEMORY_LOCK
-    fd = _open_lock_file(path)
+    fd = fileio.open_lock_file(path, "the machine's GPU memory lock",
+                               "every process that starts, copies or stops a GPU engine here")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"[gpu] another process is changing GPU memory on this machine (an engine starting, copying or "
-                  f"stopping): waiting for it ({path})", flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        fileio.lock_or_wait(fd, f"[gpu] another process is changing GPU memory on this machine (an engine starting, "
+                                f"copying or stopping): waiting for it ({path})")
         _gpu_memory_lock_held.held = True
         try:
             yield
@@ -279,33 +277,6 @@ def gpu_memory_lock(path: Path | None = None):
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
-
-
-def _open_lock_file(path: Path) -> int:
-    """The lock file, opened read-only (flock needs no write access) and created readable by every user, so that
-    the engines of every user of the machine take turns through the same file."""
-    try:
-        try:
-            return os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            pass
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:  # another process created it just now
-            return os.open(path, os.O_RDONLY)
-        os.fchmod(fd, 0o644)  # whatever the umask
-        return fd
-    except PermissionError as exc:
-        try:
-            import pwd
-
-            owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
-        except (OSError, KeyError):
-            owner = "another user"
-        raise C.ConfigError(f"cannot open the machine's GPU memory lock {path} ({exc.strerror}; it belongs to "
-                            f"{owner}): every process that starts, copies or stops a GPU engine here takes turns "
-                            f"through it. Make it readable for all (chmod a+r {path}) or remove it, as its owner or "
-                            "root") from None
 
 
 # ---- The prompt of each turn: the conversation as token ids

@@ -2,10 +2,12 @@
 
 A history (es_history.json) opens with the run's identity (run_identity): its constants, the noise definition, the
 base model's fingerprint and digests, the training data's sha256, the runtime layout, the device model and the
-versions. A stage that resumes, exports or replays compares that header with its own (check_base, check_config) and
-refuses a history of another run before it changes any weight. Published files carry fingerprints: SHA256SUMS beside
-them (`sha256sum -c SHA256SUMS` checks them), and a sharded_state export its manifest (each shard's sha256, the
-per-rank digests of the weights), checked before anything loads it (verify_export, check_loaded_export).
+versions; then one record per generation, which also carries the settings a resume may change that tell how its
+generation ran (generation_settings: the exact restore mode). A stage that resumes, exports or replays compares the
+header with its own (check_base, check_config) and refuses a history of another run before it changes any weight.
+Published files carry fingerprints: SHA256SUMS beside them (`sha256sum -c SHA256SUMS` checks them), and a
+sharded_state export its manifest (each shard's sha256, the per-rank digests of the weights), checked before
+anything loads it (verify_export, check_loaded_export).
 
 Export and replay take the recorded run's settings from its history (config_from_history: what defines the weights
 always, never a preset's or a default) and rebuild its weights (rebuild_from_history: the refusals, then
@@ -81,6 +83,17 @@ def resume_free_fields(config: dict) -> tuple[str, ...]:
     exact = config.get("restore", C.Config.restore) != "subtract"
     return (RESUME_FREE_FIELDS + (("restore", "patch_capacity") if exact else ())
             + (("tensor_parallel_size",) if C.is_checkpoint_noise(config) else ()))
+
+
+# settings a resume may change (resume_free_fields) that each generation's record carries, so that the history tells
+# how every generation ran: the header's config keeps the first run's values. A record written before records carried
+# them (an older history) ran with the header's, unless a resume changed them and left no trace.
+GENERATION_SETTINGS = ("restore", "patch_capacity")
+
+
+def generation_settings(cfg: Config) -> dict:
+    """What a generation record carries of the settings it ran with (GENERATION_SETTINGS)."""
+    return {field: getattr(cfg, field) for field in GENERATION_SETTINGS}
 
 
 def without_retired_settings(config: dict) -> dict:

@@ -110,26 +110,47 @@ def check_cpu_pool(engines: int, tensor_parallel_size: int, cores: int) -> None:
 def parameter_count(config: dict, folder: str | Path | None = None) -> int:
     """Parameters of a model: counted from the safetensors headers in `folder` when it holds weight files (exact,
     any architecture), else from its config.json for the layouts formula_parameter_count knows."""
-    counted = safetensors_parameter_count(folder) if folder is not None else None
-    return counted if counted is not None else formula_parameter_count(config)
+    stored = safetensors_elements(folder) if folder is not None else None
+    return sum(stored.values()) if stored is not None else formula_parameter_count(config)
 
 
-def safetensors_parameter_count(folder: str | Path) -> int | None:
-    """Elements of every tensor in a folder's safetensors files, from their JSON headers (no weights read): the
-    files its index names when it has one (a folder may keep a consolidated copy beside the shards), else all.
-    None when it has none."""
+def safetensors_elements(folder: str | Path) -> dict[str, int] | None:
+    """Elements per stored dtype ("BF16", "F32", ...) of every tensor in a folder's safetensors files, from their
+    JSON headers (no weights read): the files its index names when it has one (a folder may keep a consolidated
+    copy beside the shards), else all. None when it has none."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     files = (sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.exists()
              else sorted(folder.glob("*.safetensors")))
     if not files:
         return None
-    total = 0
+    elements = {}
     for file in files:
         with open(file, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))  # 8-byte length, then the JSON
-        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
-    return total
+        for name, t in header.items():
+            if name != "__metadata__":
+                elements[t["dtype"]] = elements.get(t["dtype"], 0) + math.prod(t["shape"])
+    return elements
+
+
+SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def held_elements(stored: dict[str, int], dtype: torch.dtype) -> dict[torch.dtype, int]:
+    """Elements per dtype an engine run at `dtype` holds of a checkpoint with `stored` elements per safetensors
+    dtype. vLLM casts the weights to the run's dtype, except the tensors a model keeps wider, which a checkpoint
+    stores wider than its other weights: a floating dtype wider than both the run's and the one most elements are
+    stored in is held as stored. BF16 weights with an F32 router bias, run in bfloat16: both as stored; an all-F32
+    checkpoint run in bfloat16: all bfloat16; BF16 weights with an F32 bias run in float32: all float32."""
+    main = max(stored, key=stored.get)
+    floor = max(dtype.itemsize, SAFETENSORS_FLOATS[main].itemsize if main in SAFETENSORS_FLOATS else 0)
+    held = {}
+    for name, n in stored.items():
+        kept = SAFETENSORS_FLOATS.get(name)
+        as_dtype = kept if kept is not None and kept.itemsize > floor else dtype
+        held[as_dtype] = held.get(as_dtype, 0) + n
+    return held
 
 
 # the model types whose parameters formula_parameter_count adds up (embeddings, attention with the q/k norms of
@@ -172,15 +193,17 @@ def language_model_config(config: dict) -> dict:
 def engine_memory_needs(config: dict, cfg: C.Config, folder: str | Path | None = None) -> dict:
     """Bytes per GPU of one engine: its weights (one TP rank's share; counted from the weight files in `folder`
     when it has them), the KV cache of one full-length sequence, and its restore patch's bound (restore="patch")."""
-    element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    dtype = getattr(torch, cfg.dtype)
     tp = cfg.tensor_parallel_size
     text = language_model_config(config)
     kv_heads = max(1, text.get("num_key_value_heads", text["num_attention_heads"]) // tp)
-    params = parameter_count(config, folder) // tp
-    return {"weights_bytes": params * element,
-            "sequence_kv_bytes": 2 * text["num_hidden_layers"] * kv_heads * _head_dim(text) * element
+    stored = safetensors_elements(folder) if folder is not None else None
+    held = held_elements(stored, dtype) if stored else {dtype: formula_parameter_count(config)}
+    per_rank = {d: n // tp for d, n in held.items()}
+    return {"weights_bytes": sum(n * d.itemsize for d, n in per_rank.items()),
+            "sequence_kv_bytes": 2 * text["num_hidden_layers"] * kv_heads * _head_dim(text) * dtype.itemsize
                                  * cfg.max_model_len,
-            "patch_bytes": restore_patch.patch_bytes(params, element, restore_patch.patch_capacity(cfg))}
+            "patch_bytes": restore_patch.patch_bytes(per_rank, restore_patch.patch_capacity(cfg))}
 
 
 def _head_dim(config: dict) -> int:

@@ -27,13 +27,16 @@ import cli
 import common
 import fileio
 import models
+import restore_patch
 import sandbox
 import tracking
+from conftest import as_user
 from engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
-from history import HISTORY_FILE, POOL_FIELDS, check_config, config_from_history, run_identity
+from history import (GENERATION_SETTINGS, HISTORY_FILE, POOL_FIELDS, check_config, config_from_history,
+                     run_identity)
 from pool import (ENGINE_OVERHEAD_BYTES, EnginePool, EnginesDisagree, check_colocation, cpu_binding,
-                  engine_memory_needs, engines_to_plan, gpu_groups, parameter_count, place_engines, plan_gpu_memory,
-                  pool_size, safetensors_parameter_count)
+                  engine_memory_needs, engines_to_plan, gpu_groups, held_elements, parameter_count, place_engines,
+                  plan_gpu_memory, pool_size, safetensors_elements)
 from train_with_test_reward import reply_variety
 
 train = importlib.import_module("01_train")
@@ -55,8 +58,10 @@ def config(engines: int, run_dir, *extra) -> common.Config:
 
 
 def replayable(history: dict) -> list[dict]:
-    """Per generation: what two runs of the same seed must share exactly (seeds, rewards, z, digests, problems)."""
-    return [{k: v for k, v in g.items() if k not in ("timings", "finished_at")} for g in history["generations"]]
+    """Per generation: what two runs of the same seed must share exactly (seeds, rewards, z, digests, problems),
+    whatever exact restore mode each ran with."""
+    return [{k: v for k, v in g.items() if k not in ("timings", "finished_at", *GENERATION_SETTINGS)}
+            for g in history["generations"]]
 
 
 def header(history: dict) -> dict:
@@ -180,7 +185,7 @@ def tiny_transformers_model(folder: Path, kind: str) -> dict:
 def test_parameter_count_from_the_config_of_other_layouts_is_the_checkpoints(kind, tmp_path):
     config = tiny_transformers_model(tmp_path, kind)
     assert parameter_count(config) == checkpoint_numel(tmp_path)  # from the config alone
-    assert safetensors_parameter_count(tmp_path) == checkpoint_numel(tmp_path)
+    assert sum(safetensors_elements(tmp_path).values()) == checkpoint_numel(tmp_path)
 
 
 def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(tmp_path):
@@ -209,6 +214,36 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
                                                           "patch_bytes": 4 + 4 * 2}  # 30 bits; 12% of 30 values
     with pytest.raises(common.ConfigError, match="has no num_hidden_layers, at its top level or in a text_config"):
         engine_memory_needs({"model_type": "odd", "hidden_size": 8, "num_attention_heads": 2}, cfg, tmp_path)
+
+
+@pytest.mark.parametrize("stored, dtype, held", [
+    ({"BF16": 1000, "F32": 60}, torch.bfloat16, {torch.bfloat16: 1000, torch.float32: 60}),  # a float32 bias kept
+    ({"F16": 1000, "F32": 60, "F64": 5}, torch.bfloat16, {torch.bfloat16: 1000, torch.float32: 60, torch.float64: 5}),
+    ({"F32": 1060}, torch.bfloat16, {torch.bfloat16: 1060}),  # a float32 checkpoint: cast whole
+    ({"F32": 1000, "BF16": 60}, torch.bfloat16, {torch.bfloat16: 1060}),  # narrower than the rest: cast too
+    ({"BF16": 1000, "F32": 60}, torch.float32, {torch.float32: 1060}),  # nothing wider than the run's dtype
+    ({"BF16": 1000, "F32": 60, "I64": 4}, torch.bfloat16, {torch.bfloat16: 1004, torch.float32: 60}),
+])
+def test_the_dtypes_an_engine_holds_a_checkpoint_in(stored, dtype, held):
+    assert held_elements(stored, dtype) == held
+
+
+def test_the_memory_plan_counts_each_dtype_as_the_engine_holds_it(tmp_path):
+    """Weights of several dtypes (a float32 router bias beside bfloat16 weights): the plan counts each dtype's
+    elements at its size, the weights and the restore patch's bound alike, which is then what RestorePatch
+    allocates for such parameters."""
+    from safetensors.torch import save_file
+
+    config = {"model_type": "mistral3", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4}
+    save_file({"w": torch.zeros(100, 20, dtype=torch.bfloat16), "bias": torch.zeros(60)},
+              str(tmp_path / "model.safetensors"))
+    for tp in (1, 2):
+        cfg = cli.parse_config([f"--tensor_parallel_size={tp}", "--max_model_len=1000", "--max_new_tokens=512"])
+        needs = engine_memory_needs(config, cfg, tmp_path)
+        rank = [torch.zeros(2000 // tp, dtype=torch.bfloat16), torch.zeros(60 // tp)]
+        assert needs["weights_bytes"] == sum(t.numel() * t.element_size() for t in rank) == (2000 * 2 + 60 * 4) // tp
+        assert needs["patch_bytes"] == restore_patch.RestorePatch(rank, 0.12).nbytes
+    assert needs["patch_bytes"] == (1030 + 7) // 8 + 120 * 2 + 4 * 4  # at TP=2: 12% of 1000 bf16, of 30 float32
 
 
 def test_parameter_count_of_qwen3_30b_matches_the_gpu_engine(tmp_path):
@@ -531,26 +566,6 @@ def test_the_gpu_memory_lock_is_one_path_whatever_tmpdir_says(tmp_path):
     assert len(paths) == 1
 
 
-def as_user(uid: int, action) -> str:
-    """action() in a forked child that runs as user `uid`: what it returns, or the error it raises, as text."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            out = str(action())
-        except BaseException as exc:  # noqa: BLE001
-            out = f"{type(exc).__name__}: {exc}"
-        os.write(write, out.encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        out = pipe.read()
-    os.waitpid(pid, 0)
-    return out
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
 def test_another_user_s_gpu_memory_lock_is_shared_or_refused_with_a_clear_error():
     import tempfile
@@ -647,11 +662,16 @@ def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
     assert not run_dir.exists()  # nothing of the failed generation was written
     two_engines.close()  # the survivor shuts down too
 
-    # the two-engine run stopped after its first generation; started again with one engine, it resumes
+    # the two-engine run stopped after its first generation, its record as an older version wrote it (without the
+    # settings it ran with); started again with one engine and another exact restore mode, it resumes
     shutil.copytree(trained_dir, run_dir)
-    fileio.write_json_atomic(dict(history, generations=history["generations"][:1]), run_dir / HISTORY_FILE)
-    resumed = train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}"], fitness=reply_variety)
+    older = {k: v for k, v in history["generations"][0].items() if k not in GENERATION_SETTINGS}
+    fileio.write_json_atomic(dict(history, generations=[older]), run_dir / HISTORY_FILE)
+    resumed = train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}", "--restore=patch"], fitness=reply_variety)
     assert replayable(resumed) == replayable(one_engine_run[1])
+    assert resumed["config"]["restore"] == "copy_device"  # the header: the first run's
+    assert [{f: g.get(f) for f in GENERATION_SETTINGS} for g in resumed["generations"]] == [
+        {"restore": None, "patch_capacity": None}, {"restore": "patch", "patch_capacity": 0.0}]
 
 
 # ---- a two-node Ray cluster on this machine ----
