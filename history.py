@@ -91,7 +91,7 @@ def resume_free_fields(config: dict) -> tuple[str, ...]:
 # settings a resume may change (resume_free_fields) that each generation's record carries, so that the history tells
 # how every generation ran: the header's config keeps the first run's values. A record written before records carried
 # them (an older history) ran with the header's, unless a resume changed them and left no trace.
-GENERATION_SETTINGS = ("restore", "patch_capacity")
+GENERATION_SETTINGS = RESTORE_FIELDS
 
 
 def generation_settings(cfg: Config) -> dict:
