@@ -376,11 +376,12 @@ class ChatPrompts:
 
 class Engine(C.ClosedOnExit):
     """vLLM at TP=2 with the ES worker extension and prefix caching on. Every weight change (perturb, restore,
-    update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights."""
+    update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights. perturbs=False: a read-only
+    engine (export, evaluation, replay), which holds no exact-restore copy or patch and refuses to perturb."""
 
     def __init__(self, cfg: C.Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
-                 skip_tokenizer_init: bool = False, executor: str | None = None):
-        self.cfg = cfg
+                 skip_tokenizer_init: bool = False, executor: str | None = None, perturbs: bool = True):
+        self.cfg, self.perturbs = cfg, perturbs
         self.device = C.device_type()
         check_placement(cfg.tensor_parallel_size, self.device)
         self._tokenizer_path = tokenizer or model_path
@@ -512,10 +513,19 @@ class Engine(C.ClosedOnExit):
         if not self._call_vllm(self.llm.reset_prefix_cache(), "the prefix cache reset"):
             raise C.EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
 
+    @property
+    def restore_mode(self) -> str:
+        """How this engine undoes a perturbation: its restore mode, or "none" for a read-only engine."""
+        return self.cfg.restore if self.perturbs else "none"
+
     def reserve_restore_copy(self) -> None:
         """Take the exact-restore copy (or allocate the patch, restore="patch") now (once), under the machine's GPU
-        memory lock: a copy made while another engine profiles its memory fails that start. Co-located engines take
-        it at start, the others before their first perturbation."""
+        memory lock: a copy made while another engine profiles its memory fails that start. A pool's GPU engines
+        take it at start (pool.start_gpu_engine, after their memory plan), others before their first
+        perturbation."""
+        if not self.perturbs:
+            raise RuntimeError("a read-only engine (perturbs=False) does not perturb: it holds no exact-restore copy "
+                               "or patch")
         if getattr(self, "_restore_copy_taken", False) or self.cfg.restore == "subtract":
             return
         with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():

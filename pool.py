@@ -7,10 +7,12 @@ Placement, fixed: a node's GPUs form G = GPUs // tensor_parallel_size groups of 
 j*tp .. j*tp+tp-1); engine k runs on group k mod G. Engines spread over the groups first and share a group's GPUs
 (co-locate) only when K > G; co-located engines start one after another, also across processes (vLLM sizes its
 memory from what is free when it starts: engine.gpu_memory_lock), and at tensor_parallel_size > 1 they need CUDA
-MPS (without it their NCCL collectives stall under time-slicing). Each GPU engine's memory plan (weights, KV cache,
-where its exact-restore copy goes) is made from what its node has free when it starts. On one node the K engines
-live in this process; with --ray_address they are Ray actors, one placement group per GPU group, on the nodes of a
-cluster. Ray is imported only then.
+MPS (without it their NCCL collectives stall under time-slicing). Every GPU engine, one or many, gets its memory
+plan (weights, KV cache, where its exact-restore copy or patch goes) from what its node has free when it starts, and
+takes that copy or patch at start. A read-only pool (export, evaluation, replay: perturbs=False) never perturbs: its
+engines plan weights and KV cache alone and hold no restore memory. On one node the K engines live in this process;
+with --ray_address they are Ray actors, one placement group per GPU group, on the nodes of a cluster. Ray is
+imported only then.
 """
 
 from __future__ import annotations
@@ -212,12 +214,12 @@ def _head_dim(config: dict) -> int:
 
 def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: int, gpu_free: int,
                     host_free: int, utilization: float, weights_bytes: int, sequence_kv_bytes: int,
-                    restore: str, tensor_parallel_size: int, patch_bytes: int = 0) -> dict:
+                    restore: str | None, tensor_parallel_size: int, patch_bytes: int = 0) -> dict:
     """Whether `engines_per_gpu` engines fit on each GPU of a group, and where their exact-restore copies go: on
     the GPU where they fit, else in pinned host memory. restore="patch" keeps each engine's patch (`patch_bytes`,
-    its bound, allocated whole at start) on the GPU or is refused: it has no host fallback. Refuses (ConfigError)
-    with the numbers when they do not fit. Every engine gets `utilization` x gpu_total from vLLM, plus
-    ENGINE_OVERHEAD_BYTES outside it."""
+    its bound, allocated whole at start) on the GPU or is refused: it has no host fallback. restore=None: engines
+    that never perturb (a read-only pool), weights and KV cache alone. Refuses (ConfigError) with the numbers when
+    they do not fit. Every engine gets `utilization` x gpu_total from vLLM, plus ENGINE_OVERHEAD_BYTES outside it."""
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     share = utilization * gpu_total
     kv_room = share - weights_bytes - ACTIVATION_RESERVE_BYTES
@@ -270,20 +272,19 @@ def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: boo
             + MPS_COMMANDS)
 
 
-def engines_to_plan(where: list[int], counts: list[int], k: int) -> dict:
+def engines_to_plan(where: list[int], k: int) -> dict:
     """What engine k's memory plan must still make room for, given the GPU group of each engine of a node in start
-    order (`where`) and each group's engine count: the engines of its group from k on (the earlier ones already
-    hold their memory), and the exact-restore copies still to take on the node (engines from k on, and earlier
-    engines alone on their group, which take theirs at the first perturbation)."""
-    return {"engines_per_gpu": where[k:].count(where[k]), "co_located": counts[where[k]],
-            "engines_on_node": sum(1 for i, j in enumerate(where) if i >= k or counts[j] == 1)}
+    order (`where`): the engines of its group from k on, and the exact-restore copies still to take on the node
+    (engines from k on). Every earlier engine already holds its memory, its restore copy or patch included."""
+    return {"engines_per_gpu": where[k:].count(where[k]), "engines_on_node": len(where) - k}
 
 
 def start_gpu_engine(cfg: C.Config, model_path: str, gpus: list[str], *, engines_per_gpu: int, engines_on_node: int,
-                     co_located: int, **engine_kwargs) -> E.Engine:
+                     perturbs: bool = True, **engine_kwargs) -> E.Engine:
     """One GPU engine of a pool, under the machine's GPU memory lock: its memory plan from what is free now (after
-    every engine started before it, this run's or another's; the refusal names the numbers), its start, and for
-    co-located engines the exact-restore copy, so that the next start sees that memory used."""
+    every engine started before it, this run's or another's; the refusal names the numbers, before this engine
+    starts), its start, and its exact-restore copy or patch (none for an engine that never perturbs), so that the
+    next start sees that memory used."""
     with E.gpu_memory_lock():
         report = node_report(gpus)
         if report["gpu_total_bytes"] is not None:  # nvidia-smi told
@@ -291,12 +292,14 @@ def start_gpu_engine(cfg: C.Config, model_path: str, gpus: list[str], *, engines
             plan = plan_gpu_memory(
                 engines_per_gpu=engines_per_gpu, engines_on_node=engines_on_node,
                 gpu_total=report["gpu_total_bytes"], gpu_free=report["gpu_free_bytes"],
-                host_free=report["host_free_bytes"], utilization=cfg.gpu_memory_utilization, restore=cfg.restore,
-                tensor_parallel_size=cfg.tensor_parallel_size, **engine_memory_needs(config, cfg, model_path))
-            cfg = dataclasses.replace(cfg, restore=plan["restore"])
-        engine = E.Engine(cfg, model_path, **engine_kwargs)
+                host_free=report["host_free_bytes"], utilization=cfg.gpu_memory_utilization,
+                restore=cfg.restore if perturbs else None, tensor_parallel_size=cfg.tensor_parallel_size,
+                **engine_memory_needs(config, cfg, model_path))
+            if perturbs:
+                cfg = dataclasses.replace(cfg, restore=plan["restore"])
+        engine = E.Engine(cfg, model_path, perturbs=perturbs, **engine_kwargs)
         try:
-            if co_located > 1:
+            if perturbs:
                 engine.reserve_restore_copy()
         except BaseException:
             engine.close()
@@ -416,7 +419,7 @@ class _EngineActor:
 
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "device": self.engine.device,
-                "restore": self.engine.cfg.restore, "core_pids": self.engine.engine_core_pids()}
+                "restore": self.engine.restore_mode, "core_pids": self.engine.engine_core_pids()}
 
     def call(self, method: str, /, *args, **kwargs):
         """The engine's method, for RemoteEngine's blocking calls (rpc, update, digests, ...)."""
@@ -525,7 +528,8 @@ class EnginePool(C.ClosedOnExit):
     """K engines with the facade the scripts need: evaluate_members (training), run_agent (evaluation, replay),
     update, digests (checked to agree across engines), rpc and parameter_names_sha256 (engine 0's). A context
     manager; leaving it shuts every engine down. An engine that dies fails the call with an EngineFailure naming
-    it; the stage then resumes from its files when started again."""
+    it; the stage then resumes from its files when started again. engine_kwargs go to each Engine: perturbs=False
+    starts a read-only pool (no restore memory; evaluate_members is refused)."""
 
     def __init__(self, cfg: C.Config, model_path: str, **engine_kwargs):
         self.cfg, self.engines, self._groups = cfg, [], []
@@ -557,12 +561,13 @@ class EnginePool(C.ClosedOnExit):
                 warnings.warn(warning, stacklevel=3)
 
     def _start_local(self, model_path: str, engine_kwargs: dict) -> None:
-        """K engines in this process (one node), started one after another on their GPU groups or CPU cores."""
-        if self.size == 1:
+        """K engines in this process (one node), started one after another on their GPU groups (each planned, one
+        engine too) or CPU cores."""
+        tp = self.cfg.tensor_parallel_size
+        if self.device != "cuda" and self.size == 1:
             self.engines.append(E.Engine(self.cfg, model_path, **engine_kwargs))
             self.placement.append({"node": "local", "devices": "all visible"})
             return
-        tp = self.cfg.tensor_parallel_size
         if self.device != "cuda":
             cores = os.cpu_count() or 1
             for k in range(self.size):
@@ -577,11 +582,11 @@ class EnginePool(C.ClosedOnExit):
         self._check_colocation(counts, [mps] * len(groups))
         for k, j in enumerate(where):
             with environment(CUDA_VISIBLE_DEVICES=",".join(groups[j])):
-                engine = start_gpu_engine(self.cfg, model_path, groups[j], **engines_to_plan(where, counts, k),
+                engine = start_gpu_engine(self.cfg, model_path, groups[j], **engines_to_plan(where, k),
                                           **engine_kwargs)
             self.engines.append(engine)
             self._started({"node": "local", "gpus": groups[j], "group": j, "co_located": counts[j],
-                           "restore": engine.cfg.restore, "mps": mps})
+                           "restore": engine.restore_mode, "mps": mps})
 
     def _start_remote(self, model_path: str, engine_kwargs: dict) -> None:
         """K engines as Ray actors: per GPU group one placement group (its GPUs on one node) holding that group's
@@ -621,7 +626,7 @@ class EnginePool(C.ClosedOnExit):
             if self.device == "cpu":
                 env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(k, tp, reports[j]["cores"])
             same_node = [i for i, g in enumerate(where) if reports[g]["node"] == reports[j]["node"]]
-            plan = engines_to_plan([where[i] for i in same_node], counts, same_node.index(k)) if gpu else None
+            plan = engines_to_plan([where[i] for i in same_node], same_node.index(k)) if gpu else None
             actor = remote.options(num_cpus=1, num_gpus=0, max_concurrency=2, runtime_env={"env_vars": env},
                                    scheduling_strategy=strategy(j)).remote(
                 self.cfg, str(model_path), engine_kwargs, env, checked, plan)

@@ -286,8 +286,9 @@ def test_learn_problems_are_right_sums_and_held_out_sets_share_no_operands_with_
 
 def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(tmp_path):
     """03_eval reuses the finished episodes of its --out folder: another checkpoint, data file or sampling
-    setting is refused (the marker kept as it was); a setting of speed or placement may change, also against a
-    marker written when such settings were still part of it."""
+    setting is refused (the marker kept as it was); a setting of speed or placement, or how a perturbation is
+    undone (an evaluation never perturbs), may change, also against a marker written when such settings were still
+    part of it."""
     checkpoint, data = {"kind": "base", "per_rank_digests": ["a", "b"]}, {"dapo": "d.jsonl", "aime2026": "a.jsonl"}
     cfg = cli.parse_config(["--preset=smoke"])
     evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
@@ -300,6 +301,8 @@ def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(
         assert (tmp_path / "eval_run.json").read_bytes() == marker
     faster = ["--concurrency=7", "--cudagraph_mode=FULL", "--max_num_batched_tokens=0"]
     evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", *faster]), data)
+    for restore in (["--restore=patch", "--patch_capacity=0.3"], ["--restore=subtract"]):
+        evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", *restore]), data)
     older = json.loads(marker)  # written by a version that kept the engine settings in the marker
     older["config"].update(cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=0, concurrency=3)
     (tmp_path / "eval_run.json").write_text(json.dumps(older))

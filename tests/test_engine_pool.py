@@ -387,9 +387,10 @@ class FakeGPUEngine:
     """Stands in for a GPU Engine in the pool's start: records what happens in which order, and whether the
     machine's GPU memory lock is held at each step; its memory comes out of `gpu.free`."""
 
-    def __init__(self, gpu, cfg, model_path, **kwargs):
-        self.gpu, self.cfg, self.device = gpu, cfg, "cuda"
-        gpu.events.append(("start", len(gpu.engines), _gpu_memory_lock_held.held, cfg.restore))
+    def __init__(self, gpu, cfg, model_path, perturbs=True, **kwargs):
+        self.gpu, self.cfg, self.device, self.perturbs = gpu, cfg, "cuda", perturbs
+        self.restore_mode = cfg.restore if perturbs else "none"
+        gpu.events.append(("start", len(gpu.engines), _gpu_memory_lock_held.held, self.restore_mode))
         gpu.free -= int(cfg.gpu_memory_utilization * gpu.total) + ENGINE_OVERHEAD_BYTES
         gpu.engines.append(self)
 
@@ -405,10 +406,11 @@ class FakeGPUEngine:
 
 
 class FakeGPU:
-    """One 10 GiB GPU that another process may take memory from after a given engine started."""
+    """GPUs of 10 GiB (`free` of them free, and `host_free` bytes of host memory) that another process may take
+    memory from after a given engine started."""
 
-    def __init__(self, taken_by_another_after: int | None = None):
-        self.total, self.free, self.weights = 10 * GIB, 10 * GIB, 64 << 20
+    def __init__(self, taken_by_another_after: int | None = None, free: int = 10 * GIB, host_free: int = 100 * GIB):
+        self.total, self.free, self.host_free, self.weights = 10 * GIB, free, host_free, 64 << 20
         self.events, self.engines, self.taken_after = [], [], taken_by_another_after
 
     def report(self, gpus):
@@ -416,17 +418,20 @@ class FakeGPU:
         if self.taken_after is not None and len(self.engines) == self.taken_after + 1:
             self.free -= 3 * GIB  # another run's engine started meanwhile
         return {"gpus": gpus, "gpu_total_bytes": self.total, "gpu_free_bytes": self.free,
-                "host_free_bytes": 100 * GIB, "mps": True, "cores": 2}
+                "host_free_bytes": self.host_free, "mps": True, "cores": 2}
 
 
-def fake_gpu_pool(monkeypatch, tmp_path, gpu: FakeGPU, engines: int):
+def fake_gpu_pool(monkeypatch, tmp_path, gpu: FakeGPU, engines: int, *extra, gpus=("0",), **engine_kwargs):
+    """An EnginePool of FakeGPUEngines on `gpus` (TP=1 and gpu_memory_utilization=0.3 unless `extra` says)."""
     monkeypatch.setattr("engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
     monkeypatch.setattr("common.device_type", lambda: "cuda")
-    monkeypatch.setattr("pool.visible_gpus", lambda: ["0"])
+    monkeypatch.setattr("torch.cuda.device_count", lambda: len(gpus))
+    monkeypatch.setattr("pool.visible_gpus", lambda: list(gpus))
     monkeypatch.setattr("pool.mps_running", lambda: True)
     monkeypatch.setattr("pool.node_report", gpu.report)
     monkeypatch.setattr("engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
-    return EnginePool(config(engines, tmp_path, "--tensor_parallel_size=1", "--gpu_memory_utilization=0.3"), MODEL)
+    cfg = config(engines, tmp_path, "--tensor_parallel_size=1", "--gpu_memory_utilization=0.3", *extra)
+    return EnginePool(cfg, MODEL, **engine_kwargs)
 
 
 def test_the_pool_plans_each_gpu_engine_inside_the_lock_from_the_memory_free_at_its_start(monkeypatch, tmp_path):
@@ -460,12 +465,71 @@ def test_the_pool_refuses_co_location_without_mps_before_any_engine_starts(monke
 
 
 def test_what_each_engine_s_plan_makes_room_for():
-    where, counts = [0, 1, 0, 0], [3, 1]  # group 0 holds three engines, group 1 one
-    assert [engines_to_plan(where, counts, k) for k in range(4)] == [
-        {"engines_per_gpu": 3, "co_located": 3, "engines_on_node": 4},
-        {"engines_per_gpu": 1, "co_located": 1, "engines_on_node": 3},
-        {"engines_per_gpu": 2, "co_located": 3, "engines_on_node": 3},  # engine 1 copies at its first perturb
-        {"engines_per_gpu": 1, "co_located": 3, "engines_on_node": 2}]
+    where = [0, 1, 0, 0]  # group 0 holds three engines, group 1 one
+    assert [engines_to_plan(where, k) for k in range(4)] == [
+        {"engines_per_gpu": 3, "engines_on_node": 4},
+        {"engines_per_gpu": 1, "engines_on_node": 3},
+        {"engines_per_gpu": 2, "engines_on_node": 2},  # engines 0 and 1 took their copies at start
+        {"engines_per_gpu": 1, "engines_on_node": 1}]
+    assert engines_to_plan([0], 0) == {"engines_per_gpu": 1, "engines_on_node": 1}  # one engine alone
+
+
+# One engine's needs on the 10 GiB FakeGPU at gpu_memory_utilization=0.3: its vLLM share and overhead take 4 GiB,
+# its copy 0.5 GiB more, its patch 0.25 GiB more
+HALF_GIB_WEIGHTS = {"weights_bytes": GIB // 2, "sequence_kv_bytes": 16 << 20, "patch_bytes": GIB // 4}
+
+
+@pytest.mark.parametrize("restore, refusal", [
+    ("copy_device", r"the exact-restore copies fit neither on the GPUs \(1 x 0\.5 GiB beside 4\.0 GiB of vLLM, "
+                    r"4\.2 GiB free\) nor in pinned host memory \(1 engines x 1 ranks x 0\.5 GiB = 0\.5 GiB, 80% of "
+                    r"0\.5 GiB"),
+    ("copy_host", r"the exact-restore copies fit neither on the GPUs .* nor in pinned host memory"),
+    ("patch", r"the restore patches do not fit on the GPUs \(1 x 0\.2 GiB beside 4\.0 GiB of vLLM, 4\.2 GiB free"),
+])
+def test_a_single_engine_whose_restore_copy_or_patch_cannot_fit_is_refused_before_it_starts(
+        monkeypatch, tmp_path, restore, refusal):
+    """One engine (the default on one GPU group) is planned like a pool's: where its vLLM share fits but neither
+    its copy (on the GPU or in pinned host memory) nor its patch does, it never starts."""
+    monkeypatch.setattr("pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    gpu = FakeGPU(free=int(4.2 * GIB), host_free=GIB // 2)
+    with pytest.raises(common.ConfigError, match=refusal):
+        fake_gpu_pool(monkeypatch, tmp_path, gpu, 1, f"--restore={restore}")
+    assert gpu.events == [("plan", 0, True)]
+
+
+def test_a_single_engine_takes_its_restore_copy_or_patch_at_start_inside_the_lock(monkeypatch, tmp_path):
+    """The reference's default, one TP=2 engine on two GPUs: planned, started, and its copy taken before the pool
+    is handed over (not at its first perturbation)."""
+    monkeypatch.setattr("pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    for restore in ("copy_device", "copy_host", "patch"):
+        gpu = FakeGPU(free=5 * GIB)
+        pool = fake_gpu_pool(monkeypatch, tmp_path, gpu, 0, "--tensor_parallel_size=2", f"--restore={restore}",
+                             gpus=("0", "1"))
+        assert pool.size == 1 and gpu.events == [("plan", 0, True), ("start", 0, True, restore), ("copy", 0, True)]
+        assert pool.placement[0]["gpus"] == ["0", "1"] and pool.placement[0]["restore"] == restore
+
+
+def test_a_read_only_pool_plans_weights_and_kv_cache_alone_and_holds_no_restore_memory(monkeypatch, tmp_path):
+    """Export, evaluation and replay never perturb: where two engines' copies or patches would not fit, the same
+    engines start read-only, take nothing at start and refuse to perturb."""
+    monkeypatch.setattr("pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    for restore, refusal in (("copy_device", "copies fit neither"), ("patch", "patches do not fit")):
+        gpu = FakeGPU(free=int(8.2 * GIB), host_free=GIB // 2)  # two engines' vLLM shares and no more
+        with pytest.raises(common.ConfigError, match=refusal):
+            fake_gpu_pool(monkeypatch, tmp_path, gpu, 2, f"--restore={restore}")
+        gpu = FakeGPU(free=int(8.2 * GIB), host_free=GIB // 2)
+        pool = fake_gpu_pool(monkeypatch, tmp_path, gpu, 2, f"--restore={restore}", perturbs=False)
+        assert gpu.events == [("plan", 0, True), ("start", 0, True, "none"), ("plan", 1, True),
+                              ("start", 1, True, "none")]
+        assert [p["restore"] for p in pool.placement] == ["none", "none"]
+    gpu = FakeGPU(free=7 * GIB)  # the plan still checks weights and KV cache
+    with pytest.raises(common.ConfigError, match=r"2 engines per GPU need 8\.0 GiB .* 7\.0 GiB free"):
+        fake_gpu_pool(monkeypatch, tmp_path, gpu, 2, perturbs=False)
+    assert gpu.events == [("plan", 0, True)]
+    engine = Engine.__new__(Engine)
+    engine.cfg, engine.perturbs = config(1, tmp_path), False
+    with pytest.raises(RuntimeError, match="a read-only engine .* does not perturb"):
+        engine.perturb(1, 0.1)
 
 
 def held_elsewhere(path) -> bool:
@@ -495,7 +559,7 @@ def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_
     monkeypatch.setattr("engine.GPU_MEMORY_LOCK", lock)
     lock.write_text("")
     engine = Engine.__new__(Engine)
-    engine.cfg, engine.device, calls = config(1, tmp_path), "cuda", []
+    engine.cfg, engine.device, engine.perturbs, calls = config(1, tmp_path), "cuda", True, []
     engine.rpc = lambda method, **kw: calls.append((method, held_elsewhere(lock))) or [0.0]
     engine.reset_prefix_cache = lambda: None
     engine.perturb(1, 0.1)

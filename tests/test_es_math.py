@@ -354,6 +354,17 @@ def test_preset_never_overrides_recorded_values():
     assert (free.cudagraph_mode, free.max_num_batched_tokens, free.custom_all_reduce) == ("FULL", 0, True)
 
 
+def test_export_and_replay_take_any_restore_mode_whatever_the_run_s():
+    """They never perturb (RESTORE_FIELDS): a subtract run rebuilds under an exact mode and any patch capacity, an
+    exact run under subtract (a training resume refuses both moves: identity_differences)."""
+    for recorded, args, wanted in ((recorded_history(restore="subtract"), ["--restore=patch", "--patch_capacity=0.3"],
+                                    ("patch", 0.3)),
+                                   (recorded_history(restore="patch"), ["--restore=subtract"], ("subtract", 0.0))):
+        cfg = config_from_history(recorded, ["--preset=smoke", *args])
+        assert (cfg.restore, cfg.patch_capacity) == wanted and cfg.model == "/models/my-base"
+    assert config_from_history(recorded_history(restore="subtract"), []).restore == "subtract"  # the run's by default
+
+
 @pytest.mark.parametrize("arg, message", [
     ("--model=/models/other", "--model='/models/other' \\(recorded: '/models/my-base', from the history\\)"),
     ("--noise_chunk=1024", "--noise_chunk=1024 \\(recorded: 8388608, from the history\\)"),
