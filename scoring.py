@@ -27,9 +27,11 @@ import threading
 import time
 from fractions import Fraction
 from pathlib import Path
+from typing import NamedTuple
 
 
-# ---- Reading the committed answer: think blocks, the answer line and its boxes
+
+# ---- Where the answer is (scoring.md: "Where the answer is")
 
 def strip_think(text):
     """Drop <think>...</think> blocks; a dangling </think> (opening tag in the prompt) drops everything before it,
@@ -47,197 +49,332 @@ def strip_think(text):
 _ANSWER_MARKER = re.compile(
     r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answer|answer)[ \t]*(?:\*\*|__)?[ \t]*[:：]",
     re.IGNORECASE | re.MULTILINE)
-_BOXED = re.compile(r"\\boxed\s*\{")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# after an empty marker line: display math on the lines right after it, or a line that opens with math
+_DISPLAY_MATH = re.compile(r"[ \t]*\n\s*(\\\[.{0,2000}?\\\]|\$\$.{0,2000}?\$\$|(?:\$|\\\(|\\boxed|\\fbox)[^\n]*)",
+                           re.DOTALL)
 
 
-def _boxes(text):
-    """(start, end, content, closed) of every \\boxed{ that is not inside an earlier closed box, in order. A box whose
-    braces never close (a reply cut off inside it) holds the rest of its line."""
-    boxes, inside_until = [], 0
-    for match in _BOXED.finditer(text):
-        if match.start() < inside_until:
-            continue
-        depth, i = 1, match.end()
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            boxes.append((match.start(), i, text[match.end():i - 1], True))
-            inside_until = i
-        else:
-            line_end = text.find("\n", match.end())
-            line_end = len(text) if line_end == -1 else line_end
-            boxes.append((match.start(), line_end, text[match.end():line_end], False))
-    return boxes
-
-
-# A note after the committed value: trailing natural-language prose after a space or punctuation, as a careful grader
-# reads "Final answer: 42 - verified with bash": "42 (checked with the tool)", "42 [computed]", "42 — verified",
-# "42, as the script printed", "42: confirmed", "42; the tool agrees", "42. Verified.", "42 since ...", "42 which ...".
-# It is dropped only when it names no other candidate answer (no digit, no math, no number or math word, no word
-# that offers or conditions an alternative: "42, maybe 43", "42 (or 43)", "42, unless ..." stay whole and score as
-# hedges) and what it leaves is one value (see _is_one_value).
-_NOTE_START = re.compile(
-    r"\s+(?=[(\[])|\s*(?=[\uff08\u3010])"                # 42 (checked)   42 [computed by the tool]   42（已验证）
-    r"|\s*(?=[\u2013\u2014])"                            # 42 — verified   42—verified
-    r"|\s+(?=--?\s)"                                     # 42 - verified   42 -- verified
-    r"|\s*(?=[,;:.]\s|[\uff0c\uff1b\uff1a\u3002])"       # 42, as printed   42: checked   42. Verified.   42，as
-    r"|\s+(?=[^\W\d_])")                                 # 42 since ...   42 verified with bash
-_MARKED_NOTE = re.compile(r"\s*[(\[\uff08\u3010\u2013\u2014]")  # brackets and en/em dashes only ever open a note
-_NOTE_INTRODUCER = re.compile(r"^[\s,;:.\uff0c\uff1b\uff1a\u3002\u2013\u2014-]+")
-# math words: in a note they name a value; in a head they belong to it; after a number they are no unit
-_NEVER_A_UNIT = (r"pi|theta|alpha|beta|gamma|delta|epsilon|phi|omega|lambda|sigma|tau|sin|cos|tan|cot|csc|arcsin|"
-                 r"arccos|arctan|sinh|cosh|tanh|log|ln|exp|sqrt|factorial|infinity")
-_MATH_WORDS = (rf"{_NEVER_A_UNIT}|mu|lg|squared|cubed|times|plus|minus|divided|mod|modulo|pmod|choose|binom|max|"
-               r"gcd|lcm|det|infinite|undefined")
-_NUMBER_WORDS = (r"zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|\w+teen|twenty|thirty|forty|"
-                 r"fifty|sixty|seventy|eighty|ninety|hundred|thousand|million|billion|dozen|half|halves|thirds?|"
-                 r"quarters?|fourths?|fifths?|sixths?|sevenths?|eighths?|ninths?|tenths?|\w+tieths?|hundredths?")
-_ALTERNATIVE_WORDS = r"or|nor|either|else|otherwise|alternatively|unless|versus|vs"
-_MATH_SYMBOL = r"\d\\$^_=+*/<>{}|%\u221a\u03c0\u221e\u00d7\u00f7\u00b1\u2264\u2265\u2260\u2212\u0370-\u03ff"
-_CANDIDATE_ANSWER = re.compile(rf"[{_MATH_SYMBOL}]|\b(?:{_MATH_WORDS}|{_NUMBER_WORDS}|{_ALTERNATIVE_WORDS})\b",
-                               re.IGNORECASE)
-_PRONOUN_ONE = re.compile(r"\b(?:the|this|that|each|every|any|which|only|same|right|correct)\s+one\b", re.IGNORECASE)
-_WORD = re.compile(r"[^\W\d_]{2,}")
-# two words, a long one, or two letters of a script without variables (已验证)
-_LONG_PROSE = re.compile(r"[^\W\d_]{4,}|[^\W\d_]{2,}[\W_]+(?:[^\W\d_][\W_]+)*[^\W\d_]{2,}|[^\W\d_A-Za-z]{2,}")
-# after a value that is text (Yes, \text{red}), only a note that opens like one: "red, green" is a list of two values
-_CONNECTIVE = re.compile(
-    r"(?:since|because|as|which|that|so|thus|hence|therefore|verified|checked|confirmed|computed|calculated|"
-    r"obtained|found|given|per|by|from|according|using|via|with|where|see)\b", re.IGNORECASE)
-_MATH_CHAR = re.compile(rf"[{_MATH_SYMBOL}()\[\]]|(?<![^\W\d_])-")  # a hyphen inside a word is prose
-_HEAD_WORDS_ALLOWED = re.compile(rf"(?:{_MATH_WORDS}|and)", re.IGNORECASE)  # "2 and 3" is a set, "2 pi" a value
-
-
-def _is_one_value(head):
-    """Whether what comes before a note can be the committed value: its brackets balance ("42 (checked with 3" does
-    not) and, in its last sentence, no prose follows its first math ("so it is 42" can be, "42 checked with 3"
-    cannot; \\text{} and LaTeX commands aside)."""
-    if head.count("{") != head.count("}") or sum(map(head.count, "([")) != sum(map(head.count, ")]")):
-        return False
-    last = re.split(r"(?<=[.!?;])\s+", head)[-1]
-    last = re.sub(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+", " ", _TEXT_COMMAND.sub(" ", last))
-    first_math = _MATH_CHAR.search(last)
-    return not first_math or all(_HEAD_WORDS_ALLOWED.fullmatch(word)
-                                 for word in re.findall(r"[^\W\d_]{3,}", last[first_math.start():]))
-
-
-def _is_note(note, marked, text_head):
-    """Whether the text after a possible note start is prose: any word in brackets or after an en/em dash; otherwise
-    two words or a long one ("x^2 - xy" and "3 abc" are math), and after a text value, one that opens like a note."""
-    if marked:
-        return bool(_WORD.search(note))
-    if text_head and not _CONNECTIVE.match(note):
-        return False
-    return bool(_LONG_PROSE.search(note))
-
-
-def _drop_trailing_note(text):
-    """The text without its trailing prose note (the longest one that qualifies), or unchanged. A note starts after
-    the last character or word that could belong to a value."""
-    if len(text) > 1000:  # a value with a note is short; the search below is quadratic in the worst case
-        return text
-    masked = _PRONOUN_ONE.sub(lambda m: m[0][:-3] + "   ", text)  # "the same one": a pronoun, not a value
-    notes_from = max((m.end() for m in _CANDIDATE_ANSWER.finditer(masked)), default=0)
-    # the head is math when math precedes that point (\text{}, $ and emphasis aside) or a bracket or a minus
-    # sign follows it before the note starts
-    math_before = _MATH_CHAR.search(re.sub(r"[$*`]", "", _TEXT_COMMAND.sub(r"\1", text[:notes_from])))
-    math_after = _MATH_CHAR.search(text, notes_from)
-    for start in _NOTE_START.finditer(text, notes_from):
-        head, tail = text[:start.start()].strip(), text[start.start():]
-        text_head = not math_before and not (math_after and math_after.start() < start.start())
-        if head and _is_note(_NOTE_INTRODUCER.sub("", tail), bool(_MARKED_NOTE.match(tail)), text_head):
-            if _is_one_value(head):
-                return head
-            if not text_head:
-                break  # a later start leaves more prose after the value in the head: no shorter note qualifies
-    return text
-
-
-def _clean_answer_text(text):
-    previous = None
-    while text != previous:
-        previous = text
-        text = _drop_trailing_note(text.strip().strip("*").strip().rstrip(".").strip())
-        if len(text) >= 2 and text[0] == text[-1] == "$":
-            text = text.strip("$").strip()
-    return text
-
-
-def _answer_key(value):
-    """What makes two committed values the same answer: the number they read as, else their normalised text."""
-    number = read_number(value)
-    return normalize_answer(value) if number is None else number
-
-
-def _one_answer(values):
-    """The answer a line commits to. Several boxes that hold one value (\\boxed{5} since 2+3 = \\boxed{5}) commit
-    to it; boxes with different values (\\boxed{a} or \\boxed{b}) are a hedge, returned as the list "a, b", which
-    scores like the same hedge inside one box. None when every value is empty."""
-    distinct = {}
-    for value in values:
-        if value:
-            distinct.setdefault(_answer_key(value), value)
-    return ", ".join(distinct.values()) or None
-
-
-# Words that offer or condition an alternative: beside a box they make a value written outside it a second one
-_HEDGING = re.compile(rf"\b(?:{_ALTERNATIVE_WORDS}|maybe|perhaps|possibly|possible|could|might)\b", re.IGNORECASE)
-_VALUE_OUTSIDE = re.compile(rf"[{_MATH_SYMBOL}]|\b(?:{_MATH_WORDS}|{_NUMBER_WORDS})\b", re.IGNORECASE)
-
-
-def _opened(text, start, end, boxes):
-    """text[start:end] with each of these boxes (all inside it) replaced by its content."""
-    parts, at = [], start
-    for box_start, box_end, content, _ in boxes:
-        parts += [text[at:box_start], content]
-        at = box_end
-    return "".join(parts + [text[at:end]])
-
-
-def _offers_another_value(text, start, end, boxes):
-    """Whether the committing line text[start:end] offers a value outside its boxes as an alternative to them: a
-    hedging word and a value ("\\boxed{42} or 43", "\\boxed{42}, maybe 43", "42 or \\boxed{43}"); a derivation
-    ("\\boxed{5} since 2+3 = \\boxed{5}") or a note offers none."""
-    outside = _opened(text, start, end, [(b_start, b_end, " ", closed) for b_start, b_end, _, closed in boxes])
-    outside = re.sub(r"\\[,;:! ]|\\q?quad\b|[$*_`]", " ", _TEXT_COMMAND.sub(r" \1 ", outside))
-    return bool(_HEDGING.search(outside) and _VALUE_OUTSIDE.search(outside))
-
-
-def extract_final_answer(text):
-    """The answer the reply commits to, or None. Last line that starts with `Final answer:`/`Answer:` (after optional
-    markdown such as `**`, `>`, `-`; ASCII or full-width colon): the content of the boxes that open on that line
-    (one cut off before its closing brace holds the rest of the line), else the rest of the line without a trailing
-    prose note. Without such a line (or with an empty one), the balanced boxes on the line of the last one
-    anywhere. Several different values on the committing line are a hedge (see _one_answer), and so is a value
-    offered beside its boxes ("\\boxed{42} or 43": the line is returned with the boxes opened, to score as one)."""
-    text = strip_think(text)
-    boxes = _boxes(text)
-    markers = list(_ANSWER_MARKER.finditer(text))
-    if markers:
-        start = markers[-1].end()
-        line_end = text.find("\n", start)
-        line_end = len(text) if line_end == -1 else line_end
-        on_line = [box for box in boxes if start <= box[0] < line_end]
-        if on_line and _offers_another_value(text, start, line_end, on_line):
-            return _clean_answer_text(_opened(text, start, line_end, on_line))
-        values = [content.strip() if closed else _clean_answer_text(content) for _, _, content, closed in on_line]
-        answer = _one_answer(values) if on_line else _clean_answer_text(text[start:line_end])
-        if answer:
-            return answer
-    closed = [box for box in boxes if box[3]]
-    if closed:
-        line_start = text.rfind("\n", 0, closed[-1][0]) + 1
-        line_end = text.find("\n", closed[-1][1])
-        line_end = len(text) if line_end == -1 else line_end
-        on_line = [box for box in closed if box[0] >= line_start]
-        if _offers_another_value(text, on_line[0][0], line_end, on_line):  # the work before the box is no offer
-            return _clean_answer_text(_opened(text, on_line[0][0], line_end, on_line))
-        return _one_answer([content.strip() for _, _, content, _ in on_line])
+def _closing_brace(text, start):
+    """The index just after the brace that closes the one opened before `start`, or None when none does."""
+    depth = 1
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if not depth:
+            return i + 1
     return None
 
 
-# ---- Scoring an answer: pure functions
+def _line_end(text, i):
+    end = text.find("\n", i)
+    return len(text) if end < 0 else end
+
+
+def answer_text(reply):
+    """The part of a reply that states its answer, or None: the rest of the last marker line; after an empty one,
+    the display math right below it; else the line of the last closed box, from its first box (a box left open
+    there is cut off)."""
+    text = strip_think(reply)
+    markers = list(_ANSWER_MARKER.finditer(text))
+    if markers:
+        start = markers[-1].end()
+        if text[start:_line_end(text, start)].strip():
+            return text[start:_line_end(text, start)].strip()
+        if display := _DISPLAY_MATH.match(text, _line_end(text, start)):
+            return display[1]
+    closed = [box.start() for box in _BOXED.finditer(text) if _closing_brace(text, box.end())]
+    if not closed:
+        return None
+    line_start, line_end = text.rfind("\n", 0, closed[-1]) + 1, _line_end(text, closed[-1])
+    first = next(box for box in _BOXED.finditer(text, line_start, line_end))
+    open_box = next((box.start() for box in _BOXED.finditer(text, first.start(), line_end)
+                     if not _closing_brace(text[:line_end], box.end())), line_end)
+    return text[first.start():open_box].strip()
+
+
+def extract_final_answer(reply):
+    """What the reply commits to as its answer, or None when it states none: the values read_answer finds in its
+    answer text, joined by ", " (re-read the same by score_answer), or the text itself when it commits to no value
+    ("not 42"), which scores 0."""
+    text = answer_text(reply)
+    if text is None:
+        return None
+    values = read_answer(text)
+    return ", ".join(values) if values else text
+
+
+# ---- Rule 1, the committed value: words that are part of a value, then the value's extent
+
+_UNICODE = str.maketrans({"\u2212": "-", "\u00d7": r" \times ", "\u00f7": r" \div ", "\u00b7": r" \cdot ",
+                          "\u2264": r" \le ", "\u2265": r" \ge ", "\u2260": r" \ne ", "\u03c0": r" \pi ",
+                          "\u221a": r"\sqrt", "\u221e": r" \infty ", "\u00b1": r" \pm ", "\u2248": r" \approx ",
+                          "\u00b0": " ", "\uff0c": ", ", "\uff1b": "; ", "\uff1a": ": ", "\u3002": ". ",
+                          "\uff08": " (", "\uff09": ") ", "\u3010": " [", "\u3011": "] ",
+                          **{c: f"^{{{d}}}" for c, d in zip("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078"
+                                                            "\u2079", "0123456789")}})
+_CARDINALS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
+                                         "thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split())}
+_CARDINALS.update({w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)})
+_SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12, "dozen": 12}
+_CARDINAL = "|".join(_CARDINALS)
+_NUMBER_WORDS = re.compile(rf"\b(?:{_CARDINAL})(?:[\s-]+(?:{_CARDINAL}|{'|'.join(_SCALES)})\b)*\b", re.IGNORECASE)
+_DETERMINER = re.compile(r"\b(?:the|this|that|each|every|any|which|only|same|no)\s+$", re.IGNORECASE)
+_ORDINAL = {"half": 2, "halve": 2, "third": 3, "quarter": 4, "fif": 5, "eigh": 8, "nin": 9, "twelf": 12}
+_SCALED = re.compile(r"(\d+(?:\.\d+)?|\ban?\b)[\s-]*(?:(\w*?(?:th|half|halve|third|quarter))s?|(hundred|thousand|[mbtr]illion|"
+                     r"dozen)s?)\b", re.IGNORECASE)
+_SIGN_WORD = re.compile(r"\b(?:(minus|negative)|(plus)|(times)|positive)\s+(?=[\d.\\(]|\w\b)", re.IGNORECASE)
+_MATH_WORD = re.compile(r"(?<![\\\w])(pi|theta|alpha|beta|gamma|delta|epsilon|phi|omega|lambda|sigma|tau|sin|cos|"
+                        r"tan|cot|sec|csc|arcsin|arccos|arctan|sinh|cosh|tanh|log|ln|exp|sqrt|infty)\b"
+                        r"|(?<![\\\w])infinity\b|\s*\bfactorial\b|\s*\bsquared\b|\s*\bcubed\b", re.IGNORECASE)
+_MATH_WORD_LATEX = {"infinity": r"\infty", "factorial": "!", "squared": "^{2}", "cubed": "^{3}"}
+
+
+def _cardinal(words):
+    """The integer that number words name ("forty-two" 42, "one hundred twenty" 120, "twelve" 12), else None."""
+    total = current = 0
+    for word in re.split(r"[\s-]+", words.lower()):
+        if word in _CARDINALS:
+            current += _CARDINALS[word]
+        elif word == "hundred":
+            current = (current or 1) * 100
+        elif word in _SCALES:
+            total, current = total + (current or 1) * _SCALES[word], 0
+        else:
+            return None
+    return total + current
+
+
+def _scaled(match):
+    """A number with the word after it that changes its value: 42 thousandths, 5 twelfths, 3 million, 2 dozen."""
+    from decimal import Decimal
+
+    number, ordinal, scale = match.groups()
+    number = "1" if number.lower() in ("a", "an") else number
+    if scale:
+        return format((Decimal(number) * _SCALES[scale.lower()]).normalize(), "f")
+    stem = ordinal.lower().removesuffix("th")
+    stem = stem[:-2] + "y" if stem.endswith("ie") else stem
+    denominator = _ORDINAL.get(stem) or _cardinal(_ORDINAL.get(stem, stem)) or _cardinal(stem + "e")
+    return rf"\frac{{{number}}}{{{denominator}}}" if denominator and denominator > 1 else match[0]
+
+
+def _normalized(text):
+    """The answer with what math-verify reads differently taken out: markdown, currency and degree signs, \\left
+    and \\right; number words as digits; words that change a number's value, sign words and math words as LaTeX;
+    Unicode math and full-width punctuation as ASCII and LaTeX."""
+    text = re.sub(r"\\\$|\\left\b|\\right\b|\\displaystyle|\\!|\*\*|__|`|\^\s*\{?\s*\\circ\s*\}?|\\degree", "",
+                  text.translate(_UNICODE)).strip(" *")
+    text = re.sub(r"\bi\.\s?e\.", " ie ", re.sub(r"\be\.\s?g\.", " eg ", text, flags=re.IGNORECASE), flags=re.I)
+    text = _NUMBER_WORDS.sub(lambda m: m[0] if m[0].lower() == "one" and _DETERMINER.search(text[:m.start()])
+                             else str(_cardinal(m[0])), text)
+    text = _SCALED.sub(_scaled, re.sub(r"(\d)\s*(?:per\s?cent(?:age)?|pct)\b|(?<!\\)%", r"\1\\%", text))
+    text = _SIGN_WORD.sub(lambda m: "-" if m[1] else "+" if m[2] else r"\times " if m[3] else "", text)
+    return _MATH_WORD.sub(lambda m: _MATH_WORD_LATEX.get(m[0].strip().lower(), f"\\{(m[1] or '').lower()}"), text)
+
+
+_TOKEN = re.compile(r"""
+    (?P<space>(?:\s|\\[,;:!\ ]|~)+)
+  | (?P<box>\\(?:boxed|fbox)\s*\{)
+  | (?P<text>\\(?:text\w*|mbox|math(?:rm|bf|it|sf|tt))\s*\{)
+  | (?P<env>\\begin\{(?P<name>\w+\*?)\}.*?\\end\{(?P=name)\})
+  | (?P<delim>\$\$?|\\[()\[\]])
+  | (?P<num>(?:\d{1,3}(?:(?:,|\{,\}|\\[,;:\ ]|[\ ~\u00a0\u2009\u202f])\d{3}(?!\d))+|\d+)(?:\.\d+)?
+            (?:[eE][+-]?\d{1,2}(?![\w.]))? | \.\d+)
+  | (?P<open>[(\[{]|\\\{) | (?P<close>[)\]}]|\\\})
+  | (?P<sep>[,;&]|\\\\|\\q?quad\b)
+  | (?P<cmd>\\[A-Za-z]+|\\%)
+  | (?P<word>[^\W\d_]+(?:['\u2019-][^\W\d_]+)*)
+  | (?P<stop>[.?](?=\s|$)|!)
+  | (?P<colon>:(?=\s|$))
+  | (?P<dash>--+|[\u2013\u2014])
+  | (?P<op>[-+*/^_=<>|':])
+  | (?P<other>.)""", re.VERBOSE | re.DOTALL)
+
+
+class _Token(NamedTuple):
+    kind: str     # a _TOKEN group, or for a word: alt, and, not, explain, is, name, letter, prose (_word_kind)
+    text: str
+    spaced: bool  # whitespace before it
+    math: bool    # inside $...$, \(...\), \[...\] or a box, where letters are variables
+
+
+_ALTERNATIVE_WORDS = {"or", "nor", "either", "else", "otherwise", "alternatively", "unless", "maybe", "perhaps",
+                      "possibly", "could", "might", "if", "when", "whether", "vs", "versus", "though", "although",
+                      "ie", "equivalently"}
+_EXPLAINING_WORDS = {"since", "because", "as", "which", "that", "so", "thus", "hence", "therefore", "by", "from",
+                     "with", "via", "using", "per", "where", "see", "eg", "after", "given", "verified", "checked",
+                     "confirmed", "computed", "calculated", "found", "obtained", "according"}
+
+
+def _word_kind(word, math):
+    lower = word.lower()
+    for kind, words in (("alt", _ALTERNATIVE_WORDS), ("and", {"and"}), ("not", {"not", "never", "isn't", "isn\u2019t"}),
+                        ("explain", _EXPLAINING_WORDS), ("is", {"is", "equals"})):
+        if lower in words:
+            return kind
+    return "name" if math else "letter" if len(word) == 1 else "prose"
+
+
+def _tokens(text, math=False):
+    tokens, i, spaced = [], 0, False
+    while i < len(text):
+        match = _TOKEN.match(text, i)
+        kind, i = match.lastgroup, match.end()
+        if kind in ("box", "text"):
+            end = _closing_brace(text, i) or len(text) + 1
+            if kind == "box":
+                tokens.append(_Token("box", text[i:end - 1], spaced, True))
+            else:  # \text{...}: prose, also inside math (units, "and", "or")
+                tokens += [token._replace(spaced=True) for token in _tokens(text[i:end - 1])]
+            i, spaced = end, kind == "text"
+            continue
+        if kind == "delim":
+            math = match[0] in ("\\(", "\\[") or (match[0].startswith("$") and not math)
+        elif kind == "cmd" and match[0] in (r"\lor", r"\vee", r"\approx", r"\pmod", r"\bmod", r"\mod", r"\implies"):
+            tokens.append(_Token("alt" if match[0] in (r"\lor", r"\vee") else "explain", match[0], spaced, math))
+        elif kind != "space":
+            word = kind == "word"
+            tokens.append(_Token(_word_kind(match[0], math) if word else kind, match[0], spaced, math))
+        spaced = kind == "space"
+    return tokens
+
+
+_BINARY_COMMANDS = {r"\times", r"\cdot", r"\div", r"\pm", r"\mp", r"\le", r"\leq", r"\ge", r"\geq", r"\ne", r"\neq",
+                    r"\lt", r"\gt", r"\in", r"\notin", r"\cup", r"\cap", r"\setminus", r"\to", r"\equiv", r"\mid"}
+
+
+def _group_end(tokens, i):
+    """The index after the bracket that closes tokens[i] (the end when none does)."""
+    depth = 0
+    for j in range(i, len(tokens)):
+        depth += (tokens[j].kind == "open") - (tokens[j].kind == "close")
+        if not depth:
+            return j + 1
+    return len(tokens)
+
+
+def _operand_end(tokens, i, after_operator):
+    """The index after an operand that starts at tokens[i], or i when none does there. A letter outside math is a
+    variable after an operator or before one (x = 5, f(3)); a short word after an operator too (x^2 - xy)."""
+    token, following = tokens[i], tokens[i + 1] if i + 1 < len(tokens) else None
+    if token.kind in ("num", "name", "env") or (token.kind == "cmd" and token.text not in _BINARY_COMMANDS):
+        return i + 1
+    if token.kind == "open":
+        end = _group_end(tokens, i)
+        return end if not any(t.kind in ("prose", "explain", "not") for t in tokens[i:end]) else i
+    if token.kind == "letter" and (after_operator or not following or following.kind in ("op", "open", "is", "sep")):
+        return i + 1
+    short_variable = token.kind == "prose" and len(token.text) <= 3 and token.text.isascii()
+    if after_operator and short_variable and (not following or following.kind not in ("prose", "letter")):
+        return i + 1
+    return i
+
+
+def _value_end(tokens, i):
+    """The index after the complete mathematical expression that starts at tokens[i], or i when none does: operands
+    joined by operators (the words "is" and "equals" among them) or written side by side (2\\sqrt{3}, 2 \\pi, 2x,
+    f(x)), with their signs and postfixes (5!, 28\\%). A space then a number, a word or a bracket ends it, and
+    so do a box and a word outside math after a number (a unit: 42cm, 42 cm)."""
+    end, j, expecting = i, i, True
+    while j < len(tokens):
+        token = tokens[j]
+        if expecting and (token.kind == "op" and token.text in "+-" or token.text in (r"\pm", r"\mp")):
+            j += 1  # a sign
+            continue
+        side_by_side = token.kind in ("cmd", "env") or token.text == "{" or (token.math and token.kind == "name") \
+            or (not token.spaced and token.kind in ("open", "num", "letter"))
+        if expecting or (side_by_side and token.text not in _BINARY_COMMANDS):
+            operand_end = _operand_end(tokens, j, after_operator=expecting and j > i)
+            if operand_end == j:
+                break
+            end = j = operand_end
+            expecting = False
+        elif token.text in ("!", "'") and not token.spaced or token.text == r"\%":
+            end = j = j + 1  # 5!, f', 28\%
+        elif token.kind in ("op", "is") or token.text in _BINARY_COMMANDS:
+            j, expecting = j + 1, True
+        else:
+            break
+    return end
+
+
+def _render(tokens):
+    """A value's text: digit groups joined (1,000 -> 1000); in $...$ when it holds a word that is math there."""
+    text = "".join((" " if token.spaced and n else "") + (re.sub(r"[^\d.eE+-]", "", token.text) if token.kind ==
+                   "num" else "=" if token.kind == "is" else token.text) for n, token in enumerate(tokens))
+    return f"${text}$" if any(t.math and t.kind == "name" and len(t.text) > 1 for t in tokens) else text
+
+
+# ---- Rules 2 and 3: after the value, a note; a value offered beside it or as an alternative, a hedge
+
+def _listed(glue):
+    """Whether a value with these tokens before it is listed beside the one before it: nothing but separators,
+    "and", an alternative word, an opening bracket (42, 43  42 43  42 and 43  42 or 43  42 (43))."""
+    return all(token.kind in ("sep", "and", "alt", "open") for token in glue)
+
+
+def _offered_as_alternative(glue):
+    """Whether a value with these tokens before it is offered as an alternative: an alternative word, then at most
+    three words (42, maybe 43  17 but could also be eighteen  42 (checked), or 43). An explaining word, a
+    separator or a sentence's end after the alternative word leaves the value in a note."""
+    kinds = [token.kind for token in glue]
+    if "alt" not in kinds:
+        return False
+    after = kinds[len(kinds) - kinds[::-1].index("alt"):]
+    return len(after) <= 3 and all(kind in ("prose", "letter", "is", "and") for kind in after)
+
+
+def _text_values(tokens):
+    """An answer without math: its first phrase, and the phrases listed after it ("red, green") up to a note
+    ("Yes, because ...")."""
+    values, phrase = [], []
+    for token in tokens + [_Token("stop", "", False, False)]:
+        if token.kind in ("prose", "letter", "name", "not") or (phrase and token.kind in ("is", "explain")):
+            phrase.append(token.text)
+        elif token.kind == "explain":
+            break
+        elif phrase:
+            values.append(" ".join(phrase))
+            phrase = []
+            if token.kind not in ("sep", "and", "alt"):
+                break
+    return values
+
+
+def read_answer(text, math=False):
+    """The values an answer commits to, the committed one first; [] when it commits to none (scoring.md, rules
+    1-4); math: the text is LaTeX (a box's content). The committed value is the first box, else the first
+    complete expression that no "not" precedes; the values listed beside it, those offered as alternatives and
+    every other box are offered with it; all else is a note."""
+    tokens = _tokens(_normalized(text[:2000]), math)
+    units, i = [], 0  # (start, end) of each value and box, in order
+    while i < len(tokens):
+        end = i + 1 if tokens[i].kind == "box" else _value_end(tokens, i)
+        if end > i:
+            units.append((i, end))
+        i = max(end, i + 1)
+    if not units:
+        return _text_values(tokens)
+    negated = [start > 0 and tokens[start - 1].kind == "not" for start, _ in units]
+    boxes = [n for n, (start, _) in enumerate(units) if tokens[start].kind == "box" and not negated[n]]
+    candidates = boxes or [n for n in range(len(units)) if not negated[n]]
+    if not candidates:
+        return []
+    committed = first = last = candidates[0]
+    glue = lambda n: tokens[units[n - 1][1] if n else 0:units[n][0]]  # the tokens before value n
+    while first > 0 and _listed(glue(first)):
+        first -= 1
+    while last + 1 < len(units) and _listed(glue(last + 1)):
+        last += 1
+    offered = [committed] + [n for n in range(len(units)) if n != committed and (
+        first <= n <= last or n in boxes or _offered_as_alternative(glue(n)))]
+    values = []
+    for start, end in (units[n] for n in offered):
+        values += read_answer(tokens[start].text, math=True) if tokens[start].kind == "box" else [_render(tokens[start:end])]
+    return values
+
+
+# ---- Comparing the committed value with the gold: pure functions
 
 _IN_SCORER_WORKER = False  # True in a scorer worker process (_scorer_worker_main)
 
@@ -249,25 +386,27 @@ def _math_verify_timeout():
     return 5 if in_main_thread and not _IN_SCORER_WORKER else None
 
 
+def _parsed(text, latex_only=False):
+    """math_verify's reading of text as LaTeX ($...$ makes bare LaTeX such as \\frac{1}{2} parse); raises on error."""
+    from math_verify import LatexExtractionConfig, ExprExtractionConfig, parse  # here: seconds to import
+
+    config = [LatexExtractionConfig()] + ([] if latex_only else [ExprExtractionConfig()])
+    return parse(f"${text.strip('$')}$", extraction_config=config, parsing_timeout=_math_verify_timeout(),
+                 raise_on_error=True)
+
+
 def _math_verify(prediction, gold):
-    """True/False when math_verify decides, None when it cannot (error or nothing parsed)."""
-    from math_verify import LatexExtractionConfig, parse as mv_parse, verify as mv_verify  # here: seconds to import
+    """True/False when math_verify decides, None when it cannot (error or nothing parsed). The prediction is read as
+    LaTeX only (a value already read out of its answer), its decimals exact."""
+    from math_verify import verify
     from math_verify.errors import TimeoutException as MathVerifyTimeout
 
-    timeout = _math_verify_timeout()
     try:
-        # $...$ makes bare LaTeX such as \frac{1}{2} or \sqrt{2} parse
-        gold_parsed = mv_parse(f"${gold.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
-        # the prediction as LaTeX only: where that fails, math_verify's other reading picks one number out of the
-        # text ("42 (i.e. 43)" -> 43, 42\text{, }43 -> 42), and an answer holding several values is none of them;
-        # its own $ signs go, as math_verify reads one math span ("$42$, maybe 43" would read as 42)
-        latex = re.sub(r"(?<!\\)\$", "", prediction)
-        pred_parsed = mv_parse(f"${latex}$", extraction_config=[LatexExtractionConfig()],
-                               parsing_timeout=timeout, raise_on_error=True)
+        gold_parsed, pred_parsed = _parsed(gold), _parsed(re.sub(r"(?<!\\)\$", "", prediction), latex_only=True)
         if not gold_parsed or all(isinstance(p, str) for p in pred_parsed):
             return None
         pred_parsed = [_exact_decimals(p) for p in pred_parsed]
-        return bool(mv_verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
+        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=_math_verify_timeout(), raise_on_error=True))
     except (Exception, MathVerifyTimeout):  # sympy errors, recursion, its timeout (a BaseException): "cannot decide"
         return None
 
@@ -282,18 +421,22 @@ def _exact_decimals(expr):
     return expr.xreplace({f: Rational(str(f)) for f in floats}) if floats else expr
 
 
-def _unbox(text):
-    match = re.fullmatch(r"\\boxed\s*\{(.*)\}", text, flags=re.DOTALL)
-    return match.group(1) if match else text
+def _gold_is_several(gold):
+    """Whether the gold is a list, set, tuple or interval, as math_verify reads it (rule 4)."""
+    if not re.search(r"[,(\[]|\\\{|\\pm|\\cup|\b(?:or|and)\b", gold):
+        return False
+    from sympy import Set, Tuple
+
+    try:
+        return any(isinstance(p, (Set, Tuple)) for p in _parsed(gold))
+    except Exception:
+        return False
 
 
 def _strip_outer_braces(text):
     while len(text) >= 2 and text[0] == "{" and text[-1] == "}":
-        depth = 0
-        for i, ch in enumerate(text):
-            depth += {"{": 1, "}": -1}.get(ch, 0)
-            if depth == 0 and i < len(text) - 1:
-                return text  # the first brace closes early: "{a}{b}" is not wrapped
+        if _closing_brace(text, 1) != len(text):
+            return text  # the first brace closes early: "{a}{b}" is not wrapped
         text = text[1:-1]
     return text
 
@@ -301,64 +444,9 @@ def _strip_outer_braces(text):
 def normalize_answer(text):
     """Exact-match form: no box, no $, no outer braces, no commas or spaces (or LaTeX spacing), no trailing
     period, lowercase."""
-    text = text.replace("$", "")
-    text = re.sub(r"\\[,;:! ]", "", text)
-    text = re.sub(r"[\s,]", "", text).rstrip(".")
-    text = _strip_outer_braces(_unbox(text))
-    return text.rstrip(".").lower()
-
-
-# Reading an answer as a number. Models decorate numbers (1\,000, \$1000, 5^\circ, 12 \pmod{20}, **42**, "so the
-# answer is 42"), and math_verify, given "$1\,000$", reads the product 1*000: for an integer gold the number decides.
-_GROUP_SEPARATOR = r"(?:,|\{,\}|\\[,;: ]|~|[ \u00a0\u2009\u202f])"  # 1,000  1{,}000  1\,000  1~000  1 000
-_UNSIGNED = rf"(?:(?:\d{{1,3}}(?:{_GROUP_SEPARATOR}\d{{3}})+|\d+)(?:\.\d+)?|\.\d+)"
-_SIGNED = rf"[+-]?\s*{_UNSIGNED}"  # deliberately no exponents: Fraction("1e999999999") would never finish
-_NUMBER = re.compile(_SIGNED)
-_SLASH_FRACTION = re.compile(rf"({_SIGNED})\s*/\s*({_SIGNED})")
-_LATEX_FRACTION = re.compile(rf"([+-]?)\s*\\[dtc]?frac\s*\{{\s*({_SIGNED})\s*\}}\s*\{{\s*({_SIGNED})\s*\}}")
-_TEXT_COMMAND = re.compile(r"\\(?:text(?:bf|it|rm|normal)?|math(?:rm|bf|it)|mbox|operatorname)\s*\{([^{}]*)\}")
-# never a unit: "2 sin theta" is not 2, "17 but could also be eighteen" not 17
-_NOT_A_UNIT = rf"(?:{_NEVER_A_UNIT}|{_NUMBER_WORDS}|{_ALTERNATIVE_WORDS})\b"
-_TRAILING_QUALIFIER = re.compile(
-    r"(?:\s*\(?\s*\\?[pb]?mod(?:ulo)?\s*\{?\s*\d+\s*\}?\s*\)?"          # 12 \pmod{20}, 12 (mod 20)
-    r"|\s*(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)"                        # 5^\circ, 5°
-    r"|\s*\\?%"                                                          # 25\%
-    rf"|(?:\s|\\[,;: ]|~)+(?!{_NOT_A_UNIT})[A-Za-z]{{2,}}\.?(?:\^\{{?[23]\}}?)?)$",      # 1000 dollars, 12 cm^2
-    re.IGNORECASE)
-_PROSE = re.compile(r"[A-Za-z]{2,}")
-_PROSE_PREFIX = re.compile(r"^(?:[A-Za-z][A-Za-z'’]*[\s,:]+)+(?=[+\-\\.\d])")  # so the answer is 42
-
-
-def _strip_decorations(text):
-    """The bare answer: no box, $, \\text{}, markdown emphasis, sentence punctuation, earlier sentences, units,
-    trailing qualifiers (mod, degrees, percent), prose before the number, the left side of a single `=`."""
-    text = text.replace("\u2212", "-").replace("\\$", "")
-    text = re.sub(r"\$|\\[()\[\]]|\\left|\\right|\\displaystyle|\\!", "", text)
-    text = _TEXT_COMMAND.sub(r" \1", text)
-    previous = None
-    while text != previous:
-        previous = text
-        text = _strip_outer_braces(_unbox(text.strip().strip("*_`").strip().rstrip(".;").strip()))  # not "!": 5!
-        sentences = re.split(r"(?<=[.!?;])\s+(?=\S)", text)
-        if all(_PROSE.search(sentence) for sentence in sentences[:-1]):  # "42; 43" is two values, not prose
-            text = sentences[-1]  # the last sentence
-        text = _TRAILING_QUALIFIER.sub("", text)
-    if text.count("=") == 1:
-        text = text.split("=")[1]
-    return _PROSE_PREFIX.sub("", text.strip())
-
-
-# e-notation as Python prints it (1.5e3, 2e-05); a short exponent, so that writing the number out stays cheap
-_E_NOTATION = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)[eE][+-]?\d{1,2}")
-
-
-def _written_out(prediction):
-    """A prediction that is one number in e-notation, written out ("1.5e3" -> "1500", "2e-3" -> "0.002"); any other
-    prediction unchanged. Only beside a numeric gold: beside a symbolic one, 2e-3 may mean 2e - 3."""
-    from decimal import Decimal
-
-    bare = _strip_decorations(prediction) if len(prediction) <= 1000 else ""  # the regexes stay cheap
-    return format(Decimal(bare), "f") if _E_NOTATION.fullmatch(bare) else prediction
+    text = re.sub(r"\\[,;:! ]|[\s,$]", "", text).rstrip(".")
+    text = re.sub(r"^\\boxed\{(.*)\}$", r"\1", text, flags=re.DOTALL)
+    return _strip_outer_braces(text).rstrip(".").lower()
 
 
 def _has_finite_decimal(x):
@@ -380,67 +468,70 @@ def numbers_agree(predicted, gold):
     return abs(predicted - gold) <= Fraction(1, 10**8)
 
 
-def _fraction(number_text):
-    return Fraction(re.sub(rf"\s|{_GROUP_SEPARATOR}", "", number_text))
+_DECIMAL = r"[+-]?\s*(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d{1,2})?"  # a short exponent: writing it out stays cheap
+_NUMBER = re.compile(rf"({_DECIMAL})(?:\s*/\s*({_DECIMAL}))?|([+-]?)\s*\\[dtc]?frac\s*\{{({_DECIMAL})\}}\{{({_DECIMAL})\}}")
+_DIGIT_GROUP = re.compile(r"(?<=\d)(?:,|\{,\}|\\[,;: ]|[ ~\u00a0\u2009\u202f])(?=\d{3}(?!\d))")  # 1,000  1\,000  1 000
+_ASSIGNED = re.compile(r"^\s*(?:\\?[A-Za-z]+(?:_\{?\w+\}?)?(?:\([^()=]*\))?\s*=(?!=)\s*)+")  # x =  f(3) =  a_1 =
 
 
 def read_number(text):
-    """An exact Fraction for an answer that is one number (integer, decimal, a/b or \\frac{a}{b}, decorated as
-    _strip_decorations allows), else None."""
+    """An exact Fraction for a value that is one number (an integer, a decimal, e-notation, a/b or \\frac{a}{b}, in
+    digit groups, a leading name = dropped), else None."""
     if text is None or len(text) > 1000:  # a number is short; the regexes stay cheap
         return None
-    bare = _strip_decorations(text)
+    match = _NUMBER.fullmatch(_strip_outer_braces(_ASSIGNED.sub("", _DIGIT_GROUP.sub("", text.strip(" $")))))
+    if not match:
+        return None
+    from decimal import Decimal
+
+    number = lambda group: Fraction(Decimal(re.sub(r"\s", "", match[group])))
     try:
-        if _NUMBER.fullmatch(bare):
-            return _fraction(bare)
-        if match := _SLASH_FRACTION.fullmatch(bare):
-            return _fraction(match[1]) / _fraction(match[2])
-        if match := _LATEX_FRACTION.fullmatch(bare):
-            value = _fraction(match[2]) / _fraction(match[3])
-            return -value if match[1] == "-" else value
-    except (ValueError, ZeroDivisionError):  # more digits than int() reads, a zero denominator
-        pass
-    return None
+        if match[1]:
+            return number(1) / number(2) if match[2] else number(1)
+        return (-1 if match[3] == "-" else 1) * number(4) / number(5)
+    except ZeroDivisionError:
+        return None
 
 
-# Words that offer alternatives. math_verify reads "42 or 43" as a set (never equal to one value) but "42 (or 43)" or
-# 42 \lor 43 as one of the values, so an answer that offers alternatives to a gold of one value is decided here.
-_ALTERNATIVES = re.compile(rf"\b(?:{_ALTERNATIVE_WORDS})\b|\\(?:lor|vee)(?![A-Za-z])", re.IGNORECASE)
-_SEVERAL_VALUES = re.compile(r"[,;]|\\(?:pm|mp|cup)(?![A-Za-z])|\band\b", re.IGNORECASE)  # a list, a set, a ± pair
-
-
-def is_hedge(prediction, gold):
-    """Whether the prediction offers alternatives ("42 or 43", "42 (or 43)") where the gold is one value."""
-    gold_is_one_value = read_number(gold) is not None or not (_ALTERNATIVES.search(gold)
-                                                              or _SEVERAL_VALUES.search(gold))
-    return gold_is_one_value and bool(_ALTERNATIVES.search(prediction))
+def _same_value(a, b):
+    """Whether two values the answer offers are one (a restatement, rule 3): equal numbers, math_verify, or text."""
+    first, second = read_number(a), read_number(b)
+    if first is not None and second is not None:
+        return numbers_agree(second, first) and numbers_agree(first, second)
+    return bool(_math_verify(b, a)) or normalize_answer(a) == normalize_answer(b)
 
 
 def score_answer(prediction, gold):
-    """(score 0.0 or 1.0, method). A pure function; it may run for a long time on adversarial input (sympy), so the
-    episode loop calls it through score_answer_isolated. A hedge scores 0 (is_hedge; several different boxed
-    values come here as a list, which no single value equals). Beside a numeric gold, a prediction in e-notation is
-    written out first, and a prediction that reads as a number is compared as one: exactly for an integer gold
-    (integer_match), else accepted when numbers_agree. Otherwise math_verify, gold first, with the prediction's
-    decimals exact (it also reads forms such as 50\\% for 0.5); when it cannot decide, normalised exact match and
+    """(score 0.0 or 1.0, method) of an answer (its text, or what extract_final_answer made of it) against the
+    gold. A pure function; it may run for a long time on adversarial input (sympy), so the episode loop calls it
+    through score_answer_isolated. Several different values offered for a gold of one value are a hedge (0);
+    for a gold that is several values they are the answer. Beside a numeric gold, a value that reads as a number
+    is compared as one: exactly for an integer gold (integer_match; 28\\% answers 28, as math_verify has it),
+    else accepted when numbers_agree. Otherwise math_verify, gold first, with the answer's decimals exact (it also
+    reads 50\\% as 0.5 and compares equations and sets as such); when it cannot decide, normalised exact match and
     numbers_agree."""
     if prediction is None or not prediction.strip():
         return 0.0, "missing_final_answer"
-    if is_hedge(prediction, gold):
-        return 0.0, "hedge"
+    values = read_answer(prediction)
+    if not values:
+        return 0.0, "no_value"
     gold_number = read_number(gold)
+    if len(values) > 1 and (gold_number is not None or not _gold_is_several(gold)):
+        if not all(_same_value(values[0], value) for value in values[1:]):
+            return 0.0, "hedge"
+        values = values[:1]
+    prediction = ", ".join(values)
     if gold_number is not None:
-        prediction = _written_out(prediction)
-        predicted_number = read_number(prediction)
-        if predicted_number is not None and gold_number.denominator == 1:
+        integer_gold = gold_number.denominator == 1
+        predicted_number = read_number(prediction.removesuffix(r"\%") if integer_gold else prediction)
+        if predicted_number is not None and integer_gold:
             return float(predicted_number == gold_number), "integer_match"
         if predicted_number is not None and numbers_agree(predicted_number, gold_number):
             return 1.0, "numeric_match"
     decided = _math_verify(prediction, gold)
     if decided is not None:
         return float(decided), "math_verify"
-    pred_norm, gold_norm = normalize_answer(prediction), normalize_answer(gold)
-    if pred_norm == gold_norm:
+    if normalize_answer(prediction) == normalize_answer(gold):
         return 1.0, "exact_match"
     pred_num, gold_num = read_number(prediction), read_number(gold)
     if pred_num is not None and gold_num is not None:
