@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 
 
-# ---- Where the answer is (scoring.md: "Where the answer is")
+# ---- Where the answer is
 
 def strip_think(text):
     """Drop <think>...</think> blocks; a dangling </think> (opening tag in the prompt) drops everything before it,
@@ -50,169 +50,142 @@ _ANSWER_MARKER = re.compile(
     r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answer|answer)[ \t]*(?:\*\*|__)?[ \t]*[:：]",
     re.IGNORECASE | re.MULTILINE)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-# after an empty marker line: display math on the lines right after it, or a line that opens with math
 _DISPLAY_MATH = re.compile(r"[ \t]*\n\s*(\\\[.{0,2000}?\\\]|\$\$.{0,2000}?\$\$|(?:\$|\\\(|\\boxed|\\fbox)[^\n]*)",
                            re.DOTALL)
 
 
 def _closing_brace(text, start):
-    """The index just after the brace that closes the one opened before `start`, or None when none does."""
+    """The index after the brace that closes the one opened just before `start`, or None when none does."""
     depth = 1
     for i in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        depth += (text[i] == "{") - (text[i] == "}")
         if not depth:
             return i + 1
     return None
 
 
-def _line_end(text, i):
-    end = text.find("\n", i)
-    return len(text) if end < 0 else end
-
-
 def answer_text(reply):
-    """The part of a reply that states its answer, or None: the rest of the last marker line; after an empty one,
-    the display math right below it; else the line of the last closed box, from its first box (a box left open
-    there is cut off)."""
+    """The part of a reply that states its answer, or None: the rest of the last marker line; below an empty one,
+    display math; else the line of the last closed box from its first box (a box left open there cut off)."""
     text = strip_think(reply)
-    markers = list(_ANSWER_MARKER.finditer(text))
-    if markers:
+    if markers := list(_ANSWER_MARKER.finditer(text)):
         start = markers[-1].end()
-        if text[start:_line_end(text, start)].strip():
-            return text[start:_line_end(text, start)].strip()
-        if display := _DISPLAY_MATH.match(text, _line_end(text, start)):
+        if line := text[start:(text + "\n").find("\n", start)].strip():
+            return line
+        if display := _DISPLAY_MATH.match(text, (text + "\n").find("\n", start)):
             return display[1]
-    closed = [box.start() for box in _BOXED.finditer(text) if _closing_brace(text, box.end())]
+    closed = [(box.start(), end) for box in _BOXED.finditer(text) if (end := _closing_brace(text, box.end()))]
     if not closed:
         return None
-    line_start, line_end = text.rfind("\n", 0, closed[-1]) + 1, _line_end(text, closed[-1])
-    first = next(box for box in _BOXED.finditer(text, line_start, line_end))
-    open_box = next((box.start() for box in _BOXED.finditer(text, first.start(), line_end)
-                     if not _closing_brace(text[:line_end], box.end())), line_end)
-    return text[first.start():open_box].strip()
+    line, end = text.rfind("\n", 0, closed[-1][0]) + 1, (text + "\n").find("\n", closed[-1][1])
+    start = next(box for box, _ in closed if box >= line)  # the work before the first box is no answer
+    cut = next((box.start() for box in _BOXED.finditer(text, start, end) if not _closing_brace(text, box.end())), end)
+    return "$" * (text[line:start].count("$") % 2) + text[start:cut].strip()  # a box inside $...$ stays in math
 
 
 def extract_final_answer(reply):
-    """What the reply commits to as its answer, or None when it states none: the values read_answer finds in its
-    answer text, joined by ", " (re-read the same by score_answer), or the text itself when it commits to no value
-    ("not 42"), which scores 0."""
+    """What the reply commits to, or None when it states no answer: the values read_answer finds in its answer
+    text, joined by ", " (score_answer reads them back the same), or that text when it commits to none ("not 42",
+    which scores 0)."""
     text = answer_text(reply)
     if text is None:
         return None
-    values = read_answer(text)
-    return ", ".join(values) if values else text
+    return ", ".join(read_answer(text)) or text
 
 
-# ---- Rule 1, the committed value: words that are part of a value, then the value's extent
+# ---- Rule 1, the committed value: the words that belong to a value, then where it ends
 
 _UNICODE = str.maketrans({"\u2212": "-", "\u00d7": r" \times ", "\u00f7": r" \div ", "\u00b7": r" \cdot ",
                           "\u2264": r" \le ", "\u2265": r" \ge ", "\u2260": r" \ne ", "\u03c0": r" \pi ",
                           "\u221a": r"\sqrt", "\u221e": r" \infty ", "\u00b1": r" \pm ", "\u2248": r" \approx ",
                           "\u00b0": " ", "\uff0c": ", ", "\uff1b": "; ", "\uff1a": ": ", "\u3002": ". ",
                           "\uff08": " (", "\uff09": ") ", "\u3010": " [", "\u3011": "] ",
-                          **{c: f"^{{{d}}}" for c, d in zip("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078"
-                                                            "\u2079", "0123456789")}})
-_CARDINALS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
-                                         "thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split())}
-_CARDINALS.update({w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)})
-_SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12, "dozen": 12}
-_CARDINAL = "|".join(_CARDINALS)
-_NUMBER_WORDS = re.compile(rf"\b(?:{_CARDINAL})(?:[\s-]+(?:{_CARDINAL}|{'|'.join(_SCALES)})\b)*\b", re.IGNORECASE)
-_DETERMINER = re.compile(r"\b(?:the|this|that|each|every|any|which|only|same|no)\s+$", re.IGNORECASE)
-_ORDINAL = {"half": 2, "halve": 2, "third": 3, "quarter": 4, "fif": 5, "eigh": 8, "nin": 9, "twelf": 12}
-_SCALED = re.compile(r"(\d+(?:\.\d+)?|\ban?\b)[\s-]*(?:(\w*?(?:th|half|halve|third|quarter))s?|(hundred|thousand|[mbtr]illion|"
-                     r"dozen)s?)\b", re.IGNORECASE)
-_SIGN_WORD = re.compile(r"\b(?:(minus|negative)|(plus)|(times)|positive)\s+(?=[\d.\\(]|\w\b)", re.IGNORECASE)
-_MATH_WORD = re.compile(r"(?<![\\\w])(pi|theta|alpha|beta|gamma|delta|epsilon|phi|omega|lambda|sigma|tau|sin|cos|"
-                        r"tan|cot|sec|csc|arcsin|arccos|arctan|sinh|cosh|tanh|log|ln|exp|sqrt|infty)\b"
-                        r"|(?<![\\\w])infinity\b|\s*\bfactorial\b|\s*\bsquared\b|\s*\bcubed\b", re.IGNORECASE)
-_MATH_WORD_LATEX = {"infinity": r"\infty", "factorial": "!", "squared": "^{2}", "cubed": "^{3}"}
+                          **{c: f"^{{{n}}}" for n, c in enumerate("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077"
+                                                                  "\u2078\u2079")}})
+_CARDINALS = {word: n for n, word in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
+                                               "thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split())}
+_CARDINALS.update({word: 10 * n for n, word in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)})
+_SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "dozen": 12}
+_NUMBER_WORDS = re.compile(rf"\b(?:{'|'.join(_CARDINALS)})\b(?:[\s-]+(?:{'|'.join([*_CARDINALS, *_SCALES])})\b)*",
+                           re.IGNORECASE)
+_PRONOUN = re.compile(r"\b(?:the|this|that|each|every|any|which|only|same|no)\s+$", re.IGNORECASE)  # the same one
+_ORDINAL_STEMS = {"half": "two", "halve": "two", "third": "three", "quarter": "four", "fif": "five", "eigh": "eight",
+                  "nin": "nine", "twelf": "twelve"}
+_SCALED = re.compile(r"(\d+(?:\.\d+)?|\ban?\b)[\s-]*(?:(\w*?(?:th|half|halve|third|quarter))s?|(hundred|thousand|"
+                     r"million|billion|dozen)s?)\b", re.IGNORECASE)
+_WORD_LATEX = {"minus": "-", "negative": "-", "plus": "+", "positive": "", "times": r"\times ", "infinity": r"\infty",
+               "factorial": "!", "squared": "^{2}", "cubed": "^{3}", **{word: f"\\{word} " for word in (
+                   "pi theta alpha beta gamma delta epsilon phi omega lambda sigma tau sin cos tan cot sec csc arcsin "
+                   "arccos arctan sinh cosh tanh log ln exp sqrt infty").split()}}
+_MATH_WORD = re.compile(rf"\s*(?<![\\\w])({'|'.join(_WORD_LATEX)})\b\s*", re.IGNORECASE)  # minus 42, 2 pi, 5 factorial
 
 
 def _cardinal(words):
-    """The integer that number words name ("forty-two" 42, "one hundred twenty" 120, "twelve" 12), else None."""
+    """The integer that number words name ("forty-two" 42, "one hundred twenty" 120, "thousand" 1000), else None."""
     total = current = 0
     for word in re.split(r"[\s-]+", words.lower()):
-        if word in _CARDINALS:
-            current += _CARDINALS[word]
-        elif word == "hundred":
-            current = (current or 1) * 100
-        elif word in _SCALES:
-            total, current = total + (current or 1) * _SCALES[word], 0
-        else:
+        if word not in _CARDINALS and word not in _SCALES:
             return None
+        current = (current or 1) * _SCALES[word] if word in _SCALES else current + _CARDINALS[word]
+        if word in _SCALES and word != "hundred":
+            total, current = total + current, 0
     return total + current
 
 
 def _scaled(match):
-    """A number with the word after it that changes its value: 42 thousandths, 5 twelfths, 3 million, 2 dozen."""
+    """A number and the word after it that changes its value: 42 thousandths, 5 twelfths, 3 million, a dozen."""
     from decimal import Decimal
 
     number, ordinal, scale = match.groups()
     number = "1" if number.lower() in ("a", "an") else number
     if scale:
         return format((Decimal(number) * _SCALES[scale.lower()]).normalize(), "f")
-    stem = ordinal.lower().removesuffix("th")
-    stem = stem[:-2] + "y" if stem.endswith("ie") else stem
-    denominator = _ORDINAL.get(stem) or _cardinal(_ORDINAL.get(stem, stem)) or _cardinal(stem + "e")
+    stem = re.sub(r"ie$", "y", ordinal.lower().removesuffix("th"))
+    denominator = _cardinal(_ORDINAL_STEMS.get(stem, stem))
     return rf"\frac{{{number}}}{{{denominator}}}" if denominator and denominator > 1 else match[0]
 
 
 def _normalized(text):
-    """The answer with what math-verify reads differently taken out: markdown, currency and degree signs, \\left
-    and \\right; number words as digits; words that change a number's value, sign words and math words as LaTeX;
+    """The answer in the form the tokens below read: no markdown emphasis, currency or degree signs; i.e. and e.g.
+    as words; number words as digits; words that change a number's value, sign words and math words as LaTeX;
     Unicode math and full-width punctuation as ASCII and LaTeX."""
-    text = re.sub(r"\\\$|\\left\b|\\right\b|\\displaystyle|\\!|\*\*|__|`|\^\s*\{?\s*\\circ\s*\}?|\\degree", "",
+    text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*\{?\s*\\circ\s*\}?|\\degree", "",
                   text.translate(_UNICODE)).strip(" *")
-    text = re.sub(r"\bi\.\s?e\.", " ie ", re.sub(r"\be\.\s?g\.", " eg ", text, flags=re.IGNORECASE), flags=re.I)
-    text = _NUMBER_WORDS.sub(lambda m: m[0] if m[0].lower() == "one" and _DETERMINER.search(text[:m.start()])
+    text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", text)
+    text = _NUMBER_WORDS.sub(lambda m: m[0] if m[0].lower() == "one" and _PRONOUN.search(text[:m.start()])
                              else str(_cardinal(m[0])), text)
     text = _SCALED.sub(_scaled, re.sub(r"(\d)\s*(?:per\s?cent(?:age)?|pct)\b|(?<!\\)%", r"\1\\%", text))
-    text = _SIGN_WORD.sub(lambda m: "-" if m[1] else "+" if m[2] else r"\times " if m[3] else "", text)
-    return _MATH_WORD.sub(lambda m: _MATH_WORD_LATEX.get(m[0].strip().lower(), f"\\{(m[1] or '').lower()}"), text)
+    return _MATH_WORD.sub(lambda m: _WORD_LATEX[m[1].lower()], text)
 
 
 _TOKEN = re.compile(r"""
     (?P<space>(?:\s|\\[,;:!\ ]|~)+)
-  | (?P<box>\\(?:boxed|fbox)\s*\{)
-  | (?P<text>\\(?:text\w*|mbox|math(?:rm|bf|it|sf|tt))\s*\{)
+  | (?P<box>\\(?:boxed|fbox)\s*\{) | (?P<text>\\(?:text\w*|mbox|math(?:rm|bf|it|sf|tt))\s*\{)
   | (?P<env>\\begin\{(?P<name>\w+\*?)\}.*?\\end\{(?P=name)\})
   | (?P<delim>\$\$?|\\[()\[\]])
   | (?P<num>(?:\d{1,3}(?:(?:,|\{,\}|\\[,;:\ ]|[\ ~\u00a0\u2009\u202f])\d{3}(?!\d))+|\d+)(?:\.\d+)?
             (?:[eE][+-]?\d{1,2}(?![\w.]))? | \.\d+)
-  | (?P<open>[(\[{]|\\\{) | (?P<close>[)\]}]|\\\})
-  | (?P<sep>[,;&]|\\\\|\\q?quad\b)
-  | (?P<cmd>\\[A-Za-z]+|\\%)
-  | (?P<word>[^\W\d_]+(?:['\u2019-][^\W\d_]+)*)
-  | (?P<stop>[.?](?=\s|$)|!)
-  | (?P<colon>:(?=\s|$))
-  | (?P<dash>--+|[\u2013\u2014])
-  | (?P<op>[-+*/^_=<>|':])
-  | (?P<other>.)""", re.VERBOSE | re.DOTALL)
+  | (?P<open>[(\[{]|\\\{) | (?P<close>[)\]}]|\\\}) | (?P<sep>[,;&]|\\\\|\\q?quad\b)
+  | (?P<cmd>\\[A-Za-z]+|\\%) | (?P<word>[^\W\d_]+(?:['\u2019-][^\W\d_]+)*)
+  | (?P<stop>[.?:](?=\s|$)|!) | (?P<dash>--+|[\u2013\u2014]) | (?P<op>[-+*/^_=<>|':]) | (?P<other>.)
+""", re.VERBOSE | re.DOTALL)
+_WORD_KINDS = {**dict.fromkeys("or nor either else otherwise alternatively unless maybe perhaps possibly could might "
+                               r"if when whether vs versus though although ie equivalently \lor \vee".split(), "alt"),
+               **dict.fromkeys("since because as which that so thus hence therefore by from with via using per where "
+                               r"see eg after given verified checked confirmed computed calculated found obtained "
+                               r"according \approx \pmod \bmod \mod \implies".split(), "explain"),
+               "not": "not", "never": "not", "isn't": "not", "isn\u2019t": "not", "is": "is", "equals": "is",
+               "and": "and"}
+_BINARY_COMMANDS = {r"\times", r"\cdot", r"\div", r"\pm", r"\mp", r"\le", r"\leq", r"\ge", r"\geq", r"\ne", r"\neq",
+                    r"\lt", r"\gt", r"\in", r"\notin", r"\cup", r"\cap", r"\setminus", r"\to", r"\equiv", r"\mid"}
 
 
 class _Token(NamedTuple):
-    kind: str     # a _TOKEN group, or for a word: alt, and, not, explain, is, name, letter, prose (_word_kind)
+    kind: str     # a _TOKEN group; a word's: alt, explain, not, is, and (_WORD_KINDS), name (in math), letter, prose
     text: str
     spaced: bool  # whitespace before it
     math: bool    # inside $...$, \(...\), \[...\] or a box, where letters are variables
-
-
-_ALTERNATIVE_WORDS = {"or", "nor", "either", "else", "otherwise", "alternatively", "unless", "maybe", "perhaps",
-                      "possibly", "could", "might", "if", "when", "whether", "vs", "versus", "though", "although",
-                      "ie", "equivalently"}
-_EXPLAINING_WORDS = {"since", "because", "as", "which", "that", "so", "thus", "hence", "therefore", "by", "from",
-                     "with", "via", "using", "per", "where", "see", "eg", "after", "given", "verified", "checked",
-                     "confirmed", "computed", "calculated", "found", "obtained", "according"}
-
-
-def _word_kind(word, math):
-    lower = word.lower()
-    for kind, words in (("alt", _ALTERNATIVE_WORDS), ("and", {"and"}), ("not", {"not", "never", "isn't", "isn\u2019t"}),
-                        ("explain", _EXPLAINING_WORDS), ("is", {"is", "equals"})):
-        if lower in words:
-            return kind
-    return "name" if math else "letter" if len(word) == 1 else "prose"
+    close: int = 0  # of an opening bracket: the index after the bracket that closes it (the end when none does)
 
 
 def _tokens(text, math=False):
@@ -220,78 +193,71 @@ def _tokens(text, math=False):
     while i < len(text):
         match = _TOKEN.match(text, i)
         kind, i = match.lastgroup, match.end()
-        if kind in ("box", "text"):
+        if kind in ("box", "text"):  # a box's content is read on its own; \text{...} is prose, also inside math
             end = _closing_brace(text, i) or len(text) + 1
-            if kind == "box":
-                tokens.append(_Token("box", text[i:end - 1], spaced, True))
-            else:  # \text{...}: prose, also inside math (units, "and", "or")
-                tokens += [token._replace(spaced=True) for token in _tokens(text[i:end - 1])]
-            i, spaced = end, kind == "text"
-            continue
-        if kind == "delim":
+            tokens += [_Token("box", text[i:end - 1], spaced, True)] if kind == "box" else [
+                token._replace(spaced=True) for token in _tokens(text[i:end - 1])]
+            i = end
+        elif kind == "delim":
             math = match[0] in ("\\(", "\\[") or (match[0].startswith("$") and not math)
-        elif kind == "cmd" and match[0] in (r"\lor", r"\vee", r"\approx", r"\pmod", r"\bmod", r"\mod", r"\implies"):
-            tokens.append(_Token("alt" if match[0] in (r"\lor", r"\vee") else "explain", match[0], spaced, math))
         elif kind != "space":
-            word = kind == "word"
-            tokens.append(_Token(_word_kind(match[0], math) if word else kind, match[0], spaced, math))
-        spaced = kind == "space"
-    return tokens
+            word = _WORD_KINDS.get(match[0].lower()) if kind in ("word", "cmd") else None
+            if kind == "word" and not word:
+                word = "name" if math else "letter" if len(match[0]) == 1 else "prose"
+            tokens.append(_Token(word or kind, match[0], spaced, math))
+        spaced = kind in ("space", "text")
+    opened = []
+    for i, token in enumerate(tokens):
+        if token.kind == "open":
+            opened.append(i)
+        elif token.kind == "close" and opened:
+            tokens[opened[-1]] = tokens[opened[-1]]._replace(close=i + 1)
+            opened.pop()
+    return [token._replace(close=len(tokens)) if token.kind == "open" and not token.close else token
+            for token in tokens]
 
 
-_BINARY_COMMANDS = {r"\times", r"\cdot", r"\div", r"\pm", r"\mp", r"\le", r"\leq", r"\ge", r"\geq", r"\ne", r"\neq",
-                    r"\lt", r"\gt", r"\in", r"\notin", r"\cup", r"\cap", r"\setminus", r"\to", r"\equiv", r"\mid"}
-
-
-def _group_end(tokens, i):
-    """The index after the bracket that closes tokens[i] (the end when none does)."""
-    depth = 0
-    for j in range(i, len(tokens)):
-        depth += (tokens[j].kind == "open") - (tokens[j].kind == "close")
-        if not depth:
-            return j + 1
-    return len(tokens)
+def _operator(token):
+    return token.kind in ("op", "is") and token.text not in "!'" or token.text in _BINARY_COMMANDS
 
 
 def _operand_end(tokens, i, after_operator):
-    """The index after an operand that starts at tokens[i], or i when none does there. A letter outside math is a
-    variable after an operator or before one (x = 5, f(3)); a short word after an operator too (x^2 - xy)."""
+    """The index after an operand that starts at tokens[i], or i when none does. Outside math a letter is a variable
+    after an operator or before one (x = 5, f(3)), and so is a short word after an operator (x^2 - xy); a bracket
+    holding words is a note, not an operand."""
     token, following = tokens[i], tokens[i + 1] if i + 1 < len(tokens) else None
-    if token.kind in ("num", "name", "env") or (token.kind == "cmd" and token.text not in _BINARY_COMMANDS):
+    if token.kind in ("num", "name", "env") or token.kind == "cmd" and not _operator(token):
         return i + 1
     if token.kind == "open":
-        end = _group_end(tokens, i)
-        return end if not any(t.kind in ("prose", "explain", "not") for t in tokens[i:end]) else i
-    if token.kind == "letter" and (after_operator or not following or following.kind in ("op", "open", "is", "sep")):
+        return token.close if not any(t.kind in ("prose", "explain", "not", "alt") for t in tokens[i:token.close]) else i
+    if token.kind == "letter" and (after_operator or not following or _operator(following)
+                                   or following.kind in ("open", "sep")):
         return i + 1
-    short_variable = token.kind == "prose" and len(token.text) <= 3 and token.text.isascii()
-    if after_operator and short_variable and (not following or following.kind not in ("prose", "letter")):
-        return i + 1
-    return i
+    short_word = token.kind == "prose" and len(token.text) <= 3 and token.text.isascii()
+    return i + 1 if after_operator and short_word and (not following or following.kind != "prose") else i
 
 
 def _value_end(tokens, i):
     """The index after the complete mathematical expression that starts at tokens[i], or i when none does: operands
-    joined by operators (the words "is" and "equals" among them) or written side by side (2\\sqrt{3}, 2 \\pi, 2x,
-    f(x)), with their signs and postfixes (5!, 28\\%). A space then a number, a word or a bracket ends it, and
-    so do a box and a word outside math after a number (a unit: 42cm, 42 cm)."""
+    joined by operators (the words "is" and "equals" among them) or side by side (2\\sqrt{3}, 2 \\pi, 2x, f(x)),
+    with signs and postfixes (5!, 28\\%). A space before a number, a word or a bracket ends it; so do a box and,
+    outside math, a word after a number (a unit: 42 cm, 42cm)."""
     end, j, expecting = i, i, True
     while j < len(tokens):
         token = tokens[j]
-        if expecting and (token.kind == "op" and token.text in "+-" or token.text in (r"\pm", r"\mp")):
+        if expecting and (token.text in ("+", "-", r"\pm", r"\mp")):
             j += 1  # a sign
             continue
         side_by_side = token.kind in ("cmd", "env") or token.text == "{" or (token.math and token.kind == "name") \
             or (not token.spaced and token.kind in ("open", "num", "letter"))
-        if expecting or (side_by_side and token.text not in _BINARY_COMMANDS):
-            operand_end = _operand_end(tokens, j, after_operator=expecting and j > i)
-            if operand_end == j:
+        if expecting or side_by_side and not _operator(token):
+            if (operand_end := _operand_end(tokens, j, after_operator=expecting and j > i)) == j:
                 break
             end = j = operand_end
             expecting = False
         elif token.text in ("!", "'") and not token.spaced or token.text == r"\%":
-            end = j = j + 1  # 5!, f', 28\%
-        elif token.kind in ("op", "is") or token.text in _BINARY_COMMANDS:
+            end = j = j + 1
+        elif _operator(token):
             j, expecting = j + 1, True
         else:
             break
@@ -299,78 +265,64 @@ def _value_end(tokens, i):
 
 
 def _render(tokens):
-    """A value's text: digit groups joined (1,000 -> 1000); in $...$ when it holds a word that is math there."""
-    text = "".join((" " if token.spaced and n else "") + (re.sub(r"[^\d.eE+-]", "", token.text) if token.kind ==
-                   "num" else "=" if token.kind == "is" else token.text) for n, token in enumerate(tokens))
+    """A value as text: digit groups joined (1,000 is 1000), "is" as =, in $...$ if a word in it is math there."""
+    text = "".join(" " * (token.spaced and n > 0) + (re.sub(r"[^\d.eE+-]", "", token.text) if token.kind == "num"
+                   else "=" if token.kind == "is" else token.text) for n, token in enumerate(tokens))
+    text = re.sub(r"\s+", " ", text)
     return f"${text}$" if any(t.math and t.kind == "name" and len(t.text) > 1 for t in tokens) else text
 
 
-# ---- Rules 2 and 3: after the value, a note; a value offered beside it or as an alternative, a hedge
+# ---- Rules 2 to 4: after the value, a note; beside it or as its alternative, other values it offers
 
 def _listed(glue):
     """Whether a value with these tokens before it is listed beside the one before it: nothing but separators,
-    "and", an alternative word, an opening bracket (42, 43  42 43  42 and 43  42 or 43  42 (43))."""
+    "and", an alternative word, an opening bracket between them (42, 43  42 43  42 and 43  42 or 43  42 (43))."""
     return all(token.kind in ("sep", "and", "alt", "open") for token in glue)
 
 
 def _offered_as_alternative(glue):
-    """Whether a value with these tokens before it is offered as an alternative: an alternative word, then at most
-    three words (42, maybe 43  17 but could also be eighteen  42 (checked), or 43). An explaining word, a
-    separator or a sentence's end after the alternative word leaves the value in a note."""
+    """Whether a value with these tokens before it is offered as an alternative: after an alternative word, at most
+    three words (42, maybe 43  17 but could also be eighteen  42 (checked), or 43); a separator, an explaining
+    word or a sentence's end after the alternative word leaves it in a note."""
     kinds = [token.kind for token in glue]
-    if "alt" not in kinds:
-        return False
-    after = kinds[len(kinds) - kinds[::-1].index("alt"):]
-    return len(after) <= 3 and all(kind in ("prose", "letter", "is", "and") for kind in after)
-
-
-def _text_values(tokens):
-    """An answer without math: its first phrase, and the phrases listed after it ("red, green") up to a note
-    ("Yes, because ...")."""
-    values, phrase = [], []
-    for token in tokens + [_Token("stop", "", False, False)]:
-        if token.kind in ("prose", "letter", "name", "not") or (phrase and token.kind in ("is", "explain")):
-            phrase.append(token.text)
-        elif token.kind == "explain":
-            break
-        elif phrase:
-            values.append(" ".join(phrase))
-            phrase = []
-            if token.kind not in ("sep", "and", "alt"):
-                break
-    return values
+    after = kinds[len(kinds) - kinds[::-1].index("alt"):] if "alt" in kinds else None
+    return after is not None and len(after) <= 3 and all(k in ("prose", "letter", "is", "and") for k in after)
 
 
 def read_answer(text, math=False):
     """The values an answer commits to, the committed one first; [] when it commits to none (scoring.md, rules
     1-4); math: the text is LaTeX (a box's content). The committed value is the first box, else the first
     complete expression that no "not" precedes; the values listed beside it, those offered as alternatives and
-    every other box are offered with it; all else is a note."""
+    every other box come with it; all else is a note. An answer without math reads the same way, its phrases
+    (runs of words) as its values."""
     tokens = _tokens(_normalized(text[:2000]), math)
-    units, i = [], 0  # (start, end) of each value and box, in order
-    while i < len(tokens):
-        end = i + 1 if tokens[i].kind == "box" else _value_end(tokens, i)
-        if end > i:
-            units.append((i, end))
-        i = max(end, i + 1)
-    if not units:
-        return _text_values(tokens)
-    negated = [start > 0 and tokens[start - 1].kind == "not" for start, _ in units]
+    phrase_end = lambda i: next((j for j in range(i, len(tokens)) if tokens[j].kind not in (
+        "prose", "letter", "name", "not")), len(tokens))
+    for prose, end_of in ((False, lambda i: i + 1 if tokens[i].kind == "box" else _value_end(tokens, i)),
+                          (True, phrase_end)):
+        units, i = [], 0  # (start, end) of each value, box or phrase, in order
+        while i < len(tokens):
+            end = end_of(i)
+            units += [(i, end)] if end > i else []
+            i = max(end, i + 1)
+        if units:
+            break
+    negated = [start > 0 and tokens[start - 1].kind == "not" and not prose for start, _ in units]
     boxes = [n for n, (start, _) in enumerate(units) if tokens[start].kind == "box" and not negated[n]]
     candidates = boxes or [n for n in range(len(units)) if not negated[n]]
     if not candidates:
         return []
     committed = first = last = candidates[0]
-    glue = lambda n: tokens[units[n - 1][1] if n else 0:units[n][0]]  # the tokens before value n
+    glue = lambda n: tokens[units[n - 1][1] if n else 0:units[n][0]]  # the tokens before unit n
     while first > 0 and _listed(glue(first)):
         first -= 1
     while last + 1 < len(units) and _listed(glue(last + 1)):
         last += 1
-    offered = [committed] + [n for n in range(len(units)) if n != committed and (
-        first <= n <= last or n in boxes or _offered_as_alternative(glue(n)))]
     values = []
-    for start, end in (units[n] for n in offered):
-        values += read_answer(tokens[start].text, math=True) if tokens[start].kind == "box" else [_render(tokens[start:end])]
+    for n in [committed] + [n for n in range(len(units)) if n != committed and (
+            first <= n <= last or n in boxes or n > committed and _offered_as_alternative(glue(n)))]:
+        start, end = units[n]
+        values += read_answer(tokens[start].text, True) if tokens[start].kind == "box" else [_render(tokens[start:end])]
     return values
 
 
@@ -386,27 +338,21 @@ def _math_verify_timeout():
     return 5 if in_main_thread and not _IN_SCORER_WORKER else None
 
 
-def _parsed(text, latex_only=False):
-    """math_verify's reading of text as LaTeX ($...$ makes bare LaTeX such as \\frac{1}{2} parse); raises on error."""
-    from math_verify import LatexExtractionConfig, ExprExtractionConfig, parse  # here: seconds to import
-
-    config = [LatexExtractionConfig()] + ([] if latex_only else [ExprExtractionConfig()])
-    return parse(f"${text.strip('$')}$", extraction_config=config, parsing_timeout=_math_verify_timeout(),
-                 raise_on_error=True)
-
-
 def _math_verify(prediction, gold):
-    """True/False when math_verify decides, None when it cannot (error or nothing parsed). The prediction is read as
-    LaTeX only (a value already read out of its answer), its decimals exact."""
-    from math_verify import verify
+    """True/False when math_verify decides, None when it cannot (error or nothing parsed). The prediction, a value
+    read_answer found, is read as LaTeX alone, with its decimals exact (_exact_decimals)."""
+    from math_verify import LatexExtractionConfig, parse, verify  # here: seconds to import
     from math_verify.errors import TimeoutException as MathVerifyTimeout
 
-    try:
-        gold_parsed, pred_parsed = _parsed(gold), _parsed(re.sub(r"(?<!\\)\$", "", prediction), latex_only=True)
+    timeout, prediction = _math_verify_timeout(), re.sub(r"(?<!\\)\$", "", prediction)
+    try:  # $...$ makes bare LaTeX such as \frac{1}{2} parse
+        gold_parsed = parse(f"${gold.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
+        pred_parsed = parse(f"${prediction}$", [LatexExtractionConfig()], parsing_timeout=timeout,
+                            raise_on_error=True)
         if not gold_parsed or all(isinstance(p, str) for p in pred_parsed):
             return None
         pred_parsed = [_exact_decimals(p) for p in pred_parsed]
-        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=_math_verify_timeout(), raise_on_error=True))
+        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
     except (Exception, MathVerifyTimeout):  # sympy errors, recursion, its timeout (a BaseException): "cannot decide"
         return None
 
@@ -421,22 +367,8 @@ def _exact_decimals(expr):
     return expr.xreplace({f: Rational(str(f)) for f in floats}) if floats else expr
 
 
-def _gold_is_several(gold):
-    """Whether the gold is a list, set, tuple or interval, as math_verify reads it (rule 4)."""
-    if not re.search(r"[,(\[]|\\\{|\\pm|\\cup|\b(?:or|and)\b", gold):
-        return False
-    from sympy import Set, Tuple
-
-    try:
-        return any(isinstance(p, (Set, Tuple)) for p in _parsed(gold))
-    except Exception:
-        return False
-
-
 def _strip_outer_braces(text):
-    while len(text) >= 2 and text[0] == "{" and text[-1] == "}":
-        if _closing_brace(text, 1) != len(text):
-            return text  # the first brace closes early: "{a}{b}" is not wrapped
+    while text.startswith("{") and _closing_brace(text, 1) == len(text):  # "{a}{b}" is not wrapped
         text = text[1:-1]
     return text
 
@@ -445,8 +377,7 @@ def normalize_answer(text):
     """Exact-match form: no box, no $, no outer braces, no commas or spaces (or LaTeX spacing), no trailing
     period, lowercase."""
     text = re.sub(r"\\[,;:! ]|[\s,$]", "", text).rstrip(".")
-    text = re.sub(r"^\\boxed\{(.*)\}$", r"\1", text, flags=re.DOTALL)
-    return _strip_outer_braces(text).rstrip(".").lower()
+    return _strip_outer_braces(re.sub(r"^\\boxed\{(.*)\}$", r"\1", text, flags=re.DOTALL)).rstrip(".").lower()
 
 
 def _has_finite_decimal(x):
@@ -475,8 +406,8 @@ _ASSIGNED = re.compile(r"^\s*(?:\\?[A-Za-z]+(?:_\{?\w+\}?)?(?:\([^()=]*\))?\s*=(
 
 
 def read_number(text):
-    """An exact Fraction for a value that is one number (an integer, a decimal, e-notation, a/b or \\frac{a}{b}, in
-    digit groups, a leading name = dropped), else None."""
+    """An exact Fraction for a value that is one number (integer, decimal, e-notation, a/b or \\frac{a}{b}, in
+    digit groups, after a leading name =), else None."""
     if text is None or len(text) > 1000:  # a number is short; the regexes stay cheap
         return None
     match = _NUMBER.fullmatch(_strip_outer_braces(_ASSIGNED.sub("", _DIGIT_GROUP.sub("", text.strip(" $")))))
@@ -493,34 +424,26 @@ def read_number(text):
         return None
 
 
-def _same_value(a, b):
-    """Whether two values the answer offers are one (a restatement, rule 3): equal numbers, math_verify, or text."""
-    first, second = read_number(a), read_number(b)
-    if first is not None and second is not None:
-        return numbers_agree(second, first) and numbers_agree(first, second)
-    return bool(_math_verify(b, a)) or normalize_answer(a) == normalize_answer(b)
-
-
 def score_answer(prediction, gold):
     """(score 0.0 or 1.0, method) of an answer (its text, or what extract_final_answer made of it) against the
     gold. A pure function; it may run for a long time on adversarial input (sympy), so the episode loop calls it
-    through score_answer_isolated. Several different values offered for a gold of one value are a hedge (0);
-    for a gold that is several values they are the answer. Beside a numeric gold, a value that reads as a number
-    is compared as one: exactly for an integer gold (integer_match; 28\\% answers 28, as math_verify has it),
-    else accepted when numbers_agree. Otherwise math_verify, gold first, with the answer's decimals exact (it also
-    reads 50\\% as 0.5 and compares equations and sets as such); when it cannot decide, normalised exact match and
-    numbers_agree."""
+    through score_answer_isolated. Different values offered for a gold of one value are a hedge; for a gold of
+    several they are the answer. Beside a numeric gold, a value that reads as a number is compared as one: exactly
+    for an integer gold (integer_match; 28\\% answers 28, as in math_verify), else accepted when numbers_agree.
+    Otherwise math_verify, gold first, the answer's decimals exact (it reads 50\\% as 0.5, compares equations and
+    sets as such); when it cannot decide, normalised exact match and numbers_agree."""
     if prediction is None or not prediction.strip():
         return 0.0, "missing_final_answer"
     values = read_answer(prediction)
     if not values:
         return 0.0, "no_value"
-    gold_number = read_number(gold)
-    if len(values) > 1 and (gold_number is not None or not _gold_is_several(gold)):
-        if not all(_same_value(values[0], value) for value in values[1:]):
+    gold_number, prediction = read_number(gold), ", ".join(values)
+    if len(values) > 1:  # the answer when the gold is several values (rule 4), else a hedge unless a restatement
+        if gold_number is None and _math_verify(prediction, gold):
+            return 1.0, "math_verify"
+        if not all(value == values[0] or _math_verify(value, values[0]) for value in values[1:]):
             return 0.0, "hedge"
-        values = values[:1]
-    prediction = ", ".join(values)
+        prediction = values[0]
     if gold_number is not None:
         integer_gold = gold_number.denominator == 1
         predicted_number = read_number(prediction.removesuffix(r"\%") if integer_gold else prediction)
