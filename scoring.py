@@ -54,14 +54,15 @@ _DISPLAY_MATH = re.compile(r"[ \t]*\n\s*(\\\[.{0,2000}?\\\]|\$\$.{0,2000}?\$\$|(
                            re.DOTALL)
 
 
-def _closing_brace(text, start):
-    """The index after the brace that closes the one opened just before `start`, or None when none does."""
-    depth = 1
-    for i in range(start, len(text)):
-        depth += (text[i] == "{") - (text[i] == "}")
-        if not depth:
-            return i + 1
-    return None
+def _closing_braces(text):
+    """{index after each opening brace that closes: index after the brace that closes it}, in one pass."""
+    closing, opened = {}, []
+    for i, char in enumerate(text):
+        if char == "{":
+            opened.append(i + 1)
+        elif char == "}" and opened:
+            closing[opened.pop()] = i + 1
+    return closing
 
 
 def answer_text(reply):
@@ -70,16 +71,17 @@ def answer_text(reply):
     text = strip_think(reply)
     if markers := list(_ANSWER_MARKER.finditer(text)):
         start = markers[-1].end()
-        if line := text[start:(text + "\n").find("\n", start)].strip():
+        if line := text[start:(text + "\n").find("\n", start)].strip(" \t*_"):
             return line
         if display := _DISPLAY_MATH.match(text, (text + "\n").find("\n", start)):
             return display[1]
-    closed = [(box.start(), end) for box in _BOXED.finditer(text) if (end := _closing_brace(text, box.end()))]
+    closing = _closing_braces(text) if _BOXED.search(text) else {}
+    closed = [(box.start(), closing[box.end()]) for box in _BOXED.finditer(text) if box.end() in closing]
     if not closed:
         return None
     line, end = text.rfind("\n", 0, closed[-1][0]) + 1, (text + "\n").find("\n", closed[-1][1])
     start = next(box for box, _ in closed if box >= line)  # the work before the first box is no answer
-    cut = next((box.start() for box in _BOXED.finditer(text, start, end) if not _closing_brace(text, box.end())), end)
+    cut = next((box.start() for box in _BOXED.finditer(text, start, end) if box.end() not in closing), end)
     return "$" * (text[line:start].count("$") % 2) + text[start:cut].strip()  # a box inside $...$ stays in math
 
 
@@ -150,9 +152,9 @@ def _normalized(text):
     as words; number words as digits; words that change a number's value, sign words and math words as LaTeX;
     Unicode math and full-width punctuation as ASCII and LaTeX."""
     text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*\{?\s*\\circ\s*\}?|\\degree", "",
-                  text.translate(_UNICODE)).strip(" *")
+                  re.sub(r"\u221a\s*(\d+(?:\.\d+)?|\w)", r"\\sqrt{\1}", text).translate(_UNICODE)).strip(" *")
     text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", text)
-    text = _NUMBER_WORDS.sub(lambda m: m[0] if m[0].lower() == "one" and _PRONOUN.search(text[:m.start()])
+    text = _NUMBER_WORDS.sub(lambda m: m[0] if m[0].lower() == "one" and _PRONOUN.search(text[m.start() - 9:m.start()])
                              else str(_cardinal(m[0])), text)
     text = _SCALED.sub(_scaled, re.sub(r"(\d)\s*(?:per\s?cent(?:age)?|pct)\b|(?<!\\)%", r"\1\\%", text))
     return _MATH_WORD.sub(lambda m: _WORD_LATEX[m[1].lower()], text)
@@ -161,7 +163,7 @@ def _normalized(text):
 _TOKEN = re.compile(r"""
     (?P<space>(?:\s|\\[,;:!\ ]|~)+)
   | (?P<box>\\(?:boxed|fbox)\s*\{) | (?P<text>\\(?:text\w*|mbox|math(?:rm|bf|it|sf|tt))\s*\{)
-  | (?P<env>\\begin\{(?P<name>\w+\*?)\}.*?\\end\{(?P=name)\})
+  | (?P<env>\\begin\{(?P<name>\w+\*?)\}.{0,2000}?\\end\{(?P=name)\})
   | (?P<delim>\$\$?|\\[()\[\]])
   | (?P<num>(?:\d{1,3}(?:(?:,|\{,\}|\\[,;:\ ]|[\ ~\u00a0\u2009\u202f])\d{3}(?!\d))+|\d+)(?:\.\d+)?
             (?:[eE][+-]?\d{1,2}(?![\w.]))? | \.\d+)
@@ -186,15 +188,16 @@ class _Token(NamedTuple):
     spaced: bool  # whitespace before it
     math: bool    # inside $...$, \(...\), \[...\] or a box, where letters are variables
     close: int = 0  # of an opening bracket: the index after the bracket that closes it (the end when none does)
+    wordy: bool = False  # of an opening bracket: words between it and its closing bracket (a note, not math)
 
 
 def _tokens(text, math=False):
-    tokens, i, spaced = [], 0, False
+    tokens, i, spaced, closing = [], 0, False, _closing_braces(text)
     while i < len(text):
         match = _TOKEN.match(text, i)
         kind, i = match.lastgroup, match.end()
         if kind in ("box", "text"):  # a box's content is read on its own; \text{...} is prose, also inside math
-            end = _closing_brace(text, i) or len(text) + 1
+            end = closing.get(i, len(text) + 1)
             tokens += [_Token("box", text[i:end - 1], spaced, True)] if kind == "box" else [
                 token._replace(spaced=True) for token in _tokens(text[i:end - 1])]
             i = end
@@ -206,15 +209,15 @@ def _tokens(text, math=False):
                 word = "name" if math else "letter" if len(match[0]) == 1 else "prose"
             tokens.append(_Token(word or kind, match[0], spaced, math))
         spaced = kind in ("space", "text")
-    opened = []
-    for i, token in enumerate(tokens):
+    opened, words = [], 0
+    for i, token in enumerate(tokens + [_Token("close", "", False, False)] * len(tokens)):
         if token.kind == "open":
-            opened.append(i)
+            opened.append((i, words))
         elif token.kind == "close" and opened:
-            tokens[opened[-1]] = tokens[opened[-1]]._replace(close=i + 1)
-            opened.pop()
-    return [token._replace(close=len(tokens)) if token.kind == "open" and not token.close else token
-            for token in tokens]
+            start, before = opened.pop()
+            tokens[start] = tokens[start]._replace(close=min(i + 1, len(tokens)), wordy=words > before)
+        words += token.kind in ("prose", "explain", "not", "alt")
+    return tokens
 
 
 def _operator(token):
@@ -223,18 +226,20 @@ def _operator(token):
 
 def _operand_end(tokens, i, after_operator):
     """The index after an operand that starts at tokens[i], or i when none does. Outside math a letter is a variable
-    after an operator or before one (x = 5, f(3)), and so is a short word after an operator (x^2 - xy); a bracket
-    holding words is a note, not an operand."""
+    after an operator or before one (x = 5, f(3)) unless it follows a number (a unit), a short word after an
+    operator too (x^2 - xy); a bracket holding words is a note, not an operand."""
     token, following = tokens[i], tokens[i + 1] if i + 1 < len(tokens) else None
     if token.kind in ("num", "name", "env") or token.kind == "cmd" and not _operator(token):
         return i + 1
     if token.kind == "open":
-        return token.close if not any(t.kind in ("prose", "explain", "not", "alt") for t in tokens[i:token.close]) else i
-    if token.kind == "letter" and (after_operator or not following or _operator(following)
-                                   or following.kind in ("open", "sep")):
+        return i if token.wordy else token.close
+    unit = token.spaced and i and tokens[i - 1].kind in ("num", "close")  # 42 m^2, 42 \text{ cm}, 3 (mod 7) m
+    if token.kind == "letter" and not unit and (after_operator or not following or _operator(following)
+                                                or following.kind in ("open", "sep")):
         return i + 1
     short_word = token.kind == "prose" and len(token.text) <= 3 and token.text.isascii()
-    return i + 1 if after_operator and short_word and (not following or following.kind != "prose") else i
+    ends = not following or _operator(following) or following.kind in ("close", "sep", "stop")
+    return i + 1 if after_operator and short_word and ends else i
 
 
 def _value_end(tokens, i):
@@ -289,13 +294,13 @@ def _offered_as_alternative(glue):
     return after is not None and len(after) <= 3 and all(k in ("prose", "letter", "is", "and") for k in after)
 
 
-def read_answer(text, math=False):
+def read_answer(text, math=False, depth=0):
     """The values an answer commits to, the committed one first; [] when it commits to none (scoring.md, rules
-    1-4); math: the text is LaTeX (a box's content). The committed value is the first box, else the first
+    1-4); math: the text is LaTeX (a box's content, read up to 8 boxes deep). The committed value is the first box, else the first
     complete expression that no "not" precedes; the values listed beside it, those offered as alternatives and
     every other box come with it; all else is a note. An answer without math reads the same way, its phrases
     (runs of words) as its values."""
-    tokens = _tokens(_normalized(text[:2000]), math)
+    tokens = _tokens(_normalized(text[:20000]), math)
     phrase_end = lambda i: next((j for j in range(i, len(tokens)) if tokens[j].kind not in (
         "prose", "letter", "name", "not")), len(tokens))
     for prose, end_of in ((False, lambda i: i + 1 if tokens[i].kind == "box" else _value_end(tokens, i)),
@@ -322,8 +327,9 @@ def read_answer(text, math=False):
     for n in [committed] + [n for n in range(len(units)) if n != committed and (
             first <= n <= last or n in boxes or n > committed and _offered_as_alternative(glue(n)))]:
         start, end = units[n]
-        values += read_answer(tokens[start].text, True) if tokens[start].kind == "box" else [_render(tokens[start:end])]
-    return values
+        box = tokens[start].kind == "box" and depth < 8
+        values += read_answer(tokens[start].text, True, depth + 1) if box else [_render(tokens[start:end])]
+    return list(dict.fromkeys(values))
 
 
 # ---- Comparing the committed value with the gold: pure functions
@@ -368,7 +374,7 @@ def _exact_decimals(expr):
 
 
 def _strip_outer_braces(text):
-    while text.startswith("{") and _closing_brace(text, 1) == len(text):  # "{a}{b}" is not wrapped
+    while text.startswith("{") and _closing_braces(text).get(1) == len(text):  # "{a}{b}" is not wrapped
         text = text[1:-1]
     return text
 
@@ -438,6 +444,8 @@ def score_answer(prediction, gold):
     if not values:
         return 0.0, "no_value"
     gold_number, prediction = read_number(gold), ", ".join(values)
+    if re.search(r"(?<![<>!])=", gold) and not _ASSIGNED.match(gold) and "=" not in prediction:
+        return 0.0, "not_an_equation"  # a + 3z = 0 is no number (math_verify takes x + y = 0 for x + y := 0)
     if len(values) > 1:  # the answer when the gold is several values (rule 4), else a hedge unless a restatement
         if gold_number is None and _math_verify(prediction, gold):
             return 1.0, "math_verify"
