@@ -66,22 +66,25 @@ def _closing_braces(text):
 
 
 def answer_text(reply):
-    """The part of a reply that states its answer, or None: the rest of the last marker line; below an empty one,
-    display math; else the line of the last closed box from its first box (a box left open there cut off)."""
+    """The part of a reply that states its answer, or None: the rest of the last marker line (to the end of a box
+    opened there); below an empty one, display math; else the line of the last closed box from its first box (a box
+    left open there cut off)."""
     text = strip_think(reply)
+    closing = _closing_braces(text) if _BOXED.search(text) else {}
+    boxes = [(box.start(), closing.get(box.end())) for box in _BOXED.finditer(text)]
+    line_end = lambda i: (text + "\n").find("\n", i)
     if markers := list(_ANSWER_MARKER.finditer(text)):
         start = markers[-1].end()
-        if line := text[start:(text + "\n").find("\n", start)].strip(" \t*_"):
+        end = max([line_end(close) for box, close in boxes if close and start <= box < line_end(start)], default=0)
+        if line := text[start:max(end, line_end(start))].strip(" \t*_"):
             return line
-        if display := _DISPLAY_MATH.match(text, (text + "\n").find("\n", start)):
+        if display := _DISPLAY_MATH.match(text, line_end(start)):
             return display[1]
-    closing = _closing_braces(text) if _BOXED.search(text) else {}
-    closed = [(box.start(), closing[box.end()]) for box in _BOXED.finditer(text) if box.end() in closing]
-    if not closed:
+    if not (closed := [(box, close) for box, close in boxes if close]):
         return None
-    line, end = text.rfind("\n", 0, closed[-1][0]) + 1, (text + "\n").find("\n", closed[-1][1])
+    line, end = text.rfind("\n", 0, closed[-1][0]) + 1, line_end(closed[-1][1])
     start = next(box for box, _ in closed if box >= line)  # the work before the first box is no answer
-    cut = next((box.start() for box in _BOXED.finditer(text, start, end) if box.end() not in closing), end)
+    cut = next((box for box, close in boxes if start <= box < end and not close), end)
     return "$" * (text[line:start].count("$") % 2) + text[start:cut].strip()  # a box inside $...$ stays in math
 
 
