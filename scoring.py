@@ -89,27 +89,22 @@ def answer_text(reply):
 
 
 def extract_final_answer(reply):
-    """What the reply commits to, or None when it states no answer: the values read_answer finds in its answer
-    text, joined by ", " (score_answer reads them back the same), or that text when it commits to none ("not 42",
-    which scores 0)."""
+    """What the reply commits to, or None when it states no answer: the values read_answer finds in its answer text,
+    joined by ", " (score_answer reads them back the same), or that text when it commits to none ("not 42")."""
     text = answer_text(reply)
-    if text is None:
-        return None
-    return ", ".join(read_answer(text)) or text
+    return None if text is None else ", ".join(read_answer(text)) or text
 
 
 # ---- Rule 1, the committed value: the words that belong to a value, then where it ends
 
-_UNICODE = str.maketrans({"\u2212": "-", "\u00d7": r" \times ", "\u00f7": r" \div ", "\u00b7": r" \cdot ",
-                          "\u2264": r" \le ", "\u2265": r" \ge ", "\u2260": r" \ne ", "\u03c0": r" \pi ",
-                          "\u221a": r"\sqrt", "\u221e": r" \infty ", "\u00b1": r" \pm ", "\u2248": r" \approx ",
-                          "\u00b0": " ", "\uff0c": ", ", "\uff1b": "; ", "\uff1a": ": ", "\u3002": ". ",
-                          "\uff08": " (", "\uff09": ") ", "\u3010": " [", "\u3011": "] ",
-                          **{c: f"^{{{n}}}" for n, c in enumerate("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077"
-                                                                  "\u2078\u2079")}})
+_UNICODE = str.maketrans({"−": "-", "×": r" \times ", "÷": r" \div ", "·": r" \cdot ", "≤": r" \le ", "≥": r" \ge ",
+                          "≠": r" \ne ", "π": r" \pi ", "√": r"\sqrt", "∞": r" \infty ", "±": r" \pm ", "°": " ",
+                          "≈": r" \approx ", "，": ", ", "；": "; ", "：": ": ", "。": ". ", "（": " (", "）": ") ",
+                          "【": " [", "】": "] ", **{c: f"^{{{n}}}" for n, c in enumerate("⁰¹²³⁴⁵⁶⁷⁸⁹")}})
 _CARDINALS = {word: n for n, word in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
                                                "thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split())}
-_CARDINALS.update({word: 10 * n for n, word in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)})
+_CARDINALS |= {word: 10 * n for n, word in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(),
+                                                     2)}
 _SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "dozen": 12}
 _NUMBER_WORDS = re.compile(rf"\b(?:{'|'.join(_CARDINALS)})\b(?:[\s-]+(?:{'|'.join([*_CARDINALS, *_SCALES])})\b)*",
                            re.IGNORECASE)
@@ -155,9 +150,9 @@ def _normalized(text):
     as words; number words as digits; words that change a number's value, sign words and math words as LaTeX;
     Unicode math and full-width punctuation as ASCII and LaTeX."""
     text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*\{?\s*\\circ\s*\}?|\\degree", "",
-                  re.sub(r"\u221a\s*(\d+(?:\.\d+)?|\w)", r"\\sqrt{\1}", text).translate(_UNICODE)).strip(" *")
+                  re.sub(r"√\s*(\d+(?:\.\d+)?|\w)", r"\\sqrt{\1}", text).translate(_UNICODE)).strip(" *")
     text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", text)
-    text = _NUMBER_WORDS.sub(lambda m: m[0] if m[0].lower() == "one" and _PRONOUN.search(text[m.start() - 9:m.start()])
+    text = _NUMBER_WORDS.sub(lambda m: m[0] if m[0].lower() == "one" and _PRONOUN.search(text[:m.start()][-9:])
                              else str(_cardinal(m[0])), text)
     text = _SCALED.sub(_scaled, re.sub(r"(\d)\s*(?:per\s?cent(?:age)?|pct)\b|(?<!\\)%", r"\1\\%", text))
     return _MATH_WORD.sub(lambda m: _WORD_LATEX[m[1].lower()], text)
@@ -212,14 +207,15 @@ def _tokens(text, math=False):
                 word = "name" if math else "letter" if len(match[0]) == 1 else "prose"
             tokens.append(_Token(word or kind, match[0], spaced, math))
         spaced = kind in ("space", "text")
-    opened, words = [], 0
-    for i, token in enumerate(tokens + [_Token("close", "", False, False)] * len(tokens)):
-        if token.kind == "open":
-            opened.append((i, words))
-        elif token.kind == "close" and opened:
+    opened, words = [], 0  # (index, words before it) of each bracket not closed yet
+    for i, token in enumerate(tokens):
+        if token.kind == "close" and opened:
             start, before = opened.pop()
-            tokens[start] = tokens[start]._replace(close=min(i + 1, len(tokens)), wordy=words > before)
+            tokens[start] = tokens[start]._replace(close=i + 1, wordy=words > before)
+        opened += [(i, words)] if token.kind == "open" else []
         words += token.kind in ("prose", "explain", "not", "alt")
+    for start, before in opened:
+        tokens[start] = tokens[start]._replace(close=len(tokens), wordy=words > before)
     return tokens
 
 
@@ -282,6 +278,8 @@ def _render(tokens):
 
 # ---- Rules 2 to 4: after the value, a note; beside it or as its alternative, other values it offers
 
+_PHRASE = ("prose", "letter", "name", "not")  # the words of an answer without math
+
 def _listed(glue):
     """Whether a value with these tokens before it is listed beside the one before it: nothing but separators,
     "and", an alternative word, an opening bracket between them (42, 43  42 43  42 and 43  42 or 43  42 (43))."""
@@ -298,14 +296,12 @@ def _offered_as_alternative(glue):
 
 
 def read_answer(text, math=False, depth=0):
-    """The values an answer commits to, the committed one first; [] when it commits to none (scoring.md, rules
-    1-4); math: the text is LaTeX (a box's content, read up to 8 boxes deep). The committed value is the first box, else the first
-    complete expression that no "not" precedes; the values listed beside it, those offered as alternatives and
-    every other box come with it; all else is a note. An answer without math reads the same way, its phrases
-    (runs of words) as its values."""
+    """The values an answer commits to, the committed one first; [] when it commits to none (rules 1-4); math: the
+    text is LaTeX (a box's content, read 8 boxes deep). The committed value is the first box, else the first value
+    that no "not" precedes; the values listed beside it, those offered as alternatives after it and the other boxes
+    come with it; all else is a note. Without math, an answer's phrases (runs of words) are its values."""
     tokens = _tokens(_normalized(text[:20000]), math)
-    phrase_end = lambda i: next((j for j in range(i, len(tokens)) if tokens[j].kind not in (
-        "prose", "letter", "name", "not")), len(tokens))
+    phrase_end = lambda i: next((j for j in range(i, len(tokens)) if tokens[j].kind not in _PHRASE), len(tokens))
     for prose, end_of in ((False, lambda i: i + 1 if tokens[i].kind == "box" else _value_end(tokens, i)),
                           (True, phrase_end)):
         units, i = [], 0  # (start, end) of each value, box or phrase, in order
@@ -390,12 +386,8 @@ def normalize_answer(text):
 
 
 def _has_finite_decimal(x):
-    """Whether x has a finite decimal expansion: its reduced denominator has no prime factors but 2 and 5."""
-    d = x.denominator
-    for p in (2, 5):
-        while d % p == 0:
-            d //= p
-    return d == 1
+    """Whether x has a finite decimal expansion: its reduced denominator divides a power of 10."""
+    return pow(10, x.denominator.bit_length(), x.denominator) == 0
 
 
 def numbers_agree(predicted, gold):
@@ -409,7 +401,8 @@ def numbers_agree(predicted, gold):
 
 
 _DECIMAL = r"[+-]?\s*(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d{1,2})?"  # a short exponent: writing it out stays cheap
-_NUMBER = re.compile(rf"({_DECIMAL})(?:\s*/\s*({_DECIMAL}))?|([+-]?)\s*\\[dtc]?frac\s*\{{({_DECIMAL})\}}\{{({_DECIMAL})\}}")
+_NUMBER = re.compile(rf"([+-]?)\s*(?:({_DECIMAL})(?:\s*/\s*({_DECIMAL}))?"
+                     rf"|\\[dtc]?frac\s*\{{({_DECIMAL})\}}\{{({_DECIMAL})\}})")  # 42  -0.5  3/4  \frac{3}{4}
 _DIGIT_GROUP = re.compile(r"(?<=\d)(?:,|\{,\}|\\[,;: ]|[ ~\u00a0\u2009\u202f])(?=\d{3}(?!\d))")  # 1,000  1\,000  1 000
 _ASSIGNED = re.compile(r"^\s*(?:\\?[A-Za-z]+(?:_\{?\w+\}?)?(?:\([^()=]*\))?\s*=(?!=)\s*)+")  # x =  f(3) =  a_1 =
 
@@ -424,13 +417,9 @@ def read_number(text):
         return None
     from decimal import Decimal
 
-    number = lambda group: Fraction(Decimal(re.sub(r"\s", "", match[group])))
-    try:
-        if match[1]:
-            return number(1) / number(2) if match[2] else number(1)
-        return (-1 if match[3] == "-" else 1) * number(4) / number(5)
-    except ZeroDivisionError:
-        return None
+    numerator, denominator = (match[2], match[3] or "1") if match[2] else match.group(4, 5)
+    number = lambda text: Fraction(Decimal(re.sub(r"\s", "", text)))
+    return None if number(denominator) == 0 else (-1) ** (match[1] == "-") * number(numerator) / number(denominator)
 
 
 def score_answer(prediction, gold):
