@@ -50,8 +50,7 @@ _ANSWER_MARKER = re.compile(
     r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answer|answer)[ \t]*(?:\*\*|__)?[ \t]*[:：]",
     re.IGNORECASE | re.MULTILINE)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_DISPLAY_MATH = re.compile(r"[ \t]*\n\s*(\\\[.{0,2000}?\\\]|\$\$.{0,2000}?\$\$|(?:\$|\\\(|\\boxed|\\fbox)[^\n]*)",
-                           re.DOTALL)
+_DISPLAY_MATH = re.compile(r"(?s)[ \t]*\n\s*(\\\[.{0,2000}?\\\]|\$\$.{0,2000}?\$\$|(?:\$|\\\(|\\boxed|\\fbox)[^\n]*)")
 
 
 def _closing_braces(text):
@@ -101,10 +100,9 @@ _UNICODE = str.maketrans({"−": "-", "×": r" \times ", "÷": r" \div ", "·": 
                           "≠": r" \ne ", "π": r" \pi ", "√": r"\sqrt", "∞": r" \infty ", "±": r" \pm ", "°": " ",
                           "≈": r" \approx ", "，": ", ", "；": "; ", "：": ": ", "。": ". ", "（": " (", "）": ") ",
                           "【": " [", "】": "] ", **{c: f"^{{{n}}}" for n, c in enumerate("⁰¹²³⁴⁵⁶⁷⁸⁹")}})
-_CARDINALS = {word: n for n, word in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
-                                               "thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split())}
-_CARDINALS |= {word: 10 * n for n, word in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(),
-                                                     2)}
+_CARDINALS = dict(zip(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
+    "eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety".split(), [*range(20), *range(20, 100, 10)]))
 _SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "dozen": 12}
 _NUMBER_WORDS = re.compile(rf"\b(?:{'|'.join(_CARDINALS)})\b(?:[\s-]+(?:{'|'.join([*_CARDINALS, *_SCALES])})\b)*",
                            re.IGNORECASE)
@@ -202,10 +200,8 @@ def _tokens(text, math=False):
         elif kind == "delim":
             math = match[0] in ("\\(", "\\[") or (match[0].startswith("$") and not math)
         elif kind != "space":
-            word = _WORD_KINDS.get(match[0].lower()) if kind in ("word", "cmd") else None
-            if kind == "word" and not word:
-                word = "name" if math else "letter" if len(match[0]) == 1 else "prose"
-            tokens.append(_Token(word or kind, match[0], spaced, math))
+            word = kind == "word" and ("name" if math else "letter" if len(match[0]) == 1 else "prose")
+            tokens.append(_Token(_WORD_KINDS.get(match[0].lower()) or word or kind, match[0], spaced, math))
         spaced = kind in ("space", "text")
     opened, words = [], 0  # (index, words before it) of each bracket not closed yet
     for i, token in enumerate(tokens):
@@ -270,9 +266,9 @@ def _value_end(tokens, i):
 
 def _render(tokens):
     """A value as text: digit groups joined (1,000 is 1000), "is" as =, in $...$ if a word in it is math there."""
-    text = "".join(" " * (token.spaced and n > 0) + (re.sub(r"[^\d.eE+-]", "", token.text) if token.kind == "num"
-                   else "=" if token.kind == "is" else token.text) for n, token in enumerate(tokens))
-    text = re.sub(r"\s+", " ", text)
+    text = re.sub(r"\s+", " ", "".join(" " * (token.spaced and n > 0) + (
+        re.sub(r"[^\d.eE+-]", "", token.text) if token.kind == "num" else "=" if token.kind == "is" else token.text)
+        for n, token in enumerate(tokens)))
     return f"${text}$" if any(t.math and t.kind == "name" and len(t.text) > 1 for t in tokens) else text
 
 
@@ -313,8 +309,7 @@ def read_answer(text, math=False, depth=0):
             break
     negated = [start > 0 and tokens[start - 1].kind == "not" and not prose for start, _ in units]
     boxes = [n for n, (start, _) in enumerate(units) if tokens[start].kind == "box" and not negated[n]]
-    candidates = boxes or [n for n in range(len(units)) if not negated[n]]
-    if not candidates:
+    if not (candidates := boxes or [n for n in range(len(units)) if not negated[n]]):
         return []
     committed = first = last = candidates[0]
     glue = lambda n: tokens[units[n - 1][1] if n else 0:units[n][0]]  # the tokens before unit n
@@ -352,8 +347,7 @@ def _math_verify(prediction, gold):
     timeout, prediction = _math_verify_timeout(), re.sub(r"(?<!\\)\$", "", prediction)
     try:  # $...$ makes bare LaTeX such as \frac{1}{2} parse
         gold_parsed = parse(f"${gold.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
-        pred_parsed = parse(f"${prediction}$", [LatexExtractionConfig()], parsing_timeout=timeout,
-                            raise_on_error=True)
+        pred_parsed = parse(f"${prediction}$", [LatexExtractionConfig()], parsing_timeout=timeout, raise_on_error=True)
         if not gold_parsed or all(isinstance(p, str) for p in pred_parsed):
             return None
         pred_parsed = [_exact_decimals(p) for p in pred_parsed]
