@@ -102,7 +102,8 @@ _UNICODE = str.maketrans({"−": "-", "×": r" \times ", "÷": r" \div ", "·": 
                           "【": " [", "】": "] ", **{c: f"^{{{n}}}" for n, c in enumerate("⁰¹²³⁴⁵⁶⁷⁸⁹")}})
 _CARDINALS = dict(zip(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
-    "eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety".split(), [*range(20), *range(20, 100, 10)]))
+    "eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety".split(),
+    [*range(20), *range(20, 91, 10)]))
 _SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "dozen": 12}
 _NUMBER_WORDS = re.compile(rf"\b(?:{'|'.join(_CARDINALS)})\b(?:[\s-]+(?:{'|'.join([*_CARDINALS, *_SCALES])})\b)*",
                            re.IGNORECASE)
