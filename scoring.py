@@ -1,6 +1,10 @@
 """Scoring: what an agent's reply commits to as its answer, that answer against the gold
 (as a number, by math-verify, else normalised exact match), and which episodes score at all.
 
+What an answer commits to is one written policy, scoring.md, rule by rule with examples; the sections below follow it
+in its order: where the answer is, the committed value (rule 1), notes, hedges and several values (rules 2-4),
+comparing with the gold.
+
 The episode loop scores in worker processes that a hung sympy call cannot stall (score_answer_isolated): a worker
 is this file run as a script, started by the pool, never by hand:
 
@@ -31,7 +35,7 @@ from typing import NamedTuple
 
 
 
-# ---- Where the answer is
+# ---- Where the answer is (scoring.md: the marker line; rule 5, display math below an empty one; the last box)
 
 def strip_think(text):
     """Drop <think>...</think> blocks; a dangling </think> (opening tag in the prompt) drops everything before it,
@@ -148,9 +152,9 @@ def _normalized(text):
     """The answer in the form the tokens below read: no markdown emphasis, currency or degree signs; i.e. and e.g.
     as words; number words as digits; words that change a number's value, sign words and math words as LaTeX;
     Unicode math and full-width punctuation as ASCII and LaTeX."""
-    text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*\{?\s*\\circ\s*\}?|\\degree", "",
-                  re.sub(r"√\s*(\d+(?:\.\d+)?|\w)", r"\\sqrt{\1}", text).translate(_UNICODE)).strip(" *")
-    text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", text)
+    text = re.sub(r"√\s*(\d+(?:\.\d+)?|\w)", r"\\sqrt{\1}", re.sub(r",\\!\s*", ",", text))  # √2, 11,\! 111
+    text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*\{?\s*\\circ\s*\}?|\\degree", "", text.translate(_UNICODE))
+    text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", re.sub(r",\s*(?:\.\.\.|…)", r", \\ldots", text.strip(" *")))
     text = _NUMBER_WORDS.sub(lambda m: m[0] if m[0].lower() == "one" and _PRONOUN.search(text[:m.start()][-9:])
                              else str(_cardinal(m[0])), text)
     text = _SCALED.sub(_scaled, re.sub(r"(\d)\s*(?:per\s?cent(?:age)?|pct)\b|(?<!\\)%", r"\1\\%", text))
@@ -166,17 +170,17 @@ _TOKEN = re.compile(r"""
             (?:[eE][+-]?\d{1,2}(?![\w.]))? | \.\d+)
   | (?P<open>[(\[{]|\\\{) | (?P<close>[)\]}]|\\\}) | (?P<sep>[,;&]|\\\\|\\q?quad\b)
   | (?P<cmd>\\[A-Za-z]+|\\%) | (?P<word>[^\W\d_]+(?:['\u2019-][^\W\d_]+)*)
-  | (?P<stop>[.?:](?=\s|$)|!) | (?P<dash>--+|[\u2013\u2014]) | (?P<op>[-+*/^_=<>|':]) | (?P<other>.)
+  | (?P<op><=|>=|!=|[-+*/^_=<>|']|:(?!\s|$)) | (?P<stop>[.?:!]) | (?P<dash>--+|[\u2013\u2014]) | (?P<other>.)
 """, re.VERBOSE | re.DOTALL)
 _WORD_KINDS = {**dict.fromkeys("or nor either else otherwise alternatively unless maybe perhaps possibly could might "
                                r"if when whether vs versus though although ie equivalently \lor \vee".split(), "alt"),
                **dict.fromkeys("since because as which that so thus hence therefore by from with via using per where "
                                r"see eg after given verified checked confirmed computed calculated found obtained "
-                               r"according \approx \pmod \bmod \mod \implies".split(), "explain"),
+                               r"according \pmod \bmod \mod \implies".split(), "explain"),
                "not": "not", "never": "not", "isn't": "not", "isn\u2019t": "not", "is": "is", "equals": "is",
                "and": "and"}
 _BINARY_COMMANDS = {r"\times", r"\cdot", r"\div", r"\pm", r"\mp", r"\le", r"\leq", r"\ge", r"\geq", r"\ne", r"\neq",
-                    r"\lt", r"\gt", r"\in", r"\notin", r"\cup", r"\cap", r"\setminus", r"\to", r"\equiv", r"\mid"}
+                    r"\lt", r"\gt", r"\in", r"\notin", r"\cup", r"\cap", r"\setminus", r"\to", r"\equiv", r"\approx"}
 
 
 class _Token(NamedTuple):
@@ -250,7 +254,7 @@ def _value_end(tokens, i):
             j += 1  # a sign
             continue
         side_by_side = token.kind in ("cmd", "env") or token.text == "{" or (token.math and token.kind == "name") \
-            or (not token.spaced and token.kind in ("open", "num", "letter"))
+            or (not token.spaced or tokens[j - 1].kind == "cmd") and token.kind in ("open", "num", "letter")
         if expecting or side_by_side and not _operator(token):
             if (operand_end := _operand_end(tokens, j, after_operator=expecting and j > i)) == j:
                 break
@@ -399,7 +403,8 @@ _DECIMAL = r"[+-]?\s*(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d{1,2})?"  # a short ex
 _NUMBER = re.compile(rf"([+-]?)\s*(?:({_DECIMAL})(?:\s*/\s*({_DECIMAL}))?"
                      rf"|\\[dtc]?frac\s*\{{({_DECIMAL})\}}\{{({_DECIMAL})\}})")  # 42  -0.5  3/4  \frac{3}{4}
 _DIGIT_GROUP = re.compile(r"(?<=\d)(?:,|\{,\}|\\[,;: ]|[ ~\u00a0\u2009\u202f])(?=\d{3}(?!\d))")  # 1,000  1\,000  1 000
-_ASSIGNED = re.compile(r"^\s*(?:\\?[A-Za-z]+(?:_\{?\w+\}?)?(?:\([^()=]*\))?\s*=(?!=)\s*)+")  # x =  f(3) =  a_1 =
+_NAME = r"\\?[A-Za-z]+(?:_\{?\w+\}?)?(?:\([^()=]*\))?"  # x  f(3)  a_1  \theta
+_ASSIGNED = re.compile(rf"^\s*(?:{_NAME}\s*=(?!=)\s*)+")
 
 
 def read_number(text):
@@ -431,8 +436,9 @@ def score_answer(prediction, gold):
     if not values:
         return 0.0, "no_value"
     gold_number, prediction = read_number(gold), ", ".join(values)
-    if re.search(r"(?<![<>!])=", gold) and not _ASSIGNED.match(gold) and "=" not in prediction:
-        return 0.0, "not_an_equation"  # a + 3z = 0 is no number (math_verify takes x + y = 0 for x + y := 0)
+    sides = re.split(r"(?<![<>!])=", gold.strip(" $"))  # a + 3z = 0 is no number (math_verify: x + y = 0 is x + y := 0)
+    if len(sides) > 1 and not re.fullmatch(_NAME, sides[-2].strip()) and "=" not in prediction:
+        return 0.0, "not_an_equation"
     if len(values) > 1:  # the answer when the gold is several values (rule 4), else a hedge unless a restatement
         if gold_number is None and _math_verify(prediction, gold):
             return 1.0, "math_verify"
