@@ -41,11 +41,7 @@ def strip_think(text):
     """Drop <think>...</think> blocks; a dangling </think> (opening tag in the prompt) drops everything before it,
     an unclosed <think> (reply cut off while thinking) drops everything after it."""
     text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL)
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
-    if "<think>" in text:
-        text = text.split("<think>", 1)[0]
-    return text
+    return text.rsplit("</think>", 1)[-1].split("<think>", 1)[0]
 
 
 # only at the start of a line, after optional markdown (quote, list bullet or number, heading, emphasis): prose such
@@ -70,8 +66,7 @@ def _closing_braces(text):
 
 def answer_text(reply):
     """The part of a reply that states its answer, or None: the rest of the last marker line (to the end of a box
-    opened there); below an empty one, display math; else the line of the last closed box from its first box (a box
-    left open there cut off)."""
+    opened there); below an empty one, display math; else the last closed box's line, from its first box."""
     text = strip_think(reply)
     closing = _closing_braces(text) if _BOXED.search(text) else {}
     boxes = [(box.start(), closing.get(box.end())) for box in _BOXED.finditer(text)]
@@ -111,7 +106,7 @@ _CARDINALS = dict(zip(
 _SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "dozen": 12}
 _NUMBER_WORDS = re.compile(rf"\b(?:{'|'.join(_CARDINALS)})\b(?:[\s-]+(?:{'|'.join([*_CARDINALS, *_SCALES])})\b)*",
                            re.IGNORECASE)
-_PRONOUN = re.compile(r"\b(?:the|this|that|each|every|any|which|only|same|no)\s+$", re.IGNORECASE)  # the same one
+_DETERMINER = re.compile(r"(?i)\b(?:the|an?|this|that|these|those|each|every|any|all|both|which|only|same|no|its)\s+$")
 _ORDINAL_STEMS = {"half": "two", "halve": "two", "third": "three", "quarter": "four", "fif": "five", "eigh": "eight",
                   "nin": "nine", "twelf": "twelve"}
 _SCALED = re.compile(r"(\d+(?:\.\d+)?|\ban?\b)[\s-]*(?:(\w*?(?:th|half|halve|third|quarter))s?|(hundred|thousand|"
@@ -150,13 +145,13 @@ def _scaled(match):
 
 def _normalized(text):
     """The answer in the form the tokens below read: no markdown emphasis, currency or degree signs; i.e. and e.g.
-    as words; number words as digits; words that change a number's value, sign words and math words as LaTeX;
-    Unicode math and full-width punctuation as ASCII and LaTeX."""
+    as words; number words as digits (not after a determiner: the same one, the two roots); words that change a
+    number's value, sign words and math words as LaTeX; Unicode math and full-width punctuation as ASCII and LaTeX."""
     text = re.sub(r"√\s*(\d+(?:\.\d+)?|\w)", r"\\sqrt{\1}", re.sub(r",\\!\s*", ",", text))  # √2, 11,\! 111
     text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*\{?\s*\\circ\s*\}?|\\degree", "", text.translate(_UNICODE))
     text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", re.sub(r",\s*(?:\.\.\.|…)", r", \\ldots", text.strip(" *")))
-    text = _NUMBER_WORDS.sub(lambda m: m[0] if m[0].lower() == "one" and _PRONOUN.search(text[:m.start()][-9:])
-                             else str(_cardinal(m[0])), text)
+    text = _NUMBER_WORDS.sub(lambda m: m[0] if _DETERMINER.search(text[:m.start()][-9:]) else str(_cardinal(m[0])),
+                             text)
     text = _SCALED.sub(_scaled, re.sub(r"(\d)\s*(?:per\s?cent(?:age)?|pct)\b|(?<!\\)%", r"\1\\%", text))
     return _MATH_WORD.sub(lambda m: _WORD_LATEX[m[1].lower()], text)
 
@@ -176,7 +171,7 @@ _WORD_KINDS = {**dict.fromkeys("or nor either else otherwise alternatively unles
                                r"if when whether vs versus though although ie equivalently \lor \vee".split(), "alt"),
                **dict.fromkeys("since because as which that so thus hence therefore by from with via using per where "
                                r"see eg after given verified checked confirmed computed calculated found obtained "
-                               r"according \pmod \bmod \mod \implies".split(), "explain"),
+                               r"according \pmod \bmod \mod \implies \rightarrow \longrightarrow".split(), "explain"),
                "not": "not", "never": "not", "isn't": "not", "isn\u2019t": "not", "is": "is", "equals": "is",
                "and": "and"}
 _BINARY_COMMANDS = {r"\times", r"\cdot", r"\div", r"\pm", r"\mp", r"\le", r"\leq", r"\ge", r"\geq", r"\ne", r"\neq",
@@ -193,20 +188,27 @@ class _Token(NamedTuple):
 
 
 def _tokens(text, math=False):
-    tokens, i, spaced, closing = [], 0, False, _closing_braces(text)
+    tokens, i, spaced, closing, depth = [], 0, False, _closing_braces(text), 0
     while i < len(text):
         match = _TOKEN.match(text, i)
         kind, i = match.lastgroup, match.end()
-        if kind in ("box", "text"):  # a box's content is read on its own; \text{...} is prose, also inside math
-            end = closing.get(i, len(text) + 1)
-            tokens += [_Token("box", text[i:end - 1], spaced, True)] if kind == "box" else [
-                token._replace(spaced=True) for token in _tokens(text[i:end - 1])]
+        if kind in ("box", "text"):  # a box's content is read on its own; \text{...} is prose, also inside math,
+            end = closing.get(i, len(text) + 1)  # and so is \mathrm{...} after a number (a unit), not elsewhere
+            if kind == "text" and not (math and "math" in match[0] and not (tokens and tokens[-1].kind == "num")):
+                tokens += [token._replace(spaced=True) for token in _tokens(text[i:end - 1])]
+            else:
+                tokens.append(_Token(kind.replace("text", "name"), text[i:end - 1] if kind == "box" else
+                                     text[match.start():end], spaced, True))
             i = end
         elif kind == "delim":
             math = match[0] in ("\\(", "\\[") or (match[0].startswith("$") and not math)
         elif kind != "space":
+            if kind == "num" and depth and "," in match[0]:  # (12,102) holds two numbers
+                i = match.start() + match[0].index(",")
+            depth += (kind == "open") - (kind == "close")
             word = kind == "word" and ("name" if math else "letter" if len(match[0]) == 1 else "prose")
-            tokens.append(_Token(_WORD_KINDS.get(match[0].lower()) or word or kind, match[0], spaced, math))
+            token = text[match.start():i]
+            tokens.append(_Token(_WORD_KINDS.get(token.lower()) or word or kind, token, spaced, math))
         spaced = kind in ("space", "text")
     opened, words = [], 0  # (index, words before it) of each bracket not closed yet
     for i, token in enumerate(tokens):
@@ -244,19 +246,17 @@ def _operand_end(tokens, i, after_operator):
 
 def _value_end(tokens, i):
     """The index after the complete mathematical expression that starts at tokens[i], or i when none does: operands
-    joined by operators (the words "is" and "equals" among them) or side by side (2\\sqrt{3}, 2 \\pi, 2x, f(x)),
-    with signs and postfixes (5!, 28\\%). A space before a number, a word or a bracket ends it; so do a box and,
-    outside math, a word after a number (a unit: 42 cm, 42cm)."""
+    joined by operators ("is" and "equals" too) or side by side (2\\sqrt{3}, 2 \\pi, 2x, f(x)), with signs and
+    postfixes (5!, 28\\%). A space before a number, a word or a bracket ends it; so do a box and a unit (42 cm)."""
     end, j, expecting = i, i, True
     while j < len(tokens):
         token = tokens[j]
-        if expecting and (token.text in ("+", "-", r"\pm", r"\mp")):
-            j += 1  # a sign
-            continue
         side_by_side = token.kind in ("cmd", "env") or token.text == "{" or (token.math and token.kind == "name") \
             or (not token.spaced or tokens[j - 1].kind == "cmd") and token.kind in ("open", "num", "letter")
-        if expecting or side_by_side and not _operator(token):
-            if (operand_end := _operand_end(tokens, j, after_operator=expecting and j > i)) == j:
+        if expecting and token.text in ("+", "-", r"\pm", r"\mp"):
+            j += 1  # a sign
+        elif expecting or side_by_side and not _operator(token):
+            if (operand_end := _operand_end(tokens, j, j > i and (expecting or tokens[j - 1].kind == "cmd"))) == j:
                 break
             end = j = operand_end
             expecting = False
@@ -288,9 +288,8 @@ def _listed(glue):
 
 
 def _offered_as_alternative(glue):
-    """Whether a value with these tokens before it is offered as an alternative: after an alternative word, at most
-    three words (42, maybe 43  17 but could also be eighteen  42 (checked), or 43); a separator, an explaining
-    word or a sentence's end after the alternative word leaves it in a note."""
+    """Whether a value with these tokens before it is offered as an alternative: at most three words after an
+    alternative word (42, maybe 43  17 but could also be eighteen  42 (checked), or 43), no separator."""
     kinds = [token.kind for token in glue]
     after = kinds[len(kinds) - kinds[::-1].index("alt"):] if "alt" in kinds else None
     return after is not None and len(after) <= 3 and all(k in ("prose", "letter", "is", "and") for k in after)
@@ -362,9 +361,8 @@ def _math_verify(prediction, gold):
 
 
 def _exact_decimals(expr):
-    """A parsed prediction with each decimal in it as the exact rational it names (0.333333 -> 333333/1000000).
-    math_verify rounds floats to 6 places before comparing, which makes a truncated 1/3 equal 1/3; the gold's own
-    decimals keep that rounding (a gold may itself be rounded)."""
+    """A parsed prediction with each decimal as the exact rational it names (0.333333 -> 333333/1000000): math_verify
+    rounds floats to 6 places, making a truncated 1/3 equal 1/3; the gold's decimals keep it (a gold may be rounded)."""
     from sympy import Float, Rational
 
     floats = expr.atoms(Float) if hasattr(expr, "atoms") else set()
@@ -378,8 +376,7 @@ def _strip_outer_braces(text):
 
 
 def normalize_answer(text):
-    """Exact-match form: no box, no $, no outer braces, no commas or spaces (or LaTeX spacing), no trailing
-    period, lowercase."""
+    """Exact-match form: no box, $, outer braces, commas, spaces (LaTeX spacing too) or trailing period; lowercase."""
     text = re.sub(r"\\[,;:! ]|[\s,$]", "", text).rstrip(".")
     return _strip_outer_braces(re.sub(r"^\\boxed\{(.*)\}$", r"\1", text, flags=re.DOTALL)).rstrip(".").lower()
 
