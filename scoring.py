@@ -104,8 +104,7 @@ _CARDINALS = dict(zip(
     "eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety".split(),
     [*range(20), *range(20, 91, 10)]))
 _SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "dozen": 12}
-_NUMBER_WORDS = re.compile(rf"\b(?:{'|'.join(_CARDINALS)})\b(?:[\s-]+(?:{'|'.join([*_CARDINALS, *_SCALES])})\b)*",
-                           re.IGNORECASE)
+_NUMBER_WORDS = re.compile(rf"(?i)\b(?:{'|'.join(_CARDINALS)})\b(?:[\s-]+(?:{'|'.join([*_CARDINALS, *_SCALES])})\b)*")
 _DETERMINER = re.compile(r"(?i)\b(?:the|an?|this|that|these|those|each|every|any|all|both|which|only|same|no|its)\s+$")
 _ORDINAL_STEMS = {"half": "two", "halve": "two", "third": "three", "quarter": "four", "fif": "five", "eigh": "eight",
                   "nin": "nine", "twelf": "twelve"}
@@ -167,8 +166,9 @@ _TOKEN = re.compile(r"""
   | (?P<cmd>\\[A-Za-z]+|\\%) | (?P<word>[^\W\d_]+(?:['\u2019-][^\W\d_]+)*)
   | (?P<op><=|>=|!=|[-+*/^_=<>|']|:(?!\s|$)) | (?P<stop>[.?:!]) | (?P<dash>--+|[\u2013\u2014]) | (?P<other>.)
 """, re.VERBOSE | re.DOTALL)
-_WORD_KINDS = {**dict.fromkeys("or nor either else otherwise alternatively unless maybe perhaps possibly could might "
-                               r"if when whether vs versus though although ie equivalently \lor \vee".split(), "alt"),
+_WORD_KINDS = {**dict.fromkeys("or nor either else otherwise alternatively maybe perhaps possibly could might vs "
+                               r"versus though although ie equivalently \lor \vee".split(), "alt"),
+               **dict.fromkeys("if when unless whether".split(), "if"),
                **dict.fromkeys("since because as which that so thus hence therefore by from with via using per where "
                                r"see eg after given verified checked confirmed computed calculated found obtained "
                                r"according \pmod \bmod \mod \implies \rightarrow \longrightarrow".split(), "explain"),
@@ -216,7 +216,7 @@ def _tokens(text, math=False):
             start, before = opened.pop()
             tokens[start] = tokens[start]._replace(close=i + 1, wordy=words > before)
         opened += [(i, words)] if token.kind == "open" else []
-        words += token.kind in ("prose", "explain", "not", "alt")
+        words += token.kind in ("prose", "explain", "not", "alt", "if")
     for start, before in opened:
         tokens[start] = tokens[start]._replace(close=len(tokens), wordy=words > before)
     return tokens
@@ -282,24 +282,29 @@ def _render(tokens):
 _PHRASE = ("prose", "letter", "name", "not")  # the words of an answer without math
 
 def _listed(glue):
-    """Whether a value with these tokens before it is listed beside the one before it: nothing but separators,
-    "and", an alternative word, an opening bracket between them (42, 43  42 43  42 and 43  42 or 43  42 (43))."""
-    return all(token.kind in ("sep", "and", "alt", "open") for token in glue)
+    """Whether a value with these tokens before it is listed beside the one before it: nothing but separators, "and"
+    or an alternative word between them (42, 43  42 43  42 and 43  42 or 43  42 (43?), where (43?) is one value)."""
+    return all(token.kind in ("sep", "and", "alt") for token in glue)
 
 
-def _offered_as_alternative(glue):
+def _offered_as_alternative(glue, after_committed):
     """Whether a value with these tokens before it is offered as an alternative: at most three words after an
-    alternative word (42, maybe 43  17 but could also be eighteen  42 (checked), or 43), no separator."""
+    alternative word (42, maybe 43  17 but could also be eighteen  42 (checked), or 43), no separator; or after a
+    condition right after the committed value (42 if n is odd  42, unless n = 3; not: 42, attained when n = 6)."""
     kinds = [token.kind for token in glue]
+    condition = kinds.index("if") if after_committed and "if" in kinds else None
+    if condition is not None and all(kind in ("sep", "open", "dash") for kind in kinds[:condition]):
+        kinds[condition] = "alt"
     after = kinds[len(kinds) - kinds[::-1].index("alt"):] if "alt" in kinds else None
+    after = after[after[:1] == ["sep"]:] if after else after  # alternatively, 43
     return after is not None and len(after) <= 3 and all(k in ("prose", "letter", "is", "and") for k in after)
 
 
 def read_answer(text, math=False, depth=0):
     """The values an answer commits to, the committed one first; [] when it commits to none (rules 1-4); math: the
     text is LaTeX (a box's content, read 8 boxes deep). The committed value is the first box, else the first value
-    that no "not" precedes; the values listed beside it, those offered as alternatives after it and the other boxes
-    come with it; all else is a note. Without math, an answer's phrases (runs of words) are its values."""
+    that no "not" precedes; the values listed beside it, those offered as alternatives or under a condition after it
+    (127 if n is odd) and the other boxes come with it; all else is a note. Without math, phrases are the values."""
     tokens = _tokens(_normalized(text[:20000]), math)
     phrase_end = lambda i: next((j for j in range(i, len(tokens)) if tokens[j].kind not in _PHRASE), len(tokens))
     for prose, end_of in ((False, lambda i: i + 1 if tokens[i].kind == "box" else _value_end(tokens, i)),
@@ -317,13 +322,14 @@ def read_answer(text, math=False, depth=0):
         return []
     committed = first = last = candidates[0]
     glue = lambda n: tokens[units[n - 1][1] if n else 0:units[n][0]]  # the tokens before unit n
+    conditional = lambda n: next((t.kind for t in tokens[units[n][1]:units[n][1] + 3] if t.kind != "sep"), "") == "if"
     while first > 0 and _listed(glue(first)):
         first -= 1
     while last + 1 < len(units) and _listed(glue(last + 1)):
         last += 1
     values = []
-    for n in [committed] + [n for n in range(len(units)) if n != committed and (
-            first <= n <= last or n in boxes or n > committed and _offered_as_alternative(glue(n)))]:
+    for n in [committed] + [n for n in range(len(units)) if n != committed and (first <= n <= last or n in boxes or (
+            n > committed and (_offered_as_alternative(glue(n), n == committed + 1) or conditional(n))))]:
         start, end = units[n]
         box = tokens[start].kind == "box" and depth < 8
         values += read_answer(tokens[start].text, True, depth + 1) if box else [_render(tokens[start:end])]
@@ -381,17 +387,13 @@ def normalize_answer(text):
     return _strip_outer_braces(re.sub(r"^\\boxed\{(.*)\}$", r"\1", text, flags=re.DOTALL)).rstrip(".").lower()
 
 
-def _has_finite_decimal(x):
-    """Whether x has a finite decimal expansion: its reduced denominator divides a power of 10."""
-    return pow(10, x.denominator.bit_length(), x.denominator) == 0
-
-
 def numbers_agree(predicted, gold):
     """Numeric equality within 1e-8, except that a finite decimal never equals a gold without one (0.333333 and
     0.3333333333 are truncations of 1/3, not its value); 0.5 and 1/2 are equal."""
+    finite = lambda x: pow(10, x.denominator.bit_length(), x.denominator) == 0  # its denominator divides a 10^k
     if predicted == gold:
         return True
-    if _has_finite_decimal(predicted) and not _has_finite_decimal(gold):
+    if finite(predicted) and not finite(gold):
         return False
     return abs(predicted - gold) <= Fraction(1, 10**8)
 

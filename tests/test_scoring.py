@@ -285,6 +285,8 @@ POLICY = {
         ("Final answer: between 42 and 43", "42", 0), ("Final answer: 42, unless n = 3", "42", 0),
         ("Final answer: 42 if n is odd", "42", 0), (r"Final answer: \frac12 (or 0.5)", "1/2", 1),
         ("Final answer: 42 (forty-two)", "42", 1), (r"Final answer: \frac13 (or 0.333333)", "1/3", 0),
+        ("Final answer: 42 (alternatively, 43)", "42", 0), ("Final answer: 128 (127 if n is odd)", "128", 0),
+        (r"Final answer: \boxed{42}, the largest value, attained when n = 6", "42", 1),
         ("Final answer: 2, 3", "2, 3", 1), ("Final answer: 3, 2", "2, 3", 1),
         ("Final answer: x = 2 or x = 3", "2, 3", 1), (r"Final answer: \boxed{2} and \boxed{3}", "2, 3", 1),
         (r"Final answer: \boxed{2, 3}", "2, 3", 1), (r"Final answer: \{-1, 1\}", r"\pm 1", 1),
@@ -425,6 +427,9 @@ POLICY = {
         ("Final answer: 64, or sixty-five", "64", 0),
         ("Final answer: 64 (i.e. 65)", "64", 0),
         ("Final answer: 64 vs 65", "64", 0),
+        ("Final answer: 64 (alternatively, 65)", "64", 0),
+        ("Final answer: 64 (65 when n is odd)", "64", 0),
+        ("Final answer: 64, when n = 8", "64", 0),
     ],
     "rule 3: a restatement or a descriptive word is no hedge": [
         ("Final answer: 64 or 2^6", "64", 1),
@@ -437,6 +442,9 @@ POLICY = {
         ("Final answer: 64, the smallest possible sum", "64", 1),
         ("Final answer: 64, or maybe more if we allow ties", "64", 1),  # an alternative word without a value
         (r"Final answer: 64 (could be checked faster with a sieve)", "64", 1),
+        (r"Final answer: \boxed{64}, the largest value, attained when n = 8", "64", 1),  # a condition deep in a note
+        ("Final answer: 64 (65 was a typo)", "64", 1),
+        ("Final answer: 64 (8 squares per row)", "64", 1),
     ],
     "rule 4: several values as one answer": [
         ("Final answer: -1, 4", "4, -1", 1),
