@@ -34,12 +34,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 
-
 # ---- Where the answer is (scoring.md: the marker line; rule 5, display math below an empty one; the last box)
 
 def strip_think(text):
-    """Drop <think>...</think> blocks; a dangling </think> (opening tag in the prompt) drops everything before it,
-    an unclosed <think> (reply cut off while thinking) drops everything after it."""
+    """Without <think>...</think> blocks, what precedes a dangling </think> and what follows an unclosed <think>."""
     text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL)
     return text.rsplit("</think>", 1)[-1].split("<think>", 1)[0]
 
@@ -179,7 +177,7 @@ _BINARY_COMMANDS = {r"\times", r"\cdot", r"\div", r"\pm", r"\mp", r"\le", r"\leq
 
 
 class _Token(NamedTuple):
-    kind: str     # a _TOKEN group; a word's: alt, explain, not, is, and (_WORD_KINDS), name (in math), letter, prose
+    kind: str     # a _TOKEN group; a word's: alt, if, explain, not, is, and (_WORD_KINDS), name (in math), letter, prose
     text: str
     spaced: bool  # whitespace before it
     math: bool    # inside $...$, \(...\), \[...\] or a box, where letters are variables
@@ -280,6 +278,7 @@ def _render(tokens):
 # ---- Rules 2 to 4: after the value, a note; beside it or as its alternative, other values it offers
 
 _PHRASE = ("prose", "letter", "name", "not")  # the words of an answer without math
+
 
 def _listed(glue):
     """Whether a value with these tokens before it is listed beside the one before it: nothing but separators, "and"
