@@ -177,7 +177,7 @@ _BINARY_COMMANDS = {r"\times", r"\cdot", r"\div", r"\pm", r"\mp", r"\le", r"\leq
 
 
 class _Token(NamedTuple):
-    kind: str     # a _TOKEN group; a word's: alt, if, explain, not, is, and (_WORD_KINDS), name (in math), letter, prose
+    kind: str     # a _TOKEN group; a word's: alt, if, explain, not, is, and (_WORD_KINDS), name (math), letter, prose
     text: str
     spaced: bool  # whitespace before it
     math: bool    # inside $...$, \(...\), \[...\] or a box, where letters are variables
