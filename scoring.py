@@ -48,7 +48,8 @@ _ANSWER_MARKER = re.compile(
     r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answer|answer)[ \t]*(?:\*\*|__)?[ \t]*[:：]",
     re.IGNORECASE | re.MULTILINE)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_DISPLAY_MATH = re.compile(r"(?s)[ \t]*\n\s*(\\\[.{0,2000}?\\\]|\$\$.{0,2000}?\$\$|(?:\$|\\\(|\\boxed|\\fbox)[^\n]*)")
+_DISPLAY_MATH = re.compile(r"(?s)[ \t]*\n\s*(\\\[.{0,2000}?\\\]|\$\$.{0,2000}?\$\$|(?:\$|\\\(|\\boxed|\\fbox)[^\n]*"
+                           r"|\\begin\{(equation\*?)\}.{0,2000}?\\end\{\2\})")  # below an empty marker line
 
 
 def _closing_braces(text):
@@ -75,7 +76,7 @@ def answer_text(reply):
         if line := text[start:max(end, line_end(start))].strip(" \t*_"):
             return line
         if display := _DISPLAY_MATH.match(text, line_end(start)):
-            return display[1]
+            return re.sub(r"\\(?:begin|end)\{equation\*?\}", "$$", display[1])
     if not (closed := [(box, close) for box, close in boxes if close]):
         return None
     line, end = text.rfind("\n", 0, closed[-1][0]) + 1, line_end(closed[-1][1])
@@ -227,12 +228,12 @@ def _operator(token):
 def _operand_end(tokens, i, after_operator):
     """The index after an operand that starts at tokens[i], or i when none does. Outside math a letter is a variable
     after an operator or before one (x = 5, f(3)) unless it follows a number (a unit), a short word after an
-    operator too (x^2 - xy); a bracket holding words is a note, not an operand."""
+    operator too (x^2 - xy); a bracket holding words, or opening with a relation, is a note, not an operand."""
     token, following = tokens[i], tokens[i + 1] if i + 1 < len(tokens) else None
     if token.kind in ("num", "name", "env") or token.kind == "cmd" and not _operator(token):
         return i + 1
-    if token.kind == "open":
-        return i if token.wordy else token.close
+    if token.kind == "open":  # (= 6 \times 7) after a value restates it in a note
+        return i if token.wordy or following and _operator(following) and following.text not in "+-" else token.close
     unit = token.spaced and i and tokens[i - 1].kind in ("num", "close")  # 42 m^2, 42 \text{ cm}, 3 (mod 7) m
     if token.kind == "letter" and not unit and (after_operator or not following or _operator(following)
                                                 or following.kind in ("open", "sep")):
@@ -435,7 +436,8 @@ def score_answer(prediction, gold):
         return 0.0, "no_value"
     gold_number, prediction = read_number(gold), ", ".join(values)
     sides = re.split(r"(?<![<>!])=", gold.strip(" $"))  # a + 3z = 0 is no number (math_verify: x + y = 0 is x + y := 0)
-    if len(sides) > 1 and not re.fullmatch(_NAME, sides[-2].strip()) and "=" not in prediction:
+    one_equation = len(sides) > 1 and not re.search(r",|\b(?:or|and)\b", gold)
+    if one_equation and not re.fullmatch(_NAME, sides[-2].strip()) and "=" not in prediction:
         return 0.0, "not_an_equation"
     if len(values) > 1:  # the answer when the gold is several values (rule 4), else a hedge unless a restatement
         if gold_number is None and _math_verify(prediction, gold):

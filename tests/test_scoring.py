@@ -287,7 +287,9 @@ POLICY = {
         ("Final answer: 42 (forty-two)", "42", 1), (r"Final answer: \frac13 (or 0.333333)", "1/3", 0),
         ("Final answer: 42 (alternatively, 43)", "42", 0), ("Final answer: 128 (127 if n is odd)", "128", 0),
         (r"Final answer: \boxed{42}, the largest value, attained when n = 6", "42", 1),
-        ("Final answer: 2, 3", "2, 3", 1), ("Final answer: 3, 2", "2, 3", 1),
+        ("Final answer: 2, 3", "2, 3", 1), ("Final answer: 3, 2", "2, 3", 1), ("Final answer: 2, 3", "x = 2 or x = 3", 1),
+        ("Final answer: 42 (= 6 \\times 7)", "42", 1),
+        ("Final answer:\n\\begin{equation}\n42\n\\end{equation}", "42", 1),
         ("Final answer: x = 2 or x = 3", "2, 3", 1), (r"Final answer: \boxed{2} and \boxed{3}", "2, 3", 1),
         (r"Final answer: \boxed{2, 3}", "2, 3", 1), (r"Final answer: \{-1, 1\}", r"\pm 1", 1),
         ("Final answer: (1, 2]", "(1, 2]", 1), (r"Final answer: x \in (1, 2]", "(1, 2]", 1),
@@ -318,6 +320,7 @@ POLICY = {
         ("Final answer:\nthe count is\n14", "14", 0),  # spread over lines: not guessed at
         ("Final answer:\n\nWe double-check below.\n$14$", "14", 0),
         ("Final answer:\n\\[ 13 \\]\nor perhaps \\[ 14 \\]", "13", 1),  # only the display right below
+        ("Final answer:\n\\begin{equation*}\n  \\frac{9}{2}\n\\end{equation*}", "4.5", 1),
     ],
     "rule 1: the first box, else the first complete expression": [
         ("Final answer: the expected number of rolls is 7/2", "3.5", 1),
@@ -408,6 +411,9 @@ POLICY = {
         ("Final answer: 64 since 63 + 1 = 64", "64", 1),
         ("Final answer: 64 — not 65", "64", 1),
         ("Final answer: 64 because 6 x 7 = 42", "42", 0),
+        ("Final answer: 64 (= 8^2)", "64", 1),  # a bracket opening with a relation restates in a note
+        ("Final answer: 64 (≈ 64.0)", "64", 1),
+        ("Final answer: 63 (= 8^2)", "64", 0),
     ],
     "rule 3: a different value offered is a hedge": [
         ("Final answer: 64 or 65", "64", 0),
@@ -464,6 +470,7 @@ POLICY = {
         ("Final answer: 7", "2x - y = 7", 0),
         ("Final answer: 0", "x^2 + y^2 - 1 = 0", 0),
         ("Final answer: 9", "t = 9", 1),  # a name on the left: its right side
+        ("Final answer: -1, 4", "x = -1 or x = 4", 1),  # a list of assignments is several values
         ("Final answer: y = 3x - 2", "y = 3x - 2", 1),
         ("Final answer: x \\ge 2", "x \\ge 2", 1),
         ("Final answer: 2 \\le x", "x \\ge 2", 1),
