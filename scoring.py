@@ -341,20 +341,16 @@ def read_answer(text, math=False, depth=0):
 _IN_SCORER_WORKER = False  # True in a scorer worker process (_scorer_worker_main)
 
 
-def _math_verify_timeout():
-    # math_verify's timeouts use signal.alarm, which only works in the main thread; elsewhere run without them. A
-    # scorer worker runs without them too: there the pool's hard kill (SCORE_TIMEOUT_S) is the one limit.
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    return 5 if in_main_thread and not _IN_SCORER_WORKER else None
-
-
 def _math_verify(prediction, gold):
     """True/False when math_verify decides, None when it cannot (error or nothing parsed). The prediction, a value
     read_answer found, is read as LaTeX alone, with its decimals exact (_exact_decimals)."""
     from math_verify import LatexExtractionConfig, parse, verify  # here: seconds to import
     from math_verify.errors import TimeoutException as MathVerifyTimeout
 
-    timeout, prediction = _math_verify_timeout(), re.sub(r"(?<!\\)\$", "", prediction)
+    # math_verify's timeouts use signal.alarm, which only works in the main thread; elsewhere run without them. A
+    # scorer worker runs without them too: there the pool's hard kill (SCORE_TIMEOUT_S) is the one limit.
+    timeout = 5 if threading.current_thread() is threading.main_thread() and not _IN_SCORER_WORKER else None
+    prediction = re.sub(r"(?<!\\)\$", "", prediction)
     try:  # $...$ makes bare LaTeX such as \frac{1}{2} parse
         gold_parsed = parse(f"${gold.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
         pred_parsed = parse(f"${prediction}$", [LatexExtractionConfig()], parsing_timeout=timeout, raise_on_error=True)
@@ -422,13 +418,9 @@ def read_number(text):
 
 
 def score_answer(prediction, gold):
-    """(score 0.0 or 1.0, method) of an answer (its text, or what extract_final_answer made of it) against the
-    gold. A pure function; it may run for a long time on adversarial input (sympy), so the episode loop calls it
-    through score_answer_isolated. Different values offered for a gold of one value are a hedge; for a gold of
-    several they are the answer. Beside a numeric gold, a value that reads as a number is compared as one: exactly
-    for an integer gold (integer_match; 28\\% answers 28, as in math_verify), else accepted when numbers_agree.
-    Otherwise math_verify, gold first, the answer's decimals exact (it reads 50\\% as 0.5, compares equations and
-    sets as such); when it cannot decide, normalised exact match and numbers_agree."""
+    """(score 0.0 or 1.0, method) of an answer (its text, or what extract_final_answer made of it) against the gold,
+    by scoring.md (rules 3 and 4, then "Comparing"). A pure function; it may run for a long time on adversarial input
+    (sympy), so the episode loop calls it through score_answer_isolated."""
     if prediction is None or not prediction.strip():
         return 0.0, "missing_final_answer"
     values = read_answer(prediction)
@@ -452,14 +444,12 @@ def score_answer(prediction, gold):
             return float(predicted_number == gold_number), "integer_match"
         if predicted_number is not None and numbers_agree(predicted_number, gold_number):
             return 1.0, "numeric_match"
-    decided = _math_verify(prediction, gold)
-    if decided is not None:
+    if (decided := _math_verify(prediction, gold)) is not None:
         return float(decided), "math_verify"
     if normalize_answer(prediction) == normalize_answer(gold):
         return 1.0, "exact_match"
-    pred_num, gold_num = read_number(prediction), read_number(gold)
-    if pred_num is not None and gold_num is not None:
-        return float(numbers_agree(pred_num, gold_num)), "numeric_match"
+    if (predicted_number := read_number(prediction)) is not None and gold_number is not None:
+        return float(numbers_agree(predicted_number, gold_number)), "numeric_match"
     return 0.0, "no_match"
 
 
