@@ -417,6 +417,15 @@ def read_number(text):
     return None if number(denominator) == 0 else (-1) ** (match[1] == "-") * number(numerator) / number(denominator)
 
 
+def _false_equation(value):
+    """An equation of constants whose sides differ (41 = 42, 2 + 2 = 5): it states nothing true, so it commits to
+    nothing. An equation with a variable is compared as an equation."""
+    sides = re.split(r"(?<![<>!])=", value)
+    if len(sides) < 2 or re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", value)):
+        return False
+    return any(_math_verify(side, sides[0]) is False for side in sides[1:])
+
+
 def score_answer(prediction, gold):
     """(score 0.0 or 1.0, method) of an answer (its text, or what extract_final_answer made of it) against the gold,
     by scoring.md (rules 3 and 4, then "Comparing"). A pure function; it may run for a long time on adversarial input
@@ -426,6 +435,8 @@ def score_answer(prediction, gold):
     values = read_answer(prediction)
     if not values:
         return 0.0, "no_value"
+    if any(_false_equation(value) for value in values):
+        return 0.0, "false_equation"
     gold_number, prediction = read_number(gold), ", ".join(values)
     sides = re.split(r"(?<![<>!])=", gold.strip(" $"))  # a + 3z = 0 is no number (math_verify: x + y = 0 is x + y := 0)
     one_equation = len(sides) > 1 and not re.search(r",|\b(?:or|and)\b", gold)

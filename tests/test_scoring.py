@@ -346,6 +346,12 @@ POLICY = {
         ("Final answer: k equals 12", "12", 1),
         ("Final answer: y = 4", "5", 0),
     ],
+    "rule 1: an equation of constants is true or commits to nothing": [
+        ("Final answer: 41 = 42", "42", 0), ("Final answer: 41 = 42", "41", 0),
+        (r"Final answer: 2 + 2 = 5", "5", 0), (r"Final answer: \frac{1}{2} = 0.6", "0.6", 0),
+        (r"Final answer: 3 \times 4 = 12", "12", 1), (r"Final answer: \boxed{7 = 7}", "7", 1),
+        (r"Final answer: 2^{3} = 8 = 9", "9", 0), (r"Final answer: \sqrt{16} = 4", "4", 1),
+    ],
     "rule 1: sign words and negations": [
         ("Final answer: negative nineteen", "-19", 1),
         ("Final answer: minus 2.5", "-5/2", 1),
