@@ -43,6 +43,7 @@ import common  # noqa: E402
 import models  # noqa: E402
 import pool  # noqa: E402
 import qwen3_30b  # noqa: E402
+from exact_restore import best_utilization  # noqa: E402
 from reference_generation import FIRST_PROMPT_TOKENS, draw_episode, scripted_episode  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -54,21 +55,6 @@ REFERENCE_TP = 2
 
 def mode_name(restore: str | None) -> str:
     return restore or "none (read-only)"
-
-
-def best_utilization(k: int, restore: str | None, needs: dict, report: dict, tp: int) -> tuple[float, dict] | None:
-    """The largest gpu_memory_utilization (in steps of 0.01) at which the memory plan admits k engines per GPU with
-    their restore state where `restore` asks, and that plan; None when none does."""
-    for step in range(99, 0, -1):
-        try:
-            plan = pool.plan_gpu_memory(engines_per_gpu=k, engines_on_node=k, gpu_total=report["gpu_total_bytes"],
-                                        gpu_free=report["gpu_free_bytes"], host_free=report["host_free_bytes"],
-                                        utilization=step / 100, restore=restore, tensor_parallel_size=tp, **needs)
-        except common.ConfigError:
-            continue
-        if plan["restore"] == restore:
-            return step / 100, plan
-    return None
 
 
 def plan_rows(needs: dict, report: dict, tp: int) -> dict:

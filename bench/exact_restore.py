@@ -79,24 +79,29 @@ def largest_k(restore: str, needs: dict, report: dict, utilization: float, tp: i
     return k
 
 
+def best_utilization(k: int, restore: str | None, needs: dict, report: dict, tp: int) -> tuple[float, dict] | None:
+    """The largest gpu_memory_utilization (in steps of 0.01) at which the memory plan admits k engines per GPU with
+    their restore state where `restore` asks, and that plan; None when none does."""
+    for step in range(99, 0, -1):
+        try:
+            plan = pool.plan_gpu_memory(engines_per_gpu=k, engines_on_node=k, gpu_total=report["gpu_total_bytes"],
+                                        gpu_free=report["gpu_free_bytes"], host_free=report["host_free_bytes"],
+                                        utilization=step / 100, restore=restore, tensor_parallel_size=tp, **needs)
+        except common.ConfigError:
+            continue
+        if plan["restore"] == restore:
+            return step / 100, plan
+    return None
+
+
 def kv_cache_by_k(restore: str, needs: dict, report: dict, tp: int) -> dict:
-    """{K: GiB of KV cache per engine} at the largest gpu_memory_utilization (in steps of 0.01) the plan admits for
-    K engines per GPU with their restore state where `restore` asks; K up to the first that fits at none."""
+    """{K: GiB of KV cache per engine} at the largest gpu_memory_utilization the plan admits for K engines per GPU
+    with their restore state where `restore` asks; K up to the first that fits at none."""
     out = {}
     for k in range(1, 65):
-        best = None
-        for step in range(1, 100):
-            try:
-                plan = pool.plan_gpu_memory(engines_per_gpu=k, engines_on_node=k, gpu_total=report["gpu_total_bytes"],
-                                            gpu_free=report["gpu_free_bytes"], host_free=report["host_free_bytes"],
-                                            utilization=step / 100, restore=restore, tensor_parallel_size=tp, **needs)
-            except common.ConfigError:
-                continue
-            if plan["restore"] == restore:
-                best = plan["kv_cache_bytes"]
-        if best is None:
+        if (found := best_utilization(k, restore, needs, report, tp)) is None:
             break
-        out[k] = round(best / pool.GIB, 1)
+        out[k] = round(found[1]["kv_cache_bytes"] / pool.GIB, 1)
     return out
 
 
