@@ -149,9 +149,11 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
 
 def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
     """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data and settings;
-    the settings that only say where files go or how fast the engine steps (RESUME_FREE_FIELDS) may differ."""
+    the settings that only say where files go or how fast the engine steps (RESUME_FREE_FIELDS) may differ, and a
+    setting newer than the folder's marker counts as its default."""
     def settings(config: dict) -> dict:
-        return {k: v for k, v in config.items() if k not in RESUME_FREE_FIELDS}
+        return {k: v for k, v in {**dataclasses.asdict(common.Config()), **config}.items()
+                if k not in RESUME_FREE_FIELDS}
 
     run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
                                  "data": data}))

@@ -86,8 +86,8 @@ class Config:
     generations: int = 20  # ES updates G (the sigma schedule runs over them)
     population: int = 16  # members N per generation
     case_batch: int = 16  # problems per generation; a member's fitness is its mean reward on them
-    fitness: str = "agent"  # an episode's reward: "agent" (the agent's score, the reference) or "shaped" (the learn
-                            # task's partial credit for using the tool: shaped_reward)
+    fitness: str = "agent"  # a member's fitness, its episodes' mean reward: "agent" (the agent's score, the
+                            # reference) or "shaped" (the learn task's partial credit: shaped_reward)
     sigma_start: float = 1e-3  # noise scale at generation 0 (cosine schedule)
     sigma_end: float = 5e-4  # noise scale at the last generation
     alpha: float = 5e-4  # step size: theta += alpha / N * sum_i z_i eps_i (1/sigma folded in)

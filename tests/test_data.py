@@ -263,3 +263,10 @@ def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(
     older["config"].update(cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=0, concurrency=3)
     (tmp_path / "eval_run.json").write_text(json.dumps(older))
     evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
+    del older["config"]["fitness"]  # written before the setting: its default, the agent's score
+    (tmp_path / "eval_run.json").write_text(json.dumps(older))
+    evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
+    (tmp_path / "eval_run.json").write_text(json.dumps(older))
+    with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
+        evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", "--fitness=shaped"]),
+                                       data)

@@ -555,6 +555,8 @@ HELP_OF_TWO_LINE_COMMENTS = [
                                    patch (exact: subtract, then put back the elements it misses; restore_patch.py)""",
     """  --patch_capacity=0.0             restore=patch: the share of each rank's elements whose bits the patch can hold; 0:
                                    restore_patch.PATCH_CAPACITY of the rounding mode""",
+    """  --fitness=agent                  a member's fitness, its episodes' mean reward: "agent" (the agent's score, the
+                                   reference) or "shaped" (the learn task's partial credit: shaped_reward)""",
     """  --allow_leaky_sandbox=False      run even when the start-up leak check finds the data, run folder or other episodes
                                    visible to the sandbox (then every record says so)""",
 ]

@@ -239,3 +239,29 @@ def test_the_detached_paper_runs_outlive_start_and_collect_keeps_their_histories
         session = tmp_path / "home" / "session"
         if session.exists():  # whatever a failed assertion left running
             subprocess.run(["pkill", "-KILL", "-s", session.read_text().strip()], check=False)
+
+
+def test_the_report_holds_03_evals_held_out_reward_of_the_same_run_when_its_folder_has_both_evaluations(tmp_path):
+    history = {"base_digests": ["b0"], "generations": [{"digests": ["t1"]}, {"digests": ["t2"]}]}
+    assert learning.stages_eval(tmp_path, history) is None  # a run of bench/learning.py alone
+
+    def evaluated(folder, digests, reward, accuracy):
+        held_out = {"reward": {"fitness": "shaped", "mean_at_16": reward}, "mean_at_16": accuracy,
+                    "reported": {"mean4": accuracy, "pass4": 2 * accuracy}, "n_problems": 64}
+        fileio.write_json_atomic({"checkpoint": {"per_rank_digests": digests}, "datasets": {"learn_heldout": held_out}},
+                                 tmp_path / folder / common.EVAL_METRICS)
+
+    evaluated("eval-base", ["b0"], 0.05, 0.0)
+    assert learning.stages_eval(tmp_path, history) is None  # the trained model not evaluated yet
+    evaluated("eval", ["t2"], 0.07, 0.25)
+    stages = learning.stages_eval(tmp_path, history)
+    assert stages == {"fitness": "shaped", "problems": 64, "samples": 16, "same_weights": True,
+                      "base": {"reward": 0.05, "accuracy": 0.0, "mean4": 0.0, "pass4": 0.0},
+                      "trained": {"reward": 0.07, "accuracy": 0.25, "mean4": 0.25, "pass4": 0.5}}
+    run = {"run_seed": 7, **{name: {part: {"mean": 0.1, "ci_low": 0.0, "ci_high": 0.2}
+                                    for part in ("base", "trained", "difference")} | {"difference_ci_above_zero": True}
+                             for name in learning.METRICS}, "stages_eval": stages}
+    assert ("03_eval.py, shaped reward of 64 held-out problems x 16 samples: 0.050 -> 0.070 (accuracy 0.000 -> "
+            "0.250; the run's weights: True)") in learning.format_table([run])
+    evaluated("eval", ["t1"], 0.07, 0.25)  # an export of the first generation only: not this run's weights
+    assert learning.stages_eval(tmp_path, history)["same_weights"] is False
