@@ -8,6 +8,7 @@ beside the original ones with per-problem agreement, into a new file; the eval16
 
     python 04_replay.py                      # <run_dir>/es_history.json against <run_dir>/eval
     python 04_replay.py --preset=smoke       # the smoke run
+    python 04_replay.py --preset=learn       # the learn run: samples 12-15 of its held-out additions, with rewards
 """
 
 from pathlib import Path
