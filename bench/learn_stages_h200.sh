@@ -51,6 +51,8 @@ stage() {  # NAME FINISHED_FILE COMMAND...: the command, unless its FINISHED_FIL
   timeout -s INT "$left" "$@" 2>&1 | grep --line-buffered -v -E "it/s\]|s/it\]" | tee -a "$log"
   status=${PIPESTATUS[0]}
   echo "[learn_stages] $name: exit $status after $((SECONDS - start)) s" | tee -a "$log"
+  [ "$status" = 130 ] && echo "[learn_stages] stopped at the time limit: run the same command again on this machine" \
+    | tee -a "$log"
   if [ "$status" != 0 ]; then
     copy_results
     exit "$status"
