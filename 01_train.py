@@ -23,7 +23,8 @@ import fileio
 import engine
 import models
 import tracking
-from history import HISTORY_FILE, check_config, read_history, rebuild_from_history, run_identity
+from history import (HISTORY_FILE, check_config, generation_settings, read_history, rebuild_from_history,
+                     run_identity)
 from pool import EnginePool
 
 ROLLOUTS = "rollouts"  # one JSONL per generation: every episode of every member, with its transcript
@@ -114,7 +115,7 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
     fileio.write_jsonl(episodes, rollout_dir / f"generation-{g:03d}.jsonl")
     return {
         "generation": g, "sigma": sigma, "alpha": cfg.alpha, "seeds": seeds, "rewards": rewards, "z": z,
-        "problem_ids": [p["id"] for p in batch], "digests": digests,
+        "problem_ids": [p["id"] for p in batch], "digests": digests, **generation_settings(cfg),
         "timings": {k: round(v, 4) for k, v in timings.items()}, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 

@@ -10,6 +10,7 @@ Every replayed generation's digests are checked against the history; the first m
     python 02_export.py --verify=runs/es/export        # re-hash an export against its manifest
 """
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -19,9 +20,10 @@ import cli
 import common
 import fileio
 import models
-from engine import Engine, run_stage
+from engine import run_stage
 from history import (EXPORT_MANIFEST, HISTORY_FILE, SHA256SUMS, config_from_history, copy_model_files, read_history,
                      rebuild_from_history, sha256_file, shard_entries, write_sha256sums)
+from pool import EnginePool
 
 HISTORY = ""  # default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by --preset=smoke)
 OUT = ""  # default: <run_dir>/export
@@ -54,7 +56,9 @@ def main(argv: list[str]) -> Path:
     partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        with Engine(cfg, model_path) as engine:
+        # one read-only engine in this process (it saves the shards), planned like every engine
+        with EnginePool(dataclasses.replace(cfg, engines=1, ray_address=""), model_path, perturbs=False) as pool:
+            engine = pool.engines[0]
             # the base, noise, layout and device must be the history's; the training data is not needed
             identity, digests = rebuild_from_history(engine, cfg, model_path, history, generations,
                                                      compare_config=False,

@@ -25,8 +25,8 @@ import common
 import fileio
 import engine
 import models
-from history import (EXPORT_MANIFEST, HISTORY_FILE, RESUME_FREE_FIELDS, check_loaded_export, config_from_history,
-                     read_history, sha256_file)
+from history import (EXPORT_MANIFEST, HISTORY_FILE, RESTORE_FIELDS, RESUME_FREE_FIELDS, check_loaded_export,
+                     config_from_history, read_history, sha256_file)
 from pool import EnginePool
 
 EXPORT = "<run_dir>/export"  # a folder written by 02_export.py; empty: evaluate the base model itself
@@ -124,14 +124,14 @@ def eval_problems(path: str, cfg) -> list[dict]:
 
 @contextlib.contextmanager
 def open_checkpoint(cfg, export: str, manifest: dict | None):
-    """An engine holding the export (its files verified against the manifest before; its loaded bits checked
-    after loading) or, without an export, the base model."""
+    """Read-only engines holding the export (its files verified against the manifest before; its loaded bits
+    checked after loading) or, without an export, the base model."""
     if not export:
-        with EnginePool(cfg, models.resolve_model(cfg.model)) as engines:
+        with EnginePool(cfg, models.resolve_model(cfg.model), perturbs=False) as engines:
             yield engines, {"kind": "base", "model": cfg.model, "per_rank_digests": engines.digests()}
         return
     if common.is_checkpoint_noise(manifest):  # a Hugging Face folder: any TP size, digests in checkpoint terms
-        with EnginePool(cfg, export) as engines:
+        with EnginePool(cfg, export, perturbs=False) as engines:
             loaded = engines.digests()
             if loaded != [manifest["digest"]]:
                 raise common.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
@@ -140,7 +140,7 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
                            "manifest_sha256": sha256_file(Path(export) / checkpoint_noise.HF_EXPORT_MANIFEST),
                            "per_rank_digests": loaded}
         return
-    with EnginePool(cfg, export, load_format="sharded_state", tokenizer=export) as engines:
+    with EnginePool(cfg, export, load_format="sharded_state", tokenizer=export, perturbs=False) as engines:
         loaded = check_loaded_export(engines, manifest, export)  # the bits vLLM holds are the exported ones
         yield engines, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
                        "manifest_sha256": sha256_file(Path(export) / EXPORT_MANIFEST),
@@ -149,11 +149,12 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
 
 def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
     """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data and settings;
-    the settings that only say where files go or how fast the engine steps (RESUME_FREE_FIELDS) may differ, and a
-    setting newer than the folder's marker counts as its default."""
+    the settings that only say where files go or how fast the engine steps (RESUME_FREE_FIELDS), and how a
+    perturbation is undone (RESTORE_FIELDS: an evaluation never perturbs), may differ; a setting newer than the
+    folder's marker counts as its default."""
     def settings(config: dict) -> dict:
         return {k: v for k, v in {**dataclasses.asdict(common.Config()), **config}.items()
-                if k not in RESUME_FREE_FIELDS}
+                if k not in RESUME_FREE_FIELDS + RESTORE_FIELDS}
 
     run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
                                  "data": data}))

@@ -58,7 +58,7 @@ def main(argv: list[str]) -> dict:
     fileio.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
     common.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export or None)
-    with EnginePool(cfg, model_path) as engines:
+    with EnginePool(cfg, model_path, perturbs=False) as engines:
         _, digests = rebuild_from_history(engines, cfg, model_path, history, generations, compare_config=False,
                                           desc=f"rebuilding theta from {len(generations)} generations")
         for source, wanted in expected.items():

@@ -535,7 +535,7 @@ class ESWorker:
                 "at the centre; raise --patch_capacity or use --restore=copy_device")
 
     def _es_patch(self, capacity: float) -> restore_patch.RestorePatch:
-        """The patch of this capacity, allocated once (co-located engines reserve it at start: es_snapshot)."""
+        """The patch of this capacity, allocated once (a pool's GPU engines reserve it at start: es_snapshot)."""
         if self.es_patch is None or self.es_patch.capacity != capacity:
             self.es_patch = None  # the old one's memory first
             self.es_patch = restore_patch.RestorePatch([t for _, t in self.es_params], capacity)
@@ -607,8 +607,8 @@ class ESWorker:
 
     def es_snapshot(self, restore: str, patch_capacity: float = restore_patch.PATCH_CAPACITY["nearest"]
                     ) -> int:
-        """Take the exact-restore copy, or allocate the patch (restore="patch"), now: co-located engines reserve it
-        at start. Returns its bytes."""
+        """Take the exact-restore copy, or allocate the patch (restore="patch"), now: a pool's GPU engines reserve
+        it at start. Returns its bytes."""
         if restore == "patch":
             return self._es_patch(patch_capacity).nbytes
         if self.es_copy is None:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import checkpoint_noise
 import common as C
+import fileio
 import restore_patch
 import scoring
 from tracking import progress_bar, stopwatch
@@ -261,14 +262,11 @@ def gpu_memory_lock(path: Path | None = None):
         yield
         return
     path = path or GPU_MEMORY_LOCK
-    fd = _open_lock_file(path)
+    fd = fileio.open_lock_file(path, "the machine's GPU memory lock",
+                               "every process that starts, copies or stops a GPU engine here")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"[gpu] another process is changing GPU memory on this machine (an engine starting, copying or "
-                  f"stopping): waiting for it ({path})", flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        fileio.lock_or_wait(fd, f"[gpu] another process is changing GPU memory on this machine (an engine starting, "
+                                f"copying or stopping): waiting for it ({path})")
         _gpu_memory_lock_held.held = True
         try:
             yield
@@ -279,33 +277,6 @@ def gpu_memory_lock(path: Path | None = None):
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
-
-
-def _open_lock_file(path: Path) -> int:
-    """The lock file, opened read-only (flock needs no write access) and created readable by every user, so that
-    the engines of every user of the machine take turns through the same file."""
-    try:
-        try:
-            return os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            pass
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:  # another process created it just now
-            return os.open(path, os.O_RDONLY)
-        os.fchmod(fd, 0o644)  # whatever the umask
-        return fd
-    except PermissionError as exc:
-        try:
-            import pwd
-
-            owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
-        except (OSError, KeyError):
-            owner = "another user"
-        raise C.ConfigError(f"cannot open the machine's GPU memory lock {path} ({exc.strerror}; it belongs to "
-                            f"{owner}): every process that starts, copies or stops a GPU engine here takes turns "
-                            f"through it. Make it readable for all (chmod a+r {path}) or remove it, as its owner or "
-                            "root") from None
 
 
 # ---- The prompt of each turn: the conversation as token ids
@@ -405,11 +376,12 @@ class ChatPrompts:
 
 class Engine(C.ClosedOnExit):
     """vLLM at TP=2 with the ES worker extension and prefix caching on. Every weight change (perturb, restore,
-    update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights."""
+    update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights. perturbs=False: a read-only
+    engine (export, evaluation, replay), which holds no exact-restore copy or patch and refuses to perturb."""
 
     def __init__(self, cfg: C.Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
-                 skip_tokenizer_init: bool = False, executor: str | None = None):
-        self.cfg = cfg
+                 skip_tokenizer_init: bool = False, executor: str | None = None, perturbs: bool = True):
+        self.cfg, self.perturbs = cfg, perturbs
         self.device = C.device_type()
         check_placement(cfg.tensor_parallel_size, self.device)
         self._tokenizer_path = tokenizer or model_path
@@ -541,10 +513,19 @@ class Engine(C.ClosedOnExit):
         if not self._call_vllm(self.llm.reset_prefix_cache(), "the prefix cache reset"):
             raise C.EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
 
+    @property
+    def restore_mode(self) -> str:
+        """How this engine undoes a perturbation: its restore mode, or "none" for a read-only engine."""
+        return self.cfg.restore if self.perturbs else "none"
+
     def reserve_restore_copy(self) -> None:
         """Take the exact-restore copy (or allocate the patch, restore="patch") now (once), under the machine's GPU
-        memory lock: a copy made while another engine profiles its memory fails that start. Co-located engines take
-        it at start, the others before their first perturbation."""
+        memory lock: a copy made while another engine profiles its memory fails that start. A pool's GPU engines
+        take it at start (pool.start_gpu_engine, after their memory plan), others before their first
+        perturbation."""
+        if not self.perturbs:
+            raise RuntimeError("a read-only engine (perturbs=False) does not perturb: it holds no exact-restore copy "
+                               "or patch")
         if getattr(self, "_restore_copy_taken", False) or self.cfg.restore == "subtract":
             return
         with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():

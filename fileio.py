@@ -1,6 +1,7 @@
-"""Files a run writes and reads: atomic writes (temp file, fsync, rename), JSON read with its shape checked, and
-JSONL that survives a crash (a torn last line is dropped). The weight digests are in digests.py; SHA256SUMS,
-fingerprints and the sharded_state export's manifest in history.py."""
+"""Files a run writes and reads: atomic writes (temp file, fsync, rename), JSON read with its shape checked, JSONL
+that survives a crash (a torn last line is dropped), and the lock files through which the processes of every user
+of a machine take turns. The weight digests are in digests.py; SHA256SUMS, fingerprints and the sharded_state
+export's manifest in history.py."""
 
 import json
 import math
@@ -20,18 +21,62 @@ def _fsync_dir(folder):
 
 
 def check_output_path(path, setting: str, folder: bool = True) -> None:
-    """Refuse, before any work, an output a stage could not write at the end: a folder (or with folder=False a
-    file) where something else is in the way, or whose nearest existing parent is a file or not writable.
-    `setting` names the option that gave the path."""
+    """Refuse, before any work, an output a stage could not write at the end. `setting` names the option that gave
+    the path. Something else in the way is refused: a file where the stage writes a folder, or (folder=False) a
+    folder where it writes a file. Then the folder the stage writes in must be a folder it may write in:
+      - an output folder that exists: that folder (--run_dir=$HOME needs $HOME writable, not /home);
+      - one that does not exist yet: its nearest existing parent, where the stage makes it (--run_dir=runs/a/b
+        before runs/ exists: the current folder);
+      - an output file, there or not: the folder it goes in, nearest existing (it is written beside, then renamed)."""
     path = Path(path)
     if path.exists() and path.is_dir() != folder:
         raise ConfigError(f"--{setting}={path}: a {'file' if folder else 'folder'} is in the way of the "
                           f"{'folder' if folder else 'file'} this stage writes")
-    parent = next(p for p in path.absolute().parents if p.exists())
-    if not parent.is_dir():
-        raise ConfigError(f"--{setting}={path}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--{setting}={path}: no permission to write in {parent}")
+    where = path.absolute()
+    writes_in = where if folder and where.is_dir() else next(p for p in where.parents if p.exists())
+    if not writes_in.is_dir():
+        raise ConfigError(f"--{setting}={path}: {writes_in} is a file, not a folder")
+    if not os.access(writes_in, os.W_OK | os.X_OK):
+        raise ConfigError(f"--{setting}={path}: no permission to write in {writes_in}")
+
+
+def open_lock_file(path, name: str, users: str) -> int:
+    """A lock file every user of the machine can take turns through: opened read-only (flock needs no write
+    access), created readable by all whatever the umask. One another user left unreadable is a ConfigError naming
+    the lock (`name`), its owner, who takes turns through it (`users`) and the fix."""
+    try:
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:  # another process created it just now
+            return os.open(path, os.O_RDONLY)
+        os.fchmod(fd, 0o644)  # whatever the umask
+        return fd
+    except PermissionError as exc:
+        try:
+            import pwd
+
+            owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
+        except (OSError, KeyError):
+            owner = "another user"
+        raise ConfigError(f"cannot open {name} {path} ({exc.strerror}; it belongs to {owner}): {users} takes turns "
+                          f"through it. Make it readable for all (chmod a+r {path}) or remove it, as its owner or "
+                          "root") from None
+
+
+def lock_or_wait(fd: int, waiting: str) -> None:
+    """Take the lock of an open lock file; while another process holds it, say so in one line (`waiting`) and
+    wait."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(waiting, flush=True)
+        fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 def write_file_atomic(data: str | bytes, path):

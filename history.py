@@ -2,10 +2,12 @@
 
 A history (es_history.json) opens with the run's identity (run_identity): its constants, the noise definition, the
 base model's fingerprint and digests, the training data's sha256, the runtime layout, the device model and the
-versions. A stage that resumes, exports or replays compares that header with its own (check_base, check_config) and
-refuses a history of another run before it changes any weight. Published files carry fingerprints: SHA256SUMS beside
-them (`sha256sum -c SHA256SUMS` checks them), and a sharded_state export its manifest (each shard's sha256, the
-per-rank digests of the weights), checked before anything loads it (verify_export, check_loaded_export).
+versions; then one record per generation, which also carries the settings a resume may change that tell how its
+generation ran (generation_settings: the exact restore mode). A stage that resumes, exports or replays compares the
+header with its own (check_base, check_config) and refuses a history of another run before it changes any weight.
+Published files carry fingerprints: SHA256SUMS beside them (`sha256sum -c SHA256SUMS` checks them), and a
+sharded_state export its manifest (each shard's sha256, the per-rank digests of the weights), checked before
+anything loads it (verify_export, check_loaded_export).
 
 Export and replay take the recorded run's settings from its history (config_from_history: what defines the weights
 always, never a preset's or a default) and rebuild its weights (rebuild_from_history: the refusals, then
@@ -71,6 +73,9 @@ POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never wha
 # engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
 RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
                       "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
+# how a member's perturbation is undone: a stage that never perturbs (export, evaluation, replay) takes any value,
+# e.g. an evaluation of a --restore=subtract run resumed with --restore=patch --patch_capacity=0.3
+RESTORE_FIELDS = ("restore", "patch_capacity")
 
 
 def resume_free_fields(config: dict) -> tuple[str, ...]:
@@ -79,8 +84,19 @@ def resume_free_fields(config: dict) -> tuple[str, ...]:
     inexact subtract is refused by identity_differences); with checkpoint noise the TP size: its weights are the
     same at every TP size."""
     exact = config.get("restore", C.Config.restore) != "subtract"
-    return (RESUME_FREE_FIELDS + (("restore", "patch_capacity") if exact else ())
+    return (RESUME_FREE_FIELDS + (RESTORE_FIELDS if exact else ())
             + (("tensor_parallel_size",) if C.is_checkpoint_noise(config) else ()))
+
+
+# settings a resume may change (resume_free_fields) that each generation's record carries, so that the history tells
+# how every generation ran: the header's config keeps the first run's values. A record written before records carried
+# them (an older history) ran with the header's, unless a resume changed them and left no trace.
+GENERATION_SETTINGS = RESTORE_FIELDS
+
+
+def generation_settings(cfg: Config) -> dict:
+    """What a generation record carries of the settings it ran with (GENERATION_SETTINGS)."""
+    return {field: getattr(cfg, field) for field in GENERATION_SETTINGS}
 
 
 def without_retired_settings(config: dict) -> dict:
@@ -97,12 +113,13 @@ def config_from_history(history: dict, argv: list[str], settings: dict | None = 
     """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
     from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
     from the history. `--preset` fills in only the settings that may differ between runs (RESUME_FREE_FIELDS, such
-    as run_dir), never a recorded value; an explicit `--key=value` that differs from a recorded one is refused."""
+    as run_dir, and RESTORE_FIELDS: these stages never perturb), never a recorded value; an explicit `--key=value`
+    that differs from a recorded one is refused."""
     history_settings = without_retired_settings(history["config"])  # refuses a run this code cannot rebuild
     given = without_retired_settings(settings) if settings else history_settings
     recorded_settings = {k: v for k, v in given.items()
                          if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
-    free_fields = resume_free_fields(history["config"])
+    free_fields = resume_free_fields(history["config"]) + RESTORE_FIELDS
     values = {**recorded_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS
                                       if f in history["config"] and f not in free_fields}}
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})

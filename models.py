@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import fileio
 from common import ConfigError
 
 REPO = Path(__file__).resolve().parent
@@ -105,22 +106,29 @@ def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models", d
 
 def build_once(name: str, cache_dir: Path) -> str:
     """cache_dir/name, written by the first process that needs it. Processes started together (two runs on one
-    machine) take turns through a lock file: one builds into a folder of its own and renames it into place whole,
-    the others wait and use it. A folder that exists is complete (it appears only by that rename) and is never
-    removed, so a process that is loading it keeps it."""
-    import fcntl
-
+    machine, of one user or of several sharing cache_dir) take turns through a lock file every user can open: one
+    builds into a folder of its own and renames it into place whole; the others say in one line that they wait for
+    it, then use it. A folder at cache_dir/name is never deleted, so a process loading it keeps it: one without
+    config.json (not a finished build, which appears whole) is moved aside into a hidden folder beside it, and a
+    rename that finds a finished folder in its place (a build that did not take turns with this one) leaves that
+    folder and uses it."""
     path = cache_dir / name
     if (path / "config.json").exists():
         return str(path)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f".{name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+    lock = cache_dir / f".{name}.lock"
+    fd = fileio.open_lock_file(lock, "the model build lock", f"every process that builds {name} in {cache_dir}")
+    try:  # the lock is released when the file closes, also when this process dies
+        fileio.lock_or_wait(fd, f"[models] another process is building {path}: waiting for it ({lock})")
         if (path / "config.json").exists():  # built by the process that held the lock before
             return str(path)
         for stale in cache_dir.glob(f".{name}.building-*"):  # left by a builder that died (none runs now)
             shutil.rmtree(stale, ignore_errors=True)
-        shutil.rmtree(path, ignore_errors=True)  # never returned: no process can be loading it
+        if os.path.lexists(path):
+            aside = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{name}.moved-aside-")) / name
+            os.rename(path, aside)
+            print(f"[models] {path} is not a finished build (no config.json): moved aside to {aside}, not deleted "
+                  "(a process may still read it); remove it when none does", flush=True)
         tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{name}.building-"))
         try:
             if name in REAL_MODELS:
@@ -128,10 +136,17 @@ def build_once(name: str, cache_dir: Path) -> str:
             else:
                 write_tiny_model(tmp, kind=name.rsplit("-", 1)[1])
             tmp.chmod(0o755)  # mkdtemp makes it private
-            os.rename(tmp, path)
+            try:
+                os.rename(tmp, path)
+            except OSError:
+                if not (path / "config.json").exists():
+                    raise
+                shutil.rmtree(tmp)  # another build took the place first: its folder is whole, and may be in use
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    finally:
+        os.close(fd)
     return str(path)
 
 

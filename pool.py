@@ -7,10 +7,12 @@ Placement, fixed: a node's GPUs form G = GPUs // tensor_parallel_size groups of 
 j*tp .. j*tp+tp-1); engine k runs on group k mod G. Engines spread over the groups first and share a group's GPUs
 (co-locate) only when K > G; co-located engines start one after another, also across processes (vLLM sizes its
 memory from what is free when it starts: engine.gpu_memory_lock), and at tensor_parallel_size > 1 they need CUDA
-MPS (without it their NCCL collectives stall under time-slicing). Each GPU engine's memory plan (weights, KV cache,
-where its exact-restore copy goes) is made from what its node has free when it starts. On one node the K engines
-live in this process; with --ray_address they are Ray actors, one placement group per GPU group, on the nodes of a
-cluster. Ray is imported only then.
+MPS (without it their NCCL collectives stall under time-slicing). Every GPU engine, one or many, gets its memory
+plan (weights, KV cache, where its exact-restore copy or patch goes) from what its node has free when it starts, and
+takes that copy or patch at start. A read-only pool (export, evaluation, replay: perturbs=False) never perturbs: its
+engines plan weights and KV cache alone and hold no restore memory. On one node the K engines live in this process;
+with --ray_address they are Ray actors, one placement group per GPU group, on the nodes of a cluster. Ray is
+imported only then.
 """
 
 from __future__ import annotations
@@ -110,26 +112,47 @@ def check_cpu_pool(engines: int, tensor_parallel_size: int, cores: int) -> None:
 def parameter_count(config: dict, folder: str | Path | None = None) -> int:
     """Parameters of a model: counted from the safetensors headers in `folder` when it holds weight files (exact,
     any architecture), else from its config.json for the layouts formula_parameter_count knows."""
-    counted = safetensors_parameter_count(folder) if folder is not None else None
-    return counted if counted is not None else formula_parameter_count(config)
+    stored = safetensors_elements(folder) if folder is not None else None
+    return sum(stored.values()) if stored is not None else formula_parameter_count(config)
 
 
-def safetensors_parameter_count(folder: str | Path) -> int | None:
-    """Elements of every tensor in a folder's safetensors files, from their JSON headers (no weights read): the
-    files its index names when it has one (a folder may keep a consolidated copy beside the shards), else all.
-    None when it has none."""
+def safetensors_elements(folder: str | Path) -> dict[str, int] | None:
+    """Elements per stored dtype ("BF16", "F32", ...) of every tensor in a folder's safetensors files, from their
+    JSON headers (no weights read): the files its index names when it has one (a folder may keep a consolidated
+    copy beside the shards), else all. None when it has none."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     files = (sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.exists()
              else sorted(folder.glob("*.safetensors")))
     if not files:
         return None
-    total = 0
+    elements = {}
     for file in files:
         with open(file, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))  # 8-byte length, then the JSON
-        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
-    return total
+        for name, t in header.items():
+            if name != "__metadata__":
+                elements[t["dtype"]] = elements.get(t["dtype"], 0) + math.prod(t["shape"])
+    return elements
+
+
+SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def held_elements(stored: dict[str, int], dtype: torch.dtype) -> dict[torch.dtype, int]:
+    """Elements per dtype an engine run at `dtype` holds of a checkpoint with `stored` elements per safetensors
+    dtype. vLLM casts the weights to the run's dtype, except the tensors a model keeps wider, which a checkpoint
+    stores wider than its other weights: a floating dtype wider than both the run's and the one most elements are
+    stored in is held as stored. BF16 weights with an F32 router bias, run in bfloat16: both as stored; an all-F32
+    checkpoint run in bfloat16: all bfloat16; BF16 weights with an F32 bias run in float32: all float32."""
+    main = max(stored, key=stored.get)
+    floor = max(dtype.itemsize, SAFETENSORS_FLOATS[main].itemsize if main in SAFETENSORS_FLOATS else 0)
+    held = {}
+    for name, n in stored.items():
+        kept = SAFETENSORS_FLOATS.get(name)
+        as_dtype = kept if kept is not None and kept.itemsize > floor else dtype
+        held[as_dtype] = held.get(as_dtype, 0) + n
+    return held
 
 
 # the model types whose parameters formula_parameter_count adds up (embeddings, attention with the q/k norms of
@@ -172,15 +195,17 @@ def language_model_config(config: dict) -> dict:
 def engine_memory_needs(config: dict, cfg: C.Config, folder: str | Path | None = None) -> dict:
     """Bytes per GPU of one engine: its weights (one TP rank's share; counted from the weight files in `folder`
     when it has them), the KV cache of one full-length sequence, and its restore patch's bound (restore="patch")."""
-    element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    dtype = getattr(torch, cfg.dtype)
     tp = cfg.tensor_parallel_size
     text = language_model_config(config)
     kv_heads = max(1, text.get("num_key_value_heads", text["num_attention_heads"]) // tp)
-    params = parameter_count(config, folder) // tp
-    return {"weights_bytes": params * element,
-            "sequence_kv_bytes": 2 * text["num_hidden_layers"] * kv_heads * _head_dim(text) * element
+    stored = safetensors_elements(folder) if folder is not None else None
+    held = held_elements(stored, dtype) if stored else {dtype: formula_parameter_count(config)}
+    per_rank = {d: n // tp for d, n in held.items()}
+    return {"weights_bytes": sum(n * d.itemsize for d, n in per_rank.items()),
+            "sequence_kv_bytes": 2 * text["num_hidden_layers"] * kv_heads * _head_dim(text) * dtype.itemsize
                                  * cfg.max_model_len,
-            "patch_bytes": restore_patch.patch_bytes(params, element, restore_patch.patch_capacity(cfg))}
+            "patch_bytes": restore_patch.patch_bytes(per_rank, restore_patch.patch_capacity(cfg))}
 
 
 def _head_dim(config: dict) -> int:
@@ -189,12 +214,12 @@ def _head_dim(config: dict) -> int:
 
 def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: int, gpu_free: int,
                     host_free: int, utilization: float, weights_bytes: int, sequence_kv_bytes: int,
-                    restore: str, tensor_parallel_size: int, patch_bytes: int = 0) -> dict:
+                    restore: str | None, tensor_parallel_size: int, patch_bytes: int = 0) -> dict:
     """Whether `engines_per_gpu` engines fit on each GPU of a group, and where their exact-restore copies go: on
     the GPU where they fit, else in pinned host memory. restore="patch" keeps each engine's patch (`patch_bytes`,
-    its bound, allocated whole at start) on the GPU or is refused: it has no host fallback. Refuses (ConfigError)
-    with the numbers when they do not fit. Every engine gets `utilization` x gpu_total from vLLM, plus
-    ENGINE_OVERHEAD_BYTES outside it."""
+    its bound, allocated whole at start) on the GPU or is refused: it has no host fallback. restore=None: engines
+    that never perturb (a read-only pool), weights and KV cache alone. Refuses (ConfigError) with the numbers when
+    they do not fit. Every engine gets `utilization` x gpu_total from vLLM, plus ENGINE_OVERHEAD_BYTES outside it."""
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     share = utilization * gpu_total
     kv_room = share - weights_bytes - ACTIVATION_RESERVE_BYTES
@@ -247,20 +272,19 @@ def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: boo
             + MPS_COMMANDS)
 
 
-def engines_to_plan(where: list[int], counts: list[int], k: int) -> dict:
+def engines_to_plan(where: list[int], k: int) -> dict:
     """What engine k's memory plan must still make room for, given the GPU group of each engine of a node in start
-    order (`where`) and each group's engine count: the engines of its group from k on (the earlier ones already
-    hold their memory), and the exact-restore copies still to take on the node (engines from k on, and earlier
-    engines alone on their group, which take theirs at the first perturbation)."""
-    return {"engines_per_gpu": where[k:].count(where[k]), "co_located": counts[where[k]],
-            "engines_on_node": sum(1 for i, j in enumerate(where) if i >= k or counts[j] == 1)}
+    order (`where`): the engines of its group from k on, and the exact-restore copies still to take on the node
+    (engines from k on). Every earlier engine already holds its memory, its restore copy or patch included."""
+    return {"engines_per_gpu": where[k:].count(where[k]), "engines_on_node": len(where) - k}
 
 
 def start_gpu_engine(cfg: C.Config, model_path: str, gpus: list[str], *, engines_per_gpu: int, engines_on_node: int,
-                     co_located: int, **engine_kwargs) -> E.Engine:
+                     perturbs: bool = True, **engine_kwargs) -> E.Engine:
     """One GPU engine of a pool, under the machine's GPU memory lock: its memory plan from what is free now (after
-    every engine started before it, this run's or another's; the refusal names the numbers), its start, and for
-    co-located engines the exact-restore copy, so that the next start sees that memory used."""
+    every engine started before it, this run's or another's; the refusal names the numbers, before this engine
+    starts), its start, and its exact-restore copy or patch (none for an engine that never perturbs), so that the
+    next start sees that memory used."""
     with E.gpu_memory_lock():
         report = node_report(gpus)
         if report["gpu_total_bytes"] is not None:  # nvidia-smi told
@@ -268,12 +292,14 @@ def start_gpu_engine(cfg: C.Config, model_path: str, gpus: list[str], *, engines
             plan = plan_gpu_memory(
                 engines_per_gpu=engines_per_gpu, engines_on_node=engines_on_node,
                 gpu_total=report["gpu_total_bytes"], gpu_free=report["gpu_free_bytes"],
-                host_free=report["host_free_bytes"], utilization=cfg.gpu_memory_utilization, restore=cfg.restore,
-                tensor_parallel_size=cfg.tensor_parallel_size, **engine_memory_needs(config, cfg, model_path))
-            cfg = dataclasses.replace(cfg, restore=plan["restore"])
-        engine = E.Engine(cfg, model_path, **engine_kwargs)
+                host_free=report["host_free_bytes"], utilization=cfg.gpu_memory_utilization,
+                restore=cfg.restore if perturbs else None, tensor_parallel_size=cfg.tensor_parallel_size,
+                **engine_memory_needs(config, cfg, model_path))
+            if perturbs:
+                cfg = dataclasses.replace(cfg, restore=plan["restore"])
+        engine = E.Engine(cfg, model_path, perturbs=perturbs, **engine_kwargs)
         try:
-            if co_located > 1:
+            if perturbs:
                 engine.reserve_restore_copy()
         except BaseException:
             engine.close()
@@ -393,7 +419,7 @@ class _EngineActor:
 
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "device": self.engine.device,
-                "restore": self.engine.cfg.restore, "core_pids": self.engine.engine_core_pids()}
+                "restore": self.engine.restore_mode, "core_pids": self.engine.engine_core_pids()}
 
     def call(self, method: str, /, *args, **kwargs):
         """The engine's method, for RemoteEngine's blocking calls (rpc, update, digests, ...)."""
@@ -502,7 +528,8 @@ class EnginePool(C.ClosedOnExit):
     """K engines with the facade the scripts need: evaluate_members (training), run_agent (evaluation, replay),
     update, digests (checked to agree across engines), rpc and parameter_names_sha256 (engine 0's). A context
     manager; leaving it shuts every engine down. An engine that dies fails the call with an EngineFailure naming
-    it; the stage then resumes from its files when started again."""
+    it; the stage then resumes from its files when started again. engine_kwargs go to each Engine: perturbs=False
+    starts a read-only pool (no restore memory; evaluate_members is refused)."""
 
     def __init__(self, cfg: C.Config, model_path: str, **engine_kwargs):
         self.cfg, self.engines, self._groups = cfg, [], []
@@ -534,12 +561,13 @@ class EnginePool(C.ClosedOnExit):
                 warnings.warn(warning, stacklevel=3)
 
     def _start_local(self, model_path: str, engine_kwargs: dict) -> None:
-        """K engines in this process (one node), started one after another on their GPU groups or CPU cores."""
-        if self.size == 1:
+        """K engines in this process (one node), started one after another on their GPU groups (each planned, one
+        engine too) or CPU cores."""
+        tp = self.cfg.tensor_parallel_size
+        if self.device != "cuda" and self.size == 1:
             self.engines.append(E.Engine(self.cfg, model_path, **engine_kwargs))
             self.placement.append({"node": "local", "devices": "all visible"})
             return
-        tp = self.cfg.tensor_parallel_size
         if self.device != "cuda":
             cores = os.cpu_count() or 1
             for k in range(self.size):
@@ -554,11 +582,11 @@ class EnginePool(C.ClosedOnExit):
         self._check_colocation(counts, [mps] * len(groups))
         for k, j in enumerate(where):
             with environment(CUDA_VISIBLE_DEVICES=",".join(groups[j])):
-                engine = start_gpu_engine(self.cfg, model_path, groups[j], **engines_to_plan(where, counts, k),
+                engine = start_gpu_engine(self.cfg, model_path, groups[j], **engines_to_plan(where, k),
                                           **engine_kwargs)
             self.engines.append(engine)
             self._started({"node": "local", "gpus": groups[j], "group": j, "co_located": counts[j],
-                           "restore": engine.cfg.restore, "mps": mps})
+                           "restore": engine.restore_mode, "mps": mps})
 
     def _start_remote(self, model_path: str, engine_kwargs: dict) -> None:
         """K engines as Ray actors: per GPU group one placement group (its GPUs on one node) holding that group's
@@ -598,7 +626,7 @@ class EnginePool(C.ClosedOnExit):
             if self.device == "cpu":
                 env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(k, tp, reports[j]["cores"])
             same_node = [i for i, g in enumerate(where) if reports[g]["node"] == reports[j]["node"]]
-            plan = engines_to_plan([where[i] for i in same_node], counts, same_node.index(k)) if gpu else None
+            plan = engines_to_plan([where[i] for i in same_node], same_node.index(k)) if gpu else None
             actor = remote.options(num_cpus=1, num_gpus=0, max_concurrency=2, runtime_env={"env_vars": env},
                                    scheduling_strategy=strategy(j)).remote(
                 self.cfg, str(model_path), engine_kwargs, env, checked, plan)

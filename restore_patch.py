@@ -19,9 +19,11 @@ def patch_capacity(cfg) -> float:
     return cfg.patch_capacity or PATCH_CAPACITY[cfg.rounding]
 
 
-def patch_bytes(numel: int, element_size: int, capacity: float) -> int:
-    """The bytes of one rank's patch: its bound, all of it allocated when the patch is made."""
-    return (numel + 7) // 8 + math.ceil(capacity * numel) * element_size
+def patch_bytes(numel: dict[torch.dtype, int], capacity: float) -> int:
+    """The bytes of one rank's patch, all of them allocated when the patch is made, as RestorePatch allocates them:
+    a bit per element, and for each dtype `capacity` of its elements (`numel`: elements per dtype) at its size."""
+    return ((sum(numel.values()) + 7) // 8
+            + sum(math.ceil(capacity * n) * dtype.itemsize for dtype, n in numel.items()))
 
 
 class PatchFull(RuntimeError):

@@ -1,6 +1,10 @@
 """Scoring: what an agent's reply commits to as its answer, that answer against the gold
 (as a number, by math-verify, else normalised exact match), and which episodes score at all.
 
+What an answer commits to is one written policy, scoring.md, rule by rule with examples; the sections below follow it
+in its order: where the answer is, the committed value (rule 1), notes, hedges and several values (rules 2-4),
+comparing with the gold.
+
 The episode loop scores in worker processes that a hung sympy call cannot stall (score_answer_isolated): a worker
 is this file run as a script, started by the pool, never by hand:
 
@@ -27,19 +31,15 @@ import threading
 import time
 from fractions import Fraction
 from pathlib import Path
+from typing import NamedTuple
 
 
-# ---- Reading the committed answer: think blocks, the answer line and its boxes
+# ---- Where the answer is (scoring.md: the marker line; rule 5, display math below an empty one; the last box)
 
 def strip_think(text):
-    """Drop <think>...</think> blocks; a dangling </think> (opening tag in the prompt) drops everything before it,
-    an unclosed <think> (reply cut off while thinking) drops everything after it."""
+    """Without <think>...</think> blocks, what precedes a dangling </think> and what follows an unclosed <think>."""
     text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL)
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
-    if "<think>" in text:
-        text = text.split("<think>", 1)[0]
-    return text
+    return text.rsplit("</think>", 1)[-1].split("<think>", 1)[0]
 
 
 # only at the start of a line, after optional markdown (quote, list bullet or number, heading, emphasis): prose such
@@ -47,404 +47,420 @@ def strip_think(text):
 _ANSWER_MARKER = re.compile(
     r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answer|answer)[ \t]*(?:\*\*|__)?[ \t]*[:：]",
     re.IGNORECASE | re.MULTILINE)
-_BOXED = re.compile(r"\\boxed\s*\{")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_DISPLAY_MATH = re.compile(r"(?s)[ \t]*\n\s*(\\\[.{0,2000}?\\\]|\$\$.{0,2000}?\$\$|(?:\$|\\\(|\\boxed|\\fbox)[^\n]*"
+                           r"|\\begin\{(equation\*?)\}.{0,2000}?\\end\{\2\})")  # below an empty marker line
 
 
-def _boxes(text):
-    """(start, end, content, closed) of every \\boxed{ that is not inside an earlier closed box, in order. A box whose
-    braces never close (a reply cut off inside it) holds the rest of its line."""
-    boxes, inside_until = [], 0
-    for match in _BOXED.finditer(text):
-        if match.start() < inside_until:
-            continue
-        depth, i = 1, match.end()
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            boxes.append((match.start(), i, text[match.end():i - 1], True))
-            inside_until = i
-        else:
-            line_end = text.find("\n", match.end())
-            line_end = len(text) if line_end == -1 else line_end
-            boxes.append((match.start(), line_end, text[match.end():line_end], False))
-    return boxes
+def _closing_braces(text):
+    """{index after each opening brace that closes: index after the brace that closes it}, in one pass."""
+    closing, opened = {}, []
+    for i, char in enumerate(text):
+        if char == "{":
+            opened.append(i + 1)
+        elif char == "}" and opened:
+            closing[opened.pop()] = i + 1
+    return closing
 
 
-# A note after the committed value: trailing natural-language prose after a space or punctuation, as a careful grader
-# reads "Final answer: 42 - verified with bash": "42 (checked with the tool)", "42 [computed]", "42 — verified",
-# "42, as the script printed", "42: confirmed", "42; the tool agrees", "42. Verified.", "42 since ...", "42 which ...".
-# It is dropped only when it names no other candidate answer (no digit, no math, no number or math word, no word
-# that offers or conditions an alternative: "42, maybe 43", "42 (or 43)", "42, unless ..." stay whole and score as
-# hedges) and what it leaves is one value (see _is_one_value).
-_NOTE_START = re.compile(
-    r"\s+(?=[(\[])|\s*(?=[\uff08\u3010])"                # 42 (checked)   42 [computed by the tool]   42（已验证）
-    r"|\s*(?=[\u2013\u2014])"                            # 42 — verified   42—verified
-    r"|\s+(?=--?\s)"                                     # 42 - verified   42 -- verified
-    r"|\s*(?=[,;:.]\s|[\uff0c\uff1b\uff1a\u3002])"       # 42, as printed   42: checked   42. Verified.   42，as
-    r"|\s+(?=[^\W\d_])")                                 # 42 since ...   42 verified with bash
-_MARKED_NOTE = re.compile(r"\s*[(\[\uff08\u3010\u2013\u2014]")  # brackets and en/em dashes only ever open a note
-_NOTE_INTRODUCER = re.compile(r"^[\s,;:.\uff0c\uff1b\uff1a\u3002\u2013\u2014-]+")
-# math words: in a note they name a value; in a head they belong to it; after a number they are no unit
-_NEVER_A_UNIT = (r"pi|theta|alpha|beta|gamma|delta|epsilon|phi|omega|lambda|sigma|tau|sin|cos|tan|cot|csc|arcsin|"
-                 r"arccos|arctan|sinh|cosh|tanh|log|ln|exp|sqrt|factorial|infinity")
-_MATH_WORDS = (rf"{_NEVER_A_UNIT}|mu|lg|squared|cubed|times|plus|minus|divided|mod|modulo|pmod|choose|binom|max|"
-               r"gcd|lcm|det|infinite|undefined")
-_NUMBER_WORDS = (r"zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|\w+teen|twenty|thirty|forty|"
-                 r"fifty|sixty|seventy|eighty|ninety|hundred|thousand|million|billion|dozen|half|halves|thirds?|"
-                 r"quarters?|fourths?|fifths?|sixths?|sevenths?|eighths?|ninths?|tenths?|\w+tieths?|hundredths?")
-_ALTERNATIVE_WORDS = r"or|nor|either|else|otherwise|alternatively|unless|versus|vs"
-_MATH_SYMBOL = r"\d\\$^_=+*/<>{}|%\u221a\u03c0\u221e\u00d7\u00f7\u00b1\u2264\u2265\u2260\u2212\u0370-\u03ff"
-_CANDIDATE_ANSWER = re.compile(rf"[{_MATH_SYMBOL}]|\b(?:{_MATH_WORDS}|{_NUMBER_WORDS}|{_ALTERNATIVE_WORDS})\b",
-                               re.IGNORECASE)
-_PRONOUN_ONE = re.compile(r"\b(?:the|this|that|each|every|any|which|only|same|right|correct)\s+one\b", re.IGNORECASE)
-_WORD = re.compile(r"[^\W\d_]{2,}")
-# two words, a long one, or two letters of a script without variables (已验证)
-_LONG_PROSE = re.compile(r"[^\W\d_]{4,}|[^\W\d_]{2,}[\W_]+(?:[^\W\d_][\W_]+)*[^\W\d_]{2,}|[^\W\d_A-Za-z]{2,}")
-# after a value that is text (Yes, \text{red}), only a note that opens like one: "red, green" is a list of two values
-_CONNECTIVE = re.compile(
-    r"(?:since|because|as|which|that|so|thus|hence|therefore|verified|checked|confirmed|computed|calculated|"
-    r"obtained|found|given|per|by|from|according|using|via|with|where|see)\b", re.IGNORECASE)
-_MATH_CHAR = re.compile(rf"[{_MATH_SYMBOL}()\[\]]|(?<![^\W\d_])-")  # a hyphen inside a word is prose
-_HEAD_WORDS_ALLOWED = re.compile(rf"(?:{_MATH_WORDS}|and)", re.IGNORECASE)  # "2 and 3" is a set, "2 pi" a value
-
-
-def _is_one_value(head):
-    """Whether what comes before a note can be the committed value: its brackets balance ("42 (checked with 3" does
-    not) and, in its last sentence, no prose follows its first math ("so it is 42" can be, "42 checked with 3"
-    cannot; \\text{} and LaTeX commands aside)."""
-    if head.count("{") != head.count("}") or sum(map(head.count, "([")) != sum(map(head.count, ")]")):
-        return False
-    last = re.split(r"(?<=[.!?;])\s+", head)[-1]
-    last = re.sub(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+", " ", _TEXT_COMMAND.sub(" ", last))
-    first_math = _MATH_CHAR.search(last)
-    return not first_math or all(_HEAD_WORDS_ALLOWED.fullmatch(word)
-                                 for word in re.findall(r"[^\W\d_]{3,}", last[first_math.start():]))
-
-
-def _is_note(note, marked, text_head):
-    """Whether the text after a possible note start is prose: any word in brackets or after an en/em dash; otherwise
-    two words or a long one ("x^2 - xy" and "3 abc" are math), and after a text value, one that opens like a note."""
-    if marked:
-        return bool(_WORD.search(note))
-    if text_head and not _CONNECTIVE.match(note):
-        return False
-    return bool(_LONG_PROSE.search(note))
-
-
-def _drop_trailing_note(text):
-    """The text without its trailing prose note (the longest one that qualifies), or unchanged. A note starts after
-    the last character or word that could belong to a value."""
-    if len(text) > 1000:  # a value with a note is short; the search below is quadratic in the worst case
-        return text
-    masked = _PRONOUN_ONE.sub(lambda m: m[0][:-3] + "   ", text)  # "the same one": a pronoun, not a value
-    notes_from = max((m.end() for m in _CANDIDATE_ANSWER.finditer(masked)), default=0)
-    # the head is math when math precedes that point (\text{}, $ and emphasis aside) or a bracket or a minus
-    # sign follows it before the note starts
-    math_before = _MATH_CHAR.search(re.sub(r"[$*`]", "", _TEXT_COMMAND.sub(r"\1", text[:notes_from])))
-    math_after = _MATH_CHAR.search(text, notes_from)
-    for start in _NOTE_START.finditer(text, notes_from):
-        head, tail = text[:start.start()].strip(), text[start.start():]
-        text_head = not math_before and not (math_after and math_after.start() < start.start())
-        if head and _is_note(_NOTE_INTRODUCER.sub("", tail), bool(_MARKED_NOTE.match(tail)), text_head):
-            if _is_one_value(head):
-                return head
-            if not text_head:
-                break  # a later start leaves more prose after the value in the head: no shorter note qualifies
-    return text
-
-
-def _clean_answer_text(text):
-    previous = None
-    while text != previous:
-        previous = text
-        text = _drop_trailing_note(text.strip().strip("*").strip().rstrip(".").strip())
-        if len(text) >= 2 and text[0] == text[-1] == "$":
-            text = text.strip("$").strip()
-    return text
-
-
-def _answer_key(value):
-    """What makes two committed values the same answer: the number they read as, else their normalised text."""
-    number = read_number(value)
-    return normalize_answer(value) if number is None else number
-
-
-def _one_answer(values):
-    """The answer a line commits to. Several boxes that hold one value (\\boxed{5} since 2+3 = \\boxed{5}) commit
-    to it; boxes with different values (\\boxed{a} or \\boxed{b}) are a hedge, returned as the list "a, b", which
-    scores like the same hedge inside one box. None when every value is empty."""
-    distinct = {}
-    for value in values:
-        if value:
-            distinct.setdefault(_answer_key(value), value)
-    return ", ".join(distinct.values()) or None
-
-
-# Words that offer or condition an alternative: beside a box they make a value written outside it a second one
-_HEDGING = re.compile(rf"\b(?:{_ALTERNATIVE_WORDS}|maybe|perhaps|possibly|possible|could|might)\b", re.IGNORECASE)
-_VALUE_OUTSIDE = re.compile(rf"[{_MATH_SYMBOL}]|\b(?:{_MATH_WORDS}|{_NUMBER_WORDS})\b", re.IGNORECASE)
-
-
-def _opened(text, start, end, boxes):
-    """text[start:end] with each of these boxes (all inside it) replaced by its content."""
-    parts, at = [], start
-    for box_start, box_end, content, _ in boxes:
-        parts += [text[at:box_start], content]
-        at = box_end
-    return "".join(parts + [text[at:end]])
-
-
-def _offers_another_value(text, start, end, boxes):
-    """Whether the committing line text[start:end] offers a value outside its boxes as an alternative to them: a
-    hedging word and a value ("\\boxed{42} or 43", "\\boxed{42}, maybe 43", "42 or \\boxed{43}"); a derivation
-    ("\\boxed{5} since 2+3 = \\boxed{5}") or a note offers none."""
-    outside = _opened(text, start, end, [(b_start, b_end, " ", closed) for b_start, b_end, _, closed in boxes])
-    outside = re.sub(r"\\[,;:! ]|\\q?quad\b|[$*_`]", " ", _TEXT_COMMAND.sub(r" \1 ", outside))
-    return bool(_HEDGING.search(outside) and _VALUE_OUTSIDE.search(outside))
-
-
-def extract_final_answer(text):
-    """The answer the reply commits to, or None. Last line that starts with `Final answer:`/`Answer:` (after optional
-    markdown such as `**`, `>`, `-`; ASCII or full-width colon): the content of the boxes that open on that line
-    (one cut off before its closing brace holds the rest of the line), else the rest of the line without a trailing
-    prose note. Without such a line (or with an empty one), the balanced boxes on the line of the last one
-    anywhere. Several different values on the committing line are a hedge (see _one_answer), and so is a value
-    offered beside its boxes ("\\boxed{42} or 43": the line is returned with the boxes opened, to score as one)."""
-    text = strip_think(text)
-    boxes = _boxes(text)
-    markers = list(_ANSWER_MARKER.finditer(text))
-    if markers:
+def answer_text(reply):
+    """The part of a reply that states its answer, or None: the rest of the last marker line (to the end of a box
+    opened there); below an empty one, display math; else the last closed box's line, from its first box."""
+    text = strip_think(reply)
+    closing = _closing_braces(text) if _BOXED.search(text) else {}
+    boxes = [(box.start(), closing.get(box.end())) for box in _BOXED.finditer(text)]
+    line_end = lambda i: (text + "\n").find("\n", i)
+    if markers := list(_ANSWER_MARKER.finditer(text)):
         start = markers[-1].end()
-        line_end = text.find("\n", start)
-        line_end = len(text) if line_end == -1 else line_end
-        on_line = [box for box in boxes if start <= box[0] < line_end]
-        if on_line and _offers_another_value(text, start, line_end, on_line):
-            return _clean_answer_text(_opened(text, start, line_end, on_line))
-        values = [content.strip() if closed else _clean_answer_text(content) for _, _, content, closed in on_line]
-        answer = _one_answer(values) if on_line else _clean_answer_text(text[start:line_end])
-        if answer:
-            return answer
-    closed = [box for box in boxes if box[3]]
-    if closed:
-        line_start = text.rfind("\n", 0, closed[-1][0]) + 1
-        line_end = text.find("\n", closed[-1][1])
-        line_end = len(text) if line_end == -1 else line_end
-        on_line = [box for box in closed if box[0] >= line_start]
-        if _offers_another_value(text, on_line[0][0], line_end, on_line):  # the work before the box is no offer
-            return _clean_answer_text(_opened(text, on_line[0][0], line_end, on_line))
-        return _one_answer([content.strip() for _, _, content, _ in on_line])
-    return None
+        end = max([line_end(close) for box, close in boxes if close and start <= box < line_end(start)], default=0)
+        if line := text[start:max(end, line_end(start))].strip(" \t*_"):
+            return line
+        if display := _DISPLAY_MATH.match(text, line_end(start)):
+            return re.sub(r"\\(?:begin|end)\{equation\*?\}", "$$", display[1])
+    if not (closed := [(box, close) for box, close in boxes if close]):
+        return None
+    line, end = text.rfind("\n", 0, closed[-1][0]) + 1, line_end(closed[-1][1])
+    start = next(box for box, _ in closed if box >= line)  # the work before the first box is no answer
+    cut = next((box for box, close in boxes if start <= box < end and not close), end)
+    return "$" * (text[line:start].count("$") % 2) + text[start:cut].strip()  # a box inside $...$ stays in math
 
 
-# ---- Scoring an answer: pure functions
+def extract_final_answer(reply):
+    """What the reply commits to, or None when it states no answer: the values read_answer finds in its answer text,
+    joined by ", " (score_answer reads them back the same), or that text when it commits to none ("not 42")."""
+    text = answer_text(reply)
+    return None if text is None else ", ".join(read_answer(text)) or text
+
+
+# ---- Rule 1, the committed value: the words that belong to a value, then where it ends
+
+_UNICODE = str.maketrans({"−": "-", "×": r" \times ", "÷": r" \div ", "·": r" \cdot ", "≤": r" \le ", "≥": r" \ge ",
+                          "≠": r" \ne ", "π": r" \pi ", "√": r"\sqrt", "∞": r" \infty ", "±": r" \pm ", "°": " ",
+                          "≈": r" \approx ", "，": ", ", "；": "; ", "：": ": ", "。": ". ", "（": " (", "）": ") ",
+                          "【": " [", "】": "] ", **{c: f"^{{{n}}}" for n, c in enumerate("⁰¹²³⁴⁵⁶⁷⁸⁹")}})
+_CARDINALS = dict(zip(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
+    "eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety".split(),
+    [*range(20), *range(20, 91, 10)]))
+_SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "dozen": 12}
+_NUMBER_WORDS = re.compile(rf"(?i)\b(?:{'|'.join(_CARDINALS)})\b(?:[\s-]+(?:{'|'.join([*_CARDINALS, *_SCALES])})\b)*")
+_DETERMINER = re.compile(r"(?i)\b(?:the|an?|this|that|these|those|each|every|any|all|both|which|only|same|no|its)\s+$")
+_ORDINAL_STEMS = {"half": "two", "halve": "two", "third": "three", "quarter": "four", "fif": "five", "eigh": "eight",
+                  "nin": "nine", "twelf": "twelve"}
+_SCALED = re.compile(r"(\d+(?:\.\d+)?|\ban?\b)[\s-]*(?:(\w*?(?:th|half|halve|third|quarter))s?|(hundred|thousand|"
+                     r"million|billion|dozen)s?)\b", re.IGNORECASE)
+_WORD_LATEX = {"minus": "-", "negative": "-", "plus": "+", "positive": "", "times": r"\times ", "infinity": r"\infty",
+               "factorial": "!", "squared": "^{2}", "cubed": "^{3}", **{word: f"\\{word} " for word in (
+                   "pi theta alpha beta gamma delta epsilon phi omega lambda sigma tau sin cos tan cot sec csc arcsin "
+                   "arccos arctan sinh cosh tanh log ln exp sqrt infty").split()}}
+_MATH_WORD = re.compile(rf"\s*(?<![\\\w])({'|'.join(_WORD_LATEX)})\b\s*", re.IGNORECASE)  # minus 42, 2 pi, 5 factorial
+
+
+def _cardinal(words):
+    """The integer that number words name ("forty-two" 42, "one hundred twenty" 120, "thousand" 1000), else None."""
+    total = current = 0
+    for word in re.split(r"[\s-]+", words.lower()):
+        if word not in _CARDINALS and word not in _SCALES:
+            return None
+        current = (current or 1) * _SCALES[word] if word in _SCALES else current + _CARDINALS[word]
+        if word in _SCALES and word != "hundred":
+            total, current = total + current, 0
+    return total + current
+
+
+def _scaled(match):
+    """A number and the word after it that changes its value: 42 thousandths, 5 twelfths, 3 million, a dozen."""
+    from decimal import Decimal
+
+    number, ordinal, scale = match.groups()
+    number = "1" if number.lower() in ("a", "an") else number
+    if scale:
+        return format((Decimal(number) * _SCALES[scale.lower()]).normalize(), "f")
+    stem = re.sub(r"ie$", "y", ordinal.lower().removesuffix("th"))
+    denominator = _cardinal(_ORDINAL_STEMS.get(stem, stem))
+    return rf"\frac{{{number}}}{{{denominator}}}" if denominator and denominator > 1 else match[0]
+
+
+def _normalized(text):
+    """The answer in the form the tokens below read: no markdown emphasis, currency or degree signs; i.e. and e.g.
+    as words; number words as digits (not after a determiner: the same one, the two roots); words that change a
+    number's value, sign words and math words as LaTeX; Unicode math and full-width punctuation as ASCII and LaTeX."""
+    text = re.sub(r"√\s*(\d+(?:\.\d+)?|\w)", r"\\sqrt{\1}", re.sub(r",\\!\s*", ",", text))  # √2, 11,\! 111
+    text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*\{?\s*\\circ\s*\}?|\\degree", "", text.translate(_UNICODE))
+    text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", re.sub(r",\s*(?:\.\.\.|…)", r", \\ldots", text.strip(" *")))
+    text = _NUMBER_WORDS.sub(lambda m: m[0] if _DETERMINER.search(text[:m.start()][-9:]) else str(_cardinal(m[0])),
+                             text)
+    text = _SCALED.sub(_scaled, re.sub(r"(\d)\s*(?:per\s?cent(?:age)?|pct)\b|(?<!\\)%", r"\1\\%", text))
+    return _MATH_WORD.sub(lambda m: _WORD_LATEX[m[1].lower()], text)
+
+
+_TOKEN = re.compile(r"""
+    (?P<space>(?:\s|\\[,;:!\ ]|~)+)
+  | (?P<box>\\(?:boxed|fbox)\s*\{) | (?P<text>\\(?:text\w*|mbox|math(?:rm|bf|it|sf|tt))\s*\{)
+  | (?P<env>\\begin\{(?P<name>\w+\*?)\}.{0,2000}?\\end\{(?P=name)\})
+  | (?P<delim>\$\$?|\\[()\[\]])
+  | (?P<num>(?:\d{1,3}(?:(?:,|\{,\}|\\[,;:\ ]|[\ ~\u00a0\u2009\u202f])\d{3}(?!\d))+|\d+)(?:\.\d+)?
+            (?:[eE][+-]?\d{1,2}(?![\w.]))? | \.\d+)
+  | (?P<open>[(\[{]|\\\{) | (?P<close>[)\]}]|\\\}) | (?P<sep>[,;&]|\\\\|\\q?quad\b)
+  | (?P<cmd>\\[A-Za-z]+|\\%) | (?P<word>[^\W\d_]+(?:['\u2019-][^\W\d_]+)*)
+  | (?P<op><=|>=|!=|[-+*/^_=<>|']|:(?!\s|$)) | (?P<stop>[.?:!]) | (?P<dash>--+|[\u2013\u2014]) | (?P<other>.)
+""", re.VERBOSE | re.DOTALL)
+_WORD_KINDS = {**dict.fromkeys("or nor either else otherwise alternatively maybe perhaps possibly could might vs "
+                               r"versus though although ie equivalently \lor \vee".split(), "alt"),
+               **dict.fromkeys("if when unless whether".split(), "if"),
+               **dict.fromkeys("since because as which that so thus hence therefore by from with via using per where "
+                               r"see eg after given verified checked confirmed computed calculated found obtained "
+                               r"according \pmod \bmod \mod \implies \rightarrow \longrightarrow".split(), "explain"),
+               "not": "not", "never": "not", "isn't": "not", "isn\u2019t": "not", "is": "is", "equals": "is",
+               "and": "and"}
+_BINARY_COMMANDS = {r"\times", r"\cdot", r"\div", r"\pm", r"\mp", r"\le", r"\leq", r"\ge", r"\geq", r"\ne", r"\neq",
+                    r"\lt", r"\gt", r"\in", r"\notin", r"\cup", r"\cap", r"\setminus", r"\to", r"\equiv", r"\approx"}
+
+
+class _Token(NamedTuple):
+    kind: str     # a _TOKEN group; a word's: alt, if, explain, not, is, and (_WORD_KINDS), name (math), letter, prose
+    text: str
+    spaced: bool  # whitespace before it
+    math: bool    # inside $...$, \(...\), \[...\] or a box, where letters are variables
+    close: int = 0  # of an opening bracket: the index after the bracket that closes it (the end when none does)
+    wordy: bool = False  # of an opening bracket: words between it and its closing bracket (a note, not math)
+
+
+def _tokens(text, math=False):
+    tokens, i, spaced, closing, depth = [], 0, False, _closing_braces(text), 0
+    while i < len(text):
+        match = _TOKEN.match(text, i)
+        kind, i = match.lastgroup, match.end()
+        if kind in ("box", "text"):  # a box's content is read on its own; \text{...} is prose, also inside math,
+            end = closing.get(i, len(text) + 1)  # and so is \mathrm{...} after a number (a unit), not elsewhere
+            if kind == "text" and not (math and "math" in match[0] and not (tokens and tokens[-1].kind == "num")):
+                tokens += [token._replace(spaced=True) for token in _tokens(text[i:end - 1])]
+            else:
+                tokens.append(_Token(kind.replace("text", "name"), text[i:end - 1] if kind == "box" else
+                                     text[match.start():end], spaced, True))
+            i = end
+        elif kind == "delim":
+            math = match[0] in ("\\(", "\\[") or (match[0].startswith("$") and not math)
+        elif kind != "space":
+            if kind == "num" and depth and "," in match[0]:  # (12,102) holds two numbers
+                i = match.start() + match[0].index(",")
+            depth += (kind == "open") - (kind == "close")
+            word = kind == "word" and ("name" if math else "letter" if len(match[0]) == 1 else "prose")
+            token = text[match.start():i]
+            tokens.append(_Token(_WORD_KINDS.get(token.lower()) or word or kind, token, spaced, math))
+        spaced = kind in ("space", "text")
+    opened, words = [], 0  # (index, words before it) of each bracket not closed yet
+    for i, token in enumerate(tokens):
+        if token.kind == "close" and opened:
+            start, before = opened.pop()
+            tokens[start] = tokens[start]._replace(close=i + 1, wordy=words > before)
+        opened += [(i, words)] if token.kind == "open" else []
+        words += token.kind in ("prose", "explain", "not", "alt", "if")
+    for start, before in opened:
+        tokens[start] = tokens[start]._replace(close=len(tokens), wordy=words > before)
+    return tokens
+
+
+def _operator(token):
+    return token.kind in ("op", "is") and token.text not in "!'" or token.text in _BINARY_COMMANDS
+
+
+def _operand_end(tokens, i, after_operator):
+    """The index after an operand that starts at tokens[i], or i when none does. Outside math a letter is a variable
+    after an operator or before one (x = 5, f(3)) unless it follows a number (a unit), a short word after an
+    operator too (x^2 - xy); a bracket holding words, or opening with a relation, is a note, not an operand."""
+    token, following = tokens[i], tokens[i + 1] if i + 1 < len(tokens) else None
+    if token.kind in ("num", "name", "env") or token.kind == "cmd" and not _operator(token):
+        return i + 1
+    if token.kind == "open":  # (= 6 \times 7) after a value restates it in a note
+        return i if token.wordy or following and _operator(following) and following.text not in "+-" else token.close
+    unit = token.spaced and i and tokens[i - 1].kind in ("num", "close")  # 42 m^2, 42 \text{ cm}, 3 (mod 7) m
+    if token.kind == "letter" and not unit and (after_operator or not following or _operator(following)
+                                                or following.kind in ("open", "sep")):
+        return i + 1
+    short_word = token.kind == "prose" and len(token.text) <= 3 and token.text.isascii()
+    ends = not following or _operator(following) or following.kind in ("close", "sep", "stop")
+    return i + 1 if after_operator and short_word and ends else i
+
+
+def _value_end(tokens, i):
+    """The index after the complete mathematical expression that starts at tokens[i], or i when none does: operands
+    joined by operators ("is" and "equals" too) or side by side (2\\sqrt{3}, 2 \\pi, 2x, f(x)), with signs and
+    postfixes (5!, 28\\%). A space before a number, a word or a bracket ends it; so do a box and a unit (42 cm)."""
+    end, j, expecting = i, i, True
+    while j < len(tokens):
+        token = tokens[j]
+        side_by_side = token.kind in ("cmd", "env") or token.text == "{" or (token.math and token.kind == "name") \
+            or (not token.spaced or tokens[j - 1].kind == "cmd") and token.kind in ("open", "num", "letter")
+        if expecting and token.text in ("+", "-", r"\pm", r"\mp"):
+            j += 1  # a sign
+        elif expecting or side_by_side and not _operator(token):
+            if (operand_end := _operand_end(tokens, j, j > i and (expecting or tokens[j - 1].kind == "cmd"))) == j:
+                break
+            end = j = operand_end
+            expecting = False
+        elif token.text in ("!", "'") and not token.spaced or token.text == r"\%":
+            end = j = j + 1
+        elif _operator(token):
+            j, expecting = j + 1, True
+        else:
+            break
+    return end
+
+
+def _render(tokens):
+    """A value as text: digit groups joined (1,000 is 1000), "is" as =, in $...$ if a word in it is math there."""
+    text = re.sub(r"\s+", " ", "".join(" " * (token.spaced and n > 0) + (
+        re.sub(r"[^\d.eE+-]", "", token.text) if token.kind == "num" else "=" if token.kind == "is" else token.text)
+        for n, token in enumerate(tokens)))
+    return f"${text}$" if any(t.math and t.kind == "name" and len(t.text) > 1 for t in tokens) else text
+
+
+# ---- Rules 2 to 4: after the value, a note; beside it or as its alternative, other values it offers
+
+_PHRASE = ("prose", "letter", "name", "not")  # the words of an answer without math
+
+
+def _listed(glue):
+    """Whether a value with these tokens before it is listed beside the one before it: nothing but separators, "and"
+    or an alternative word between them (42, 43  42 43  42 and 43  42 or 43  42 (43?), where (43?) is one value)."""
+    return all(token.kind in ("sep", "and", "alt") for token in glue)
+
+
+def _offered_as_alternative(glue, after_committed):
+    """Whether a value with these tokens before it is offered as an alternative: at most three words after an
+    alternative word (42, maybe 43  17 but could also be eighteen  42 (checked), or 43), no separator; or after a
+    condition right after the committed value (42 if n is odd  42, unless n = 3; not: 42, attained when n = 6)."""
+    kinds = [token.kind for token in glue]
+    condition = kinds.index("if") if after_committed and "if" in kinds else None
+    if condition is not None and all(kind in ("sep", "open", "dash") for kind in kinds[:condition]):
+        kinds[condition] = "alt"
+    after = kinds[len(kinds) - kinds[::-1].index("alt"):] if "alt" in kinds else None
+    after = after[after[:1] == ["sep"]:] if after else after  # alternatively, 43
+    return after is not None and len(after) <= 3 and all(k in ("prose", "letter", "is", "and") for k in after)
+
+
+def read_answer(text, math=False, depth=0):
+    """The values an answer commits to, the committed one first; [] when it commits to none (rules 1-4); math: the
+    text is LaTeX (a box's content, read 8 boxes deep). The committed value is the first box, else the first value
+    that no "not" precedes; the values listed beside it, those offered as alternatives or under a condition after it
+    (127 if n is odd) and the other boxes come with it; all else is a note. Without math, phrases are the values."""
+    tokens = _tokens(_normalized(text[:20000]), math)
+    phrase_end = lambda i: next((j for j in range(i, len(tokens)) if tokens[j].kind not in _PHRASE), len(tokens))
+    for prose, end_of in ((False, lambda i: i + 1 if tokens[i].kind == "box" else _value_end(tokens, i)),
+                          (True, phrase_end)):
+        units, i = [], 0  # (start, end) of each value, box or phrase, in order
+        while i < len(tokens):
+            end = end_of(i)
+            units += [(i, end)] if end > i else []
+            i = max(end, i + 1)
+        if units:
+            break
+    negated = [start > 0 and tokens[start - 1].kind == "not" and not prose for start, _ in units]
+    boxes = [n for n, (start, _) in enumerate(units) if tokens[start].kind == "box" and not negated[n]]
+    if not (candidates := boxes or [n for n in range(len(units)) if not negated[n]]):
+        return []
+    committed = first = last = candidates[0]
+    glue = lambda n: tokens[units[n - 1][1] if n else 0:units[n][0]]  # the tokens before unit n
+    conditional = lambda n: next((t.kind for t in tokens[units[n][1]:units[n][1] + 3] if t.kind != "sep"), "") == "if"
+    while first > 0 and _listed(glue(first)):
+        first -= 1
+    while last + 1 < len(units) and _listed(glue(last + 1)):
+        last += 1
+    values = []
+    for n in [committed] + [n for n in range(len(units)) if n != committed and (first <= n <= last or n in boxes or (
+            n > committed and (_offered_as_alternative(glue(n), n == committed + 1) or conditional(n))))]:
+        start, end = units[n]
+        box = tokens[start].kind == "box" and depth < 8
+        values += read_answer(tokens[start].text, True, depth + 1) if box else [_render(tokens[start:end])]
+    return list(dict.fromkeys(values))
+
+
+# ---- Comparing the committed value with the gold: pure functions
 
 _IN_SCORER_WORKER = False  # True in a scorer worker process (_scorer_worker_main)
 
 
-def _math_verify_timeout():
-    # math_verify's timeouts use signal.alarm, which only works in the main thread; elsewhere run without them. A
-    # scorer worker runs without them too: there the pool's hard kill (SCORE_TIMEOUT_S) is the one limit.
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    return 5 if in_main_thread and not _IN_SCORER_WORKER else None
-
-
 def _math_verify(prediction, gold):
-    """True/False when math_verify decides, None when it cannot (error or nothing parsed)."""
-    from math_verify import LatexExtractionConfig, parse as mv_parse, verify as mv_verify  # here: seconds to import
+    """True/False when math_verify decides, None when it cannot (error or nothing parsed). The prediction, a value
+    read_answer found, is read as LaTeX alone, with its decimals exact (_exact_decimals)."""
+    from math_verify import LatexExtractionConfig, parse, verify  # here: seconds to import
     from math_verify.errors import TimeoutException as MathVerifyTimeout
 
-    timeout = _math_verify_timeout()
-    try:
-        # $...$ makes bare LaTeX such as \frac{1}{2} or \sqrt{2} parse
-        gold_parsed = mv_parse(f"${gold.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
-        # the prediction as LaTeX only: where that fails, math_verify's other reading picks one number out of the
-        # text ("42 (i.e. 43)" -> 43, 42\text{, }43 -> 42), and an answer holding several values is none of them;
-        # its own $ signs go, as math_verify reads one math span ("$42$, maybe 43" would read as 42)
-        latex = re.sub(r"(?<!\\)\$", "", prediction)
-        pred_parsed = mv_parse(f"${latex}$", extraction_config=[LatexExtractionConfig()],
-                               parsing_timeout=timeout, raise_on_error=True)
+    # math_verify's timeouts use signal.alarm, which only works in the main thread; elsewhere run without them. A
+    # scorer worker runs without them too: there the pool's hard kill (SCORE_TIMEOUT_S) is the one limit.
+    timeout = 5 if threading.current_thread() is threading.main_thread() and not _IN_SCORER_WORKER else None
+    prediction = re.sub(r"(?<!\\)\$", "", prediction)
+    try:  # $...$ makes bare LaTeX such as \frac{1}{2} parse
+        gold_parsed = parse(f"${gold.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
+        pred_parsed = parse(f"${prediction}$", [LatexExtractionConfig()], parsing_timeout=timeout, raise_on_error=True)
         if not gold_parsed or all(isinstance(p, str) for p in pred_parsed):
             return None
         pred_parsed = [_exact_decimals(p) for p in pred_parsed]
-        return bool(mv_verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
+        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
     except (Exception, MathVerifyTimeout):  # sympy errors, recursion, its timeout (a BaseException): "cannot decide"
         return None
 
 
 def _exact_decimals(expr):
-    """A parsed prediction with each decimal in it as the exact rational it names (0.333333 -> 333333/1000000).
-    math_verify rounds floats to 6 places before comparing, which makes a truncated 1/3 equal 1/3; the gold's own
-    decimals keep that rounding (a gold may itself be rounded)."""
+    """A parsed prediction with each decimal as the exact rational it names (0.333333 -> 333333/1000000): math_verify
+    rounds floats to 6 places, making a truncated 1/3 equal 1/3; the gold's decimals keep it (a gold may be rounded)."""
     from sympy import Float, Rational
 
     floats = expr.atoms(Float) if hasattr(expr, "atoms") else set()
     return expr.xreplace({f: Rational(str(f)) for f in floats}) if floats else expr
 
 
-def _unbox(text):
-    match = re.fullmatch(r"\\boxed\s*\{(.*)\}", text, flags=re.DOTALL)
-    return match.group(1) if match else text
-
-
 def _strip_outer_braces(text):
-    while len(text) >= 2 and text[0] == "{" and text[-1] == "}":
-        depth = 0
-        for i, ch in enumerate(text):
-            depth += {"{": 1, "}": -1}.get(ch, 0)
-            if depth == 0 and i < len(text) - 1:
-                return text  # the first brace closes early: "{a}{b}" is not wrapped
+    while text.startswith("{") and _closing_braces(text).get(1) == len(text):  # "{a}{b}" is not wrapped
         text = text[1:-1]
     return text
 
 
 def normalize_answer(text):
-    """Exact-match form: no box, no $, no outer braces, no commas or spaces (or LaTeX spacing), no trailing
-    period, lowercase."""
-    text = text.replace("$", "")
-    text = re.sub(r"\\[,;:! ]", "", text)
-    text = re.sub(r"[\s,]", "", text).rstrip(".")
-    text = _strip_outer_braces(_unbox(text))
-    return text.rstrip(".").lower()
-
-
-# Reading an answer as a number. Models decorate numbers (1\,000, \$1000, 5^\circ, 12 \pmod{20}, **42**, "so the
-# answer is 42"), and math_verify, given "$1\,000$", reads the product 1*000: for an integer gold the number decides.
-_GROUP_SEPARATOR = r"(?:,|\{,\}|\\[,;: ]|~|[ \u00a0\u2009\u202f])"  # 1,000  1{,}000  1\,000  1~000  1 000
-_UNSIGNED = rf"(?:(?:\d{{1,3}}(?:{_GROUP_SEPARATOR}\d{{3}})+|\d+)(?:\.\d+)?|\.\d+)"
-_SIGNED = rf"[+-]?\s*{_UNSIGNED}"  # deliberately no exponents: Fraction("1e999999999") would never finish
-_NUMBER = re.compile(_SIGNED)
-_SLASH_FRACTION = re.compile(rf"({_SIGNED})\s*/\s*({_SIGNED})")
-_LATEX_FRACTION = re.compile(rf"([+-]?)\s*\\[dtc]?frac\s*\{{\s*({_SIGNED})\s*\}}\s*\{{\s*({_SIGNED})\s*\}}")
-_TEXT_COMMAND = re.compile(r"\\(?:text(?:bf|it|rm|normal)?|math(?:rm|bf|it)|mbox|operatorname)\s*\{([^{}]*)\}")
-# never a unit: "2 sin theta" is not 2, "17 but could also be eighteen" not 17
-_NOT_A_UNIT = rf"(?:{_NEVER_A_UNIT}|{_NUMBER_WORDS}|{_ALTERNATIVE_WORDS})\b"
-_TRAILING_QUALIFIER = re.compile(
-    r"(?:\s*\(?\s*\\?[pb]?mod(?:ulo)?\s*\{?\s*\d+\s*\}?\s*\)?"          # 12 \pmod{20}, 12 (mod 20)
-    r"|\s*(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)"                        # 5^\circ, 5°
-    r"|\s*\\?%"                                                          # 25\%
-    rf"|(?:\s|\\[,;: ]|~)+(?!{_NOT_A_UNIT})[A-Za-z]{{2,}}\.?(?:\^\{{?[23]\}}?)?)$",      # 1000 dollars, 12 cm^2
-    re.IGNORECASE)
-_PROSE = re.compile(r"[A-Za-z]{2,}")
-_PROSE_PREFIX = re.compile(r"^(?:[A-Za-z][A-Za-z'’]*[\s,:]+)+(?=[+\-\\.\d])")  # so the answer is 42
-
-
-def _strip_decorations(text):
-    """The bare answer: no box, $, \\text{}, markdown emphasis, sentence punctuation, earlier sentences, units,
-    trailing qualifiers (mod, degrees, percent), prose before the number, the left side of a single `=`."""
-    text = text.replace("\u2212", "-").replace("\\$", "")
-    text = re.sub(r"\$|\\[()\[\]]|\\left|\\right|\\displaystyle|\\!", "", text)
-    text = _TEXT_COMMAND.sub(r" \1", text)
-    previous = None
-    while text != previous:
-        previous = text
-        text = _strip_outer_braces(_unbox(text.strip().strip("*_`").strip().rstrip(".;").strip()))  # not "!": 5!
-        sentences = re.split(r"(?<=[.!?;])\s+(?=\S)", text)
-        if all(_PROSE.search(sentence) for sentence in sentences[:-1]):  # "42; 43" is two values, not prose
-            text = sentences[-1]  # the last sentence
-        text = _TRAILING_QUALIFIER.sub("", text)
-    if text.count("=") == 1:
-        text = text.split("=")[1]
-    return _PROSE_PREFIX.sub("", text.strip())
-
-
-# e-notation as Python prints it (1.5e3, 2e-05); a short exponent, so that writing the number out stays cheap
-_E_NOTATION = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)[eE][+-]?\d{1,2}")
-
-
-def _written_out(prediction):
-    """A prediction that is one number in e-notation, written out ("1.5e3" -> "1500", "2e-3" -> "0.002"); any other
-    prediction unchanged. Only beside a numeric gold: beside a symbolic one, 2e-3 may mean 2e - 3."""
-    from decimal import Decimal
-
-    bare = _strip_decorations(prediction) if len(prediction) <= 1000 else ""  # the regexes stay cheap
-    return format(Decimal(bare), "f") if _E_NOTATION.fullmatch(bare) else prediction
-
-
-def _has_finite_decimal(x):
-    """Whether x has a finite decimal expansion: its reduced denominator has no prime factors but 2 and 5."""
-    d = x.denominator
-    for p in (2, 5):
-        while d % p == 0:
-            d //= p
-    return d == 1
+    """Exact-match form: no box, $, outer braces, commas, spaces (LaTeX spacing too) or trailing period; lowercase."""
+    text = re.sub(r"\\[,;:! ]|[\s,$]", "", text).rstrip(".")
+    return _strip_outer_braces(re.sub(r"^\\boxed\{(.*)\}$", r"\1", text, flags=re.DOTALL)).rstrip(".").lower()
 
 
 def numbers_agree(predicted, gold):
     """Numeric equality within 1e-8, except that a finite decimal never equals a gold without one (0.333333 and
     0.3333333333 are truncations of 1/3, not its value); 0.5 and 1/2 are equal."""
+    finite = lambda x: pow(10, x.denominator.bit_length(), x.denominator) == 0  # its denominator divides a 10^k
     if predicted == gold:
         return True
-    if _has_finite_decimal(predicted) and not _has_finite_decimal(gold):
+    if finite(predicted) and not finite(gold):
         return False
     return abs(predicted - gold) <= Fraction(1, 10**8)
 
 
-def _fraction(number_text):
-    return Fraction(re.sub(rf"\s|{_GROUP_SEPARATOR}", "", number_text))
+_DECIMAL = r"[+-]?\s*(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d{1,2})?"  # a short exponent: writing it out stays cheap
+_NUMBER = re.compile(rf"([+-]?)\s*(?:({_DECIMAL})(?:\s*/\s*({_DECIMAL}))?"
+                     rf"|\\[dtc]?frac\s*\{{({_DECIMAL})\}}\{{({_DECIMAL})\}})")  # 42  -0.5  3/4  \frac{3}{4}
+_DIGIT_GROUP = re.compile(r"(?<=\d)(?:,|\{,\}|\\[,;: ]|[ ~\u00a0\u2009\u202f])(?=\d{3}(?!\d))")  # 1,000  1\,000  1 000
+_NAME = r"\\?[A-Za-z]+(?:_\{?\w+\}?)?(?:\([^()=]*\))?"  # x  f(3)  a_1  \theta
+_ASSIGNED = re.compile(rf"^\s*(?:{_NAME}\s*=(?!=)\s*)+")
 
 
 def read_number(text):
-    """An exact Fraction for an answer that is one number (integer, decimal, a/b or \\frac{a}{b}, decorated as
-    _strip_decorations allows), else None."""
+    """An exact Fraction for a value that is one number (integer, decimal, e-notation, a/b or \\frac{a}{b}, in
+    digit groups, after a leading name =), else None."""
     if text is None or len(text) > 1000:  # a number is short; the regexes stay cheap
         return None
-    bare = _strip_decorations(text)
-    try:
-        if _NUMBER.fullmatch(bare):
-            return _fraction(bare)
-        if match := _SLASH_FRACTION.fullmatch(bare):
-            return _fraction(match[1]) / _fraction(match[2])
-        if match := _LATEX_FRACTION.fullmatch(bare):
-            value = _fraction(match[2]) / _fraction(match[3])
-            return -value if match[1] == "-" else value
-    except (ValueError, ZeroDivisionError):  # more digits than int() reads, a zero denominator
-        pass
-    return None
+    match = _NUMBER.fullmatch(_strip_outer_braces(_ASSIGNED.sub("", _DIGIT_GROUP.sub("", text.strip(" $")))))
+    if not match:
+        return None
+    from decimal import Decimal
+
+    numerator, denominator = (match[2], match[3] or "1") if match[2] else match.group(4, 5)
+    number = lambda text: Fraction(Decimal(re.sub(r"\s", "", text)))
+    return None if number(denominator) == 0 else (-1) ** (match[1] == "-") * number(numerator) / number(denominator)
 
 
-# Words that offer alternatives. math_verify reads "42 or 43" as a set (never equal to one value) but "42 (or 43)" or
-# 42 \lor 43 as one of the values, so an answer that offers alternatives to a gold of one value is decided here.
-_ALTERNATIVES = re.compile(rf"\b(?:{_ALTERNATIVE_WORDS})\b|\\(?:lor|vee)(?![A-Za-z])", re.IGNORECASE)
-_SEVERAL_VALUES = re.compile(r"[,;]|\\(?:pm|mp|cup)(?![A-Za-z])|\band\b", re.IGNORECASE)  # a list, a set, a ± pair
-
-
-def is_hedge(prediction, gold):
-    """Whether the prediction offers alternatives ("42 or 43", "42 (or 43)") where the gold is one value."""
-    gold_is_one_value = read_number(gold) is not None or not (_ALTERNATIVES.search(gold)
-                                                              or _SEVERAL_VALUES.search(gold))
-    return gold_is_one_value and bool(_ALTERNATIVES.search(prediction))
+def _false_equation(value):
+    """An equation of constants whose sides differ (41 = 42, 2 + 2 = 5): it states nothing true, so it commits to
+    nothing. An equation with a variable is compared as an equation."""
+    sides = re.split(r"(?<![<>!])=", value)
+    if len(sides) < 2 or re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", value)):
+        return False
+    return any(_math_verify(side, sides[0]) is False for side in sides[1:])
 
 
 def score_answer(prediction, gold):
-    """(score 0.0 or 1.0, method). A pure function; it may run for a long time on adversarial input (sympy), so the
-    episode loop calls it through score_answer_isolated. A hedge scores 0 (is_hedge; several different boxed
-    values come here as a list, which no single value equals). Beside a numeric gold, a prediction in e-notation is
-    written out first, and a prediction that reads as a number is compared as one: exactly for an integer gold
-    (integer_match), else accepted when numbers_agree. Otherwise math_verify, gold first, with the prediction's
-    decimals exact (it also reads forms such as 50\\% for 0.5); when it cannot decide, normalised exact match and
-    numbers_agree."""
+    """(score 0.0 or 1.0, method) of an answer (its text, or what extract_final_answer made of it) against the gold,
+    by scoring.md (rules 3 and 4, then "Comparing"). A pure function; it may run for a long time on adversarial input
+    (sympy), so the episode loop calls it through score_answer_isolated."""
     if prediction is None or not prediction.strip():
         return 0.0, "missing_final_answer"
-    if is_hedge(prediction, gold):
-        return 0.0, "hedge"
-    gold_number = read_number(gold)
+    values = read_answer(prediction)
+    if not values:
+        return 0.0, "no_value"
+    if any(_false_equation(value) for value in values):
+        return 0.0, "false_equation"
+    gold_number, prediction = read_number(gold), ", ".join(values)
+    sides = re.split(r"(?<![<>!])=", gold.strip(" $"))  # a + 3z = 0 is no number (math_verify: x + y = 0 is x + y := 0)
+    one_equation = len(sides) > 1 and not re.search(r",|\b(?:or|and)\b", gold)
+    if one_equation and not re.fullmatch(_NAME, sides[-2].strip()) and "=" not in prediction:
+        return 0.0, "not_an_equation"
+    if len(values) > 1:  # the answer when the gold is several values (rule 4), else a hedge unless a restatement
+        if gold_number is None and _math_verify(prediction, gold):
+            return 1.0, "math_verify"
+        if not all(value == values[0] or _math_verify(value, values[0]) for value in values[1:]):
+            return 0.0, "hedge"
+        prediction = values[0]
     if gold_number is not None:
-        prediction = _written_out(prediction)
-        predicted_number = read_number(prediction)
-        if predicted_number is not None and gold_number.denominator == 1:
+        integer_gold = gold_number.denominator == 1
+        predicted_number = read_number(prediction.removesuffix(r"\%") if integer_gold else prediction)
+        if predicted_number is not None and integer_gold:
             return float(predicted_number == gold_number), "integer_match"
         if predicted_number is not None and numbers_agree(predicted_number, gold_number):
             return 1.0, "numeric_match"
-    decided = _math_verify(prediction, gold)
-    if decided is not None:
+    if (decided := _math_verify(prediction, gold)) is not None:
         return float(decided), "math_verify"
-    pred_norm, gold_norm = normalize_answer(prediction), normalize_answer(gold)
-    if pred_norm == gold_norm:
+    if normalize_answer(prediction) == normalize_answer(gold):
         return 1.0, "exact_match"
-    pred_num, gold_num = read_number(prediction), read_number(gold)
-    if pred_num is not None and gold_num is not None:
-        return float(numbers_agree(pred_num, gold_num)), "numeric_match"
+    if (predicted_number := read_number(prediction)) is not None and gold_number is not None:
+        return float(numbers_agree(predicted_number, gold_number)), "numeric_match"
     return 0.0, "no_match"
 
 

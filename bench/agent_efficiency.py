@@ -20,13 +20,13 @@ fraction of the expert weights that E distinct sequences read. Prints a table an
 What the prompts are depends on --prompt_mode (Config.prompt_mode, see engine.choose_prompt_mode) and on the chat
 template: the tiny model's own template by default; --chat_template=FILE writes the tiny model (or, with
 --qwen3_30b, the tokenizer) with that template and Qwen3's tag tokens. With Qwen3-30B-A3B's published template
-(../shared/fixtures/qwen3_chat_template.jinja), "render" re-renders the conversation every turn (earlier replies lose
+(tests/fixtures/qwen3_chat_template.jinja), "render" re-renders the conversation every turn (earlier replies lose
 their empty think block, so each turn's previous reply is prefilled again) and "continue" appends the generated ids.
 
     bash run_cpu.sh python bench/agent_efficiency.py --preset=smoke --episodes=16 --max_turns=4 --max_new_tokens=64 \
-        --chat_template=../shared/fixtures/qwen3_chat_template.jinja --prompt_mode=render
+        --chat_template=tests/fixtures/qwen3_chat_template.jinja --prompt_mode=render
     python bench/agent_efficiency.py --qwen3_30b=true --max_turns=4 --max_new_tokens=512 \
-        --chat_template=qwen3_chat_template.jinja   # 2 GPUs, dummy weights
+        --chat_template=tests/fixtures/qwen3_chat_template.jinja   # 2 GPUs, dummy weights
 """
 
 import asyncio

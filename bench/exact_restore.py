@@ -107,7 +107,7 @@ def run_mode(cfg, model, load_format, opts, seeds) -> dict:
         if opts["normal_weights"]:
             engine.rpc(qwen3_30b.normal_weights, std=qwen3_30b.NORMAL_STD, seed=opts["seed"])
             engine.reset_prefix_cache()
-        engine.reserve_restore_copy()  # the copy or the patch, allocated before any member (as co-located engines)
+        engine.reserve_restore_copy()  # the copy or the patch, allocated before any member (as a pool's GPU engines)
         centre = engine.digests()
         members = []
         for seed in seeds:

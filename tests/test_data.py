@@ -1,6 +1,10 @@
-"""00_data.py, offline: local stand-ins of the two public datasets (their schemas, made from ../shared/data by
-inverting the mapping, with the hub's repeated rows and rows the project does not use) must give back
-../shared/data byte for byte; bad sources give clear errors and leave no file. Nothing is fetched."""
+"""00_data.py, offline: local stand-ins of the two public datasets (their schemas, made from a reference build by
+inverting the mapping, with the hub's repeated rows and rows the project does not use) must give back that build
+byte for byte; bad sources give clear errors and leave no file. Nothing is fetched.
+
+The reference build is data_manifest.json's: its files (../shared/data, where CI keeps them beside the clone) are
+compared byte for byte when they are there, and those tests are skipped otherwise. Every other test builds stand-ins
+the tests write: a few made-up problems of each file and a manifest of them, in data_manifest.json's format."""
 
 import hashlib
 import importlib
@@ -20,24 +24,64 @@ import fileio
 import history
 
 REPO = common.REPO
-SHARED = REPO.parent / "shared" / "data"
+SHARED = REPO.parent / "shared" / "data"  # the reference files: never part of the project
 data = importlib.import_module("00_data")
 evaluation = importlib.import_module("03_eval")
 MANIFEST = fileio.read_json(common.DATA_MANIFEST)["files"]
 NAMES = list(MANIFEST)  # build order: dapo_train400, dapo_test100, aime2026
+needs_reference_files = pytest.mark.skipif(
+    not all((SHARED / name).exists() for name in NAMES),
+    reason=f"no reference data files beside this clone ({SHARED}): nothing to compare 00_data.py's output with")
 
 
-def shared_rows(name):
-    return [json.loads(line) for line in (SHARED / name).read_text().splitlines()]
+def jsonl(rows: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
 
 
-def dapo_source_rows():
-    """DAPO-Math-17k's schema: every DAPO problem of ../shared/data, twice (the hub repeats each problem), and
-    problems the project does not use, shuffled."""
+def standin_files() -> dict[str, str]:
+    """A reference build made up here, in the reference files' format (their fields in their order; non-ASCII text
+    escaped as json.dumps does): a few problems per file, the DAPO ones with the reference's prompt around them."""
+    prompt = ("Solve the following math problem step by step. The last line of your response should be of the form "
+              "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{}\n\nRemember to put "
+              "your answer on its own line after \"Answer:\".")
+    dapo = [{"id": f"dapo_{i:08x}-0000-4000-8000-{i * 7919:012x}", "source": data.DAPO,
+             "question": prompt.format(f"Find $x$ such that $x^2 = {i * i}$ and $x > 0$ (\u00e9tape {i})."),
+             "answer": str(i), "ability": "MATH", "split_source": "train"} for i in range(1, 10)]
+    aime = [{"id": f"aime_2026_{i:03d}", "source": data.AIME,
+             "question": f"Let $N$ be the number of pairs $(a, b)$ with $a + b = {i}$. Find $N \\bmod 1000$.",
+             "answer": str(i - 1), "split_source": "train"} for i in (3, 1, 12, 7)]
+    return {"dapo_train400.jsonl": jsonl(dapo[:6]), "dapo_test100.jsonl": jsonl(dapo[6:]), "aime2026.jsonl": jsonl(aime)}
+
+
+def manifest_of(files: dict[str, str]) -> dict:
+    """data_manifest.json's "files" for a build: per file its source, split and sha256, and per row its id, answer
+    and the first 12 hex digits of its line's sha256."""
+    manifest = {}
+    for name, text in files.items():
+        lines = text.splitlines()
+        rows = [json.loads(line) for line in lines]
+        manifest[name] = {"source": rows[0]["source"], "split": "train",
+                          "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                          "rows": [[r["id"], r["answer"], hashlib.sha256(line.encode()).hexdigest()[:12]]
+                                   for r, line in zip(rows, lines)]}
+    return manifest
+
+
+STANDIN = standin_files()
+STANDIN_MANIFEST = manifest_of(STANDIN)
+
+
+def reference_rows(files: dict[str, str], name: str) -> list[dict]:
+    return [json.loads(line) for line in files[name].splitlines()]
+
+
+def dapo_source_rows(files: dict[str, str] = STANDIN):
+    """DAPO-Math-17k's schema: every DAPO problem of a build, twice (the hub repeats each problem), and problems the
+    project does not use, shuffled."""
     rows = [{"data_source": "math_dapo", "prompt": [{"content": r["question"], "role": "user"}],
              "ability": r["ability"], "reward_model": {"ground_truth": r["answer"], "style": "rule-lighteval/MATH_v2"},
              "extra_info": {"index": r["id"].removeprefix("dapo_")}}
-            for name in ("dapo_train400.jsonl", "dapo_test100.jsonl") for r in shared_rows(name)]
+            for name in ("dapo_train400.jsonl", "dapo_test100.jsonl") for r in reference_rows(files, name)]
     unused = [{"data_source": "math_dapo", "prompt": [{"content": f"What is {i} + {i}?", "role": "user"}],
                "ability": "MATH", "reward_model": {"ground_truth": str(2 * i), "style": "rule-lighteval/MATH_v2"},
                "extra_info": {"index": f"00000000-0000-0000-0000-{i:012d}"}} for i in range(50)]
@@ -46,10 +90,10 @@ def dapo_source_rows():
     return rows
 
 
-def aime_source_rows():
+def aime_source_rows(files: dict[str, str] = STANDIN):
     """MathArena/aime_2026's schema: problem_idx and answer as integers, problem as text."""
     rows = [{"problem_idx": int(r["id"].removeprefix("aime_2026_")), "answer": int(r["answer"]),
-             "problem": r["question"]} for r in shared_rows("aime2026.jsonl")]
+             "problem": r["question"]} for r in reference_rows(files, "aime2026.jsonl")]
     random.Random(1).shuffle(rows)
     return rows
 
@@ -64,7 +108,17 @@ def write_sources(root: Path, dapo: list[dict], aime: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
+    """The public datasets as local copies holding the stand-ins."""
     return write_sources(tmp_path_factory.mktemp("sources"), dapo_source_rows(), aime_source_rows())
+
+
+@pytest.fixture
+def standin_manifest(tmp_path, monkeypatch):
+    """The stand-ins' manifest in data_manifest.json's place: 00_data.py builds the stand-ins."""
+    path = tmp_path / "data_manifest.json"
+    fileio.write_json_atomic({"format": "es-data-manifest/1", "files": STANDIN_MANIFEST}, path)
+    monkeypatch.setattr(common, "DATA_MANIFEST", path)
+    return STANDIN_MANIFEST
 
 
 def build(source_dir, out, cache, *extra):
@@ -75,32 +129,35 @@ def leftovers(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir()) if out.exists() else []
 
 
+@needs_reference_files
 def test_manifest_describes_the_reference_files_without_their_questions():
+    files = {name: (SHARED / name).read_bytes().decode() for name in NAMES}
+    assert manifest_of(files) == MANIFEST
     text = common.DATA_MANIFEST.read_text()
-    for name, entry in MANIFEST.items():
-        raw = (SHARED / name).read_bytes()
-        assert hashlib.sha256(raw).hexdigest() == entry["sha256"]
-        lines = raw.decode().splitlines()
-        rows = [json.loads(line) for line in lines]
-        assert entry["rows"] == [[r["id"], r["answer"], hashlib.sha256(line.encode()).hexdigest()[:12]]
-                                 for r, line in zip(rows, lines)]
-        assert {r["source"] for r in rows} == {entry["source"]}
-        assert not any(json.dumps(r["question"])[1:-1] in text for r in rows)  # no question text is carried
-
-
-def test_builds_the_reference_files_byte_for_byte_then_leaves_them_alone(sources, tmp_path):
-    out = tmp_path / "data"
-    assert build(sources, out, tmp_path / "cache") == {name: "built" for name in NAMES}
     for name in NAMES:
-        assert (out / name).read_bytes() == (SHARED / name).read_bytes(), name
+        assert not any(json.dumps(r["question"])[1:-1] in text for r in reference_rows(files, name))  # no question
+
+
+@pytest.mark.parametrize("reference", ["stand-ins", pytest.param("reference files", marks=needs_reference_files)])
+def test_builds_the_reference_files_byte_for_byte_then_leaves_them_alone(reference, tmp_path, request):
+    if reference == "stand-ins":
+        request.getfixturevalue("standin_manifest")
+        files = STANDIN
+    else:
+        files = {name: (SHARED / name).read_bytes().decode() for name in NAMES}
+    source_dir = write_sources(tmp_path / "sources", dapo_source_rows(files), aime_source_rows(files))
+    out = tmp_path / "data"
+    assert build(source_dir, out, tmp_path / "cache") == {name: "built" for name in NAMES}
+    for name in NAMES:
+        assert (out / name).read_bytes() == files[name].encode(), name
     assert leftovers(out) == sorted(NAMES)  # no temporary files
 
     stamps = {name: (out / name).stat().st_mtime_ns for name in NAMES}
-    assert build(sources, out, tmp_path / "cache") == {name: "up to date" for name in NAMES}
+    assert build(source_dir, out, tmp_path / "cache") == {name: "up to date" for name in NAMES}
     assert {name: (out / name).stat().st_mtime_ns for name in NAMES} == stamps
 
 
-def test_a_different_file_in_the_way_is_kept_unless_forced(sources, tmp_path):
+def test_a_different_file_in_the_way_is_kept_unless_forced(sources, standin_manifest, tmp_path):
     out = tmp_path / "data"
     out.mkdir()
     (out / "aime2026.jsonl").write_text('{"id": "mine", "question": "q", "answer": "1"}\n')
@@ -108,11 +165,11 @@ def test_a_different_file_in_the_way_is_kept_unless_forced(sources, tmp_path):
         build(sources, out, tmp_path / "cache")
     assert (out / "aime2026.jsonl").read_text().startswith('{"id": "mine"')
     build(sources, out, tmp_path / "cache", "--force=true")
-    assert (out / "aime2026.jsonl").read_bytes() == (SHARED / "aime2026.jsonl").read_bytes()
+    assert (out / "aime2026.jsonl").read_text() == STANDIN["aime2026.jsonl"]
 
 
 def first_train_id():
-    return MANIFEST["dapo_train400.jsonl"]["rows"][0][0].removeprefix("dapo_")
+    return STANDIN_MANIFEST["dapo_train400.jsonl"]["rows"][0][0].removeprefix("dapo_")
 
 
 def drop_train_row(dapo, aime):
@@ -144,13 +201,13 @@ def change_aime_answer(dapo, aime):
 
 @pytest.mark.parametrize("damage, failing, message", [
     (drop_train_row, "dapo_train400.jsonl",
-     f"lacks 1 of the 400 ids of dapo_train400.jsonl: dapo_{MANIFEST['dapo_train400.jsonl']['rows'][0][0][5:]}"),
+     f"lacks 1 of the 6 ids of dapo_train400.jsonl: dapo_{first_train_id()}"),
     (change_train_answer, "dapo_train400.jsonl", "dapo_train400.jsonl: answer mismatch in 1 rows: dapo_"),
     (change_train_question, "dapo_train400.jsonl", "1 rows differ from the reference build"),
     (rename_dapo_column, "dapo_train400.jsonl", "expected column reward_model with ground_truth"),
     (change_aime_answer, "aime2026.jsonl", "aime2026.jsonl: answer mismatch in 1 rows: aime_2026_"),
 ])
-def test_bad_sources_give_clear_errors_and_no_partial_file(tmp_path, damage, failing, message):
+def test_bad_sources_give_clear_errors_and_no_partial_file(standin_manifest, tmp_path, damage, failing, message):
     source_dir = write_sources(tmp_path / "sources", *damage(dapo_source_rows(), aime_source_rows()))
     out = tmp_path / "data"
     with pytest.raises(common.DataError, match=message.replace("(", r"\(")):
@@ -245,8 +302,9 @@ def test_learn_problems_are_right_sums_and_held_out_sets_share_no_operands_with_
 
 def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(tmp_path):
     """03_eval reuses the finished episodes of its --out folder: another checkpoint, data file or sampling
-    setting is refused (the marker kept as it was); a setting of speed or placement may change, also against a
-    marker written when such settings were still part of it."""
+    setting is refused (the marker kept as it was); a setting of speed or placement, or how a perturbation is
+    undone (an evaluation never perturbs), may change, also against a marker written when such settings were still
+    part of it."""
     checkpoint, data = {"kind": "base", "per_rank_digests": ["a", "b"]}, {"dapo": "d.jsonl", "aime2026": "a.jsonl"}
     cfg = cli.parse_config(["--preset=smoke"])
     evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
@@ -259,6 +317,8 @@ def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(
         assert (tmp_path / "eval_run.json").read_bytes() == marker
     faster = ["--concurrency=7", "--cudagraph_mode=FULL", "--max_num_batched_tokens=0"]
     evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", *faster]), data)
+    for restore in (["--restore=patch", "--patch_capacity=0.3"], ["--restore=subtract"]):
+        evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", *restore]), data)
     older = json.loads(marker)  # written by a version that kept the engine settings in the marker
     older["config"].update(cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=0, concurrency=3)
     (tmp_path / "eval_run.json").write_text(json.dumps(older))

@@ -27,13 +27,16 @@ import cli
 import common
 import fileio
 import models
+import restore_patch
 import sandbox
 import tracking
+from conftest import as_user
 from engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
-from history import HISTORY_FILE, POOL_FIELDS, check_config, config_from_history, run_identity
+from history import (GENERATION_SETTINGS, HISTORY_FILE, POOL_FIELDS, check_config, config_from_history,
+                     run_identity)
 from pool import (ENGINE_OVERHEAD_BYTES, EnginePool, EnginesDisagree, check_colocation, cpu_binding,
-                  engine_memory_needs, engines_to_plan, gpu_groups, parameter_count, place_engines, plan_gpu_memory,
-                  pool_size, safetensors_parameter_count)
+                  engine_memory_needs, engines_to_plan, gpu_groups, held_elements, parameter_count, place_engines,
+                  plan_gpu_memory, pool_size, safetensors_elements)
 from train_with_test_reward import first_reply_variety, reply_variety
 
 train = importlib.import_module("01_train")
@@ -55,8 +58,10 @@ def config(engines: int, run_dir, *extra) -> common.Config:
 
 
 def replayable(history: dict) -> list[dict]:
-    """Per generation: what two runs of the same seed must share exactly (seeds, rewards, z, digests, problems)."""
-    return [{k: v for k, v in g.items() if k not in ("timings", "finished_at")} for g in history["generations"]]
+    """Per generation: what two runs of the same seed must share exactly (seeds, rewards, z, digests, problems),
+    whatever exact restore mode each ran with."""
+    return [{k: v for k, v in g.items() if k not in ("timings", "finished_at", *GENERATION_SETTINGS)}
+            for g in history["generations"]]
 
 
 def header(history: dict) -> dict:
@@ -182,7 +187,7 @@ def tiny_transformers_model(folder: Path, kind: str) -> dict:
 def test_parameter_count_from_the_config_of_other_layouts_is_the_checkpoints(kind, tmp_path):
     config = tiny_transformers_model(tmp_path, kind)
     assert parameter_count(config) == checkpoint_numel(tmp_path)  # from the config alone
-    assert safetensors_parameter_count(tmp_path) == checkpoint_numel(tmp_path)
+    assert sum(safetensors_elements(tmp_path).values()) == checkpoint_numel(tmp_path)
 
 
 def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(tmp_path):
@@ -211,6 +216,36 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
                                                           "patch_bytes": 4 + 4 * 2}  # 30 bits; 12% of 30 values
     with pytest.raises(common.ConfigError, match="has no num_hidden_layers, at its top level or in a text_config"):
         engine_memory_needs({"model_type": "odd", "hidden_size": 8, "num_attention_heads": 2}, cfg, tmp_path)
+
+
+@pytest.mark.parametrize("stored, dtype, held", [
+    ({"BF16": 1000, "F32": 60}, torch.bfloat16, {torch.bfloat16: 1000, torch.float32: 60}),  # a float32 bias kept
+    ({"F16": 1000, "F32": 60, "F64": 5}, torch.bfloat16, {torch.bfloat16: 1000, torch.float32: 60, torch.float64: 5}),
+    ({"F32": 1060}, torch.bfloat16, {torch.bfloat16: 1060}),  # a float32 checkpoint: cast whole
+    ({"F32": 1000, "BF16": 60}, torch.bfloat16, {torch.bfloat16: 1060}),  # narrower than the rest: cast too
+    ({"BF16": 1000, "F32": 60}, torch.float32, {torch.float32: 1060}),  # nothing wider than the run's dtype
+    ({"BF16": 1000, "F32": 60, "I64": 4}, torch.bfloat16, {torch.bfloat16: 1004, torch.float32: 60}),
+])
+def test_the_dtypes_an_engine_holds_a_checkpoint_in(stored, dtype, held):
+    assert held_elements(stored, dtype) == held
+
+
+def test_the_memory_plan_counts_each_dtype_as_the_engine_holds_it(tmp_path):
+    """Weights of several dtypes (a float32 router bias beside bfloat16 weights): the plan counts each dtype's
+    elements at its size, the weights and the restore patch's bound alike, which is then what RestorePatch
+    allocates for such parameters."""
+    from safetensors.torch import save_file
+
+    config = {"model_type": "mistral3", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4}
+    save_file({"w": torch.zeros(100, 20, dtype=torch.bfloat16), "bias": torch.zeros(60)},
+              str(tmp_path / "model.safetensors"))
+    for tp in (1, 2):
+        cfg = cli.parse_config([f"--tensor_parallel_size={tp}", "--max_model_len=1000", "--max_new_tokens=512"])
+        needs = engine_memory_needs(config, cfg, tmp_path)
+        rank = [torch.zeros(2000 // tp, dtype=torch.bfloat16), torch.zeros(60 // tp)]
+        assert needs["weights_bytes"] == sum(t.numel() * t.element_size() for t in rank) == (2000 * 2 + 60 * 4) // tp
+        assert needs["patch_bytes"] == restore_patch.RestorePatch(rank, 0.12).nbytes
+    assert needs["patch_bytes"] == (1030 + 7) // 8 + 120 * 2 + 4 * 4  # at TP=2: 12% of 1000 bf16, of 30 float32
 
 
 def test_parameter_count_of_qwen3_30b_matches_the_gpu_engine(tmp_path):
@@ -354,9 +389,10 @@ class FakeGPUEngine:
     """Stands in for a GPU Engine in the pool's start: records what happens in which order, and whether the
     machine's GPU memory lock is held at each step; its memory comes out of `gpu.free`."""
 
-    def __init__(self, gpu, cfg, model_path, **kwargs):
-        self.gpu, self.cfg, self.device = gpu, cfg, "cuda"
-        gpu.events.append(("start", len(gpu.engines), _gpu_memory_lock_held.held, cfg.restore))
+    def __init__(self, gpu, cfg, model_path, perturbs=True, **kwargs):
+        self.gpu, self.cfg, self.device, self.perturbs = gpu, cfg, "cuda", perturbs
+        self.restore_mode = cfg.restore if perturbs else "none"
+        gpu.events.append(("start", len(gpu.engines), _gpu_memory_lock_held.held, self.restore_mode))
         gpu.free -= int(cfg.gpu_memory_utilization * gpu.total) + ENGINE_OVERHEAD_BYTES
         gpu.engines.append(self)
 
@@ -372,10 +408,11 @@ class FakeGPUEngine:
 
 
 class FakeGPU:
-    """One 10 GiB GPU that another process may take memory from after a given engine started."""
+    """GPUs of 10 GiB (`free` of them free, and `host_free` bytes of host memory) that another process may take
+    memory from after a given engine started."""
 
-    def __init__(self, taken_by_another_after: int | None = None):
-        self.total, self.free, self.weights = 10 * GIB, 10 * GIB, 64 << 20
+    def __init__(self, taken_by_another_after: int | None = None, free: int = 10 * GIB, host_free: int = 100 * GIB):
+        self.total, self.free, self.host_free, self.weights = 10 * GIB, free, host_free, 64 << 20
         self.events, self.engines, self.taken_after = [], [], taken_by_another_after
 
     def report(self, gpus):
@@ -383,17 +420,20 @@ class FakeGPU:
         if self.taken_after is not None and len(self.engines) == self.taken_after + 1:
             self.free -= 3 * GIB  # another run's engine started meanwhile
         return {"gpus": gpus, "gpu_total_bytes": self.total, "gpu_free_bytes": self.free,
-                "host_free_bytes": 100 * GIB, "mps": True, "cores": 2}
+                "host_free_bytes": self.host_free, "mps": True, "cores": 2}
 
 
-def fake_gpu_pool(monkeypatch, tmp_path, gpu: FakeGPU, engines: int):
+def fake_gpu_pool(monkeypatch, tmp_path, gpu: FakeGPU, engines: int, *extra, gpus=("0",), **engine_kwargs):
+    """An EnginePool of FakeGPUEngines on `gpus` (TP=1 and gpu_memory_utilization=0.3 unless `extra` says)."""
     monkeypatch.setattr("engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
     monkeypatch.setattr("common.device_type", lambda: "cuda")
-    monkeypatch.setattr("pool.visible_gpus", lambda: ["0"])
+    monkeypatch.setattr("torch.cuda.device_count", lambda: len(gpus))
+    monkeypatch.setattr("pool.visible_gpus", lambda: list(gpus))
     monkeypatch.setattr("pool.mps_running", lambda: True)
     monkeypatch.setattr("pool.node_report", gpu.report)
     monkeypatch.setattr("engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
-    return EnginePool(config(engines, tmp_path, "--tensor_parallel_size=1", "--gpu_memory_utilization=0.3"), MODEL)
+    cfg = config(engines, tmp_path, "--tensor_parallel_size=1", "--gpu_memory_utilization=0.3", *extra)
+    return EnginePool(cfg, MODEL, **engine_kwargs)
 
 
 def test_the_pool_plans_each_gpu_engine_inside_the_lock_from_the_memory_free_at_its_start(monkeypatch, tmp_path):
@@ -427,12 +467,71 @@ def test_the_pool_refuses_co_location_without_mps_before_any_engine_starts(monke
 
 
 def test_what_each_engine_s_plan_makes_room_for():
-    where, counts = [0, 1, 0, 0], [3, 1]  # group 0 holds three engines, group 1 one
-    assert [engines_to_plan(where, counts, k) for k in range(4)] == [
-        {"engines_per_gpu": 3, "co_located": 3, "engines_on_node": 4},
-        {"engines_per_gpu": 1, "co_located": 1, "engines_on_node": 3},
-        {"engines_per_gpu": 2, "co_located": 3, "engines_on_node": 3},  # engine 1 copies at its first perturb
-        {"engines_per_gpu": 1, "co_located": 3, "engines_on_node": 2}]
+    where = [0, 1, 0, 0]  # group 0 holds three engines, group 1 one
+    assert [engines_to_plan(where, k) for k in range(4)] == [
+        {"engines_per_gpu": 3, "engines_on_node": 4},
+        {"engines_per_gpu": 1, "engines_on_node": 3},
+        {"engines_per_gpu": 2, "engines_on_node": 2},  # engines 0 and 1 took their copies at start
+        {"engines_per_gpu": 1, "engines_on_node": 1}]
+    assert engines_to_plan([0], 0) == {"engines_per_gpu": 1, "engines_on_node": 1}  # one engine alone
+
+
+# One engine's needs on the 10 GiB FakeGPU at gpu_memory_utilization=0.3: its vLLM share and overhead take 4 GiB,
+# its copy 0.5 GiB more, its patch 0.25 GiB more
+HALF_GIB_WEIGHTS = {"weights_bytes": GIB // 2, "sequence_kv_bytes": 16 << 20, "patch_bytes": GIB // 4}
+
+
+@pytest.mark.parametrize("restore, refusal", [
+    ("copy_device", r"the exact-restore copies fit neither on the GPUs \(1 x 0\.5 GiB beside 4\.0 GiB of vLLM, "
+                    r"4\.2 GiB free\) nor in pinned host memory \(1 engines x 1 ranks x 0\.5 GiB = 0\.5 GiB, 80% of "
+                    r"0\.5 GiB"),
+    ("copy_host", r"the exact-restore copies fit neither on the GPUs .* nor in pinned host memory"),
+    ("patch", r"the restore patches do not fit on the GPUs \(1 x 0\.2 GiB beside 4\.0 GiB of vLLM, 4\.2 GiB free"),
+])
+def test_a_single_engine_whose_restore_copy_or_patch_cannot_fit_is_refused_before_it_starts(
+        monkeypatch, tmp_path, restore, refusal):
+    """One engine (the default on one GPU group) is planned like a pool's: where its vLLM share fits but neither
+    its copy (on the GPU or in pinned host memory) nor its patch does, it never starts."""
+    monkeypatch.setattr("pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    gpu = FakeGPU(free=int(4.2 * GIB), host_free=GIB // 2)
+    with pytest.raises(common.ConfigError, match=refusal):
+        fake_gpu_pool(monkeypatch, tmp_path, gpu, 1, f"--restore={restore}")
+    assert gpu.events == [("plan", 0, True)]
+
+
+def test_a_single_engine_takes_its_restore_copy_or_patch_at_start_inside_the_lock(monkeypatch, tmp_path):
+    """The reference's default, one TP=2 engine on two GPUs: planned, started, and its copy taken before the pool
+    is handed over (not at its first perturbation)."""
+    monkeypatch.setattr("pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    for restore in ("copy_device", "copy_host", "patch"):
+        gpu = FakeGPU(free=5 * GIB)
+        pool = fake_gpu_pool(monkeypatch, tmp_path, gpu, 0, "--tensor_parallel_size=2", f"--restore={restore}",
+                             gpus=("0", "1"))
+        assert pool.size == 1 and gpu.events == [("plan", 0, True), ("start", 0, True, restore), ("copy", 0, True)]
+        assert pool.placement[0]["gpus"] == ["0", "1"] and pool.placement[0]["restore"] == restore
+
+
+def test_a_read_only_pool_plans_weights_and_kv_cache_alone_and_holds_no_restore_memory(monkeypatch, tmp_path):
+    """Export, evaluation and replay never perturb: where two engines' copies or patches would not fit, the same
+    engines start read-only, take nothing at start and refuse to perturb."""
+    monkeypatch.setattr("pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    for restore, refusal in (("copy_device", "copies fit neither"), ("patch", "patches do not fit")):
+        gpu = FakeGPU(free=int(8.2 * GIB), host_free=GIB // 2)  # two engines' vLLM shares and no more
+        with pytest.raises(common.ConfigError, match=refusal):
+            fake_gpu_pool(monkeypatch, tmp_path, gpu, 2, f"--restore={restore}")
+        gpu = FakeGPU(free=int(8.2 * GIB), host_free=GIB // 2)
+        pool = fake_gpu_pool(monkeypatch, tmp_path, gpu, 2, f"--restore={restore}", perturbs=False)
+        assert gpu.events == [("plan", 0, True), ("start", 0, True, "none"), ("plan", 1, True),
+                              ("start", 1, True, "none")]
+        assert [p["restore"] for p in pool.placement] == ["none", "none"]
+    gpu = FakeGPU(free=7 * GIB)  # the plan still checks weights and KV cache
+    with pytest.raises(common.ConfigError, match=r"2 engines per GPU need 8\.0 GiB .* 7\.0 GiB free"):
+        fake_gpu_pool(monkeypatch, tmp_path, gpu, 2, perturbs=False)
+    assert gpu.events == [("plan", 0, True)]
+    engine = Engine.__new__(Engine)
+    engine.cfg, engine.perturbs = config(1, tmp_path), False
+    with pytest.raises(RuntimeError, match="a read-only engine .* does not perturb"):
+        engine.perturb(1, 0.1)
 
 
 def held_elsewhere(path) -> bool:
@@ -462,7 +561,7 @@ def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_
     monkeypatch.setattr("engine.GPU_MEMORY_LOCK", lock)
     lock.write_text("")
     engine = Engine.__new__(Engine)
-    engine.cfg, engine.device, calls = config(1, tmp_path), "cuda", []
+    engine.cfg, engine.device, engine.perturbs, calls = config(1, tmp_path), "cuda", True, []
     engine.rpc = lambda method, **kw: calls.append((method, held_elsewhere(lock))) or [0.0]
     engine.reset_prefix_cache = lambda: None
     engine.perturb(1, 0.1)
@@ -531,26 +630,6 @@ def test_the_gpu_memory_lock_is_one_path_whatever_tmpdir_says(tmp_path):
                             env=dict(os.environ, TMPDIR=str(tmpdir)), capture_output=True, text=True,
                             check=True).stdout.strip() for tmpdir in (tmp_path, "/tmp")}
     assert len(paths) == 1
-
-
-def as_user(uid: int, action) -> str:
-    """action() in a forked child that runs as user `uid`: what it returns, or the error it raises, as text."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            out = str(action())
-        except BaseException as exc:  # noqa: BLE001
-            out = f"{type(exc).__name__}: {exc}"
-        os.write(write, out.encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        out = pipe.read()
-    os.waitpid(pid, 0)
-    return out
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
@@ -649,12 +728,17 @@ def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
     assert not run_dir.exists()  # nothing of the failed generation was written
     two_engines.close()  # the survivor shuts down too
 
-    # the two-engine run stopped after its first generation; started again with one engine, it resumes
+    # the two-engine run stopped after its first generation, its record as an older version wrote it (without the
+    # settings it ran with); started again with one engine and another exact restore mode, it resumes
     shutil.copytree(trained_dir, run_dir)
-    fileio.write_json_atomic(dict(history, generations=history["generations"][:1]), run_dir / HISTORY_FILE)
+    older = {k: v for k, v in history["generations"][0].items() if k not in GENERATION_SETTINGS}
+    fileio.write_json_atomic(dict(history, generations=[older]), run_dir / HISTORY_FILE)
     monkeypatch.setitem(common.EPISODE_REWARDS, "agent", first_reply_variety)
-    resumed = train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}"])
+    resumed = train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}", "--restore=patch"])
     assert replayable(resumed) == replayable(one_engine_run[1])
+    assert resumed["config"]["restore"] == "copy_device"  # the header: the first run's
+    assert [{f: g.get(f) for f in GENERATION_SETTINGS} for g in resumed["generations"]] == [
+        {"restore": None, "patch_capacity": None}, {"restore": "patch", "patch_capacity": 0.0}]
 
 
 # ---- a two-node Ray cluster on this machine ----

@@ -199,7 +199,7 @@ def test_perturb_restore_is_bit_exact(engine, monkeypatch, restore, rounding):
         for m in engine.rpc("es_memory"):
             assert 0 < m["patch_used"]
             capacity = restore_patch.patch_capacity(engine.cfg)
-            assert m["patch_bytes"] == restore_patch.patch_bytes(m["params"], 2, capacity)
+            assert m["patch_bytes"] == restore_patch.patch_bytes({torch.bfloat16: m["params"]}, capacity)
 
 
 def test_subtract_restore_is_within_bf16_rounding_but_not_exact(engine):

@@ -16,8 +16,9 @@ import cli
 import common
 import digests
 import engine
-from history import (HISTORY_FORMAT, check_base, check_config, config_from_history, identity_differences,
-                     name_only_fingerprint)
+import fileio
+from history import (HISTORY_FILE, HISTORY_FORMAT, check_base, check_config, config_from_history,
+                     identity_differences, name_only_fingerprint, read_history)
 
 
 # ---- sigma schedule ----
@@ -353,6 +354,17 @@ def test_preset_never_overrides_recorded_values():
     assert (free.cudagraph_mode, free.max_num_batched_tokens, free.custom_all_reduce) == ("FULL", 0, True)
 
 
+def test_export_and_replay_take_any_restore_mode_whatever_the_run_s():
+    """They never perturb (RESTORE_FIELDS): a subtract run rebuilds under an exact mode and any patch capacity, an
+    exact run under subtract (a training resume refuses both moves: identity_differences)."""
+    for recorded, args, wanted in ((recorded_history(restore="subtract"), ["--restore=patch", "--patch_capacity=0.3"],
+                                    ("patch", 0.3)),
+                                   (recorded_history(restore="patch"), ["--restore=subtract"], ("subtract", 0.0))):
+        cfg = config_from_history(recorded, ["--preset=smoke", *args])
+        assert (cfg.restore, cfg.patch_capacity) == wanted and cfg.model == "/models/my-base"
+    assert config_from_history(recorded_history(restore="subtract"), []).restore == "subtract"  # the run's by default
+
+
 @pytest.mark.parametrize("arg, message", [
     ("--model=/models/other", "--model='/models/other' \\(recorded: '/models/my-base', from the history\\)"),
     ("--noise_chunk=1024", "--noise_chunk=1024 \\(recorded: 8388608, from the history\\)"),
@@ -498,6 +510,46 @@ def test_an_exact_restore_mode_may_change_on_resume_but_not_to_subtract():
     subtracted = identity([H200, H200], config=dict(config, restore="subtract"))
     assert identity_differences(subtracted, recorded) == [
         "config restore: history has 'subtract', this run has 'copy_device'"]
+
+
+class ScoringPool:
+    """A pool's interface to 01_train.run_generation with no engine: a member's score is its seed's last digit, the
+    weights' digests count the updates."""
+
+    def __init__(self):
+        self.updates = 0
+
+    def evaluate_members(self, seeds, sigma, jobs, desc):
+        return [[{"score": float(seed % 10)} for _ in jobs] for seed in seeds], {"members": 0.0}
+
+    def update(self, seeds, coefficients):
+        self.updates += 1
+
+    def digests(self):
+        return [f"after {self.updates} updates, rank {r}" for r in range(2)]
+
+
+def test_each_generation_record_tells_the_restore_mode_it_ran_with(tmp_path):
+    """A resume may change the exact restore mode or the patch's capacity (above), and the header keeps the first
+    run's: each generation's record carries the settings it ran with. A history whose first records predate them
+    still reads, and export and replay take what they need (the settings, the updates) as before."""
+    train = importlib.import_module("01_train")
+    first = cli.parse_config(["--preset=smoke", "--restore=copy_host"])
+    resumed = dataclasses.replace(first, restore="patch", patch_capacity=0.3)
+    problems, engines = common.training_problems(first), ScoringPool()
+    records = [train.run_generation(engines, cfg, problems, g, train.mean_score, tmp_path / "rollouts")
+               for g, cfg in enumerate([first, first, resumed])]
+    assert [{k: r[k] for k in ("restore", "patch_capacity")} for r in records] == [
+        {"restore": "copy_host", "patch_capacity": 0.0}] * 2 + [{"restore": "patch", "patch_capacity": 0.3}]
+
+    older = {k: v for k, v in records[0].items() if k not in ("restore", "patch_capacity")}  # an older version's
+    history = dict(identity([H200, H200], config=dataclasses.asdict(first), base_digests=["b0", "b1"]),
+                   generations=[older, *records[1:]])
+    fileio.write_json_atomic(history, tmp_path / HISTORY_FILE)
+    assert read_history(tmp_path / HISTORY_FILE) == history
+    assert config_from_history(history, ["--preset=smoke"]).restore == "copy_host"  # export and replay: as given
+    assert config_from_history(history, ["--preset=smoke", "--restore=patch"]).restore == "patch"
+    assert common.replay(ScoringPool(), history["generations"], ["b0", "b1"]) == records[-1]["digests"]
 
 
 def test_engine_speed_settings_may_change_on_resume():

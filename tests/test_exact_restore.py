@@ -119,7 +119,12 @@ def test_the_patch_holds_the_elements_subtraction_misses_and_nothing_else():
 def test_patch_bytes_are_its_bound_and_allocated_up_front():
     params = weights(torch.bfloat16, sizes=(1000, 37))
     patch = restore_patch.RestorePatch(params, 0.12)
-    assert patch.nbytes == restore_patch.patch_bytes(1037, 2, 0.12) == 130 + 125 * 2
+    assert patch.nbytes == restore_patch.patch_bytes({torch.bfloat16: 1037}, 0.12) == 130 + 125 * 2
+    # parameters of several dtypes (a float32 router bias beside bfloat16 weights): each dtype's share at its size
+    mixed = params + [torch.zeros(50), torch.zeros(9), torch.zeros(3, dtype=torch.float16)]
+    patch = restore_patch.RestorePatch(mixed, 0.12)
+    counts = {torch.bfloat16: 1037, torch.float32: 59, torch.float16: 3}
+    assert patch.nbytes == restore_patch.patch_bytes(counts, 0.12) == 138 + 125 * 2 + 8 * 4 + 1 * 2
     assert restore_patch.patch_capacity(common.Config()) == restore_patch.PATCH_CAPACITY["nearest"]
     stochastic = common.Config(rounding="stochastic")
     assert restore_patch.patch_capacity(stochastic) == restore_patch.PATCH_CAPACITY["stochastic"]

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,8 +19,10 @@ import fileio
 import history
 import models
 import tracking
+from conftest import as_user
 
-DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
+DATA_DIR = common.REPO.parent / "shared" / "data"  # the reference files, where CI keeps them beside the clone
+MANIFEST = json.loads(common.DATA_MANIFEST.read_text())["files"]
 
 # -----------------------------------------------------------------------------
 # data
@@ -70,15 +73,16 @@ def test_load_problems_missing_and_empty_file(tmp_path):
 @pytest.mark.parametrize("name, rows", [
     ("dapo_train400.jsonl", 400), ("dapo_test100.jsonl", 100), ("aime2026.jsonl", 30)])
 def test_real_data_files_load(name, rows):
-    problems = common.load_problems(os.path.join(DATA_DIR, name))
-    assert len(problems) == rows
-    assert len({p["id"] for p in problems}) == rows
+    assert len(MANIFEST[name]["rows"]) == rows
+    if not (DATA_DIR / name).exists():
+        pytest.skip(f"no reference data file {DATA_DIR / name} beside this clone: its {rows} rows are not loaded")
+    problems = common.load_problems(DATA_DIR / name)
+    assert [[p["id"], p["answer"]] for p in problems] == [row[:2] for row in MANIFEST[name]["rows"]]
 
 
 def test_train_and_test_ids_disjoint():
-    train = {p["id"] for p in common.load_problems(os.path.join(DATA_DIR, "dapo_train400.jsonl"))}
-    test = {p["id"] for p in common.load_problems(os.path.join(DATA_DIR, "dapo_test100.jsonl"))}
-    assert not train & test
+    train, test = ({row[0] for row in MANIFEST[name]["rows"]} for name in ("dapo_train400.jsonl", "dapo_test100.jsonl"))
+    assert len(train) == 400 and len(test) == 100 and not train & test
 
 
 def ids(batch):
@@ -246,6 +250,72 @@ def test_write_json_atomic_keeps_old_content_on_failure(tmp_path, monkeypatch):
         fileio.write_json_atomic({"generation": 3}, str(path))
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["h.json"]  # no temp files left behind
+
+
+def output_check(path, folder: bool = True) -> str:
+    """What fileio.check_output_path says of an output path: "ok", or its refusal."""
+    try:
+        fileio.check_output_path(path, "out", folder=folder)
+    except common.ConfigError as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_an_output_is_checked_in_the_folder_the_stage_writes_in(tmp_path, monkeypatch):
+    """An output folder that exists must itself be writable, whatever its parent; one that does not exist yet, its
+    nearest existing parent; an output file, the folder it goes in. Root ignores permission bits (CI runs as root),
+    so os.access, where check_output_path looks it up, says here which folders this user may write in."""
+    home, srv = tmp_path / "home", tmp_path / "srv"  # tmp_path itself: not writable, as /home is not
+    for folder in (home / "runs", srv / "theirs"):
+        folder.mkdir(parents=True)
+    (home / "result.json").write_text("{}")
+    (srv / "theirs" / "result.json").write_text("{}")
+    writable = {home, home / "runs", srv}
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) in writable and mode == os.W_OK | os.X_OK)
+    refused = "--out={}: no permission to write in {}".format
+    for path, folder, says in [
+        (home, True, "ok"),  # --run_dir=$HOME: a writable folder in a parent that is not
+        (home / "runs", True, "ok"),
+        (srv / "theirs", True, refused(srv / "theirs", srv / "theirs")),  # a folder of others' in a writable one
+        (home / "new" / "run", True, "ok"),  # made inside the nearest folder that exists
+        (srv / "theirs" / "new" / "run", True, refused(srv / "theirs" / "new" / "run", srv / "theirs")),
+        (home / "result.json", False, "ok"),  # a file: written beside, then renamed over
+        (home / "new" / "result.json", False, "ok"),
+        (srv / "theirs" / "result.json", False, refused(srv / "theirs" / "result.json", srv / "theirs")),
+        (tmp_path / "new", True, refused(tmp_path / "new", tmp_path)),
+    ]:
+        assert output_check(path, folder) == says, path
+    monkeypatch.chdir(home)
+    assert output_check(".") == "ok"  # --run_dir=. in a home folder
+    monkeypatch.chdir(srv / "theirs")
+    assert output_check(".") == refused(".", srv / "theirs")
+
+
+def test_output_folders_are_checked_against_the_permissions_of_an_unprivileged_user():
+    """The same rules where permission bits bind: as this user when it is not root, else as nobody (uid 65534) in
+    a forked child. One's own run folder in a folder of root's (as under /home) is accepted; a folder of root's in
+    one anyone may write in is refused, and so is a new folder where only root may make it."""
+    if os.geteuid() == 0 and as_user(65534, os.geteuid) != "65534":
+        pytest.skip("root cannot act as another user (uid 65534) on this machine")
+    top = Path(tempfile.mkdtemp(prefix="es-output-", dir="/tmp"))  # tmp_path's parents admit root alone
+    home, mine, scratch, theirs = top / "home", top / "home" / "me", top / "scratch", top / "scratch" / "theirs"
+    try:
+        for folder in (mine, theirs):
+            folder.mkdir(parents=True)
+        for folder, mode in ((top, 0o755), (home, 0o555), (mine, 0o777), (scratch, 0o777), (theirs, 0o555)):
+            folder.chmod(mode)
+        paths = (mine, mine / "new", theirs, home / "new")
+
+        def check() -> str:
+            return "\n".join(output_check(p) for p in paths)
+
+        said = as_user(65534, check) if os.geteuid() == 0 else check()
+        assert said.splitlines() == ["ok", "ok", f"--out={theirs}: no permission to write in {theirs}",
+                                     f"--out={home / 'new'}: no permission to write in {home}"]
+    finally:
+        for folder in (home, theirs):
+            folder.chmod(0o755)
+        shutil.rmtree(top)
 
 
 def test_read_json_errors(tmp_path):
@@ -432,6 +502,107 @@ def test_a_build_that_died_leaves_no_folder_in_use_and_the_next_one_cleans_up(tm
     path = models.resolve_model("tiny-qwen3-dense", cache_dir=cache)
     assert sorted(os.listdir(cache)) == [".tiny-qwen3-dense.lock", "tiny-qwen3-dense"]
     assert models.model_folder_problem(Path(path)) is None
+
+
+def quick_build(folder, kind):
+    """A stand-in for write_tiny_model (a real build takes seconds): a folder with a config.json naming the build."""
+    (Path(folder) / "config.json").write_text(json.dumps({"built_by": os.getpid(), "kind": kind}))
+
+
+def test_a_folder_in_the_way_of_a_build_is_moved_aside_not_deleted(tmp_path, monkeypatch, capsys):
+    """A folder at the model's place without config.json is not a finished build, yet a process may be reading it:
+    it is moved aside, whole (the same files, still readable through what was open), and the build goes on."""
+    cache = tmp_path / "models"
+    in_the_way = cache / "tiny-qwen3-dense"
+    in_the_way.mkdir(parents=True)
+    (in_the_way / "model.safetensors").write_bytes(b"weights being read")
+    inode = (in_the_way / "model.safetensors").stat().st_ino
+    monkeypatch.setattr(models, "write_tiny_model", quick_build)
+    with open(in_the_way / "model.safetensors", "rb") as reading:
+        path = Path(models.resolve_model("tiny-qwen3-dense", cache_dir=cache))
+        assert reading.read() == b"weights being read"
+    assert json.loads((path / "config.json").read_text())["built_by"] == os.getpid()
+    [aside] = cache.glob(".tiny-qwen3-dense.moved-aside-*/tiny-qwen3-dense")
+    assert (aside / "model.safetensors").stat().st_ino == inode
+    assert capsys.readouterr().out == (f"[models] {path} is not a finished build (no config.json): moved aside to "
+                                       f"{aside}, not deleted (a process may still read it); remove it when none "
+                                       "does\n")
+
+
+def test_a_build_that_loses_the_rename_uses_the_finished_folder(tmp_path, monkeypatch):
+    """Another process's build that did not take turns with this one (another lock file) puts its folder in place
+    while this one builds: this one's rename fails, and it uses that folder (untouched) instead of failing."""
+    cache = tmp_path / "models"
+    theirs = cache / "tiny-qwen3-dense"
+
+    def overtaken(folder, kind):
+        quick_build(folder, kind)
+        theirs.mkdir()
+        (theirs / "config.json").write_text('{"built_by": "another process"}')
+
+    monkeypatch.setattr(models, "write_tiny_model", overtaken)
+    path = models.resolve_model("tiny-qwen3-dense", cache_dir=cache)
+    inode = (theirs / "config.json").stat().st_ino
+    assert path == str(theirs) and json.loads((theirs / "config.json").read_text()) == {"built_by": "another process"}
+    assert sorted(os.listdir(cache)) == [".tiny-qwen3-dense.lock", "tiny-qwen3-dense"]  # its own build removed
+    assert models.resolve_model("tiny-qwen3-dense", cache_dir=cache) == path
+    assert (theirs / "config.json").stat().st_ino == inode
+
+
+def test_a_process_waiting_for_another_s_build_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """While another process holds the build lock, the wait is one line naming the folder and the lock; then the
+    build goes on."""
+    import fcntl
+    import threading
+
+    cache = tmp_path / "models"
+    cache.mkdir()
+    lock = cache / ".tiny-qwen3-dense.lock"
+    monkeypatch.setattr(models, "write_tiny_model", quick_build)
+    resolved, said = [], ""
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another open file: as another process's build would hold it
+        waiting = threading.Thread(target=lambda: resolved.append(models.resolve_model("tiny-qwen3-dense",
+                                                                                       cache_dir=cache)))
+        waiting.start()
+        deadline = time.monotonic() + 60
+        while "\n" not in said and time.monotonic() < deadline:
+            time.sleep(0.05)
+            said += capsys.readouterr().out
+        assert resolved == []
+    waiting.join()
+    path = cache / "tiny-qwen3-dense"
+    assert said == f"[models] another process is building {path}: waiting for it ({lock})\n"
+    assert resolved == [str(path)] and capsys.readouterr().out == ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
+def test_another_user_sharing_the_models_folder_takes_turns_through_the_same_lock(monkeypatch):
+    """A models folder shared by the users of a machine: the lock file one user's build left (made under a umask
+    that keeps files private) is readable by all, and another user's process takes it and builds."""
+    if as_user(65534, os.geteuid) != "65534":
+        pytest.skip("root cannot act as another user (uid 65534) on this machine")
+    shared = Path(tempfile.mkdtemp(prefix="es-models-", dir="/tmp"))  # tmp_path's parents admit root alone
+    shared.chmod(0o1777)
+    try:
+        def dies(folder, kind):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(models, "write_tiny_model", dies)
+        umask = os.umask(0o077)
+        try:
+            with pytest.raises(KeyboardInterrupt):  # root's build, interrupted: its lock file stays
+                models.resolve_model("tiny-qwen3-dense", cache_dir=shared)
+        finally:
+            os.umask(umask)
+        lock = shared / ".tiny-qwen3-dense.lock"
+        assert lock.stat().st_uid == 0 and lock.stat().st_mode & 0o777 == 0o644
+        monkeypatch.setattr(models, "write_tiny_model", quick_build)
+        assert as_user(65534, lambda: models.resolve_model("tiny-qwen3-dense", cache_dir=shared)) == str(
+            shared / "tiny-qwen3-dense")
+        assert (shared / "tiny-qwen3-dense").stat().st_uid == 65534
+    finally:
+        shutil.rmtree(shared)
 
 
 def damaged_copy(tmp_path, damage) -> Path:

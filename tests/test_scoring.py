@@ -95,7 +95,9 @@ HEDGES = [
     ("Final answer: 1 or 2", "1, 2", 1),
     ("Final answer: x = 1 or x = 2", "x = 1 or x = 2", 1),
     (r"Final answer: \boxed{1} and \boxed{2}", "1, 2", 1),
-    ("Final answer: We found 3 cases; thus the answer is 42", "42", 1),
+    # the first value after the marker is committed (rule 1), and a note never supplies it (rule 2)
+    ("Final answer: We found 3 cases; thus the answer is 42", "42", 0),
+    ("Final answer: We found 3 cases; thus the answer is 42", "3", 1),
     # one value in several boxes is one answer
     (r"Final answer: \boxed{42} and again \boxed{42}", "42", 1),
     (r"Final answer: \boxed{42} (that is, \boxed{42.0})", "42", 1),
@@ -118,8 +120,8 @@ ACCEPTED_FORMS = [
     ("Final answer: 42 (or 43)", "42", 0),
     ("Final answer: 42 (or 43)", "43", 0),
     ("Final answer: 42 (or maybe forty-three)", "42", 0),
-    ("Final answer: 42 (checked with 3 runs)", "42", 0),  # a note with a number is not dropped
-    ("Final answer: 42 (not 43)", "42", 0),
+    ("Final answer: 42 (checked with 3 runs)", "42", 1),  # the numbers of a note offer no value (rule 2)
+    ("Final answer: 42 (not 43)", "42", 1),  # nor does a value it negates
     ("Final answer: f(x)", "f(x)", 1),  # brackets that belong to the answer stay
     ("Final answer: 1.5e3", "1500", 1),
     ("Final answer: 1.5E+03", "1500", 1),
@@ -135,9 +137,9 @@ ACCEPTED_FORMS = [
     (r"so \boxed{7} and a broken \boxed{8", "8", 0),  # without a marker only a closed box commits
 ]
 
-# A note after the committed value, in any common form: the value is the leading mathematical expression, the note
-# trailing prose that names no other value. A second value (a number, a number word, math, "or", "unless") after it
-# is no note: the line stays as it is and scores as a hedge or a list.
+# A note after the committed value, in any common form (scoring.md, rule 2); a second value listed beside it or
+# offered as an alternative after it (a number, a number word, math after "or", "maybe", "unless") is a hedge or,
+# for a gold of several values, the answer (rules 3 and 4).
 NOTE_FORMS = [
     ("Final answer: 42 - verified with bash", "42", 1),  # hyphen
     ("Final answer: 42 -- verified with bash", "42", 1),
@@ -190,7 +192,7 @@ NOTE_FORMS = [
     ("Final answer: 42 / 43", "42", 0),
     ("Final answer: 42 - or 43", "43", 0),
     ("Final answer: 42 [or 43]", "42", 0),
-    ("Final answer: 42, or maybe later", "42", 0),
+    ("Final answer: 42, or maybe later", "42", 1),  # an alternative word that offers no value is a note (rule 3)
     ("Final answer: 42, maybe forty-three", "42", 0),
     ("Final answer: 17 but could also be eighteen", "17", 0),  # nor do number words go as units
     ("Final answer: $42$, maybe 43", "42", 0),  # nor does math_verify read the first $...$ span alone
@@ -206,10 +208,12 @@ NOTE_FORMS = [
     (r"Final answer: \boxed{42} - verified either way", "42", 1),  # nor does a note
     (r"As it might be tricky, we computed 6 \times 7 = \boxed{42}", "42", 1),  # nor the work before it, unmarked
     ("Final answer: 42 - maybe pi", "42", 0),
-    ("Final answer: 42, unless the grid wraps around", "42", 0),  # a condition, not a commitment
+    ("Final answer: 42, unless the grid wraps around", "42", 1),  # a condition without a value: a note (rule 3)
+    ("Final answer: 42, unless the grid wraps around to 0", "42", 1),  # the value is too far from the word
+    ("Final answer: 42, unless n = 0", "42", 0),  # a condition on a value is a hedge
     (r"Final answer: \frac{3}{4}, maybe \frac{2}{3}", r"\frac{3}{4}", 0),
     (r"Final answer: -0.5 - or perhaps -\frac{1}{3}", "-0.5", 0),
-    ("Final answer: 42 checked with 3 runs", "42", 0),  # a note with a number is not dropped
+    ("Final answer: 42 checked with 3 runs", "42", 1),  # a note's numbers offer no value (rule 2)
     ("Final answer: red, green", "red", 0),  # a list of words is not a value and a note
     # math that ends in letters is neither a note nor a unit
     ("Final answer: x^2 - xy", "x^2", 0),
@@ -240,6 +244,249 @@ TRUNCATED_DECIMALS = [
     ("Final answer: the probability is 0.5", r"\frac{1}{2}", 1),
 ]
 
+# ---- scoring.md, rule by rule: each rule's examples there, and forms of this file's own
+
+# The rows of issue 50's table, scored as a careful grader scores them.
+ISSUE_TABLE = [
+    (r"Thus \boxed{42} is the largest possible value of $n^2+1$.", "42", 1),
+    (r"Final answer: \boxed{42} (the only possible value, since n \le 6)", "42", 1),
+    (r"Final answer: \boxed{0.5}, or equivalently \frac{1}{2}", "1/2", 1),
+    ("Final answer: not 42", "42", 0),
+    ("Final answer: negative 42", "42", 0),
+    ("Final answer: minus 42", "42", 0),
+    ("Final answer: 41 because 6 x 7 = 42", "42", 0),
+    ("Final answer: 42 thousandths", "42", 0),
+    ("Final answer: 42, which is 6*7", "42", 1),
+    ("Final answer: $0$", "a + 3z = 0", 0),
+    ("Final answer:\n\\[ 9 \\]", "9", 1),
+]
+
+POLICY = {
+    "scoring.md's own examples": [
+        ("Final answer:\nIt is\n42", "42", 0),
+        (r"Final answer: 2\sqrt{3}", r"\sqrt{12}", 1), (r"Final answer: 2 \pi", r"2\pi", 1),
+        ("Final answer: 2x + 1", "1 + 2x", 1), ("Final answer: f(x) = x^2 + 1", "x^2 + 1", 1),
+        (r"Final answer: \{1, 2\}", "1, 2", 1), ("Final answer: 5!", "120", 1), (r"Final answer: 28\%", "28", 1),
+        ("Final answer: x = 5", "5", 1), ("Final answer: f(3) = 5", "5", 1), ("Final answer: a_1 = 5", "5", 1),
+        ("Final answer: x is 5", "5", 1), ("Final answer: positive 12", "12", 1), ("Final answer: never 42", "42", 0),
+        ("Final answer: not 42 but 43", "43", 1), ("Final answer: 5 twelfths", "5/12", 1),
+        ("Final answer: three quarters", "0.75", 1), ("Final answer: a half", "0.5", 1),
+        ("Final answer: 3 million", "3000000", 1), ("Final answer: 2 dozen", "24", 1),
+        ("Final answer: 12 percent", "12", 1), ("Final answer: forty-two", "42", 1),
+        ("Final answer: one hundred twenty", "120", 1), ("Final answer: x squared", "x^2", 1),
+        ("Final answer: infinity", r"\infty", 1),
+        ("Final answer: 42 cm", "42", 1), ("Final answer: 42cm", "42", 1), (r"Final answer: 42 \text{ cm}^2", "42", 1),
+        ("Final answer: 42 m²", "42", 1), ("Final answer: 42 cm³", "42", 1), ("Final answer: 42°C", "42", 1),
+        ("Final answer: 135°", "135", 1), (r"Final answer: 90^\circ", "90", 1), (r"Final answer: \$42", "42", 1),
+        ("Final answer: 1,000", "1000", 1), (r"Final answer: 1{,}000", "1000", 1), (r"Final answer: 1\,000", "1000", 1),
+        ("Final answer: 1 000", "1000", 1), ("Final answer: 1,2", "12", 0),
+        (r"Final answer: \boxed{\text{Evelyn}}", "Evelyn", 1), ("Final answer: 42 because 6 x 7 = 42", "42", 1),
+        ("Final answer: 42 — verified", "42", 1), ("Final answer: 42 43", "42", 0),
+        ("Final answer: between 42 and 43", "42", 0), ("Final answer: 42, unless n = 3", "42", 0),
+        ("Final answer: 42 if n is odd", "42", 0), (r"Final answer: \frac12 (or 0.5)", "1/2", 1),
+        ("Final answer: 42 (forty-two)", "42", 1), (r"Final answer: \frac13 (or 0.333333)", "1/3", 0),
+        ("Final answer: 42 (alternatively, 43)", "42", 0), ("Final answer: 128 (127 if n is odd)", "128", 0),
+        (r"Final answer: \boxed{42}, the largest value, attained when n = 6", "42", 1),
+        ("Final answer: 2, 3", "2, 3", 1), ("Final answer: 3, 2", "2, 3", 1),
+        ("Final answer: 2, 3", "x = 2 or x = 3", 1),
+        ("Final answer: 42 (= 6 \\times 7)", "42", 1), ("Final answer: 42 (43 was a typo)", "42", 1),
+        ("Final answer: the two roots are 4 and 9", "4, 9", 1), ("Final answer: 2x", "2x", 1),
+        ("Final answer: (12,102)", "(12, 102)", 1), ("Final answer: x = 5", "x = 5", 1),
+        ("Final answer:\n\\begin{equation}\n42\n\\end{equation}", "42", 1),
+        ("Final answer: x = 2 or x = 3", "2, 3", 1), (r"Final answer: \boxed{2} and \boxed{3}", "2, 3", 1),
+        (r"Final answer: \boxed{2, 3}", "2, 3", 1), (r"Final answer: \{-1, 1\}", r"\pm 1", 1),
+        ("Final answer: (1, 2]", "(1, 2]", 1), (r"Final answer: x \in (1, 2]", "(1, 2]", 1),
+        ("Final answer: [1, 2)", "(1, 2]", 0), ("Final answer: 3z = -a", "a + 3z = 0", 1),
+        ("Final answer: 0", "x + y = 0", 0), ("Final answer: 5", "x = 5", 1), ("Final answer: 2x + 1", "y = 2x + 1", 1),
+        ("Final answer: 3 < x", "x > 3", 1), ("Final answer: 3", "x > 3", 0), ("Final answer: 42.0", "42", 1),
+        ("Final answer: 1.5e3", "1500", 1), (r"Final answer: 15\%", "15", 1), ("Final answer: 0.5", "1/2", 1),
+        (r"Final answer: 2^{10}", "1024", 1), (r"Final answer: \frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}", 1),
+        (r"Final answer: 50\%", "1/2", 1),
+    ],
+    "where the answer is": [
+        ("We tried 5 first.\n## Final Answer: 128 (by enumeration)", "128", 1),
+        ("Final answer: 7\nOn second thought the count double-counts.\nAnswer: 6", "6", 1),
+        ("Final answer: 7\nOn second thought the count double-counts.\nAnswer: 6", "7", 0),
+        (r"<think>Answer: \boxed{6}</think>Final answer: \boxed{8}", "6", 0),
+        ("it prints 9, so the answer: 9 holds", "9", 0),  # a marker mid-line is none
+        (r"Final answer: \boxed{\begin{pmatrix} 2 \\" "\n" r"5 \end{pmatrix}} (a column)",
+         r"\begin{pmatrix} 2 \\ 5 \end{pmatrix}", 1),  # a box opened on the marker line, closed below
+        ("so the count is $\\boxed{56}$ in all", "56", 1),  # no marker: the last box's line, inside $...$ too
+        ("first guess \\boxed{55}\nthen \\boxed{56} after the fix", "56", 1),
+        ("then \\boxed{56} and \\boxed{5", "56", 1),  # without a marker a box left open is cut off
+    ],
+    "rule 5: display math below an empty marker line": [
+        ("**Final answer:**\n\n\\[\n\\frac{5}{8}\n\\]", "0.625", 1),
+        ("Final answer:\n$$ 2^{5} $$ (from the table)", "32", 1),
+        ("Final answer:\n  \\(  3\\sqrt{2} \\)", r"\sqrt{18}", 1),
+        ("Final answer:\n$x = 14$", "14", 1),
+        ("Final answer:\nthe count is\n14", "14", 0),  # spread over lines: not guessed at
+        ("Final answer:\n\nWe double-check below.\n$14$", "14", 0),
+        ("Final answer:\n\\[ 13 \\]\nor perhaps \\[ 14 \\]", "13", 1),  # only the display right below
+        ("Final answer:\n\\begin{equation*}\n  \\frac{9}{2}\n\\end{equation*}", "4.5", 1),
+    ],
+    "rule 1: the first box, else the first complete expression": [
+        ("Final answer: the expected number of rolls is 7/2", "3.5", 1),
+        ("Final answer: it takes 18 moves; 20 was my first estimate", "18", 1),
+        ("Final answer: it takes 18 moves; 20 was my first estimate", "20", 0),
+        (r"Final answer: after 3 rounds the total is \boxed{81}", "81", 1),  # a box before the first expression
+        (r"Final answer: $\frac{2\sqrt{6}}{3}$ units", r"\frac{2\sqrt{6}}{3}", 1),
+        ("Final answer: 3x^2 + 2x - 1", "3x^2+2x-1", 1),
+        ("Final answer: (2, -3)", "(2, -3)", 1),
+        ("Final answer: 7!", "5040", 1),
+        ("Final answer: 30%", "30", 1),
+        ("Final answer: 30%", "0.3", 1),
+        ("Final answer: 0.3%", "0.3", 0),
+    ],
+    "rule 1: a leading name is dropped": [
+        ("Final answer: N = 2024", "2024", 1),
+        ("Final answer: g(10) = 91", "91", 1),
+        ("Final answer: b_{12} = 5", "5", 1),
+        ("Final answer: the value of $k$ is 12", "12", 1),
+        ("Final answer: k equals 12", "12", 1),
+        ("Final answer: y = 4", "5", 0),
+    ],
+    "rule 1: an equation of constants is true or commits to nothing": [
+        ("Final answer: 41 = 42", "42", 0), ("Final answer: 41 = 42", "41", 0),
+        (r"Final answer: 2 + 2 = 5", "5", 0), (r"Final answer: \frac{1}{2} = 0.6", "0.6", 0),
+        (r"Final answer: 3 \times 4 = 12", "12", 1), (r"Final answer: \boxed{7 = 7}", "7", 1),
+        (r"Final answer: 2^{3} = 8 = 9", "9", 0), (r"Final answer: \sqrt{16} = 4", "4", 1),
+    ],
+    "rule 1: sign words and negations": [
+        ("Final answer: negative nineteen", "-19", 1),
+        ("Final answer: minus 2.5", "-5/2", 1),
+        ("Final answer: minus 2.5", "2.5", 0),
+        ("Final answer: negative \\frac{1}{4}", "-0.25", 1),
+        ("Final answer: positive 8", "8", 1),
+        ("Final answer: 100 minus 1", "99", 1),
+        ("Final answer: definitely not 19", "19", 0),
+        ("Final answer: it is never 19", "19", 0),
+        ("Final answer: not 19 but 21", "21", 1),
+        ("Final answer: not 19 but 21", "19", 0),
+    ],
+    "rule 1: words that change a number's value": [
+        ("Final answer: 9 hundredths", "0.09", 1),
+        ("Final answer: 9 hundredths", "9", 0),
+        ("Final answer: 7 eighths", "0.875", 1),
+        ("Final answer: 11 twentieths", "0.55", 1),
+        ("Final answer: two fifths", "2/5", 1),
+        ("Final answer: three halves", "1.5", 1),
+        ("Final answer: a quarter", "1/4", 1),
+        ("Final answer: 6 millionths", "0.000006", 1),
+        ("Final answer: 2.5 thousand", "2500", 1),
+        ("Final answer: 7 million", "7000000", 1),
+        ("Final answer: 7 million", "7", 0),
+        ("Final answer: 3 dozen", "36", 1),
+        ("Final answer: sixty-four", "64", 1),
+        ("Final answer: two hundred fifty-six", "256", 1),
+        ("Final answer: 45 percent", "45", 1),
+        ("Final answer: 45 percent", "0.45", 1),
+        ("Final answer: 4 pi", r"4\pi", 1),
+        ("Final answer: 6 factorial", "720", 1),
+        ("Final answer: the two roots are 4 and 9", "4, 9", 1),  # a number word after "the" is a word
+    ],
+    "rule 1: units are dropped": [
+        ("Final answer: 64 km", "64", 1),
+        ("Final answer: 64km/h", "64", 1),
+        ("Final answer: 64 ft²", "64", 1),
+        ("Final answer: 64 m³", "64", 1),
+        ("Final answer: 64 g", "64", 1),
+        (r"Final answer: 64\ \text{cm}^{2}", "64", 1),
+        (r"Final answer: $64\,\mathrm{mL}$", "64", 1),
+        ("Final answer: 64°", "64", 1),
+        ("Final answer: 64 °F", "64", 1),
+        ("Final answer: \\$64", "64", 1),
+        ("Final answer: 64 square meters", "64", 1),
+        ("Final answer: 63 km", "64", 0),
+    ],
+    "rule 1: digit groups, answers without math": [
+        ("Final answer: 2,048", "2048", 1),
+        (r"Final answer: 2{,}048", "2048", 1),
+        ("Final answer: 2 048 ways", "2048", 1),
+        ("Final answer: 2,48", "248", 0),  # not a digit group: two values
+        ("Final answer: Bob, since he moves last", "Bob", 1),
+        ("Final answer: Bob and Alice", "Bob", 0),
+        (r"Final answer: \boxed{\text{No}}", "No", 1),
+    ],
+    "rule 2: everything after the committed value is a note": [
+        ("Final answer: 64 (the script printed 64 and 65 for n = 3)", "64", 1),
+        ("Final answer: 65 (the script printed 64 for n = 3)", "64", 0),
+        ("Final answer: 64 = 2^6, i.e. the sixth power of two", "64", 1),
+        ("Final answer: 64 -- double-checked with n = 1..10", "64", 1),
+        ("Final answer: 64; brute force over 10^6 cases agrees", "64", 1),
+        ("Final answer: 64. Note: 65 is what the naive count gives.", "64", 1),
+        ("Final answer: *64* (✓ verified)", "64", 1),
+        (r"Final answer: \boxed{64}, the least value of $f$ on [0, 10]", "64", 1),
+        ("Final answer: 64 since 63 + 1 = 64", "64", 1),
+        ("Final answer: 64 — not 65", "64", 1),
+        ("Final answer: 64 because 6 x 7 = 42", "42", 0),
+        ("Final answer: 64 (= 8^2)", "64", 1),  # a bracket opening with a relation restates in a note
+        ("Final answer: 64 (≈ 64.0)", "64", 1),
+        ("Final answer: 63 (= 8^2)", "64", 0),
+    ],
+    "rule 3: a different value offered is a hedge": [
+        ("Final answer: 64 or 65", "64", 0),
+        ("Final answer: 64 65", "65", 0),
+        ("Final answer: 64; 65", "64", 0),
+        ("Final answer: 64 and 65", "65", 0),
+        ("Final answer: 64 (65)", "64", 0),
+        ("Final answer: either 64 or 65", "64", 0),
+        (r"Final answer: 64 \text{ or } 65", "64", 0),
+        (r"Final answer: \boxed{64} \quad \boxed{65}", "64", 0),
+        (r"Final answer: 63 or \boxed{64}", "64", 0),
+        ("Final answer: 64, possibly 65", "64", 0),
+        ("Final answer: 64 (otherwise 65)", "64", 0),
+        ("Final answer: 64, though 65 is also plausible", "64", 0),
+        ("Final answer: 64 but it could well be 65", "64", 0),
+        ("Final answer: 64 if the grid has 8 rows", "64", 0),
+        ("Final answer: 64, or sixty-five", "64", 0),
+        ("Final answer: 64 (i.e. 65)", "64", 0),
+        ("Final answer: 64 vs 65", "64", 0),
+        ("Final answer: 64 (alternatively, 65)", "64", 0),
+        ("Final answer: 64 (65 when n is odd)", "64", 0),
+        ("Final answer: 64, when n = 8", "64", 0),
+    ],
+    "rule 3: a restatement or a descriptive word is no hedge": [
+        ("Final answer: 64 or 2^6", "64", 1),
+        ("Final answer: 64 (sixty-four)", "64", 1),
+        (r"Final answer: \frac{3}{4}, i.e. 0.75", "0.75", 1),
+        (r"Final answer: 0.75 (or \frac{3}{4})", r"\frac34", 1),
+        (r"Final answer: \boxed{64}; again, \boxed{64.0}", "64", 1),
+        (r"Final answer: \frac{1}{7} (or 0.142857)", r"\frac{1}{7}", 0),  # a truncation is another value
+        ("Final answer: the maximum possible value is 64", "64", 1),
+        ("Final answer: 64, the smallest possible sum", "64", 1),
+        ("Final answer: 64, or maybe more if we allow ties", "64", 1),  # an alternative word without a value
+        (r"Final answer: 64 (could be checked faster with a sieve)", "64", 1),
+        (r"Final answer: \boxed{64}, the largest value, attained when n = 8", "64", 1),  # a condition deep in a note
+        ("Final answer: 64 (65 was a typo)", "64", 1),
+        ("Final answer: 64 (8 squares per row)", "64", 1),
+    ],
+    "rule 4: several values as one answer": [
+        ("Final answer: -1, 4", "4, -1", 1),
+        ("Final answer: x = -1 or x = 4", "-1, 4", 1),
+        ("Final answer: x = -1 and x = 4", r"\{-1, 4\}", 1),
+        (r"Final answer: \boxed{-1} and \boxed{4}", "-1, 4", 1),
+        ("Final answer: -1, 4", "4", 0),  # a list for a gold of one value is a hedge
+        ("Final answer: -1, 5", "-1, 4", 0),
+        ("Final answer: -1", "-1, 4", 0),
+        ("Final answer: [2, 5)", "[2, 5)", 1),
+        ("Final answer: (2, 5]", "[2, 5)", 0),
+        (r"Final answer: x \in [2, 5)", "[2, 5)", 1),
+        (r"Final answer: (-\infty, 0) \cup (1, \infty)", r"(-\infty, 0) \cup (1, \infty)", 1),
+        ("Final answer: (4, -1)", "(4, -1)", 1),
+        (r"Final answer: \pm 3", "3, -3", 1),
+        ("Final answer: 2x - y = 7", "2x - y - 7 = 0", 1),  # an equation gold: compared as an equation
+        ("Final answer: 7", "2x - y = 7", 0),
+        ("Final answer: 0", "x^2 + y^2 - 1 = 0", 0),
+        ("Final answer: 9", "t = 9", 1),  # a name on the left: its right side
+        ("Final answer: -1, 4", "x = -1 or x = 4", 1),  # a list of assignments is several values
+        ("Final answer: y = 3x - 2", "y = 3x - 2", 1),
+        ("Final answer: x \\ge 2", "x \\ge 2", 1),
+        ("Final answer: 2 \\le x", "x \\ge 2", 1),
+        ("Final answer: 2", "x \\ge 2", 0),
+    ],
+}
+
 
 @pytest.mark.parametrize("predicted, gold, expected", [
     ("1/2", "0.5", True), ("0.25", "1/4", True), ("0.50000000001", "0.5", True), ("1/3", "0.333333333333", True),
@@ -249,12 +496,20 @@ def test_numbers_agree(predicted, gold, expected):
     assert scoring.numbers_agree(Fraction(predicted), Fraction(gold)) is expected
 
 
-@pytest.mark.parametrize("output, gold, expected", CASES + HEDGES + ACCEPTED_FORMS + NOTE_FORMS + TRUNCATED_DECIMALS)
+@pytest.mark.parametrize("output, gold, expected", CASES + HEDGES + ACCEPTED_FORMS + NOTE_FORMS + TRUNCATED_DECIMALS
+                         + ISSUE_TABLE)
 def test_extract_and_score(output, gold, expected):
     prediction = scoring.extract_final_answer(output)
     score, method = scoring.score_answer(prediction, gold)
     assert score == expected, (prediction, method)
     assert isinstance(score, float) and isinstance(method, str)
+
+
+@pytest.mark.parametrize("rule, output, gold, expected", [(rule, *case) for rule, cases in POLICY.items()
+                                                     for case in cases])
+def test_policy(rule, output, gold, expected):
+    prediction = scoring.extract_final_answer(output)
+    assert scoring.score_answer(prediction, gold)[0] == expected, (rule, prediction)
 
 
 @pytest.mark.parametrize("output, expected", [
@@ -264,19 +519,22 @@ def test_extract_and_score(output, gold, expected):
     (r"<think>Answer: \boxed{1}", None),  # reply cut off while thinking: nothing committed
     ("reasoning</think>\nAnswer: 3", "3"),  # opening tag was in the prompt
     ("no answer here", None),
-    # a trailing note goes, the value stays whole
+    # the committed value whole, without its note; the values an answer offers, joined by ", "
     ("Final answer: 42 - verified with bash", "42"),
     ("Final answer: (1, 2], since the left endpoint is excluded", "(1, 2]"),
     (r"Final answer: \{1, 2\} [as listed]", r"\{1, 2\}"),
     ("Final answer: x = 5, as expected.", "x = 5"),
-    (r"Final answer: \text{Yes}, since the sum is even", r"\text{Yes}"),
+    (r"Final answer: \text{Yes}, since the sum is even", "Yes"),
     (r"Final answer: $2\sqrt{3}$ which the script confirms", r"2\sqrt{3}"),
-    ("Final answer: the answer is 42, as computed", "the answer is 42"),
-    ("Final answer: 42 (checked with 3 runs)", "42 (checked with 3 runs)"),  # not a note: kept whole
-    ("Final answer: 42 checked with 3 runs", "42 checked with 3 runs"),
-    ("Final answer: 42, maybe 43", "42, maybe 43"),
+    ("Final answer: the answer is 42, as computed", "42"),
+    ("Final answer: 42 (checked with 3 runs)", "42"),
+    ("Final answer: 42 checked with 3 runs", "42"),
+    ("Final answer: 42, maybe 43", "42, 43"),
     ("Final answer: red, green", "red, green"),
     ("Final answer: x^2 - xy", "x^2 - xy"),
+    ("Final answer: minus forty-two thousandths", r"-\frac{42}{1000}"),
+    ("Final answer: not 42", "not 42"),  # commits to nothing: the text, which scores 0
+    ("Final answer:\n\\[\n  \\frac{7}{2}\n\\]\nDone.", r"\frac{7}{2}"),  # display math below an empty marker
 ])
 def test_extract_final_answer_text(output, expected):
     assert scoring.extract_final_answer(output) == expected
@@ -422,8 +680,8 @@ def test_answer_marker_only_at_line_start(output, expected):
     # currency, units, \text{}
     (r"\$1000", "1000", 1), (r"\$1{,}000", "1000", 1), ("1000 dollars", "1000", 1), (r"250 \text{ cm}^2", "250", 1),
     (r"\text{1000}", "1000", 1), (r"15\%", "15", 1), (r"\textbf{36}", "36", 1), (r"6 \text{ ways}", "7", 0),
-    # a variable or an expression on the left of the one `=`
-    ("x = 5", "5", 1), ("n=12", "12", 1), ("a+b = 17", "17", 1), ("x = 5", "6", 0),
+    # a name on the left of `=`
+    ("x = 5", "5", 1), ("n=12", "12", 1), ("f(3) = 17", "17", 1), ("x = 5", "6", 0),
     # degrees and modular qualifiers
     (r"5^\circ", "5", 1), (r"45^{\circ}", "45", 1), ("30°", "30", 1), (r"12 \pmod{20}", "12", 1),
     (r"7 \pmod {20}", "12", 0), ("3 (mod 7)", "3", 1), (r"4 \bmod 9", "4", 1),
@@ -431,7 +689,7 @@ def test_answer_marker_only_at_line_start(output, expected):
     ("**42**", "42", 1), ("**42**.", "42", 1), ("42.", "42", 1), ("`42`", "42", 1), ("*41*", "42", 0),
     # a final sentence that ends in the number
     ("so the answer is 42", "42", 1), ("The total is 1,000 dollars.", "1000", 1),
-    ("We found 3 cases. Thus the answer is 42.", "42", 1), ("Therefore, the answer is: -7", "-7", 1),
+    ("We found 3 cases. Thus the answer is 42.", "42", 0), ("Therefore, the answer is: -7", "-7", 1),
     ("so the answer is 41", "42", 0),
     # signs, fractions, decimals, leading zeros
     ("-12", "-12", 1), ("\u221212", "-12", 1), ("-12", "12", 0), (r"\dfrac{84}{12}", "7", 1),
@@ -452,6 +710,9 @@ def test_not_one_number(prediction):
 
 def test_integer_gold_falls_back_to_math_verify_for_expressions():
     assert scoring.score_answer(r"2^{10}", "1024") == (1.0, "math_verify")
+    # an equation's right side, as math_verify reads it (the number reading drops only a leading name)
+    assert scoring.score_answer("a+b = 17", "17") == (1.0, "math_verify")
+    assert scoring.score_answer(r"6 \times 7 = 42", "42") == (1.0, "math_verify")
     assert scoring.score_answer(r"\binom{5}{2}", "10") == (1.0, "math_verify")
     assert scoring.score_answer("5!", "120") == (1.0, "math_verify")  # a factorial, not "5" with an exclamation mark
     assert scoring.score_answer(r"\sqrt{2}", "1") == (0.0, "math_verify")

@@ -1,6 +1,7 @@
 """Files a stage reads that are valid JSON but lack what it reads (a history without `generations`, a manifest
 without `shards`, eval records without `seed`): one clear StageError naming the file and the key, before any engine
-starts. Fast: no engine is ever started (starting one fails the test)."""
+starts; and what the stages that never perturb (export, evaluation, replay) ask of the pool they start. Fast: no
+engine is ever started (starting one fails the test)."""
 
 import dataclasses
 import importlib
@@ -29,7 +30,7 @@ eval_stage = importlib.import_module("03_eval")
 def no_engine(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an engine started before the bad input was refused")
-    for module, name in ((export_stage, "Engine"), (train_stage, "EnginePool"), (replay_stage, "EnginePool"),
+    for module, name in ((export_stage, "EnginePool"), (train_stage, "EnginePool"), (replay_stage, "EnginePool"),
                          (eval_stage, "EnginePool"), (engine, "Engine"), (pool, "EnginePool")):
         monkeypatch.setattr(module, name, refuse)  # where each stage, and the pool, look it up
     monkeypatch.setattr(models, "resolve_model", lambda name, *args, **kwargs: name)
@@ -207,3 +208,32 @@ def test_replay_refuses_metrics_or_transcripts_that_lack_a_key_before_any_engine
     write(without(history(), "generations", 0, "digests"), tmp_path / HISTORY_FILE)
     with pytest.raises(common.StageError, match=rf"{HISTORY_FILE}: generations\[0\] missing key 'digests'"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+
+
+class PoolAsked(Exception):
+    """Raised by a stand-in EnginePool once a stage has asked for its pool."""
+
+
+@pytest.mark.parametrize("restore", ["patch --patch_capacity=0.3", "copy_host", "subtract"])
+def test_export_evaluation_and_replay_ask_for_read_only_pools_under_any_restore_mode(tmp_path, monkeypatch, restore):
+    """They never perturb: their pools hold no restore memory (perturbs=False), and the run's restore mode and patch
+    capacity do not bind them (here a --restore=subtract run, whose training resume refuses an exact mode)."""
+    asked = []
+
+    def pool(cfg, model_path, **kwargs):
+        asked.append((cfg.restore, kwargs.get("perturbs", True)))
+        raise PoolAsked
+
+    for stage in (export_stage, eval_stage, replay_stage):
+        monkeypatch.setattr(stage, "EnginePool", pool)
+    subtract = dict(history(), config=dataclasses.asdict(dataclasses.replace(SMOKE, restore="subtract")))
+    eval16 = evaluation(tmp_path)
+    write(subtract, tmp_path / HISTORY_FILE)
+    write(eval16, tmp_path / "eval" / "dapo_eval16.json")
+    argv = ["--preset=smoke", f"--run_dir={tmp_path}", *f"--restore={restore}".split()]
+    for stage, more in ((export_stage, [f"--out={tmp_path / 'export'}"]), (eval_stage, ["--export=", f"--out={tmp_path / 'base'}"]),
+                        (replay_stage, [])):
+        with pytest.raises(PoolAsked):
+            stage.main(argv + more)
+    mode = restore.split()[0]
+    assert asked == [(mode, False)] * 3
