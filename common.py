@@ -901,11 +901,11 @@ def shaped_reward(record: dict) -> float:
     """The learn task's reward for one episode: what the task asks (the sum, computed with the tool, as an accepted
     final answer), with partial credit for the steps towards it. The first rule that holds:
       1     the agent's score is 1
-      0.5   a bash call exited 0 and its stdout holds the gold number   ("exit code: 0 / stdout: 19" for 12 + 7)
-      0.25  any bash call ran                    (a failed command, a wrong number, the sum printed on stderr)
+      0.5   a bash call exited 0 and its stdout holds the gold number  ("exit code: 0 / stdout: 19" for 12 + 7)
+      0.25  any bash call ran            (a failed command, a wrong number, the sum printed on stderr)
       0.1   the first "a + b = n" (or "a + b is n") of the replies, with the question's own operands, states the
-            right sum                            ("12 + 7 = 19"; not "12 + 7 = 18, so 12 + 7 = 19": only the first counts)
-      0     otherwise                            (a final answer without a bash call, no sum, a wrong first sum)
+            right sum                    ("12 + 7 = 19"; not "12 + 7 = 18, so 12 + 7 = 19": only the first counts)
+      0     otherwise                    (a final answer without a bash call, no sum, a wrong first sum)
     The 0.1 rule reads questions of the learn task's form ("What is 12 + 7? ..."); on others it never holds."""
     if record["score"]:
         return 1.0

@@ -285,8 +285,8 @@ def format_table(runs):
                          f"{r[name]['difference_ci_above_zero']}")
         stages = r.get("stages_eval")
         if stages:
-            lines.append(f"{r['run_seed']:>10}  03_eval.py, {stages['fitness']} reward of {stages['problems']} held-out "
-                         f"problems x {stages['samples']} samples: {stages['base']['reward']:.3f} -> "
+            lines.append(f"{r['run_seed']:>10}  03_eval.py, {stages['fitness']} reward of {stages['problems']} "
+                         f"held-out problems x {stages['samples']} samples: {stages['base']['reward']:.3f} -> "
                          f"{stages['trained']['reward']:.3f} (accuracy {stages['base']['accuracy']:.3f} -> "
                          f"{stages['trained']['accuracy']:.3f}; the run's weights: {stages['same_weights']})")
     return "\n".join(lines)

@@ -537,7 +537,7 @@ def test_each_generation_record_tells_the_restore_mode_it_ran_with(tmp_path):
     first = cli.parse_config(["--preset=smoke", "--restore=copy_host"])
     resumed = dataclasses.replace(first, restore="patch", patch_capacity=0.3)
     problems, engines = common.training_problems(first), ScoringPool()
-    records = [train.run_generation(engines, cfg, problems, g, train.mean_score, tmp_path / "rollouts")
+    records = [train.run_generation(engines, cfg, problems, g, train.member_fitness(cfg), tmp_path / "rollouts")
                for g, cfg in enumerate([first, first, resumed])]
     assert [{k: r[k] for k in ("restore", "patch_capacity")} for r in records] == [
         {"restore": "copy_host", "patch_capacity": 0.0}] * 2 + [{"restore": "patch", "patch_capacity": 0.3}]
