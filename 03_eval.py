@@ -1,13 +1,16 @@
-"""Stage 3: 16-sample agent evaluation of a checkpoint on DAPO-100 and AIME-2026.
+"""Stage 3: 16-sample agent evaluation of a checkpoint on DAPO-100 and AIME-2026 (the learn task: its held-out
+additions).
 
 Every problem gets sample_index 0..15, each episode with its own seeds, so any sample can be re-run alone. The
-reported row is the group of samples 12-15 (Mean4 / Pass4); the other groups, mean@16 and the unbiased pass@4
-show how noisy one group of four is. Finished episodes are appended to a partial file as they end: an interrupted
-evaluation resumes without redoing them.
+reported row is the group of samples 12-15 (Mean4 / Pass4); the other groups, mean@16 (the accuracy) and the
+unbiased pass@4 show how noisy one group of four is; beside them the mean reward of the run's --fitness when it
+is not the agent's score. Finished episodes are appended to a partial file as they end: an interrupted evaluation
+resumes without redoing them.
 
     python 03_eval.py --export=runs/es/export           # the trained weights (checked against the manifest)
     python 03_eval.py --export= --out=runs/es/eval-base # the base model (Config.model), for the before/after table
     python 03_eval.py --preset=smoke                    # the smoke run's export, first 2 smoke problems per set
+    python 03_eval.py --preset=learn                    # the learn run's export on 64 held-out additions
 """
 
 import contextlib
@@ -32,10 +35,13 @@ DATASETS = {  # name -> JSONL (built by 00_data.py); each writes <name>_eval16.j
     "dapo": "data/dapo_test100.jsonl",
     "aime2026": "data/aime2026.jsonl",
 }
+LEARN_DATASETS = {  # the sets of a run on the learn task (train_data=learn): made here, never trained on
+    "learn_heldout": "learn_heldout",
+}
 
 
 def main(argv: list[str]) -> dict:
-    options = {"export": EXPORT, "out": OUT, **{name: "" for name in DATASETS}}  # --dapo=PATH: another file
+    options = {"export": EXPORT, "out": OUT, **{name: "" for name in {**DATASETS, **LEARN_DATASETS}}}  # --dapo=PATH
     cli.exit_if_help(argv, __doc__, __file__, options)
     opts, overrides = cli.parse_args(argv, options)
     cfg = cli.parse_config(overrides)
@@ -44,7 +50,7 @@ def main(argv: list[str]) -> dict:
         cfg = base_config(cfg, overrides)
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
     data = data_paths(opts, cfg)
-    datasets = {name: eval_problems(data[name], cfg) for name in DATASETS}
+    datasets = {name: eval_problems(path, cfg) for name, path in data.items()}
     fileio.check_output_path(cfg.run_dir, "run_dir")
     fileio.check_output_path(out, "out")
     check_finished_episodes(out)
@@ -64,13 +70,14 @@ def main(argv: list[str]) -> dict:
         for name, problems in datasets.items():
             records = evaluate(engines, problems, range(common.EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
             fileio.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
-                                      "config": dataclasses.asdict(cfg), "records": strip_transcripts(records)},
+                                      "config": dataclasses.asdict(cfg),
+                                      "records": strip_transcripts(records, cfg.fitness)},
                                      out / f"{name}_eval16.json")
             write_transcripts_markdown(records, out / f"{name}_failed.md")
-            metrics["datasets"][name] = common.dataset_metrics(records)
+            metrics["datasets"][name] = common.dataset_metrics(records, cfg.fitness)
     fileio.write_json_atomic(metrics, out / common.EVAL_METRICS)  # last: the evaluation is complete
     print(format_metrics_table(metrics["datasets"]))
-    print(f"[eval] wrote {out}/{{{','.join(DATASETS)}}}_eval16.json and {common.EVAL_METRICS}")
+    print(f"[eval] wrote {out}/{{{','.join(data)}}}_eval16.json and {common.EVAL_METRICS}")
     return metrics
 
 
@@ -79,7 +86,7 @@ def check_finished_episodes(out: Path) -> None:
     minutes of loading."""
     if (out / "eval_run.json").exists():
         fileio.read_json(out / "eval_run.json", required=("checkpoint", "config", "data"))
-    for name in DATASETS:
+    for name in {**DATASETS, **LEARN_DATASETS}:
         if (out / f"{name}_episodes.jsonl").exists():
             fileio.read_jsonl(out / f"{name}_episodes.jsonl", required=common.EPISODE_RECORD_KEYS)
 
@@ -99,8 +106,15 @@ def base_config(cfg, overrides: list[str]):
 
 
 def data_paths(opts: dict, cfg) -> dict:
-    """Each set's --name=PATH if given, else "smoke" (the smoke problems) with smoke_eval, else DATASETS."""
-    return {name: opts[name] or ("smoke" if cfg.smoke_eval else DATASETS[name]) for name in DATASETS}
+    """The sets to evaluate and their problems: on the learn task (train_data=learn) LEARN_DATASETS, else DATASETS;
+    each set's --name=PATH if given, else "smoke" (the smoke problems) with smoke_eval, else its own. A --name=PATH
+    of a set the run does not evaluate is refused."""
+    sets = LEARN_DATASETS if cfg.train_data == "learn" else DATASETS
+    stray = [name for name in {**DATASETS, **LEARN_DATASETS} if opts[name] and name not in sets]
+    if stray:
+        raise common.ConfigError(f"--{stray[0]}= names a set this run does not evaluate (train_data={cfg.train_data}"
+                                 f" evaluates {', '.join(sets)})")
+    return {name: opts[name] or ("smoke" if cfg.smoke_eval else sets[name]) for name in sets}
 
 
 def eval_problems(path: str, cfg) -> list[dict]:
@@ -136,9 +150,11 @@ def open_checkpoint(cfg, export: str, manifest: dict | None):
 def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
     """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data and settings;
     the settings that only say where files go or how fast the engine steps (RESUME_FREE_FIELDS), and how a
-    perturbation is undone (RESTORE_FIELDS: an evaluation never perturbs), may differ."""
+    perturbation is undone (RESTORE_FIELDS: an evaluation never perturbs), may differ; a setting newer than the
+    folder's marker counts as its default."""
     def settings(config: dict) -> dict:
-        return {k: v for k, v in config.items() if k not in RESUME_FREE_FIELDS + RESTORE_FIELDS}
+        return {k: v for k, v in {**dataclasses.asdict(common.Config()), **config}.items()
+                if k not in RESUME_FREE_FIELDS + RESTORE_FIELDS}
 
     run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
                                  "data": data}))
@@ -170,10 +186,11 @@ def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str
     return [done[(p["id"], i)] for p in problems for i in sample_indices]
 
 
-def strip_transcripts(records: list[dict]) -> list[dict]:
-    """The eval16 files hold every record field but the conversation; transcripts stay in <name>_episodes.jsonl and
-    the .md."""
-    return [{k: v for k, v in r.items() if k != "messages"} for r in records]
+def strip_transcripts(records: list[dict], fitness_kind: str = "agent") -> list[dict]:
+    """The eval16 files hold every record field but the conversation, and each episode's reward under the run's
+    fitness (which the conversation may decide); transcripts stay in <name>_episodes.jsonl and the .md."""
+    reward = common.EPISODE_REWARDS[fitness_kind]
+    return [{**{k: v for k, v in r.items() if k != "messages"}, "reward": reward(r)} for r in records]
 
 
 def format_metrics_table(metrics_by_dataset):
@@ -181,10 +198,15 @@ def format_metrics_table(metrics_by_dataset):
     first = next(iter(metrics_by_dataset.values()), None)
     group_names = [g["group"] for g in first["groups"]] if first else []
     header = ["dataset", f"Mean4@{common.REPORTED_GROUP}", f"Pass4@{common.REPORTED_GROUP}", "mean@16", "pass@4 unbiased"]
+    kind = first["reward"]["fitness"] if first else "agent"
+    if kind != "agent":  # the agent score's mean reward is mean@16 itself
+        header.append(f"{kind} reward@16")
     header += [f"Mean4 {name}" for name in group_names]
     rows = [header]
     for name, m in metrics_by_dataset.items():
         row = [name, m["reported"]["mean4"], m["reported"]["pass4"], m["mean_at_16"], m["pass_at_4_unbiased"]]
+        if kind != "agent":
+            row.append(m["reward"]["mean_at_16"])
         row += [g["mean4"] for g in m["groups"]]
         rows.append([row[0]] + [f"{x:.4f}" for x in row[1:]])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

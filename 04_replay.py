@@ -8,6 +8,7 @@ beside the original ones with per-problem agreement, into a new file; the eval16
 
     python 04_replay.py                      # <run_dir>/es_history.json against <run_dir>/eval
     python 04_replay.py --preset=smoke       # the smoke run
+    python 04_replay.py --preset=learn       # the learn run: samples 12-15 of its held-out additions, with rewards
 """
 
 from pathlib import Path
@@ -68,7 +69,8 @@ def main(argv: list[str]) -> dict:
     report = {
         "group": common.group_label(GROUP), "history": str(history_path), "history_sha256": sha256_file(history_path),
         "replayed_generations": len(generations), "per_rank_digests": digests, "export": export or None,
-        "datasets": {name: compare(originals[name], replayed[name], transcripts[name]) for name in originals},
+        "datasets": {name: compare(originals[name], replayed[name], transcripts[name], cfg.fitness)
+                     for name in originals},
     }
     fileio.write_json_atomic(report, out)
     print_report(report, out)
@@ -144,9 +146,11 @@ def original_transcripts(log: Path) -> dict:
     return {(r["problem_id"], r["sample_index"]): r["messages"] for r in rows}
 
 
-def compare(original: dict, replayed: list[dict], transcripts: dict) -> dict:
+def compare(original: dict, replayed: list[dict], transcripts: dict, fitness_kind: str = "agent") -> dict:
     """Per problem: the original and replayed scores of samples 12-15, whether each sample's score agrees, and
-    whether its whole conversation came out identical (when the original transcripts are available)."""
+    whether its whole conversation came out identical (when the original transcripts are available); the group's
+    mean reward under the evaluation's fitness, original (None from an evaluation that recorded no rewards) and
+    replayed."""
     before = {(r["problem_id"], r["sample_index"]): r for r in original["records"]}
     rows = []
     for pid in dict.fromkeys(r["problem_id"] for r in replayed):
@@ -163,8 +167,11 @@ def compare(original: dict, replayed: list[dict], transcripts: dict) -> dict:
     new_mean4, new_pass4 = common.mean4_pass4([r["replayed_scores"] for r in rows])
     agree = [a for r in rows for a in r["agree"]]
     same = [t for r in rows for t in r["same_transcript"]]
-    return {"original": {"mean4": orig_mean4, "pass4": orig_pass4},
-            "replayed": {"mean4": new_mean4, "pass4": new_pass4},
+    group = [before[(r["problem_id"], i)] for r in rows for i in GROUP]
+    orig_reward = (sum(o["reward"] for o in group) / len(group)) if all("reward" in o for o in group) else None
+    return {"original": {"mean4": orig_mean4, "pass4": orig_pass4, "reward": orig_reward},
+            "replayed": {"mean4": new_mean4, "pass4": new_pass4, "reward": common.fitness(replayed, fitness_kind)},
+            "fitness": fitness_kind,
             "sample_agreement": sum(agree) / len(agree),
             "identical_transcripts": sum(same) / len(same) if transcripts else None,
             "problems_fully_agreeing": sum(all(r["agree"]) for r in rows), "problems": rows}
@@ -173,12 +180,13 @@ def compare(original: dict, replayed: list[dict], transcripts: dict) -> dict:
 def print_report(report: dict, out: Path) -> None:
     print(f"[replay] group {report['group']} after {report['replayed_generations']} generations")
     print(f"{'dataset':<10} {'Mean4 orig':>10} {'Mean4 replay':>12} {'Pass4 orig':>10} {'Pass4 replay':>12} "
-          f"{'agreement':>9} {'same transcript':>15}")
+          f"{'agreement':>9} {'same transcript':>15} {'reward orig':>11} {'reward replay':>13}")
     for name, d in report["datasets"].items():
         same = "n/a" if d["identical_transcripts"] is None else f"{d['identical_transcripts']:.3f}"
+        original = "n/a" if d["original"]["reward"] is None else f"{d['original']['reward']:.3f}"
         print(f"{name:<10} {d['original']['mean4']:>10.3f} {d['replayed']['mean4']:>12.3f} "
               f"{d['original']['pass4']:>10.3f} {d['replayed']['pass4']:>12.3f} {d['sample_agreement']:>9.3f} "
-              f"{same:>15}")
+              f"{same:>15} {original:>11} {d['replayed']['reward']:>13.3f}")
     print(f"[replay] wrote {out}")
 
 

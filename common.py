@@ -6,7 +6,7 @@ Sections, in order:
   2. noise and ES math (pure functions): the rank-salted noise of the reference, sigma_at, zscore, the update
   3. the vLLM worker extension that applies them inside each TP rank
   4. replay: a run history's updates applied again to the base weights
-  5. the math agent: prompts, reply parsing, per-request seeds, the episode loop
+  5. the math agent: prompts, reply parsing, per-request seeds, the episode loop, a member's fitness
   6. data: problem files and case batches
   7. metrics: Mean4 / Pass4, mean@16, unbiased pass@4
   8. the settings' valid values, checked whenever a Config is made
@@ -57,11 +57,12 @@ ROUNDING_MODES = ("nearest", "stochastic")
 NOISE_MODES = ("rank_salted", "checkpoint")
 PROMPT_MODES = ("render", "continue")  # see engine.ChatPrompts
 TRACKING_MODES = ("none", "tensorboard")
+FITNESS_MODES = ("agent", "shaped")  # see EPISODE_REWARDS
 DTYPES = ("bfloat16", "float16", "float32")
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
 SETTING_CHOICES = {"restore": RESTORE_MODES, "rounding": ROUNDING_MODES, "noise": NOISE_MODES,
                    "prompt_mode": PROMPT_MODES, "tracking": TRACKING_MODES, "dtype": DTYPES,
-                   "cudagraph_mode": CUDAGRAPH_MODES}
+                   "cudagraph_mode": CUDAGRAPH_MODES, "fitness": FITNESS_MODES}
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,9 @@ class Config:
     run_seed: int = 20260627  # member seeds, case batches and request seeds all derive from it
     generations: int = 20  # ES updates G (the sigma schedule runs over them)
     population: int = 16  # members N per generation
-    case_batch: int = 16  # problems per generation; a member's fitness is its mean score on them
+    case_batch: int = 16  # problems per generation; a member's fitness is its mean reward on them
+    fitness: str = "agent"  # a member's fitness, its episodes' mean reward: "agent" (the agent's score, the
+                            # reference) or "shaped" (the learn task's partial credit: shaped_reward)
     sigma_start: float = 1e-3  # noise scale at generation 0 (cosine schedule)
     sigma_end: float = 5e-4  # noise scale at the last generation
     alpha: float = 5e-4  # step size: theta += alpha / N * sum_i z_i eps_i (1/sigma folded in)
@@ -147,13 +150,14 @@ PRESETS = {
         smoke_eval=True,
     ),
     # Evidence that ES learns: the real SmolLM2-135M-Instruct (models.py) on small additions made locally, where
-    # the base model succeeds sometimes (bench/learning.py measures it and the trained model on held-out problems).
-    # A gentler sampling than the paper's (this 135M model rambles at temperature 1 with presence penalty 2) and
-    # sigma 2x, alpha 8x the paper's: 12 generations, not hundreds (bench/README.md, "Learning").
+    # the base model succeeds sometimes; 03_eval.py evaluates the first eval_problems of the held-out additions
+    # (never trained on). Its strict agent score is 0, so it trains on the shaped fitness. A gentler sampling than
+    # the paper's (this 135M model rambles at temperature 1 with presence penalty 2) and sigma 2x, alpha 8x the
+    # paper's: 12 generations, not hundreds (bench/README.md, "Learning").
     "learn": dict(
         model="smollm2-135m", max_model_len=2048, generations=12, population=16, case_batch=32, max_turns=3,
         max_new_tokens=96, bash_timeout_s=5.0, train_data="learn", eval_problems=64, run_dir="runs/learn",
-        temperature=0.7, presence_penalty=0.0, sigma_start=2e-3, sigma_end=1e-3, alpha=4e-3,
+        temperature=0.7, presence_penalty=0.0, sigma_start=2e-3, sigma_end=1e-3, alpha=4e-3, fitness="shaped",
     ),
 }
 
@@ -886,6 +890,62 @@ async def run_episodes(policy, problems_and_sample_indices, *, concurrency=None,
             own_executor.shutdown(wait=finished, cancel_futures=not finished)
 
 
+# ---- A member's fitness (Config.fitness): the mean of one reward per episode of its case batch
+
+def agent_reward(record: dict) -> float:
+    """The agent's own score (scoring.py): 1 for a correct final answer after a bash call, else 0."""
+    return float(record["score"])
+
+
+def shaped_reward(record: dict) -> float:
+    """The learn task's reward for one episode: what the task asks (the sum, computed with the tool, as an accepted
+    final answer), with partial credit for the steps towards it. The first rule that holds:
+      1     the agent's score is 1
+      0.5   a bash call exited 0 and its stdout holds the gold number  ("exit code: 0 / stdout: 19" for 12 + 7)
+      0.25  any bash call ran            (a failed command, a wrong number, the sum printed on stderr)
+      0.1   the first "a + b = n" (or "a + b is n") of the replies, with the question's own operands, states the
+            right sum                    ("12 + 7 = 19"; not "12 + 7 = 18, so 12 + 7 = 19": only the first counts)
+      0     otherwise                    (a final answer without a bash call, no sum, a wrong first sum)
+    The 0.1 rule reads questions of the learn task's form ("What is 12 + 7? ..."); on others it never holds."""
+    if record["score"]:
+        return 1.0
+    observations = [m["content"] for m in record["messages"][3:] if m["role"] == "user"
+                    and m["content"].startswith("exit code: 0\nstdout:\n")]
+    stdouts = [text.removeprefix("exit code: 0\nstdout:\n").split("\nstderr:")[0] for text in observations]
+    if any(record["gold"] in re.findall(r"-?\d+", text) for text in stdouts):
+        return 0.5
+    if record["bash_calls"]:
+        return 0.25
+    return 0.1 if first_stated_sum(record) == record["gold"] else 0.0
+
+
+def learn_operands(question: str) -> tuple[str, str] | None:
+    """The two numbers of a learn question ("What is 12 + 7? ..."), or None for a question of another form."""
+    found = re.search(r"What is (\d+) \+ (\d+)\?", question)
+    return found.groups() if found else None
+
+
+def first_stated_sum(record: dict) -> str | None:
+    """The result of the replies' first "a + b = n" (or "is n") with the question's operands, or None (also for a
+    question that is not an addition "What is a + b?")."""
+    operands = learn_operands(record["messages"][1]["content"])
+    if operands is None:
+        return None
+    a, b = operands
+    replies = "\n".join(m["content"] for m in record["messages"][2:] if m["role"] == "assistant")
+    found = re.search(rf"(?<!\d){a}\s*\+\s*{b}\s*(?:=|is)\s*(-?\d+)", replies)
+    return found.group(1) if found else None
+
+
+EPISODE_REWARDS = {"agent": agent_reward, "shaped": shaped_reward}  # by Config.fitness (FITNESS_MODES)
+
+
+def fitness(records: list[dict], kind: str) -> float:
+    """A member's fitness: the mean reward of its episodes, each scored as Config.fitness says (EPISODE_REWARDS)."""
+    reward = EPISODE_REWARDS[kind]
+    return sum(reward(r) for r in records) / len(records)
+
+
 # ============================================================================================================
 # 6. Data: problem files and per-generation case batches
 # ============================================================================================================
@@ -894,7 +954,7 @@ REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
 DATA_MANIFEST = REPO / "data_manifest.json"  # the problem files 00_data.py builds (ids, answers, sha256s)
 CASE_BATCH_SEED_TAG = 0xCA5E  # keeps case-batch streams apart from other streams seeded by (run seed, g)
 SMOKE_PROBLEMS = 64
-GENERATED_DATA = ("smoke", "learn")  # train_data values made here from a seed (no file to hash)
+GENERATED_DATA = ("smoke", "learn", "learn_heldout")  # problem sets made here from a seed (no file to hash)
 LEARN_PROBLEMS = 192  # training set of the learn preset: 324 questions less the 132 held out (learn_pairs)
 LEARN_HELDOUT_PAIRS = 66  # unordered pairs of two different numbers held out, in both orders: 132 questions
 LEARN_SPLIT_SEED = 0x5911  # which pairs are held out (fixed: every run and every held-out set agree)
@@ -904,6 +964,7 @@ LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other str
 LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
                   "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
 LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
+LEARN_HELDOUT_SEED = 1  # the held-out set's order: 03_eval.py and bench/learning.py take its first questions
 
 
 def load_problems(path):
@@ -960,11 +1021,14 @@ def build_hint(path) -> str:
 
 def problems_from(path, run_seed):
     """A problems file, or problems made here: "smoke" (SMOKE_PROBLEMS tiny arithmetic problems from the run seed),
-    "learn" (the learn preset's one fixed training set: held-out sets exclude it)."""
+    "learn" (the learn preset's one fixed training set), "learn_heldout" (every held-out question of the learn
+    task, in one fixed order: none shares its operands with a training question)."""
     if path == "smoke":
         return smoke_problems(SMOKE_PROBLEMS, seed=run_seed)
     if path == "learn":
         return learn_problems(LEARN_PROBLEMS, seed=LEARN_TRAIN_SEED)
+    if path == "learn_heldout":
+        return learn_problems(2 * LEARN_HELDOUT_PAIRS, seed=LEARN_HELDOUT_SEED, split="heldout")
     return load_problems(path)
 
 
@@ -1032,6 +1096,9 @@ def learn_problems(n, seed, split="train"):
 
 def training_problems(cfg: Config) -> list[dict]:
     """The training set: a JSONL file, or the preset's arithmetic problems generated here ("smoke", "learn")."""
+    if cfg.train_data == "learn_heldout":
+        raise ConfigError("train_data=learn_heldout is the learn task's held-out set, which is never trained on; "
+                          "train on --train_data=learn")
     problems = problems_from(cfg.train_data, cfg.run_seed)
     if cfg.case_batch > len(problems):
         raise DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of {cfg.train_data}")
@@ -1115,8 +1182,9 @@ def pass_at_k_unbiased(n, c, k):
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def dataset_metrics(records):
-    """metrics.json entry for one dataset's eval16 records."""
+def dataset_metrics(records, fitness_kind="agent"):
+    """metrics.json entry for one dataset's eval16 records; "reward": their mean reward under fitness_kind (the
+    run's Config.fitness: with "agent" it is mean@16)."""
     groups = group_metrics(records, EVAL_SAMPLES, GROUP_SIZE)
     scores = scores_by_problem(records, EVAL_SAMPLES)
     correct = [sum(row) for row in scores.values()]
@@ -1125,6 +1193,7 @@ def dataset_metrics(records):
         "reported": next(g for g in groups if g["group"] == REPORTED_GROUP),
         "mean_at_16": sum(correct) / (EVAL_SAMPLES * len(correct)),
         "pass_at_4_unbiased": sum(pass_at_k_unbiased(EVAL_SAMPLES, c, GROUP_SIZE) for c in correct) / len(correct),
+        "reward": {"fitness": fitness_kind, "mean_at_16": fitness(records, fitness_kind)},
         "n_problems": len(scores),
         "n_records": len(records),
     }

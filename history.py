@@ -189,7 +189,8 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
             for field, now in value.items():
                 then = recorded["config"].get(field, defaults.get(field))
                 if field not in resume_free_fields(recorded["config"]) and then != now:
-                    diffs.append(f"config {field}: history has {then!r}, this run has {now!r}")
+                    older = "" if field in recorded["config"] else " (the default: the history predates the setting)"
+                    diffs.append(f"config {field}: history has {then!r}{older}, this run has {now!r}")
                 elif field == "restore" and now == "subtract" != then:
                     diffs.append(f"config restore: history has {then!r} (exact), this run has 'subtract' (not exact)")
         elif key == "devices" and any_tp:

@@ -37,13 +37,13 @@ def main(argv):
         with Engine(cfg, models.resolve_model(cfg.model)) as engine:
             for name, template in VARIANTS.items():
                 problems = [dict(p, question=template.format(a=int(a), b=int(b))) for p in heldout
-                            for a, b in [learning.operands(p["question"])]]
+                            for a, b in [common.learn_operands(p["question"])]]
                 t0 = time.perf_counter()
                 records = engine.run_agent([(p, 0) for p in problems], desc=f"{name}, {turns} turns")
                 rows.append(emit({"variant": name, "max_turns": turns, "problems": len(records),
-                                  "strict": learning.agent_score(records),
+                                  "strict": common.fitness(records, "agent"),
                                   "bash_call_rate": sum(1 for r in records if r["bash_calls"]) / len(records),
-                                  "shaped": round(learning.shaped_score(records), 4),
+                                  "shaped": round(common.fitness(records, "shaped"), 4),
                                   "seconds": round(time.perf_counter() - t0, 1)}))
     return emit({"bench": "learn_prompt_probe", "date": time.strftime("%Y-%m-%d"), "model": cfg.model,
                  "device": common.device_type(), "rows": rows}, opts["out"])

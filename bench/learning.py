@@ -1,23 +1,24 @@
 """Does this ES learn? Train the real SmolLM2-135M-Instruct on the learn preset through 01_train's main (the real
-loop: agent, fitness seam, history), then evaluate the base model and the trained centre model (rebuilt from the
-history, digests checked) on held-out additions never seen in training, for several run seeds.
+loop: agent, the preset's shaped fitness, history), then evaluate the base model and the trained centre model
+(rebuilt from the history, digests checked) on held-out additions never seen in training, for several run seeds.
 
     python bench/learning.py --out=bench/results/learning_gpu.json --seeds=2   # the learn preset's constants
     python bench/learning.py --quick=true --out=/tmp/learning.json       # CPU sanity run (2 generations x 4 members)
 
 Script options (defaults in OPTIONS): out, seeds (run seeds run_seed, run_seed+1, ...), heldout (problems),
-eval_samples (episodes per held-out problem), run_root (one run folder per seed below it), fitness (a name in
-FITNESS), quick, combine (comma-separated reports of single seeds: one report of them all, nothing
-run). Every other --key=value is a Config override: population, generations, case_batch, alpha,
-sigma_start, sigma_end, max_new_tokens, max_turns, concurrency, ...
+eval_samples (episodes per held-out problem), run_root (one run folder per seed below it), quick, combine
+(comma-separated reports of single seeds: one report of them all, nothing run). Every other --key=value is a Config
+override: fitness (the preset's "shaped", or "agent"), population, generations, case_batch, alpha, sigma_start,
+sigma_end, max_new_tokens, max_turns, concurrency, ...
 
-Held-out metrics (bench/results JSON "metrics"): "reward", the primary one, is the training fitness's own scorer
-(episode_reward: 1 correct final answer after a bash call, 0.5 a bash call that printed the right number, 0.25 any
-bash call, 0.1 a right "a + b = n" in the text); "accuracy" is the agent's unchanged score (scoring.py);
+Held-out metrics (bench/results JSON "metrics"): "reward", the primary one, is the shaped fitness's own scorer
+(common.shaped_reward: 1 correct final answer after a bash call, 0.5 a bash call that printed the right number, 0.25
+any bash call, 0.1 a right "a + b = n" in the text); "accuracy" is the agent's unchanged score (scoring.py);
 "bash_call_rate"; "tool_sum_rate" (episodes whose bash call printed the right sum, or better). 95% intervals: percentile
 bootstrap over problems (episodes of one problem are not independent), for each mean and for the paired difference
 trained - base (same problems, same request seeds). Writes the JSON report, each run's reward_curve.png (with the
-held-out points) and held-out records.
+held-out points) and held-out records. A run folder that also holds 03_eval.py's evaluations of the base and the
+trained model (eval-base/, eval/: bench/learn_stages_h200.sh) has their held-out reward in the report beside.
 
 Measured on 2x H200 (vLLM 0.26, learn preset: 12 generations x 16 members x 32 problems, 3 turns x 96 tokens):
 first engine start ~110 s, later ones ~15-50 s; a generation 23-35 s (~20 episodes/s, ES ops 1 s of it);
@@ -27,7 +28,6 @@ reward 0.048-0.049, accuracy 0.0, bash_call_rate 0.11.
 
 import dataclasses
 import importlib
-import re
 import sys
 import time
 from pathlib import Path
@@ -50,60 +50,18 @@ from report import emit, print_until_reader_gone  # noqa: E402
 
 # 8 samples per held-out problem: at 2, the paired difference's interval was +-0.018 around effects of +0.01 (GPU,
 # 128 problems); the sampling noise within a problem shrinks with more samples, and evaluation is cheap next to training
-OPTIONS = {"out": "", "seeds": 2, "heldout": 128, "eval_samples": 8, "run_root": "runs/learning",
-           "fitness": "shaped", "quick": False, "combine": ""}
+OPTIONS = {"out": "", "seeds": 2, "heldout": 128, "eval_samples": 8, "run_root": "runs/learning", "quick": False,
+           "combine": ""}
 QUICK = ["--generations=2", "--population=4", "--case_batch=4"]  # plus heldout=16, eval_samples=1
-HELDOUT_SEED = 1  # the order of the held-out questions (common.learn_pairs: their operands are never trained on)
 BOOTSTRAP = 10_000
 PRIMARY = "reward"  # the held-out metric the target is judged on (the others are reported beside it)
 PAPER = {"alpha": 5e-4, "sigma_start": 1e-3, "sigma_end": 5e-4}  # the reference run's constants (common.Config)
 
 
-def agent_score(records):
-    """The agent's own score (1: a bash call, then a correct final answer): held-out "accuracy"."""
-    return sum(r["score"] for r in records) / len(records)
-
-
-def episode_reward(record):
-    """What the learn task asks (the sum, computed with the tool, as an accepted final answer), with partial credit:
-    1 for a scored correct final answer, 0.5 for a bash call whose output (exit code 0) contains the right number,
-    0.25 for any bash call that ran, 0.1 for a right sum worked out in the text; else 0."""
-    if record["score"]:
-        return 1.0
-    outputs = [m["content"] for m in record["messages"][3:] if m["role"] == "user"
-               and m["content"].startswith("exit code: 0\n")]
-    if any(record["gold"] in re.findall(r"-?\d+", text.split("\nstderr:")[0]) for text in outputs):
-        return 0.5
-    if record["bash_calls"]:
-        return 0.25
-    return 0.1 if first_stated_sum(record) == record["gold"] else 0.0
-
-
-def operands(question: str) -> tuple[str, str]:
-    """The two numbers of a learn question ("What is 12 + 7? ...")."""
-    return re.search(r"What is (\d+) \+ (\d+)\?", question).groups()
-
-
-def first_stated_sum(record):
-    """The result of the model's first "a + b = n" (or "is n") with the problem's own operands, or None. Only the
-    first one counts: listing many candidate sums earns nothing."""
-    a, b = operands(record["messages"][1]["content"])
-    replies = "\n".join(m["content"] for m in record["messages"][2:] if m["role"] == "assistant")
-    found = re.search(rf"(?<!\d){a}\s*\+\s*{b}\s*(?:=|is)\s*(-?\d+)", replies)
-    return found.group(1) if found else None
-
-
-def shaped_score(records):
-    """The learn preset's fitness (and held-out reward): the mean episode_reward."""
-    return sum(episode_reward(r) for r in records) / len(records)
-
-
-FITNESS = {"score": agent_score, "shaped": shaped_score}
-
-
 def heldout_problems(n):
-    """n of the learn task's held-out questions: none shares its operands with a training question (either order)."""
-    return common.learn_problems(n, seed=HELDOUT_SEED, split="heldout")
+    """The first n of the learn task's held-out questions (03_eval.py's set): none shares its operands with a
+    training question (either order)."""
+    return common.learn_problems(n, seed=common.LEARN_HELDOUT_SEED, split="heldout")
 
 
 def evaluate_base_and_trained(cfg, history, problems, samples):
@@ -120,11 +78,11 @@ def evaluate_base_and_trained(cfg, history, problems, samples):
     return base, trained, digests, seconds
 
 
-METRICS = {  # per-episode values compared on held-out problems; "reward" is the fitness scorer itself
-    "reward": episode_reward,
-    "accuracy": lambda r: float(r["score"]),
+METRICS = {  # per-episode values compared on held-out problems; "reward" is the shaped fitness's scorer itself
+    "reward": common.shaped_reward,
+    "accuracy": common.agent_reward,
     "bash_call_rate": lambda r: float(r["bash_calls"] > 0),
-    "tool_sum_rate": lambda r: float(episode_reward(r) >= 0.5),
+    "tool_sum_rate": lambda r: float(common.shaped_reward(r) >= 0.5),
 }
 
 
@@ -226,10 +184,10 @@ def main(argv):
     problems = heldout_problems(opts["heldout"])
     train = importlib.import_module("01_train")
     report = {"bench": "learning", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": argv,
-              "config": dataclasses.asdict(base_cfg), "fitness": opts["fitness"], "heldout_problems": len(problems),
+              "config": dataclasses.asdict(base_cfg), "fitness": base_cfg.fitness, "heldout_problems": len(problems),
               "eval_samples": opts["eval_samples"],
               "primary_metric": PRIMARY, "metrics": {
-                  "reward": "mean episode_reward (the training fitness's scorer) on held-out problems",
+                  "reward": "mean common.shaped_reward (the shaped fitness's scorer) on held-out problems",
                   "accuracy": "mean agent score (a bash call, then a correct final answer)",
                   "bash_call_rate": "fraction of episodes with at least one bash call",
                   "tool_sum_rate": "fraction of episodes whose bash call printed the right sum (reward >= 0.5)"},
@@ -240,7 +198,7 @@ def main(argv):
         argv_run = [*base_argv, f"--run_seed={run_seed}", f"--run_dir={run_dir}"]
         cfg = cli.parse_config(argv_run)
         t0 = time.perf_counter()
-        history = train.main(argv_run, fitness=FITNESS[opts["fitness"]])
+        history = train.main(argv_run)
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         base, trained, digests, base_eval_s = evaluate_base_and_trained(cfg, history, problems, opts["eval_samples"])
@@ -264,6 +222,7 @@ def main(argv):
             "train_episodes": episodes, "train_episodes_per_s": round(episodes / generation_s, 2),
             "eval_episodes_per_s": round(len(base) / base_eval_s, 2),
             "device_type": history["device_type"], "vllm_version": history["vllm_version"],
+            "stages_eval": stages_eval(run_dir, history),
         })
         print(format_table(report["runs"]), flush=True)
 
@@ -282,6 +241,27 @@ def main(argv):
     report["every_seed_beyond_ci"] = all(r[PRIMARY]["difference_ci_above_zero"] for r in report["runs"])
     print(format_table(report["runs"]))
     return emit(report, opts["out"])
+
+
+def stages_eval(run_dir: Path, history: dict) -> dict | None:
+    """03_eval.py's held-out reward of the base and the trained model of this run, when its folder holds both
+    evaluations (eval-base/ and eval/ of the learn task's held-out set, as bench/learn_stages_h200.sh makes them):
+    its first eval_problems held-out questions x 16 samples, each episode's reward under the run's fitness; else
+    None. same_weights: the evaluated checkpoints' digests are the history's base and trained ones."""
+    paths = {"base": run_dir / "eval-base" / common.EVAL_METRICS, "trained": run_dir / "eval" / common.EVAL_METRICS}
+    if not all(p.exists() for p in paths.values()):
+        return None
+    metrics = {k: fileio.read_json(p, required=common.EVAL_METRICS_SHAPE) for k, p in paths.items()}
+    if any("learn_heldout" not in m["datasets"] for m in metrics.values()):
+        return None
+    sets = {k: m["datasets"]["learn_heldout"] for k, m in metrics.items()}
+    digests = {k: m["checkpoint"]["per_rank_digests"] for k, m in metrics.items()}
+    final = history["generations"][-1]["digests"] if history["generations"] else history["base_digests"]
+    return {"fitness": sets["trained"]["reward"]["fitness"], "problems": sets["trained"]["n_problems"],
+            "samples": common.EVAL_SAMPLES,
+            **{k: {"reward": d["reward"]["mean_at_16"], "accuracy": d["mean_at_16"], "mean4": d["reported"]["mean4"],
+                   "pass4": d["reported"]["pass4"]} for k, d in sets.items()},
+            "same_weights": digests == {"base": history["base_digests"], "trained": final}}
 
 
 def training_seconds(history):
@@ -303,6 +283,12 @@ def format_table(runs):
                          f"{t['mean']:.3f} [{t['ci_low']:.3f}, {t['ci_high']:.3f}]    "
                          f"{d['mean']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]    "
                          f"{r[name]['difference_ci_above_zero']}")
+        stages = r.get("stages_eval")
+        if stages:
+            lines.append(f"{r['run_seed']:>10}  03_eval.py, {stages['fitness']} reward of {stages['problems']} "
+                         f"held-out problems x {stages['samples']} samples: {stages['base']['reward']:.3f} -> "
+                         f"{stages['trained']['reward']:.3f} (accuracy {stages['base']['accuracy']:.3f} -> "
+                         f"{stages['trained']['accuracy']:.3f}; the run's weights: {stages['same_weights']})")
     return "\n".join(lines)
 
 

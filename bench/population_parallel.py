@@ -68,7 +68,8 @@ def measure(engines: int, overrides: list[str], generations: int, workdir: Path)
         for g in range(generations):
             members.clear()
             t = time.perf_counter()
-            record = train.run_generation(pool, cfg, problems, g, train.mean_score, Path(cfg.run_dir) / "rollouts")
+            record = train.run_generation(pool, cfg, problems, g, train.member_fitness(cfg),
+                                          Path(cfg.run_dir) / "rollouts")
             wall = time.perf_counter() - t
             engine_of, member_timings = zip(*(members[seed] for seed in record["seeds"]))  # in member order
             tails = member_tails(Path(cfg.run_dir) / "rollouts" / f"generation-{g:03d}.jsonl", member_timings)

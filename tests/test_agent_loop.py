@@ -157,6 +157,35 @@ def test_timeout_is_reported_to_the_model():
     assert "timed out after 1 s" in record["messages"][3]["content"]
 
 
+LEARN = common.learn_problems(1, seed=7)[0]  # "What is A + B? First call the tool: ..."
+A, B = common.learn_operands(LEARN["question"])
+SUM = LEARN["answer"]
+
+
+@pytest.mark.parametrize("problem, replies, reward", [
+    (LEARN, [action(f"python3 -c 'print({A} + {B})'"), f"Final answer: \\boxed{{{SUM}}}"], 1.0),  # the task, done
+    (LEARN, [action(f"echo 'the sum is {SUM}.'")], 0.5),                        # the number among other words
+    (PROBLEM, [action("python3 -c 'print(6 * 7)'")], 0.5),                      # any problem: the gold printed
+    (LEARN, [action(f"echo {A}{B}; echo 1{SUM}")], 0.25),                       # digits around it: another number
+    (LEARN, [action(f"echo {SUM} >&2")], 0.25),                                 # stderr is not the output
+    (LEARN, [action(f"echo {SUM}; exit 3")], 0.25),                             # a failed command's output
+    (LEARN, [action(f"echo {SUM}; sleep 30")], 0.25),                           # a command killed at its time limit
+    (LEARN, [f"So {A}+{B} is {SUM}."], 0.1),                                    # the right sum, in words, no spaces
+    (LEARN, [f"{A} + {B} = {int(SUM) - 1}. No: {A} + {B} = {SUM}"], 0.0),       # only the first stated sum counts
+    (LEARN, [f"{A} + {int(B) + 1} = {int(SUM) + 1}"], 0.0),                     # not the question's operands
+    (PROBLEM, ["6 * 7 = 42, and 40 + 2 = 42"], 0.0),                            # not an addition question
+    (LEARN, [f"Final answer: \\boxed{{{SUM}}}"] * 3, 0.0),                     # an answer without the tool
+])
+def test_the_shaped_reward_credits_the_first_step_of_the_learn_task_an_episode_reached(problem, replies, reward):
+    """common.shaped_reward, each of its rules on episodes of the real loop and sandbox (then silence)."""
+    record = run(ScriptedPolicy(replies + ["..."] * 3), problem, max_turns=3, bash_timeout_s=1)
+    assert common.shaped_reward(record) == common.EPISODE_REWARDS["shaped"](record) == reward
+    assert common.agent_reward(record) == record["score"] == (reward == 1.0)
+    silent = run(ScriptedPolicy(["..."] * 3), problem, max_turns=3)
+    assert common.fitness([record, silent], "shaped") == reward / 2  # a member's fitness: the mean over episodes
+    assert common.fitness([record, silent], "agent") == record["score"] / 2
+
+
 def test_seeds_per_turn_and_sample():
     script = ["hmm", action("true"), "Final answer: \\boxed{42}"]
     first, second = ScriptedPolicy(script), ScriptedPolicy(script)

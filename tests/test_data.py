@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -244,15 +245,25 @@ def test_a_missing_default_file_names_the_command_that_builds_it(tmp_path, monke
         common.load_problems("data/other.jsonl")
 
 
-def test_default_paths_are_the_built_files_and_the_smoke_preset_needs_none():
+def test_default_paths_are_the_built_files_and_the_smoke_and_learn_presets_need_none():
     defaults = [common.Config().train_data, *evaluation.DATASETS.values()]
     assert all(os.path.dirname(p) == data.OUT and os.path.basename(p) in MANIFEST for p in defaults)
-    no_paths = {name: "" for name in evaluation.DATASETS}
+    no_paths = {name: "" for name in {**evaluation.DATASETS, **evaluation.LEARN_DATASETS}}
     assert evaluation.data_paths(no_paths, common.Config()) == evaluation.DATASETS
     smoke = cli.parse_config(["--preset=smoke"])
     assert smoke.train_data == "smoke"
     assert evaluation.data_paths(no_paths, smoke) == {"dapo": "smoke", "aime2026": "smoke"}
     assert evaluation.data_paths(dict(no_paths, dapo="x.jsonl"), smoke) == {"dapo": "x.jsonl", "aime2026": "smoke"}
+    learn = cli.parse_config(["--preset=learn"])  # the learn task: its held-out additions, whatever the preset
+    assert evaluation.data_paths(no_paths, learn) == {"learn_heldout": "learn_heldout"}
+    assert evaluation.data_paths(no_paths, cli.parse_config(["--train_data=learn"])) == {"learn_heldout":
+                                                                                         "learn_heldout"}
+    assert evaluation.data_paths(dict(no_paths, learn_heldout="x.jsonl"), learn) == {"learn_heldout": "x.jsonl"}
+    with pytest.raises(common.ConfigError, match=re.escape("--aime2026= names a set this run does not evaluate "
+                                                           "(train_data=learn evaluates learn_heldout)")):
+        evaluation.data_paths(dict(no_paths, aime2026="x.jsonl"), learn)
+    with pytest.raises(common.ConfigError, match="--learn_heldout= names a set this run does not evaluate"):
+        evaluation.data_paths(dict(no_paths, learn_heldout="x.jsonl"), smoke)
     assert common.problems_from("smoke", smoke.run_seed) == common.smoke_problems(common.SMOKE_PROBLEMS,
                                                                                   seed=smoke.run_seed)
 
@@ -275,6 +286,11 @@ def test_learn_problems_are_right_sums_and_held_out_sets_share_no_operands_with_
     assert common.problems_from("learn", 0) == train  # the preset's one training set, whatever the run seed
     every = common.learn_problems(2 * common.LEARN_HELDOUT_PAIRS, seed=1, split="heldout")
     assert {operands(p) for p in every} == {(b, a) for a, b in map(operands, every)}  # both orders held out
+    evaluated = common.problems_from("learn_heldout", 5)  # 03_eval's set: every held-out question, one order
+    assert evaluated == common.problems_from("learn_heldout", 6) and evaluated[:128] == held_out
+    assert {p["question"] for p in evaluated} == {p["question"] for p in every}
+    with pytest.raises(common.ConfigError, match="never trained on"):
+        common.training_problems(cli.parse_config(["--preset=learn", "--train_data=learn_heldout"]))
     with pytest.raises(common.DataError, match="only 132 questions"):  # asking for more than exist
         common.learn_problems(133, seed=1, split="heldout")
     # a history trained on another version of the generated problems (this one's were split differently) is refused
@@ -307,3 +323,10 @@ def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(
     older["config"].update(cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=0, concurrency=3)
     (tmp_path / "eval_run.json").write_text(json.dumps(older))
     evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
+    del older["config"]["fitness"]  # written before the setting: its default, the agent's score
+    (tmp_path / "eval_run.json").write_text(json.dumps(older))
+    evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
+    (tmp_path / "eval_run.json").write_text(json.dumps(older))
+    with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
+        evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", "--fitness=shaped"]),
+                                       data)

@@ -37,7 +37,7 @@ from history import (GENERATION_SETTINGS, HISTORY_FILE, POOL_FIELDS, check_confi
 from pool import (ENGINE_OVERHEAD_BYTES, EnginePool, EnginesDisagree, check_colocation, cpu_binding,
                   engine_memory_needs, engines_to_plan, gpu_groups, held_elements, parameter_count, place_engines,
                   plan_gpu_memory, pool_size, safetensors_elements)
-from train_with_test_reward import reply_variety
+from train_with_test_reward import first_reply_variety, reply_variety
 
 train = importlib.import_module("01_train")
 sys.path.insert(0, str(Path(common.REPO) / "bench"))
@@ -114,7 +114,9 @@ def train_on(pool, run_dir, cfg) -> dict:
 def one_engine_run(tmp_path_factory):
     """The smoke run as users run it, with one engine (--engines=1)."""
     run_dir = tmp_path_factory.mktemp("one") / "run"
-    return run_dir, train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}"], fitness=reply_variety)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(common.EPISODE_REWARDS, "agent", first_reply_variety)
+        return run_dir, train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}"])
 
 
 @pytest.fixture(scope="module")
@@ -715,7 +717,7 @@ def test_a_digest_disagreement_names_the_engine_and_rank(two_engines, two_engine
 
 
 def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
-        two_engines, two_engine_run, one_engine_run, tmp_path):
+        two_engines, two_engine_run, one_engine_run, tmp_path, monkeypatch):
     trained_dir, history = two_engine_run
     run_dir = tmp_path / "run"
     os.kill(two_engines.engines[1].engine_core_pids()[0], signal.SIGKILL)
@@ -731,7 +733,8 @@ def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
     shutil.copytree(trained_dir, run_dir)
     older = {k: v for k, v in history["generations"][0].items() if k not in GENERATION_SETTINGS}
     fileio.write_json_atomic(dict(history, generations=[older]), run_dir / HISTORY_FILE)
-    resumed = train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}", "--restore=patch"], fitness=reply_variety)
+    monkeypatch.setitem(common.EPISODE_REWARDS, "agent", first_reply_variety)
+    resumed = train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}", "--restore=patch"])
     assert replayable(resumed) == replayable(one_engine_run[1])
     assert resumed["config"]["restore"] == "copy_device"  # the header: the first run's
     assert [{f: g.get(f) for f in GENERATION_SETTINGS} for g in resumed["generations"]] == [

@@ -409,6 +409,31 @@ def test_a_history_of_the_previous_version_still_rebuilds_and_a_low_rank_one_is_
         config_from_history(history, [])
 
 
+def test_the_fitness_is_the_recorded_runs_and_a_history_without_it_reads_as_the_agents_score():
+    """--fitness is a run setting: export and replay take the history's (an explicit other one refused), a resume
+    under another is refused naming both (check_config: before any engine starts). A history written before the
+    setting existed reads as the agent's score: it rebuilds and resumes as one, and says so when refused."""
+    shaped = recorded_history(fitness="shaped")
+    assert config_from_history(shaped, ["--preset=smoke"]).fitness == "shaped"
+    with pytest.raises(common.ConfigError, match=re.escape("--fitness='agent' (recorded: 'shaped')")):
+        config_from_history(shaped, ["--fitness=agent"])
+    same_run = ["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100"]  # as recorded_history
+    check_config(shaped, cli.parse_config([*same_run, "--fitness=shaped"]))
+    with pytest.raises(common.HistoryMismatch, match=re.escape("config fitness: history has 'shaped', this run has "
+                                                               "'agent'")):
+        check_config(shaped, cli.parse_config(same_run))
+    older = recorded_history()
+    del older["config"]["fitness"]
+    assert config_from_history(older, ["--preset=learn"]).fitness == "agent"  # the preset's shaped is no record
+    check_config(older, cli.parse_config(same_run))
+    with pytest.raises(common.HistoryMismatch, match=re.escape(
+            "config fitness: history has 'agent' (the default: the history predates the setting), this run has "
+            "'shaped'")):
+        check_config(older, cli.parse_config([*same_run, "--fitness=shaped"]))
+    with pytest.raises(common.ConfigError, match="fitness must be one of agent, shaped, got 'score'"):
+        cli.parse_config(["--fitness=score"])
+
+
 # ---- the history's identity: the device model ----
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132}
@@ -468,7 +493,8 @@ def test_a_setting_newer_than_the_history_counts_as_its_default():
     assert identity_differences(older, identity([H200, H200], config=config)) == []
     changed = dict(config, prompt_mode="continue")
     assert identity_differences(older, identity([H200, H200], config=changed)) == [
-        "config prompt_mode: history has 'render', this run has 'continue'"]
+        "config prompt_mode: history has 'render' (the default: the history predates the setting), this run has "
+        "'continue'"]
 
 
 def test_an_exact_restore_mode_may_change_on_resume_but_not_to_subtract():
@@ -511,7 +537,7 @@ def test_each_generation_record_tells_the_restore_mode_it_ran_with(tmp_path):
     first = cli.parse_config(["--preset=smoke", "--restore=copy_host"])
     resumed = dataclasses.replace(first, restore="patch", patch_capacity=0.3)
     problems, engines = common.training_problems(first), ScoringPool()
-    records = [train.run_generation(engines, cfg, problems, g, train.mean_score, tmp_path / "rollouts")
+    records = [train.run_generation(engines, cfg, problems, g, train.member_fitness(cfg), tmp_path / "rollouts")
                for g, cfg in enumerate([first, first, resumed])]
     assert [{k: r[k] for k in ("restore", "patch_capacity")} for r in records] == [
         {"restore": "copy_host", "patch_capacity": 0.0}] * 2 + [{"restore": "patch", "patch_capacity": 0.3}]
@@ -581,6 +607,8 @@ HELP_OF_TWO_LINE_COMMENTS = [
                                    patch (exact: subtract, then put back the elements it misses; restore_patch.py)""",
     """  --patch_capacity=0.0             restore=patch: the share of each rank's elements whose bits the patch can hold; 0:
                                    restore_patch.PATCH_CAPACITY of the rounding mode""",
+    """  --fitness=agent                  a member's fitness, its episodes' mean reward: "agent" (the agent's score, the
+                                   reference) or "shaped" (the learn task's partial credit: shaped_reward)""",
     """  --allow_leaky_sandbox=False      run even when the start-up leak check finds the data, run folder or other episodes
                                    visible to the sandbox (then every record says so)""",
 ]
@@ -680,7 +708,8 @@ def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
     history = {"config": {k: v for k, v in dataclasses.asdict(nearest).items() if k != "rounding"}}  # an older one
     check_config(history, nearest)
     with pytest.raises(common.HistoryMismatch,
-                       match="config rounding: history has 'nearest', this run has 'stochastic'"):
+                       match=re.escape("config rounding: history has 'nearest' (the default: the history "
+                                       "predates the setting), this run has 'stochastic'")):
         check_config(history, stochastic)
     diffs = identity_differences({"noise": common.noise_definition(nearest)},
                                  {"noise": common.noise_definition(stochastic)})

@@ -1,8 +1,7 @@
-"""bench/learning.py's fitness and statistics: the learn task's shaped reward on episodes the real agent loop writes
-(scripted replies, real sandboxed bash), the bootstrap comparison of base and trained, and training time taken
-from the history (so that a run resumed across several calls reports its whole training)."""
+"""bench/learning.py's statistics and reports: the bootstrap comparison of base and trained, training time taken
+from the history (so that a run resumed across several calls reports its whole training), 03_eval.py's held-out
+reward of the same run beside its own; the fitness trend, the reward curves and the detached GPU runs."""
 
-import asyncio
 import json
 import os
 import subprocess
@@ -14,7 +13,6 @@ import pytest
 
 import common
 import fileio
-import scoring
 import tracking
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -23,47 +21,7 @@ import fitness_trend  # noqa: E402
 import learning  # noqa: E402
 
 PROBLEM = common.learn_problems(1, seed=7)[0]
-A, B = (int(x) for x in PROBLEM["question"].split("?")[0].split("What is ")[1].split(" + "))
-GOLD = str(A + B)
-
-
-def bash(command):
-    return json.dumps({"name": "bash", "arguments": {"command": command}})
-
-
-def episode(*replies):
-    """One agent episode on PROBLEM with these replies (then silence), through the real loop and sandbox."""
-    script = list(replies)
-
-    async def policy(messages, *, seed, max_tokens):
-        text = script.pop(0) if script else "..."
-        return {"text": text, "prompt_tokens": 1, "completion_tokens": 1, "finish_reason": "stop"}
-
-    return asyncio.run(common.run_episode(policy, PROBLEM, 0, run_seed=1, max_turns=3, bash_timeout_s=5.0))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def scorer_pool():
-    yield
-    scoring.shutdown_scorer_pool()
-
-
-@pytest.mark.parametrize("replies, reward", [
-    ([bash(f"python3 -c 'print({A} + {B})'"), f"Final answer: {GOLD}"], 1.0),  # the task, done
-    ([bash(f"python3 -c 'print({A} + {B})'")], 0.5),                           # the tool printed the sum
-    ([bash(f"python3 -c 'print({A} + {B} + 1)'")], 0.25),                      # a call, the wrong number
-    ([bash(f"python3 -c 'import sys; print({A} + {B}, file=sys.stderr)'")], 0.25),  # stderr is not the output
-    ([bash(f"python3 -c 'print({A} + {B})'; exit 3")], 0.25),                 # a failed command's output
-    ([f"{A} + {B} = {GOLD}"], 0.1),                                            # the right sum in the text
-    ([f"{A} + {B} = {A + B + 1}, so {A} + {B} = {GOLD}"], 0.0),                # only the first stated sum counts
-    ([f"Final answer: {GOLD}"], 0.0),                                          # an answer without the tool
-    (["I do not know."], 0.0),
-])
-def test_episode_reward_on_real_episodes(replies, reward):
-    record = episode(*replies)
-    assert learning.episode_reward(record) == reward
-    assert learning.METRICS["tool_sum_rate"](record) == float(reward >= 0.5)
-    assert learning.shaped_score([record, episode("I do not know.")]) == reward / 2
+GOLD = PROBLEM["answer"]
 
 
 def test_compare_finds_a_shift_beyond_the_interval_and_none_between_equal_models():
@@ -281,3 +239,29 @@ def test_the_detached_paper_runs_outlive_start_and_collect_keeps_their_histories
         session = tmp_path / "home" / "session"
         if session.exists():  # whatever a failed assertion left running
             subprocess.run(["pkill", "-KILL", "-s", session.read_text().strip()], check=False)
+
+
+def test_the_report_holds_03_evals_held_out_reward_of_the_same_run_when_its_folder_has_both_evaluations(tmp_path):
+    history = {"base_digests": ["b0"], "generations": [{"digests": ["t1"]}, {"digests": ["t2"]}]}
+    assert learning.stages_eval(tmp_path, history) is None  # a run of bench/learning.py alone
+
+    def evaluated(folder, digests, reward, accuracy):
+        held_out = {"reward": {"fitness": "shaped", "mean_at_16": reward}, "mean_at_16": accuracy,
+                    "reported": {"mean4": accuracy, "pass4": 2 * accuracy}, "n_problems": 64}
+        fileio.write_json_atomic({"checkpoint": {"per_rank_digests": digests}, "datasets": {"learn_heldout": held_out}},
+                                 tmp_path / folder / common.EVAL_METRICS)
+
+    evaluated("eval-base", ["b0"], 0.05, 0.0)
+    assert learning.stages_eval(tmp_path, history) is None  # the trained model not evaluated yet
+    evaluated("eval", ["t2"], 0.07, 0.25)
+    stages = learning.stages_eval(tmp_path, history)
+    assert stages == {"fitness": "shaped", "problems": 64, "samples": 16, "same_weights": True,
+                      "base": {"reward": 0.05, "accuracy": 0.0, "mean4": 0.0, "pass4": 0.0},
+                      "trained": {"reward": 0.07, "accuracy": 0.25, "mean4": 0.25, "pass4": 0.5}}
+    run = {"run_seed": 7, **{name: {part: {"mean": 0.1, "ci_low": 0.0, "ci_high": 0.2}
+                                    for part in ("base", "trained", "difference")} | {"difference_ci_above_zero": True}
+                             for name in learning.METRICS}, "stages_eval": stages}
+    assert ("03_eval.py, shaped reward of 64 held-out problems x 16 samples: 0.050 -> 0.070 (accuracy 0.000 -> "
+            "0.250; the run's weights: True)") in learning.format_table([run])
+    evaluated("eval", ["t1"], 0.07, 0.25)  # an export of the first generation only: not this run's weights
+    assert learning.stages_eval(tmp_path, history)["same_weights"] is False

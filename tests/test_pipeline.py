@@ -287,10 +287,11 @@ def test_eval_resumes_without_redoing_finished_episodes(evaluated, trained, tmp_
     original = fileio.read_json(evaluated / "dapo_eval16.json")["records"]
     assert [(r["problem_id"], r["sample_index"], r["seed"]) for r in redone] == \
         [(r["problem_id"], r["sample_index"], r["seed"]) for r in original]
-    for record in redone:  # the eval16 file holds the kept records themselves, without their transcripts
-        key = (record["problem_id"], record["sample_index"])
+    for record in redone:  # the eval16 file holds the kept records themselves, without their transcripts, with
+        key = (record["problem_id"], record["sample_index"])  # the reward of the run's fitness (the agent's score)
         if key in kept:
-            assert record == {k: v for k, v in kept[key].items() if k != "messages"}
+            assert record == {**{k: v for k, v in kept[key].items() if k != "messages"},
+                              "reward": common.agent_reward(kept[key])}
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -1,10 +1,10 @@
-"""01_train.py with a reward that varies across members on a random tiny model (whose agent scores are all 0),
-plugged in through main(fitness=...), the training script's one reward seam.
+"""01_train.py with a reward that varies across members on a random tiny model (whose agent scores are all 0): the
+agent fitness's per-episode reward (common.EPISODE_REWARDS["agent"], where common.fitness looks it up) replaced by
+the variety of the episode's first reply.
 
 For the interruption tests, ES_TEST_PAUSE=<file>:<n> holds the run after its n-th member step while <file>
 exists, having written <file>.paused: the test interrupts it at a known point instead of racing a timer."""
 
-import functools
 import importlib
 import os
 import sys
@@ -12,15 +12,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
 import engine  # noqa: E402
 
 train = importlib.import_module("01_train")
 
 
+def first_reply_variety(record: dict) -> float:
+    """Distinct characters in the episode's first reply / 100: deterministic for fixed weights and seeds."""
+    return len(set(next((m["content"] for m in record["messages"] if m["role"] == "assistant"), ""))) / 100
+
+
 def reply_variety(records: list[dict]) -> float:
-    """Distinct characters in each episode's first reply, averaged: deterministic for fixed weights and seeds."""
-    firsts = [next((m["content"] for m in r["messages"] if m["role"] == "assistant"), "") for r in records]
-    return sum(len(set(text)) for text in firsts) / len(firsts) / 100
+    """A member's fitness under this reward: first_reply_variety averaged over its episodes."""
+    return sum(map(first_reply_variety, records)) / len(records)
 
 
 def pause_after_member_steps(gate: str, steps: int) -> None:
@@ -42,4 +47,5 @@ if __name__ == "__main__":
     if os.environ.get("ES_TEST_PAUSE"):
         gate, steps = os.environ["ES_TEST_PAUSE"].rsplit(":", 1)
         pause_after_member_steps(gate, int(steps))
-    engine.run_stage(functools.partial(train.main, fitness=reply_variety), "train")
+    common.EPISODE_REWARDS["agent"] = first_reply_variety
+    engine.run_stage(train.main, "train")
