@@ -1,10 +1,12 @@
 import contextlib
 import hashlib
 import importlib
+import io
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -58,42 +60,52 @@ def still_running(processes, timeout=60):
         time.sleep(0.2)
 
 
-STAGE_NAMES = {"01_train.py": "train", "02_export.py": "export", "03_eval.py": "eval", "04_replay.py": "replay"}
+REPO = Path(__file__).resolve().parents[1]
+STAGE_NAMES = {"01_train": "train", "02_export": "export", "03_eval": "eval", "04_replay": "replay",
+               "train_with_test_reward": "train"}
 
 
-@pytest.fixture
-def stage(capfd, monkeypatch):
-    """stage(script, *args): a numbered script's __main__ block (engine.run_stage: main(sys.argv[1:]), a StageError
-    as one line "[name] error: ..." and exit status 1) run in this process, as a subprocess.CompletedProcess: the
-    exit status and what the process would have written to stdout and stderr. For refusals and other runs whose
-    process is not what is tested: no interpreter start, no second import of torch. prepare_script (the process's
-    signal handlers and vLLM's log level) is left out; os.environ is restored after the test."""
+def run_script(script, *args) -> subprocess.CompletedProcess:
+    """A numbered script (or tests/train_with_test_reward.py) run as its __main__ block runs it (engine.run_stage:
+    main(sys.argv[1:]), a StageError as one line "[name] error: ..." and exit status 1), but in this process, from
+    the repository: its exit status and what it printed, as a subprocess.CompletedProcess. For the runs whose
+    process is not what is tested (no interpreter start, no second import of torch and vLLM). Left out:
+    prepare_script (the process's signal handlers; vLLM's log stays in this process's). os.environ is restored
+    afterwards (an engine's set-up writes vLLM's variables into it)."""
     import engine
 
-    monkeypatch.setattr(engine, "prepare_script", lambda: None)
-    saved = dict(os.environ)
-
-    def run(script: str, *args) -> subprocess.CompletedProcess:
-        script = str(script)
-        module = importlib.import_module(os.path.basename(script).removesuffix(".py"))
-        monkeypatch.setattr(sys, "argv", [script, *map(str, args)])
-        capfd.readouterr()
-        status = 0
+    module = importlib.import_module(Path(script).stem)
+    out, err, saved, status = io.StringIO(), io.StringIO(), dict(os.environ), 0
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.setattr(engine, "prepare_script", lambda: None)
+        patch.setattr(sys, "argv", [str(script), *map(str, args)])
+        patch.chdir(REPO)
         try:
-            engine.run_stage(module.main, STAGE_NAMES[os.path.basename(script)])
+            engine.run_stage(module.main, STAGE_NAMES[Path(script).stem])
         except SystemExit as stop:  # as the interpreter ends on it: a text on stderr and status 1, or a status
             status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
             if isinstance(stop.code, str):
                 print(stop.code, file=sys.stderr)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return subprocess.CompletedProcess([sys.executable, str(script), *map(str, args)], status, out.getvalue(),
+                                       err.getvalue())
+
+
+@pytest.fixture
+def stage(capfd):
+    """run_script, with what reached the process's file descriptors 1 and 2 meanwhile (a C library's or a
+    logger's) added to its stdout and stderr: for refusals, whose one line must be all the user sees."""
+    def run(script, *args) -> subprocess.CompletedProcess:
+        capfd.readouterr()
+        done = run_script(script, *args)
         out, err = capfd.readouterr()
-        return subprocess.CompletedProcess([sys.executable, script, *map(str, args)], status, out, err)
-
-    yield run
-    os.environ.clear()
-    os.environ.update(saved)
+        return subprocess.CompletedProcess(done.args, done.returncode, out + done.stdout, err + done.stderr)
+    return run
 
 
-def stage_process(script: str, *args, timeout=300) -> subprocess.CompletedProcess:
+def stage_process(script, *args, timeout=300) -> subprocess.CompletedProcess:
     """A numbered script run as its user runs it: a subprocess in the repository (where the process is tested)."""
-    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)

@@ -4,7 +4,6 @@ plugged in through main(fitness=...), the training script's one reward seam.
 For the interruption tests, ES_TEST_PAUSE=<file>:<n> holds the run after its n-th member step while <file>
 exists, having written <file>.paused: the test interrupts it at a known point instead of racing a timer."""
 
-import functools
 import importlib
 import os
 import sys
@@ -21,6 +20,10 @@ def reply_variety(records: list[dict]) -> float:
     """Distinct characters in each episode's first reply, averaged: deterministic for fixed weights and seeds."""
     firsts = [next((m["content"] for m in r["messages"] if m["role"] == "assistant"), "") for r in records]
     return sum(len(set(text)) for text in firsts) / len(firsts) / 100
+
+
+def main(argv: list[str]) -> dict:
+    return train.main(argv, fitness=reply_variety)
 
 
 def pause_after_member_steps(gate: str, steps: int) -> None:
@@ -42,4 +45,4 @@ if __name__ == "__main__":
     if os.environ.get("ES_TEST_PAUSE"):
         gate, steps = os.environ["ES_TEST_PAUSE"].rsplit(":", 1)
         pause_after_member_steps(gate, int(steps))
-    engine.run_stage(functools.partial(train.main, fitness=reply_variety), "train")
+    engine.run_stage(main, "train")
