@@ -14,6 +14,34 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+ENGINE_MARK = "engine"  # pytest.ini: the tests that start a vLLM engine, left out of the fast loop
+_running = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _running["test"] = item  # before its fixtures, which may start the engine it uses
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engines_only_in_marked_tests():
+    """An engine started in this process by a test without the `engine` mark (or by a fixture of one) fails it:
+    the fast loop, pytest -m "not engine", must start none. (Engines of a subprocess are marked by hand.)"""
+    import engine
+
+    start = engine.Engine._start
+
+    async def checked_start(self, vllm_config):
+        test = _running.get("test")
+        if test is not None and test.get_closest_marker(ENGINE_MARK) is None:
+            raise AssertionError(f"{test.nodeid} starts a vLLM engine: mark it @pytest.mark.{ENGINE_MARK}")
+        return await start(self, vllm_config)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine.Engine, "_start", checked_start)
+        yield
+
+
 def write_hub_cache(cache, repo_id, folder, revision="0" * 40):
     """Lay out `folder` as the Hugging Face hub cache holds a downloaded repository (no network):
     models--org--name/blobs/<sha256>, snapshots/<revision>/<file> -> ../../blobs/<sha256>, refs/main. Returns the

@@ -31,6 +31,8 @@ from history import EXPORT_MANIFEST, HISTORY_FILE, verify_export
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_pipeline  # noqa: E402
 
+pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
+
 REPO = common.REPO
 TRAIN_WITH_TEST_REWARD = "tests/train_with_test_reward.py"
 
