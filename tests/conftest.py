@@ -1,13 +1,45 @@
 import contextlib
 import hashlib
+import importlib
+import io
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+ENGINE_MARK = "engine"  # pytest.ini: the tests that start a vLLM engine, left out of the fast loop
+_running = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _running["test"] = item  # before its fixtures, which may start the engine it uses
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engines_only_in_marked_tests():
+    """An engine started in this process by a test without the `engine` mark (or by a fixture of one) fails it:
+    the fast loop, pytest -m "not engine", must start none. (Engines of a subprocess are marked by hand.)"""
+    import engine
+
+    start = engine.Engine._start
+
+    async def checked_start(self, vllm_config):
+        test = _running.get("test")
+        if test is not None and test.get_closest_marker(ENGINE_MARK) is None:
+            raise AssertionError(f"{test.nodeid} starts a vLLM engine: mark it @pytest.mark.{ENGINE_MARK}")
+        return await start(self, vllm_config)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine.Engine, "_start", checked_start)
+        yield
 
 
 def write_hub_cache(cache, repo_id, folder, revision="0" * 40):
@@ -76,3 +108,54 @@ def as_user(uid: int, action) -> str:
         out = pipe.read()
     os.waitpid(pid, 0)
     return out
+
+
+REPO = Path(__file__).resolve().parents[1]
+STAGE_NAMES = {"01_train": "train", "02_export": "export", "03_eval": "eval", "04_replay": "replay",
+               "train_with_test_reward": "train"}
+
+
+def run_script(script, *args) -> subprocess.CompletedProcess:
+    """A numbered script (or tests/train_with_test_reward.py) run as its __main__ block runs it (engine.run_stage:
+    main(sys.argv[1:]), a StageError as one line "[name] error: ..." and exit status 1), but in this process, from
+    the repository: its exit status and what it printed, as a subprocess.CompletedProcess. For the runs whose
+    process is not what is tested (no interpreter start, no second import of torch and vLLM). Left out:
+    prepare_script (the process's signal handlers; vLLM's log stays in this process's). os.environ is restored
+    afterwards (an engine's set-up writes vLLM's variables into it)."""
+    import engine
+
+    module = importlib.import_module(Path(script).stem)
+    out, err, saved, status = io.StringIO(), io.StringIO(), dict(os.environ), 0
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.setattr(engine, "prepare_script", lambda: None)
+        patch.setattr(sys, "argv", [str(script), *map(str, args)])
+        patch.chdir(REPO)
+        try:
+            engine.run_stage(module.main, STAGE_NAMES[Path(script).stem])
+        except SystemExit as stop:  # as the interpreter ends on it: a text on stderr and status 1, or a status
+            status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+            if isinstance(stop.code, str):
+                print(stop.code, file=sys.stderr)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return subprocess.CompletedProcess([sys.executable, str(script), *map(str, args)], status, out.getvalue(),
+                                       err.getvalue())
+
+
+@pytest.fixture
+def stage(capfd):
+    """run_script, with what reached the process's file descriptors 1 and 2 meanwhile (a C library's or a
+    logger's) added to its stdout and stderr: for refusals, whose one line must be all the user sees."""
+    def run(script, *args) -> subprocess.CompletedProcess:
+        capfd.readouterr()
+        done = run_script(script, *args)
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(done.args, done.returncode, out + done.stdout, err + done.stderr)
+    return run
+
+
+def stage_process(script, *args, timeout=300) -> subprocess.CompletedProcess:
+    """A numbered script run as its user runs it: a subprocess in the repository (where the process is tested)."""
+    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)

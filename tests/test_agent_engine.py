@@ -10,6 +10,8 @@ import common
 import models
 from engine import Engine
 
+pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
+
 CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
 PROBLEMS = common.smoke_problems(4, seed=1)
 JOBS = [(p, i) for p in PROBLEMS for i in (0, 1)]

@@ -14,6 +14,8 @@ import common
 import models
 from engine import ChatPrompts, Engine, choose_prompt_mode, continuation_user_turn
 
+pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
+
 TEMPLATE = common.REPO / "tests" / "fixtures" / "qwen3_chat_template.jinja"
 CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24", "--prompt_mode=continue"])
 JOBS = [(p, 0) for p in common.smoke_problems(4, seed=2)]

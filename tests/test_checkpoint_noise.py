@@ -1,6 +1,7 @@
 """noise=checkpoint: each element's noise from (member seed, checkpoint tensor name, index in that tensor), so the
 trained weights are the same at every TP size and export as a Hugging Face folder. Pure functions first, then the
-smoke run (real vLLM engines at TP=2 and TP=1, the test reward) through export, transformers and resume."""
+smoke run (real vLLM engines at TP=2 and TP=1, the test reward) through export, transformers and resume: the stages
+run their __main__ path in this process (test_pipeline.run), the stopped run is a subprocess."""
 
 import dataclasses
 import importlib
@@ -168,7 +169,10 @@ def trained(tmp_path_factory):
     return run_dir
 
 
-def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_1_and_2(trained):
+@pytest.mark.engine
+def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_2(trained):
+    """(At TP=1: 04_replay.py --tensor_parallel_size=1 in the export's test reads the base back through the TP=1
+    layout, checked against these digests, and replays the TP=2 run's updates to the same digests.)"""
     history = fileio.read_json(trained / HISTORY_FILE)
     base = models.resolve_model("tiny-qwen3-dense")
     tensors = dict(checkpoint_noise.checkpoint_float_tensors(base, "bfloat16"))
@@ -176,15 +180,10 @@ def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_1_and_2(trained):
     expected = checkpoint_noise.combine_checkpoint_digest(sums, {n: list(t.shape) for n, t in tensors.items()},
                                                           "bfloat16")
     assert history["base_digests"] == [expected]  # TP=2: every checkpoint tensor, each element once, exactly
-    cfg = cli.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
-    with Engine(cfg, base) as engine:
-        assert checkpoint_noise.checked_checkpoint_digests(engine, base, "bfloat16") == [expected]
-        for g in history["generations"]:  # the TP=2 run's updates, replayed at TP=1: the same states
-            engine.update(g["seeds"], common.update_coefficients(g["z"], g["alpha"]))
-            assert engine.digests() == g["digests"]
     assert history["generations"][-1]["digests"] != history["base_digests"]
 
 
+@pytest.mark.engine
 def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     from transformers import AutoModelForCausalLM
 
@@ -203,17 +202,20 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     assert [n for n in expected if not torch.equal(loaded[n], expected[n])] == []  # bit for bit, without vLLM
     run("02_export.py", f"--run_dir={trained}", "--tensor_parallel_size=1", f"--out={trained / 'export-tp1'}")
     assert sha(trained / "export-tp1" / "model.safetensors") == sha(export / "model.safetensors")
-    cfg = cli.parse_config(["--preset=smoke", "--noise=checkpoint", "--tensor_parallel_size=1"])
-    with Engine(cfg, str(export)) as engine:  # stock vLLM loading, at another TP size
-        assert engine.digests() == [manifest["digest"]]
-    run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")  # the evaluation checks it the same way
+    # stock vLLM loading, at another TP size: the evaluation loads the folder and checks the loaded digest
+    run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")
     checkpoint = fileio.read_json(trained / "eval" / common.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "export" and checkpoint["per_rank_digests"] == [manifest["digest"]]
+    # the replay at TP=1 reads the base through the TP=1 layout (checked against the history's base digest, made at
+    # TP=2 from the checkpoint file) and replays the TP=2 run's updates, each generation to its recorded digest
     run("04_replay.py", f"--run_dir={trained}", "--tensor_parallel_size=1")
+    replayed = fileio.read_json(trained / "eval" / "aligned_history_replay_eval4.json")
+    assert replayed["replayed_generations"] == 2 and replayed["per_rank_digests"] == [manifest["digest"]]
     report = gpu_pipeline.pipeline_report(trained)  # bench/gpu_pipeline.py's checks on this run's four stages
     assert report["ok"] is True and report["noise"] == "checkpoint", report
 
 
+@pytest.mark.engine
 def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_noise(trained, tmp_path):
     """03_eval.py --export= in the run's folder, without --noise: the digests it records are the history's."""
     out = tmp_path / "eval-base"
@@ -227,6 +229,7 @@ def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_nois
     assert all(d["sample_agreement"] == 1.0 for d in report["datasets"].values())
 
 
+@pytest.mark.engine
 def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_path):
     history_path = tmp_path / HISTORY_FILE
     proc, log, gate = start_training(tmp_path, "stopped", pause_after_members=5, extra=["--noise=checkpoint"])
@@ -249,6 +252,7 @@ def rank_digests(engine) -> list[str]:
     return [r["digest"] for r in engine.rpc("es_digest")]
 
 
+@pytest.mark.engine
 def test_patch_restore_is_bit_exact_with_checkpoint_noise():
     """restore="patch" with the checkpoint noise, where subtract is refused: every rank back to the centre's bits,
     with either rounding, member after member."""
@@ -272,6 +276,7 @@ def moe_checkpoint(tmp_path_factory):
         yield engine
 
 
+@pytest.mark.engine
 class TestMoE:
     def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(self, moe_checkpoint):
         with pytest.raises(common.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\."

@@ -677,6 +677,7 @@ def test_the_pool_size_is_not_part_of_the_run(tmp_path):
 
 # ---- two engines in this process against one ----
 
+@pytest.mark.engine
 def test_two_engines_make_the_history_and_records_of_one(one_engine_run, two_engine_run):
     one_dir, one = one_engine_run
     two_dir, history = two_engine_run
@@ -691,6 +692,7 @@ def test_two_engines_make_the_history_and_records_of_one(one_engine_run, two_eng
     assert gens[0]["timings"]["members"] > 0
 
 
+@pytest.mark.engine
 def test_episodes_are_spread_over_the_engines_in_input_order(two_engines, two_engine_run):
     problems = common.smoke_problems(3, seed=2)
     jobs = [(p, i) for p in problems for i in (0, 1)]
@@ -705,6 +707,7 @@ def test_episodes_are_spread_over_the_engines_in_input_order(two_engines, two_en
     assert [r["messages"] for r in again[::-1]] == [r["messages"] for r in records]
 
 
+@pytest.mark.engine
 def test_a_digest_disagreement_names_the_engine_and_rank(two_engines, two_engine_run):
     theta = two_engines.digests()
     two_engines.engines[1].perturb(123, 1e-3)  # engine 1 alone changes
@@ -716,6 +719,7 @@ def test_a_digest_disagreement_names_the_engine_and_rank(two_engines, two_engine
     assert two_engines.digests() == theta
 
 
+@pytest.mark.engine
 def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
         two_engines, two_engine_run, one_engine_run, tmp_path, monkeypatch):
     trained_dir, history = two_engine_run
@@ -759,6 +763,7 @@ def ray_nodes():
     cluster.shutdown()
 
 
+@pytest.mark.engine
 def test_three_engines_on_two_nodes_join_by_address_co_locate_and_make_the_history_of_one(
         ray_nodes, one_engine_run, tmp_path):
     one_dir, one = one_engine_run
@@ -779,6 +784,7 @@ def test_three_engines_on_two_nodes_join_by_address_co_locate_and_make_the_histo
     assert episode_records(run_dir) == episode_records(one_dir)
 
 
+@pytest.mark.engine
 def test_a_refusal_in_an_engine_actor_s_start_reaches_the_user_whole(ray_nodes, tmp_path, monkeypatch):
     """The per-node sandbox check of an engine actor refuses (a hidden data file the sandbox can see: /usr is
     bound into it): the user gets that ConfigError, its findings and the setting that allows them, as on one node,

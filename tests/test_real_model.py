@@ -23,6 +23,8 @@ from engine import Engine
 sys.path.insert(0, str(common.REPO / "bench"))
 import plain_generation  # noqa: E402
 
+pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
+
 NAME = "smollm2-135m"
 CFG = cli.parse_config(["--preset=learn", "--max_model_len=1024", "--max_turns=2", "--max_new_tokens=32"])
 PROMPTS = ["What is 7 + 5?", "Name a primary colour."]

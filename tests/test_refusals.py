@@ -1,7 +1,9 @@
-"""Settings without sense and inputs a stage cannot use, met as a user meets them: the numbered scripts run as
-subprocesses. Each refusal is one line on stderr naming the setting or the file (and its line where it has lines),
-a non-zero exit, no traceback, and nothing left behind: no run folder, no export or evaluation folder, no file
-changed. Fast: every refusal comes before any engine starts (the engine would write <run_dir>/vllm.log first)."""
+"""Settings without sense and inputs a stage cannot use, met as a user meets them: each numbered script's __main__
+path (engine.run_stage) with the user's command line, in this process (the conftest's `stage`), and once per script
+as a subprocess (the one line on the real stderr and the exit status of a real interpreter). Each refusal is one
+line on stderr naming the setting or the file (and its line where it has lines), a non-zero exit, no traceback, and
+nothing left behind: no run folder, no export or evaluation folder, no file changed. Every refusal comes before any
+engine starts (starting one fails the test)."""
 
 import dataclasses
 import json
@@ -20,6 +22,7 @@ import engine
 import models
 from history import (EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, SHA256SUMS, sha256_file, verify_export,
                      write_sha256sums)
+from conftest import stage_process
 from pool import check_cpu_pool
 
 SMOKE = cli.parse_config(["--preset=smoke"])
@@ -35,9 +38,13 @@ def environment_restored():
     os.environ.update(saved)
 
 
-def stage(script: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=common.REPO, capture_output=True, text=True,
-                          timeout=300)
+@pytest.fixture(autouse=True)
+def no_engine_starts(monkeypatch):
+    """Where an engine's processes would start (after vLLM has checked its configuration): a test that gets there
+    has let a bad input through."""
+    async def refuse(self, vllm_config):
+        raise AssertionError("an engine started before the bad input was refused")
+    monkeypatch.setattr(engine.Engine, "_start", refuse)
 
 
 def files_under(folder: Path) -> dict:
@@ -72,7 +79,7 @@ def assert_refused(proc: subprocess.CompletedProcess, name: str, *says: str) -> 
     ("--population=1e400", "--population expects an integer"),
     ("--bash_timeout_s=1e300", "bash_timeout_s must be a finite number in (0, 86400]"),
 ])
-def test_a_setting_without_sense_is_one_line_before_anything_starts(tmp_path, setting, says):
+def test_a_setting_without_sense_is_one_line_before_anything_starts(stage, tmp_path, setting, says):
     assert_refused(stage("01_train.py", "--preset=smoke", setting, f"--run_dir={tmp_path / 'run'}"), "train", says)
     assert not (tmp_path / "run").exists()
 
@@ -88,14 +95,14 @@ def test_top_k_minus_one_and_zero_both_mean_every_token_in_vllm():
 
 # ---- what the machine can place: TP ranks and engines, before any engine starts ----
 
-def test_a_tp_size_beyond_the_machine_s_cores_is_refused_before_any_engine(tmp_path):
+def test_a_tp_size_beyond_the_machine_s_cores_is_refused_before_any_engine(stage, tmp_path):
     line = assert_refused(stage("01_train.py", "--preset=smoke", f"--tensor_parallel_size={CORES + 1}",
                                 f"--run_dir={tmp_path / 'run'}"), "train")
     assert f"tensor_parallel_size={CORES + 1} needs {CORES + 1} CPU cores" in line and f"process {CORES}" in line
     assert not (tmp_path / "run").exists()
 
 
-def test_more_cpu_engines_than_cores_are_refused_before_any_engine(tmp_path):
+def test_more_cpu_engines_than_cores_are_refused_before_any_engine(stage, tmp_path):
     line = assert_refused(stage("01_train.py", "--preset=smoke", "--tensor_parallel_size=1", f"--engines={CORES + 1}",
                                 f"--run_dir={tmp_path / 'run'}"), "train")
     assert f"engines={CORES + 1} x tensor_parallel_size=1 = {CORES + 1} TP ranks" in line
@@ -160,22 +167,24 @@ def test_a_stage_started_by_a_process_whose_engine_chose_a_binding_chooses_its_o
     os.environ.pop(engine.CPU_BIND, None)
     engine.configure_cpu_env(1)
     assert os.environ[engine.CPU_BIND] == "0"
-    stage = subprocess.run([sys.executable, "-c", "import engine; engine.check_placement(2, 'cpu'); "
-                            "engine.configure_cpu_env(2); import os; print(os.environ[engine.CPU_BIND])"],
+    # the child inherits this environment (the process boundary is what is tested); vLLM's layers are not
+    stage = subprocess.run([sys.executable, "-c", "import common, engine; common.keep_cpu_linear_weights = lambda: "
+                            "None; engine.check_placement(2, 'cpu'); engine.configure_cpu_env(2); import os; "
+                            "print(os.environ[engine.CPU_BIND])"],
                            cwd=common.REPO, capture_output=True, text=True, timeout=120)
     assert stage.returncode == 0 and stage.stdout.strip() != "0", stage.stderr[-2000:]  # "0|1" here, "auto" on 4+
 
 
 # ---- what vLLM refuses: asked before the run folder or any process exists ----
 
-def test_a_max_model_len_beyond_the_model_s_is_one_line_and_no_run_folder(tmp_path):
+def test_a_max_model_len_beyond_the_model_s_is_one_line_and_no_run_folder(stage, tmp_path):
     line = assert_refused(stage("01_train.py", "--preset=smoke", "--max_model_len=100000",
                                 f"--run_dir={tmp_path / 'run'}"), "train", "vLLM refuses to run", "max_model_len")
     assert "(100000)" in line
     assert not (tmp_path / "run").exists()
 
 
-def test_an_evaluation_vllm_refuses_leaves_no_output_folder(tmp_path):
+def test_an_evaluation_vllm_refuses_leaves_no_output_folder(stage, tmp_path):
     assert_refused(stage("03_eval.py", "--preset=smoke", "--export=", "--max_model_len=100000",
                          f"--run_dir={tmp_path / 'run'}"), "eval", "vLLM refuses to run", "max_model_len (100000)")
     assert not (tmp_path / "run").exists()  # neither <run_dir>/eval-base nor vllm.log
@@ -213,7 +222,7 @@ def problem(i, **fields) -> str:
     ((problem(1) + "\n").encode() + b'{"id": "p2", "question": "caf\xe9", "answer": "1"}\n',
      ":2: not UTF-8 text (invalid continuation byte"),
 ])
-def test_a_bad_training_file_names_the_file_and_line(tmp_path, content, says):
+def test_a_bad_training_file_names_the_file_and_line(stage, tmp_path, content, says):
     data = tmp_path / "train.jsonl"
     data.write_bytes(content if isinstance(content, bytes) else content.encode())
     assert_refused(stage("01_train.py", "--preset=smoke", f"--train_data={data}", "--case_batch=1",
@@ -268,7 +277,7 @@ def edited(change) -> dict:
     (lambda h: h.update(base_digests="b0"), "base_digests expected a list, got str"),
     (lambda h: h["generations"][0].update(digests=[1, 2]), "generations[0].digests[0] expected a string, got 1"),
 ])
-def test_a_history_of_the_wrong_shape_is_refused_by_export_before_any_engine(tmp_path, change, says):
+def test_a_history_of_the_wrong_shape_is_refused_by_export_before_any_engine(stage, tmp_path, change, says):
     path = tmp_path / HISTORY_FILE
     path.write_text(json.dumps(edited(change)))
     assert_refused(stage("02_export.py", "--preset=smoke", f"--history={path}", f"--out={tmp_path / 'export'}"),
@@ -276,7 +285,7 @@ def test_a_history_of_the_wrong_shape_is_refused_by_export_before_any_engine(tmp
     assert sorted(os.listdir(tmp_path)) == [HISTORY_FILE]  # no export, no export.partial
 
 
-def test_a_history_cut_off_mid_file_is_one_line_and_training_changes_nothing(tmp_path):
+def test_a_history_cut_off_mid_file_is_one_line_and_training_changes_nothing(stage, tmp_path):
     text = json.dumps(history(), indent=2)
     (tmp_path / HISTORY_FILE).write_text(text[: len(text) // 2])  # a full disk, before the atomic writes
     before = files_under(tmp_path)
@@ -306,7 +315,7 @@ def sharded_export(folder: Path) -> Path:
     return folder
 
 
-def test_an_export_missing_a_rank_shard_is_one_line_for_verify_and_for_eval(tmp_path):
+def test_an_export_missing_a_rank_shard_is_one_line_for_verify_and_for_eval(stage, tmp_path):
     export = sharded_export(tmp_path / "export")
     verify_export(export, 2)  # whole, it passes
     (export / "model-rank-1-part-0.safetensors").unlink()
@@ -343,7 +352,7 @@ def evaluation(run_dir: Path) -> Path:
     (lambda e: (e / "dapo_eval16.json").write_text((e / "dapo_eval16.json").read_text()[:500]),
      "dapo_eval16.json: not valid JSON"),
 ])
-def test_an_evaluation_that_is_not_json_is_one_line_and_replay_writes_nothing(tmp_path, damage, says):
+def test_an_evaluation_that_is_not_json_is_one_line_and_replay_writes_nothing(stage, tmp_path, damage, says):
     eval_dir = evaluation(tmp_path)
     damage(eval_dir)
     before = files_under(tmp_path)
@@ -351,7 +360,7 @@ def test_an_evaluation_that_is_not_json_is_one_line_and_replay_writes_nothing(tm
     assert files_under(tmp_path) == before
 
 
-def test_damaged_episodes_of_an_evaluation_to_resume_are_one_line_before_any_engine(tmp_path):
+def test_damaged_episodes_of_an_evaluation_to_resume_are_one_line_before_any_engine(stage, tmp_path):
     out = tmp_path / "eval-base"
     rows = [{"problem_id": "smoke-000", "sample_index": i, "seed": i, "score": 0.0} for i in range(3)]
     text = "".join(json.dumps(r) + "\n" for r in rows)
@@ -372,7 +381,7 @@ def test_damaged_episodes_of_an_evaluation_to_resume_are_one_line_before_any_eng
     ("03_eval.py", "--out={file}", "--out={file}: a file is in the way of the folder this stage writes"),
     ("04_replay.py", "--out={folder}", "--out={folder}: a folder is in the way of the file this stage writes"),
 ])
-def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, script, option, says):
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(stage, tmp_path, script, option, says):
     run_dir = tmp_path / "run"
     evaluation(run_dir)  # a history and a finished evaluation: what export and replay read first
     (tmp_path / "file").write_text("in the way")
@@ -384,3 +393,35 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, s
     assert_refused(stage(script, "--preset=smoke", f"--run_dir={run_dir}", *extra, option.format(**paths)), name,
                    says.format(**paths))
     assert files_under(tmp_path) == before and sorted(os.listdir(tmp_path / "folder")) == []
+
+
+# ---- the same refusals from a real interpreter: one per script ----
+
+def cut_off_history(folder: Path) -> list[str]:
+    text = json.dumps(history(), indent=2)
+    (folder / HISTORY_FILE).write_text(text[: len(text) // 2])
+    return [f"--run_dir={folder}"]
+
+
+def not_json_metrics(folder: Path) -> list[str]:
+    (evaluation(folder) / common.EVAL_METRICS).write_text("metrics: none\n")
+    return [f"--run_dir={folder}"]
+
+
+@pytest.mark.parametrize("script, name, arrange, says", [
+    ("01_train.py", "train", lambda f: ["--population=1", f"--run_dir={f / 'run'}"],
+     "population must be in [2, 65536]"),
+    ("02_export.py", "export", cut_off_history, f"{HISTORY_FILE}: not valid JSON"),
+    ("03_eval.py", "eval", lambda f: ["--export=", "--max_model_len=100000", f"--run_dir={f / 'run'}"],
+     "vLLM refuses to run"),  # vLLM's configuration made in the process, its log kept off the console
+    ("04_replay.py", "replay", not_json_metrics, f"{common.EVAL_METRICS}: not valid JSON"),
+])
+def test_a_script_s_refusal_is_one_line_on_its_stderr_and_exit_status_1(tmp_path, script, name, arrange, says):
+    """What the in-process runs above stand for: the script's own interpreter (prepare_script, vLLM's logging as
+    the script sets it up, the exit through sys.exit) writes the one line and nothing else, and exits 1."""
+    args = arrange(tmp_path)
+    before = files_under(tmp_path)
+    proc = stage_process(script, "--preset=smoke", *args)
+    assert "Traceback" not in proc.stderr
+    assert_refused(proc, name, says)
+    assert files_under(tmp_path) == before and not (tmp_path / "run").exists()

@@ -141,6 +141,7 @@ def engine_processes():
     return core + core[0].children() if core else []
 
 
+@pytest.mark.engine
 def test_a_failed_worker_call_is_an_engine_failure(engine):
     """(vLLM's replies to later calls are out of step after a failed one: the next call gets the stale error, so
     a failed worker call stops the stage too.)"""
@@ -149,6 +150,7 @@ def test_a_failed_worker_call_is_an_engine_failure(engine):
         engine.restore()
 
 
+@pytest.mark.engine
 def test_a_dead_engine_aborts_the_episodes_and_close_leaves_no_process(engine, monkeypatch):
     """Kills a TP worker (as a GPU fault would) once some episodes have finished: the others stop with an
     EngineFailure instead of score-0 records, and closing the engine ends EngineCore and the other worker."""

@@ -28,6 +28,17 @@ def reply_variety(records: list[dict]) -> float:
     return sum(map(first_reply_variety, records)) / len(records)
 
 
+def main(argv: list[str]) -> dict:
+    """01_train.main with first_reply_variety as the agent fitness's per-episode reward, for this run only (the
+    tests also run it in their own process)."""
+    saved = common.EPISODE_REWARDS["agent"]
+    common.EPISODE_REWARDS["agent"] = first_reply_variety
+    try:
+        return train.main(argv)
+    finally:
+        common.EPISODE_REWARDS["agent"] = saved
+
+
 def pause_after_member_steps(gate: str, steps: int) -> None:
     evaluate_member, done = engine.Engine.evaluate_member, [0]
 
@@ -47,5 +58,4 @@ if __name__ == "__main__":
     if os.environ.get("ES_TEST_PAUSE"):
         gate, steps = os.environ["ES_TEST_PAUSE"].rsplit(":", 1)
         pause_after_member_steps(gate, int(steps))
-    common.EPISODE_REWARDS["agent"] = first_reply_variety
-    engine.run_stage(train.main, "train")
+    engine.run_stage(main, "train")
