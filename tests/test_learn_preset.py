@@ -15,6 +15,8 @@ import fileio
 from history import EXPORT_MANIFEST, HISTORY_FILE
 from train_with_test_reward import first_reply_variety
 
+pytestmark = pytest.mark.engine  # the four stages run vLLM engines (pytest.ini)
+
 train = importlib.import_module("01_train")
 export = importlib.import_module("02_export")
 evaluation = importlib.import_module("03_eval")
