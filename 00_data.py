@@ -21,10 +21,8 @@ import json
 import sys
 from pathlib import Path
 
-import cli
 import common
-import fileio
-import history
+from agentic_es import cli, fileio, history
 
 OUT = "data"  # where the three problem files are written
 SOURCE_DIR = ""  # empty: the Hugging Face hub

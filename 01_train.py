@@ -17,15 +17,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import cli
 import common
-import fileio
-import engine
-import models
-import tracking
-from history import (HISTORY_FILE, check_config, generation_settings, read_history, rebuild_from_history,
-                     run_identity)
-from pool import EnginePool
+from agentic_es import cli, engine, fileio, models, tracking
+from agentic_es.history import (HISTORY_FILE, check_config, generation_settings, read_history, rebuild_from_history,
+                                run_identity)
+from agentic_es.pool import EnginePool
 
 ROLLOUTS = "rollouts"  # one JSONL per generation: every episode of every member, with its transcript
 REWARD_CURVE = "reward_curve.png"  # beside the history: mean and max member fitness per generation

@@ -15,15 +15,12 @@ import shutil
 import time
 from pathlib import Path
 
-import checkpoint_noise
-import cli
 import common
-import fileio
-import models
-from engine import run_stage
-from history import (EXPORT_MANIFEST, HISTORY_FILE, SHA256SUMS, config_from_history, copy_model_files, read_history,
-                     rebuild_from_history, sha256_file, shard_entries, write_sha256sums)
-from pool import EnginePool
+from agentic_es import checkpoint_noise, cli, fileio, models
+from agentic_es.engine import run_stage
+from agentic_es.history import (EXPORT_MANIFEST, HISTORY_FILE, SHA256SUMS, config_from_history, copy_model_files,
+                                read_history, rebuild_from_history, sha256_file, shard_entries, write_sha256sums)
+from agentic_es.pool import EnginePool
 
 HISTORY = ""  # default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by --preset=smoke)
 OUT = ""  # default: <run_dir>/export

@@ -19,15 +19,11 @@ import json
 import re
 from pathlib import Path
 
-import checkpoint_noise
-import cli
 import common
-import fileio
-import engine
-import models
-from history import (EXPORT_MANIFEST, HISTORY_FILE, RESTORE_FIELDS, RESUME_FREE_FIELDS, check_loaded_export,
-                     config_from_history, read_history, sha256_file)
-from pool import EnginePool
+from agentic_es import checkpoint_noise, cli, engine, fileio, models
+from agentic_es.history import (EXPORT_MANIFEST, HISTORY_FILE, RESTORE_FIELDS, RESUME_FREE_FIELDS, check_loaded_export,
+                                config_from_history, read_history, sha256_file)
+from agentic_es.pool import EnginePool
 
 EXPORT = "<run_dir>/export"  # a folder written by 02_export.py; empty: evaluate the base model itself
 OUT = ""  # default: <run_dir>/eval (or <run_dir>/eval-base for the base model)

@@ -13,14 +13,10 @@ beside the original ones with per-problem agreement, into a new file; the eval16
 
 from pathlib import Path
 
-import checkpoint_noise
-import cli
 import common
-import fileio
-import engine
-import models
-from history import HISTORY_FILE, config_from_history, read_history, rebuild_from_history, sha256_file
-from pool import EnginePool
+from agentic_es import checkpoint_noise, cli, engine, fileio, models
+from agentic_es.history import HISTORY_FILE, config_from_history, read_history, rebuild_from_history, sha256_file
+from agentic_es.pool import EnginePool
 
 HISTORY = ""  # default: <run_dir>/es_history.json
 EXPORT = ""  # optionally an export folder whose manifest must match the rebuilt digests too

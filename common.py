@@ -37,10 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import digests
-import restore_patch
-import sandbox
-import scoring
+from agentic_es import digests, restore_patch, sandbox, scoring
 
 REPO = Path(__file__).resolve().parent
 
@@ -452,7 +449,7 @@ def es_parameters(named_parameters) -> list[tuple[str, torch.Tensor]]:
 
 # The worker extension of each noise kind (Config.noise), by qualified name: vLLM imports it in every worker. The
 # checkpoint noise's subclass lives in checkpoint_noise.py, which imports this module.
-WORKER_EXTENSIONS = {"rank_salted": "common.ESWorker", "checkpoint": "checkpoint_noise.CheckpointESWorker"}
+WORKER_EXTENSIONS = {"rank_salted": "common.ESWorker", "checkpoint": "agentic_es.checkpoint_noise.CheckpointESWorker"}
 
 
 class ESWorker:

@@ -30,11 +30,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli  # noqa: E402
-import models  # noqa: E402
 import plain_generation  # noqa: E402
 import qwen3_30b  # noqa: E402
-from engine import Engine, cuda_engine_args, sampling_params  # noqa: E402
+from agentic_es import cli, models  # noqa: E402
+from agentic_es.engine import Engine, cuda_engine_args, sampling_params  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 SHORT_PROMPT = 64

@@ -23,9 +23,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli  # noqa: E402
-import digests  # noqa: E402
 import qwen3_30b  # noqa: E402
+from agentic_es import cli, digests  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 BEFORE_THREADS = 8

@@ -38,11 +38,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli  # noqa: E402
 import common  # noqa: E402
-import models  # noqa: E402
-import pool  # noqa: E402
 import qwen3_30b  # noqa: E402
+from agentic_es import cli, models, pool  # noqa: E402
 from exact_restore import best_utilization  # noqa: E402
 from reference_generation import FIRST_PROMPT_TOKENS, draw_episode, scripted_episode  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402

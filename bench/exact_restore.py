@@ -31,13 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli  # noqa: E402
 import common  # noqa: E402
-import models  # noqa: E402
-import pool  # noqa: E402
 import qwen3_30b  # noqa: E402
-import restore_patch  # noqa: E402
-from engine import Engine  # noqa: E402
+from agentic_es import cli, models, pool, restore_patch  # noqa: E402
+from agentic_es.engine import Engine  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 RESTORES = ("patch", "copy_device")

@@ -22,9 +22,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import cli  # noqa: E402
 import common  # noqa: E402
-import fileio  # noqa: E402
+from agentic_es import cli, fileio  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 BOOTSTRAP = 10_000

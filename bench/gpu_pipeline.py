@@ -27,13 +27,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import checkpoint_noise  # noqa: E402
-import cli  # noqa: E402
 import common  # noqa: E402
-import fileio  # noqa: E402
-import models  # noqa: E402
 import qwen3_30b  # noqa: E402
-from history import HISTORY_FILE  # noqa: E402
+from agentic_es import checkpoint_noise, cli, fileio, models  # noqa: E402
+from agentic_es.history import HISTORY_FILE  # noqa: E402
 from report import print_until_reader_gone  # noqa: E402
 
 STAGES = [

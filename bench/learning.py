@@ -37,15 +37,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import cli  # noqa: E402
 import common  # noqa: E402
-import fileio  # noqa: E402
-import models  # noqa: E402
-import tracking  # noqa: E402
-from engine import Interrupted, prepare_script  # noqa: E402
+from agentic_es import cli, fileio, models, tracking  # noqa: E402
+from agentic_es.engine import Interrupted, prepare_script  # noqa: E402
+from agentic_es.history import rebuild_from_history  # noqa: E402
+from agentic_es.pool import EnginePool  # noqa: E402
 from fitness_trend import seconds_of  # noqa: E402
-from history import rebuild_from_history  # noqa: E402
-from pool import EnginePool  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 # 8 samples per held-out problem: at 2, the paired difference's interval was +-0.018 around effects of +0.01 (GPU,

@@ -16,11 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli  # noqa: E402
 import common  # noqa: E402
-import models  # noqa: E402
 import qwen3_30b  # noqa: E402
-from engine import Engine, prepare_script  # noqa: E402
+from agentic_es import cli, models  # noqa: E402
+from agentic_es.engine import Engine, prepare_script  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 

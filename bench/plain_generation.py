@@ -5,7 +5,7 @@ never generate this way."""
 import asyncio
 import time
 
-from engine import Engine, sampling_params
+from agentic_es.engine import Engine, sampling_params
 
 
 def generate(engine: Engine, prompts_token_ids: list[list[int]], max_tokens: int, *, greedy: bool = True,

@@ -38,12 +38,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli  # noqa: E402
 import common  # noqa: E402
-import models  # noqa: E402
 import plain_generation  # noqa: E402
 import qwen3_30b  # noqa: E402
-from pool import EnginePool, mps_running  # noqa: E402
+from agentic_es import cli, models  # noqa: E402
+from agentic_es.pool import EnginePool, mps_running  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 TAIL_SHARE = 0.15

@@ -74,7 +74,7 @@ def per_second(count, seconds):
 def main(argv):
     opts = options(argv)
     sys.path.insert(0, str(Path(opts["scoring"]).resolve() if opts["scoring"] else REPO))
-    import scoring
+    from agentic_es import scoring
 
     cases = answers(REPO / opts["data"] if not Path(opts["data"]).is_absolute() else opts["data"])
     started = time.perf_counter()

@@ -27,7 +27,7 @@ def pytest_runtest_setup(item):
 def engines_only_in_marked_tests():
     """An engine started in this process by a test without the `engine` mark (or by a fixture of one) fails it:
     the fast loop, pytest -m "not engine", must start none. (Engines of a subprocess are marked by hand.)"""
-    import engine
+    from agentic_es import engine
 
     start = engine.Engine._start
 
@@ -122,7 +122,7 @@ def run_script(script, *args) -> subprocess.CompletedProcess:
     process is not what is tested (no interpreter start, no second import of torch and vLLM). Left out:
     prepare_script (the process's signal handlers; vLLM's log stays in this process's). os.environ is restored
     afterwards (an engine's set-up writes vLLM's variables into it)."""
-    import engine
+    from agentic_es import engine
 
     module = importlib.import_module(Path(script).stem)
     out, err, saved, status = io.StringIO(), io.StringIO(), dict(os.environ), 0

@@ -5,10 +5,9 @@ import time
 
 import pytest
 
-import cli
 import common
-import models
-from engine import Engine
+from agentic_es import cli, models
+from agentic_es.engine import Engine
 
 pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
 

@@ -10,8 +10,7 @@ import time
 import pytest
 
 import common
-import sandbox
-import scoring
+from agentic_es import sandbox, scoring
 
 evaluation = importlib.import_module("03_eval")  # writes the failed episodes' transcripts
 

@@ -9,10 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import cli
 import common
-import models
-from engine import ChatPrompts, Engine, choose_prompt_mode, continuation_user_turn
+from agentic_es import cli, models
+from agentic_es.engine import ChatPrompts, Engine, choose_prompt_mode, continuation_user_turn
 
 pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
 

@@ -13,13 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint_noise
-import cli
 import common
-import fileio
-import models
-from engine import Engine
-from history import HISTORY_FILE, check_config, config_from_history, run_identity
+from agentic_es import checkpoint_noise, cli, fileio, models
+from agentic_es.engine import Engine
+from agentic_es.history import HISTORY_FILE, check_config, config_from_history, run_identity
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha, start_training, wait_for
 
 evaluation, replay = importlib.import_module("03_eval"), importlib.import_module("04_replay")

@@ -18,10 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import cli
 import common
-import fileio
-import history
+from agentic_es import cli, fileio, history
 
 REPO = common.REPO
 SHARED = REPO.parent / "shared" / "data"  # the reference files: never part of the project

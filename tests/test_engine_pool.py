@@ -23,20 +23,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import cli
 import common
-import fileio
-import models
-import restore_patch
-import sandbox
-import tracking
+from agentic_es import cli, fileio, models, restore_patch, sandbox, tracking
+from agentic_es.engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
+from agentic_es.history import (GENERATION_SETTINGS, HISTORY_FILE, POOL_FIELDS, check_config, config_from_history,
+                                run_identity)
+from agentic_es.pool import (ENGINE_OVERHEAD_BYTES, EnginePool, EnginesDisagree, check_colocation, cpu_binding,
+                             engine_memory_needs, engines_to_plan, gpu_groups, held_elements, parameter_count,
+                             place_engines, plan_gpu_memory, pool_size, safetensors_elements)
 from conftest import as_user
-from engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
-from history import (GENERATION_SETTINGS, HISTORY_FILE, POOL_FIELDS, check_config, config_from_history,
-                     run_identity)
-from pool import (ENGINE_OVERHEAD_BYTES, EnginePool, EnginesDisagree, check_colocation, cpu_binding,
-                  engine_memory_needs, engines_to_plan, gpu_groups, held_elements, parameter_count, place_engines,
-                  plan_gpu_memory, pool_size, safetensors_elements)
 from train_with_test_reward import first_reply_variety, reply_variety
 
 train = importlib.import_module("01_train")
@@ -425,13 +420,14 @@ class FakeGPU:
 
 def fake_gpu_pool(monkeypatch, tmp_path, gpu: FakeGPU, engines: int, *extra, gpus=("0",), **engine_kwargs):
     """An EnginePool of FakeGPUEngines on `gpus` (TP=1 and gpu_memory_utilization=0.3 unless `extra` says)."""
-    monkeypatch.setattr("engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
+    monkeypatch.setattr("agentic_es.engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
     monkeypatch.setattr("common.device_type", lambda: "cuda")
     monkeypatch.setattr("torch.cuda.device_count", lambda: len(gpus))
-    monkeypatch.setattr("pool.visible_gpus", lambda: list(gpus))
-    monkeypatch.setattr("pool.mps_running", lambda: True)
-    monkeypatch.setattr("pool.node_report", gpu.report)
-    monkeypatch.setattr("engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
+    monkeypatch.setattr("agentic_es.pool.visible_gpus", lambda: list(gpus))
+    monkeypatch.setattr("agentic_es.pool.mps_running", lambda: True)
+    monkeypatch.setattr("agentic_es.pool.node_report", gpu.report)
+    monkeypatch.setattr("agentic_es.engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path,
+                                                                                                **kw))
     cfg = config(engines, tmp_path, "--tensor_parallel_size=1", "--gpu_memory_utilization=0.3", *extra)
     return EnginePool(cfg, MODEL, **engine_kwargs)
 
@@ -454,12 +450,13 @@ def test_memory_another_process_takes_between_two_starts_refuses_the_next_start_
 
 def test_the_pool_refuses_co_location_without_mps_before_any_engine_starts(monkeypatch, tmp_path):
     gpu = FakeGPU()
-    monkeypatch.setattr("engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
+    monkeypatch.setattr("agentic_es.engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
     monkeypatch.setattr("common.device_type", lambda: "cuda")
-    monkeypatch.setattr("pool.visible_gpus", lambda: ["0", "1"])
-    monkeypatch.setattr("pool.mps_running", lambda: False)
-    monkeypatch.setattr("pool.node_report", gpu.report)
-    monkeypatch.setattr("engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path, **kw))
+    monkeypatch.setattr("agentic_es.pool.visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr("agentic_es.pool.mps_running", lambda: False)
+    monkeypatch.setattr("agentic_es.pool.node_report", gpu.report)
+    monkeypatch.setattr("agentic_es.engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path,
+                                                                                                **kw))
     with pytest.raises(common.ConfigError,
                        match="2 engines at tensor_parallel_size=2 would share GPUs without CUDA MPS"):
         EnginePool(config(2, tmp_path, "--tensor_parallel_size=2", "--gpu_memory_utilization=0.3"), MODEL)
@@ -492,7 +489,7 @@ def test_a_single_engine_whose_restore_copy_or_patch_cannot_fit_is_refused_befor
         monkeypatch, tmp_path, restore, refusal):
     """One engine (the default on one GPU group) is planned like a pool's: where its vLLM share fits but neither
     its copy (on the GPU or in pinned host memory) nor its patch does, it never starts."""
-    monkeypatch.setattr("pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     gpu = FakeGPU(free=int(4.2 * GIB), host_free=GIB // 2)
     with pytest.raises(common.ConfigError, match=refusal):
         fake_gpu_pool(monkeypatch, tmp_path, gpu, 1, f"--restore={restore}")
@@ -502,7 +499,7 @@ def test_a_single_engine_whose_restore_copy_or_patch_cannot_fit_is_refused_befor
 def test_a_single_engine_takes_its_restore_copy_or_patch_at_start_inside_the_lock(monkeypatch, tmp_path):
     """The reference's default, one TP=2 engine on two GPUs: planned, started, and its copy taken before the pool
     is handed over (not at its first perturbation)."""
-    monkeypatch.setattr("pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     for restore in ("copy_device", "copy_host", "patch"):
         gpu = FakeGPU(free=5 * GIB)
         pool = fake_gpu_pool(monkeypatch, tmp_path, gpu, 0, "--tensor_parallel_size=2", f"--restore={restore}",
@@ -514,7 +511,7 @@ def test_a_single_engine_takes_its_restore_copy_or_patch_at_start_inside_the_loc
 def test_a_read_only_pool_plans_weights_and_kv_cache_alone_and_holds_no_restore_memory(monkeypatch, tmp_path):
     """Export, evaluation and replay never perturb: where two engines' copies or patches would not fit, the same
     engines start read-only, take nothing at start and refuse to perturb."""
-    monkeypatch.setattr("pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     for restore, refusal in (("copy_device", "copies fit neither"), ("patch", "patches do not fit")):
         gpu = FakeGPU(free=int(8.2 * GIB), host_free=GIB // 2)  # two engines' vLLM shares and no more
         with pytest.raises(common.ConfigError, match=refusal):
@@ -558,7 +555,7 @@ class ShutdownRecorder:
 
 def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_lock(monkeypatch, tmp_path):
     lock = tmp_path / "gpu-memory.lock"
-    monkeypatch.setattr("engine.GPU_MEMORY_LOCK", lock)
+    monkeypatch.setattr("agentic_es.engine.GPU_MEMORY_LOCK", lock)
     lock.write_text("")
     engine = Engine.__new__(Engine)
     engine.cfg, engine.device, engine.perturbs, calls = config(1, tmp_path), "cuda", True, []
@@ -579,8 +576,8 @@ def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_
 def test_gpu_memory_lock_waits_for_another_process_and_nests_within_one(monkeypatch, tmp_path, capsys):
     lock, release = tmp_path / "gpu-memory.lock", tmp_path / "release"
     holder = subprocess.Popen(  # another run's engine start, holding the machine's lock until told
-        [sys.executable, "-c", f"import os, time\nfrom pathlib import Path\nfrom engine import gpu_memory_lock\n"
-                               f"with gpu_memory_lock(Path({str(lock)!r})):\n"
+        [sys.executable, "-c", f"import os, time\nfrom pathlib import Path\nfrom agentic_es.engine import "
+                               f"gpu_memory_lock\nwith gpu_memory_lock(Path({str(lock)!r})):\n"
                                f"    print('held', flush=True)\n"
                                f"    while not os.path.exists({str(release)!r}): time.sleep(0.05)"],
         cwd=common.REPO, stdout=subprocess.PIPE, text=True)
@@ -626,8 +623,8 @@ def test_the_gpu_memory_lock_is_released_while_a_process_forked_under_it_lives(t
 
 
 def test_the_gpu_memory_lock_is_one_path_whatever_tmpdir_says(tmp_path):
-    paths = {subprocess.run([sys.executable, "-c", "import engine; print(engine.GPU_MEMORY_LOCK)"], cwd=common.REPO,
-                            env=dict(os.environ, TMPDIR=str(tmpdir)), capture_output=True, text=True,
+    paths = {subprocess.run([sys.executable, "-c", "from agentic_es import engine; print(engine.GPU_MEMORY_LOCK)"],
+                            cwd=common.REPO, env=dict(os.environ, TMPDIR=str(tmpdir)), capture_output=True, text=True,
                             check=True).stdout.strip() for tmpdir in (tmp_path, "/tmp")}
     assert len(paths) == 1
 

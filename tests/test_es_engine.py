@@ -12,13 +12,10 @@ import cloudpickle
 import pytest
 import torch
 
-import cli
 import common
-import digests
-import models
-import restore_patch
-from engine import Engine
-from history import rebuild_from_history, run_identity
+from agentic_es import cli, digests, models, restore_patch
+from agentic_es.engine import Engine
+from agentic_es.history import rebuild_from_history, run_identity
 from test_es_math import check_subtract_restore
 
 sys.path.insert(0, str(common.REPO / "bench"))

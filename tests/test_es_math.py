@@ -12,13 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-import cli
 import common
-import digests
-import engine
-import fileio
-from history import (HISTORY_FILE, HISTORY_FORMAT, check_base, check_config, config_from_history,
-                     identity_differences, name_only_fingerprint, read_history)
+from agentic_es import cli, digests, engine, fileio
+from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, check_base, check_config, config_from_history,
+                                identity_differences, name_only_fingerprint, read_history)
 
 
 # ---- sigma schedule ----

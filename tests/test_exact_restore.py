@@ -9,9 +9,8 @@ import re
 import pytest
 import torch
 
-import checkpoint_noise
 import common
-import restore_patch
+from agentic_es import checkpoint_noise, restore_patch
 
 CHUNK = 1001  # not a multiple of 8: chunks start inside a byte of the mask
 SIGMA = 1e-3

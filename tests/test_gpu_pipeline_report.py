@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint_noise
 import common
-import fileio
-from history import HISTORY_FILE
+from agentic_es import checkpoint_noise, fileio
+from agentic_es.history import HISTORY_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_pipeline  # noqa: E402

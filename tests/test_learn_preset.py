@@ -11,8 +11,8 @@ import importlib
 import pytest
 
 import common
-import fileio
-from history import EXPORT_MANIFEST, HISTORY_FILE
+from agentic_es import fileio
+from agentic_es.history import EXPORT_MANIFEST, HISTORY_FILE
 from train_with_test_reward import first_reply_variety
 
 pytestmark = pytest.mark.engine  # the four stages run vLLM engines (pytest.ini)

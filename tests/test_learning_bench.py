@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 import common
-import fileio
-import tracking
+from agentic_es import fileio, tracking
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))

@@ -13,12 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import cli
 import common
-import fileio
-import history
-import models
-import tracking
+from agentic_es import cli, fileio, history, models, tracking
 from conftest import as_user
 
 DATA_DIR = common.REPO.parent / "shared" / "data"  # the reference files, where CI keeps them beside the clone
@@ -445,7 +441,7 @@ RESOLVE_AT_ONCE = """
 import json, os, sys, time
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-import models
+from agentic_es import models
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 

@@ -21,12 +21,10 @@ import pytest
 import torch
 
 import common
-import fileio
-import models
-import tracking
+from agentic_es import fileio, models, tracking
+from agentic_es.engine import VLLM_LOG
+from agentic_es.history import EXPORT_MANIFEST, HISTORY_FILE, verify_export
 from conftest import run_script, still_running
-from engine import VLLM_LOG
-from history import EXPORT_MANIFEST, HISTORY_FILE, verify_export
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_pipeline  # noqa: E402

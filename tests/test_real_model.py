@@ -12,13 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint_noise
-import cli
 import common
-import fileio
-import history
-import models
-from engine import Engine
+from agentic_es import checkpoint_noise, cli, fileio, history, models
+from agentic_es.engine import Engine
 
 sys.path.insert(0, str(common.REPO / "bench"))
 import plain_generation  # noqa: E402

@@ -15,15 +15,12 @@ from pathlib import Path
 
 import pytest
 
-import cli
 import common
-import fileio
-import engine
-import models
-from history import (EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, SHA256SUMS, sha256_file, verify_export,
-                     write_sha256sums)
+from agentic_es import cli, engine, fileio, models
+from agentic_es.history import (EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, SHA256SUMS, sha256_file, verify_export,
+                                write_sha256sums)
+from agentic_es.pool import check_cpu_pool
 from conftest import stage_process
-from pool import check_cpu_pool
 
 SMOKE = cli.parse_config(["--preset=smoke"])
 CORES = len(os.sched_getaffinity(0))
@@ -168,9 +165,9 @@ def test_a_stage_started_by_a_process_whose_engine_chose_a_binding_chooses_its_o
     engine.configure_cpu_env(1)
     assert os.environ[engine.CPU_BIND] == "0"
     # the child inherits this environment (the process boundary is what is tested); vLLM's layers are not
-    stage = subprocess.run([sys.executable, "-c", "import common, engine; common.keep_cpu_linear_weights = lambda: "
-                            "None; engine.check_placement(2, 'cpu'); engine.configure_cpu_env(2); import os; "
-                            "print(os.environ[engine.CPU_BIND])"],
+    stage = subprocess.run([sys.executable, "-c", "import common; from agentic_es import engine; "
+                            "common.keep_cpu_linear_weights = lambda: None; engine.check_placement(2, 'cpu'); "
+                            "engine.configure_cpu_env(2); import os; print(os.environ[engine.CPU_BIND])"],
                            cwd=common.REPO, capture_output=True, text=True, timeout=120)
     assert stage.returncode == 0 and stage.stdout.strip() != "0", stage.stderr[-2000:]  # "0|1" here, "auto" on 4+
 

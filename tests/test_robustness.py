@@ -12,11 +12,10 @@ import sys
 import psutil
 import pytest
 
-import cli
 import common
-import models
+from agentic_es import cli, models
+from agentic_es.engine import Engine
 from conftest import still_running
-from engine import Engine
 
 PROBLEMS = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
 BASH = json.dumps({"name": "bash", "arguments": {"command": "echo 2"}})
@@ -72,7 +71,7 @@ def test_any_other_policy_error_is_an_episode_error_that_scores_zero():
 SCRIPT = """
 import common
 import logging, os, signal, time
-from engine import Interrupted, run_stage
+from agentic_es.engine import Interrupted, run_stage
 
 def main(argv):
     print(os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").getEffectiveLevel(), flush=True)

@@ -20,8 +20,7 @@ import uuid
 import pytest
 
 import common
-import history
-import sandbox
+from agentic_es import history, sandbox
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIND = sandbox.sandbox_kind()

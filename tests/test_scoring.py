@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import common
-import scoring
+from agentic_es import scoring
 from test_agent_loop import ScriptedPolicy, action
 
 # (model output, gold, expected score)
@@ -137,7 +137,7 @@ ACCEPTED_FORMS = [
     (r"so \boxed{7} and a broken \boxed{8", "8", 0),  # without a marker only a closed box commits
 ]
 
-# A note after the committed value, in any common form (scoring.md, rule 2); a second value listed beside it or
+# A note after the committed value, in any common form (docs/scoring.md, rule 2); a second value listed beside it or
 # offered as an alternative after it (a number, a number word, math after "or", "maybe", "unless") is a hedge or,
 # for a gold of several values, the answer (rules 3 and 4).
 NOTE_FORMS = [
@@ -244,7 +244,7 @@ TRUNCATED_DECIMALS = [
     ("Final answer: the probability is 0.5", r"\frac{1}{2}", 1),
 ]
 
-# ---- scoring.md, rule by rule: each rule's examples there, and forms of this file's own
+# ---- docs/scoring.md, rule by rule: each rule's examples there, and forms of this file's own
 
 # The rows of issue 50's table, scored as a careful grader scores them.
 ISSUE_TABLE = [
@@ -262,7 +262,7 @@ ISSUE_TABLE = [
 ]
 
 POLICY = {
-    "scoring.md's own examples": [
+    "docs/scoring.md's own examples": [
         ("Final answer:\nIt is\n42", "42", 0),
         (r"Final answer: 2\sqrt{3}", r"\sqrt{12}", 1), (r"Final answer: 2 \pi", r"2\pi", 1),
         ("Final answer: 2x + 1", "1 + 2x", 1), ("Final answer: f(x) = x^2 + 1", "x^2 + 1", 1),
@@ -761,18 +761,19 @@ def test_isolated_scoring_agrees_with_score_answer_and_survives_a_hang(monkeypat
 
 
 def test_scoring_imports_nothing_heavy():
-    # the scorer workers run `python scoring.py`: neither torch nor vLLM, and math_verify only on first comparison
-    code = "import sys, scoring; print(sorted({'torch', 'vllm', 'math_verify', 'sympy', 'common'} & set(sys.modules)))"
-    result = subprocess.run([sys.executable, "-c", code], cwd=Path(scoring.__file__).parent, capture_output=True,
+    # the scorer workers run `python agentic_es/scoring.py`: neither torch nor vLLM, and math_verify only on first
+    # comparison
+    code = "import sys; from agentic_es import scoring; print(sorted({'torch', 'vllm', 'math_verify', 'sympy', 'common'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(scoring.__file__).parents[1], capture_output=True,
                             text=True, check=True)
     assert result.stdout.strip() == "[]"
 
 
 def test_the_algorithm_modules_import_neither_vllm_nor_math_verify_and_no_import_hook():
     # a TP worker imports common (the worker extension): it must not pull in vLLM's layers or the grader with it
-    code = ("import sys; hooks = len(sys.meta_path); import common, sandbox, scoring, digests; "
+    code = ("import sys; hooks = len(sys.meta_path); import common; from agentic_es import sandbox, scoring, digests; "
             "print(sorted({'vllm', 'math_verify', 'sympy'} & set(sys.modules)), len(sys.meta_path) - hooks)")
-    result = subprocess.run([sys.executable, "-c", code], cwd=Path(scoring.__file__).parent, capture_output=True,
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(scoring.__file__).parents[1], capture_output=True,
                             text=True, check=True, env={k: v for k, v in os.environ.items()
                                                         if k != "ES_KEEP_CPU_LINEAR_WEIGHTS"})
     assert result.stdout.strip() == "[] 0"

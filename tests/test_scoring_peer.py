@@ -3,11 +3,11 @@ fractions, LaTeX notation, percentages, sets and intervals, relations, matrices,
 string-like answers, trailing punctuation, mixed numbers), each written as the agent writes its answer (a
 `Final answer:` line, a box) and run through the production path: extract_final_answer, then score_answer against
 the case's gold. The project agrees with math-verify's verdict on at least 95% of them; where it does not, the case
-is kept in DISAGREEMENTS with the project's score and the rule of scoring.md that decides it."""
+is kept in DISAGREEMENTS with the project's score and the rule of docs/scoring.md that decides it."""
 
 import pytest
 
-import scoring
+from agentic_es import scoring
 
 # (gold as math-verify's test writes it, the agent's answer, math-verify's verdict)
 NUMBERS = [
@@ -230,7 +230,7 @@ MIXED_NUMBERS = [
 CASES = (NUMBERS + SETS + LATEX + PERCENTAGES + RELATIONS + MATRICES + EXPRESSIONS + SOLUTION_ENDINGS + STRINGS
          + PUNCTUATION + MIXED_NUMBERS)
 
-# (gold, answer): (the project's score, the rule of scoring.md that decides it)
+# (gold, answer): (the project's score, the rule of docs/scoring.md that decides it)
 DISAGREEMENTS = {
     ("1000.99", "Final answer: 1000,99"): (0, "a comma between digits is a digit group or separates values (rule 1): "
                                              "1000, 99 is two values, a hedge; no decimal comma"),

@@ -10,15 +10,9 @@ import re
 
 import pytest
 
-import checkpoint_noise
-import cli
 import common
-import fileio
-import engine
-import models
-import pool
-import sandbox
-from history import EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, verify_export, write_sha256sums
+from agentic_es import checkpoint_noise, cli, engine, fileio, models, pool, sandbox
+from agentic_es.history import EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, verify_export, write_sha256sums
 
 export_stage = importlib.import_module("02_export")
 train_stage = importlib.import_module("01_train")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-import engine  # noqa: E402
+from agentic_es import engine  # noqa: E402
 
 train = importlib.import_module("01_train")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from agentic_es.fileio import write_file_atomic
 from common import ClosedOnExit, Config, ConfigError
-from fileio import write_file_atomic
 
 
 # ---- Progress: the bars of episodes, members and generations

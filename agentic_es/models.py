@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import fileio
+from agentic_es import fileio
 from common import ConfigError
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 
 # ============================================================================================================
 # Tiny models: a random dense Qwen3 or Qwen3-MoE with a small byte-level BPE tokenizer and a Qwen-style chat

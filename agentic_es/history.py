@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-import common as C
-import fileio
-from cli import parse_overrides
+import common
+from agentic_es import fileio
+from agentic_es.cli import parse_overrides
+from agentic_es.tracking import progress_bar
 from common import Config, ConfigError, ExportError
-from tracking import progress_bar
 
 
 # ---- The history file: what the stages read from it, checked before any engine starts
@@ -53,12 +53,12 @@ def read_history(path) -> dict:
     for i, record in enumerate(history["generations"]):
         where = f"{path}: generations[{i}]"
         if record["generation"] != i:
-            raise C.DataError(f"{where} is generation {record['generation']}; a history holds generations 0, 1, "
-                              "2, ... in order")
+            raise common.DataError(f"{where} is generation {record['generation']}; a history holds generations 0, 1, "
+                                   "2, ... in order")
         if {len(record[key]) for key in ("seeds", "rewards", "z")} != {history["config"]["population"]}:
-            raise C.DataError(f"{where} has {len(record['seeds'])} seeds, {len(record['rewards'])} rewards and "
-                              f"{len(record['z'])} z-scores; the run's population is "
-                              f"{history['config']['population']!r}: one of each per member")
+            raise common.DataError(f"{where} has {len(record['seeds'])} seeds, {len(record['rewards'])} rewards and "
+                                   f"{len(record['z'])} z-scores; the run's population is "
+                                   f"{history['config']['population']!r}: one of each per member")
     return history
 
 
@@ -83,9 +83,9 @@ def resume_free_fields(config: dict) -> tuple[str, ...]:
     leaves the same bits: a patch overflow's advice, another capacity or copy_device, resumes the run; a move to the
     inexact subtract is refused by identity_differences); with checkpoint noise the TP size: its weights are the
     same at every TP size."""
-    exact = config.get("restore", C.Config.restore) != "subtract"
+    exact = config.get("restore", common.Config.restore) != "subtract"
     return (RESUME_FREE_FIELDS + (RESTORE_FIELDS if exact else ())
-            + (("tensor_parallel_size",) if C.is_checkpoint_noise(config) else ()))
+            + (("tensor_parallel_size",) if common.is_checkpoint_noise(config) else ()))
 
 
 # settings a resume may change (resume_free_fields) that each generation's record carries, so that the history tells
@@ -137,7 +137,7 @@ def config_from_history(history: dict, argv: list[str], settings: dict | None = 
 
 # ---- A run's identity, and the refusals of a history made by another run
 
-def run_identity(cfg: C.Config, model_path: str, engine, train_data: bool = True) -> dict:
+def run_identity(cfg: common.Config, model_path: str, engine, train_data: bool = True) -> dict:
     """The header of a history: what must be equal for a replay to reproduce the trained weights bit for bit, read
     from `engine` (an engine.Engine or a pool.EnginePool holding the base weights). Without train_data the training
     data file is not read (export and replay rebuild theta without it)."""
@@ -149,7 +149,7 @@ def run_identity(cfg: C.Config, model_path: str, engine, train_data: bool = True
     return {
         "format": HISTORY_FORMAT,
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POOL_FIELDS},  # any K, one history
-        "noise": C.noise_definition(cfg),
+        "noise": common.noise_definition(cfg),
         **data,
         "base_model": cfg.model,
         "base_model_path": str(model_path),
@@ -165,19 +165,19 @@ def run_identity(cfg: C.Config, model_path: str, engine, train_data: bool = True
     }
 
 
-def train_data_sha256(cfg: C.Config) -> str:
+def train_data_sha256(cfg: common.Config) -> str:
     """The training problems' fingerprint: the file's sha256, or for problems made here ("smoke", "learn") the name
     and the sha256 of the problems themselves, so that a history of another version of them is refused."""
-    if cfg.train_data not in C.GENERATED_DATA:
+    if cfg.train_data not in common.GENERATED_DATA:
         return sha256_file(cfg.train_data)
-    problems = json.dumps(C.problems_from(cfg.train_data, cfg.run_seed), sort_keys=True).encode()
+    problems = json.dumps(common.problems_from(cfg.train_data, cfg.run_seed), sort_keys=True).encode()
     return f"{cfg.train_data} {hashlib.sha256(problems).hexdigest()}"
 
 
 def identity_differences(recorded: dict, current: dict, compare_config: bool = True) -> list[str]:
     """Human-readable differences between a history's identity and this run's (empty: compatible). Without
     compare_config only what defines the weights is compared (base, noise, layout, TP, device, versions)."""
-    diffs, any_tp = [], C.is_checkpoint_noise(recorded.get("config", {}))
+    diffs, any_tp = [], common.is_checkpoint_noise(recorded.get("config", {}))
     for key, value in current.items():
         if not compare_config and key in ("config", "train_data_sha256"):
             continue
@@ -185,7 +185,7 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
             continue  # checkpoint noise: the same weights at every TP size (the digests compare them)
         if key == "config":
             # a field newer than the history: its default is the old behaviour
-            defaults = dataclasses.asdict(C.Config())
+            defaults = dataclasses.asdict(common.Config())
             for field, now in value.items():
                 then = recorded["config"].get(field, defaults.get(field))
                 if field not in resume_free_fields(recorded["config"]) and then != now:
@@ -229,10 +229,10 @@ def check_base(recorded: dict, current: dict, compare_config: bool = True) -> No
     engine's."""
     diffs = identity_differences(recorded, current, compare_config)
     if diffs:
-        raise C.HistoryMismatch("this history was made by a different run:\n  " + "\n  ".join(diffs))
+        raise common.HistoryMismatch("this history was made by a different run:\n  " + "\n  ".join(diffs))
 
 
-def check_config(recorded: dict, cfg: C.Config) -> None:
+def check_config(recorded: dict, cfg: common.Config) -> None:
     check_base({"config": recorded["config"]}, {"config": dataclasses.asdict(cfg)})
 
 
@@ -242,7 +242,7 @@ def rebuild_from_history(engine, cfg: Config, model_path: str, history: dict, ge
     engine's base weights. Returns this engine's identity and the rebuilt per-rank digests."""
     identity = run_identity(cfg, model_path, engine, train_data=compare_config)
     check_base(history, identity, compare_config)
-    return identity, C.replay(engine, progress_bar(generations, desc=desc, leave=False), identity["base_digests"])
+    return identity, common.replay(engine, progress_bar(generations, desc=desc, leave=False), identity["base_digests"])
 
 
 # ---- Fingerprints: SHA256SUMS beside published files, the weight files of a base model
@@ -317,8 +317,8 @@ def model_fingerprint(model: str) -> str:
     different base. Hub ids are resolved to their local snapshot folder first (models.resolve_model)."""
     folder = Path(model)
     if not folder.is_dir():
-        raise C.ConfigError(f"{model}: not a model folder (models.resolve_model turns a hub id into its local "
-                            "snapshot)")
+        raise common.ConfigError(f"{model}: not a model folder (models.resolve_model turns a hub id into its local "
+                                 "snapshot)")
     h = hashlib.sha256()
     for f in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
         h.update(f"{f.name}|{f.stat().st_size}|{sha256_file(f)}\n".encode())

@@ -31,13 +31,8 @@ from pathlib import Path
 
 import torch
 
-import checkpoint_noise
-import common as C
-import engine as E
-import history as H
-import restore_patch
-import sandbox
-import tracking
+import common
+from agentic_es import checkpoint_noise, engine, history, restore_patch, sandbox, tracking
 
 
 POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
@@ -54,13 +49,13 @@ MPS_COMMANDS = ("export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIR
                 "nvidia-cuda-mps-control)")
 
 
-class EnginesDisagree(C.EngineFailure):
+class EnginesDisagree(common.EngineFailure):
     """Two engines of the pool hold different weights after the same updates: their results cannot be mixed."""
 
 
 # ---- placement: pure functions ----
 
-def pool_size(cfg: C.Config, device: str) -> int:
+def pool_size(cfg: common.Config, device: str) -> int:
     """--engines, else one engine per tensor_parallel_size GPUs (of the Ray cluster with --ray_address), at least
     one; on CPU one unless asked."""
     if cfg.engines:
@@ -89,14 +84,14 @@ def gpu_groups(gpu_ids: list[str], tensor_parallel_size: int) -> list[list[str]]
 def place_engines(engines: int, groups: int) -> list[int]:
     """The GPU group of each engine: k mod G, so that engines share GPUs only when there are more than groups."""
     if groups < 1:
-        raise C.ConfigError("no GPU group to place an engine on (fewer GPUs than tensor_parallel_size)")
+        raise common.ConfigError("no GPU group to place an engine on (fewer GPUs than tensor_parallel_size)")
     return [k % groups for k in range(engines)]
 
 
-def cpu_binding(engine: int, tensor_parallel_size: int, cores: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for engine k of a CPU pool: its own core per rank ('0', '1'; '0|1', '2|3' at
+def cpu_binding(index: int, tensor_parallel_size: int, cores: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for engine `index` of a CPU pool: its own core per rank ('0', '1'; '0|1', '2|3' at
     TP=2), wrapping around when a node has more ranks than cores (a local pool refuses that: check_cpu_pool)."""
-    return "|".join(str((engine * tensor_parallel_size + r) % cores) for r in range(tensor_parallel_size))
+    return "|".join(str((index * tensor_parallel_size + r) % cores) for r in range(tensor_parallel_size))
 
 
 def check_cpu_pool(engines: int, tensor_parallel_size: int, cores: int) -> None:
@@ -104,9 +99,9 @@ def check_cpu_pool(engines: int, tensor_parallel_size: int, cores: int) -> None:
     take turns on the same cores (no faster than fewer engines), each engine holding its own weights and KV cache."""
     ranks = engines * tensor_parallel_size
     if ranks > cores:
-        raise C.ConfigError(f"engines={engines} x tensor_parallel_size={tensor_parallel_size} = {ranks} TP ranks, "
-                            f"but this machine has {cores} CPU cores, one per rank: use --engines="
-                            f"{max(1, cores // tensor_parallel_size)} or fewer")
+        raise common.ConfigError(f"engines={engines} x tensor_parallel_size={tensor_parallel_size} = {ranks} TP ranks, "
+                                 f"but this machine has {cores} CPU cores, one per rank: use --engines="
+                                 f"{max(1, cores // tensor_parallel_size)} or fewer")
 
 
 def parameter_count(config: dict, folder: str | Path | None = None) -> int:
@@ -164,9 +159,9 @@ def formula_parameter_count(config: dict) -> int:
     """Parameters of a checkpoint of FORMULA_MODEL_TYPES from its config.json alone; a ConfigError for others."""
     model_type = config.get("model_type")
     if model_type not in FORMULA_MODEL_TYPES:
-        raise C.ConfigError(f"cannot size the engines' memory: the model folder has no safetensors weights to count "
-                            f"its parameters from, and its config.json (model_type {model_type!r}) is not one of the "
-                            f"layouts counted from the config ({', '.join(FORMULA_MODEL_TYPES)})")
+        raise common.ConfigError(f"cannot size the engines' memory: the model folder has no safetensors weights to "
+                                 f"count its parameters from, and its config.json (model_type {model_type!r}) is not "
+                                 f"one of the layouts counted from the config ({', '.join(FORMULA_MODEL_TYPES)})")
     h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     heads, head_dim = config["num_attention_heads"], _head_dim(config)
     q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
@@ -187,12 +182,13 @@ def language_model_config(config: dict) -> dict:
     text = config if "num_hidden_layers" in config or "text_config" not in config else config["text_config"]
     missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in text]
     if missing:
-        raise C.ConfigError(f"cannot size the engines' memory: config.json (model_type {config.get('model_type')!r}) "
-                            f"has no {', '.join(missing)}, at its top level or in a text_config")
+        raise common.ConfigError(f"cannot size the engines' memory: config.json (model_type "
+                                 f"{config.get('model_type')!r}) has no {', '.join(missing)}, at its top level or in a "
+                                 f"text_config")
     return text
 
 
-def engine_memory_needs(config: dict, cfg: C.Config, folder: str | Path | None = None) -> dict:
+def engine_memory_needs(config: dict, cfg: common.Config, folder: str | Path | None = None) -> dict:
     """Bytes per GPU of one engine: its weights (one TP rank's share; counted from the weight files in `folder`
     when it has them), the KV cache of one full-length sequence, and its restore patch's bound (restore="patch")."""
     dtype = getattr(torch, cfg.dtype)
@@ -227,30 +223,30 @@ def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: in
                f"vLLM share {utilization} x {gib(gpu_total)} = {gib(share)}, one {gib(sequence_kv_bytes)} "
                f"max_model_len sequence of KV cache")
     if kv_room < sequence_kv_bytes:
-        raise C.ConfigError(f"an engine's vLLM share does not hold its weights, {gib(ACTIVATION_RESERVE_BYTES)} of "
-                            f"activations and one max_model_len sequence ({numbers}): raise --gpu_memory_utilization "
-                            "or lower --max_model_len")
+        raise common.ConfigError(f"an engine's vLLM share does not hold its weights, {gib(ACTIVATION_RESERVE_BYTES)} "
+                                 f"of activations and one max_model_len sequence ({numbers}): raise "
+                                 "--gpu_memory_utilization or lower --max_model_len")
     vllm_bytes = engines_per_gpu * (share + ENGINE_OVERHEAD_BYTES)
     if vllm_bytes > gpu_free:
         most = (gpu_free / engines_per_gpu - ENGINE_OVERHEAD_BYTES) / gpu_total
-        raise C.ConfigError(f"{engines_per_gpu} engines per GPU need {gib(vllm_bytes)} ({numbers}, "
-                            f"{gib(ENGINE_OVERHEAD_BYTES)} overhead each): use --gpu_memory_utilization={most:.2f} "
-                            "or less, or fewer --engines")
+        raise common.ConfigError(f"{engines_per_gpu} engines per GPU need {gib(vllm_bytes)} ({numbers}, "
+                                 f"{gib(ENGINE_OVERHEAD_BYTES)} overhead each): use "
+                                 f"--gpu_memory_utilization={most:.2f} or less, or fewer --engines")
     if restore == "patch" and vllm_bytes + engines_per_gpu * patch_bytes > gpu_free:
-        raise C.ConfigError(f"the restore patches do not fit on the GPUs ({engines_per_gpu} x {gib(patch_bytes)} "
-                            f"beside {gib(vllm_bytes)} of vLLM, {gib(gpu_free)} free; a patch is a bit per element "
-                            "plus patch_capacity of the weights): lower --patch_capacity or "
-                            "--gpu_memory_utilization, use fewer --engines, or --restore=copy_host")
+        raise common.ConfigError(f"the restore patches do not fit on the GPUs ({engines_per_gpu} x {gib(patch_bytes)} "
+                                 f"beside {gib(vllm_bytes)} of vLLM, {gib(gpu_free)} free; a patch is a bit per "
+                                 "element plus patch_capacity of the weights): lower --patch_capacity or "
+                                 "--gpu_memory_utilization, use fewer --engines, or --restore=copy_host")
     copies_on_gpu = engines_per_gpu * weights_bytes
     host_copies = engines_on_node * tensor_parallel_size * weights_bytes
     if restore == "copy_device" and vllm_bytes + copies_on_gpu > gpu_free:
         restore = "copy_host"  # as exact; a host-to-device copy per restore instead of a device copy
     if restore == "copy_host" and host_copies > HOST_PINNED_SHARE * host_free:
-        raise C.ConfigError(f"the exact-restore copies fit neither on the GPUs ({engines_per_gpu} x "
-                            f"{gib(weights_bytes)} beside {gib(vllm_bytes)} of vLLM, {gib(gpu_free)} free) nor in "
-                            f"pinned host memory ({engines_on_node} engines x {tensor_parallel_size} ranks x "
-                            f"{gib(weights_bytes)} = {gib(host_copies)}, {HOST_PINNED_SHARE:.0%} of "
-                            f"{gib(host_free)} free); lower --gpu_memory_utilization or use fewer --engines")
+        raise common.ConfigError(f"the exact-restore copies fit neither on the GPUs ({engines_per_gpu} x "
+                                 f"{gib(weights_bytes)} beside {gib(vllm_bytes)} of vLLM, {gib(gpu_free)} free) nor in "
+                                 f"pinned host memory ({engines_on_node} engines x {tensor_parallel_size} ranks x "
+                                 f"{gib(weights_bytes)} = {gib(host_copies)}, {HOST_PINNED_SHARE:.0%} of "
+                                 f"{gib(host_free)} free); lower --gpu_memory_utilization or use fewer --engines")
     return {"restore": restore, "engines_per_gpu": engines_per_gpu, "gpu_total_bytes": gpu_total,
             "gpu_free_bytes": gpu_free, "vllm_share_bytes": int(share), "weights_bytes": weights_bytes,
             "kv_cache_bytes": int(kv_room), "device_copy_bytes": weights_bytes if restore == "copy_device" else 0,
@@ -264,9 +260,10 @@ def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: boo
     if engines_per_group <= 1 or mps:
         return None
     if tensor_parallel_size > 1:
-        raise C.ConfigError(f"{engines_per_group} engines at tensor_parallel_size={tensor_parallel_size} would share "
-                            "GPUs without CUDA MPS: their NCCL collectives stall under time-slicing. Start MPS on "
-                            f"the node first:\n  {MPS_COMMANDS}\nor use --engines <= GPUs // tensor_parallel_size")
+        raise common.ConfigError(f"{engines_per_group} engines at tensor_parallel_size={tensor_parallel_size} would "
+                                 "share GPUs without CUDA MPS: their NCCL collectives stall under time-slicing. Start "
+                                 f"MPS on the node first:\n  {MPS_COMMANDS}\nor use --engines <= GPUs // "
+                                 f"tensor_parallel_size")
     return (f"{engines_per_group} engines share each GPU without CUDA MPS: their kernels only time-slice (measured "
             "on one H200: 4 engines 1.2x one engine's throughput without MPS, 2.2x with it). Start MPS: "
             + MPS_COMMANDS)
@@ -279,13 +276,13 @@ def engines_to_plan(where: list[int], k: int) -> dict:
     return {"engines_per_gpu": where[k:].count(where[k]), "engines_on_node": len(where) - k}
 
 
-def start_gpu_engine(cfg: C.Config, model_path: str, gpus: list[str], *, engines_per_gpu: int, engines_on_node: int,
-                     perturbs: bool = True, **engine_kwargs) -> E.Engine:
+def start_gpu_engine(cfg: common.Config, model_path: str, gpus: list[str], *, engines_per_gpu: int,
+                     engines_on_node: int, perturbs: bool = True, **engine_kwargs) -> engine.Engine:
     """One GPU engine of a pool, under the machine's GPU memory lock: its memory plan from what is free now (after
     every engine started before it, this run's or another's; the refusal names the numbers, before this engine
     starts), its start, and its exact-restore copy or patch (none for an engine that never perturbs), so that the
     next start sees that memory used."""
-    with E.gpu_memory_lock():
+    with engine.gpu_memory_lock():
         report = node_report(gpus)
         if report["gpu_total_bytes"] is not None:  # nvidia-smi told
             config = json.loads((Path(model_path) / "config.json").read_text())
@@ -297,14 +294,14 @@ def start_gpu_engine(cfg: C.Config, model_path: str, gpus: list[str], *, engines
                 **engine_memory_needs(config, cfg, model_path))
             if perturbs:
                 cfg = dataclasses.replace(cfg, restore=plan["restore"])
-        engine = E.Engine(cfg, model_path, perturbs=perturbs, **engine_kwargs)
+        started = engine.Engine(cfg, model_path, perturbs=perturbs, **engine_kwargs)
         try:
             if perturbs:
-                engine.reserve_restore_copy()
+                started.reserve_restore_copy()
         except BaseException:
-            engine.close()
+            started.close()
             raise
-        return engine
+        return started
 
 
 # ---- what a node has ----
@@ -377,7 +374,7 @@ class _EngineActor:
     """One Engine inside a Ray actor process (--ray_address). It runs two calls at a time (max_concurrency=2), so
     that poll() answers while a member or a batch of episodes runs."""
 
-    def __init__(self, cfg: C.Config, model_path: str, engine_kwargs: dict, env: dict, sandbox_check: dict | None,
+    def __init__(self, cfg: common.Config, model_path: str, engine_kwargs: dict, env: dict, sandbox_check: dict | None,
                  plan: dict | None = None):
         os.environ.update(env)  # the GPUs of its group (Ray sets CUDA_VISIBLE_DEVICES for num_gpus=0 actors)
         self._lock, self._finished = threading.Lock(), []
@@ -387,11 +384,11 @@ class _EngineActor:
         # hands over as a RayTaskError carrying the exception itself.
         try:
             if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as well
-                C.check_sandbox(cfg, **sandbox_check)
+                common.check_sandbox(cfg, **sandbox_check)
             # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
             executor = "mp" if cfg.tensor_parallel_size > 1 else None
             if plan is None:
-                self._engine = E.Engine(cfg, model_path, executor=executor, **engine_kwargs)
+                self._engine = engine.Engine(cfg, model_path, executor=executor, **engine_kwargs)
             else:  # a GPU group's engine: its memory plan is made on its node, from what is free when it starts
                 gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
                 self._engine = start_gpu_engine(cfg, model_path, gpus, executor=executor, **plan, **engine_kwargs)
@@ -399,7 +396,7 @@ class _EngineActor:
             self._start_error = exc
 
     @property
-    def engine(self) -> E.Engine:
+    def engine(self) -> engine.Engine:
         if self._start_error is not None:
             raise self._start_error
         return self._engine
@@ -451,13 +448,13 @@ class RemoteEngine:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, Exception) else exc
-            if isinstance(cause, C.ConfigError):
-                raise C.ConfigError(f"{self.name}: {cause}") from exc
-            raise C.EngineFailure(f"{self.name} failed during {what}: {cause}") from exc
+            if isinstance(cause, common.ConfigError):
+                raise common.ConfigError(f"{self.name}: {cause}") from exc
+            raise common.EngineFailure(f"{self.name} failed during {what}: {cause}") from exc
         except ray.exceptions.RayError as exc:  # actor died (process killed, node lost), or unavailable
             # a failed creation task (one _EngineActor does not catch) says what failed: all of it
             detail = str(exc) if getattr(exc, "actor_init_failed", False) else str(exc)[:600]
-            raise C.EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {detail})") from exc
+            raise common.EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {detail})") from exc
 
     def _call(self, method: str, /, *args, **kwargs):
         """engine.method(*args, **kwargs) in the actor, waited for."""
@@ -509,7 +506,7 @@ class RemoteEngine:
         import ray
 
         with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
-            ray.get(self.actor.close.remote(), timeout=E.ENGINE_SHUTDOWN_S + 30)
+            ray.get(self.actor.close.remote(), timeout=engine.ENGINE_SHUTDOWN_S + 30)
         with contextlib.suppress(Exception):
             ray.kill(self.actor)
 
@@ -524,19 +521,19 @@ def _probe_node(gpu_count: int) -> dict:
 
 # ---- the pool ----
 
-class EnginePool(C.ClosedOnExit):
+class EnginePool(common.ClosedOnExit):
     """K engines with the facade the scripts need: evaluate_members (training), run_agent (evaluation, replay),
     update, digests (checked to agree across engines), rpc and parameter_names_sha256 (engine 0's). A context
     manager; leaving it shuts every engine down. An engine that dies fails the call with an EngineFailure naming
     it; the stage then resumes from its files when started again. engine_kwargs go to each Engine: perturbs=False
     starts a read-only pool (no restore memory; evaluate_members is refused)."""
 
-    def __init__(self, cfg: C.Config, model_path: str, **engine_kwargs):
+    def __init__(self, cfg: common.Config, model_path: str, **engine_kwargs):
         self.cfg, self.engines, self._groups = cfg, [], []
-        self.device = C.device_type()
+        self.device = common.device_type()
         if not cfg.ray_address:  # before any engine starts: the TP size, and on the CPU the pool, must fit here
-            E.check_placement(cfg.tensor_parallel_size, self.device,
-                              len(visible_gpus()) if self.device == "cuda" else None)
+            engine.check_placement(cfg.tensor_parallel_size, self.device,
+                                              len(visible_gpus()) if self.device == "cuda" else None)
             if self.device != "cuda":
                 check_cpu_pool(pool_size(cfg, self.device), cfg.tensor_parallel_size, len(os.sched_getaffinity(0)))
         self.size = pool_size(cfg, self.device)
@@ -565,14 +562,14 @@ class EnginePool(C.ClosedOnExit):
         engine too) or CPU cores."""
         tp = self.cfg.tensor_parallel_size
         if self.device != "cuda" and self.size == 1:
-            self.engines.append(E.Engine(self.cfg, model_path, **engine_kwargs))
+            self.engines.append(engine.Engine(self.cfg, model_path, **engine_kwargs))
             self.placement.append({"node": "local", "devices": "all visible"})
             return
         if self.device != "cuda":
             cores = os.cpu_count() or 1
             for k in range(self.size):
                 with environment(VLLM_CPU_OMP_THREADS_BIND=cpu_binding(k, tp, cores)):
-                    self.engines.append(E.Engine(self.cfg, model_path, **engine_kwargs))
+                    self.engines.append(engine.Engine(self.cfg, model_path, **engine_kwargs))
                 self._started({"node": "local", "cpu_cores": cpu_binding(k, tp, cores)})
             return
         groups = gpu_groups(visible_gpus(), tp)
@@ -582,11 +579,11 @@ class EnginePool(C.ClosedOnExit):
         self._check_colocation(counts, [mps] * len(groups))
         for k, j in enumerate(where):
             with environment(CUDA_VISIBLE_DEVICES=",".join(groups[j])):
-                engine = start_gpu_engine(self.cfg, model_path, groups[j], **engines_to_plan(where, k),
+                started = start_gpu_engine(self.cfg, model_path, groups[j], **engines_to_plan(where, k),
                                           **engine_kwargs)
-            self.engines.append(engine)
+            self.engines.append(started)
             self._started({"node": "local", "gpus": groups[j], "group": j, "co_located": counts[j],
-                           "restore": engine.restore_mode, "mps": mps})
+                           "restore": started.restore_mode, "mps": mps})
 
     def _start_remote(self, model_path: str, engine_kwargs: dict) -> None:
         """K engines as Ray actors: per GPU group one placement group (its GPUs on one node) holding that group's
@@ -608,15 +605,15 @@ class EnginePool(C.ClosedOnExit):
             try:
                 ray.get(group.ready(), timeout=POOL_START_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
-                raise C.ConfigError(f"the Ray cluster has no room for GPU group {j} ({bundle} on one node); it has "
-                                    f"{ray.cluster_resources()}") from None
+                raise common.ConfigError(f"the Ray cluster has no room for GPU group {j} ({bundle} on one node); it "
+                                         f"has {ray.cluster_resources()}") from None
         strategy = lambda j: PlacementGroupSchedulingStrategy(self._groups[j], placement_group_bundle_index=0)  # noqa
         reports = [ray.get(ray.remote(_probe_node).options(num_cpus=0, num_gpus=tp if gpu else 0,
                                                             scheduling_strategy=strategy(j)).remote(tp))
                    for j in range(len(counts))]
         if gpu:
             self._check_colocation(counts, [r["mps"] for r in reports])
-        path = os.pathsep.join(p for p in (str(C.REPO), os.environ.get("PYTHONPATH", "")) if p)
+        path = os.pathsep.join(p for p in (str(common.REPO), os.environ.get("PYTHONPATH", "")) if p)
         checked = dict(sandbox.SANDBOX_CHECKED) if sandbox.SANDBOX_CHECKED else None
         remote = ray.remote(_EngineActor)
         for k, j in enumerate(where):
@@ -630,9 +627,9 @@ class EnginePool(C.ClosedOnExit):
             actor = remote.options(num_cpus=1, num_gpus=0, max_concurrency=2, runtime_env={"env_vars": env},
                                    scheduling_strategy=strategy(j)).remote(
                 self.cfg, str(model_path), engine_kwargs, env, checked, plan)
-            engine = RemoteEngine(actor, f"engine {k} of {self.size}")
-            self.engines.append(engine)
-            where_k = engine.where()  # waits for this engine to be up before the next one starts
+            remote = RemoteEngine(actor, f"engine {k} of {self.size}")
+            self.engines.append(remote)
+            where_k = remote.where()  # waits for this engine to be up before the next one starts
             self._started(dict(where_k, group=j, co_located=counts[j], mps=reports[j]["mps"]))
 
     def _started(self, placement: dict) -> None:
@@ -642,9 +639,9 @@ class EnginePool(C.ClosedOnExit):
 
     def close(self) -> None:
         """Shut every engine down (also after a failure of one of them)."""
-        for engine in self.engines:
+        for each in self.engines:
             with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
-                engine.close()
+                each.close()
         self.engines = []
         if self._groups:
             from ray.util.placement_group import remove_placement_group
@@ -660,10 +657,10 @@ class EnginePool(C.ClosedOnExit):
 
     def _named(self, k: int, what: str, exc: BaseException) -> BaseException:
         """An engine's failure, naming the engine when the pool has several."""
-        if self.size == 1 or isinstance(exc, (C.ConfigError, KeyboardInterrupt)) or str(exc).startswith("engine "):
+        if self.size == 1 or isinstance(exc, (common.ConfigError, KeyboardInterrupt)) or str(exc).startswith("engine "):
             return exc
-        if isinstance(exc, C.EngineFailure):
-            return C.EngineFailure(f"{self._name(k)} failed during {what}: {exc}")
+        if isinstance(exc, common.EngineFailure):
+            return common.EngineFailure(f"{self._name(k)} failed during {what}: {exc}")
         return exc
 
     def _each(self, method: str, *args, **kwargs) -> list:
@@ -683,9 +680,9 @@ class EnginePool(C.ClosedOnExit):
     def check_same_devices(self, devices: list[list[dict]]) -> None:
         """The noise streams depend on the device model: a mixed pool would train on two different noises."""
         if any(d != devices[0] for d in devices):
-            raise C.ConfigError("the engines run on different device models (" + "; ".join(
-                f"engine {k}: {H.describe_devices(d)}" for k, d in enumerate(devices)) + "); the noise depends on the "
-                "device model, so every engine of a pool must use the same one")
+            raise common.ConfigError("the engines run on different device models (" + "; ".join(
+                f"engine {k}: {history.describe_devices(d)}" for k, d in enumerate(devices)) + "); the noise depends "
+                "on the device model, so every engine of a pool must use the same one")
 
     def rpc(self, method: str, **kwargs) -> list:
         return self._each("rpc", method, **kwargs)[0]
@@ -712,7 +709,7 @@ class EnginePool(C.ClosedOnExit):
 
     def base_digests(self, model_path: str) -> list[str]:
         """Engine.base_digests for the pool: its engines hold the same base (digests() checks it)."""
-        if C.is_checkpoint_noise(self.cfg):
+        if common.is_checkpoint_noise(self.cfg):
             return checkpoint_noise.checked_checkpoint_digests(self, model_path, self.cfg.dtype)
         return self.digests()
 
@@ -731,7 +728,7 @@ class EnginePool(C.ClosedOnExit):
         ran it and whenever it finished. Timings: the members' summed perturb/rollout/restore seconds and the
         wall time of the whole population ("members")."""
         timings, t0 = {}, time.perf_counter()
-        results = self.work(len(seeds), desc, "member", lambda engine, i, on_record: engine.evaluate_member(
+        results = self.work(len(seeds), desc, "member", lambda worker, i, on_record: worker.evaluate_member(
             seeds[i], sigma, jobs, desc=f"member {i} episodes" if self.size == 1 else None, on_record=on_record))
         for _, member_timings in results:
             for key, seconds in member_timings.items():
@@ -746,7 +743,7 @@ class EnginePool(C.ClosedOnExit):
             return self.engines[0].run_agent(jobs, desc=desc, on_record=on_record)
         size = max(1, math.ceil(len(jobs) / self.size))
         slices = [jobs[i:i + size] for i in range(0, len(jobs), size)]
-        results = self.work(len(slices), desc, "slice", lambda engine, i, record: engine.run_agent(
+        results = self.work(len(slices), desc, "slice", lambda worker, i, record: worker.run_agent(
             slices[i], desc=None, on_record=record), on_record=on_record, total_episodes=len(jobs))
         return [record for records in results for record in records]
 

@@ -7,7 +7,7 @@ Namespaces come from bubblewrap when it runs, else (as root) from unshare; witho
 leak check refuses unless told otherwise. Standard library only (no torch, no vLLM, no project module): what
 depends on a run's settings (its run folder, data and checkpoint, whether leaks are allowed) the caller passes in.
 
-    python sandbox.py      # this machine's sandbox: the kind in use, the leak findings, what python3 imports
+    python agentic_es/sandbox.py  # this machine's sandbox: the kind in use, the leak findings, what python3 imports
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent  # the project folder: hidden from every command
+REPO = Path(__file__).resolve().parents[1]  # the project folder: hidden from every command
 
 BASH_TIMEOUT_S = 20.0                # wall-clock limit of one command run here directly (the stages pass theirs)
 SANDBOX_MEMORY_BYTES = 2 * 1024**3   # RLIMIT_AS of every sandboxed process
@@ -520,7 +520,7 @@ def check_sandbox(run_dir, data=(), checkpoint=None, *, allow_leaks=False, error
 
 
 def sandbox_report(run_dir=REPO / "runs", data=(REPO / "data",)):
-    """What the GPU check prints (`python sandbox.py`): the detected kind, the leak findings and what the sandbox's
+    """What the GPU check prints (`python agentic_es/sandbox.py`): the detected kind, the leak findings and what the sandbox's
     python3 imports. By default it probes the project's runs and data folders; pass a run's own to probe those."""
     kind = sandbox_kind()
     workdir = make_workdir()

@@ -1,0 +1,21 @@
+"""The machinery of the stage scripts (00_data.py .. 04_replay.py, at the top of the repository).
+The algorithm is common.py, also at the top: the noise, the sigma schedule, the z-score update and
+the agent loop. These modules run it. Importing the package imports nothing: import the module you
+need (from agentic_es import engine). One concern per module, each saying it in its first docstring.
+
+Running vLLM:
+    checkpoint_noise  noise keyed by checkpoint tensor and element: the same weights at any TP
+    digests           sha256 weight digests per TP rank: the exactness check everywhere
+    engine            one vLLM engine behind a synchronous facade, and the scripts' start and stop
+    pool              K engines at once: placement, memory plans, the work queue, Ray
+    restore_patch     exact restore without a copy of the weights (restore="patch")
+The agent:
+    sandbox           where the agent's bash commands run, and the start-up leak check
+    scoring           the reply's answer against the gold, in worker processes
+A run's files:
+    fileio            atomic writes, JSON read with its shape checked, crash-safe JSONL
+    history           the run history: identity, refusals of another run's files, rebuild, manifests
+    models            the models the project builds itself, and resolve_model for any model name
+The command line:
+    cli               presets, --key=value overrides of Config, --help
+    tracking          progress bars, step timings, the reward curve, TensorBoard scalars"""
