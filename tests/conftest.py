@@ -1,3 +1,6 @@
+"""What the test modules share: the engine mark's check (pytest.ini), an offline hub cache, waiting for processes to
+end, acting as another user, and the numbered scripts run in this process or as subprocesses."""
+
 import contextlib
 import hashlib
 import importlib
@@ -126,19 +129,24 @@ def run_script(script, *args) -> subprocess.CompletedProcess:
 
     module = importlib.import_module(Path(script).stem)
     out, err, saved, status = io.StringIO(), io.StringIO(), dict(os.environ), 0
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        patch.setattr(engine, "prepare_script", lambda: None)
-        patch.setattr(sys, "argv", [str(script), *map(str, args)])
-        patch.chdir(REPO)
-        try:
-            engine.run_stage(module.main, STAGE_NAMES[Path(script).stem])
-        except SystemExit as stop:  # as the interpreter ends on it: a text on stderr and status 1, or a status
-            status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-            if isinstance(stop.code, str):
-                print(stop.code, file=sys.stderr)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+    try:
+        with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            patch.setattr(engine, "prepare_script", lambda: None)
+            patch.setattr(sys, "argv", [str(script), *map(str, args)])
+            patch.chdir(REPO)
+            try:
+                engine.run_stage(module.main, STAGE_NAMES[Path(script).stem])
+            except SystemExit as stop:  # as the interpreter ends on it: a text on stderr and status 1, or a status
+                status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+                if isinstance(stop.code, str):
+                    print(stop.code, file=sys.stderr)
+    except BaseException:  # a failure of the test, not a refusal: what the stage printed goes with its report
+        sys.stdout.write(out.getvalue())
+        sys.stderr.write(err.getvalue())
+        raise
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     return subprocess.CompletedProcess([sys.executable, str(script), *map(str, args)], status, out.getvalue(),
                                        err.getvalue())
 
