@@ -152,6 +152,28 @@ def test_smoke_preset_end_to_end(tmp_path):
     assert sha(tmp_path / HISTORY_FILE) == before
 
 
+def test_a_history_written_by_2ec1038_resumes_to_the_same_weights_and_exports(tmp_path):
+    """A history from before the fitness and per-generation restore fields (tests/fixtures/README.md): its first two
+    of three generations resumed with today's code train the third to the seeds, rewards and digests 2ec1038
+    recorded, keep the old records as they were, and export to those digests."""
+    old = fileio.read_json(Path(__file__).parent / "fixtures" / "es_history_2ec1038.json")
+    assert "fitness" not in old["config"] and "restore" not in old["generations"][0]  # what makes it old
+    fileio.write_json_atomic(dict(old, generations=old["generations"][:2]), tmp_path / HISTORY_FILE)
+    proc = run_script(TRAIN_WITH_TEST_REWARD, "--preset=smoke", f"--run_dir={tmp_path}", "--generations=3")
+    if "devices: the history was made on" in proc.stderr:
+        pytest.skip(f"the fixture was made on {old['devices'][0]['name']}: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = fileio.read_json(tmp_path / HISTORY_FILE)
+    assert resumed["generations"][:2] == old["generations"][:2]
+    new, recorded = resumed["generations"][2], old["generations"][2]
+    for key in ("sigma", "seeds", "problem_ids", "rewards", "z", "digests"):
+        assert new[key] == recorded[key], key
+    assert new["restore"] == resumed["config"]["restore"]  # what today's records add
+    run("02_export.py", f"--run_dir={tmp_path}")
+    manifest = fileio.read_json(tmp_path / "export" / EXPORT_MANIFEST)
+    assert manifest["per_rank_digests"] == recorded["digests"] and manifest["replayed_generations"] == 3
+
+
 def test_bad_training_input_is_refused_and_nothing_is_touched(trained, tmp_path):
     missing = run("01_train.py", f"--run_dir={tmp_path / 'a'}", "--train_data=/no/such/file.jsonl", ok=False)
     assert "problems file not found" in missing.stderr
