@@ -627,9 +627,9 @@ class EnginePool(common.ClosedOnExit):
             actor = remote.options(num_cpus=1, num_gpus=0, max_concurrency=2, runtime_env={"env_vars": env},
                                    scheduling_strategy=strategy(j)).remote(
                 self.cfg, str(model_path), engine_kwargs, env, checked, plan)
-            remote = RemoteEngine(actor, f"engine {k} of {self.size}")
-            self.engines.append(remote)
-            where_k = remote.where()  # waits for this engine to be up before the next one starts
+            started = RemoteEngine(actor, f"engine {k} of {self.size}")
+            self.engines.append(started)
+            where_k = started.where()  # waits for this engine to be up before the next one starts
             self._started(dict(where_k, group=j, co_located=counts[j], mps=reports[j]["mps"]))
 
     def _started(self, placement: dict) -> None:
