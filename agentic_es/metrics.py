@@ -1,4 +1,4 @@
-"""The evaluation metrics of 03_eval.py (SPEC.md): Mean4 and Pass4 per group of four samples of each problem, mean@16,
+"""The evaluation metrics of 03_eval.py: Mean4 and Pass4 per group of four samples of each problem, mean@16,
 the unbiased pass@4, and the mean reward of a set's episodes, from the eval16 records (one per problem and sample)."""
 
 from __future__ import annotations
