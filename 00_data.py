@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import common
-from agentic_es import cli, fileio, history
+from agentic_es import cli, data, fileio, history
 
 OUT = "data"  # where the three problem files are written
 SOURCE_DIR = ""  # empty: the Hugging Face hub
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> dict:
     opts, rest = cli.parse_args(argv, options)
     if rest:
         raise common.ConfigError(f"unknown options {rest}; 00_data.py takes --out, --source_dir, --cache_dir, --force")
-    manifest = fileio.read_json(common.DATA_MANIFEST)["files"]
+    manifest = fileio.read_json(data.DATA_MANIFEST)["files"]
     out = Path(opts["out"])
 
     status, sources = {}, {}

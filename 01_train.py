@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import common
-from agentic_es import cli, engine, fileio, models, tracking
+from agentic_es import cli, data, engine, fileio, models, tracking
 from agentic_es.history import (HISTORY_FILE, check_config, generation_settings, read_history, rebuild_from_history,
                                 run_identity)
 from agentic_es.pool import EnginePool
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> dict:
     cli.exit_if_help(argv, __doc__)
     cfg = cli.parse_config(argv)
     run_dir = Path(cfg.run_dir)
-    problems = common.training_problems(cfg)
+    problems = data.training_problems(cfg)
     fileio.check_output_path(run_dir, "run_dir")
     common.check_sandbox(cfg, data=[cfg.train_data])  # refuses a sandbox that could see the answers (unless allowed)
     model_path = models.resolve_model(cfg.model, download=True)  # a hub id: its local snapshot, fetched once

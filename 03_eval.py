@@ -21,8 +21,10 @@ from pathlib import Path
 
 import common
 from agentic_es import checkpoint_noise, cli, engine, fileio, models
+from agentic_es.data import problems_from
 from agentic_es.history import (EXPORT_MANIFEST, HISTORY_FILE, RESTORE_FIELDS, RESUME_FREE_FIELDS, check_loaded_export,
                                 config_from_history, read_history, sha256_file)
+from agentic_es.metrics import EPISODE_RECORD_KEYS, EVAL_METRICS, EVAL_SAMPLES, REPORTED_GROUP, dataset_metrics
 from agentic_es.pool import EnginePool
 
 EXPORT = "<run_dir>/export"  # a folder written by 02_export.py; empty: evaluate the base model itself
@@ -61,19 +63,19 @@ def main(argv: list[str]) -> dict:
     with open_checkpoint(cfg, export, manifest) as (engines, checkpoint):
         out.mkdir(parents=True, exist_ok=True)  # once the engines run: a refused setting leaves no folder behind
         claim_output_folder(out, checkpoint, cfg, data)
-        metrics = {"checkpoint": checkpoint, "samples": common.EVAL_SAMPLES, "reported_group": common.REPORTED_GROUP,
+        metrics = {"checkpoint": checkpoint, "samples": EVAL_SAMPLES, "reported_group": REPORTED_GROUP,
                    "datasets": {}}
         for name, problems in datasets.items():
-            records = evaluate(engines, problems, range(common.EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
+            records = evaluate(engines, problems, range(EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
             fileio.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
                                       "config": dataclasses.asdict(cfg),
                                       "records": strip_transcripts(records, cfg.fitness)},
                                      out / f"{name}_eval16.json")
             write_transcripts_markdown(records, out / f"{name}_failed.md")
-            metrics["datasets"][name] = common.dataset_metrics(records, cfg.fitness)
-    fileio.write_json_atomic(metrics, out / common.EVAL_METRICS)  # last: the evaluation is complete
+            metrics["datasets"][name] = dataset_metrics(records, cfg.fitness)
+    fileio.write_json_atomic(metrics, out / EVAL_METRICS)  # last: the evaluation is complete
     print(format_metrics_table(metrics["datasets"]))
-    print(f"[eval] wrote {out}/{{{','.join(data)}}}_eval16.json and {common.EVAL_METRICS}")
+    print(f"[eval] wrote {out}/{{{','.join(data)}}}_eval16.json and {EVAL_METRICS}")
     return metrics
 
 
@@ -84,7 +86,7 @@ def check_finished_episodes(out: Path) -> None:
         fileio.read_json(out / "eval_run.json", required=("checkpoint", "config", "data"))
     for name in {**DATASETS, **LEARN_DATASETS}:
         if (out / f"{name}_episodes.jsonl").exists():
-            fileio.read_jsonl(out / f"{name}_episodes.jsonl", required=common.EPISODE_RECORD_KEYS)
+            fileio.read_jsonl(out / f"{name}_episodes.jsonl", required=EPISODE_RECORD_KEYS)
 
 
 def base_config(cfg, overrides: list[str]):
@@ -114,7 +116,7 @@ def data_paths(opts: dict, cfg) -> dict:
 
 
 def eval_problems(path: str, cfg) -> list[dict]:
-    problems = common.problems_from(path, cfg.run_seed)
+    problems = problems_from(path, cfg.run_seed)
     return problems[:cfg.eval_problems] if cfg.eval_problems else problems
 
 
@@ -165,7 +167,7 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
 def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
     """All (problem, sample) episodes. Each finished episode (with its transcript) is appended to `log` as it
     ends; the ones already there are kept, not re-run."""
-    finished = fileio.read_jsonl(log, required=common.EPISODE_RECORD_KEYS) if log.exists() else []
+    finished = fileio.read_jsonl(log, required=EPISODE_RECORD_KEYS) if log.exists() else []
     done = {(r["problem_id"], r["sample_index"]): r for r in finished}
     todo = [(p, i) for p in problems for i in sample_indices if (p["id"], i) not in done]
     if done:
@@ -193,7 +195,7 @@ def format_metrics_table(metrics_by_dataset):
     """Aligned text table: one row per dataset, the reported group first, then the per-group Mean4 spread."""
     first = next(iter(metrics_by_dataset.values()), None)
     group_names = [g["group"] for g in first["groups"]] if first else []
-    header = ["dataset", f"Mean4@{common.REPORTED_GROUP}", f"Pass4@{common.REPORTED_GROUP}", "mean@16", "pass@4 unbiased"]
+    header = ["dataset", f"Mean4@{REPORTED_GROUP}", f"Pass4@{REPORTED_GROUP}", "mean@16", "pass@4 unbiased"]
     kind = first["reward"]["fitness"] if first else "agent"
     if kind != "agent":  # the agent score's mean reward is mean@16 itself
         header.append(f"{kind} reward@16")

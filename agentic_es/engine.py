@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 
 import common
-from agentic_es import checkpoint_noise, fileio, restore_patch, scoring
+from agentic_es import checkpoint_noise, fileio, restore_patch, scoring, vllm_platform
 from agentic_es.tracking import progress_bar, stopwatch
 
 
@@ -176,8 +176,8 @@ def configure_cpu_env(tensor_parallel_size: int) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # the ES parameters must stay the weights the matmuls use: in this process (a forked worker inherits it) and in
     # every spawned worker, which imports common with this variable set
-    os.environ[common.KEEP_CPU_WEIGHTS_ENV] = "1"
-    common.keep_cpu_linear_weights()
+    os.environ[vllm_platform.KEEP_CPU_WEIGHTS_ENV] = "1"
+    vllm_platform.keep_cpu_linear_weights()
     cores = os.cpu_count() or 1
     if cores >= 2 and os.environ.get(CPU_BIND) in (None, os.environ.get(CPU_BIND_DEFAULT)):  # unset, or ours
         # a core of its own per rank on a small machine; vLLM's own placement over the NUMA nodes on a larger one
@@ -371,7 +371,7 @@ class ChatPrompts:
 
 # ---- the engine ----
 
-class Engine(common.ClosedOnExit):
+class Engine(fileio.ClosedOnExit):
     """vLLM at TP=2 with the ES worker extension and prefix caching on. Every weight change (perturb, restore,
     update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights. perturbs=False: a read-only
     engine (export, evaluation, replay), which holds no exact-restore copy or patch and refuses to perturb."""
@@ -379,7 +379,7 @@ class Engine(common.ClosedOnExit):
     def __init__(self, cfg: common.Config, model_path: str, *, load_format: str = "auto", tokenizer: str | None = None,
                  skip_tokenizer_init: bool = False, executor: str | None = None, perturbs: bool = True):
         self.cfg, self.perturbs = cfg, perturbs
-        self.device = common.device_type()
+        self.device = vllm_platform.device_type()
         check_placement(cfg.tensor_parallel_size, self.device)
         self._tokenizer_path = tokenizer or model_path
         self.prompts = (None if skip_tokenizer_init  # no tokenizer: no agent
@@ -413,6 +413,7 @@ class Engine(common.ClosedOnExit):
         try:
             with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
                 self.llm = self._run(self._start(engine_config(args)))
+            self.configure_workers()
         except BaseException:
             # a failed start cleans up after itself, but a start interrupted by SIGTERM/Ctrl-C cannot be cancelled
             # and would leave EngineCore and its workers running: end what it has spawned
@@ -525,15 +526,24 @@ class Engine(common.ClosedOnExit):
                                "or patch")
         if getattr(self, "_restore_copy_taken", False) or self.cfg.restore == "subtract":
             return
+        self.configure_workers()  # the restore mode and capacity the copy or patch is for
         with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
-            self.rpc("es_snapshot", restore=self.cfg.restore, patch_capacity=restore_patch.patch_capacity(self.cfg))
+            self.rpc("es_snapshot")
         self._restore_copy_taken = True
+
+    def configure_workers(self) -> None:
+        """The run's ES settings to every worker (ESWorker.es_configure): when the engine starts, so that the weight
+        calls name only their own arguments; again only if self.cfg was replaced since (tests switch modes)."""
+        settings = dict(chunk=self.cfg.noise_chunk, restore=self.cfg.restore, rounding=self.cfg.rounding,
+                        patch_capacity=restore_patch.patch_capacity(self.cfg))
+        if settings != getattr(self, "_worker_settings", None):
+            self.rpc("es_configure", **settings)
+            self._worker_settings = settings
 
     def perturb(self, seed: int, sigma: float) -> None:
         self.reserve_restore_copy()
-        refusals = self.rpc("es_perturb", seed=seed, sigma=sigma, chunk=self.cfg.noise_chunk,
-                            restore=self.cfg.restore, rounding=self.cfg.rounding,
-                            patch_capacity=restore_patch.patch_capacity(self.cfg))
+        self.configure_workers()
+        refusals = self.rpc("es_perturb", seed=seed, sigma=sigma)
         if any(refusals):  # restore="patch" overflowed: every rank is back at the exact centre
             raise common.PatchOverflow(next(r for r in refusals if r))
         self.reset_prefix_cache()
@@ -543,7 +553,8 @@ class Engine(common.ClosedOnExit):
         self.reset_prefix_cache()
 
     def update(self, seeds: list[int], coeffs: list[float]) -> None:
-        self.rpc("es_update", seeds=seeds, coeffs=coeffs, chunk=self.cfg.noise_chunk, rounding=self.cfg.rounding)
+        self.configure_workers()
+        self.rpc("es_update", seeds=seeds, coeffs=coeffs)
         self.reset_prefix_cache()
 
     def evaluate_member(self, seed: int, sigma: float, jobs: list[tuple[dict, int]], *,

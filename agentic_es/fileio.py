@@ -1,8 +1,10 @@
 """Files a run writes and reads: atomic writes (temp file, fsync, rename), JSON read with its shape checked, JSONL
 that survives a crash (a torn last line is dropped), and the lock files through which the processes of every user
-of a machine take turns. The weight digests are in digests.py; SHA256SUMS, fingerprints and the sharded_state
-export's manifest in history.py."""
+of a machine take turns; and ClosedOnExit, the `with` of what holds files and processes open (an engine, a pool, a
+tracker). The weight digests are in digests.py; SHA256SUMS, fingerprints and the sharded_state export's manifest in
+history.py."""
 
+import contextlib
 import json
 import math
 import os
@@ -10,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from common import ConfigError, DataError
+
 
 def _fsync_dir(folder):
     """Make a rename durable: the directory entry itself must reach the disk."""
@@ -209,3 +212,20 @@ def read_jsonl(path, required=None):
     if required is not None:
         check_shape(rows, [required], path, "row")
     return rows
+
+
+# ---- The `with` of what holds files and processes open
+
+class ClosedOnExit:
+    """`with engine:` closes it on the way out. If the block raised, that error is the one to report, not one
+    from closing after it (an engine that failed may not close cleanly)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):
+            self.close()

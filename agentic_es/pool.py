@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 import common
-from agentic_es import checkpoint_noise, engine, history, restore_patch, sandbox, tracking
+from agentic_es import checkpoint_noise, engine, fileio, history, restore_patch, sandbox, tracking, vllm_platform
 
 
 POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
@@ -521,7 +521,7 @@ def _probe_node(gpu_count: int) -> dict:
 
 # ---- the pool ----
 
-class EnginePool(common.ClosedOnExit):
+class EnginePool(fileio.ClosedOnExit):
     """K engines with the facade the scripts need: evaluate_members (training), run_agent (evaluation, replay),
     update, digests (checked to agree across engines), rpc and parameter_names_sha256 (engine 0's). A context
     manager; leaving it shuts every engine down. An engine that dies fails the call with an EngineFailure naming
@@ -530,7 +530,7 @@ class EnginePool(common.ClosedOnExit):
 
     def __init__(self, cfg: common.Config, model_path: str, **engine_kwargs):
         self.cfg, self.engines, self._groups = cfg, [], []
-        self.device = common.device_type()
+        self.device = vllm_platform.device_type()
         if not cfg.ray_address:  # before any engine starts: the TP size, and on the CPU the pool, must fit here
             engine.check_placement(cfg.tensor_parallel_size, self.device,
                                               len(visible_gpus()) if self.device == "cuda" else None)

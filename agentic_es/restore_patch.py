@@ -3,8 +3,8 @@ perturbed value gives the original bits back for most elements (bf16 N(0, 0.02) 
 rounding to nearest, ~74% after stochastic rounding; bench/README.md). The perturbation finds the others itself,
 chunk by chunk, by computing the restore's result before it is needed, and the patch keeps their original bits: one
 bit per element (where the subtraction misses) plus the missed elements' bits in walk order, in buffers of fixed
-capacity allocated once, so that the memory plan can count them. The noise functions (common.add_noise_,
-checkpoint_noise.add_checkpoint_noise_) call RestorePatch.chunk after each chunk they write."""
+capacity allocated once, so that the memory plan can count them. Both noise kinds (common.add_noise_,
+checkpoint_noise.add_checkpoint_noise_) change a parameter through the patch by its walk (walk_)."""
 
 import math
 
@@ -24,6 +24,22 @@ def patch_bytes(numel: dict[torch.dtype, int], capacity: float) -> int:
     a bit per element, and for each dtype `capacity` of its elements (`numel`: elements per dtype) at its size."""
     return ((sum(numel.values()) + 7) // 8
             + sum(math.ceil(capacity * n) * dtype.itemsize for dtype, n in numel.items()))
+
+
+def walk_(patch: "RestorePatch", chunks, coeffs: list[float], changed) -> None:
+    """A noise function's change of one parameter through the patch, chunk by chunk: the walk of both noise kinds.
+    `chunks` yields per chunk its values (a view of the parameter), the members' noise for them, and write_(acc),
+    which rounds a float32 result into the values; changed(values, noise, coeffs) is the noise kind's float32 sum.
+    Recording (a perturbation), each chunk's original bits are kept and the restore's result is computed ahead: the
+    same sum of the same noise negated, rounded to nearest. Applying (the restore, which subtracts), each chunk's
+    missed elements get their bits back. The walk stops where the perturbation stopped (done)."""
+    for values, noise, write_ in chunks:
+        if patch.done():
+            return
+        noise = list(noise)  # the member's noise again, for the restore's result
+        original = values.clone() if patch.recording else None
+        write_(changed(values, noise, coeffs))
+        patch.chunk(values, original, lambda: changed(values, noise, [-c for c in coeffs]))
 
 
 class PatchFull(RuntimeError):
@@ -74,7 +90,7 @@ class RestorePatch:
                                f"{self.taken} of {self.used} patched values: not the perturbation's walk")
 
     def chunk(self, values: torch.Tensor, original: torch.Tensor | None, restored) -> None:
-        """Called by a noise function after writing a chunk: recording, `restored()` is what the restore will
+        """Called by walk_ after writing a chunk: recording, `restored()` is what the restore will
         compute (float32) and the chunk's misses against `original` are noted; applying, the chunk has just been
         restored and its misses get their bits back."""
         if self.recording:

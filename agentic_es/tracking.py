@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agentic_es.fileio import write_file_atomic
-from common import ClosedOnExit, Config, ConfigError
+from agentic_es.fileio import ClosedOnExit, write_file_atomic
+from common import Config, ConfigError
 
 
 # ---- Progress: the bars of episodes, members and generations

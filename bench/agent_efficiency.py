@@ -36,10 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
 import plain_generation  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli, models  # noqa: E402
+from agentic_es import cli, data, models  # noqa: E402
 from agentic_es.engine import Engine, sampling_params  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -110,7 +109,7 @@ def main(argv):
     opts, overrides = cli.parse_args(argv, {"episodes": 16, "repeats": 2, "qwen3_30b": False, "chat_template": "",
                                           "out": ""})
     cfg = cli.parse_config(overrides)
-    problems = common.smoke_problems(opts["episodes"], seed=3)
+    problems = data.smoke_problems(opts["episodes"], seed=3)
     jobs = [(p, 0) for p in problems]
     model, load_format = None, "auto"
     if opts["chat_template"]:  # the tiny model again, with this template and Qwen3's tag tokens

@@ -62,7 +62,7 @@ def main(argv):
         sigma = cfg.sigma_start
         perturb, restore, reset = [], [], []
         for seed in seeds[: opts["repeats"]]:
-            t = time.perf_counter(); engine.rpc("es_perturb", seed=seed, sigma=sigma, chunk=cfg.noise_chunk, restore=cfg.restore); perturb.append(time.perf_counter() - t)
+            t = time.perf_counter(); engine.rpc("es_perturb", seed=seed, sigma=sigma); perturb.append(time.perf_counter() - t)
             t = time.perf_counter(); engine.reset_prefix_cache(); reset.append(time.perf_counter() - t)
             t = time.perf_counter(); engine.rpc("es_restore"); restore.append(time.perf_counter() - t)
             engine.reset_prefix_cache()

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli, models, pool  # noqa: E402
+from agentic_es import cli, metrics, models, pool  # noqa: E402
 from exact_restore import best_utilization  # noqa: E402
 from reference_generation import FIRST_PROMPT_TOKENS, draw_episode, scripted_episode  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
@@ -99,7 +99,7 @@ def episode_tokens(plan: dict, max_model_len: int) -> int:
 def reference_eval_episodes() -> int:
     """Episodes of the reference's 16-sample evaluation: the problems of its sets (data_manifest.json) x 16."""
     manifest = json.loads((common.REPO / "data_manifest.json").read_text())
-    return sum(len(manifest["files"][name]["rows"]) for name in REFERENCE_EVAL_SETS) * common.EVAL_SAMPLES
+    return sum(len(manifest["files"][name]["rows"]) for name in REFERENCE_EVAL_SETS) * metrics.EVAL_SAMPLES
 
 
 def projection(report: dict, phases: dict, seed: int, max_model_len: int) -> dict:
@@ -109,7 +109,7 @@ def projection(report: dict, phases: dict, seed: int, max_model_len: int) -> dic
     needs = pool.engine_memory_needs(qwen3_30b.QWEN3_30B_A3B, cfg)
     rows = plan_rows(needs, report, REFERENCE_TP)
     episodes = reference_eval_episodes()
-    tokens = sum(episode_tokens(draw_episode(seed, e // common.EVAL_SAMPLES, e % common.EVAL_SAMPLES, 1.0),
+    tokens = sum(episode_tokens(draw_episode(seed, e // metrics.EVAL_SAMPLES, e % metrics.EVAL_SAMPLES, 1.0),
                                 max_model_len) for e in range(episodes))
     out = {"model": "Qwen3-30B-A3B, 48 layers, TP=2", "per_gpu_needs": needs, "episodes": episodes,
            "tokens_per_episode_mean": round(tokens / episodes), "engines_per_gpu_pair": {}, "hours": {}}

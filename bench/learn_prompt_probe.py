@@ -16,13 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import learning  # noqa: E402
-from agentic_es import cli, models  # noqa: E402
+from agentic_es import cli, data, models, vllm_platform  # noqa: E402
 from agentic_es.engine import Engine, prepare_script  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 VARIANTS = {
-    "as_is": common.LEARN_QUESTION,
-    "shows_final_line": (common.LEARN_QUESTION
+    "as_is": data.LEARN_QUESTION,
+    "shows_final_line": (data.LEARN_QUESTION
                          + " Then, when it prints the sum, reply: Final answer: \\boxed{{<the sum>}}"),
 }
 
@@ -45,7 +45,7 @@ def main(argv):
                                   "shaped": round(common.fitness(records, "shaped"), 4),
                                   "seconds": round(time.perf_counter() - t0, 1)}))
     return emit({"bench": "learn_prompt_probe", "date": time.strftime("%Y-%m-%d"), "model": cfg.model,
-                 "device": common.device_type(), "rows": rows}, opts["out"])
+                 "device": vllm_platform.device_type(), "rows": rows}, opts["out"])
 
 
 if __name__ == "__main__":

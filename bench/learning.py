@@ -38,9 +38,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
-from agentic_es import cli, fileio, models, tracking  # noqa: E402
+from agentic_es import cli, data, fileio, models, tracking  # noqa: E402
 from agentic_es.engine import Interrupted, prepare_script  # noqa: E402
 from agentic_es.history import rebuild_from_history  # noqa: E402
+from agentic_es.metrics import EVAL_METRICS, EVAL_METRICS_SHAPE, EVAL_SAMPLES  # noqa: E402
 from agentic_es.pool import EnginePool  # noqa: E402
 from fitness_trend import seconds_of  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
@@ -58,7 +59,7 @@ PAPER = {"alpha": 5e-4, "sigma_start": 1e-3, "sigma_end": 5e-4}  # the reference
 def heldout_problems(n):
     """The first n of the learn task's held-out questions (03_eval.py's set): none shares its operands with a
     training question (either order)."""
-    return common.learn_problems(n, seed=common.LEARN_HELDOUT_SEED, split="heldout")
+    return data.learn_problems(n, seed=data.LEARN_HELDOUT_SEED, split="heldout")
 
 
 def evaluate_base_and_trained(cfg, history, problems, samples):
@@ -245,17 +246,17 @@ def stages_eval(run_dir: Path, history: dict) -> dict | None:
     evaluations (eval-base/ and eval/ of the learn task's held-out set, as bench/learn_stages_h200.sh makes them):
     its first eval_problems held-out questions x 16 samples, each episode's reward under the run's fitness; else
     None. same_weights: the evaluated checkpoints' digests are the history's base and trained ones."""
-    paths = {"base": run_dir / "eval-base" / common.EVAL_METRICS, "trained": run_dir / "eval" / common.EVAL_METRICS}
+    paths = {"base": run_dir / "eval-base" / EVAL_METRICS, "trained": run_dir / "eval" / EVAL_METRICS}
     if not all(p.exists() for p in paths.values()):
         return None
-    metrics = {k: fileio.read_json(p, required=common.EVAL_METRICS_SHAPE) for k, p in paths.items()}
+    metrics = {k: fileio.read_json(p, required=EVAL_METRICS_SHAPE) for k, p in paths.items()}
     if any("learn_heldout" not in m["datasets"] for m in metrics.values()):
         return None
     sets = {k: m["datasets"]["learn_heldout"] for k, m in metrics.items()}
     digests = {k: m["checkpoint"]["per_rank_digests"] for k, m in metrics.items()}
     final = history["generations"][-1]["digests"] if history["generations"] else history["base_digests"]
     return {"fitness": sets["trained"]["reward"]["fitness"], "problems": sets["trained"]["n_problems"],
-            "samples": common.EVAL_SAMPLES,
+            "samples": EVAL_SAMPLES,
             **{k: {"reward": d["reward"]["mean_at_16"], "accuracy": d["mean_at_16"], "mean4": d["reported"]["mean4"],
                    "pass4": d["reported"]["pass4"]} for k, d in sets.items()},
             "same_weights": digests == {"base": history["base_digests"], "trained": final}}

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli, models  # noqa: E402
+from agentic_es import cli, models, vllm_platform  # noqa: E402
 from agentic_es.engine import Engine, prepare_script  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -72,7 +72,7 @@ def main(argv):
     model = f"Qwen3-30B-A3B layout cut to {opts['layers']} layers, random weights" if opts["qwen3_30b"] else cfg.model
     return emit({"bench": "noise_modes", "date": time.strftime("%Y-%m-%d"), "model": model,
                  "update_members": opts["population"],
-                 "tensor_parallel_size": cfg.tensor_parallel_size, "device": common.device_type(), "rows": rows},
+                 "tensor_parallel_size": cfg.tensor_parallel_size, "device": vllm_platform.device_type(), "rows": rows},
                 opts["out"])
 
 

@@ -21,8 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
-from agentic_es import cli, fileio, models  # noqa: E402
+from agentic_es import cli, data, fileio, models, vllm_platform  # noqa: E402
 from agentic_es.engine import prepare_script  # noqa: E402
 from agentic_es.pool import EnginePool  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
@@ -58,7 +57,7 @@ def watch_members(pool) -> dict:
 
 def measure(engines: int, overrides: list[str], generations: int, workdir: Path) -> dict:
     cfg = cli.parse_config([*overrides, f"--engines={engines}", f"--run_dir={workdir / f'k{engines}'}"])
-    problems = common.training_problems(cfg)
+    problems = data.training_problems(cfg)
     t0 = time.perf_counter()
     with EnginePool(cfg, models.resolve_model(cfg.model)) as pool:
         start_s = time.perf_counter() - t0
@@ -98,7 +97,8 @@ def main(argv):
               f"{r['member_seconds_per_generation']:>9} {r['straggler_tail_s_per_generation']:>7} "
               f"{r['tail_share_of_wall']:>9} {r['speedup']:>8}")
     same = all(r["final_digests"] == runs[0]["final_digests"] for r in runs)
-    return emit({"bench": "population_parallel", "date": time.strftime("%Y-%m-%d"), "device": common.device_type(),
+    return emit({"bench": "population_parallel", "date": time.strftime("%Y-%m-%d"),
+                 "device": vllm_platform.device_type(),
                  "model": cfg.model, "tensor_parallel_size": cfg.tensor_parallel_size, "population": cfg.population,
                  "case_batch": cfg.case_batch, "generations": opts["generations"], "same_weights_for_every_k": same,
                  "runs": [{k: v for k, v in r.items() if k != "final_digests"} for r in runs]}, opts["out"])

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import common
-from agentic_es import sandbox, scoring
+from agentic_es import data, sandbox, scoring
 
 evaluation = importlib.import_module("03_eval")  # writes the failed episodes' transcripts
 
@@ -156,7 +156,7 @@ def test_timeout_is_reported_to_the_model():
     assert "timed out after 1 s" in record["messages"][3]["content"]
 
 
-LEARN = common.learn_problems(1, seed=7)[0]  # "What is A + B? First call the tool: ..."
+LEARN = data.learn_problems(1, seed=7)[0]  # "What is A + B? First call the tool: ..."
 A, B = common.learn_operands(LEARN["question"])
 SUM = LEARN["answer"]
 

@@ -10,14 +10,14 @@ from types import SimpleNamespace
 import pytest
 
 import common
-from agentic_es import cli, models
+from agentic_es import cli, data, models
 from agentic_es.engine import ChatPrompts, Engine, choose_prompt_mode, continuation_user_turn
 
 pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
 
 TEMPLATE = common.REPO / "tests" / "fixtures" / "qwen3_chat_template.jinja"
 CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24", "--prompt_mode=continue"])
-JOBS = [(p, 0) for p in common.smoke_problems(4, seed=2)]
+JOBS = [(p, 0) for p in data.smoke_problems(4, seed=2)]
 GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3 with enable_thinking=False
 
 

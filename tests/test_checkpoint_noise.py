@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import checkpoint_noise, cli, fileio, models
+from agentic_es import checkpoint_noise, cli, data, fileio, metrics, models
 from agentic_es.engine import Engine
 from agentic_es.history import HISTORY_FILE, check_config, config_from_history, run_identity
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha
@@ -144,10 +144,10 @@ def test_replay_of_a_base_evaluated_with_other_noise_says_what_to_run_before_any
                               "base_digests": ["ckpt:0"], "generations": []}, run_dir / HISTORY_FILE)
     base = {"kind": "base", "model": settings["model"], "per_rank_digests": ["a" * 64, "b" * 64]}  # rank-salted
     records = [{"problem_id": p["id"], "sample_index": i, "seed": i, "score": 0.0}
-               for p in common.smoke_problems(1) for i in range(16)]
+               for p in data.smoke_problems(1) for i in range(16)]
     fileio.write_json_atomic({"dataset": "dapo", "data": "smoke", "checkpoint": base, "config": settings,
                               "records": records}, eval_dir / "dapo_eval16.json")
-    fileio.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / common.EVAL_METRICS)
+    fileio.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / metrics.EVAL_METRICS)
     monkeypatch.setattr(replay, "EnginePool", None)  # starting one would fail the test
     with pytest.raises(common.ConfigError, match=r"digests for noise=rank_salted at tensor_parallel_size=2, and this "
                                             r"history rebuilds them for noise=checkpoint.*python 03_eval.py --export= "
@@ -199,7 +199,7 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     assert sha(trained / "export-tp1" / "model.safetensors") == sha(export / "model.safetensors")
     # stock vLLM loading, at another TP size: the evaluation loads the folder and checks the loaded digest
     run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")
-    checkpoint = fileio.read_json(trained / "eval" / common.EVAL_METRICS)["checkpoint"]
+    checkpoint = fileio.read_json(trained / "eval" / metrics.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "export" and checkpoint["per_rank_digests"] == [manifest["digest"]]
     # the replay at TP=1 reads the base through the TP=1 layout (checked against the history's base digest, made at
     # TP=2 from the checkpoint file) and replays the TP=2 run's updates, each generation to its recorded digest
@@ -216,7 +216,7 @@ def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_nois
     out = tmp_path / "eval-base"
     run("03_eval.py", f"--run_dir={trained}", "--export=", f"--out={out}", "--eval_problems=1")
     history = fileio.read_json(trained / HISTORY_FILE)
-    checkpoint = fileio.read_json(out / common.EVAL_METRICS)["checkpoint"]
+    checkpoint = fileio.read_json(out / metrics.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "base" and checkpoint["per_rank_digests"] == history["base_digests"]
     run("04_replay.py", f"--run_dir={trained}", f"--eval={out}")
     report = fileio.read_json(out / "aligned_history_replay_eval4.json")

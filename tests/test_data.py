@@ -20,12 +20,15 @@ import pytest
 
 import common
 from agentic_es import cli, fileio, history
+from agentic_es.data import (DATA_MANIFEST, LEARN_HELDOUT_PAIRS, LEARN_OPERANDS, LEARN_PROBLEMS, LEARN_TRAIN_SEED,
+                             SMOKE_PROBLEMS, learn_problems, load_problems, problems_from, smoke_problems,
+                             training_problems)
 
 REPO = common.REPO
 SHARED = REPO.parent / "shared" / "data"  # the reference files: never part of the project
 data = importlib.import_module("00_data")
 evaluation = importlib.import_module("03_eval")
-MANIFEST = fileio.read_json(common.DATA_MANIFEST)["files"]
+MANIFEST = fileio.read_json(DATA_MANIFEST)["files"]
 NAMES = list(MANIFEST)  # build order: dapo_train400, dapo_test100, aime2026
 needs_reference_files = pytest.mark.skipif(
     not all((SHARED / name).exists() for name in NAMES),
@@ -115,7 +118,7 @@ def standin_manifest(tmp_path, monkeypatch):
     """The stand-ins' manifest in data_manifest.json's place: 00_data.py builds the stand-ins."""
     path = tmp_path / "data_manifest.json"
     fileio.write_json_atomic({"format": "es-data-manifest/1", "files": STANDIN_MANIFEST}, path)
-    monkeypatch.setattr(common, "DATA_MANIFEST", path)
+    monkeypatch.setattr("agentic_es.data.DATA_MANIFEST", path)
     return STANDIN_MANIFEST
 
 
@@ -131,7 +134,7 @@ def leftovers(out: Path) -> list[str]:
 def test_manifest_describes_the_reference_files_without_their_questions():
     files = {name: (SHARED / name).read_bytes().decode() for name in NAMES}
     assert manifest_of(files) == MANIFEST
-    text = common.DATA_MANIFEST.read_text()
+    text = DATA_MANIFEST.read_text()
     for name in NAMES:
         assert not any(json.dumps(r["question"])[1:-1] in text for r in reference_rows(files, name))  # no question
 
@@ -238,9 +241,9 @@ def test_a_missing_default_file_names_the_command_that_builds_it(tmp_path, monke
                                           "python 00_data.py$"):
         evaluation.main(["--export="])
     with pytest.raises(common.DataError, match="build it with: python 00_data.py --out=elsewhere$"):
-        common.load_problems("elsewhere/aime2026.jsonl")
+        load_problems("elsewhere/aime2026.jsonl")
     with pytest.raises(common.DataError, match="not found$"):
-        common.load_problems("data/other.jsonl")
+        load_problems("data/other.jsonl")
 
 
 def test_default_paths_are_the_built_files_and_the_smoke_and_learn_presets_need_none():
@@ -262,35 +265,35 @@ def test_default_paths_are_the_built_files_and_the_smoke_and_learn_presets_need_
         evaluation.data_paths(dict(no_paths, aime2026="x.jsonl"), learn)
     with pytest.raises(common.ConfigError, match="--learn_heldout= names a set this run does not evaluate"):
         evaluation.data_paths(dict(no_paths, learn_heldout="x.jsonl"), smoke)
-    assert common.problems_from("smoke", smoke.run_seed) == common.smoke_problems(common.SMOKE_PROBLEMS,
+    assert problems_from("smoke", smoke.run_seed) == smoke_problems(SMOKE_PROBLEMS,
                                                                                   seed=smoke.run_seed)
 
 
 def test_learn_problems_are_right_sums_and_held_out_sets_share_no_operands_with_training():
-    train = common.learn_problems(common.LEARN_PROBLEMS, seed=common.LEARN_TRAIN_SEED)
-    held_out = common.learn_problems(128, seed=1, split="heldout")
+    train = learn_problems(LEARN_PROBLEMS, seed=LEARN_TRAIN_SEED)
+    held_out = learn_problems(128, seed=1, split="heldout")
 
     def operands(p):
         return tuple(int(x) for x in p["question"].split("?")[0].removeprefix("What is ").split(" + "))
 
     trained_pairs = {frozenset(operands(p)) for p in train}
-    assert len({p["question"] for p in train}) == common.LEARN_PROBLEMS == 192
+    assert len({p["question"] for p in train}) == LEARN_PROBLEMS == 192
     assert not trained_pairs & {frozenset(operands(p)) for p in held_out}  # not even as b + a
-    low, high = common.LEARN_OPERANDS
+    low, high = LEARN_OPERANDS
     for p in train + held_out:
         a, b = operands(p)
         assert low <= a <= high and low <= b <= high and p["answer"] == str(a + b)
     assert len({p["id"] for p in train + held_out}) == len(train) + len(held_out)
-    assert common.problems_from("learn", 0) == train  # the preset's one training set, whatever the run seed
-    every = common.learn_problems(2 * common.LEARN_HELDOUT_PAIRS, seed=1, split="heldout")
+    assert problems_from("learn", 0) == train  # the preset's one training set, whatever the run seed
+    every = learn_problems(2 * LEARN_HELDOUT_PAIRS, seed=1, split="heldout")
     assert {operands(p) for p in every} == {(b, a) for a, b in map(operands, every)}  # both orders held out
-    evaluated = common.problems_from("learn_heldout", 5)  # 03_eval's set: every held-out question, one order
-    assert evaluated == common.problems_from("learn_heldout", 6) and evaluated[:128] == held_out
+    evaluated = problems_from("learn_heldout", 5)  # 03_eval's set: every held-out question, one order
+    assert evaluated == problems_from("learn_heldout", 6) and evaluated[:128] == held_out
     assert {p["question"] for p in evaluated} == {p["question"] for p in every}
     with pytest.raises(common.ConfigError, match="never trained on"):
-        common.training_problems(cli.parse_config(["--preset=learn", "--train_data=learn_heldout"]))
+        training_problems(cli.parse_config(["--preset=learn", "--train_data=learn_heldout"]))
     with pytest.raises(common.DataError, match="only 132 questions"):  # asking for more than exist
-        common.learn_problems(133, seed=1, split="heldout")
+        learn_problems(133, seed=1, split="heldout")
     # a history trained on another version of the generated problems (this one's were split differently) is refused
     learn = cli.parse_config(["--preset=learn"])
     now = history.train_data_sha256(learn)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, fileio, models, restore_patch, sandbox, tracking
+from agentic_es import cli, data, fileio, models, restore_patch, sandbox, tracking
 from agentic_es.engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
 from agentic_es.history import (GENERATION_SETTINGS, HISTORY_FILE, POOL_FIELDS, check_config, config_from_history,
                                 run_identity)
@@ -94,7 +94,7 @@ def engines_at_work(pool, method: str):
 
 def train_on(pool, run_dir, cfg) -> dict:
     """The smoke run on `pool`, generation by generation as 01_train.py runs it."""
-    problems = common.training_problems(cfg)
+    problems = data.training_problems(cfg)
     history = dict(run_identity(cfg, MODEL, pool), generations=[])
     for g in range(cfg.generations):
         with engines_at_work(pool, "evaluate_member") as ran:
@@ -421,7 +421,7 @@ class FakeGPU:
 def fake_gpu_pool(monkeypatch, tmp_path, gpu: FakeGPU, engines: int, *extra, gpus=("0",), **engine_kwargs):
     """An EnginePool of FakeGPUEngines on `gpus` (TP=1 and gpu_memory_utilization=0.3 unless `extra` says)."""
     monkeypatch.setattr("agentic_es.engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
-    monkeypatch.setattr("common.device_type", lambda: "cuda")
+    monkeypatch.setattr("agentic_es.vllm_platform.device_type", lambda: "cuda")
     monkeypatch.setattr("torch.cuda.device_count", lambda: len(gpus))
     monkeypatch.setattr("agentic_es.pool.visible_gpus", lambda: list(gpus))
     monkeypatch.setattr("agentic_es.pool.mps_running", lambda: True)
@@ -451,7 +451,7 @@ def test_memory_another_process_takes_between_two_starts_refuses_the_next_start_
 def test_the_pool_refuses_co_location_without_mps_before_any_engine_starts(monkeypatch, tmp_path):
     gpu = FakeGPU()
     monkeypatch.setattr("agentic_es.engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
-    monkeypatch.setattr("common.device_type", lambda: "cuda")
+    monkeypatch.setattr("agentic_es.vllm_platform.device_type", lambda: "cuda")
     monkeypatch.setattr("agentic_es.pool.visible_gpus", lambda: ["0", "1"])
     monkeypatch.setattr("agentic_es.pool.mps_running", lambda: False)
     monkeypatch.setattr("agentic_es.pool.node_report", gpu.report)
@@ -563,8 +563,8 @@ def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_
     engine.reset_prefix_cache = lambda: None
     engine.perturb(1, 0.1)
     engine.perturb(2, 0.1)  # the copy is taken once, before the first perturbation
-    assert [c for c in calls if c[0] != "es_restore"] == [("es_snapshot", True), ("es_perturb", False),
-                                                          ("es_perturb", False)]
+    assert [c for c in calls if c[0] != "es_restore"] == [("es_configure", False), ("es_snapshot", True),
+                                                          ("es_perturb", False), ("es_perturb", False)]
     engine._loop = asyncio.new_event_loop()
     engine._thread = threading.Thread(target=engine._loop.run_forever, daemon=True)
     engine._thread.start()
@@ -691,7 +691,7 @@ def test_two_engines_make_the_history_and_records_of_one(one_engine_run, two_eng
 
 @pytest.mark.engine
 def test_episodes_are_spread_over_the_engines_in_input_order(two_engines, two_engine_run):
-    problems = common.smoke_problems(3, seed=2)
+    problems = data.smoke_problems(3, seed=2)
     jobs = [(p, i) for p in problems for i in (0, 1)]
     finished = []
     with engines_at_work(two_engines, "run_agent") as ran:
@@ -724,7 +724,7 @@ def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
     os.kill(two_engines.engines[1].engine_core_pids()[0], signal.SIGKILL)
     cfg = config(2, run_dir)
     with pytest.raises(common.EngineFailure, match="engine 1 of 2 failed during member"):
-        train.run_generation(two_engines, cfg, common.training_problems(cfg), 1, reply_variety,
+        train.run_generation(two_engines, cfg, data.training_problems(cfg), 1, reply_variety,
                              run_dir / train.ROLLOUTS)
     assert not run_dir.exists()  # nothing of the failed generation was written
     two_engines.close()  # the survivor shuts down too

@@ -203,19 +203,20 @@ def test_perturb_restore_is_bit_exact(engine, monkeypatch, restore, rounding):
             assert m["patch_bytes"] == restore_patch.patch_bytes({torch.bfloat16: m["params"]}, capacity)
 
 
-def test_subtract_restore_is_within_bf16_rounding_but_not_exact(engine):
+def test_subtract_restore_is_within_bf16_rounding_but_not_exact(engine, monkeypatch):
     """Documents why restore copies by default: subtracting the same noise again loses bits in bf16."""
     base = engine.digests()
     engine.perturb(seed=7, sigma=1e-3)  # copy mode: saves the exact centre, then perturbs
     centre, perturbed = flat_per_rank(engine, saved=True), flat_per_rank(engine)
     engine.restore()
-    engine.rpc("es_perturb", seed=7, sigma=1e-3, chunk=CFG.noise_chunk, restore="subtract")
+    monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, restore="subtract"))
+    engine.perturb(seed=7, sigma=1e-3)
     assert all(torch.equal(a, b) for a, b in zip(flat_per_rank(engine), perturbed))  # the same perturbation
-    engine.rpc("es_restore")
-    engine.reset_prefix_cache()
+    engine.restore()
     assert engine.digests() != base
     for original, moved, restored in zip(centre, perturbed, flat_per_rank(engine)):
         check_subtract_restore(original, moved, restored)
+    monkeypatch.undo()
     engine.perturb(seed=8, sigma=1e-3)  # a copy-mode restore brings back the exact saved centre
     engine.restore()
     assert engine.digests() == base

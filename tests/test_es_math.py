@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, digests, engine, fileio
+from agentic_es import cli, data, digests, engine, fileio
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, check_base, check_config, config_from_history,
                                 identity_differences, name_only_fingerprint, read_history)
 
@@ -533,7 +533,7 @@ def test_each_generation_record_tells_the_restore_mode_it_ran_with(tmp_path):
     train = importlib.import_module("01_train")
     first = cli.parse_config(["--preset=smoke", "--restore=copy_host"])
     resumed = dataclasses.replace(first, restore="patch", patch_capacity=0.3)
-    problems, engines = common.training_problems(first), ScoringPool()
+    problems, engines = data.training_problems(first), ScoringPool()
     records = [train.run_generation(engines, cfg, problems, g, train.member_fitness(cfg), tmp_path / "rollouts")
                for g, cfg in enumerate([first, first, resumed])]
     assert [{k: r[k] for k in ("restore", "patch_capacity")} for r in records] == [

@@ -155,13 +155,15 @@ def test_an_overflow_leaves_the_exact_centre_and_says_what_to_change(rounding):
     params = weights(torch.bfloat16)
     centre = [bits(t) for t in params]
     worker = Worker(params)
-    refusal = worker.es_perturb(5, SIGMA, CHUNK, "patch", rounding, patch_capacity=0.01)
+    worker.es_configure(CHUNK, "patch", rounding, patch_capacity=0.01)
+    refusal = worker.es_perturb(5, SIGMA)
     assert re.fullmatch(r"restore=patch: member seed 5 at sigma 0\.001 misses more elements than the patch holds "
                         r"\(patch_capacity=0\.01 of each rank's elements; rank 0: at least \d+ of 27447 elements "
                         r"\(torch\.bfloat16\) need the patch after \d+ of them, capacity 275\)\. The weights are "
                         r"back at the centre; raise --patch_capacity or use --restore=copy_device", refusal)
     assert [bits(t) for t in params] == centre and worker.es_perturbation is None
-    assert worker.es_perturb(5, SIGMA, CHUNK, "patch", rounding, patch_capacity=0.5) is None  # a new patch
+    worker.es_configure(CHUNK, "patch", rounding, patch_capacity=0.5)
+    assert worker.es_perturb(5, SIGMA) is None  # a new patch
     assert [bits(t) for t in params] != centre
     worker.es_restore()
     assert [bits(t) for t in params] == centre
@@ -171,7 +173,8 @@ def test_another_rank_s_overflow_brings_this_rank_back_too():
     params = weights(torch.float16)
     centre = [bits(t) for t in params]
     worker = Worker(params, others=["at least 9 of 9 elements need the patch"])
-    refusal = worker.es_perturb(5, SIGMA, CHUNK, "patch", "nearest", patch_capacity=0.5)
+    worker.es_configure(CHUNK, "patch", "nearest", patch_capacity=0.5)
+    refusal = worker.es_perturb(5, SIGMA)
     assert "(patch_capacity=0.5 of each rank's elements; rank 1: at least 9 of 9" in refusal
     assert [bits(t) for t in params] == centre and worker.es_perturbation is None
 
@@ -179,10 +182,12 @@ def test_another_rank_s_overflow_brings_this_rank_back_too():
 def test_update_changes_nothing_without_an_active_member_and_keeps_the_copy_the_centre():
     params = weights(torch.bfloat16, sizes=(5000,))
     worker = Worker(params)
-    worker.es_perturb(5, SIGMA, CHUNK, "copy_device", "stochastic")
+    worker.es_configure(CHUNK, "copy_device", "stochastic", patch_capacity=0.0)
+    worker.es_perturb(5, SIGMA)
     worker.es_restore()
     before = bits(params[0])
-    worker.es_update([1, 2], [0.0, 0.0], CHUNK, "stochastic")  # z = 0: no noise drawn, no rounding applied
+    worker.es_update([1, 2], [0.0, 0.0])  # z = 0: no noise drawn, no rounding applied
     assert bits(params[0]) == before
-    worker.es_update([1, 2], [1e-3, 0.0], CHUNK, "nearest")
+    worker.es_configure(CHUNK, "copy_device", "nearest", patch_capacity=0.0)
+    worker.es_update([1, 2], [1e-3, 0.0])
     assert bits(params[0]) != before and bits(worker.es_copy[0]) == bits(params[0])

@@ -11,8 +11,9 @@ import importlib
 import pytest
 
 import common
-from agentic_es import fileio
+from agentic_es import data, fileio
 from agentic_es.history import EXPORT_MANIFEST, HISTORY_FILE
+from agentic_es.metrics import EVAL_SAMPLES
 from train_with_test_reward import first_reply_variety
 
 pytestmark = pytest.mark.engine  # the four stages run vLLM engines (pytest.ini)
@@ -68,11 +69,11 @@ def test_the_evaluation_is_of_held_out_additions_with_the_shaped_reward_beside_m
     run_dir, _, metrics, _ = learn_run
     assert list(metrics["datasets"]) == [SET]
     episodes = fileio.read_jsonl(run_dir / "eval" / f"{SET}_episodes.jsonl")
-    (problem,) = common.problems_from(SET, 0)[:1]  # the preset's eval_problems, here cut to 1
-    assert {e["problem_id"] for e in episodes} == {problem["id"]} and len(episodes) == common.EVAL_SAMPLES
-    assert problem["question"] not in {p["question"] for p in common.problems_from("learn", 0)}
+    (problem,) = data.problems_from(SET, 0)[:1]  # the preset's eval_problems, here cut to 1
+    assert {e["problem_id"] for e in episodes} == {problem["id"]} and len(episodes) == EVAL_SAMPLES
+    assert problem["question"] not in {p["question"] for p in data.problems_from("learn", 0)}
     by_sample = {e["sample_index"]: e for e in episodes}
-    in_order = [by_sample[i] for i in range(common.EVAL_SAMPLES)]
+    in_order = [by_sample[i] for i in range(EVAL_SAMPLES)]
     m = metrics["datasets"][SET]
     assert m["reward"] == {"fitness": "shaped", "mean_at_16": sum(map(first_reply_variety, in_order)) / 16}
     assert m["mean_at_16"] == common.fitness(in_order, "agent") and {"mean4", "pass4"} <= set(m["reported"])

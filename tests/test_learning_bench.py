@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 import common
-from agentic_es import fileio, tracking
+from agentic_es import data, fileio, metrics, tracking
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 import fitness_trend  # noqa: E402
 import learning  # noqa: E402
 
-PROBLEM = common.learn_problems(1, seed=7)[0]
+PROBLEM = data.learn_problems(1, seed=7)[0]
 GOLD = PROBLEM["answer"]
 
 
@@ -248,7 +248,7 @@ def test_the_report_holds_03_evals_held_out_reward_of_the_same_run_when_its_fold
         held_out = {"reward": {"fitness": "shaped", "mean_at_16": reward}, "mean_at_16": accuracy,
                     "reported": {"mean4": accuracy, "pass4": 2 * accuracy}, "n_problems": 64}
         fileio.write_json_atomic({"checkpoint": {"per_rank_digests": digests}, "datasets": {"learn_heldout": held_out}},
-                                 tmp_path / folder / common.EVAL_METRICS)
+                                 tmp_path / folder / metrics.EVAL_METRICS)
 
     evaluated("eval-base", ["b0"], 0.05, 0.0)
     assert learning.stages_eval(tmp_path, history) is None  # the trained model not evaluated yet

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 import common
-from agentic_es import cli, fileio, history, models, tracking
+from agentic_es import cli, fileio, history, metrics, models, tracking
+from agentic_es.data import DATA_MANIFEST, load_problems, smoke_problems
 from conftest import as_user
 
 DATA_DIR = common.REPO.parent / "shared" / "data"  # the reference files, where CI keeps them beside the clone
-MANIFEST = json.loads(common.DATA_MANIFEST.read_text())["files"]
+MANIFEST = json.loads(DATA_MANIFEST.read_text())["files"]
 
 # -----------------------------------------------------------------------------
 # data
@@ -36,7 +37,7 @@ def problem_line(pid="a", question="What is 1 + 1?", answer="2", **extra):
 
 def test_load_problems_keeps_order_and_extra_fields(tmp_path):
     path = write_lines(tmp_path, [problem_line("a", source="s1"), "", problem_line("b")])
-    problems = common.load_problems(path)
+    problems = load_problems(path)
     assert [p["id"] for p in problems] == ["a", "b"]
     assert problems[0]["source"] == "s1"
 
@@ -53,16 +54,16 @@ def test_load_problems_keeps_order_and_extra_fields(tmp_path):
 def test_load_problems_errors_name_file_and_line(tmp_path, lines, expected):
     path = write_lines(tmp_path, lines)
     with pytest.raises(common.DataError) as e:
-        common.load_problems(path)
+        load_problems(path)
     assert path + expected in str(e.value)
 
 
 def test_load_problems_missing_and_empty_file(tmp_path):
     with pytest.raises(common.DataError, match="not found"):
-        common.load_problems(str(tmp_path / "nope.jsonl"))
+        load_problems(str(tmp_path / "nope.jsonl"))
     empty = write_lines(tmp_path, [])
     with pytest.raises(common.DataError, match="no problems"):
-        common.load_problems(empty)
+        load_problems(empty)
     assert issubclass(common.DataError, ValueError)
 
 
@@ -72,7 +73,7 @@ def test_real_data_files_load(name, rows):
     assert len(MANIFEST[name]["rows"]) == rows
     if not (DATA_DIR / name).exists():
         pytest.skip(f"no reference data file {DATA_DIR / name} beside this clone: its {rows} rows are not loaded")
-    problems = common.load_problems(DATA_DIR / name)
+    problems = load_problems(DATA_DIR / name)
     assert [[p["id"], p["answer"]] for p in problems] == [row[:2] for row in MANIFEST[name]["rows"]]
 
 
@@ -86,7 +87,7 @@ def ids(batch):
 
 
 def test_case_batch_deterministic_disjoint_and_covering():
-    problems = common.smoke_problems(400, seed=1)
+    problems = smoke_problems(400, seed=1)
     epoch0 = [ids(common.case_batch(problems, 7, g, 16)) for g in range(25)]
     assert epoch0 == [ids(common.case_batch(problems, 7, g, 16)) for g in range(25)]  # same run seed, same batches
     flat = [pid for batch in epoch0 for pid in batch]
@@ -98,7 +99,7 @@ def test_case_batch_deterministic_disjoint_and_covering():
 
 
 def test_case_batch_straddles_epoch_boundary():
-    problems = common.smoke_problems(10, seed=0)
+    problems = smoke_problems(10, seed=0)
     order0 = [problems[i]["id"] for i in common.epoch_permutation(10, 3, 0)]
     order1 = [problems[i]["id"] for i in common.epoch_permutation(10, 3, 1)]
     assert ids(common.case_batch(problems, 3, 2, 4)) == order0[8:10] + order1[0:2]  # items 8..11
@@ -107,12 +108,12 @@ def test_case_batch_straddles_epoch_boundary():
 @pytest.mark.parametrize("batch_size, generation", [(0, 0), (11, 0), (4, -1)])
 def test_case_batch_rejects_bad_arguments(batch_size, generation):
     with pytest.raises(ValueError):
-        common.case_batch(common.smoke_problems(10, seed=0), 0, generation, batch_size)
+        common.case_batch(smoke_problems(10, seed=0), 0, generation, batch_size)
 
 
 def test_smoke_problems_deterministic_and_correct(tmp_path):
-    rows = common.smoke_problems(20, seed=5)
-    assert rows == common.smoke_problems(20, seed=5)
+    rows = smoke_problems(20, seed=5)
+    assert rows == smoke_problems(20, seed=5)
     assert [r["id"] for r in rows[:2]] == ["smoke-000", "smoke-001"]
     for r in rows:
         expr = r["question"].removeprefix("What is ").removesuffix("?")
@@ -120,7 +121,7 @@ def test_smoke_problems_deterministic_and_correct(tmp_path):
         assert r["answer"] == str(int(a) + int(b) if op == "+" else int(a) * int(b))
     path = str(tmp_path / "smoke.jsonl")
     fileio.write_jsonl(rows, path)
-    assert common.load_problems(path) == rows
+    assert load_problems(path) == rows
 
 # -----------------------------------------------------------------------------
 # scoring metrics
@@ -138,7 +139,7 @@ def make_records(correct=CORRECT):
 
 
 def test_group_metrics_hand_computed():
-    groups = common.group_metrics(list(reversed(make_records())))  # record order must not matter
+    groups = metrics.group_metrics(list(reversed(make_records())))  # record order must not matter
     assert [g["group"] for g in groups] == ["0-3", "4-7", "8-11", "12-15"]
     assert groups[3]["sample_indices"] == [12, 13, 14, 15]
     # correct samples per problem in each group (a, b, c) and problems solved at least once:
@@ -154,7 +155,7 @@ def test_group_metrics_hand_computed():
 
 
 def test_dataset_metrics_hand_computed():
-    m = common.dataset_metrics(make_records())
+    m = metrics.dataset_metrics(make_records())
     assert m["reported"]["group"] == "12-15"
     assert m["reported"]["mean4"] == pytest.approx(0.5833333333333334, abs=1e-15)   # 7/12
     assert m["reported"]["pass4"] == 1.0
@@ -172,17 +173,17 @@ def test_pass_at_k_unbiased_matches_brute_force():
         samples = [1] * c + [0] * (16 - c)
         subsets = list(itertools.combinations(samples, 4))
         brute = sum(any(s) for s in subsets) / len(subsets)
-        assert common.pass_at_k_unbiased(16, c, 4) == pytest.approx(brute, abs=1e-12)
-    assert common.pass_at_k_unbiased(16, 0, 4) == 0.0
-    assert common.pass_at_k_unbiased(16, 13, 4) == 1.0         # n - c < k
-    assert common.pass_at_k_unbiased(16, 3, 1) == pytest.approx(3 / 16)
-    assert 0.0 < common.pass_at_k_unbiased(10_000, 1, 5000) <= 1.0  # large n: no overflow
+        assert metrics.pass_at_k_unbiased(16, c, 4) == pytest.approx(brute, abs=1e-12)
+    assert metrics.pass_at_k_unbiased(16, 0, 4) == 0.0
+    assert metrics.pass_at_k_unbiased(16, 13, 4) == 1.0         # n - c < k
+    assert metrics.pass_at_k_unbiased(16, 3, 1) == pytest.approx(3 / 16)
+    assert 0.0 < metrics.pass_at_k_unbiased(10_000, 1, 5000) <= 1.0  # large n: no overflow
 
 
 @pytest.mark.parametrize("n, c, k", [(16, 17, 4), (16, -1, 4), (16, 3, 0), (4, 1, 5)])
 def test_pass_at_k_unbiased_rejects_bad_arguments(n, c, k):
     with pytest.raises(ValueError):
-        common.pass_at_k_unbiased(n, c, k)
+        metrics.pass_at_k_unbiased(n, c, k)
 
 
 def mutate(records, pid, index, **change):
@@ -205,12 +206,12 @@ def mutate(records, pid, index, **change):
 ])
 def test_metrics_validation_errors(records, message):
     with pytest.raises(common.DataError) as e:
-        common.dataset_metrics(records)
+        metrics.dataset_metrics(records)
     assert message in str(e.value)
 
 
 def test_format_metrics_table():
-    m = common.dataset_metrics(make_records())
+    m = metrics.dataset_metrics(make_records())
     table = importlib.import_module("03_eval").format_metrics_table({"dapo100": m, "aime2026": m})
     lines = table.splitlines()
     assert len(lines) == 3

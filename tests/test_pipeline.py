@@ -23,8 +23,10 @@ import torch
 
 import common
 from agentic_es import fileio, models, tracking
+from agentic_es.data import SMOKE_PROBLEMS, smoke_problems
 from agentic_es.engine import VLLM_LOG
 from agentic_es.history import EXPORT_MANIFEST, HISTORY_FILE, verify_export
+from agentic_es.metrics import EVAL_METRICS, dataset_metrics
 from conftest import run_script, still_running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -64,7 +66,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     run_dir, base, data = tmp / "run", tmp / "my-base", tmp / "train.jsonl"
     shutil.copytree(models.resolve_model("tiny-qwen3-dense"), base)
-    fileio.write_jsonl(common.smoke_problems(common.SMOKE_PROBLEMS, seed=common.Config.run_seed), data)
+    fileio.write_jsonl(smoke_problems(SMOKE_PROBLEMS, seed=common.Config.run_seed), data)
     proc = subprocess.run([sys.executable, TRAIN_WITH_TEST_REWARD, "--preset=smoke", f"--run_dir={run_dir}",
                            f"--model={base}", f"--train_data={data}", "--tracking=tensorboard"], cwd=REPO,
                           capture_output=True, text=True, timeout=900)  # the console a user sees
@@ -267,7 +269,7 @@ def test_eval_writes_records_and_metrics(evaluated, exported):
             assert set(r) >= {"problem_id", "sample_index", "seed", "score", "score_method", "prediction", "turns",
                               "bash_calls", "prompt_tokens", "completion_tokens", "finish_reason", "error"}
             assert r["seed"] == common.request_seed(common.Config.run_seed, r["problem_id"], r["sample_index"], 0)
-        assert metrics["datasets"][name] == json.loads(json.dumps(common.dataset_metrics(records)))
+        assert metrics["datasets"][name] == json.loads(json.dumps(dataset_metrics(records)))
         assert metrics["datasets"][name]["reported"]["group"] == "12-15"
         assert len(fileio.read_jsonl(evaluated / f"{name}_episodes.jsonl")) == 32  # transcripts, the resume state
 
@@ -351,10 +353,10 @@ def test_replay_replays_the_sets_its_evaluation_names_and_refuses_an_unfinished_
     for name in ("aime2026_eval16.json", "aime2026_episodes.jsonl"):
         shutil.copy(evaluated / name, partial / name)
     proc = run("04_replay.py", f"--run_dir={trained}", f"--eval={partial}", ok=False)
-    assert f"{partial / common.EVAL_METRICS} not found" in proc.stderr  # the evaluation did not finish
-    metrics = fileio.read_json(evaluated / common.EVAL_METRICS)
+    assert f"{partial / EVAL_METRICS} not found" in proc.stderr  # the evaluation did not finish
+    metrics = fileio.read_json(evaluated / EVAL_METRICS)
     fileio.write_json_atomic(dict(metrics, datasets={"aime2026": metrics["datasets"]["aime2026"]}),
-                             partial / common.EVAL_METRICS)
+                             partial / EVAL_METRICS)
     assert replay.evaluated_sets(partial) == ["aime2026"]  # what main() replays (test_aligned_replay: both sets)
 
 

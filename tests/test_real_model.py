@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 import common
-from agentic_es import checkpoint_noise, cli, fileio, history, models
+from agentic_es import checkpoint_noise, cli, data, fileio, history, models
 from agentic_es.engine import Engine
+from agentic_es.metrics import EVAL_SAMPLES, dataset_metrics
 
 sys.path.insert(0, str(common.REPO / "bench"))
 import plain_generation  # noqa: E402
@@ -179,7 +180,7 @@ def test_sharded_state_round_trip_is_exact(export):
 
 def test_agent_episodes_use_the_chatml_template(engine):
     assert engine.prompts.user_turn == ("\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")  # continues
-    problems = common.learn_problems(2, seed=5)
+    problems = data.learn_problems(2, seed=5)
     records = engine.run_agent([(p, 0) for p in problems])
     for r, p in zip(records, problems):
         assert r["problem_id"] == p["id"] and r["error"] is None and r["turns"] >= 1
@@ -195,15 +196,15 @@ def test_evaluation_gives_records_and_metrics(export, tmp_path):
     consistent with their scores."""
     _, loaded = export
     evaluation = importlib.import_module("03_eval")
-    problems = common.learn_problems(1, seed=6)
-    records = evaluation.evaluate(loaded, problems, range(common.EVAL_SAMPLES), tmp_path / "episodes.jsonl", "learn")
+    problems = data.learn_problems(1, seed=6)
+    records = evaluation.evaluate(loaded, problems, range(EVAL_SAMPLES), tmp_path / "episodes.jsonl", "learn")
     assert [r["sample_index"] for r in records] == list(range(16))
     assert len({r["seed"] for r in records}) == 16
     for r in evaluation.strip_transcripts(records):
         assert {"problem_id", "sample_index", "seed", "score", "score_method", "prediction", "turns", "bash_calls",
                 "completion_tokens", "finish_reason", "error"} <= set(r) and "messages" not in r
         assert r["score"] in (0, 1) and (r["score"] == 0 or r["bash_calls"] >= 1)
-    metrics = common.dataset_metrics(records)
+    metrics = dataset_metrics(records)
     assert metrics["n_records"] == 16 and metrics["n_problems"] == 1
     assert metrics["mean_at_16"] == sum(r["score"] for r in records) / 16
     assert metrics["reported"]["mean4"] == sum(r["score"] for r in records[12:]) / 4

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import common
-from agentic_es import cli, engine, fileio, models
+from agentic_es import cli, engine, fileio, metrics, models, vllm_platform
+from agentic_es.data import load_problems, problems_from
 from agentic_es.history import (EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, SHA256SUMS, sha256_file, verify_export,
                                 write_sha256sums)
 from agentic_es.pool import check_cpu_pool
@@ -141,7 +142,7 @@ def test_placement_counts_gpus_cores_and_the_user_s_core_groups(monkeypatch):
 def test_the_default_core_binding_follows_each_engine_s_tp_size_and_leaves_the_user_s(monkeypatch,
                                                                                        environment_restored):
     monkeypatch.setattr(os, "cpu_count", lambda: 3)
-    monkeypatch.setattr(common, "keep_cpu_linear_weights", lambda: None)
+    monkeypatch.setattr(vllm_platform, "keep_cpu_linear_weights", lambda: None)
     monkeypatch.delenv(engine.CPU_BIND_DEFAULT, raising=False)
     os.environ.pop(engine.CPU_BIND, None)
     engine.configure_cpu_env(3)
@@ -159,14 +160,14 @@ def test_a_stage_started_by_a_process_whose_engine_chose_a_binding_chooses_its_o
     inherit; a stage at TP=2 started from it is placed on two cores, not refused as if the user had named one."""
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(common, "keep_cpu_linear_weights", lambda: None)
+    monkeypatch.setattr(vllm_platform, "keep_cpu_linear_weights", lambda: None)
     monkeypatch.delenv(engine.CPU_BIND_DEFAULT, raising=False)
     os.environ.pop(engine.CPU_BIND, None)
     engine.configure_cpu_env(1)
     assert os.environ[engine.CPU_BIND] == "0"
     # the child inherits this environment (the process boundary is what is tested); vLLM's layers are not
-    stage = subprocess.run([sys.executable, "-c", "import common; from agentic_es import engine; "
-                            "common.keep_cpu_linear_weights = lambda: None; engine.check_placement(2, 'cpu'); "
+    stage = subprocess.run([sys.executable, "-c", "from agentic_es import engine, vllm_platform; "
+                            "vllm_platform.keep_cpu_linear_weights = lambda: None; engine.check_placement(2, 'cpu'); "
                             "engine.configure_cpu_env(2); import os; print(os.environ[engine.CPU_BIND])"],
                            cwd=common.REPO, capture_output=True, text=True, timeout=120)
     assert stage.returncode == 0 and stage.stdout.strip() != "0", stage.stderr[-2000:]  # "0|1" here, "auto" on 4+
@@ -230,7 +231,7 @@ def test_a_bad_training_file_names_the_file_and_line(stage, tmp_path, content, s
 def test_a_training_file_may_open_with_a_byte_order_mark(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("\ufeff" + problem(1) + "\n" + problem(2) + "\n", encoding="utf-8")
-    assert [p["id"] for p in common.load_problems(data)] == ["p1", "p2"]
+    assert [p["id"] for p in load_problems(data)] == ["p1", "p2"]
 
 
 def test_a_folder_given_as_a_json_file_is_one_line():
@@ -239,7 +240,7 @@ def test_a_folder_given_as_a_json_file_is_one_line():
     with pytest.raises(common.DataError, match=r"^.*tests: cannot read it \(Is a directory\)$"):
         fileio.read_jsonl(common.REPO / "tests")
     with pytest.raises(common.DataError, match=r"^.*tests: a folder, not a problems file$"):
-        common.load_problems(common.REPO / "tests")
+        load_problems(common.REPO / "tests")
 
 
 # ---- histories: cut off, or valid JSON of the wrong shape ----
@@ -330,22 +331,22 @@ def test_an_export_missing_a_rank_shard_is_one_line_for_verify_and_for_eval(stag
 
 def evaluation(run_dir: Path) -> Path:
     """A finished 03_eval.py folder of the smoke run's base model, and the history beside it."""
-    ids = [p["id"] for p in common.problems_from("smoke", SMOKE.run_seed)[:2]]
+    ids = [p["id"] for p in problems_from("smoke", SMOKE.run_seed)[:2]]
     records = [{"problem_id": pid, "sample_index": i, "seed": common.request_seed(SMOKE.run_seed, pid, i, 0),
-                "score": 0.0} for pid in ids for i in range(common.EVAL_SAMPLES)]
+                "score": 0.0} for pid in ids for i in range(metrics.EVAL_SAMPLES)]
     eval_dir = run_dir / "eval"
     fileio.write_json_atomic(history(), run_dir / HISTORY_FILE)
     fileio.write_json_atomic({"dataset": "dapo", "data": "smoke", "config": dataclasses.asdict(SMOKE),
                               "records": records,
                               "checkpoint": {"kind": "base", "model": SMOKE.model, "per_rank_digests": ["b0", "b1"]}},
                              eval_dir / "dapo_eval16.json")
-    fileio.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / common.EVAL_METRICS)
+    fileio.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / metrics.EVAL_METRICS)
     return eval_dir
 
 
 @pytest.mark.parametrize("damage, says", [
-    (lambda e: (e / common.EVAL_METRICS).write_text("metrics: none\n"), f"{common.EVAL_METRICS}: not valid JSON"),
-    (lambda e: (e / common.EVAL_METRICS).write_bytes(b"\xff\xfe"), f"{common.EVAL_METRICS}: not valid JSON"),
+    (lambda e: (e / metrics.EVAL_METRICS).write_text("metrics: none\n"), f"{metrics.EVAL_METRICS}: not valid JSON"),
+    (lambda e: (e / metrics.EVAL_METRICS).write_bytes(b"\xff\xfe"), f"{metrics.EVAL_METRICS}: not valid JSON"),
     (lambda e: (e / "dapo_eval16.json").write_text((e / "dapo_eval16.json").read_text()[:500]),
      "dapo_eval16.json: not valid JSON"),
 ])
@@ -401,7 +402,7 @@ def cut_off_history(folder: Path) -> list[str]:
 
 
 def not_json_metrics(folder: Path) -> list[str]:
-    (evaluation(folder) / common.EVAL_METRICS).write_text("metrics: none\n")
+    (evaluation(folder) / metrics.EVAL_METRICS).write_text("metrics: none\n")
     return [f"--run_dir={folder}"]
 
 
@@ -411,7 +412,7 @@ def not_json_metrics(folder: Path) -> list[str]:
     ("02_export.py", "export", cut_off_history, f"{HISTORY_FILE}: not valid JSON"),
     ("03_eval.py", "eval", lambda f: ["--export=", "--max_model_len=100000", f"--run_dir={f / 'run'}"],
      "vLLM refuses to run"),  # vLLM's configuration made in the process, its log kept off the console
-    ("04_replay.py", "replay", not_json_metrics, f"{common.EVAL_METRICS}: not valid JSON"),
+    ("04_replay.py", "replay", not_json_metrics, f"{metrics.EVAL_METRICS}: not valid JSON"),
 ])
 def test_a_script_s_refusal_is_one_line_on_its_stderr_and_exit_status_1(tmp_path, script, name, arrange, says):
     """What the in-process runs above stand for: the script's own interpreter (prepare_script, vLLM's logging as

@@ -11,7 +11,7 @@ import re
 import pytest
 
 import common
-from agentic_es import checkpoint_noise, cli, engine, fileio, models, pool, sandbox
+from agentic_es import checkpoint_noise, cli, data, engine, fileio, metrics, models, pool, sandbox
 from agentic_es.history import EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, verify_export, write_sha256sums
 
 export_stage = importlib.import_module("02_export")
@@ -165,13 +165,13 @@ def test_an_export_manifest_that_lacks_a_key_is_refused(tmp_path):
 
 def evaluation(tmp_path, problems=2):
     """A finished 03_eval.py folder of the base model on the smoke problems, and its history beside it."""
-    ids = [p["id"] for p in common.problems_from("smoke", SMOKE.run_seed)[:problems]]
+    ids = [p["id"] for p in data.problems_from("smoke", SMOKE.run_seed)[:problems]]
     records = [{"problem_id": pid, "sample_index": i, "seed": common.request_seed(SMOKE.run_seed, pid, i, 0),
-                "score": 0.0} for pid in ids for i in range(common.EVAL_SAMPLES)]
+                "score": 0.0} for pid in ids for i in range(metrics.EVAL_SAMPLES)]
     eval16 = {"dataset": "dapo", "data": "smoke", "config": dataclasses.asdict(SMOKE), "records": records,
               "checkpoint": {"kind": "base", "model": SMOKE.model, "per_rank_digests": ["b0", "b1"]}}
     write(history(), tmp_path / HISTORY_FILE)
-    write({"datasets": {"dapo": {}}}, tmp_path / "eval" / common.EVAL_METRICS)
+    write({"datasets": {"dapo": {}}}, tmp_path / "eval" / metrics.EVAL_METRICS)
     return eval16
 
 
@@ -191,10 +191,10 @@ def test_replay_refuses_eval_records_that_lack_a_key_before_any_engine(tmp_path,
 def test_replay_refuses_metrics_or_transcripts_that_lack_a_key_before_any_engine(tmp_path):
     eval16 = evaluation(tmp_path)
     write(eval16, tmp_path / "eval" / "dapo_eval16.json")
-    write({"dapo": {}}, tmp_path / "eval" / common.EVAL_METRICS)
-    with pytest.raises(common.StageError, match=f"{common.EVAL_METRICS}: missing key 'datasets'"):
+    write({"dapo": {}}, tmp_path / "eval" / metrics.EVAL_METRICS)
+    with pytest.raises(common.StageError, match=f"{metrics.EVAL_METRICS}: missing key 'datasets'"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
-    write({"datasets": {"dapo": {}}}, tmp_path / "eval" / common.EVAL_METRICS)
+    write({"datasets": {"dapo": {}}}, tmp_path / "eval" / metrics.EVAL_METRICS)
     fileio.write_jsonl([{k: v for k, v in r.items() if k != "score"} for r in eval16["records"]],
                        tmp_path / "eval" / "dapo_episodes.jsonl")
     with pytest.raises(common.StageError, match=r"dapo_episodes.jsonl: row\[0\] missing key 'messages'"):

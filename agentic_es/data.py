@@ -1,0 +1,141 @@
+"""The problems the agent solves: problem files (JSONL, checked line by line), and the arithmetic problem sets made
+here from a seed (the smoke preset's, and the learn preset's training and held-out additions). The per-generation case
+batch drawn from them is the algorithm's (common.case_batch)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from common import REPO, Config, ConfigError, DataError
+
+REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
+DATA_MANIFEST = REPO / "data_manifest.json"  # the problem files 00_data.py builds (ids, answers, sha256s)
+SMOKE_PROBLEMS = 64
+GENERATED_DATA = ("smoke", "learn", "learn_heldout")  # problem sets made here from a seed (no file to hash)
+LEARN_PROBLEMS = 192  # training set of the learn preset: 324 questions less the 132 held out (learn_pairs)
+LEARN_HELDOUT_PAIRS = 66  # unordered pairs of two different numbers held out, in both orders: 132 questions
+LEARN_SPLIT_SEED = 0x5911  # which pairs are held out (fixed: every run and every held-out set agree)
+LEARN_OPERANDS = (2, 19)  # sums the base SmolLM2-135M gets right sometimes, not always (bench/README.md)
+LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other streams seeded by the run seed
+# The question shows the tool call, which the base SmolLM2-135M otherwise rarely makes (bench/README.md)
+LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
+                  "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
+LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
+LEARN_HELDOUT_SEED = 1  # the held-out set's order: 03_eval.py and bench/learning.py take its first questions
+
+
+def load_problems(path):
+    """Read a problems JSONL file: one object per line with string id, question, answer (other fields kept)."""
+    if os.path.isdir(path):
+        raise DataError(f"{path}: a folder, not a problems file")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: problems file not found{build_hint(path)}")
+    problems, line_of_id = [], {}
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+    for lineno, raw in enumerate(lines, start=1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a byte order mark may open the file)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
+        if not line.strip():
+            continue  # tolerate blank lines (e.g. a trailing empty line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: malformed JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        for field in REQUIRED_PROBLEM_FIELDS:
+            if field not in row:
+                raise DataError(f"{where}: missing required field {field!r}")
+            if not isinstance(row[field], str):
+                raise DataError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__}")
+            if not row[field].strip():
+                raise DataError(f"{where}: field {field!r} is empty")
+        pid = row["id"]
+        if pid in line_of_id:
+            raise DataError(f"{where}: duplicate id {pid!r} (first seen on line {line_of_id[pid]})")
+        line_of_id[pid] = lineno
+        problems.append(row)
+    if not problems:
+        raise DataError(f"{path}: no problems in file")
+    return problems
+
+
+def build_hint(path) -> str:
+    """For a missing file that 00_data.py builds: the exact command that builds it."""
+    folder, name = os.path.split(os.path.normpath(path))
+    if name not in json.loads(DATA_MANIFEST.read_text())["files"]:
+        return ""
+    command = "python 00_data.py" + ("" if folder == "data" else f" --out={folder or '.'}")
+    return f"; build it with: {command}"
+
+
+def problems_from(path, run_seed):
+    """A problems file, or problems made here: "smoke" (SMOKE_PROBLEMS tiny arithmetic problems from the run seed),
+    "learn" (the learn preset's one fixed training set), "learn_heldout" (every held-out question of the learn
+    task, in one fixed order: none shares its operands with a training question)."""
+    if path == "smoke":
+        return smoke_problems(SMOKE_PROBLEMS, seed=run_seed)
+    if path == "learn":
+        return learn_problems(LEARN_PROBLEMS, seed=LEARN_TRAIN_SEED)
+    if path == "learn_heldout":
+        return learn_problems(2 * LEARN_HELDOUT_PAIRS, seed=LEARN_HELDOUT_SEED, split="heldout")
+    return load_problems(path)
+
+
+def smoke_problems(n, seed=0):
+    """n tiny deterministic arithmetic problems, for smoke runs of the whole pipeline."""
+    rng = np.random.default_rng([int(seed)])
+    rows = []
+    for i in range(n):
+        a, b = (int(x) for x in rng.integers(2, 100, size=2))
+        if rng.random() < 0.5:
+            question, answer = f"What is {a} + {b}?", a + b
+        else:
+            question, answer = f"What is {a} * {b}?", a * b
+        rows.append({"id": f"smoke-{i:03d}", "question": question, "answer": str(answer), "source": "smoke"})
+    return rows
+
+
+def learn_pairs() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The learn task's operand pairs (a, b), split once by unordered pair into training and held-out: no held-out
+    question has the operands of a training question, in either order. Held out: LEARN_HELDOUT_PAIRS pairs of two
+    different numbers, both orders; training: every other pair (192 questions)."""
+    low, high = LEARN_OPERANDS
+    distinct = [(a, b) for a in range(low, high + 1) for b in range(a + 1, high + 1)]
+    order = np.random.default_rng([LEARN_SEED_TAG, LEARN_SPLIT_SEED]).permutation(len(distinct))
+    held = {distinct[i] for i in order[:LEARN_HELDOUT_PAIRS]}
+    ordered = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
+    return ([p for p in ordered if (min(p), max(p)) not in held], [p for p in ordered if (min(p), max(p)) in held])
+
+
+def learn_problems(n, seed, split="train"):
+    """n small additions ("What is 12 + 7?") of the learn task's training or held-out pairs (learn_pairs), in an
+    order drawn from `seed`."""
+    pairs = learn_pairs()[("train", "heldout").index(split)]
+    if n > len(pairs):
+        raise DataError(f"{n} learn problems asked for, but the {split} split has only {len(pairs)} questions")
+    rng = np.random.default_rng([LEARN_SEED_TAG, int(seed)])
+    tag = "" if split == "train" else "heldout-"
+    return [{"id": f"learn-{tag}{seed}-{i:04d}", "question": LEARN_QUESTION.format(a=a, b=b), "answer": str(a + b),
+             "source": "learn"} for i, (a, b) in enumerate(pairs[j] for j in rng.permutation(len(pairs))[:n])]
+
+
+def training_problems(cfg: Config) -> list[dict]:
+    """The training set: a JSONL file, or the preset's arithmetic problems generated here ("smoke", "learn")."""
+    if cfg.train_data == "learn_heldout":
+        raise ConfigError("train_data=learn_heldout is the learn task's held-out set, which is never trained on; "
+                          "train on --train_data=learn")
+    problems = problems_from(cfg.train_data, cfg.run_seed)
+    if cfg.case_batch > len(problems):
+        raise DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of {cfg.train_data}")
+    return problems
