@@ -691,7 +691,7 @@ def _head_tail(text, limit_chars):
     return f"{text[:half]}\n[... {cut} characters cut ...]\n{text[len(text) - (limit_chars - half):]}"
 
 
-def format_observation(result, limit_chars=Config.observation_chars):
+def format_observation(result, limit_chars):
     """The user message that reports a command's result to the model, cut to about limit_chars (head + tail)."""
     lines = []
     if result["timed_out"]:
@@ -724,15 +724,12 @@ def check_sandbox(cfg: Config, data=(), checkpoint=None) -> list[str]:
 SANDBOX_MAX_PARALLEL = 32  # bash calls running at once in run_episodes (threads in the tool executor)
 
 
-def _reply_field(reply, name, default=None):
-    return reply.get(name, default) if isinstance(reply, dict) else getattr(reply, name, default)
-
-
-async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Config.max_turns,
-                      max_new_tokens=Config.max_new_tokens, obs_limit_chars=Config.observation_chars,
-                      bash_timeout_s=Config.bash_timeout_s, tool_executor=None):
-    """One agent episode on one problem ({id, question, answer}). `policy(messages, seed=, max_tokens=)` is async
-    and returns text, prompt_tokens, completion_tokens, finish_reason (attributes or dict keys).
+async def run_episode(policy, problem, sample_index, cfg: Config, *, sandbox_check: dict, tool_executor=None):
+    """One agent episode on one problem ({id, question, answer}) under the run's settings (cfg.run_seed, max_turns,
+    max_new_tokens, observation_chars, bash_timeout_s), its commands in the sandbox that `sandbox_check` names
+    ({kind, leaks, override}: sandbox.leak_check_result(), which the record carries). `policy(messages, seed=,
+    max_tokens=)` is async and returns a dict: the reply's "text" and, where the policy counts them, its
+    "prompt_tokens" and "completion_tokens".
 
     A reply with a bash action runs it, even if it also states a final answer: the answer was written before the
     command's output was seen, so the model has to restate it afterwards. A final answer counts only after at
@@ -743,31 +740,30 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
                 {"role": "user", "content": user_prompt(problem["question"])}]
     turns = bash_calls = prompt_tokens = completion_tokens = 0
     prediction, error = None, None
-    kind = sandbox.sandbox_kind()  # detected once per process (blocking, on the first call only)
     finish_reason = "max_turns"
+    run_bash = functools.partial(sandbox.run_bash, timeout_s=cfg.bash_timeout_s, sandbox=sandbox_check["kind"])
     workdir = sandbox.make_workdir()
     try:
-        for turn in range(max_turns):
-            seed = request_seed(run_seed, problem_id, sample_index, turn)
+        for turn in range(cfg.max_turns):
+            seed = request_seed(cfg.run_seed, problem_id, sample_index, turn)
             try:
-                reply = await policy(messages, seed=seed, max_tokens=max_new_tokens)
+                reply = await policy(messages, seed=seed, max_tokens=cfg.max_new_tokens)
             except ContextOverflow as exc:
                 finish_reason, error = "context_overflow", f"ContextOverflow: {exc}"
                 break
-            text = _reply_field(reply, "text", "") or ""
+            text = reply["text"]
             turns += 1
-            prompt_tokens = _reply_field(reply, "prompt_tokens", 0) or 0
-            completion_tokens += _reply_field(reply, "completion_tokens", 0) or 0
+            prompt_tokens = reply.get("prompt_tokens", 0)
+            completion_tokens += reply.get("completion_tokens", 0)
             messages.append({"role": "assistant", "content": text})
 
             command = parse_action(text)
             answer = scoring.extract_final_answer(text)
             if command is not None:
                 result = await asyncio.get_running_loop().run_in_executor(
-                    tool_executor, functools.partial(sandbox.run_bash, command, workdir, bash_timeout_s))
+                    tool_executor, functools.partial(run_bash, command, workdir))
                 bash_calls += 1
-                kind = result["sandbox"]
-                messages.append({"role": "user", "content": format_observation(result, obs_limit_chars)})
+                messages.append({"role": "user", "content": format_observation(result, cfg.observation_chars)})
             elif answer is not None and bash_calls == 0:
                 messages.append({"role": "user", "content": ANSWER_BEFORE_BASH_MESSAGE})
             elif answer is not None:
@@ -786,35 +782,33 @@ async def run_episode(policy, problem, sample_index, *, run_seed, max_turns=Conf
     score, score_method = (0.0, reason) if reason else await scoring.score_answer_isolated(prediction, problem["answer"])
     return {
         "problem_id": problem_id, "sample_index": sample_index,
-        "seed": request_seed(run_seed, problem_id, sample_index, 0),
+        "seed": request_seed(cfg.run_seed, problem_id, sample_index, 0),
         "score": score, "score_method": score_method, "prediction": prediction, "gold": problem["answer"],
         "turns": turns, "bash_calls": bash_calls, "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens, "finish_reason": finish_reason, "error": error,
-        "sandbox": kind, "sandbox_leaks": sandbox.SANDBOX_CHECK.get("leaks"),
-        "sandbox_override": sandbox.SANDBOX_CHECK.get("override", False), "messages": messages,
+        "sandbox": sandbox_check["kind"], "sandbox_leaks": sandbox_check["leaks"],
+        "sandbox_override": sandbox_check["override"], "messages": messages,
         "seconds": time.monotonic() - started,
     }
 
 
-async def run_episodes(policy, problems_and_sample_indices, *, concurrency=None, progress=None, **episode_kwargs):
-    """Run many episodes at once; records come back in input order, `progress(record)` is called as each ends.
-    Bash calls run in a thread pool of SANDBOX_MAX_PARALLEL workers unless tool_executor is given.
-    An EngineFailure (or cancellation) in one episode cancels the others and is raised once they have stopped;
-    the episodes that finished before it have been passed to `progress`."""
+async def run_episodes(policy, problems_and_sample_indices, cfg: Config, *, sandbox_check: dict, progress=None,
+                       tool_executor=None):
+    """Run many episodes (run_episode), at most cfg.concurrency at once; records come back in input order,
+    `progress(record)` is called as each ends. Bash calls run in a thread pool of SANDBOX_MAX_PARALLEL workers unless
+    tool_executor is given. An EngineFailure (or cancellation) in one episode cancels the others and is raised once
+    they have stopped; the episodes that finished before it have been passed to `progress`."""
     items = list(problems_and_sample_indices)
-    limit = asyncio.Semaphore(concurrency) if concurrency else None
+    limit = asyncio.Semaphore(cfg.concurrency)
     own_executor = None
-    if episode_kwargs.get("tool_executor") is None:
-        own_executor = concurrent.futures.ThreadPoolExecutor(max_workers=SANDBOX_MAX_PARALLEL,
-                                                             thread_name_prefix="sandbox")
-        episode_kwargs["tool_executor"] = own_executor
+    if tool_executor is None:
+        tool_executor = own_executor = concurrent.futures.ThreadPoolExecutor(max_workers=SANDBOX_MAX_PARALLEL,
+                                                                             thread_name_prefix="sandbox")
 
     async def one(problem, sample_index):
-        if limit is None:
-            record = await run_episode(policy, problem, sample_index, **episode_kwargs)
-        else:
-            async with limit:
-                record = await run_episode(policy, problem, sample_index, **episode_kwargs)
+        async with limit:
+            record = await run_episode(policy, problem, sample_index, cfg, sandbox_check=sandbox_check,
+                                       tool_executor=tool_executor)
         if progress is not None:
             progress(record)
         return record

@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 
 import common
-from agentic_es import checkpoint_noise, fileio, restore_patch, scoring, vllm_platform
+from agentic_es import checkpoint_noise, fileio, restore_patch, sandbox, scoring, vllm_platform
 from agentic_es.tracking import progress_bar, stopwatch
 
 
@@ -639,7 +639,6 @@ class Engine(fileio.ClosedOnExit):
         """Run one agent episode per (problem, sample_index), all concurrently; records in input order.
         on_record(record) is called as each episode ends (e.g. to append it to a log). desc=None: no progress bar
         (the pool draws one for all its engines)."""
-        c = self.cfg
         with progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
             def progress(record):
                 record["prompt_mode"] = self.prompt_mode  # how its prompts were built (ChatPrompts)
@@ -647,11 +646,9 @@ class Engine(fileio.ClosedOnExit):
                 if on_record is not None:
                     on_record(record)
 
-            episode_args = dict(progress=progress, run_seed=c.run_seed, max_turns=c.max_turns,
-                                max_new_tokens=c.max_new_tokens, obs_limit_chars=c.observation_chars,
-                                bash_timeout_s=c.bash_timeout_s)
             try:
-                return self._run(common.run_episodes(self._policy, jobs, concurrency=c.concurrency, **episode_args))
+                return self._run(common.run_episodes(self._policy, jobs, self.cfg, progress=progress,
+                                                     sandbox_check=sandbox.leak_check_result()))
             finally:
                 if self.prompts is not None:
                     self.prompts.forget()

@@ -374,8 +374,8 @@ class _EngineActor:
     """One Engine inside a Ray actor process (--ray_address). It runs two calls at a time (max_concurrency=2), so
     that poll() answers while a member or a batch of episodes runs."""
 
-    def __init__(self, cfg: common.Config, model_path: str, engine_kwargs: dict, env: dict, sandbox_check: dict | None,
-                 plan: dict | None = None):
+    def __init__(self, cfg: common.Config, model_path: str, engine_kwargs: dict, env: dict,
+                 leak_check_paths: dict | None, plan: dict | None = None):
         os.environ.update(env)  # the GPUs of its group (Ray sets CUDA_VISIBLE_DEVICES for num_gpus=0 actors)
         self._lock, self._finished = threading.Lock(), []
         self._engine, self._start_error = None, None
@@ -383,8 +383,8 @@ class _EngineActor:
         # failure (a refusal of this node's sandbox, say) is kept and raised by the first call instead, which Ray
         # hands over as a RayTaskError carrying the exception itself.
         try:
-            if sandbox_check is not None:  # model-written commands run on this node: check its sandbox as well
-                common.check_sandbox(cfg, **sandbox_check)
+            if leak_check_paths is not None:  # model-written commands run on this node: check its sandbox as well
+                common.check_sandbox(cfg, **leak_check_paths)
             # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
             executor = "mp" if cfg.tensor_parallel_size > 1 else None
             if plan is None:
@@ -614,7 +614,7 @@ class EnginePool(fileio.ClosedOnExit):
         if gpu:
             self._check_colocation(counts, [r["mps"] for r in reports])
         path = os.pathsep.join(p for p in (str(common.REPO), os.environ.get("PYTHONPATH", "")) if p)
-        checked = dict(sandbox.SANDBOX_CHECKED) if sandbox.SANDBOX_CHECKED else None
+        leak_check_paths = dict(sandbox.LEAK_CHECK_PATHS) if sandbox.LEAK_CHECK_PATHS else None
         remote = ray.remote(_EngineActor)
         for k, j in enumerate(where):
             env = {"PYTHONPATH": path, "TQDM_DISABLE": "1"}  # the driver draws the progress
@@ -626,7 +626,7 @@ class EnginePool(fileio.ClosedOnExit):
             plan = engines_to_plan([where[i] for i in same_node], same_node.index(k)) if gpu else None
             actor = remote.options(num_cpus=1, num_gpus=0, max_concurrency=2, runtime_env={"env_vars": env},
                                    scheduling_strategy=strategy(j)).remote(
-                self.cfg, str(model_path), engine_kwargs, env, checked, plan)
+                self.cfg, str(model_path), engine_kwargs, env, leak_check_paths, plan)
             started = RemoteEngine(actor, f"engine {k} of {self.size}")
             self.engines.append(started)
             where_k = started.where()  # waits for this engine to be up before the next one starts

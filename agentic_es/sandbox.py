@@ -423,8 +423,16 @@ def sandbox_kind():
 
 # ---- Leak check: what a model-written command could see that it must not
 
-SANDBOX_CHECK = {}  # set once by check_sandbox() at start-up; every episode record carries it (run_episode)
-SANDBOX_CHECKED = {}  # what that check hid (data files, checkpoint): engines on other nodes check the same
+# This process's leak check, made once at start-up by check_sandbox: its result goes into every episode record
+# (leak_check_result), the paths it probed to the engines on other nodes, which repeat the check on theirs.
+LEAK_CHECK_RESULT = {}  # {kind, leaks, override}: the sandbox kind, its findings, whether they were allowed anyway
+LEAK_CHECK_PATHS = {}  # {data, checkpoint}: the files it probed beside the run folder (check_sandbox's arguments)
+
+
+def leak_check_result() -> dict:
+    """What an episode records of its sandbox: the kind its commands run in and this process's leak check,
+    {kind, leaks, override}; leaks is None where no check ran in this process."""
+    return {"kind": sandbox_kind(), "leaks": None, "override": False, **LEAK_CHECK_RESULT}
 
 
 def _leak_probe_command(hidden, other_file, host_pid, marker):
@@ -502,12 +510,12 @@ def check_sandbox(run_dir, data=(), checkpoint=None, *, allow_leaks=False, error
     """Start-up check of 01_train.py, 03_eval.py, 04_replay.py and of every engine on another node: probe the
     sandbox kind in use against the run's folder, data and checkpoint. With findings, refuse (raise `error`: the
     stages pass common.ConfigError, which they report as a message) unless allow_leaks (--allow_leaky_sandbox);
-    the override and the findings go into every episode record (SANDBOX_CHECK)."""
+    the override and the findings go into every episode record (leak_check_result)."""
     kind = sandbox_kind()
     with _existing_folder(Path(run_dir).resolve()):
         leaks = sandbox_leaks(kind, hidden_paths(run_dir, data, checkpoint))
-    SANDBOX_CHECK.update(kind=kind, leaks=leaks, override=bool(leaks) and allow_leaks)
-    SANDBOX_CHECKED.update(data=[str(d) for d in data], checkpoint=checkpoint)  # engines on other nodes redo it
+    LEAK_CHECK_RESULT.update(kind=kind, leaks=leaks, override=bool(leaks) and allow_leaks)
+    LEAK_CHECK_PATHS.update(data=[str(d) for d in data], checkpoint=checkpoint)
     if leaks and not allow_leaks:
         raise error(f"the {kind!r} sandbox leaks; model-written commands could cheat or interfere:\n  "
                     + "\n  ".join(leaks) + "\nInstall bubblewrap or run as root (see README, The agent), "

@@ -1,6 +1,7 @@
 """The ReAct episode loop with a scripted policy instead of a model."""
 
 import asyncio
+import dataclasses
 import importlib
 import json
 import os
@@ -16,6 +17,7 @@ evaluation = importlib.import_module("03_eval")  # writes the failed episodes' t
 
 PROBLEM = {"id": "p1", "question": "What is 6 times 7?", "answer": "42"}
 RUN_SEED = 1234
+SETTINGS = common.Config(run_seed=RUN_SEED)  # the agent loop's settings: the run's defaults
 
 
 def action(command):
@@ -58,9 +60,18 @@ async def _score_concurrently(pairs):
     return await asyncio.gather(*(scoring.score_answer_isolated(prediction, gold) for prediction, gold in pairs))
 
 
-def run(policy, problem=PROBLEM, sample_index=0, **kwargs):
-    kwargs.setdefault("run_seed", RUN_SEED)
-    return asyncio.run(common.run_episode(policy, problem, sample_index, **kwargs))
+def run(policy, problem=PROBLEM, sample_index=0, **settings):
+    """One episode under SETTINGS with these Config fields changed, in this process's sandbox."""
+    cfg = dataclasses.replace(SETTINGS, **settings)
+    return asyncio.run(common.run_episode(policy, problem, sample_index, cfg,
+                                          sandbox_check=sandbox.leak_check_result()))
+
+
+def run_many(policy, items, progress=None, **settings):
+    """run_episodes under SETTINGS with these Config fields changed, in this process's sandbox."""
+    cfg = dataclasses.replace(SETTINGS, **settings)
+    return asyncio.run(common.run_episodes(policy, items, cfg, sandbox_check=sandbox.leak_check_result(),
+                                           progress=progress))
 
 
 def test_correct_answer_after_bash_scores(monkeypatch):
@@ -140,7 +151,7 @@ def test_turn_limit():
 
 def test_observation_is_truncated_head_and_tail():
     policy = ScriptedPolicy([action("python3 -c \"print('a' * 50000 + 'b' * 50000)\""), "Final answer: \\boxed{42}"])
-    record = run(policy, obs_limit_chars=1000)
+    record = run(policy, observation_chars=1000)
     observation = record["messages"][3]["content"]
     assert len(observation) < 1100
     assert observation.startswith("exit code: 0\nstdout:\naaa")
@@ -248,7 +259,7 @@ def test_run_episodes_is_concurrent_and_keeps_order(monkeypatch):
 
     items = [({"id": f"p{i}", "question": f"problem #p{i} ?", "answer": "42"}, i % 2) for i in range(n)]
     finished = []
-    records = asyncio.run(common.run_episodes(policy, items, run_seed=RUN_SEED, progress=finished.append))
+    records = run_many(policy, items, progress=finished.append)
     assert shared.max_in_flight > 1 and bash["max_in_flight"] > 1  # model calls AND bash commands overlap
     assert [(r["problem_id"], r["sample_index"]) for r in records] == [(p["id"], s) for p, s in items]
     assert all(r["score"] == 1.0 for r in records)
@@ -261,7 +272,7 @@ def test_run_episodes_concurrency_limit():
     async def in_order(messages, *, seed, max_tokens):  # one shared script: replies alternate action/answer
         return await policy(messages, seed=seed, max_tokens=max_tokens)
 
-    asyncio.run(common.run_episodes(in_order, [(PROBLEM, i) for i in range(5)], concurrency=1, run_seed=RUN_SEED))
+    run_many(in_order, [(PROBLEM, i) for i in range(5)], concurrency=1)
     assert policy.max_in_flight == 1
 
 
@@ -293,7 +304,7 @@ def test_a_hanging_answer_times_out_without_delaying_other_episodes(monkeypatch)
 
     items = [({"id": pid, "question": f"problem #{pid} ?", "answer": "42"}, 0) for pid in ("tower", "a", "b", "c")]
     finished = []
-    records = asyncio.run(common.run_episodes(policy, items, run_seed=RUN_SEED, progress=finished.append))
+    records = run_many(policy, items, progress=finished.append)
     tower = records[0]
     assert (tower["score"], tower["score_method"], tower["finish_reason"]) == (0.0, "score_timeout", "final_answer")
     assert tower["seconds"] < 3 * scoring.SCORE_TIMEOUT_S  # it ended (not minutes of sympy)

@@ -786,7 +786,7 @@ def test_a_refusal_in_an_engine_actor_s_start_reaches_the_user_whole(ray_nodes, 
     """The per-node sandbox check of an engine actor refuses (a hidden data file the sandbox can see: /usr is
     bound into it): the user gets that ConfigError, its findings and the setting that allows them, as on one node,
     not a lost actor. The actor fails before its engine starts."""
-    monkeypatch.setattr(sandbox, "SANDBOX_CHECKED", {"data": ["/usr/bin/env"], "checkpoint": None})
+    monkeypatch.setattr(sandbox, "LEAK_CHECK_PATHS", {"data": ["/usr/bin/env"], "checkpoint": None})
     cfg = config(1, tmp_path / "run", f"--ray_address={ray_nodes.address}")
     with pytest.raises(common.ConfigError) as refusal:
         EnginePool(cfg, MODEL)

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 import common
-from agentic_es import cli, data, models
+from agentic_es import cli, data, models, sandbox
 from agentic_es.engine import Engine
 from conftest import still_running
 
@@ -51,8 +51,8 @@ def test_an_engine_failure_stops_the_batch_and_never_becomes_a_score():
             raise
 
     with pytest.raises(common.EngineFailure, match="EngineDeadError"):
-        asyncio.run(common.run_episodes(policy, [(p, 0) for p in PROBLEMS], run_seed=1, bash_timeout_s=5,
-                                        progress=progress))
+        asyncio.run(common.run_episodes(policy, [(p, 0) for p in PROBLEMS], common.Config(bash_timeout_s=5),
+                                        sandbox_check=sandbox.leak_check_result(), progress=progress))
     assert [(r["problem_id"], r["score"], r["error"]) for r in reported] == [("p0", 1.0, None)]
     assert cancelled == ["p2"] and ("p1", 1) in calls
 
@@ -61,7 +61,8 @@ def test_any_other_policy_error_is_an_episode_error_that_scores_zero():
     async def policy(messages, *, seed, max_tokens):
         raise ValueError("unparseable tokenizer output")
 
-    record = asyncio.run(common.run_episode(policy, PROBLEMS[0], 0, run_seed=1))
+    record = asyncio.run(common.run_episode(policy, PROBLEMS[0], 0, common.Config(),
+                                            sandbox_check=sandbox.leak_check_result()))
     assert (record["finish_reason"], record["score"]) == ("error", 0.0)
     assert record["error"] == "ValueError: unparseable tokenizer output"
 

@@ -229,7 +229,7 @@ def test_sleep_is_killed_at_timeout(kind, workdir, marker):
     result = sandbox.run_bash(f"echo before; sleep 3600.{marker}", workdir, timeout_s=1, sandbox=kind)
     assert result["timed_out"] and result["seconds"] < 3
     assert result["stdout"] == "before\n"  # output written before the kill is kept
-    assert "timed out" in common.format_observation(result)
+    assert "timed out" in common.format_observation(result, 4000)
     assert_nothing_left(marker)
 
 
@@ -453,11 +453,12 @@ def scripted_episode():
         return {"text": replies.pop(0), "prompt_tokens": 1, "completion_tokens": 1, "finish_reason": "stop"}
 
     problem = {"id": "p", "question": "1+1?", "answer": "2"}
-    return asyncio.run(common.run_episode(policy, problem, 0, run_seed=1))
+    return asyncio.run(common.run_episode(policy, problem, 0, common.Config(),
+                                          sandbox_check=sandbox.leak_check_result()))
 
 
 def test_check_sandbox_refuses_a_leaky_sandbox_unless_allowed(monkeypatch, tmp_path):
-    monkeypatch.setattr(sandbox, "SANDBOX_CHECK", {})
+    monkeypatch.setattr(sandbox, "LEAK_CHECK_RESULT", {})
     monkeypatch.setattr(sandbox, "sandbox_kind", lambda: "rlimit")
     run_dir = tmp_path / "run"
     with pytest.raises(common.ConfigError, match="allow_leaky_sandbox") as refused:
@@ -466,13 +467,13 @@ def test_check_sandbox_refuses_a_leaky_sandbox_unless_allowed(monkeypatch, tmp_p
     with pytest.raises(ValueError, match="allow_leaky_sandbox"):  # the error the caller names, ValueError by default
         sandbox.check_sandbox(run_dir)
     leaks = sandbox.check_sandbox(run_dir, allow_leaks=True, error=common.ConfigError)
-    assert leaks and sandbox.SANDBOX_CHECK == {"kind": "rlimit", "leaks": leaks, "override": True}
+    assert leaks and sandbox.LEAK_CHECK_RESULT == {"kind": "rlimit", "leaks": leaks, "override": True}
     record = scripted_episode()
     assert record["score"] == 1.0 and record["sandbox_override"] is True and record["sandbox_leaks"] == leaks
 
 
 def test_check_sandbox_passes_a_private_sandbox(kind, monkeypatch, tmp_path):
-    monkeypatch.setattr(sandbox, "SANDBOX_CHECK", {})
+    monkeypatch.setattr(sandbox, "LEAK_CHECK_RESULT", {})
     monkeypatch.setattr(sandbox, "sandbox_kind", lambda: kind)
     assert sandbox.check_sandbox(tmp_path / "run", error=common.ConfigError) == []
     assert not (tmp_path / "run").exists()  # made for the probe only
@@ -481,7 +482,7 @@ def test_check_sandbox_passes_a_private_sandbox(kind, monkeypatch, tmp_path):
 
 
 def test_train_and_eval_refuse_a_leaky_sandbox_before_starting(monkeypatch, tmp_path):
-    monkeypatch.setattr(sandbox, "SANDBOX_CHECK", {})
+    monkeypatch.setattr(sandbox, "LEAK_CHECK_RESULT", {})
     monkeypatch.setattr(sandbox, "sandbox_kind", lambda: "rlimit")
     train, evaluate = importlib.import_module("01_train"), importlib.import_module("03_eval")
     with pytest.raises(common.ConfigError, match="leaks"):

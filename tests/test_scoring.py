@@ -13,7 +13,7 @@ import pytest
 
 import common
 from agentic_es import scoring
-from test_agent_loop import ScriptedPolicy, action
+from test_agent_loop import ScriptedPolicy, action, run
 
 # (model output, gold, expected score)
 CASES = [
@@ -604,7 +604,7 @@ EPISODES = {  # name: (the policy's replies, gold, max_turns, (score, score meth
 def test_score_episode_rules(name):
     replies, gold, max_turns, expected = EPISODES[name]
     problem = {"id": "p1", "question": "What is 6 times 7?", "answer": gold}
-    record = asyncio.run(common.run_episode(ScriptedPolicy(replies), problem, 0, run_seed=1, max_turns=max_turns))
+    record = run(ScriptedPolicy(replies), problem, max_turns=max_turns)
     assert (record["score"], record["score_method"]) == expected
 
 
