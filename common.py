@@ -104,7 +104,7 @@ class Config:
     presence_penalty: float = 2.0  # sampling
     repetition_penalty: float = 1.0  # sampling
     bash_timeout_s: float = 20.0  # wall-clock limit of one sandboxed bash command
-    observation_chars: int = 4000  # tool output shown to the model (head + tail)
+    observation_chars: int = 4000  # characters of a command's result the model sees (its head and tail)
     concurrency: int = 256  # episodes in flight at once
     allow_leaky_sandbox: bool = False  # run even when the start-up leak check finds the data, run folder or other
                                        # episodes visible to the sandbox (then every record says so)
@@ -113,7 +113,8 @@ class Config:
     train_data: str = "data/dapo_train400.jsonl"  # built by 00_data.py; "smoke", "learn": arithmetic made here
     eval_problems: int = 0  # evaluate only the first K problems of each eval set (0: all)
     run_dir: str = "runs/es"  # history, rollouts, export and eval results of the run live here
-    smoke_eval: bool = False  # 03_eval's default sets are the smoke problems (the smoke preset); --dapo=... wins
+    smoke_eval: bool = False  # 03_eval.py evaluates the smoke problems in place of the DAPO and AIME files (the
+                              # smoke preset's setting); --dapo=PATH or --aime2026=PATH still names a set's file
     tracking: str = "none"  # "tensorboard": each generation's summary also to <run_dir>/tensorboard
 
     def __post_init__(self):
@@ -882,9 +883,10 @@ def first_stated_sum(record: dict) -> str | None:
 EPISODE_REWARDS = {"agent": agent_reward, "shaped": shaped_reward}  # by Config.fitness (FITNESS_MODES)
 
 
-def fitness(records: list[dict], kind: str) -> float:
-    """A member's fitness: the mean reward of its episodes, each scored as Config.fitness says (EPISODE_REWARDS)."""
-    reward = EPISODE_REWARDS[kind]
+def fitness(records: list[dict], mode: str) -> float:
+    """A member's fitness: the mean reward of its episodes, each scored as the fitness mode (Config.fitness) says
+    (EPISODE_REWARDS)."""
+    reward = EPISODE_REWARDS[mode]
     return sum(reward(r) for r in records) / len(records)
 
 
@@ -985,21 +987,21 @@ SETTING_BOUNDS = {
 }
 
 
-def setting_problem(name: str, value, kind: type) -> str | None:
-    """What is wrong with one Config value (its default's type `kind`, SETTING_BOUNDS, SETTING_CHOICES), or None."""
-    numeric = kind in (int, float)
-    if kind is float:
+def setting_problem(name: str, value, field_type: type) -> str | None:
+    """What is wrong with one Config value (the type of its default, SETTING_BOUNDS, SETTING_CHOICES), or None."""
+    numeric = field_type in (int, float)
+    if field_type is float:
         expected, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif kind is int:
+    elif field_type is int:
         expected, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
     else:
-        expected, ok = {bool: "true or false", str: "a string"}[kind], isinstance(value, kind)
+        expected, ok = {bool: "true or false", str: "a string"}[field_type], isinstance(value, field_type)
     if not ok:
         return f"{name} must be {expected}, got {value!r}"
     if numeric and name in SETTING_BOUNDS and not SETTING_BOUNDS[name].admits(value):
-        finite = "a finite number " if kind is float else ""
+        finite = "a finite number " if field_type is float else ""
         return f"{name} must be {finite}{SETTING_BOUNDS[name]}, got {value!r}"
-    if kind is int and not -2**63 <= value < 2**63:
+    if field_type is int and not -2**63 <= value < 2**63:
         return f"{name} must fit in 64 bits (numpy, torch and vLLM hold it as an int64), got {value!r}"
     choices = SETTING_CHOICES.get(name)
     if choices is not None and value not in choices:

@@ -111,18 +111,19 @@ def exit_if_help(argv: list[str], doc: str, script: str | None = None, options: 
         raise SystemExit(0)
 
 
-def _parse_value(key: str, text: str, kind: type):
+def _parse_value(key: str, text: str, value_type: type):
+    """The value of `--key=text` as the type of the setting's default, or a ConfigError naming the type."""
     try:
-        if kind is bool:
+        if value_type is bool:
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError
             return text.lower() in ("true", "1")
-        if kind is int:  # also "1e6"
+        if value_type is int:  # also "1e6"
             value = float(text) if any(c in text.lower() for c in ".e") else int(text)
             if value != int(value):
                 raise ValueError
             return int(value)
-        return kind(text)
+        return value_type(text)
     except (ValueError, OverflowError):  # OverflowError: an integer setting given as 1e400 (float infinity)
-        expected = {int: "an integer", float: "a number", bool: "true or false"}.get(kind, kind.__name__)
+        expected = {int: "an integer", float: "a number", bool: "true or false"}.get(value_type, value_type.__name__)
         raise ConfigError(f"--{key} expects {expected}, got {text!r}") from None

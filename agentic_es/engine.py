@@ -681,13 +681,13 @@ class Engine(fileio.ClosedOnExit):
                 "finish_reason": completion.finish_reason}
 
 
-def sampling_params(c: common.Config, *, seed: int, max_tokens: int, ignore_eos: bool = False):
+def sampling_params(cfg: common.Config, *, seed: int, max_tokens: int, ignore_eos: bool = False):
     """vLLM sampling parameters of the run's settings for one request."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
-                          presence_penalty=c.presence_penalty, repetition_penalty=c.repetition_penalty,
+    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                          presence_penalty=cfg.presence_penalty, repetition_penalty=cfg.repetition_penalty,
                           seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos,
                           output_kind=RequestOutputKind.FINAL_ONLY)  # one message per turn, not per token
 

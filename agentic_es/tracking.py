@@ -1,6 +1,7 @@
 """Watching a run: the progress bars of the stages (redrawn in place on a terminal, plain lines in a log file), the
-seconds of each step, the reward curve beside the history, and the optional TensorBoard scalars of each generation. The history stays the
-record of a run; nothing here is read back by a stage, except the scalars a resumed run has yet to log."""
+seconds of each step, the reward curve beside the history, and the optional TensorBoard scalars of each generation.
+The history stays the record of a run; nothing here is read back by a stage, except the scalars a resumed run has yet
+to log."""
 
 from __future__ import annotations
 
@@ -88,10 +89,10 @@ def reward_curve_axes(history: dict):
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     ax.plot(x, [sum(g["rewards"]) / len(g["rewards"]) for g in gens], "o-", label="mean member fitness")
     ax.plot(x, [max(g["rewards"]) for g in gens], "^--", alpha=0.7, label="max member fitness")
-    c = history["config"]
+    settings = history["config"]
     ax.set(xlabel="generation", ylabel="reward",
-           title=f"{history['base_model']}: N={c['population']}, alpha={c['alpha']:g}, "
-                 f"sigma={c['sigma_start']:g}->{c['sigma_end']:g}, seed {c['run_seed']}")
+           title=f"{history['base_model']}: N={settings['population']}, alpha={settings['alpha']:g}, "
+                 f"sigma={settings['sigma_start']:g}->{settings['sigma_end']:g}, seed {settings['run_seed']}")
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
