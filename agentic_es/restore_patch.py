@@ -1,16 +1,18 @@
 """Exact restore without a copy of the weights (restore="patch"). Subtracting the same noise from the rounded
-perturbed value gives the original bits back for most elements (bf16 N(0, 0.02) weights at sigma 1e-3: ~95% with
-rounding to nearest, ~74% after stochastic rounding; bench/README.md). The perturbation finds the others itself,
-chunk by chunk, by computing the restore's result before it is needed, and the patch keeps their original bits: one
-bit per element (where the subtraction misses) plus the missed elements' bits in walk order, in buffers of fixed
-capacity allocated once, so that the memory plan can count them. Both noise kinds (common.add_noise_,
-checkpoint_noise.add_checkpoint_noise_) change a parameter through the patch by its walk (walk_)."""
+perturbed value gives the original bits back for most elements (bench/README.md measures how many). The
+perturbation finds the others itself, chunk by chunk, by computing the restore's result before it is needed, and the
+patch keeps their original bits: one bit per element (where the subtraction misses) plus the missed elements' bits in
+walk order, in buffers of fixed capacity allocated once, so that the memory plan can count them. Both noise kinds
+(common.add_noise_, checkpoint_noise.add_checkpoint_noise_) change a parameter through the patch by its walk
+(walk_)."""
 
 import math
 
 import torch
 
-PATCH_CAPACITY = {"nearest": 0.12, "stochastic": 0.32}  # Config.patch_capacity=0: measured ~5% / ~26% misses
+# Config.patch_capacity=0: a margin above the share of elements the subtraction misses in each rounding mode
+# (bench/README.md)
+PATCH_CAPACITY = {"nearest": 0.12, "stochastic": 0.32}
 BIT_SHIFTS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 

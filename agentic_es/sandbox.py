@@ -251,7 +251,7 @@ _SETPRIV_ARGV = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", 
 
 def _sandbox_argv(kind, command, workdir, timeout_s):
     """(argv, cwd) for one command in the given sandbox kind. When we are root, "bwrap" and "rlimit" start with
-    setpriv to SANDBOX_UID (not Popen(user=...), which rules out vfork: a fork of this big process costs ~0.2 s)."""
+    setpriv to SANDBOX_UID (not Popen(user=...), which rules out vfork, and forking this large process is slow)."""
     drop = _SETPRIV_ARGV if os.geteuid() == 0 else []
     shell = ["bash", "-c", command]
     if kind == "bwrap":
