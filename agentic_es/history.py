@@ -105,9 +105,8 @@ def without_retired_settings(config: dict) -> dict:
     have: scope="full" (every member perturbs every parameter) is what this code does; any other scope is refused
     (bench/README.md, "Low-rank members", says why there is no other)."""
     if config.get("scope", "full") != "full":
-        raise ConfigError(f"the run was trained with scope={config['scope']!r}, which this code does not implement "
-                          "(only scope='full', every parameter; see bench/README.md): use the version that trained "
-                          "it")
+        raise ConfigError(f"the run was trained with scope={config['scope']!r}, which this version of the code no "
+                          "longer has (bench/README.md, \"Low-rank members\"): use the version that trained it")
     return {k: v for k, v in config.items() if k not in ("scope", "lora_rank")}
 
 
