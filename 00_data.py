@@ -18,11 +18,10 @@ How the rows map (both sources have one split, "train"):
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import common
-from agentic_es import cli, data, fileio, history
+from agentic_es import cli, data, engine, fileio, history
 
 OUT = "data"  # where the three problem files are written
 SOURCE_DIR = ""  # empty: the Hugging Face hub
@@ -189,7 +188,4 @@ def check_against_manifest(rows: list[dict], text: str, entry: dict, name: str) 
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except common.StageError as exc:
-        sys.exit(f"[data] error: {exc}")
+    engine.run_stage(main, "data")  # errors as one line; SIGTERM/SIGINT stop cleanly

@@ -46,10 +46,9 @@ class Interrupted(KeyboardInterrupt):
 
 
 VLLM_LOG = "vllm.log"  # in the run dir: the whole log of vLLM's processes, while the console shows its errors
+ENGINE_SHUTDOWN_S = 30  # EngineCore's own teardown, worker grace periods included; then vLLM kills what is left
+ENGINE_DEAD_GRACE_S = 5  # a call still waiting this long after EngineCore died is failed (EngineFailure)
 _vllm_log_to_run_dir = False  # set by prepare_script unless the user chose vLLM's logging
-# Until vLLM configures its logging, Python's last-resort handler would print its import-time notes (on CPU
-# "Triton is installed, but doesn't include CPU backend") bare on the console; vLLM replaces this handler.
-logging.getLogger("vllm").addHandler(logging.NullHandler())
 
 
 def prepare_script() -> None:
@@ -121,9 +120,9 @@ def send_vllm_log_to(path: Path) -> None:
 
 def _end_engine_core_with_its_parent() -> None:
     """vLLM's TP workers end when EngineCore ends, but EngineCore does not watch the script that started it: after
-    a SIGKILL of the script it and its workers keep running (and keep the GPUs). EngineCore imports the script,
-    hence this module, when it starts (multiprocessing spawn), so it asks Linux here for a SIGTERM when its parent
-    dies; vLLM's own SIGTERM handler then shuts it down."""
+    a SIGKILL of the script it and its workers keep running (and keep the GPUs). So EngineCore, as this module is
+    imported there (the end of the module), asks Linux for a SIGTERM when its parent dies; vLLM's own SIGTERM
+    handler then shuts it down."""
     import multiprocessing
 
     # (the process name is set before the script is imported; multiprocessing.parent_process() only after)
@@ -142,12 +141,6 @@ def _end_engine_core_with_its_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=kill_if_orphaned_too_long, name="es-orphan-watchdog", daemon=True).start()
-
-
-_end_engine_core_with_its_parent()
-
-ENGINE_SHUTDOWN_S = 30  # EngineCore's own teardown, worker grace periods included; then vLLM kills what is left
-ENGINE_DEAD_GRACE_S = 5  # a call still waiting this long after EngineCore died is failed (EngineFailure)
 
 
 def _descendants() -> set:
@@ -708,3 +701,11 @@ def cuda_engine_args(cfg: common.Config) -> dict:
     if cfg.max_num_batched_tokens:  # graphs up to the step size, so that no step runs eagerly for being too long
         compilation["max_cudagraph_capture_size"] = cfg.max_num_batched_tokens
     return {**args, "enforce_eager": False, "compilation_config": compilation}
+
+
+# ---- What importing this module does. It runs in every process that imports it: the script's, and vLLM's
+# EngineCore and TP workers, which import the script that started them (multiprocessing spawn) before anything else.
+# Python's last-resort handler would print vLLM's notes from before vLLM configures its logging (on CPU "Triton is
+# installed, but doesn't include CPU backend") bare on the console: a handler that drops them, which vLLM replaces.
+logging.getLogger("vllm").addHandler(logging.NullHandler())
+_end_engine_core_with_its_parent()  # in EngineCore only: it ends with the script that started it

@@ -114,7 +114,7 @@ def as_user(uid: int, action) -> str:
 
 
 REPO = Path(__file__).resolve().parents[1]
-STAGE_NAMES = {"01_train": "train", "02_export": "export", "03_eval": "eval", "04_replay": "replay",
+STAGE_NAMES = {"00_data": "data", "01_train": "train", "02_export": "export", "03_eval": "eval", "04_replay": "replay",
                "train_with_test_reward": "train"}
 
 
