@@ -13,8 +13,9 @@ The agent:
     sandbox           where the agent's bash commands run, and the start-up leak check
     scoring           the reply's answer against the gold, in worker processes
 A run's files:
-    fileio            atomic writes, JSON read with its shape checked, crash-safe JSONL
-    history           the run history: identity, refusals of another run's files, rebuild, manifests
+    export            the trained weights as files (sharded_state or Hugging Face): save, verify, load
+    fileio            atomic writes, JSON read with its shape checked, crash-safe JSONL, SHA256SUMS
+    history           the run history: identity, refusals of another run's history, rebuild
     models            the models the project builds itself, and resolve_model for any model name
 The command line:
     cli               presets, --key=value overrides of Config, --help

@@ -11,8 +11,8 @@ import re
 import pytest
 
 import common
-from agentic_es import checkpoint_noise, cli, engine, fileio, models, pool, sandbox
-from agentic_es.history import EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, verify_export, write_sha256sums
+from agentic_es import cli, engine, export, fileio, models, pool, sandbox
+from agentic_es.history import HISTORY_FILE, HISTORY_FORMAT
 
 export_stage = importlib.import_module("02_export")
 train_stage = importlib.import_module("01_train")
@@ -150,17 +150,17 @@ def test_an_export_manifest_that_lacks_a_key_is_refused(tmp_path):
     manifest = {"format": "es-sharded-export/1", "tensor_parallel_size": 2, "per_rank_digests": ["a", "b"],
                 "parameter_names_sha256": "p", "replayed_generations": 2, "vllm_version": "v",
                 "shards": [{"file": "model-rank-0-part-0.safetensors", "rank": 0, "sha256": "s"}]}
-    write(without(manifest, "shards"), tmp_path / "a" / EXPORT_MANIFEST)
-    with pytest.raises(common.StageError, match=f"{EXPORT_MANIFEST}: missing key 'shards'"):
-        verify_export(tmp_path / "a")
-    write(without(manifest, "shards", 0, "sha256"), tmp_path / "b" / EXPORT_MANIFEST)
+    write(without(manifest, "shards"), tmp_path / "a" / export.SHARDED_STATE_MANIFEST)
+    with pytest.raises(common.StageError, match=f"{export.SHARDED_STATE_MANIFEST}: missing key 'shards'"):
+        export.verify(tmp_path / "a")
+    write(without(manifest, "shards", 0, "sha256"), tmp_path / "b" / export.SHARDED_STATE_MANIFEST)
     with pytest.raises(common.StageError, match=r"shards\[0\] missing key 'sha256'"):
-        checkpoint_noise.verify_any_export(tmp_path / "b", 2)
-    hf_manifest = checkpoint_noise.HF_EXPORT_MANIFEST
+        export.verify(tmp_path / "b", 2)
+    hf_manifest = export.HUGGING_FACE_MANIFEST
     write({"format": "es-hf-export/1", "replayed_generations": 2}, tmp_path / "c" / hf_manifest)
-    write_sha256sums(tmp_path / "c", [hf_manifest])  # intact files, a manifest without the digest
+    fileio.write_sha256sums(tmp_path / "c", [hf_manifest])  # intact files, a manifest without the digest
     with pytest.raises(common.StageError, match=f"{hf_manifest}: missing key 'digest'"):
-        checkpoint_noise.verify_any_export(tmp_path / "c")
+        export.verify(tmp_path / "c")
 
 
 def evaluation(tmp_path, problems=2):
