@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 import common
-from agentic_es import cli, data, engine, fileio, history
+from agentic_es import cli, data, engine, fileio
 
 OUT = "data"  # where the three problem files are written
 SOURCE_DIR = ""  # empty: the Hugging Face hub
@@ -66,7 +66,7 @@ def is_built(path: Path, entry: dict, force: bool) -> bool:
     """True when path already holds the manifest's file. A different file there is replaced only with --force."""
     if not path.exists():
         return False
-    if history.sha256_file(path) == entry["sha256"]:
+    if fileio.sha256_file(path) == entry["sha256"]:
         return True
     if not force:
         raise common.DataError(f"{path} exists but differs from data_manifest.json (not the reference build); move it "

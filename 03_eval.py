@@ -20,10 +20,9 @@ import re
 from pathlib import Path
 
 import common
-from agentic_es import checkpoint_noise, cli, engine, fileio, models
+from agentic_es import cli, engine, export, fileio, models
 from agentic_es.data import problems_from
-from agentic_es.history import (EXPORT_MANIFEST, HISTORY_FILE, RESTORE_FIELDS, RESUME_FREE_FIELDS, check_loaded_export,
-                                config_from_history, read_history, sha256_file)
+from agentic_es.history import EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history, read_history
 from agentic_es.metrics import EPISODE_RECORD_KEYS, EVAL_METRICS, EVAL_SAMPLES, REPORTED_GROUP, dataset_metrics
 from agentic_es.pool import EnginePool
 
@@ -43,24 +42,24 @@ def main(argv: list[str]) -> dict:
     cli.exit_if_help(argv, __doc__, __file__, options)
     opts, overrides = cli.parse_args(argv, options)
     cfg = cli.parse_config(overrides)
-    export = opts["export"].replace("<run_dir>", cfg.run_dir)
-    if not export:
+    export_dir = opts["export"].replace("<run_dir>", cfg.run_dir)
+    if not export_dir:
         cfg = base_config(cfg, overrides)
-    out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export else "eval-base"))
+    out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export_dir else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(path, cfg) for name, path in data.items()}
     fileio.check_output_path(cfg.run_dir, "run_dir")
     fileio.check_output_path(out, "out")
     check_finished_episodes(out)
-    common.check_sandbox(cfg, data=list(data.values()), checkpoint=export)  # (unless allowed)
+    common.check_sandbox(cfg, data=list(data.values()), checkpoint=export_dir)  # (unless allowed)
     # before any writing
-    manifest = checkpoint_noise.verify_any_export(export, cfg.tensor_parallel_size) if export else None
+    manifest = export.verify(export_dir, cfg.tensor_parallel_size) if export_dir else None
     if manifest:  # the loaded bits are checked, and recorded, in the digests of the export's noise
-        cfg = dataclasses.replace(cfg, noise=manifest.get("noise", "rank_salted"))
-    if not export:
+        cfg = dataclasses.replace(cfg, noise=export.digest_noise(manifest))
+    if not export_dir:
         models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
 
-    with open_checkpoint(cfg, export, manifest) as (engines, checkpoint):
+    with open_checkpoint(cfg, export_dir, manifest) as (engines, checkpoint):
         out.mkdir(parents=True, exist_ok=True)  # once the engines run: a refused setting leaves no folder behind
         claim_output_folder(out, checkpoint, cfg, data)
         metrics = {"checkpoint": checkpoint, "samples": EVAL_SAMPLES, "reported_group": REPORTED_GROUP,
@@ -121,38 +120,28 @@ def eval_problems(path: str, cfg) -> list[dict]:
 
 
 @contextlib.contextmanager
-def open_checkpoint(cfg, export: str, manifest: dict | None):
+def open_checkpoint(cfg, export_dir: str, manifest: dict | None):
     """Read-only engines holding the export (its files verified against the manifest before; its loaded bits
     checked after loading) or, without an export, the base model."""
-    if not export:
+    if not export_dir:
         with EnginePool(cfg, models.resolve_model(cfg.model), perturbs=False) as engines:
             yield engines, {"kind": "base", "model": cfg.model, "per_rank_digests": engines.digests()}
         return
-    if common.is_checkpoint_noise(manifest):  # a Hugging Face folder: any TP size, digests in checkpoint terms
-        with EnginePool(cfg, export, perturbs=False) as engines:
-            loaded = engines.digests()
-            if loaded != [manifest["digest"]]:
-                raise common.ExportError(f"{export}: loaded digest {loaded[0]} differs from the manifest's "
-                                         f"{manifest['digest']}")
-            yield engines, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
-                           "manifest_sha256": sha256_file(Path(export) / checkpoint_noise.HF_EXPORT_MANIFEST),
-                           "per_rank_digests": loaded}
-        return
-    with EnginePool(cfg, export, load_format="sharded_state", tokenizer=export, perturbs=False) as engines:
-        loaded = check_loaded_export(engines, manifest, export)  # the bits vLLM holds are the exported ones
-        yield engines, {"kind": "export", "path": export, "replayed_generations": manifest["replayed_generations"],
-                       "manifest_sha256": sha256_file(Path(export) / EXPORT_MANIFEST),
-                       "per_rank_digests": loaded}
+    with EnginePool(cfg, **export.load(export_dir, manifest), perturbs=False) as engines:
+        loaded = export.check_loaded(engines, export_dir, manifest)  # the bits vLLM holds are the exported ones
+        yield engines, {"kind": "export", "path": export_dir, "replayed_generations": manifest["replayed_generations"],
+                        "manifest_sha256": fileio.sha256_file(export.manifest_file(export_dir)),
+                        "per_rank_digests": loaded}
 
 
 def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
     """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data and settings;
-    the settings that only say where files go or how fast the engine steps (RESUME_FREE_FIELDS), and how a
+    the settings that only say where files go or how fast the engine steps (EXECUTION_FIELDS), and how a
     perturbation is undone (RESTORE_FIELDS: an evaluation never perturbs), may differ; a setting newer than the
     folder's marker counts as its default."""
     def settings(config: dict) -> dict:
         return {k: v for k, v in {**dataclasses.asdict(common.Config()), **config}.items()
-                if k not in RESUME_FREE_FIELDS + RESTORE_FIELDS}
+                if k not in EXECUTION_FIELDS + RESTORE_FIELDS}
 
     run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
                                  "data": data}))

@@ -14,8 +14,8 @@ beside the original ones with per-problem agreement, into a new file; the eval16
 from pathlib import Path
 
 import common
-from agentic_es import checkpoint_noise, cli, data, engine, fileio, models
-from agentic_es.history import HISTORY_FILE, config_from_history, read_history, rebuild_from_history, sha256_file
+from agentic_es import checkpoint_noise, cli, data, engine, export, fileio, models
+from agentic_es.history import HISTORY_FILE, config_from_history, read_history, rebuild_from_history
 from agentic_es.metrics import (EVAL16_SHAPE, EVAL_METRICS, EVAL_METRICS_SHAPE, REPORTED_SAMPLES, group_label,
                                 mean4_pass4)
 from agentic_es.pool import EnginePool
@@ -35,7 +35,7 @@ def main(argv: list[str]) -> dict:
     history_path = Path(opts["history"] or run_dir / HISTORY_FILE)
     eval_dir = Path(opts["eval"] or run_dir / "eval")
     out = Path(opts["out"] or eval_dir / "aligned_history_replay_eval4.json")
-    export = opts["export"]
+    export_dir = opts["export"]
 
     history = read_history(history_path)
     originals = {name: fileio.read_json(eval_dir / f"{name}_eval16.json", required=EVAL16_SHAPE)
@@ -45,9 +45,8 @@ def main(argv: list[str]) -> dict:
     check_digest_kind(checkpoint, cfg, eval_dir)  # before the engine starts: digests of another kind never match
     generations = history["generations"][: checkpoint.get("replayed_generations", 0)]
     expected = {"the evaluated checkpoint": checkpoint["per_rank_digests"]}
-    if export:
-        manifest = checkpoint_noise.verify_any_export(export, cfg.tensor_parallel_size)
-        expected[export] = [manifest["digest"]] if "digest" in manifest else manifest["per_rank_digests"]
+    if export_dir:
+        expected[export_dir] = export.digests(export.verify(export_dir, cfg.tensor_parallel_size))
     jobs = {name: aligned_jobs(original, cfg.run_seed) for name, original in originals.items()}
     transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in originals}
 
@@ -55,7 +54,7 @@ def main(argv: list[str]) -> dict:
     fileio.check_output_path(out, "out", folder=False)
     fileio.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
-    common.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export or None)
+    common.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export_dir or None)
     with EnginePool(cfg, model_path, perturbs=False) as engines:
         _, digests = rebuild_from_history(engines, cfg, model_path, history, generations, compare_config=False,
                                           desc=f"rebuilding theta from {len(generations)} generations")
@@ -65,8 +64,9 @@ def main(argv: list[str]) -> dict:
         replayed = {name: engines.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
 
     report = {
-        "group": group_label(GROUP), "history": str(history_path), "history_sha256": sha256_file(history_path),
-        "replayed_generations": len(generations), "per_rank_digests": digests, "export": export or None,
+        "group": group_label(GROUP), "history": str(history_path),
+        "history_sha256": fileio.sha256_file(history_path), "replayed_generations": len(generations),
+        "per_rank_digests": digests, "export": export_dir or None,
         "datasets": {name: compare(originals[name], replayed[name], transcripts[name], cfg.fitness)
                      for name in originals},
     }

@@ -18,8 +18,9 @@ The problems and the evaluation:
     data              problem files, the smoke and learn problem sets
     metrics           Mean4 / Pass4, mean@16, unbiased pass@4 of eval16 records
 A run's files:
-    fileio            atomic writes, JSON read with its shape checked, crash-safe JSONL, ClosedOnExit
-    history           the run history: identity, refusals of another run's files, rebuild, manifests
+    export            the trained weights as files (sharded_state or Hugging Face): save, verify, load
+    fileio            atomic writes, JSON read with its shape checked, crash-safe JSONL, SHA256SUMS, ClosedOnExit
+    history           the run history: identity, refusals of another run's history, rebuild
     models            the models the project builds itself, and resolve_model for any model name
 The command line:
     cli               presets, --key=value overrides of Config, --help

@@ -16,13 +16,13 @@ Sections, in order:
   3. CheckpointESWorker: common.ESWorker with this noise, and the digests and export pieces of each rank
   4. digests in checkpoint terms (sums of element hashes that add up over any partition of a tensor, so the same
      at every TP size), and the start-up check that the ranks hold the checkpoint exactly
-  5. the Hugging Face export: the ranks' pieces put together, its verification, and the replay without vLLM
+  5. the replay of a history without vLLM (export.py puts the ranks' pieces together into a Hugging Face folder)
 
 What a history records of this noise (CHECKPOINT_NOISE, CHECKPOINT_ROUNDING) lives in checkpoint_definition.py, a
-leaf that common.noise_definition imports: a change to section 1 changes it too. This module imports common and
-history; neither imports it. engine.py and pool.py import it (Engine.base_digests proves a checkpoint-noise run's
-layout before its history records the base), and vLLM loads CheckpointESWorker by its qualified name
-(common.WORKER_EXTENSIONS).
+leaf that common.noise_definition imports: a change to section 1 changes it too. This module imports common, history
+and restore_patch; none of them imports it. engine.py and pool.py import it (Engine.base_digests proves a
+checkpoint-noise run's layout before its history records the base), export.py too (the Hugging Face folder), and vLLM
+loads CheckpointESWorker by its qualified name (common.WORKER_EXTENSIONS).
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ import functools
 import hashlib
 import math
 import re
-import shutil
 from pathlib import Path
 
 import torch
 
 import common
-from agentic_es import fileio, history, restore_patch
+from agentic_es import history, restore_patch
 
 # ============================================================================================================
 # 1. The counter-hash noise: every element's noise from (member seed, checkpoint tensor name, the element's index in
@@ -465,103 +464,9 @@ def check_held_tensors(model_path: str | Path, held: set[str]) -> None:
 
 
 # ============================================================================================================
-# 5. The Hugging Face export of a checkpoint-noise run: the weights by checkpoint name, written at any TP size, and
-#    replayed without vLLM.
+# 5. The replay without vLLM: a history's updates applied to the base checkpoint tensor by tensor, how tests compare
+#    with vLLM's ranks and how to check a Hugging Face export (export.py) by hand.
 # ============================================================================================================
-
-HF_EXPORT_MANIFEST = "es_export_manifest.json"
-HF_EXPORT_MANIFEST_SHAPE = ("digest", "replayed_generations")  # what eval and replay read from it (check_shape)
-HF_FILE_BYTES = 4 * 1024**3  # a safetensors file per ~4 GiB, with an index beside them when there are several
-PIECES = ".pieces"  # inside an export being written: each rank's owned segments (es_write_checkpoint_pieces)
-
-
-def save_checkpoint(engine, folder: str | Path) -> tuple[list[str], dict[str, int]]:
-    """The engine's weights as Hugging Face safetensors by checkpoint name (files, digest sums): each rank writes the
-    segments it owns (es_write_checkpoint_pieces), and they are put together here tensor by tensor."""
-    folder = Path(folder)
-    pieces = folder / PIECES
-    pieces.mkdir(parents=True, exist_ok=True)
-    try:
-        engine.rpc("es_write_checkpoint_pieces", folder=str(pieces))
-        sums, shapes = engine.checkpoint_sums()
-        names = engine.rpc("es_checkpoint_names")[0]
-        files = write_safetensors_files(assembled_tensors(pieces, names, shapes), folder)
-    finally:
-        shutil.rmtree(pieces, ignore_errors=True)
-    return files, sums
-
-
-def assembled_tensors(pieces: Path, names: list[str], shapes: dict[str, list[int]]):
-    """(name, tensor) in checkpoint order, each put together from the ranks' owned segments."""
-    from safetensors import safe_open
-
-    files = [safe_open(str(f), framework="pt") for f in sorted(pieces.glob("pieces-rank-*.safetensors"))]
-    for tid, name in enumerate(names):
-        if name not in shapes:
-            continue
-        out, filled = None, 0
-        for f in files:
-            if f"{tid}.values" not in f.keys():
-                continue
-            values, segments = f.get_tensor(f"{tid}.values"), f.get_tensor(f"{tid}.segments").tolist()
-            out = torch.empty(math.prod(shapes[name]), dtype=values.dtype) if out is None else out
-            at = 0
-            for start, length in segments:
-                out[start:start + length] = values[at:at + length]
-                at, filled = at + length, filled + length
-        if filled != math.prod(shapes[name]):
-            raise common.ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
-        yield name, out.view(shapes[name])
-
-
-def write_safetensors_files(tensors, folder: Path) -> list[str]:
-    """Hugging Face's layout: model.safetensors, or model-0000k-of-0000n.safetensors and their index."""
-    from safetensors.torch import save_file
-
-    groups, group, size = [], {}, 0
-    for name, t in tensors:
-        if group and size + t.numel() * t.element_size() > HF_FILE_BYTES:
-            groups.append(group)
-            group, size = {}, 0
-        group[name], size = t.contiguous(), size + t.numel() * t.element_size()
-    groups.append(group)
-    if len(groups) == 1:
-        save_file(groups[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    files, weight_map = [], {}
-    for k, g in enumerate(groups, start=1):
-        files.append(f"model-{k:05d}-of-{len(groups):05d}.safetensors")
-        save_file(g, str(folder / files[-1]), metadata={"format": "pt"})
-        weight_map.update({name: files[-1] for name in g})
-    fileio.write_json_atomic({"metadata": {}, "weight_map": weight_map}, folder / "model.safetensors.index.json")
-    return files + ["model.safetensors.index.json"]
-
-
-def verify_hf_export(folder: str | Path) -> dict:
-    """Check a Hugging Face export against its SHA256SUMS before anything loads it; returns its manifest."""
-    folder = Path(folder)
-    if not (folder / HF_EXPORT_MANIFEST).is_file():
-        raise common.ExportError(f"{folder}: no {HF_EXPORT_MANIFEST}; not a checkpoint-noise export of 02_export.py")
-    problems = (history.verify_sha256sums(folder) if (folder / history.SHA256SUMS).exists()
-                else [f"missing {history.SHA256SUMS}"])
-    if problems:
-        raise common.ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
-    return fileio.read_json(folder / HF_EXPORT_MANIFEST, required=HF_EXPORT_MANIFEST_SHAPE)
-
-
-def verify_any_export(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:
-    """verify_hf_export for a checkpoint-noise export (any TP size), else verify_export (its own TP size)."""
-    if (Path(folder) / HF_EXPORT_MANIFEST).is_file():
-        return verify_hf_export(folder)
-    return history.verify_export(folder, tensor_parallel_size)
-
-
-def set_config_dtype(folder: Path, dtype: str) -> None:
-    """config.json names the exported weights' dtype (transformers and vLLM read it as the default)."""
-    config = fileio.read_json(folder / "config.json")
-    config.update({k: dtype for k in ("torch_dtype", "dtype") if k in config} or {"torch_dtype": dtype})
-    fileio.write_json_atomic(config, folder / "config.json")
-
 
 def update_checkpoint_tensor_(name: str, t: torch.Tensor, generation: dict, cfg: common.Config) -> None:
     """One generation's update of one whole checkpoint tensor (in the run's dtype), as the ranks apply it."""

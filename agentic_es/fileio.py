@@ -1,10 +1,12 @@
 """Files a run writes and reads: atomic writes (temp file, fsync, rename), JSON read with its shape checked, JSONL
-that survives a crash (a torn last line is dropped), and the lock files through which the processes of every user
-of a machine take turns; and ClosedOnExit, the `with` of what holds files and processes open (an engine, a pool, a
-tracker). The weight digests are in digests.py; SHA256SUMS, fingerprints and the sharded_state export's manifest in
-history.py."""
+that survives a crash (a torn last line is dropped), the lock files through which the processes of every user of a
+machine take turns, the fingerprints of files (a file's sha256, SHA256SUMS beside published files: `sha256sum -c
+SHA256SUMS` checks them; the weight files of a model folder), and ClosedOnExit, the `with` of what holds files and
+processes open (an engine, a pool, a tracker). The weight digests are in digests.py; an export's manifest in
+export.py."""
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -229,3 +231,82 @@ class ClosedOnExit:
             return
         with contextlib.suppress(Exception):
             self.close()
+
+
+# ---- Fingerprints: a file's sha256, SHA256SUMS beside published files, the weight files of a model folder
+
+SHA256SUMS = "SHA256SUMS"
+
+
+def sha256_file(path, chunk=1 << 20):
+    """Hex sha256 of a file, read in chunks (checkpoint shards are many GB)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _relative_name(folder, file):
+    """A file's path relative to folder, with '/' separators, as sha256sum -c expects from inside folder."""
+    rel = os.path.relpath(os.path.join(folder, file), folder)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        raise ValueError(f"{file}: not inside {folder}")
+    if "\n" in rel or "\\" in rel:
+        raise ValueError(f"{file!r}: sha256sum would escape this name; rename it")
+    return rel.replace(os.sep, "/")
+
+
+def write_sha256sums(folder, files):
+    """Write folder/SHA256SUMS in `sha256sum` text format ('<hex>  <name>', sorted by name), so
+    `cd folder && sha256sum -c SHA256SUMS` checks the published files. files: paths relative to (or inside)
+    folder. Returns {name: hex}."""
+    names = sorted({_relative_name(folder, f) for f in files} - {SHA256SUMS})
+    sums = {name: sha256_file(os.path.join(folder, name)) for name in names}
+    write_file_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
+    return sums
+
+
+def verify_sha256sums(folder):
+    """Check every file listed in folder/SHA256SUMS. Returns a list of problems; empty means all match."""
+    sums_path = os.path.join(folder, SHA256SUMS)
+    if not os.path.isfile(sums_path):
+        return [f"{sums_path}: missing"]
+    problems = []
+    try:
+        with open(sums_path, "rb") as f:
+            lines = f.read().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        return [f"{sums_path}: not UTF-8 text ({e.reason} at byte {e.start})"]
+    if not any(line.strip() for line in lines):
+        problems.append(f"{sums_path}: lists no files")
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        digest, sep, name = line.partition("  ")
+        if not sep:
+            digest, sep, name = line.partition(" *")  # binary-mode line, also valid sha256sum output
+        if not sep or len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest.lower()) or not name:
+            problems.append(f"{SHA256SUMS}:{lineno}: malformed line {line!r}")
+            continue
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            problems.append(f"{name}: missing")
+        elif sha256_file(path) != digest.lower():
+            problems.append(f"{name}: sha256 mismatch")
+    return problems
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def model_fingerprint(model: str) -> str:
+    """sha256 over the weight files of a local model folder (name, size, content), so a history can refuse a
+    different base. Hub ids are resolved to their local snapshot folder first (models.resolve_model)."""
+    folder = Path(model)
+    if not folder.is_dir():
+        raise ConfigError(f"{model}: not a model folder (models.resolve_model turns a hub id into its local snapshot)")
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
+        h.update(f"{f.name}|{f.stat().st_size}|{sha256_file(f)}\n".encode())
+    return "sha256:" + h.hexdigest()

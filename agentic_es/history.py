@@ -1,19 +1,17 @@
-"""The run history and the manifests: what identifies a run, and the refusals of another run's files.
+"""The run history (es_history.json): its file, the run settings it records, the run's identity, the refusals of
+another run's history, and the rebuild of a run's weights from it.
 
-A history (es_history.json) opens with the run's identity (run_identity): its constants, the noise definition, the
-base model's fingerprint and digests, the training data's sha256, the runtime layout, the device model and the
-versions; then one record per generation, which also carries the settings a resume may change that tell how its
-generation ran (generation_settings: the exact restore mode). A stage that resumes, exports or replays compares the
-header with its own (check_base, check_config) and refuses a history of another run before it changes any weight.
-Published files carry fingerprints: SHA256SUMS beside them (`sha256sum -c SHA256SUMS` checks them), and a
-sharded_state export its manifest (each shard's sha256, the per-rank digests of the weights), checked before
-anything loads it (verify_export, check_loaded_export).
+A history opens with the run's identity (run_identity): its constants, the noise definition, the base model's
+fingerprint and digests, the training data's sha256, the runtime layout, the device model and the versions; then one
+record per generation, which also carries the settings a resume may change that tell how its generation ran
+(generation_settings: the exact restore mode). A stage that resumes, exports or replays compares the header with its
+own (check_base, check_config) and refuses a history of another run before it changes any weight.
 
 Export and replay take the recorded run's settings from its history (config_from_history: what defines the weights
 always, never a preset's or a default) and rebuild its weights (rebuild_from_history: the refusals, then
-common.replay). The algorithm stays in common: replaying a history's updates, the per-rank weight digests the TP
-workers compute, and the atomic JSON and JSONL files. This module imports common, cli and tracking; none of them
-imports it.
+common.replay). Replaying a history's updates is the algorithm's (common.replay), the per-rank weight digests are
+digests.py's, the files and their fingerprints fileio's, an export's files export.py's. This module imports common,
+cli, fileio and tracking; none of them imports it.
 """
 
 from __future__ import annotations
@@ -21,10 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import re
-import shutil
-from pathlib import Path
 
 import torch
 
@@ -33,7 +27,7 @@ from agentic_es import fileio
 from agentic_es.cli import parse_overrides
 from agentic_es.data import GENERATED_DATA, problems_from
 from agentic_es.tracking import progress_bar
-from common import Config, ConfigError, ExportError
+from common import Config, ConfigError
 
 
 # ---- The history file: what the stages read from it, checked before any engine starts
@@ -70,22 +64,24 @@ def read_history(path) -> dict:
 # command line, a preset or an evaluation's settings.
 WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "rounding", "noise")
 POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
-# settings that may change between a run and its resume: where files go, and how fast and how many episodes the
-# engine steps at once. They never touch the weights (and a GPU's sampling is not batch-invariant anyway)
-RESUME_FREE_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
-                      "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
+# settings of where and how fast a run executes, never of what it computes: where files go, how many episodes the
+# engine steps at once and how, which engines. A resume may change them (resume_free_fields), and 03_eval.py keeps
+# an evaluation's finished episodes across them. They never touch the weights (and a GPU's sampling is not
+# batch-invariant anyway)
+EXECUTION_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
+                    "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
 # how a member's perturbation is undone: a stage that never perturbs (export, evaluation, replay) takes any value,
 # e.g. an evaluation of a --restore=subtract run resumed with --restore=patch --patch_capacity=0.3
 RESTORE_FIELDS = ("restore", "patch_capacity")
 
 
 def resume_free_fields(config: dict) -> tuple[str, ...]:
-    """RESUME_FREE_FIELDS; after an exact restore mode the restore mode and the patch's capacity (every exact mode
+    """EXECUTION_FIELDS; after an exact restore mode the restore mode and the patch's capacity (every exact mode
     leaves the same bits: a patch overflow's advice, another capacity or copy_device, resumes the run; a move to the
     inexact subtract is refused by identity_differences); with checkpoint noise the TP size: its weights are the
     same at every TP size."""
     exact = config.get("restore", common.Config.restore) != "subtract"
-    return (RESUME_FREE_FIELDS + (RESTORE_FIELDS if exact else ())
+    return (EXECUTION_FIELDS + (RESTORE_FIELDS if exact else ())
             + (("tensor_parallel_size",) if common.is_checkpoint_noise(config) else ()))
 
 
@@ -113,7 +109,7 @@ def without_retired_settings(config: dict) -> dict:
 def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
     """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
     from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
-    from the history. `--preset` fills in only the settings that may differ between runs (RESUME_FREE_FIELDS, such
+    from the history. `--preset` fills in only the settings that may differ between runs (EXECUTION_FIELDS, such
     as run_dir, and RESTORE_FIELDS: these stages never perturb), never a recorded value; an explicit `--key=value`
     that differs from a recorded one is refused."""
     history_settings = without_retired_settings(history["config"])  # refuses a run this code cannot rebuild
@@ -154,7 +150,7 @@ def run_identity(cfg: common.Config, model_path: str, engine, train_data: bool =
         **data,
         "base_model": cfg.model,
         "base_model_path": str(model_path),
-        "base_fingerprint": model_fingerprint(model_path),
+        "base_fingerprint": fileio.model_fingerprint(model_path),
         "base_digests": engine.base_digests(model_path),
         "parameter_names_sha256": engine.parameter_names_sha256(),
         "tensor_parallel_size": cfg.tensor_parallel_size,
@@ -170,7 +166,7 @@ def train_data_sha256(cfg: common.Config) -> str:
     """The training problems' fingerprint: the file's sha256, or for problems made here ("smoke", "learn") the name
     and the sha256 of the problems themselves, so that a history of another version of them is refused."""
     if cfg.train_data not in GENERATED_DATA:
-        return sha256_file(cfg.train_data)
+        return fileio.sha256_file(cfg.train_data)
     problems = json.dumps(problems_from(cfg.train_data, cfg.run_seed), sort_keys=True).encode()
     return f"{cfg.train_data} {hashlib.sha256(problems).hexdigest()}"
 
@@ -203,6 +199,11 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
         elif key not in ("base_model_path",) and recorded.get(key) != value:
             diffs.append(f"{key}: history has {recorded.get(key)!r}, this run has {value!r}")
     return diffs
+
+
+def name_only_fingerprint(model: str | None) -> str:
+    """What older histories recorded for a hub id: a hash of its name, not of its weights."""
+    return "name-only:" + hashlib.sha256(str(model).encode()).hexdigest()
 
 
 def describe_devices(devices: list[dict]) -> str:
@@ -244,158 +245,3 @@ def rebuild_from_history(engine, cfg: Config, model_path: str, history: dict, ge
     identity = run_identity(cfg, model_path, engine, train_data=compare_config)
     check_base(history, identity, compare_config)
     return identity, common.replay(engine, progress_bar(generations, desc=desc, leave=False), identity["base_digests"])
-
-
-# ---- Fingerprints: SHA256SUMS beside published files, the weight files of a base model
-
-SHA256SUMS = "SHA256SUMS"
-
-
-def sha256_file(path, chunk=1 << 20):
-    """Hex sha256 of a file, read in chunks (checkpoint shards are many GB)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _relative_name(folder, file):
-    """A file's path relative to folder, with '/' separators, as sha256sum -c expects from inside folder."""
-    rel = os.path.relpath(os.path.join(folder, file), folder)
-    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
-        raise ValueError(f"{file}: not inside {folder}")
-    if "\n" in rel or "\\" in rel:
-        raise ValueError(f"{file!r}: sha256sum would escape this name; rename it")
-    return rel.replace(os.sep, "/")
-
-
-def write_sha256sums(folder, files):
-    """Write folder/SHA256SUMS in `sha256sum` text format ('<hex>  <name>', sorted by name), so
-    `cd folder && sha256sum -c SHA256SUMS` checks the published files. files: paths relative to (or inside)
-    folder. Returns {name: hex}."""
-    names = sorted({_relative_name(folder, f) for f in files} - {SHA256SUMS})
-    sums = {name: sha256_file(os.path.join(folder, name)) for name in names}
-    fileio.write_file_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
-    return sums
-
-
-def verify_sha256sums(folder):
-    """Check every file listed in folder/SHA256SUMS. Returns a list of problems; empty means all match."""
-    sums_path = os.path.join(folder, SHA256SUMS)
-    if not os.path.isfile(sums_path):
-        return [f"{sums_path}: missing"]
-    problems = []
-    try:
-        with open(sums_path, "rb") as f:
-            lines = f.read().decode("utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        return [f"{sums_path}: not UTF-8 text ({e.reason} at byte {e.start})"]
-    if not any(line.strip() for line in lines):
-        problems.append(f"{sums_path}: lists no files")
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        digest, sep, name = line.partition("  ")
-        if not sep:
-            digest, sep, name = line.partition(" *")  # binary-mode line, also valid sha256sum output
-        if not sep or len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest.lower()) or not name:
-            problems.append(f"{SHA256SUMS}:{lineno}: malformed line {line!r}")
-            continue
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            problems.append(f"{name}: missing")
-        elif sha256_file(path) != digest.lower():
-            problems.append(f"{name}: sha256 mismatch")
-    return problems
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
-def model_fingerprint(model: str) -> str:
-    """sha256 over the weight files of a local model folder (name, size, content), so a history can refuse a
-    different base. Hub ids are resolved to their local snapshot folder first (models.resolve_model)."""
-    folder = Path(model)
-    if not folder.is_dir():
-        raise common.ConfigError(f"{model}: not a model folder (models.resolve_model turns a hub id into its local "
-                                 "snapshot)")
-    h = hashlib.sha256()
-    for f in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
-        h.update(f"{f.name}|{f.stat().st_size}|{sha256_file(f)}\n".encode())
-    return "sha256:" + h.hexdigest()
-
-
-def name_only_fingerprint(model: str | None) -> str:
-    """What older histories recorded for a hub id: a hash of its name, not of its weights."""
-    return "name-only:" + hashlib.sha256(str(model).encode()).hexdigest()
-
-
-# ---- The sharded_state export: the model's other files beside it, its manifest, checked before anything loads it
-
-def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy the non-weight files of a model folder (config, tokenizer, chat template) beside a sharded_state."""
-    copied = []
-    for f in sorted(Path(src).iterdir()):
-        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
-            shutil.copy2(f, Path(dst) / f.name)
-            copied.append(f.name)
-    return copied
-
-
-EXPORT_MANIFEST = "es_sharded_export_manifest.json"
-# what eval and replay read from a sharded export's manifest (check_shape)
-EXPORT_MANIFEST_SHAPE = {"tensor_parallel_size": None, "shards": [("file", "rank", "sha256")],
-                         "per_rank_digests": None, "parameter_names_sha256": None, "replayed_generations": None,
-                         "vllm_version": None}
-SHARD_PATTERN = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
-
-
-def shard_entries(folder: str | Path) -> list[dict]:
-    """The worker shards vLLM's save_sharded_state wrote: file, rank, bytes, sha256."""
-    rows = []
-    for f in sorted(Path(folder).iterdir()):
-        m = SHARD_PATTERN.match(f.name)
-        if m:
-            rows.append({"file": f.name, "rank": int(m.group(1)), "part": int(m.group(2)),
-                         "bytes": f.stat().st_size, "sha256": sha256_file(f)})
-    return rows
-
-
-def check_loaded_export(engine, manifest: dict, folder) -> list[str]:
-    """After loading: the running vLLM must see the exported parameter names and bits, rank by rank."""
-    if engine.parameter_names_sha256() != manifest["parameter_names_sha256"]:
-        raise ExportError(f"{folder}: this vLLM ({manifest['vllm_version']} wrote the export) lays out the model's "
-                          "parameters differently; the sharded state cannot be trusted here")
-    digests = engine.digests()
-    if digests != manifest["per_rank_digests"]:
-        raise ExportError(f"{folder}: loaded per-rank digests {digests} differ from the manifest's "
-                          f"{manifest['per_rank_digests']}")
-    return digests
-
-
-def verify_export(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:
-    """Check an export folder against its manifest before anything loads it; returns the manifest.
-    A wrong TP size, a missing, extra or altered shard, or a damaged file is an ExportError."""
-    folder = Path(folder)
-    if not (folder / EXPORT_MANIFEST).is_file():
-        raise ExportError(f"{folder}: no {EXPORT_MANIFEST}; not an export of 02_export.py")
-    manifest = fileio.read_json(folder / EXPORT_MANIFEST, required=EXPORT_MANIFEST_SHAPE)
-    tp = manifest["tensor_parallel_size"]
-    if tensor_parallel_size is not None and tensor_parallel_size != tp:
-        raise ExportError(f"{folder} holds per-rank shards for tensor_parallel_size={tp}; it cannot be loaded "
-                          f"with tensor_parallel_size={tensor_parallel_size} (the ranks carry different noise)")
-    problems = []
-    recorded = {s["file"]: s for s in manifest["shards"]}
-    present = {f.name for f in folder.iterdir() if SHARD_PATTERN.match(f.name)}
-    problems += [f"missing shard {name}" for name in sorted(set(recorded) - present)]
-    problems += [f"unexpected shard {name}" for name in sorted(present - set(recorded))]
-    for name in sorted(set(recorded) & present):
-        if sha256_file(folder / name) != recorded[name]["sha256"]:
-            problems.append(f"shard {name} does not match its sha256 in the manifest")
-    if sorted({s["rank"] for s in manifest["shards"]}) != list(range(tp)):
-        problems.append(f"manifest shards do not cover ranks 0..{tp - 1}")
-    problems += verify_sha256sums(folder) if (folder / SHA256SUMS).exists() else [f"missing {SHA256SUMS}"]
-    if problems:
-        raise ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
-    return manifest

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import checkpoint_noise, cli, data, fileio, models  # noqa: E402
+from agentic_es import checkpoint_noise, cli, data, export, fileio, models  # noqa: E402
 from agentic_es.history import HISTORY_FILE  # noqa: E402
 from report import print_until_reader_gone  # noqa: E402
 
@@ -125,20 +125,20 @@ def pipeline_report(run_dir: Path) -> dict:
     return report
 
 
-def export_checks(export: Path, history: dict) -> dict:
+def export_checks(folder: Path, history: dict) -> dict:
     """The export's digests as the stages record them, whether its files match its manifest and SHA256SUMS, and
     for a Hugging Face export (checkpoint noise) whether it holds every base tensor but the ones its manifest
     names as left out."""
     try:
-        manifest = checkpoint_noise.verify_any_export(export)
+        manifest = export.verify(folder)
     except common.ExportError as e:
         return {"export_verifies": False, "export_error": str(e), "export_digests": None}
-    if manifest.get("noise") != "checkpoint":
-        return {"export_verifies": True, "export_digests": manifest["per_rank_digests"]}
+    if not export.is_hugging_face(manifest):
+        return {"export_verifies": True, "export_digests": export.digests(manifest)}
     base = {name for name, _ in checkpoint_noise.checkpoint_tensors(history["base_model_path"])}
-    exported = {name for name, _ in checkpoint_noise.checkpoint_tensors(export)}
+    exported = {name for name, _ in checkpoint_noise.checkpoint_tensors(folder)}
     left_out = set(manifest.get("left_out_tensors", {}))
-    return {"export_verifies": True, "export_digests": [manifest["digest"]],
+    return {"export_verifies": True, "export_digests": export.digests(manifest),
             "export_holds_every_base_tensor": (exported == base - left_out and left_out <= base
                                                and exported == set(manifest["tensor_digest_sums"])),
             "base_tensors_left_out": sorted(left_out), "base_tensors_missing": sorted(base - exported - left_out)}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import checkpoint_noise, cli, data, fileio, metrics, models
+from agentic_es import checkpoint_noise, cli, data, export, fileio, metrics, models
 from agentic_es.engine import Engine
 from agentic_es.history import HISTORY_FILE, check_config, config_from_history, run_identity
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha
@@ -184,11 +184,11 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
 
     proc = run("02_export.py", f"--run_dir={trained}")
     assert "a Hugging Face folder" in proc.stdout and "safetensors files in" in proc.stdout  # progress, timed
-    export = trained / "export"
-    manifest = checkpoint_noise.verify_any_export(export)
+    exported = trained / "export"
+    manifest = export.verify(exported)
     history = fileio.read_json(trained / HISTORY_FILE)
     assert manifest["digest"] == history["generations"][-1]["digests"][0] and manifest["noise"] == "checkpoint"
-    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
     loaded = model.state_dict()
     assert manifest["left_out_tensors"] == {}  # untied: every checkpoint tensor is in the folder
     expected = checkpoint_noise.replay_on_checkpoint(models.resolve_model("tiny-qwen3-dense"),
@@ -196,7 +196,7 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
     assert set(loaded) == set(expected)
     assert [n for n in expected if not torch.equal(loaded[n], expected[n])] == []  # bit for bit, without vLLM
     run("02_export.py", f"--run_dir={trained}", "--tensor_parallel_size=1", f"--out={trained / 'export-tp1'}")
-    assert sha(trained / "export-tp1" / "model.safetensors") == sha(export / "model.safetensors")
+    assert sha(trained / "export-tp1" / "model.safetensors") == sha(exported / "model.safetensors")
     # stock vLLM loading, at another TP size: the evaluation loads the folder and checks the loaded digest
     run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")
     checkpoint = fileio.read_json(trained / "eval" / metrics.EVAL_METRICS)["checkpoint"]
@@ -237,7 +237,7 @@ def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_
     assert replayable(resumed)[0] == replayable(reference)[0]  # generation 0, made at TP=2, replayed at TP=1
     assert len(resumed["generations"]) == 2 and resumed["tensor_parallel_size"] == 2  # the header is the run's
     run("02_export.py", f"--run_dir={tmp_path}")  # at TP=2 again: every generation's digest agrees
-    manifest = fileio.read_json(tmp_path / "export" / checkpoint_noise.HF_EXPORT_MANIFEST)
+    manifest = fileio.read_json(tmp_path / "export" / export.HUGGING_FACE_MANIFEST)
     assert manifest["digest"] == resumed["generations"][-1]["digests"][0]
 
 

@@ -2,7 +2,6 @@
 
 import dataclasses
 import importlib
-import inspect
 import math
 import re
 import subprocess

@@ -1,9 +1,8 @@
 """bench/gpu_pipeline.py's report on the files the four stages leave behind, for either noise kind: the
-history, an export (sharded_state shards, or a Hugging Face folder) with the manifest 02_export.py's own
-write_manifest writes, the evaluation's metrics and the replay's report. No engine: the digests stand for weights."""
+history, an export (sharded_state shards, or a Hugging Face folder) with the manifest export.write_manifest writes
+for 02_export.py, the evaluation's metrics and the replay's report. No engine: the digests stand for weights."""
 
 import dataclasses
-import importlib
 import sys
 from pathlib import Path
 
@@ -11,13 +10,11 @@ import pytest
 import torch
 
 import common
-from agentic_es import checkpoint_noise, fileio
+from agentic_es import checkpoint_noise, export, fileio
 from agentic_es.history import HISTORY_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_pipeline  # noqa: E402
-
-export_stage = importlib.import_module("02_export")
 
 
 def finished_pipeline(run_dir: Path, noise: str, exported_without: str = "") -> list[str]:
@@ -39,22 +36,23 @@ def finished_pipeline(run_dir: Path, noise: str, exported_without: str = "") -> 
                "base_digests": ["ckpt:base"] if noise == "checkpoint" else ["rank0-base", "rank1-base"],
                "generations": [{"generation": 0, "digests": trained}]}
     fileio.write_json_atomic(history, run_dir / HISTORY_FILE)
-    export = run_dir / "export"
-    export.mkdir()
-    sums = left_out = None
-    if noise == "checkpoint":
-        left_out = checkpoint_noise.ignored_checkpoint_tensors(base)
-        held = {n: t for n, t in tensors.items() if n not in left_out and n != exported_without}
-        save_file(held, str(export / "model.safetensors"))
-        sums = {n: checkpoint_noise.tensor_digest_sum(n, t) for n, t in held.items()}
-    else:
-        for rank in range(2):
-            (export / f"model-rank-{rank}-part-0.safetensors").write_bytes(b"shard %d" % rank)
+    folder = run_dir / "export"
+    folder.mkdir()
     identity = {"config": history["config"], "tensor_parallel_size": 2, "parameter_names_sha256": "names",
                 "devices": [], "base_model": "tiny", "base_fingerprint": "sha256:base", "device_type": "cuda",
                 "vllm_version": "0.26.0", "torch_version": torch.__version__}
-    export_stage.write_manifest(export, history, run_dir / HISTORY_FILE, history["generations"], trained, identity,
-                                sums, left_out)
+    if noise == "checkpoint":
+        left_out = checkpoint_noise.ignored_checkpoint_tensors(base)
+        held = {n: t for n, t in tensors.items() if n not in left_out and n != exported_without}
+        save_file(held, str(folder / "model.safetensors"))
+        sums = {n: checkpoint_noise.tensor_digest_sum(n, t) for n, t in held.items()}
+        weights = export.hugging_face_fields(identity, trained, sums, left_out)
+    else:
+        for rank in range(2):
+            (folder / f"model-rank-{rank}-part-0.safetensors").write_bytes(b"shard %d" % rank)
+        weights = export.sharded_state_fields(folder, identity, trained)
+    export.write_manifest(folder, export.provenance(history, run_dir / HISTORY_FILE, history["generations"]),
+                          identity, weights)
     (run_dir / "eval").mkdir()
     fileio.write_json_atomic({"checkpoint": {"kind": "export", "per_rank_digests": trained}},
                              run_dir / "eval" / "metrics.json")

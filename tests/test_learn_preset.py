@@ -12,7 +12,8 @@ import pytest
 
 import common
 from agentic_es import data, fileio
-from agentic_es.history import EXPORT_MANIFEST, HISTORY_FILE
+from agentic_es.export import SHARDED_STATE_MANIFEST
+from agentic_es.history import HISTORY_FILE
 from agentic_es.metrics import EVAL_SAMPLES
 from train_with_test_reward import first_reply_variety
 
@@ -56,7 +57,7 @@ def test_the_members_are_scored_with_the_presets_fitness_which_moves_the_weights
 def test_export_evaluation_and_replay_hold_the_trained_weights(learn_run):
     run_dir, history, metrics, replayed = learn_run
     trained = history["generations"][-1]["digests"]
-    manifest = fileio.read_json(run_dir / "export" / EXPORT_MANIFEST)
+    manifest = fileio.read_json(run_dir / "export" / SHARDED_STATE_MANIFEST)
     assert manifest["per_rank_digests"] == trained and manifest["config"]["fitness"] == "shaped"
     assert metrics["checkpoint"]["per_rank_digests"] == trained and metrics["checkpoint"]["kind"] == "export"
     assert replayed["per_rank_digests"] == trained and replayed["replayed_generations"] == 1

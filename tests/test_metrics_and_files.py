@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import common
-from agentic_es import cli, fileio, history, metrics, models, tracking
+from agentic_es import cli, export, fileio, history, metrics, models, tracking
 from agentic_es.data import DATA_MANIFEST, load_problems, smoke_problems
 from conftest import as_user
 
@@ -327,10 +327,10 @@ def test_read_json_errors(tmp_path):
 def test_sha256_file_known_value(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(b"abc")
-    assert history.sha256_file(str(path)) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert fileio.sha256_file(str(path)) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
     data = os.urandom(10_000)
     path.write_bytes(data)
-    assert history.sha256_file(str(path), chunk=7) == hashlib.sha256(data).hexdigest()
+    assert fileio.sha256_file(str(path), chunk=7) == hashlib.sha256(data).hexdigest()
 
 
 @pytest.mark.skipif(shutil.which("sha256sum") is None, reason="needs coreutils sha256sum")
@@ -342,28 +342,28 @@ def test_sha256sums_checked_by_real_sha256sum(tmp_path):
     (tmp_path / "with space.txt").write_text("x")
     files = ["model-rank-1-part-0.safetensors", "sub/config.json", "model-rank-0-part-0.safetensors",
              str(tmp_path / "with space.txt")]  # relative or absolute-inside-folder
-    sums = history.write_sha256sums(str(tmp_path), files)
+    sums = fileio.write_sha256sums(str(tmp_path), files)
     text = (tmp_path / "SHA256SUMS").read_text()
     assert text.splitlines()[0] == f"{hashlib.sha256(b'rank0').hexdigest()}  model-rank-0-part-0.safetensors"
     assert [line.split("  ", 1)[1] for line in text.splitlines()] == sorted(sums)
     run = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=tmp_path, capture_output=True)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert history.verify_sha256sums(str(tmp_path)) == []
+    assert fileio.verify_sha256sums(str(tmp_path)) == []
 
     (tmp_path / "model-rank-1-part-0.safetensors").write_bytes(b"altered")
     (tmp_path / "sub" / "config.json").unlink()
     run = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=tmp_path, capture_output=True)
     assert run.returncode != 0
-    assert history.verify_sha256sums(str(tmp_path)) == ["model-rank-1-part-0.safetensors: sha256 mismatch",
+    assert fileio.verify_sha256sums(str(tmp_path)) == ["model-rank-1-part-0.safetensors: sha256 mismatch",
                                                         "sub/config.json: missing"]
 
 
 def test_sha256sums_rejects_outside_files_and_reports_missing_list(tmp_path):
     with pytest.raises(ValueError, match="not inside"):
-        history.write_sha256sums(str(tmp_path), ["../elsewhere"])
-    assert "missing" in history.verify_sha256sums(str(tmp_path))[0]
+        fileio.write_sha256sums(str(tmp_path), ["../elsewhere"])
+    assert "missing" in fileio.verify_sha256sums(str(tmp_path))[0]
     (tmp_path / "SHA256SUMS").write_text("nothex  file\n")
-    assert "malformed line" in history.verify_sha256sums(str(tmp_path))[0]
+    assert "malformed line" in fileio.verify_sha256sums(str(tmp_path))[0]
 
 
 def test_append_and_read_jsonl(tmp_path):
@@ -414,11 +414,11 @@ def test_hub_id_resolves_to_its_local_snapshot(hub_cache, tmp_path):
     snapshot = write_hub_cache(hub_cache, "es-test/tiny-qwen3-dense", tiny)
     resolved = models.resolve_model("es-test/tiny-qwen3-dense")
     assert os.path.samefile(resolved, snapshot)
-    assert history.model_fingerprint(resolved) == history.model_fingerprint(tiny)
-    assert history.model_fingerprint(resolved).startswith("sha256:")
+    assert fileio.model_fingerprint(resolved) == fileio.model_fingerprint(tiny)
+    assert fileio.model_fingerprint(resolved).startswith("sha256:")
     out = tmp_path / "export"
     out.mkdir()
-    copied = history.copy_model_files(resolved, out)
+    copied = export.copy_model_files(resolved, out)
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(copied)
     assert not any(name.endswith(".safetensors") for name in copied)
     assert not (out / "config.json").is_symlink()  # the file itself, not a link into this machine's cache
@@ -433,7 +433,7 @@ def test_model_that_is_not_local_is_refused_without_network(hub_cache, name, mes
     with pytest.raises(common.ConfigError, match=message):
         models.resolve_model(name)
     with pytest.raises(common.ConfigError, match="not a model folder"):
-        history.model_fingerprint(name)
+        fileio.model_fingerprint(name)
 
 
 # ---- the models the project builds: two runs at once, and folders that are not models ----

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import common
-from agentic_es import fileio, models, tracking
+from agentic_es import export, fileio, models, tracking
 from agentic_es.data import SMOKE_PROBLEMS, smoke_problems
 from agentic_es.engine import VLLM_LOG
-from agentic_es.history import EXPORT_MANIFEST, HISTORY_FILE, verify_export
+from agentic_es.history import HISTORY_FILE
 from agentic_es.metrics import EVAL_METRICS, dataset_metrics
 from conftest import run_script, still_running
 
@@ -174,7 +174,7 @@ def test_a_history_written_by_2ec1038_resumes_to_the_same_weights_and_exports(tm
         assert new[key] == recorded[key], key
     assert new["restore"] == resumed["config"]["restore"]  # what today's records add
     run("02_export.py", f"--run_dir={tmp_path}")
-    manifest = fileio.read_json(tmp_path / "export" / EXPORT_MANIFEST)
+    manifest = fileio.read_json(tmp_path / "export" / export.SHARDED_STATE_MANIFEST)
     assert manifest["per_rank_digests"] == recorded["digests"] and manifest["replayed_generations"] == 3
 
 
@@ -206,7 +206,7 @@ def test_bad_training_input_is_refused_and_nothing_is_touched(trained, tmp_path)
 
 def test_export_replays_to_the_training_digests(trained, exported):
     history = fileio.read_json(trained / HISTORY_FILE)
-    manifest = fileio.read_json(exported / EXPORT_MANIFEST)
+    manifest = fileio.read_json(exported / export.SHARDED_STATE_MANIFEST)
     assert manifest["per_rank_digests"] == history["generations"][-1]["digests"]
     assert manifest["replayed_generations"] == 2 and manifest["tensor_parallel_size"] == 2
     assert manifest["load_format"] == "sharded_state"
@@ -247,11 +247,11 @@ def test_export_of_a_hub_id_run_uses_the_local_snapshot(trained, exported, hub_c
     assert not (tmp_path / "missing").exists() and not (tmp_path / "missing.partial").exists()
 
     run("02_export.py", f"--history={tmp_path / 'hub.json'}", f"--out={tmp_path / 'export'}")
-    manifest = fileio.read_json(tmp_path / "export" / EXPORT_MANIFEST)
-    assert manifest["per_rank_digests"] == fileio.read_json(exported / EXPORT_MANIFEST)["per_rank_digests"]
+    manifest = fileio.read_json(tmp_path / "export" / export.SHARDED_STATE_MANIFEST)
+    assert manifest["per_rank_digests"] == fileio.read_json(exported / export.SHARDED_STATE_MANIFEST)["per_rank_digests"]
     assert manifest["base_model"] == "es-test/my-base" and manifest["base_fingerprint"] == history["base_fingerprint"]
     assert not (tmp_path / "export" / "tokenizer.json").is_symlink()
-    verify_export(tmp_path / "export", 2)
+    export.verify(tmp_path / "export", 2)
 
 
 # ---- 03_eval.py ----
@@ -259,7 +259,7 @@ def test_export_of_a_hub_id_run_uses_the_local_snapshot(trained, exported, hub_c
 def test_eval_writes_records_and_metrics(evaluated, exported):
     metrics = fileio.read_json(evaluated / "metrics.json")
     assert set(metrics["datasets"]) == {"dapo", "aime2026"}
-    assert metrics["checkpoint"]["per_rank_digests"] == fileio.read_json(exported / EXPORT_MANIFEST)["per_rank_digests"]
+    assert metrics["checkpoint"]["per_rank_digests"] == fileio.read_json(exported / export.SHARDED_STATE_MANIFEST)["per_rank_digests"]
     for name in ("dapo", "aime2026"):
         eval16 = fileio.read_json(evaluated / f"{name}_eval16.json")
         records = eval16["records"]
@@ -305,18 +305,18 @@ def test_eval_resumes_without_redoing_finished_episodes(evaluated, trained, tmp_
     ("manifest", "no es_sharded_export_manifest.json"),
 ])
 def test_eval_refuses_a_bad_export(exported, trained, tmp_path, damage, message):
-    export = tmp_path / "export"
-    shutil.copytree(exported, export)
-    args = [f"--run_dir={trained}", f"--export={export}", f"--out={tmp_path / 'eval'}"]
+    damaged = tmp_path / "export"
+    shutil.copytree(exported, damaged)
+    args = [f"--run_dir={trained}", f"--export={damaged}", f"--out={tmp_path / 'eval'}"]
     if damage == "tp1":
         args.append("--tensor_parallel_size=1")
     elif damage == "flip":
-        shard = export / "model-rank-1-part-0.safetensors"
+        shard = damaged / "model-rank-1-part-0.safetensors"
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0x01
         shard.write_bytes(bytes(data))
     else:
-        (export / EXPORT_MANIFEST).unlink()
+        (damaged / export.SHARDED_STATE_MANIFEST).unlink()
     proc = run("03_eval.py", *args, ok=False)
     assert message in proc.stderr
     assert not (tmp_path / "eval").exists()
@@ -329,7 +329,7 @@ def test_aligned_replay_rebuilds_theta_and_reruns_group_12_15(evaluated, exporte
     proc = run("04_replay.py", f"--run_dir={trained}")
     assert "[sandbox] " in proc.stdout  # the replay re-runs model-written commands: the start-up check ran first
     report = fileio.read_json(evaluated / "aligned_history_replay_eval4.json")
-    assert report["per_rank_digests"] == fileio.read_json(exported / EXPORT_MANIFEST)["per_rank_digests"]
+    assert report["per_rank_digests"] == fileio.read_json(exported / export.SHARDED_STATE_MANIFEST)["per_rank_digests"]
     assert report["group"] == "12-15" and report["replayed_generations"] == 2
     for name, d in report["datasets"].items():
         original = {(r["problem_id"], r["sample_index"]): r

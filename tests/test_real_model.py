@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 import common
-from agentic_es import checkpoint_noise, cli, data, fileio, history, models
+from agentic_es import checkpoint_noise, cli, data, fileio, models
 from agentic_es.engine import Engine
+from agentic_es.export import copy_model_files
 from agentic_es.metrics import EVAL_SAMPLES, dataset_metrics
 
 sys.path.insert(0, str(common.REPO / "bench"))
@@ -40,7 +41,7 @@ def engine(base_path):
 
 
 def sha256_of_files(folder):
-    return {f.name: history.sha256_file(f) for f in sorted(folder.iterdir())}
+    return {f.name: fileio.sha256_file(f) for f in sorted(folder.iterdir())}
 
 
 def unpadded(config, state):
@@ -168,7 +169,7 @@ def export(engine, tmp_path_factory, base_path):
     """The engine's current (updated) weights saved as sharded_state, reloaded at TP=2 in a second engine."""
     folder = tmp_path_factory.mktemp("smollm2-export")
     engine.save_sharded_state(folder)
-    history.copy_model_files(base_path, folder)
+    copy_model_files(base_path, folder)
     with Engine(CFG, str(folder), load_format="sharded_state", tokenizer=base_path) as loaded:
         yield engine.digests(), loaded
 

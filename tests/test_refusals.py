@@ -18,8 +18,8 @@ import pytest
 import common
 from agentic_es import cli, engine, fileio, metrics, models, vllm_platform
 from agentic_es.data import load_problems, problems_from
-from agentic_es.history import (EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, SHA256SUMS, sha256_file, verify_export,
-                                write_sha256sums)
+from agentic_es.export import SHARDED_STATE_MANIFEST, verify_sharded_state
+from agentic_es.history import HISTORY_FILE, HISTORY_FORMAT
 from agentic_es.pool import check_cpu_pool
 from conftest import stage_process
 
@@ -304,25 +304,25 @@ def sharded_export(folder: Path) -> Path:
     for rank in range(2):
         name = f"model-rank-{rank}-part-0.safetensors"
         (folder / name).write_bytes(bytes([rank]) * 64)
-        shards.append({"file": name, "rank": rank, "part": 0, "bytes": 64, "sha256": sha256_file(folder / name)})
+        shards.append({"file": name, "rank": rank, "part": 0, "bytes": 64, "sha256": fileio.sha256_file(folder / name)})
     manifest = {"format": "es-sharded-export/1", "tensor_parallel_size": 2, "shards": shards,
                 "per_rank_digests": ["a", "b"], "parameter_names_sha256": "p", "replayed_generations": 2,
                 "vllm_version": "v"}
-    fileio.write_json_atomic(manifest, folder / EXPORT_MANIFEST)
-    write_sha256sums(folder, [s["file"] for s in shards] + [EXPORT_MANIFEST])
+    fileio.write_json_atomic(manifest, folder / SHARDED_STATE_MANIFEST)
+    fileio.write_sha256sums(folder, [s["file"] for s in shards] + [SHARDED_STATE_MANIFEST])
     return folder
 
 
 def test_an_export_missing_a_rank_shard_is_one_line_for_verify_and_for_eval(stage, tmp_path):
     export = sharded_export(tmp_path / "export")
-    verify_export(export, 2)  # whole, it passes
+    verify_sharded_state(export, 2)  # whole, it passes
     (export / "model-rank-1-part-0.safetensors").unlink()
     line = assert_refused(stage("02_export.py", "--preset=smoke", f"--verify={export}"), "export",
                           f"{export} failed verification: missing shard model-rank-1-part-0.safetensors")
     assert "model-rank-1-part-0.safetensors: missing" in line
-    (export / SHA256SUMS).write_bytes(b"\xff" + (export / SHA256SUMS).read_bytes())
+    (export / fileio.SHA256SUMS).write_bytes(b"\xff" + (export / fileio.SHA256SUMS).read_bytes())
     assert_refused(stage("02_export.py", "--preset=smoke", f"--verify={export}"), "export",
-                   f"{export / SHA256SUMS}: not UTF-8 text")
+                   f"{export / fileio.SHA256SUMS}: not UTF-8 text")
     before = files_under(tmp_path)
     assert_refused(stage("03_eval.py", "--preset=smoke", f"--run_dir={tmp_path / 'run'}", f"--export={export}"),
                    "eval", "missing shard model-rank-1-part-0.safetensors")

@@ -11,8 +11,8 @@ import re
 import pytest
 
 import common
-from agentic_es import checkpoint_noise, cli, data, engine, fileio, metrics, models, pool, sandbox
-from agentic_es.history import EXPORT_MANIFEST, HISTORY_FILE, HISTORY_FORMAT, verify_export, write_sha256sums
+from agentic_es import cli, data, engine, export, fileio, metrics, models, pool, sandbox
+from agentic_es.history import HISTORY_FILE, HISTORY_FORMAT
 
 export_stage = importlib.import_module("02_export")
 train_stage = importlib.import_module("01_train")
@@ -150,17 +150,17 @@ def test_an_export_manifest_that_lacks_a_key_is_refused(tmp_path):
     manifest = {"format": "es-sharded-export/1", "tensor_parallel_size": 2, "per_rank_digests": ["a", "b"],
                 "parameter_names_sha256": "p", "replayed_generations": 2, "vllm_version": "v",
                 "shards": [{"file": "model-rank-0-part-0.safetensors", "rank": 0, "sha256": "s"}]}
-    write(without(manifest, "shards"), tmp_path / "a" / EXPORT_MANIFEST)
-    with pytest.raises(common.StageError, match=f"{EXPORT_MANIFEST}: missing key 'shards'"):
-        verify_export(tmp_path / "a")
-    write(without(manifest, "shards", 0, "sha256"), tmp_path / "b" / EXPORT_MANIFEST)
+    write(without(manifest, "shards"), tmp_path / "a" / export.SHARDED_STATE_MANIFEST)
+    with pytest.raises(common.StageError, match=f"{export.SHARDED_STATE_MANIFEST}: missing key 'shards'"):
+        export.verify(tmp_path / "a")
+    write(without(manifest, "shards", 0, "sha256"), tmp_path / "b" / export.SHARDED_STATE_MANIFEST)
     with pytest.raises(common.StageError, match=r"shards\[0\] missing key 'sha256'"):
-        checkpoint_noise.verify_any_export(tmp_path / "b", 2)
-    hf_manifest = checkpoint_noise.HF_EXPORT_MANIFEST
+        export.verify(tmp_path / "b", 2)
+    hf_manifest = export.HUGGING_FACE_MANIFEST
     write({"format": "es-hf-export/1", "replayed_generations": 2}, tmp_path / "c" / hf_manifest)
-    write_sha256sums(tmp_path / "c", [hf_manifest])  # intact files, a manifest without the digest
+    fileio.write_sha256sums(tmp_path / "c", [hf_manifest])  # intact files, a manifest without the digest
     with pytest.raises(common.StageError, match=f"{hf_manifest}: missing key 'digest'"):
-        checkpoint_noise.verify_any_export(tmp_path / "c")
+        export.verify(tmp_path / "c")
 
 
 def evaluation(tmp_path, problems=2):
@@ -231,3 +231,65 @@ def test_export_evaluation_and_replay_ask_for_read_only_pools_under_any_restore_
             stage.main(argv + more)
     mode = restore.split()[0]
     assert asked == [(mode, False)] * 3
+
+
+def written_export(folder, noise: str) -> dict:
+    """An export folder as export.save leaves it for a run of this noise kind (stand-in bytes for the weights, a
+    manifest written by export.write_manifest); returns the manifest."""
+    folder.mkdir(parents=True)
+    identity = {"config": dataclasses.asdict(dataclasses.replace(SMOKE, noise=noise)), "tensor_parallel_size": 2,
+                "parameter_names_sha256": "layout", "devices": [], "base_model": SMOKE.model,
+                "base_fingerprint": "sha256:base", "device_type": "cpu", "vllm_version": "v", "torch_version": "t"}
+    if noise == "checkpoint":
+        (folder / "model.safetensors").write_bytes(b"weights")
+        weights = export.hugging_face_fields(identity, ["ckpt:trained"], {"model.norm.weight": 1}, {})
+    else:
+        for rank in range(2):
+            (folder / f"model-rank-{rank}-part-0.safetensors").write_bytes(b"shard %d" % rank)
+        weights = export.sharded_state_fields(folder, identity, ["rank0-trained", "rank1-trained"])
+    write(history(), folder.parent / HISTORY_FILE)
+    return export.write_manifest(folder, export.provenance(history(), folder.parent / HISTORY_FILE, []), identity,
+                                 weights)
+
+
+class LoadedExport:
+    """A stand-in for engines that loaded an export: its digests and parameter layout."""
+
+    def __init__(self, digests, layout="layout"):
+        self.loaded, self.layout = digests, layout
+
+    def digests(self):
+        return self.loaded
+
+    def parameter_names_sha256(self):
+        return self.layout
+
+
+@pytest.mark.parametrize("noise", common.NOISE_MODES)
+def test_the_evaluation_loads_an_export_in_its_format_and_checks_its_bits_in_its_noise(tmp_path, monkeypatch, noise):
+    """03_eval.py starts its engines on an export as its format loads (sharded_state: vLLM's load format, the
+    tokenizer beside the shards; a Hugging Face folder: as any model), with the noise whose digests its manifest
+    records; loaded engines whose bits or layout differ from the manifest's are refused."""
+    folder = tmp_path / "export"
+    manifest = written_export(folder, noise)
+    asked = []
+
+    def pool(cfg, model_path, **kwargs):
+        asked.append((cfg.noise, model_path, kwargs))
+        raise PoolAsked
+
+    monkeypatch.setattr(eval_stage, "EnginePool", pool)
+    with pytest.raises(PoolAsked):
+        eval_stage.main(["--preset=smoke", f"--run_dir={tmp_path / 'run'}", f"--export={folder}"])
+    sharded_state = {} if noise == "checkpoint" else {"load_format": "sharded_state", "tokenizer": str(folder)}
+    assert asked == [(noise, str(folder), {**sharded_state, "perturbs": False})]
+    assert export.manifest_file(folder).name == ("es_export_manifest.json" if noise == "checkpoint"
+                                                 else "es_sharded_export_manifest.json")
+
+    trained = ["ckpt:trained"] if noise == "checkpoint" else ["rank0-trained", "rank1-trained"]
+    assert export.check_loaded(LoadedExport(trained), folder, manifest) == trained
+    with pytest.raises(common.ExportError, match="loaded digests .* differ from the manifest's"):
+        export.check_loaded(LoadedExport(["other"] * len(trained)), folder, manifest)
+    if noise == "rank_salted":
+        with pytest.raises(common.ExportError, match="lays out the model's parameters differently"):
+            export.check_loaded(LoadedExport(trained, layout="another vLLM's"), folder, manifest)
