@@ -16,7 +16,8 @@ from pathlib import Path
 
 import common
 from agentic_es import cli, engine, export, fileio, models
-from agentic_es.history import HISTORY_FILE, config_from_history, read_history, rebuild_from_history
+from agentic_es.history import (HISTORY_FILE, check_base_files, config_from_history, read_history,
+                                rebuild_from_history)
 from agentic_es.pool import EnginePool
 
 HISTORY = ""  # default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by --preset=smoke)
@@ -46,6 +47,7 @@ def main(argv: list[str]) -> Path:
     fileio.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused here, before any work
+    check_base_files(history, model_path)  # another base is refused before the engine starts
     partial = out.with_name(out.name + ".partial")  # becomes `out` only when complete
     shutil.rmtree(partial, ignore_errors=True)
     try:

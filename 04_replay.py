@@ -15,7 +15,8 @@ from pathlib import Path
 
 import common
 from agentic_es import checkpoint_noise, cli, data, engine, export, fileio, models
-from agentic_es.history import HISTORY_FILE, config_from_history, read_history, rebuild_from_history
+from agentic_es.history import (HISTORY_FILE, check_base_files, config_from_history, read_history,
+                                rebuild_from_history)
 from agentic_es.metrics import (EVAL16_SHAPE, EVAL_METRICS, EVAL_METRICS_SHAPE, REPORTED_SAMPLES, group_label,
                                 mean4_pass4)
 from agentic_es.pool import EnginePool
@@ -51,6 +52,7 @@ def main(argv: list[str]) -> dict:
     transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in originals}
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before any engine
+    check_base_files(history, model_path)  # another base is refused before the engine starts
     fileio.check_output_path(out, "out", folder=False)
     fileio.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation

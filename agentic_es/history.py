@@ -234,6 +234,13 @@ def check_base(recorded: dict, current: dict, compare_config: bool = True) -> No
         raise common.HistoryMismatch("this history was made by a different run:\n  " + "\n  ".join(diffs))
 
 
+def check_base_files(recorded: dict, model_path: str) -> None:
+    """Refuse a history of another base by its weight files' fingerprint, before an engine starts (rebuilding
+    compares the base's digests too, once an engine holds the weights: they alone judge a history without one)."""
+    if "base_fingerprint" in recorded:
+        check_base(recorded, {"base_fingerprint": fileio.model_fingerprint(model_path)}, compare_config=False)
+
+
 def check_config(recorded: dict, cfg: common.Config) -> None:
     check_base({"config": recorded["config"]}, {"config": dataclasses.asdict(cfg)})
 

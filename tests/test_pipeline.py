@@ -220,14 +220,8 @@ def test_export_replays_to_the_training_digests(trained, exported):
     assert "every file match" in run("02_export.py", f"--verify={exported}").stdout
 
 
-def test_export_refuses_a_history_of_another_base(trained, tmp_path):
-    history = fileio.read_json(trained / HISTORY_FILE)
-    history["base_fingerprint"] = "sha256:" + "0" * 64
-    fileio.write_json_atomic(history, tmp_path / "history.json")
-    proc = run("02_export.py", f"--run_dir={trained}", f"--history={tmp_path / 'history.json'}",
-               f"--out={tmp_path / 'export'}", ok=False)
-    assert "base_fingerprint: history has 'sha256:000" in proc.stderr
-    assert not (tmp_path / "export").exists() and not (tmp_path / "export.partial").exists()
+def test_an_export_is_never_overwritten(trained, exported):
+    """(Another base's history is refused before any engine: test_stage_inputs.py.)"""
     assert "already exists" in run("02_export.py", f"--run_dir={trained}", ok=False).stderr
 
 

@@ -204,6 +204,32 @@ def test_replay_refuses_metrics_or_transcripts_that_lack_a_key_before_any_engine
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
 
 
+def test_export_and_replay_refuse_a_history_of_another_base_before_any_engine(tmp_path, monkeypatch):
+    """The base's weight files against the history's fingerprint: another base is refused by name before the
+    engine starts (rebuilding compares the digests of the base too, once an engine holds it)."""
+    base = tmp_path / "my-base"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(b"the base's weights")
+    monkeypatch.setattr(models, "resolve_model", lambda name, *args, **kwargs: str(base))
+    eval16 = evaluation(tmp_path)
+    write(eval16, tmp_path / "eval" / "dapo_eval16.json")
+    fileio.write_jsonl([dict(r, messages=[]) for r in eval16["records"]], tmp_path / "eval" / "dapo_episodes.jsonl")
+    other = dict(history(), base_fingerprint="sha256:" + "0" * 64)
+    write(other, tmp_path / HISTORY_FILE)
+    for stage, more in ((export_stage, [f"--out={tmp_path / 'export'}"]), (replay_stage, [])):
+        with pytest.raises(common.HistoryMismatch, match="base_fingerprint: history has 'sha256:000"):
+            stage.main(["--preset=smoke", f"--run_dir={tmp_path}", *more])
+    assert not (tmp_path / "export").exists() and not (tmp_path / "export.partial").exists()
+    write(dict(other, base_fingerprint=fileio.model_fingerprint(base)), tmp_path / HISTORY_FILE)  # the same base
+    asked = []
+    for stage in (export_stage, replay_stage):
+        monkeypatch.setattr(stage, "EnginePool", lambda *args, **kwargs: asked.append(1) or 1 / 0)
+    for stage, more in ((export_stage, [f"--out={tmp_path / 'export'}"]), (replay_stage, [])):
+        with pytest.raises(ZeroDivisionError):  # past the check: the stage asks for its engines
+            stage.main(["--preset=smoke", f"--run_dir={tmp_path}", *more])
+    assert asked == [1, 1]
+
+
 class PoolAsked(Exception):
     """Raised by a stand-in EnginePool once a stage has asked for its pool."""
 
