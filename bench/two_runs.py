@@ -70,12 +70,16 @@ def main(argv):
               "wall_seconds": round(time.perf_counter() - t0, 1),
               "both_completed": all(r["exit_status"] == 0 and "heldout_reward" in r for r in runs),
               "no_memory_profiling_failure": all(r["memory_profiling_failures"] == 0 for r in runs)}
-    for r in runs:
-        reward = r.get("heldout_reward", {}).get("difference", {})
-        print(f"seed {r['run_seed']}: exit {r['exit_status']}, lock waits {r['gpu_memory_lock_waits']}, "
-              f"held-out reward difference {reward.get('mean', float('nan')):+.3f} "
-              f"[{reward.get('ci_low', float('nan')):+.3f}, {reward.get('ci_high', float('nan')):+.3f}]")
+    print("\n".join(map(run_line, runs)))
     return emit(report, opts["out"])
+
+
+def run_line(run: dict) -> str:
+    """One run in a line: its exit status, GPU memory lock waits and held-out reward difference (95% interval)."""
+    reward = run.get("heldout_reward", {}).get("difference", {})
+    return (f"seed {run['run_seed']}: exit {run['exit_status']}, lock waits {run['gpu_memory_lock_waits']}, "
+            f"held-out reward difference {reward.get('mean', float('nan')):+.3f} "
+            f"[{reward.get('ci_low', float('nan')):+.3f}, {reward.get('ci_high', float('nan')):+.3f}]")
 
 
 if __name__ == "__main__":
