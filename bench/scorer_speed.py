@@ -16,6 +16,7 @@ Prints one JSON line and a table.
 """
 
 import asyncio
+import importlib.util
 import json
 import statistics
 import sys
@@ -71,10 +72,22 @@ def per_second(count, seconds):
     return round(count / seconds, 1)
 
 
+def scoring_module(folder: str):
+    """agentic_es.scoring of this checkout, or the scoring.py in `folder` (another version's, by its file)."""
+    if not folder:
+        sys.path.insert(0, str(REPO))
+        from agentic_es import scoring
+        return scoring
+    spec = importlib.util.spec_from_file_location("scoring", Path(folder).resolve() / "scoring.py")
+    scoring = importlib.util.module_from_spec(spec)
+    sys.modules["scoring"] = scoring  # its worker processes run the same file by path
+    spec.loader.exec_module(scoring)
+    return scoring
+
+
 def main(argv):
     opts = options(argv)
-    sys.path.insert(0, str(Path(opts["scoring"]).resolve() if opts["scoring"] else REPO))
-    from agentic_es import scoring
+    scoring = scoring_module(opts["scoring"])
 
     cases = answers(REPO / opts["data"] if not Path(opts["data"]).is_absolute() else opts["data"])
     started = time.perf_counter()
