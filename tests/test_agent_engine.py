@@ -62,3 +62,11 @@ def test_context_overflow_ends_the_episode(engine):
     r = engine.run_agent([(huge, 0)])[0]
     assert r["finish_reason"] == "context_overflow" and r["score"] == 0 and "max_model_len" in r["error"]
     assert r["turns"] == 0
+
+
+def test_a_failed_worker_call_is_an_engine_failure(engine):
+    """Last in this module, whose engine closes after it: vLLM's replies to later calls are out of step after a
+    failed one (the next call gets the stale error), so a failed worker call stops the stage too."""
+    with pytest.raises(common.EngineFailure,
+                       match="worker call es_restore: .*es_restore called without a perturbation"):
+        engine.restore()

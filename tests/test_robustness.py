@@ -130,7 +130,7 @@ CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"
 
 @pytest.fixture
 def engine():
-    """A fresh engine for each test: after a failed worker call vLLM's replies are out of step for good."""
+    """A fresh engine: the test kills it. (A failed worker call: the last test of test_agent_engine.py.)"""
     with Engine(CFG, models.resolve_model("tiny-qwen3-dense")) as e:
         yield e
 
@@ -139,15 +139,6 @@ def engine_processes():
     """The EngineCore process and its TP workers (children of this process)."""
     core = [p for p in psutil.Process().children() if p.children()]  # the only child with children of its own
     return core + core[0].children() if core else []
-
-
-@pytest.mark.engine
-def test_a_failed_worker_call_is_an_engine_failure(engine):
-    """(vLLM's replies to later calls are out of step after a failed one: the next call gets the stale error, so
-    a failed worker call stops the stage too.)"""
-    with pytest.raises(common.EngineFailure,
-                       match="worker call es_restore: .*es_restore called without a perturbation"):
-        engine.restore()
 
 
 @pytest.mark.engine
