@@ -6,6 +6,7 @@ processes open (an engine, a pool, a tracker). The weight digests are in digests
 export.py."""
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -306,7 +307,15 @@ def model_fingerprint(model: str) -> str:
     folder = Path(model)
     if not folder.is_dir():
         raise ConfigError(f"{model}: not a model folder (models.resolve_model turns a hub id into its local snapshot)")
+    files = sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+    return _weights_fingerprint(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+@functools.lru_cache(maxsize=8)
+def _weights_fingerprint(files: tuple) -> str:
+    """model_fingerprint of (path, size, mtime) entries: a stage checks the base before its engine starts and again
+    in the history's identity, and unchanged files (a 30B checkpoint is ~60 GB) are hashed once."""
     h = hashlib.sha256()
-    for f in sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
-        h.update(f"{f.name}|{f.stat().st_size}|{sha256_file(f)}\n".encode())
+    for path, size, _ in files:
+        h.update(f"{Path(path).name}|{size}|{sha256_file(path)}\n".encode())
     return "sha256:" + h.hexdigest()
