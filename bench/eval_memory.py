@@ -21,6 +21,9 @@ this GPU did at the same K and that full-length episodes keep the short episodes
     bash bench/eval_memory_h200.sh $OUT                      # one H200: MPS on, then the command below, MPS off
     python bench/eval_memory.py --qwen3_30b=true --layers=24 --tensor_parallel_size=1 \
         --cudagraph_mode=FULL_DECODE_ONLY --out=$OUT/eval_memory_h200x1_24layers.json
+    bash run_cpu.sh python bench/eval_memory.py --replan=bench/results/eval_memory_h200x1_24layers.json \
+        --out=eval_memory_replan.json                        # the projection again from a report (no GPU;
+                                                             # --host_free_gib=N: another host's free memory)
     bash run_cpu.sh python bench/eval_memory.py --preset=smoke --tensor_parallel_size=1 --problems=2 --samples=2 \
         --token_scale=0.02 --tool_scale=0.1                  # CPU: the pipeline only (no plan without nvidia-smi)
 """
@@ -122,7 +125,33 @@ def projection(report: dict, phases: dict, seed: int, max_model_len: int) -> dic
             out["hours"][name] = round(tokens / measured["tokens_per_s"] / 3600, 2)
     if len(out["hours"]) == 2:
         out["after_over_before"] = round(out["hours"]["after"] / out["hours"]["before"], 3)
+    out["by_k"] = {mode_name(restore): plans_by_k(restore, needs, report, REFERENCE_TP) for restore in PLAN_MODES}
     return out
+
+
+def plans_by_k(restore: str | None, needs: dict, report: dict, tp: int) -> dict:
+    """{K: the largest utilization admitting K engines per GPU with their restore state where `restore` asks, each
+    engine's KV cache and pinned host copy (GiB, per GPU)} for every K the plan admits."""
+    out = {}
+    for k in range(1, 65):
+        if (found := best_utilization(k, restore, needs, report, tp)) is None:
+            break
+        utilization, plan = found
+        out[k] = {"gpu_memory_utilization": utilization,
+                  "kv_cache_gib_per_engine": round(plan["kv_cache_bytes"] / pool.GIB, 1),
+                  "host_copy_gib_per_engine": round(plan.get("host_copy_bytes", 0) / pool.GIB, 1)}
+    return out
+
+
+def replan(path: str, host_free_gib: float = 0) -> dict:
+    """The projection again from a report's stored GPU numbers (no GPU needed): what the plan admits for the
+    reference at each K, per restore mode; host_free_gib: the host memory free, where not the report's."""
+    result = json.loads(Path(path).read_text())
+    report = {k: result["plan"][k] for k in ("gpu_total_bytes", "gpu_free_bytes", "host_free_bytes")}
+    if host_free_gib:
+        report["host_free_bytes"] = result["plan"]["host_free_bytes"] = int(host_free_gib * pool.GIB)
+    result["projection"] = projection(report, result["phases"], result["seed"], result["max_model_len"])
+    return result
 
 
 def evaluate(engines: pool.EnginePool, plans: list[dict], vocab: int) -> dict:
@@ -191,6 +220,12 @@ def print_tables(result: dict) -> None:
         print(f"{name:<8} {p['engines']:>3} {p['restore']:<18} {p['episodes']:>8} {p['wall_s']:>8} "
               f"{p['episodes_per_s']:>10} {p['tokens_per_s']:>9} {p['engines_start_s']:>8}")
     ref = result.get("projection")
+    if ref and "by_k" in ref:
+        print(f"{'reference plan (TP=2)':<22} {'K':>3} {'utilization':>11} {'KV GiB/engine':>13} {'host copy GiB':>13}")
+        for name, by_k in ref["by_k"].items():
+            for k, row in by_k.items():
+                print(f"{name:<22} {k:>3} {row['gpu_memory_utilization']:>11} {row['kv_cache_gib_per_engine']:>13} "
+                      f"{row['host_copy_gib_per_engine']:>13}")
     if ref:
         print(f"reference evaluation (2x H200, TP=2): {ref['episodes']} episodes, ~{ref['tokens_per_episode_mean']} "
               f"tokens each; engines per GPU pair before {ref['engines_per_gpu_pair']['before']}, after "
@@ -200,8 +235,12 @@ def print_tables(result: dict) -> None:
 def main(argv):
     opts, overrides = cli.parse_args(argv, {"problems": 8, "samples": 16, "token_scale": 0.1, "tool_scale": 0.1,
                                             "seed": 0, "qwen3_30b": False, "layers": 0, "normal_weights": False,
-                                            "ks_after": "", "out": ""})
+                                            "ks_after": "", "replan": "", "host_free_gib": 0.0, "out": ""})
     cfg = cli.parse_config(overrides)
+    if opts["replan"]:  # no engine: the projection from a report's GPU numbers
+        result = replan(opts["replan"], opts["host_free_gib"])
+        print_tables(result)
+        return emit(result, opts["out"])
     if opts["qwen3_30b"]:  # the real layout with random weights: only its config.json is needed
         model = qwen3_30b.write_config("/tmp/qwen3-30b-a3b-eval-memory", layers=opts["layers"])
     else:
