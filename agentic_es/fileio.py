@@ -308,7 +308,7 @@ def model_fingerprint(model: str) -> str:
     if not folder.is_dir():
         raise ConfigError(f"{model}: not a model folder (models.resolve_model turns a hub id into its local snapshot)")
     files = sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
-    return _weights_fingerprint(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    return _weights_fingerprint(tuple((str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in files))
 
 
 @functools.lru_cache(maxsize=8)

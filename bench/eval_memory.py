@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
 from agentic_es import cli, metrics, models, pool  # noqa: E402
-from exact_restore import best_utilization  # noqa: E402
+from exact_restore import best_utilization, plans_by_k  # noqa: E402
 from reference_generation import FIRST_PROMPT_TOKENS, draw_episode, scripted_episode  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -63,10 +63,9 @@ def plan_rows(needs: dict, report: dict, tp: int) -> dict:
     with each engine's KV cache and restore memory (GiB)."""
     rows = {}
     for restore in PLAN_MODES:
-        k, best = 0, None
-        while k < 64 and (found := best_utilization(k + 1, restore, needs, report, tp)) is not None:
-            k, best = k + 1, found
-        utilization, plan = best if best else (None, {})
+        by_k = plans_by_k(restore, needs, report, tp)
+        k = max(by_k, default=0)
+        utilization, plan = by_k.get(k, (None, {}))
         rows[mode_name(restore)] = {
             "restore": restore, "engines_per_gpu": k, "gpu_memory_utilization": utilization,
             "kv_cache_gib_per_engine": round(plan.get("kv_cache_bytes", 0) / pool.GIB, 1),
@@ -125,21 +124,14 @@ def projection(report: dict, phases: dict, seed: int, max_model_len: int) -> dic
             out["hours"][name] = round(tokens / measured["tokens_per_s"] / 3600, 2)
     if len(out["hours"]) == 2:
         out["after_over_before"] = round(out["hours"]["after"] / out["hours"]["before"], 3)
-    out["by_k"] = {mode_name(restore): plans_by_k(restore, needs, report, REFERENCE_TP) for restore in PLAN_MODES}
-    return out
-
-
-def plans_by_k(restore: str | None, needs: dict, report: dict, tp: int) -> dict:
-    """{K: the largest utilization admitting K engines per GPU with their restore state where `restore` asks, each
-    engine's KV cache and pinned host copy (GiB, per GPU)} for every K the plan admits."""
-    out = {}
-    for k in range(1, 65):
-        if (found := best_utilization(k, restore, needs, report, tp)) is None:
-            break
-        utilization, plan = found
-        out[k] = {"gpu_memory_utilization": utilization,
-                  "kv_cache_gib_per_engine": round(plan["kv_cache_bytes"] / pool.GIB, 1),
-                  "host_copy_gib_per_engine": round(plan.get("host_copy_bytes", 0) / pool.GIB, 1)}
+    out["host_free_bytes"] = report["host_free_bytes"]  # what copy_host's rows were planned with
+    out["by_k"] = {}
+    for restore in PLAN_MODES:
+        out["by_k"][mode_name(restore)] = {
+            k: {"gpu_memory_utilization": utilization,
+                "kv_cache_gib_per_engine": round(plan["kv_cache_bytes"] / pool.GIB, 1),
+                "host_copy_gib_per_engine": round(plan.get("host_copy_bytes", 0) / pool.GIB, 1)}
+            for k, (utilization, plan) in plans_by_k(restore, needs, report, REFERENCE_TP).items()}
     return out
 
 
@@ -148,8 +140,8 @@ def replan(path: str, host_free_gib: float = 0) -> dict:
     reference at each K, per restore mode; host_free_gib: the host memory free, where not the report's."""
     result = json.loads(Path(path).read_text())
     report = {k: result["plan"][k] for k in ("gpu_total_bytes", "gpu_free_bytes", "host_free_bytes")}
-    if host_free_gib:
-        report["host_free_bytes"] = result["plan"]["host_free_bytes"] = int(host_free_gib * pool.GIB)
+    if host_free_gib:  # the projection records it; the report's own plan stays as measured
+        report["host_free_bytes"] = int(host_free_gib * pool.GIB)
     result["projection"] = projection(report, result["phases"], result["seed"], result["max_model_len"])
     return result
 

@@ -91,15 +91,21 @@ def best_utilization(k: int, restore: str | None, needs: dict, report: dict, tp:
     return None
 
 
-def kv_cache_by_k(restore: str, needs: dict, report: dict, tp: int) -> dict:
-    """{K: GiB of KV cache per engine} at the largest gpu_memory_utilization the plan admits for K engines per GPU
-    with their restore state where `restore` asks; K up to the first that fits at none."""
+def plans_by_k(restore: str | None, needs: dict, report: dict, tp: int) -> dict:
+    """{K: (the largest gpu_memory_utilization admitting K engines per GPU with their restore state where `restore`
+    asks, that plan)} for K = 1, 2, ... up to the first K that fits at none (at most 64)."""
     out = {}
     for k in range(1, 65):
         if (found := best_utilization(k, restore, needs, report, tp)) is None:
             break
-        out[k] = round(found[1]["kv_cache_bytes"] / pool.GIB, 1)
+        out[k] = found
     return out
+
+
+def kv_cache_by_k(restore: str, needs: dict, report: dict, tp: int) -> dict:
+    """{K: GiB of KV cache per engine} at the largest gpu_memory_utilization the plan admits for K engines."""
+    return {k: round(plan["kv_cache_bytes"] / pool.GIB, 1) for k, (_, plan) in plans_by_k(restore, needs, report,
+                                                                                         tp).items()}
 
 
 def run_mode(cfg, model, load_format, opts, seeds) -> dict:
