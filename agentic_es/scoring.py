@@ -64,38 +64,90 @@ def _closing_braces(text):
 
 
 def answer_text(reply):
-    """The part of a reply that states its answer, or None: the rest of the last marker line (to the end of a box
-    opened there); below an empty one, display math; else the last closed box's line, from its first box."""
+    """The part of a reply that states its answer, or None: the answer statement (the rest of the last marker line,
+    to the end of a box opened there; below an empty one, display math or the next line; else the last closed box's
+    line, from its first box), then the later statements that may correct or hedge it, each after LATER."""
     text = strip_think(reply)
     closing = _closing_braces(text) if _BOXED.search(text) else {}
     boxes = [(box.start(), closing.get(box.end())) for box in _BOXED.finditer(text)]
+    closed = [(box, close) for box, close in boxes if close]
     line_end = lambda i: (text + "\n").find("\n", i)
+    answer = None
     if markers := list(_ANSWER_MARKER.finditer(text)):
         start = markers[-1].end()
         end = max([line_end(close) for box, close in boxes if close and start <= box < line_end(start)], default=0)
-        if line := text[start:max(end, line_end(start))].strip(" \t*_"):
-            return line
-        if display := _DISPLAY_MATH.match(text, line_end(start)):
-            return re.sub(r"\\(?:begin|end)\{equation\*?\}", "$$", display[1])
-    if not (closed := [(box, close) for box, close in boxes if close]):
-        return None
-    line, end = text.rfind("\n", 0, closed[-1][0]) + 1, line_end(closed[-1][1])
-    start = next(box for box, _ in closed if box >= line)  # the work before the first box is no answer
-    cut = next((box for box, close in boxes if start <= box < end and not close), end)
-    return "$" * (text[line:start].count("$") % 2) + text[start:cut].strip()  # a box inside $...$ stays in math
+        end = max(end, line_end(start))
+        line = text[start:end].strip(" \t*_")
+        if line and (_MATH_CONTENT.search(line) or not any(box >= end for box, _ in closed)):
+            answer = line
+        elif not line and (display := _DISPLAY_MATH.match(text, end)):
+            answer, end = re.sub(r"\\(?:begin|end)\{equation\*?\}", "$$", display[1]), display.end()
+        elif not line and (below := re.compile(r"\s*\n[ \t]*(\S[^\n]*)").match(text, end)):  # DAPO's Answer: + value
+            answer, end = below[1].strip(" \t*_"), below.end()
+        closed = [(box, close) for box, close in closed if box >= end] or closed  # a box below the marker first
+    if answer is None:
+        if not closed:
+            return None
+        n = len(closed) - 1  # the last box, unless it is offered as an alternative to an earlier one
+        while n and _ALTERNATIVE_BEFORE.search(text[_sentence_start(text, closed[n][0]):closed[n][0]]):
+            n -= 1
+        line, end = text.rfind("\n", 0, closed[n][0]) + 1, line_end(closed[n][1])
+        start = next(box for box, _ in closed if box >= line)  # the work before the first box is no answer
+        cut = next((box for box, close in boxes if start <= box < end and not close), end)
+        answer = "$" * (text[line:start].count("$") % 2) + text[start:cut].strip()  # a box inside $...$ stays in math
+    return answer + "".join(LATER + statement for statement in _later_statements(text, end))
+
+
+LATER = "\ue000"  # joins an answer statement to a later one (private use: never in a reply)
+_MATH_CONTENT = re.compile(r"[\d$\\]|(?<![\w'])(?:[a-zA-Z]|pi|infinity)(?![\w'])|" + "|".join(
+    ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "twelve", "twenty",
+     "hundred", "thousand"]), re.IGNORECASE)
+_ALTERNATIVE_BEFORE = re.compile(r"(?i)\b(?:or|maybe|perhaps|possibly|might|could|alternatively|otherwise)\b")
+# after the answer statement, what states an answer again: a box, an answer phrase, a correction with its value
+_LATER_ANSWER = re.compile(r"""(?ix) \\(?:boxed|fbox)\s*\{
+  | \b(?:final\s+|correct\s+|right\s+|true\s+)?answer\s*(?:is\b|[:：])
+  | \b(?:actually|wait|oops|correction|corrected|sorry|instead)\b[^\n.;]{0,30}?
+      \b(?:it'?s|it\s+is|is|be|gives?|to)\s*(?=[-$\\\d])""")
+
+
+def _sentence_start(text, i):
+    """Where the sentence holding text[i] starts: after the last line break or sentence end before it."""
+    ends = [m.end() for m in re.finditer(r"\n|[.!?](?=\s)", text[:i])]
+    return ends[-1] if ends else 0
+
+
+def _later_statements(text, end):
+    """The sentences after text[:end] that state an answer again (a box, "the answer is", "actually it's 43"), to
+    the end of their box or line: a later answer supersedes the statement, a later alternative hedges it."""
+    spans = []
+    for found in _LATER_ANSWER.finditer(text, end):
+        start = max(_sentence_start(text, found.start()), end)
+        close = _closing_braces(text[found.start():]).get(found.end() - found.start()) if found[0].endswith("{") else 0
+        stop = (text + "\n").find("\n", found.start() + (close or 0))
+        if spans and start < spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(stop, spans[-1][1]))
+        else:
+            spans.append((start, stop))
+    return [text[start:stop].strip() for start, stop in spans if text[start:stop].strip()]
 
 
 def extract_final_answer(reply):
     """What the reply commits to, or None when it states no answer: the values read_answer finds in its answer text,
-    joined by ", " (score_answer reads them back the same), or that text when it commits to none ("not 42")."""
+    joined by ", " (" or " before an assignment: score_answer reads them back the same), or that text when it commits
+    to none ("not 42")."""
     text = answer_text(reply)
-    return None if text is None else ", ".join(read_answer(text)) or text
+    if text is None:
+        return None
+    values = read_answer(text)
+    # an assignment kept after the committed value was offered (42, unless n = 0): " or " keeps it offered when read
+    joined = "".join((" or " if n and _witness(value) else ", " if n else "") + value for n, value in enumerate(values))
+    return joined or text.replace(LATER, "\n")
 
 
 # ---- Rule 1, the committed value: the words that belong to a value, then where it ends
 
 _UNICODE = str.maketrans({"−": "-", "×": r" \times ", "÷": r" \div ", "·": r" \cdot ", "≤": r" \le ", "≥": r" \ge ",
-                          "≠": r" \ne ", "π": r" \pi ", "√": r"\sqrt", "∞": r" \infty ", "±": r" \pm ", "°": " ",
+                          "≠": r" \ne ", "π": r" \pi ", "√": r"\sqrt", "∞": r" \infty ", "±": r" \pm ", "°": r"^\circ ",
                           "≈": r" \approx ", "，": ", ", "；": "; ", "：": ": ", "。": ". ", "（": " (", "）": ") ",
                           "【": " [", "】": "] ", **{c: f"^{{{n}}}" for n, c in enumerate("⁰¹²³⁴⁵⁶⁷⁸⁹")}})
 _CARDINALS = dict(zip(
@@ -141,12 +193,32 @@ def _scaled(match):
     return rf"\frac{{{number}}}{{{denominator}}}" if denominator and denominator > 1 else match[0]
 
 
+_TRIG_DEGREES = re.compile(r"(\\(?:sin|cos|tan|cot|sec|csc)(?:\^\{?\d\}?)?)\s*\(?\s*(-?\d+(?:\.\d+)?)\s*"
+                           r"(?:\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\degree)\s*\)?")
+_FUNCTION_NAME = re.compile(r"\\(?:mathrm|text|textrm|operatorname)\s*\{\s*([A-Za-z]{2,})\s*\}(?=\s*\()")
+_WRAPPER = re.compile(r"\\(?:boldsymbol|bm|pmb|underline|mathbf|textbf|emph|textit|mathit|bf)\s*(?=\{)"
+                      r"|\\(?:color|textcolor)\s*\{[^{}]*\}")
+
+
+def _unwrapped(text):
+    """Without formatting around a value: \\boldsymbol{12}, \\underline{12}, \\textbf{(C)}, \\color{red}{12}."""
+    while wrapper := _WRAPPER.search(text):
+        end = wrapper.end()
+        if wrapper[0].startswith(("\\color", "\\textcolor")) or (close := _closing_braces(text[end:]).get(1)) is None:
+            text = text[:wrapper.start()] + text[end:]
+        else:
+            text = text[:wrapper.start()] + text[end + 1:end + close - 1] + text[end + close:]
+    return text
+
+
 def _normalized(text):
     """The answer in the form the tokens below read: no markdown emphasis, currency or degree signs; i.e. and e.g.
     as words; number words as digits (not after a determiner: the same one, the two roots); words that change a
     number's value, sign words and math words as LaTeX; Unicode math and full-width punctuation as ASCII and LaTeX."""
     text = re.sub(r"√\s*(\d+(?:\.\d+)?|\w)", r"\\sqrt{\1}", re.sub(r",\\!\s*", ",", text))  # √2, 11,\! 111
-    text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*\{?\s*\\circ\s*\}?|\\degree", "", text.translate(_UNICODE))
+    text = _TRIG_DEGREES.sub(r"\1(\2 \\pi/180)", _unwrapped(text.translate(_UNICODE)))  # \sin 30^\circ is 1/2
+    text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\degree", "", text)
+    text = _FUNCTION_NAME.sub(r"\\operatorname{\1}", text)  # \mathrm{lcm}(4,6) is 12
     text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", re.sub(r",\s*(?:\.\.\.|…)", r", \\ldots", text.strip(" *")))
     text = _NUMBER_WORDS.sub(lambda m: m[0] if _DETERMINER.search(text[:m.start()][-9:]) else str(_cardinal(m[0])),
                              text)
@@ -155,7 +227,7 @@ def _normalized(text):
 
 
 _TOKEN = re.compile(r"""
-    (?P<space>(?:\s|\\[,;:!\ ]|~)+)
+    (?P<later>\ue000) | (?P<space>(?:\s|\\[,;:!\ ]|~)+)
   | (?P<box>\\(?:boxed|fbox)\s*\{) | (?P<text>\\(?:text\w*|mbox|math(?:rm|bf|it|sf|tt))\s*\{)
   | (?P<env>\\begin\{(?P<name>\w+\*?)\}.{0,2000}?\\end\{(?P=name)\})
   | (?P<delim>\$\$?|\\[()\[\]])
@@ -187,28 +259,9 @@ class _Token(NamedTuple):
 
 
 def _tokens(text, math=False):
-    tokens, i, spaced, closing, depth = [], 0, False, _closing_braces(text), 0
-    while i < len(text):
-        match = _TOKEN.match(text, i)
-        kind, i = match.lastgroup, match.end()
-        if kind in ("box", "text"):  # a box's content is read on its own; \text{...} is prose, also inside math,
-            end = closing.get(i, len(text) + 1)  # and so is \mathrm{...} after a number (a unit), not elsewhere
-            if kind == "text" and not (math and "math" in match[0] and not (tokens and tokens[-1].kind == "num")):
-                tokens += [token._replace(spaced=True) for token in _tokens(text[i:end - 1])]
-            else:
-                tokens.append(_Token(kind.replace("text", "name"), text[i:end - 1] if kind == "box" else
-                                     text[match.start():end], spaced, True))
-            i = end
-        elif kind == "delim":
-            math = match[0] in ("\\(", "\\[") or (match[0].startswith("$") and not math)
-        elif kind != "space":
-            if kind == "num" and depth and "," in match[0]:  # (12,102) holds two numbers
-                i = match.start() + match[0].index(",")
-            depth += (kind == "open") - (kind == "close")
-            word = kind == "word" and ("name" if math else "letter" if len(match[0]) == 1 else "prose")
-            token = text[match.start():i]
-            tokens.append(_Token(_WORD_KINDS.get(token.lower()) or word or kind, token, spaced, math))
-        spaced = kind in ("space", "text")
+    """The answer's tokens (_TOKEN); math: the text is LaTeX (a box's content). Every math region ($...$, $$...$$,
+    \\(...\\), \\[...\\], a box's content) is read by _math_tokens: its expressions whole, its \\text{} as prose."""
+    tokens = _math_tokens(text, in_box=True) if math else _text_tokens(text)
     opened, words = [], 0  # (index, words before it) of each bracket not closed yet
     for i, token in enumerate(tokens):
         if token.kind == "close" and opened:
@@ -221,6 +274,102 @@ def _tokens(text, math=False):
     return tokens
 
 
+_CLOSING_DELIMITER = {"$": re.compile(r"(?<!\\)\$"), "$$": re.compile(r"\$\$"), "\\(": re.compile(r"\\\)"),
+                      "\\[": re.compile(r"\\\]")}
+
+
+def _text_tokens(text):
+    """Tokens of text outside math: words, numbers, operators and brackets as _TOKEN reads them; a box one token
+    holding its content; each math region's tokens from _math_tokens."""
+    tokens, i, spaced, closing, depth = [], 0, False, _closing_braces(text), 0
+    while i < len(text):
+        match = _TOKEN.match(text, i)
+        kind, i = match.lastgroup, match.end()
+        if kind in ("box", "text"):  # a box's content is read on its own; \text{...} is prose
+            end = closing.get(i, len(text) + 1)
+            if kind == "text":
+                tokens += [token._replace(spaced=token.spaced or n == 0)
+                           for n, token in enumerate(_text_tokens(text[i:end - 1]))]
+            else:
+                tokens.append(_Token("box", text[i:end - 1], spaced, True))
+            i = end
+        elif kind == "delim":
+            if match[0] in _CLOSING_DELIMITER:  # a region left open runs to the end
+                closer = _CLOSING_DELIMITER[match[0]].search(text, i)
+                tokens += [token._replace(spaced=token.spaced or spaced) for token in
+                           _math_tokens(text[i:closer.start() if closer else len(text)])]
+                i = closer.end() if closer else len(text)
+        elif kind != "space":
+            if kind == "num" and depth and "," in match[0]:  # (12,102) holds two numbers
+                i = match.start() + match[0].index(",")
+            depth += (kind == "open") - (kind == "close")
+            word = kind == "word" and ("letter" if len(match[0]) == 1 else "prose")
+            token = text[match.start():i]
+            tokens.append(_Token(_WORD_KINDS.get(token.lower()) or word or kind, token, spaced, False))
+        spaced = kind in ("space", "text")
+    return tokens
+
+
+_MATH_TEXT = re.compile(r"\\(?:text\w*|mbox|hbox)\s*\{")
+_MATH_SEPARATOR = re.compile(r"[,;&]|\\\\|\\q?quad(?![A-Za-z])|\\(?:lor|vee)(?![A-Za-z])")
+_ENVIRONMENT = re.compile(r"\\begin\{(\w+\*?)\}.*?\\end\{\1\}", re.DOTALL)
+_DIGIT_GROUP_END = re.compile(r"\d{3}(?!\d)")  # after a digit and a comma: 1,000
+_LEADS_UP = re.compile(r"(?:=|:|<|>|\\(?:in|equiv|approx|to|le|ge|leq|geq|sim|cong|Rightarrow|implies))\s*$")
+_MODULUS = re.compile(r"\\(?:pmod|bmod|mod)(?![A-Za-z])")
+_NESTED_BOX = re.compile(r"\\(?:boxed|fbox)\s*(?=\{)")
+
+
+def _math_tokens(latex, in_box=False):
+    """The tokens of a math region: each expression between its top-level separators (, ; & \\\\ \\quad, \\lor and a
+    \\text{} piece) one "math" token that math-verify reads whole (4 k + 1, \\log_2 8, |-3|, \\cos^2 x); a separator
+    a sep token (\\lor an alternative word); a \\text{} piece its words as prose (or, cm, when); a digit group's
+    comma (1,000) and everything inside brackets or an environment part of the expression; an exponent right after a
+    \\text{} unit belongs to the unit (5 \\text{ cm}^2). A box in a box is its content; a box in a region is a box,
+    and what leads up to it there is work ($x \\in \\boxed{...}$, $(p, q) = \\boxed{...}$)."""
+    latex, tokens = re.sub(r"(?<!\\)\$|\\[()\[\]]", " ", _NESTED_BOX.sub("", latex) if in_box else latex), []
+    closing, depth, start, i = _closing_braces(latex), 0, 0, 0
+
+    def flush(end, spaced=True):
+        expression = latex[start:end].strip()
+        after_text = tokens and tokens[-1].kind not in ("sep", "alt", "math")
+        if _MODULUS.match(expression):  # \pmod{11} after the value: a note
+            tokens.append(_Token("explain", expression, spaced, True))
+        elif re.search(r"[\w\\]", expression) and not (after_text and expression[0] in "^_"):
+            tokens.append(_Token("math", expression, spaced, True))
+        elif expression:  # punctuation after the value: 42.
+            tokens.append(_Token("stop", expression, spaced, True))
+
+    while i < len(latex):
+        if depth == 0 and (text := _MATH_TEXT.match(latex, i)):
+            flush(i)
+            end = closing.get(text.end(), len(latex) + 1)
+            tokens += [token._replace(spaced=token.spaced or n == 0)
+                       for n, token in enumerate(_text_tokens(latex[text.end():end - 1]))]
+            i = start = end
+        elif depth == 0 and (separator := _MATH_SEPARATOR.match(latex, i)) and not (
+                separator[0] == "," and i and latex[i - 1].isdigit() and _DIGIT_GROUP_END.match(latex, i + 1)):
+            flush(i)
+            alternative = separator[0] in ("\\lor", "\\vee")
+            tokens.append(_Token("alt" if alternative else "sep", separator[0], True, True))
+            i = start = separator.end()
+        elif depth == 0 and (box := _BOXED.match(latex, i)):
+            if not _LEADS_UP.search(latex[start:i]):
+                flush(i)
+            end = closing.get(box.end(), len(latex) + 1)
+            tokens.append(_Token("box", latex[box.end():end - 1], True, True))
+            i = start = end
+        elif environment := _ENVIRONMENT.match(latex, i):
+            i = environment.end()
+        elif command := re.compile(r"\\(?:[A-Za-z]+|.)").match(latex, i):
+            depth += {"\\{": 1, "\\}": -1}.get(command[0], 0)
+            i = command.end()
+        else:
+            depth = max(0, depth + (latex[i] in "([{") - (latex[i] in ")]}"))
+            i += 1
+    flush(len(latex))
+    return tokens
+
+
 def _operator(token):
     return token.kind in ("op", "is") and token.text not in "!'" or token.text in _BINARY_COMMANDS
 
@@ -230,7 +379,7 @@ def _operand_end(tokens, i, after_operator):
     after an operator or before one (x = 5, f(3)) unless it follows a number (a unit), a short word after an
     operator too (x^2 - xy); a bracket holding words, or opening with a relation, is a note, not an operand."""
     token, following = tokens[i], tokens[i + 1] if i + 1 < len(tokens) else None
-    if token.kind in ("num", "name", "env") or token.kind == "cmd" and not _operator(token):
+    if token.kind in ("num", "math", "env") or token.kind == "cmd" and not _operator(token):
         return i + 1
     if token.kind == "open":  # (= 6 \times 7) after a value restates it in a note
         return i if token.wordy or following and _operator(following) and following.text not in "+-" else token.close
@@ -250,7 +399,9 @@ def _value_end(tokens, i):
     end, j, expecting = i, i, True
     while j < len(tokens):
         token = tokens[j]
-        side_by_side = token.kind in ("cmd", "env") or token.text == "{" or (token.math and token.kind == "name") \
+        if token.kind == "math" and not expecting:  # a math region's expression is whole: $n$ is 34, not $2$ $x$
+            break
+        side_by_side = token.kind in ("cmd", "env") or token.text == "{" \
             or (not token.spaced or tokens[j - 1].kind == "cmd") and token.kind in ("open", "num", "letter")
         if expecting and token.text in ("+", "-", r"\pm", r"\mp"):
             j += 1  # a sign
@@ -268,12 +419,14 @@ def _value_end(tokens, i):
     return end
 
 
-def _render(tokens):
-    """A value as text: digit groups joined (1,000 is 1000), "is" as =, in $...$ if a word in it is math there."""
+def _render(tokens, depth=0):
+    """A value as text: digit groups joined (1,000 is 1000), "is" as =; a math region's expression in $...$ where
+    read outside math it would read otherwise (4 k + 1 is no number and a unit)."""
     text = re.sub(r"\s+", " ", "".join(" " * (token.spaced and n > 0) + (
         re.sub(r"[^\d.eE+-]", "", token.text) if token.kind == "num" else "=" if token.kind == "is" else token.text)
-        for n, token in enumerate(tokens)))
-    return f"${text}$" if any(t.math and t.kind == "name" and len(t.text) > 1 for t in tokens) else text
+        for n, token in enumerate(tokens))).strip()
+    math = any(token.kind == "math" for token in tokens)
+    return f"${text}$" if math and depth < 8 and read_answer(text, depth=8) != [text] else text
 
 
 # ---- Rules 2 to 4: after the value, a note; beside it or as its alternative, other values it offers
@@ -300,11 +453,54 @@ def _offered_as_alternative(glue, after_committed):
     return after is not None and len(after) <= 3 and all(k in ("prose", "letter", "is", "and") for k in after)
 
 
+# A correction supersedes what came before it: one of these words, then at most four bridge words, then the value
+# (no, corrected: 42  the correct answer is 42  wait, actually it's 43); "instead of" and "rather than" contrast.
+_CORRECTION = frozenset("actually wait oops sorry correction corrected correcting instead rather revised recheck "
+                        "rechecked recomputed recalculated recounted fix fixed mistake wrong incorrect typo erratum "
+                        "update updated correct right true".split())
+_BRIDGE = frozenset("it it's its is be the a an answer value result final correct right true should would was "
+                    "make that this now here".split())
+# A withdrawn value is followed by what says it is wrong: 24 is wrong, 41 was a typo, 43 is not correct
+_WITHDRAWN = re.compile(r"(?i)^[\s)\]]*(?:is|was|were|are|=)\s+(?:(?:a|an|just|clearly|actually|definitely|simply|"
+                        r"obviously)\s+)*(?:wrong|incorrect|mistaken|mistake|error|erroneous|invalid|typo|off|false|"
+                        r"not\s+(?:correct|right|valid))\b")
+_ASSIGNMENT = re.compile(r"\s*\\?[A-Za-z]+(?:_\{?\w+\}?)?'*\s*=\s*([^=]+)")  # n = 3, a_1 = 5, m=5
+
+
+def _witness(value):
+    """Whether a value only names where the answer holds: assignments of constants to names (x = 3, (m=5, n=7))."""
+    parts = re.split(r",|;", _strip_outer_braces(value.strip(" $").removeprefix("(").removesuffix(")")))
+    return all((part := _ASSIGNMENT.fullmatch(p)) and not re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", part[1]))
+               for p in parts)
+
+
+def _corrects(glue):
+    """Whether a value with these tokens before it corrects the values before it: a later statement (LATER), or a
+    correction word (_CORRECTION; correct, right, true before answer, value or result) followed by at most four
+    bridge words, commas, colons and dashes (no, corrected: 42  the correct answer is 42  wait, actually it's 43);
+    never inside a bracket (a note)."""
+    if any(token.kind == "later" for token in glue):
+        return True
+    if any(token.kind == "open" for token in glue):
+        return False
+    words = [token.text.lower() for token in glue]
+    adjective = lambda n: words[n] in ("correct", "right", "true") and words[n + 1:n + 2] not in (
+        ["answer"], ["value"], ["result"])
+    cue = max((n for n, word in enumerate(words) if word in _CORRECTION and not adjective(n)), default=None)
+    if cue is None or words[cue + 1:cue + 2] in (["of"], ["than"]):
+        return False
+    after = glue[cue + 1:]
+    return sum(token.kind not in ("sep", "stop", "dash") for token in after) <= 4 and all(
+        token.text.lower() in _BRIDGE or token.text in (",", ":", "\uff1a") or token.kind == "dash" for token in after)
+
+
 def read_answer(text, math=False, depth=0):
-    """The values an answer commits to, the committed one first; [] when it commits to none (rules 1-4); math: the
-    text is LaTeX (a box's content, read 8 boxes deep). The committed value is the first box, else the first value
-    that no "not" precedes; the values listed beside it, those offered as alternatives or under a condition after it
-    (127 if n is odd) and the other boxes come with it; all else is a note. Without math, phrases are the values."""
+    """The values an answer commits to, the committed one first; [] when it commits to none (rules 1-5); math: the
+    text is LaTeX (a box's content, read 8 boxes deep). A value that a "not" precedes or that is said to be wrong is
+    withdrawn; a correction or a later statement supersedes the values before it. The committed value is then the
+    first box, else the first value; the values listed beside it, those offered as alternatives or under a condition
+    after it (127 if n is odd) and the other boxes come with it, except witnesses of where it holds (x = 3); all
+    else is a note. Without math, phrases are the values."""
     tokens = _tokens(_normalized(text[:20000]), math)
     phrase_end = lambda i: next((j for j in range(i, len(tokens)) if tokens[j].kind not in _PHRASE), len(tokens))
     for prose, end_of in ((False, lambda i: i + 1 if tokens[i].kind == "box" else _value_end(tokens, i)),
@@ -316,23 +512,36 @@ def read_answer(text, math=False, depth=0):
             i = max(end, i + 1)
         if units:
             break
-    negated = [start > 0 and tokens[start - 1].kind == "not" and not prose for start, _ in units]
-    boxes = [n for n, (start, _) in enumerate(units) if tokens[start].kind == "box" and not negated[n]]
-    if not (candidates := boxes or [n for n in range(len(units)) if not negated[n]]):
-        return []
-    committed = first = last = candidates[0]
+    render = lambda n: _render(tokens[units[n][0]:units[n][1]], depth)
+    for n in range(len(units) - 1):  # a choice and its value are one answer: (C) 12
+        if n + 1 < len(units) and units[n][1] == units[n + 1][0] and re.fullmatch(r"\([A-E]\)", render(n)):
+            units[n:n + 2] = [(units[n][0], units[n + 1][1])]
     glue = lambda n: tokens[units[n - 1][1] if n else 0:units[n][0]]  # the tokens before unit n
+    withdrawn = [not prose and (start > 0 and tokens[start - 1].kind == "not" or bool(_WITHDRAWN.match(
+        " ".join(token.text for token in tokens[end:end + 8])))) for start, end in units]
+    superseded = max((n for n in range(1, len(units)) if _corrects(glue(n)) and not withdrawn[n]
+                      and not _offered_as_alternative(glue(n), False)), default=0)
+    units = [unit for n, unit in enumerate(units) if n >= superseded and not withdrawn[n]]
+    boxes = [n for n, (start, _) in enumerate(units) if tokens[start].kind == "box"]
+    if not units:
+        return []
+    committed = first = last = (boxes or [0])[0]
     conditional = lambda n: next((t.kind for t in tokens[units[n][1]:units[n][1] + 3] if t.kind != "sep"), "") == "if"
     while first > 0 and _listed(glue(first)):
         first -= 1
     while last + 1 < len(units) and _listed(glue(last + 1)):
         last += 1
+    committed_value = render(committed)
+    witness = lambda n: n > committed and _witness(render(n)) and not _witness(committed_value) and not any(
+        token.kind == "alt" or token.kind == "if" and token.text.lower() != "when" for token in glue(n))
     values = []
     for n in [committed] + [n for n in range(len(units)) if n != committed and (first <= n <= last or n in boxes or (
             n > committed and (_offered_as_alternative(glue(n), n == committed + 1) or conditional(n))))]:
         start, end = units[n]
+        if witness(n):
+            continue
         box = tokens[start].kind == "box" and depth < 8
-        values += read_answer(tokens[start].text, True, depth + 1) if box else [_render(tokens[start:end])]
+        values += read_answer(tokens[start].text, True, depth + 1) if box else [render(n)]
     return list(dict.fromkeys(values))
 
 
@@ -357,7 +566,8 @@ def _math_verify(prediction, gold):
         if not gold_parsed or all(isinstance(p, str) for p in pred_parsed):
             return None
         pred_parsed = [_exact_decimals(p) for p in pred_parsed]
-        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
+        return bool(verify(gold_parsed, pred_parsed, allow_set_relation_comp=True, timeout_seconds=timeout,
+                           raise_on_error=True))
     except (Exception, MathVerifyTimeout):  # sympy errors, recursion, its timeout (a BaseException): "cannot decide"
         return None
 
@@ -426,6 +636,10 @@ def _false_equation(value):
     return any(_math_verify(side, sides[0]) is False for side in sides[1:])
 
 
+_CHOICE = re.compile(r"\(([A-Ea-e])\)\s*(?:\\[ ,;:]|~|\s)*(\S.*)", re.DOTALL)  # a choice with its value
+_CHOICE_GOLD = re.compile(r"\(?(?:\\text(?:bf)?\{)?\(?([A-Ea-e])\)?\}?\)?")  # C  (C)  \text{C}  \textbf{(C)}
+
+
 def score_answer(prediction, gold):
     """(score 0.0 or 1.0, method) of an answer (its text, or what extract_final_answer made of it) against the gold,
     by docs/scoring.md (rules 3 and 4, then "Comparing"). A pure function; it may run for a long time on adversarial input
@@ -448,9 +662,17 @@ def score_answer(prediction, gold):
         if not all(value == values[0] or _math_verify(value, values[0]) for value in values[1:]):
             return 0.0, "hedge"
         prediction = values[0]
+    if choice := _CHOICE.fullmatch(prediction.strip(" $")):  # (C) 12: the letter for a letter gold, else the value
+        if letter := _CHOICE_GOLD.fullmatch(gold.strip(" $")):
+            return float(choice[1].upper() == letter[1].upper()), "choice"
+        prediction = choice[2]
     if gold_number is not None:
         integer_gold = gold_number.denominator == 1
-        predicted_number = read_number(prediction.removesuffix(r"\%") if integer_gold else prediction)
+        percent = read_number(prediction.strip(" $").removesuffix(r"\%")) if prediction.strip(" $").endswith(
+            r"\%") else None  # 37.5\% answers 37.5 (and, by math-verify, 0.375)
+        if percent is not None and percent == gold_number:
+            return 1.0, "integer_match" if integer_gold else "numeric_match"
+        predicted_number = read_number(prediction)
         if predicted_number is not None and integer_gold:
             return float(predicted_number == gold_number), "integer_match"
         if predicted_number is not None and numbers_agree(predicted_number, gold_number):

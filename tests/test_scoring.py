@@ -336,7 +336,9 @@ POLICY = {
         ("Final answer: 7!", "5040", 1),
         ("Final answer: 30%", "30", 1),
         ("Final answer: 30%", "0.3", 1),
-        ("Final answer: 0.3%", "0.3", 0),
+        ("Final answer: 0.3%", "0.3", 1),  # a percentage answers its number (rule 5)
+        ("Final answer: 0.3%", "0.003", 1),
+        ("Final answer: 0.3%", "0.03", 0),
     ],
     "rule 1: a leading name is dropped": [
         ("Final answer: N = 2024", "2024", 1),
@@ -444,7 +446,7 @@ POLICY = {
         ("Final answer: 64 vs 65", "64", 0),
         ("Final answer: 64 (alternatively, 65)", "64", 0),
         ("Final answer: 64 (65 when n is odd)", "64", 0),
-        ("Final answer: 64, when n = 8", "64", 0),
+        ("Final answer: 64, unless n = 8", "64", 0),
     ],
     "rule 3: a restatement or a descriptive word is no hedge": [
         ("Final answer: 64 or 2^6", "64", 1),
