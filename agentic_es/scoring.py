@@ -85,11 +85,14 @@ def answer_text(reply):
         elif not line and (below := re.compile(r"\s*\n[ \t]*(\S[^\n]*)").match(text, end)):  # DAPO's Answer: + value
             answer, end = below[1].strip(" \t*_"), below.end()
         closed = [(box, close) for box, close in closed if box >= end] or closed  # a box below the marker first
+    if answer is None and not closed and (stated := _STATED_ANSWER.search(text.rstrip().rsplit("\n", 1)[-1])):
+        answer, end = stated[1].strip(" \t*_"), len(text)  # no marker, no box: the last line's "the answer is 56."
     if answer is None:
         if not closed:
             return None
-        n = len(closed) - 1  # the last box, unless it is offered as an alternative to an earlier one
-        while n and _ALTERNATIVE_BEFORE.search(text[_sentence_start(text, closed[n][0]):closed[n][0]]):
+        n = len(closed) - 1  # the last box, unless offered as an alternative to an earlier one or told as a past try
+        while n and any(pattern.search(text[_sentence_start(text, closed[n][0]):closed[n][0]])
+                        for pattern in (_ALTERNATIVE_BEFORE, _RETROSPECT)):
             n -= 1
         line, end = text.rfind("\n", 0, closed[n][0]) + 1, line_end(closed[n][1])
         start = next(box for box, _ in closed if box >= line)  # the work before the first box is no answer
@@ -98,6 +101,7 @@ def answer_text(reply):
     return answer + "".join(LATER + statement for statement in _later_statements(text, end))
 
 
+_STATED_ANSWER = re.compile(r"(?im)\b(?:the|my|our)\s+(?:final\s+)?answer\s+(?:is|would\s+be|will\s+be)\s*:?([^\n]+)")
 LATER = "\ue000"  # joins an answer statement to a later one (private use: never in a reply)
 _MATH_CONTENT = re.compile(r"[\d$\\]|(?<![\w'])(?:[a-zA-Z]|pi|infinity)(?![\w'])|" + "|".join(
     ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "twelve", "twenty",
@@ -200,6 +204,17 @@ _WRAPPER = re.compile(r"\\(?:boldsymbol|bm|pmb|underline|mathbf|textbf|emph|text
                       r"|\\(?:color|textcolor)\s*\{[^{}]*\}")
 
 
+_REPEATING = re.compile(r"(\d*)\.(\d*)\\(?:overline|dot)\s*\{(\d+)\}")
+
+
+def _repeating(match):
+    """A repeating decimal as the fraction it is: 0.\\overline{3} is \\frac{1}{3}, 1.2\\overline{45} is \\frac{137}{110}."""
+    whole, fixed, period = match.groups()
+    value = (int(whole or 0) + Fraction(int(fixed or 0), 10 ** len(fixed))
+             + Fraction(int(period), (10 ** len(period) - 1) * 10 ** len(fixed)))
+    return rf"\frac{{{value.numerator}}}{{{value.denominator}}}"
+
+
 def _unwrapped(text):
     """Without formatting around a value: \\boldsymbol{12}, \\underline{12}, \\textbf{(C)}, \\color{red}{12}."""
     while wrapper := _WRAPPER.search(text):
@@ -219,6 +234,7 @@ def _normalized(text):
     text = _TRIG_DEGREES.sub(r"\1(\2 \\pi/180)", _unwrapped(text.translate(_UNICODE)))  # \sin 30^\circ is 1/2
     text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\degree", "", text)
     text = _FUNCTION_NAME.sub(r"\\operatorname{\1}", text)  # \mathrm{lcm}(4,6) is 12
+    text = _REPEATING.sub(_repeating, text)  # 0.\overline{3} is 1/3
     text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", re.sub(r",\s*(?:\.\.\.|…)", r", \\ldots", text.strip(" *")))
     text = _NUMBER_WORDS.sub(lambda m: m[0] if _DETERMINER.search(text[:m.start()][-9:]) else str(_cardinal(m[0])),
                              text)
@@ -464,6 +480,12 @@ _BRIDGE = frozenset("it it's its is be the a an answer value result final correc
 _WITHDRAWN = re.compile(r"(?i)^[\s)\]]*(?:is|was|were|are|=)\s+(?:(?:a|an|just|clearly|actually|definitely|simply|"
                         r"obviously)\s+)*(?:wrong|incorrect|mistaken|mistake|error|erroneous|invalid|typo|off|false|"
                         r"not\s+(?:correct|right|valid))\b")
+# A value told as a past attempt is withdrawn too: earlier I got 8, my initial value 24, at first 30
+_RETROSPECT = re.compile(r"(?i)\b(?:earlier|initially|previously|originally|at first|my first|before that)\b")
+# A value after the committed one that is said to be possible too is offered: 16 is also possible
+_ALSO_POSSIBLE = re.compile(r"(?i)^\s*(?:is|are|would be|could be|might be|seems|may be)?\s*(?:also|equally|too)\s+"
+                            r"(?:possible|plausible|valid|likely|correct|right|works?|an? (?:option|possibility|candidate))"
+                            r"\b|^\s*(?:is|are)\s+(?:possible|plausible|valid)\s+(?:too|as well)\b")
 _ASSIGNMENT = re.compile(r"\s*\\?[A-Za-z]+(?:_\{?\w+\}?)?'*\s*=\s*([^=]+)")  # n = 3, a_1 = 5, m=5
 
 
@@ -517,8 +539,11 @@ def read_answer(text, math=False, depth=0):
         if n + 1 < len(units) and units[n][1] == units[n + 1][0] and re.fullmatch(r"\([A-E]\)", render(n)):
             units[n:n + 2] = [(units[n][0], units[n + 1][1])]
     glue = lambda n: tokens[units[n - 1][1] if n else 0:units[n][0]]  # the tokens before unit n
-    withdrawn = [not prose and (start > 0 and tokens[start - 1].kind == "not" or bool(_WITHDRAWN.match(
-        " ".join(token.text for token in tokens[end:end + 8])))) for start, end in units]
+    after = lambda n: " ".join(token.text for token in tokens[units[n][1]:units[n][1] + 8])
+    before = lambda n: " ".join(token.text for token in glue(n)[-8:])
+    withdrawn = [not prose and (start > 0 and tokens[start - 1].kind == "not" or bool(_WITHDRAWN.match(after(n)))
+                                or bool(n and _RETROSPECT.search(before(n).rsplit(".", 1)[-1])))
+                 for n, (start, end) in enumerate(units)]
     superseded = max((n for n in range(1, len(units)) if _corrects(glue(n)) and not withdrawn[n]
                       and not _offered_as_alternative(glue(n), False)), default=0)
     units = [unit for n, unit in enumerate(units) if n >= superseded and not withdrawn[n]]
@@ -536,7 +561,8 @@ def read_answer(text, math=False, depth=0):
         token.kind == "alt" or token.kind == "if" and token.text.lower() != "when" for token in glue(n))
     values = []
     for n in [committed] + [n for n in range(len(units)) if n != committed and (first <= n <= last or n in boxes or (
-            n > committed and (_offered_as_alternative(glue(n), n == committed + 1) or conditional(n))))]:
+            n > committed and (_offered_as_alternative(glue(n), n == committed + 1) or conditional(n)
+                               or _ALSO_POSSIBLE.match(after(n)))))]:
         start, end = units[n]
         if witness(n):
             continue
@@ -550,16 +576,24 @@ def read_answer(text, math=False, depth=0):
 _IN_SCORER_WORKER = False  # True in a scorer worker process (_scorer_worker_main)
 
 
+def _math_verify_timeout():
+    """math_verify's timeouts use signal.alarm, which only works in the main thread; elsewhere run without them. A
+    scorer worker runs without them too: there the pool's hard kill (SCORE_TIMEOUT_S) is the one limit."""
+    return 5 if threading.current_thread() is threading.main_thread() and not _IN_SCORER_WORKER else None
+
+
+# math-verify drops a letter it takes for a unit after a number (5t, 2 m); in a math region a letter is a variable
+_UNIT_LETTER = re.compile(r"(?<![\w\\.])(\d+(?:\.\d+)?\}?)\s*([cdghlmost])(?![A-Za-z])")
+
+
 def _math_verify(prediction, gold):
     """True/False when math_verify decides, None when it cannot (error or nothing parsed). The prediction, a value
     read_answer found, is read as LaTeX alone, with its decimals exact (_exact_decimals)."""
     from math_verify import LatexExtractionConfig, parse, verify  # here: seconds to import
     from math_verify.errors import TimeoutException as MathVerifyTimeout
 
-    # math_verify's timeouts use signal.alarm, which only works in the main thread; elsewhere run without them. A
-    # scorer worker runs without them too: there the pool's hard kill (SCORE_TIMEOUT_S) is the one limit.
-    timeout = 5 if threading.current_thread() is threading.main_thread() and not _IN_SCORER_WORKER else None
-    prediction = re.sub(r"(?<!\\)\$", "", prediction)
+    timeout = _math_verify_timeout()
+    prediction = _UNIT_LETTER.sub(r"\1 \\cdot \2", re.sub(r"(?<!\\)\$", "", prediction))
     try:  # $...$ makes bare LaTeX such as \frac{1}{2} parse
         gold_parsed = parse(f"${gold.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
         pred_parsed = parse(f"${prediction}$", [LatexExtractionConfig()], parsing_timeout=timeout, raise_on_error=True)
@@ -570,6 +604,25 @@ def _math_verify(prediction, gold):
                            raise_on_error=True))
     except (Exception, MathVerifyTimeout):  # sympy errors, recursion, its timeout (a BaseException): "cannot decide"
         return None
+
+
+def _union_of_relations(values, gold):
+    """Whether values that are each an inequality in one and the same variable (x \\le 1, x \\ge 3, offered together)
+    are as a union the gold set ((-\\infty, 1] \\cup [3, \\infty)): math-verify compares one relation with a set."""
+    from math_verify import parse
+    from sympy import Set, Union
+    from sympy.core.relational import Relational
+
+    try:
+        read = lambda text: (parse(f"${text.strip('$')}$", parsing_timeout=_math_verify_timeout()) or [None])[0]
+        relations, gold_set = [read(value) for value in values], read(gold)
+        if not isinstance(gold_set, Set) or not all(isinstance(r, Relational) for r in relations):
+            return False
+        if len({symbol for r in relations for symbol in r.free_symbols}) != 1:
+            return False
+        return bool(Union(*[r.as_set() for r in relations]) == gold_set)
+    except Exception:  # sympy cannot say: no match
+        return False
 
 
 def _exact_decimals(expr):
@@ -657,7 +710,7 @@ def score_answer(prediction, gold):
     if one_equation and not re.fullmatch(_NAME, sides[-2].strip()) and "=" not in prediction:
         return 0.0, "not_an_equation"
     if len(values) > 1:  # the answer when the gold is several values (rule 4), else a hedge unless a restatement
-        if gold_number is None and _math_verify(prediction, gold):
+        if gold_number is None and (_math_verify(prediction, gold) or _union_of_relations(values, gold)):
             return 1.0, "math_verify"
         if not all(value == values[0] or _math_verify(value, values[0]) for value in values[1:]):
             return 0.0, "hedge"
