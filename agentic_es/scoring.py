@@ -481,7 +481,7 @@ _WITHDRAWN = re.compile(r"(?i)^[\s)\]]*(?:is|was|were|are|=)\s+(?:(?:a|an|just|c
                         r"obviously)\s+)*(?:wrong|incorrect|mistaken|mistake|error|erroneous|invalid|typo|off|false|"
                         r"not\s+(?:correct|right|valid))\b")
 # A value told as a past attempt is withdrawn too: earlier I got 8, my initial value 24, at first 30
-_RETROSPECT = re.compile(r"(?i)\b(?:earlier|initially|previously|originally|at first|my first|before that)\b")
+_RETROSPECT = re.compile(r"(?i)\b(?:earlier|initial(?:ly)?|previous(?:ly)?|original(?:ly)?|at first|my first|before that)\b")
 # A value after the committed one that is said to be possible too is offered: 16 is also possible
 _ALSO_POSSIBLE = re.compile(r"(?i)^\s*(?:is|are|would be|could be|might be|seems|may be)?\s*(?:also|equally|too)\s+"
                             r"(?:possible|plausible|valid|likely|correct|right|works?|an? (?:option|possibility|candidate))"
@@ -542,7 +542,7 @@ def read_answer(text, math=False, depth=0):
     after = lambda n: " ".join(token.text for token in tokens[units[n][1]:units[n][1] + 8])
     before = lambda n: " ".join(token.text for token in glue(n)[-8:])
     withdrawn = [not prose and (start > 0 and tokens[start - 1].kind == "not" or bool(_WITHDRAWN.match(after(n)))
-                                or bool(n and _RETROSPECT.search(before(n).rsplit(".", 1)[-1])))
+                                or bool(_RETROSPECT.search(before(n).rsplit(".", 1)[-1])))
                  for n, (start, end) in enumerate(units)]
     superseded = max((n for n in range(1, len(units)) if _corrects(glue(n)) and not withdrawn[n]
                       and not _offered_as_alternative(glue(n), False)), default=0)
