@@ -92,15 +92,24 @@ def answer_text(reply):
             return None
         n = len(closed) - 1  # the last box, unless offered as an alternative to an earlier one or told as a past try
         while n and any(pattern.search(text[_sentence_start(text, closed[n][0]):closed[n][0]])
-                        for pattern in (_ALTERNATIVE_BEFORE, _RETROSPECT)):
+                        for pattern in (_ALTERNATIVE_BEFORE, _RETROSPECT, _CONDITION_BEFORE)):
+            n -= 1
+        line_of = lambda i: text.rfind("\n", 0, i) + 1
+        while n and line_of(closed[n - 1][0]) < line_of(closed[n][0]) and all(  # (a) \boxed{3} (b) \boxed{7}
+                _PART_LABEL.match(text, line_of(closed[m][0])) for m in (n - 1, n)):
             n -= 1
         line, end = text.rfind("\n", 0, closed[n][0]) + 1, line_end(closed[n][1])
         start = next(box for box, _ in closed if box >= line)  # the work before the first box is no answer
         cut = next((box for box, close in boxes if start <= box < end and not close), end)
         answer = "$" * (text[line:start].count("$") % 2) + text[start:cut].strip()  # a box inside $...$ stays in math
-    return answer + "".join(LATER + statement for statement in _later_statements(text, end))
+    return _PART_LABEL.sub("", answer) + "".join(  # the parts of an answer are listed together
+        ("\n" if _PART_LABEL.match(statement) else LATER) + _PART_LABEL.sub("", statement)
+        for statement in _later_statements(text, end))
 
 
+_CONDITION_BEFORE = re.compile(r"(?i)^\W*(?:if|unless|when|assuming|in case)\b")  # If rotations are ..., \boxed{}
+_PART_LABEL = re.compile(r"(?m)^[ \t>*-]*(?:\((?:[a-h]|i{1,3}|iv|vi{0,3}|\d)\)|(?:\*\*)?[Pp]art[ \t]+\w+(?:\*\*)?[:.)])"
+                         r"(?:\*\*)?[ \t]*")  # (a)  (ii)  Part 2:
 _STATED_ANSWER = re.compile(r"(?im)\b(?:the|my|our)\s+(?:final\s+)?answer\s+(?:is|would\s+be|will\s+be)\s*:?([^\n]+)")
 LATER = "\ue000"  # joins an answer statement to a later one (private use: never in a reply)
 _MATH_CONTENT = re.compile(r"[\d$\\]|(?<![\w'])(?:[a-zA-Z]|pi|infinity)(?![\w'])|" + "|".join(
@@ -111,7 +120,8 @@ _ALTERNATIVE_BEFORE = re.compile(r"(?i)\b(?:or|maybe|perhaps|possibly|might|coul
 _LATER_ANSWER = re.compile(r"""(?ix) \\(?:boxed|fbox)\s*\{
   | \b(?:final\s+|correct\s+|right\s+|true\s+)?answer\s*(?:is\b|[:：])
   | \b(?:actually|wait|oops|correction|corrected|sorry|instead)\b[^\n.;]{0,30}?
-      \b(?:it'?s|it\s+is|is|be|gives?|to)\s*(?=[-$\\\d])""")
+      \b(?:it'?s|it\s+is|is|be|gives?|to)\s*(?=[-$\\\d])
+  | (?:^|(?<=[\n(]))[ \t(]*(?:or|alternatively|maybe|perhaps|possibly|otherwise)\b[ \t\w,]{0,30}?(?=[-$\\\d])""")
 
 
 def _sentence_start(text, i):
@@ -496,13 +506,20 @@ def _witness(value):
                for p in parts)
 
 
+def _later_condition(glue):
+    """Whether these tokens before a value hold a later statement that opens with a condition (If rotations are the
+    same, the answer is \\boxed{120}): an alternative to the answer, not a correction of it."""
+    later = max((n for n, token in enumerate(glue) if token.kind == "later"), default=None)
+    return later is not None and bool(_CONDITION_BEFORE.match(" ".join(token.text for token in glue[later + 1:])))
+
+
 def _corrects(glue):
     """Whether a value with these tokens before it corrects the values before it: a later statement (LATER), or a
     correction word (_CORRECTION; correct, right, true before answer, value or result) followed by at most four
     bridge words, commas, colons and dashes (no, corrected: 42  the correct answer is 42  wait, actually it's 43);
     never inside a bracket (a note)."""
     if any(token.kind == "later" for token in glue):
-        return True
+        return not _later_condition(glue)
     if any(token.kind == "open" for token in glue):
         return False
     words = [token.text.lower() for token in glue]
@@ -562,7 +579,7 @@ def read_answer(text, math=False, depth=0):
     values = []
     for n in [committed] + [n for n in range(len(units)) if n != committed and (first <= n <= last or n in boxes or (
             n > committed and (_offered_as_alternative(glue(n), n == committed + 1) or conditional(n)
-                               or _ALSO_POSSIBLE.match(after(n)))))]:
+                               or _ALSO_POSSIBLE.match(after(n)) or _later_condition(glue(n)))))]:
         start, end = units[n]
         if witness(n):
             continue
@@ -599,7 +616,7 @@ def _math_verify(prediction, gold):
         pred_parsed = parse(f"${prediction}$", [LatexExtractionConfig()], parsing_timeout=timeout, raise_on_error=True)
         if not gold_parsed or all(isinstance(p, str) for p in pred_parsed):
             return None
-        pred_parsed = [_exact_decimals(p) for p in pred_parsed]
+        gold_parsed, pred_parsed = [_imaginary(g) for g in gold_parsed], [_imaginary(_exact_decimals(p)) for p in pred_parsed]
         return bool(verify(gold_parsed, pred_parsed, allow_set_relation_comp=True, timeout_seconds=timeout,
                            raise_on_error=True))
     except (Exception, MathVerifyTimeout):  # sympy errors, recursion, its timeout (a BaseException): "cannot decide"
@@ -623,6 +640,14 @@ def _union_of_relations(values, gold):
         return bool(Union(*[r.as_set() for r in relations]) == gold_set)
     except Exception:  # sympy cannot say: no match
         return False
+
+
+def _imaginary(expr):
+    """i as the imaginary unit (math_verify reads it as a variable): e^{i\\pi} is -1, as the gold -1 means."""
+    from sympy import I
+
+    units = {symbol: I for symbol in getattr(expr, "free_symbols", ()) if str(symbol) == "i"}
+    return expr.xreplace(units).simplify() if units else expr
 
 
 def _exact_decimals(expr):

@@ -322,7 +322,7 @@ POLICY = {
         ("Final answer:\n$x = 14$", "14", 1),
         ("Final answer:\nthe count is\n14", "14", 0),  # spread over lines: not guessed at
         ("Final answer:\n\nWe double-check below.\n$14$", "14", 0),
-        ("Final answer:\n\\[ 13 \\]\nor perhaps \\[ 14 \\]", "13", 1),  # only the display right below
+        ("Final answer:\n\\[ 13 \\]\nor perhaps \\[ 14 \\]", "13", 0),  # a later alternative is a hedge (rule 6)
         ("Final answer:\n\\begin{equation*}\n  \\frac{9}{2}\n\\end{equation*}", "4.5", 1),
     ],
     "rule 1: the first box, else the first complete expression": [
@@ -539,6 +539,18 @@ POLICY = {
         ("Final answer: 10 (my first value, 12, was wrong)", "10", 1),
         ("Final answer: 30 (rather than 31)", "30", 1), ("Final answer: 30, instead of 31", "30", 1),
         (r"Final answer: \boxed{3}, which is correct; 1 + 2 = 3", "3", 1),
+    ],
+    "later statements and parts: conditions, alternatives in brackets, labelled parts, complex values": [
+        ("If n is even, the answer is $\\boxed{6}$.\nIf n is odd, the answer is $\\boxed{5}$.", "5", 0),
+        ("Assuming order matters, \\boxed{24}.\nIn case it does not, \\boxed{4}.", "4", 0),
+        ("Final answer: \\boxed{30}\n\n(or perhaps 31 if both ends count)", "30", 0),
+        ("Final answer: \\boxed{30}\n\n(31 would count both ends, which the problem excludes)", "30", 1),
+        ("**Answers**\n\n(a) $\\boxed{4}$\n(b) $\\boxed{9}$", "(4, 9)", 1),
+        ("**Answers**\n\n(a) $\\boxed{4}$\n(b) $\\boxed{9}$", "9", 0),
+        ("Final answer:\n(i) \\boxed{4}\n(ii) \\boxed{9}", "(4, 9)", 1),
+        ("Part 1: \\boxed{2}\nPart 2: \\boxed{5}", "(2, 5)", 1),
+        (r"Final answer: \boxed{e^{i\pi}}", "-1", 1), (r"Final answer: \boxed{e^{i\pi}}", "1", 0),
+        (r"Final answer: \boxed{e^{i\pi/2}}", "i", 1), (r"Final answer: \boxed{(1+i)^2}", "2i", 1),
     ],
     "witnesses: where the answer holds is a note": [
         (r"Final answer: \boxed{25} (at a = 5)", "25", 1), (r"Final answer: \boxed{7} (p = 3, q = 4)", "7", 1),
