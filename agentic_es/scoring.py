@@ -45,9 +45,11 @@ def strip_think(text):
 # only at the start of a line, after optional markdown (quote, list bullet or number, heading, emphasis): prose such
 # as "I computed the answer: 16 earlier" in the middle of a line commits to nothing
 _ANSWER_MARKER = re.compile(
-    r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answer|answer)[ \t]*(?:\*\*|__)?[ \t]*[:：]",
+    r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answers?|answers?|最终答案|答案)[ \t]*(?:\*\*|__)?[ \t]*"
+    r"(?:[:：]|(?=(?:\*\*|__)?[ \t]*$))",  # Final answer:  ## Final Answer (a heading, the value below)
     re.IGNORECASE | re.MULTILINE)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_LINE_BELOW = re.compile(r"(?:\s*\n[ \t]*```[^\n]*)*\s*\n[ \t]*(?:[-*+>][ \t]+|\d+[.)][ \t]+)*(\S[^\n]*)")  # past ``` and bullets
 _DISPLAY_MATH = re.compile(r"(?s)[ \t]*\n\s*(\\\[.{0,2000}?\\\]|\$\$.{0,2000}?\$\$|(?:\$|\\\(|\\boxed|\\fbox)[^\n]*"
                            r"|\\begin\{(equation\*?)\}.{0,2000}?\\end\{\2\})")  # below an empty marker line
 
@@ -82,7 +84,7 @@ def answer_text(reply):
             answer = line
         elif not line and (display := _DISPLAY_MATH.match(text, end)):
             answer, end = re.sub(r"\\(?:begin|end)\{equation\*?\}", "$$", display[1]), display.end()
-        elif not line and (below := re.compile(r"\s*\n[ \t]*(\S[^\n]*)").match(text, end)):  # DAPO's Answer: + value
+        elif not line and (below := _LINE_BELOW.match(text, end)):  # DAPO's Answer: with the value below
             answer, end = below[1].strip(" \t*_"), below.end()
         closed = [(box, close) for box, close in closed if box >= end] or closed  # a box below the marker first
     if answer is None and not closed and (stated := _STATED_ANSWER.search(text.rstrip().rsplit("\n", 1)[-1])):
@@ -137,6 +139,8 @@ def _later_statements(text, end):
     for found in _LATER_ANSWER.finditer(text, end):
         start = max(_sentence_start(text, found.start()), end)
         close = _closing_braces(text[found.start():]).get(found.end() - found.start()) if found[0].endswith("{") else 0
+        if close is None:  # a box cut off after the answer (the token limit) states nothing
+            continue
         stop = (text + "\n").find("\n", found.start() + (close or 0))
         if spans and start < spans[-1][1]:
             spans[-1] = (spans[-1][0], max(stop, spans[-1][1]))
@@ -169,7 +173,7 @@ _CARDINALS = dict(zip(
     "eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety".split(),
     [*range(20), *range(20, 91, 10)]))
 _SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "dozen": 12}
-_NUMBER_WORDS = re.compile(rf"(?i)\b(?:{'|'.join(_CARDINALS)})\b(?:[\s-]+(?:{'|'.join([*_CARDINALS, *_SCALES])})\b)*")
+_NUMBER_WORDS = re.compile(rf"(?i)\b(?:{'|'.join(_CARDINALS)})\b(?:[\s-]+(?:and[\s-]+)?(?:{'|'.join([*_CARDINALS, *_SCALES])})\b)*")
 _DETERMINER = re.compile(r"(?i)\b(?:the|an?|this|that|these|those|each|every|any|all|both|which|only|same|no|its)\s+$")
 _ORDINAL_STEMS = {"half": "two", "halve": "two", "third": "three", "quarter": "four", "fif": "five", "eigh": "eight",
                   "nin": "nine", "twelf": "twelve"}
@@ -185,7 +189,7 @@ _MATH_WORD = re.compile(rf"\s*(?<![\\\w])({'|'.join(_WORD_LATEX)})\b\s*", re.IGN
 def _cardinal(words):
     """The integer that number words name ("forty-two" 42, "one hundred twenty" 120, "thousand" 1000), else None."""
     total = current = 0
-    for word in re.split(r"[\s-]+", words.lower()):
+    for word in re.split(r"[\s-]+(?:and[\s-]+)?", words.lower()):
         if word not in _CARDINALS and word not in _SCALES:
             return None
         current = (current or 1) * _SCALES[word] if word in _SCALES else current + _CARDINALS[word]
@@ -225,6 +229,24 @@ def _repeating(match):
     return rf"\frac{{{value.numerator}}}{{{value.denominator}}}"
 
 
+_CHINESE_DIGITS = {c: n for n, c in enumerate("零一二三四五六七八九")} | {"〇": 0, "两": 2}
+_CHINESE_UNITS = {"十": 10, "百": 100, "千": 1000, "万": 10**4, "亿": 10**8}
+_CHINESE_NUMBER = re.compile(f"[{''.join(_CHINESE_DIGITS)}{''.join(_CHINESE_UNITS)}]+")
+
+
+def _chinese_number(text):
+    """The integer that Chinese numerals name: 三十六 36, 一百零五 105, 十二 12, 两万 20000."""
+    total = section = digit = 0
+    for char in text:
+        if char in _CHINESE_DIGITS:
+            digit = _CHINESE_DIGITS[char]
+        elif _CHINESE_UNITS[char] >= 10**4:
+            total, section, digit = (total + section + digit) * _CHINESE_UNITS[char], 0, 0
+        else:
+            section, digit = section + (digit or 1) * _CHINESE_UNITS[char], 0
+    return total + section + digit
+
+
 def _unwrapped(text):
     """Without formatting around a value: \\boldsymbol{12}, \\underline{12}, \\textbf{(C)}, \\color{red}{12}."""
     while wrapper := _WRAPPER.search(text):
@@ -245,6 +267,11 @@ def _normalized(text):
     text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\degree", "", text)
     text = _FUNCTION_NAME.sub(r"\\operatorname{\1}", text)  # \mathrm{lcm}(4,6) is 12
     text = _REPEATING.sub(_repeating, text)  # 0.\overline{3} is 1/3
+    text = _CHINESE_NUMBER.sub(lambda m: str(_chinese_number(m[0])), text)  # 三十六 is 36
+    text = re.sub(r"~~[^~\n]*~~", " ", text)  # a struck-through value is withdrawn: ~~41~~ 42
+    text = re.sub(r"(?<![\\\w])sqrt\s*\(([^()]*)\)", r"\\sqrt{\1}", text)  # sqrt(12)
+    text = re.sub(r"(\d+(?:\.\d+)?)\s+over\s+(\d+(?:\.\d+)?)\b", r"\\frac{\1}{\2}", text)  # 3 over 4
+    text = re.sub(r"(?i)\bin which case\b", " or ", text)  # 256, unless ..., in which case 512
     text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", re.sub(r",\s*(?:\.\.\.|…)", r", \\ldots", text.strip(" *")))
     text = _NUMBER_WORDS.sub(lambda m: m[0] if _DETERMINER.search(text[:m.start()][-9:]) else str(_cardinal(m[0])),
                              text)
@@ -269,7 +296,7 @@ _WORD_KINDS = {**dict.fromkeys("or nor either else otherwise alternatively maybe
                **dict.fromkeys("since because as which that so thus hence therefore by from with via using per where "
                                r"see eg after given verified checked confirmed computed calculated found obtained "
                                r"according \pmod \bmod \mod \implies \rightarrow \longrightarrow".split(), "explain"),
-               "not": "not", "never": "not", "isn't": "not", "isn\u2019t": "not", "is": "is", "equals": "is",
+               "或": "alt", "或者": "alt", "not": "not", "never": "not", "isn't": "not", "isn\u2019t": "not", "is": "is", "equals": "is",
                "and": "and"}
 _BINARY_COMMANDS = {r"\times", r"\cdot", r"\div", r"\pm", r"\mp", r"\le", r"\leq", r"\ge", r"\geq", r"\ne", r"\neq",
                     r"\lt", r"\gt", r"\in", r"\notin", r"\cup", r"\cap", r"\setminus", r"\to", r"\equiv", r"\approx"}
@@ -485,17 +512,18 @@ _CORRECTION = frozenset("actually wait oops sorry correction corrected correctin
                         "rechecked recomputed recalculated recounted fix fixed mistake wrong incorrect typo erratum "
                         "update updated correct right true".split())
 _BRIDGE = frozenset("it it's its is be the a an answer value result final correct right true should would was "
-                    "make that this now here".split())
+                    "make that this now here no actually sorry oops".split())
 # A withdrawn value is followed by what says it is wrong: 24 is wrong, 41 was a typo, 43 is not correct
 _WITHDRAWN = re.compile(r"(?i)^[\s)\]]*(?:is|was|were|are|=)\s+(?:(?:a|an|just|clearly|actually|definitely|simply|"
                         r"obviously)\s+)*(?:wrong|incorrect|mistaken|mistake|error|erroneous|invalid|typo|off|false|"
-                        r"not\s+(?:correct|right|valid))\b")
+                        r"not\s+(?:correct|right|valid)|(?:my|the|a|an)\s+(?:first|initial|earlier|previous|original|naive|wrong)\s+"
+                        r"(?:guess|attempt|try|value|answer|estimate|result|count))\b")
 # A value told as a past attempt is withdrawn too: earlier I got 8, my initial value 24, at first 30
 _RETROSPECT = re.compile(r"(?i)\b(?:earlier|initial(?:ly)?|previous(?:ly)?|original(?:ly)?|at first|my first|before that)\b")
 # A value after the committed one that is said to be possible too is offered: 16 is also possible
 _ALSO_POSSIBLE = re.compile(r"(?i)^\s*(?:is|are|would be|could be|might be|seems|may be)?\s*(?:also|equally|too)\s+"
                             r"(?:possible|plausible|valid|likely|correct|right|works?|an? (?:option|possibility|candidate))"
-                            r"\b|^\s*(?:is|are)\s+(?:possible|plausible|valid)\s+(?:too|as well)\b")
+                            r"\b|^\s*(?:is|are)\s+(?:possible|plausible|valid)\s+(?:too|as well)\b|^\s*instead\b")
 _ASSIGNMENT = re.compile(r"\s*\\?[A-Za-z]+(?:_\{?\w+\}?)?'*\s*=\s*([^=]+)")  # n = 3, a_1 = 5, m=5
 
 
