@@ -21,7 +21,7 @@ from pathlib import Path
 
 import common
 from agentic_es import cli, engine, export, fileio, models
-from agentic_es.data import problems_from
+from agentic_es.data import problems_from, problems_sha256
 from agentic_es.history import EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history, read_history
 from agentic_es.metrics import EPISODE_RECORD_KEYS, EVAL_METRICS, EVAL_SAMPLES, REPORTED_GROUP, dataset_metrics
 from agentic_es.pool import EnginePool
@@ -48,9 +48,10 @@ def main(argv: list[str]) -> dict:
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export_dir else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(path, cfg) for name, path in data.items()}
+    data_sha256 = {name: problems_sha256(path, cfg.run_seed) for name, path in data.items()}
     fileio.check_output_path(cfg.run_dir, "run_dir")
     fileio.check_output_path(out, "out")
-    check_finished_episodes(out)
+    check_finished_episodes(out, data, data_sha256)
     common.check_sandbox(cfg, data=list(data.values()), checkpoint=export_dir)  # (unless allowed)
     # before any writing
     manifest = export.verify(export_dir, cfg.tensor_parallel_size) if export_dir else None
@@ -61,13 +62,13 @@ def main(argv: list[str]) -> dict:
 
     with open_checkpoint(cfg, export_dir, manifest) as (engines, checkpoint):
         out.mkdir(parents=True, exist_ok=True)  # once the engines run: a refused setting leaves no folder behind
-        claim_output_folder(out, checkpoint, cfg, data)
+        claim_output_folder(out, checkpoint, cfg, data, data_sha256)
         metrics = {"checkpoint": checkpoint, "samples": EVAL_SAMPLES, "reported_group": REPORTED_GROUP,
                    "datasets": {}}
         for name, problems in datasets.items():
             records = evaluate(engines, problems, range(EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
-            fileio.write_json_atomic({"dataset": name, "data": data[name], "checkpoint": checkpoint,
-                                      "config": dataclasses.asdict(cfg),
+            fileio.write_json_atomic({"dataset": name, "data": data[name], "data_sha256": data_sha256[name],
+                                      "checkpoint": checkpoint, "config": dataclasses.asdict(cfg),
                                       "records": strip_transcripts(records, cfg.fitness)},
                                      out / f"{name}_eval16.json")
             write_transcripts_markdown(records, out / f"{name}_failed.md")
@@ -78,11 +79,21 @@ def main(argv: list[str]) -> dict:
     return metrics
 
 
-def check_finished_episodes(out: Path) -> None:
+def check_finished_episodes(out: Path, data: dict, data_sha256: dict) -> None:
     """The files a resumed evaluation keeps, read before the engine starts: a damaged one is refused now, not after
-    minutes of loading."""
-    if (out / "eval_run.json").exists():
-        fileio.read_json(out / "eval_run.json", required=("checkpoint", "config", "data"))
+    minutes of loading, and so is a data file that changed since the evaluation began (by its sha256; a marker
+    written before markers recorded it holds the paths only, which claim_output_folder compares as before)."""
+    marker = out / "eval_run.json"
+    if marker.exists():
+        recorded = fileio.read_json(marker, required=("checkpoint", "config", "data")).get("data_sha256")
+        if recorded is None:
+            print(f"[eval] {marker} records its data by path only (written before data sha256s): the paths are "
+                  "compared, the content cannot be; its data's sha256s are recorded from now on")
+        for name, then in (recorded or {}).items():
+            if name in data_sha256 and data_sha256[name] != then:
+                raise common.DataError(f"{data[name]}: sha256 {data_sha256[name]} differs from the {then} that "
+                                       f"{marker} recorded for {name}: the data changed since this evaluation "
+                                       "began; restore it or choose another --out")
     for name in {**DATASETS, **LEARN_DATASETS}:
         if (out / f"{name}_episodes.jsonl").exists():
             fileio.read_jsonl(out / f"{name}_episodes.jsonl", required=EPISODE_RECORD_KEYS)
@@ -134,21 +145,24 @@ def open_checkpoint(cfg, export_dir: str, manifest: dict | None):
                         "per_rank_digests": loaded}
 
 
-def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict) -> None:
-    """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data and settings;
-    the settings that only say where files go or how fast the engine steps (EXECUTION_FIELDS), and how a
-    perturbation is undone (RESTORE_FIELDS: an evaluation never perturbs), may differ; a setting newer than the
-    folder's marker counts as its default."""
+def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha256: dict) -> None:
+    """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data (paths and
+    sha256s) and settings; the settings that only say where files go or how fast the engine steps
+    (EXECUTION_FIELDS), and how a perturbation is undone (RESTORE_FIELDS: an evaluation never perturbs), may differ;
+    a setting newer than the folder's marker counts as its default, and a marker without data sha256s (older) is
+    compared by the paths alone."""
     def settings(config: dict) -> dict:
         return {k: v for k, v in {**dataclasses.asdict(common.Config()), **config}.items()
                 if k not in EXECUTION_FIELDS + RESTORE_FIELDS}
 
     run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
-                                 "data": data}))
+                                 "data": data, "data_sha256": data_sha256}))
     marker = out / "eval_run.json"
     if marker.exists():
         recorded = fileio.read_json(marker)
-        if dict(recorded, config=settings(recorded.get("config", {}))) != run:
+        recorded = dict(recorded, config=settings(recorded.get("config", {})),
+                        data_sha256=recorded.get("data_sha256", run["data_sha256"]))
+        if recorded != run:
             raise common.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
     fileio.write_json_atomic(run, marker)
 

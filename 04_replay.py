@@ -2,9 +2,9 @@
 
 Rebuilds theta in memory from the base model and the history (no export needed): as many generations as the
 evaluated checkpoint had, and the rebuilt per-rank digests must equal the ones the evaluation recorded (and an
-export's manifest, when one is given). Then it re-runs exactly the reported group's requests:
-the same problem ids, sample indices 12-15 and seeds as the original evaluation. It writes the replayed scores
-beside the original ones with per-problem agreement, into a new file; the eval16 files are only read.
+export's manifest, when one is given). Then it re-runs exactly the reported group's requests: the same problem ids,
+sample indices 12-15 and seeds as the original evaluation, on the same data (its sha256). It writes the replayed
+scores beside the original ones with per-problem agreement, into a new file; the eval16 files are only read.
 
     python 04_replay.py                      # <run_dir>/es_history.json against <run_dir>/eval
     python 04_replay.py --preset=smoke       # the smoke run
@@ -49,6 +49,7 @@ def main(argv: list[str]) -> dict:
     if export_dir:
         expected[export_dir] = export.digests(export.verify(export_dir, cfg.tensor_parallel_size))
     jobs = {name: aligned_jobs(original, cfg.run_seed) for name, original in originals.items()}
+    check_data_unchanged(originals, eval_dir, cfg.run_seed)
     transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in originals}
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before any engine
@@ -136,6 +137,21 @@ def aligned_jobs(original: dict, run_seed: int) -> list[tuple[dict, int]]:
         raise common.DataError(f"the evaluation of {original['data']} has no records of (problem, sample) "
                                f"{unrecorded[:5]} ({len(unrecorded)} in all)")
     return [(problems[pid], i) for pid in ids for i in GROUP]
+
+
+def check_data_unchanged(originals: dict, eval_dir: Path, run_seed: int) -> None:
+    """Each set's data must be what the evaluation used: its sha256 against the one its eval16 file recorded. An
+    eval16 file written before they recorded it holds the path only: the data is then taken by its path, as
+    before (aligned_jobs still finds every evaluated problem id in it)."""
+    for name, original in originals.items():
+        path, then = original["data"], original.get("data_sha256")
+        if then is None:
+            print(f"[replay] {eval_dir / f'{name}_eval16.json'} records its data by path only (written before data "
+                  f"sha256s): {path} is taken by its path")
+        elif (now := data.problems_sha256(path, run_seed)) != then:
+            raise common.DataError(f"{path}: sha256 {now} differs from the {then} that "
+                                   f"{eval_dir / f'{name}_eval16.json'} recorded: the data changed since the "
+                                   "evaluation; replay with the data it evaluated")
 
 
 def original_transcripts(log: Path) -> dict:

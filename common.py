@@ -579,17 +579,30 @@ class ESWorker:
 #    the refusals of another run's), so that any stage can rebuild theta from the base weights.
 # ============================================================================================================
 
+Z_TOLERANCE = 1e-6  # recorded z against the z-scores of the recorded rewards, relative to the z scale (max(1, |z|))
+
+
+def recorded_z(record: dict) -> list[float]:
+    """A generation's recorded z-scores (what training applied, so what a replay applies), refused unless they are
+    the z-scores of its recorded rewards within Z_TOLERANCE: another numpy may compute them a few ulps (~1e-16) off,
+    an edited reward moves them by orders of magnitude more than the tolerance."""
+    z = zscore(record["rewards"])
+    gap = max(abs(a - b) for a, b in zip(z, record["z"])) if len(z) == len(record["z"]) else math.inf
+    tolerance = Z_TOLERANCE * max(1.0, *(abs(v) for v in z))
+    if not gap <= tolerance:  # (also a NaN)
+        raise HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} differ from "
+                              f"the z-scores of the recorded rewards {record['rewards']} by {gap:.3g} > tolerance "
+                              f"{tolerance:.3g}: an edited history (a numpy change moves them by ulps)")
+    return record["z"]
+
+
 def replay(engine, generations, base_digests: list[str]) -> list[str]:
-    """Re-apply recorded updates to the base weights of `engine` (an engine.Engine or a pool.EnginePool), checking
-    each generation's per-rank digests; returns the digests of the rebuilt weights. `generations`: the records, or a
+    """Re-apply recorded updates (seeds, alpha, the recorded z: recorded_z) to the base weights of `engine` (an
+    engine.Engine or a pool.EnginePool), checking each generation's per-rank digests; returns the digests of the rebuilt weights. `generations`: the records, or a
     progress bar over them."""
     per_rank = base_digests
     for record in generations:
-        z = zscore(record["rewards"])  # the rewards define the update; the recorded z must be theirs
-        if z != record["z"]:
-            raise HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} are not "
-                                  f"the z-scores of the recorded rewards {record['rewards']} (edited history?)")
-        engine.update(record["seeds"], update_coefficients(z, record["alpha"]))
+        engine.update(record["seeds"], update_coefficients(recorded_z(record), record["alpha"]))
         per_rank = engine.digests()
         if per_rank != record["digests"]:
             raise HistoryMismatch(

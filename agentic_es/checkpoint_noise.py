@@ -470,7 +470,7 @@ def check_held_tensors(model_path: str | Path, held: set[str]) -> None:
 
 def update_checkpoint_tensor_(name: str, t: torch.Tensor, generation: dict, cfg: common.Config) -> None:
     """One generation's update of one whole checkpoint tensor (in the run's dtype), as the ranks apply it."""
-    coeffs = common.update_coefficients(common.zscore(generation["rewards"]), generation["alpha"])
+    coeffs = common.update_coefficients(common.recorded_z(generation), generation["alpha"])
     active = common.active_members(generation["seeds"], coeffs)
     if not active:
         return

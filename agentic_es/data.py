@@ -4,11 +4,13 @@ batch drawn from them is the algorithm's (common.case_batch)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
 import numpy as np
 
+from agentic_es import fileio
 from common import REPO, Config, ConfigError, DataError
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
@@ -90,6 +92,16 @@ def problems_from(path, run_seed):
     if path == "learn_heldout":
         return learn_problems(2 * LEARN_HELDOUT_PAIRS, seed=LEARN_HELDOUT_SEED, split="heldout")
     return load_problems(path)
+
+
+def problems_sha256(path, run_seed) -> str:
+    """What identifies the problems of problems_from(path, run_seed) by content: a file's sha256, or for problems
+    made here (GENERATED_DATA) the name and the sha256 of the problems themselves. A history records it of its
+    training data, an evaluation of each set it evaluates; a changed file at the same path is another one."""
+    if path not in GENERATED_DATA:
+        return fileio.sha256_file(path)
+    problems = json.dumps(problems_from(path, run_seed), sort_keys=True).encode()
+    return f"{path} {hashlib.sha256(problems).hexdigest()}"
 
 
 def smoke_problems(n, seed=0):

@@ -157,7 +157,8 @@ def write_manifest(folder: Path, source: dict, identity: dict, weights: dict) ->
     }
     name = HUGGING_FACE_MANIFEST if weights["format"] == HUGGING_FACE else SHARDED_STATE_MANIFEST
     fileio.write_json_atomic(manifest, folder / name)
-    fileio.write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != fileio.SHA256SUMS])
+    shards = {s["file"]: s["sha256"] for s in weights.get("shards", [])}  # hashed just now: not read again
+    fileio.write_sha256sums(folder, [f.name for f in sorted(folder.iterdir()) if f.name != fileio.SHA256SUMS], shards)
     return manifest
 
 
@@ -209,22 +210,22 @@ def verify_sharded_state(folder: str | Path, tensor_parallel_size: int | None = 
     present = {f.name for f in folder.iterdir() if SHARD_PATTERN.match(f.name)}
     problems += [f"missing shard {name}" for name in sorted(set(recorded) - present)]
     problems += [f"unexpected shard {name}" for name in sorted(present - set(recorded))]
-    for name in sorted(set(recorded) & present):
-        if fileio.sha256_file(folder / name) != recorded[name]["sha256"]:
-            problems.append(f"shard {name} does not match its sha256 in the manifest")
+    actual = {name: fileio.sha256_file(folder / name) for name in sorted(set(recorded) & present)}  # once each
+    problems += [f"shard {name} does not match its sha256 in the manifest"
+                 for name, digest in actual.items() if digest != recorded[name]["sha256"]]
     if sorted({s["rank"] for s in manifest["shards"]}) != list(range(tp)):
         problems.append(f"manifest shards do not cover ranks 0..{tp - 1}")
-    problems += sha256sums_problems(folder)
+    problems += sha256sums_problems(folder, actual)
     if problems:
         raise ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
     return manifest
 
 
-def sha256sums_problems(folder: Path) -> list[str]:
-    """What differs from the folder's SHA256SUMS, which every export holds."""
+def sha256sums_problems(folder: Path, known: dict[str, str] | None = None) -> list[str]:
+    """What differs from the folder's SHA256SUMS, which every export holds; known: the sha256 of files just read."""
     if not (folder / fileio.SHA256SUMS).exists():
         return [f"missing {fileio.SHA256SUMS}"]
-    return fileio.verify_sha256sums(folder)
+    return fileio.verify_sha256sums(folder, known)
 
 
 # ---- Hugging Face: a checkpoint-noise run's weights by checkpoint name, written at any TP size

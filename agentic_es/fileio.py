@@ -258,18 +258,21 @@ def _relative_name(folder, file):
     return rel.replace(os.sep, "/")
 
 
-def write_sha256sums(folder, files):
+def write_sha256sums(folder, files, known=None):
     """Write folder/SHA256SUMS in `sha256sum` text format ('<hex>  <name>', sorted by name), so
     `cd folder && sha256sum -c SHA256SUMS` checks the published files. files: paths relative to (or inside)
-    folder. Returns {name: hex}."""
+    folder; known: {name: hex} the caller has just computed (each file is read once). Returns {name: hex}."""
+    known = known or {}
     names = sorted({_relative_name(folder, f) for f in files} - {SHA256SUMS})
-    sums = {name: sha256_file(os.path.join(folder, name)) for name in names}
+    sums = {name: known.get(name) or sha256_file(os.path.join(folder, name)) for name in names}
     write_file_atomic("".join(f"{sums[name]}  {name}\n" for name in names), os.path.join(folder, SHA256SUMS))
     return sums
 
 
-def verify_sha256sums(folder):
-    """Check every file listed in folder/SHA256SUMS. Returns a list of problems; empty means all match."""
+def verify_sha256sums(folder, known=None):
+    """Check every file listed in folder/SHA256SUMS. known: {name: hex} the caller has just computed for some of
+    them (each file is read once). Returns a list of problems; empty means all match."""
+    known = known or {}
     sums_path = os.path.join(folder, SHA256SUMS)
     if not os.path.isfile(sums_path):
         return [f"{sums_path}: missing"]
@@ -293,7 +296,7 @@ def verify_sha256sums(folder):
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
             problems.append(f"{name}: missing")
-        elif sha256_file(path) != digest.lower():
+        elif (known.get(name) or sha256_file(path)) != digest.lower():
             problems.append(f"{name}: sha256 mismatch")
     return problems
 

@@ -25,7 +25,7 @@ import torch
 import common
 from agentic_es import fileio
 from agentic_es.cli import parse_overrides
-from agentic_es.data import GENERATED_DATA, problems_from
+from agentic_es.data import problems_sha256
 from agentic_es.tracking import progress_bar
 from common import Config, ConfigError
 
@@ -163,12 +163,9 @@ def run_identity(cfg: common.Config, model_path: str, engine, train_data: bool =
 
 
 def train_data_sha256(cfg: common.Config) -> str:
-    """The training problems' fingerprint: the file's sha256, or for problems made here ("smoke", "learn") the name
-    and the sha256 of the problems themselves, so that a history of another version of them is refused."""
-    if cfg.train_data not in GENERATED_DATA:
-        return fileio.sha256_file(cfg.train_data)
-    problems = json.dumps(problems_from(cfg.train_data, cfg.run_seed), sort_keys=True).encode()
-    return f"{cfg.train_data} {hashlib.sha256(problems).hexdigest()}"
+    """The training problems' fingerprint (data.problems_sha256), so that a history of another version of them is
+    refused."""
+    return problems_sha256(cfg.train_data, cfg.run_seed)
 
 
 def identity_differences(recorded: dict, current: dict, compare_config: bool = True) -> list[str]:

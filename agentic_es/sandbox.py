@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import selectors
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -41,6 +43,8 @@ SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 SANDBOX_MODE = None                  # None: auto-detect; or force "bwrap", "bwrap-root", "unshare", "rlimit"
 WORKDIR_ROOT = None                  # parent of the per-episode work dirs (None: the system temp dir); must be
                                      # searchable by SANDBOX_UID
+WORKDIR_PREFIX = "es-agent-"         # a work dir's name: es-agent-<owner>-<random> (owner_marker)
+OWNER_ENV = "ES_SANDBOX_OWNER"       # in the environment of every process run_bash starts: its owner_marker
 SANDBOX_WORKDIR_BYTES = 256 * 1024**2  # each work dir is a tmpfs of this size when we are root: the disk one
                                        # episode can fill is this + the private /tmp and /dev/shm
 SANDBOX_PYTHON_PACKAGES = ("sympy", "mpmath", "numpy")  # bound read-only into the sandbox from the training env
@@ -79,6 +83,19 @@ SANDBOX_ETC_PATHS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
 # kernel kills everything else inside, and bwrap/unshare reap it themselves. (bwrap's default extra init process
 # is not reaped by bwrap: every call would leave a zombie for the host's init.) In "rlimit" the process group is
 # killed instead, which a command can escape with setsid.
+#
+# A stage killed with SIGKILL (no finally runs) leaves nothing behind either (end_orphaned_sandboxes):
+#   - every kind starts with `setpriv --pdeathsig KILL` (_setpriv_argv): the started process (bwrap, unshare, or the
+#     command's bash in "rlimit") gets SIGKILL when the thread that started it dies, and with it the pid 1 of its
+#     pid namespace (bwrap --die-with-parent, unshare --kill-child, and the setpriv that drops to SANDBOX_UID
+#     inside), so the whole namespace; in "rlimit" the command's children outlive it;
+#   - every work dir is named es-agent-<owner>-*, owner = this process's pid namespace, pid and start time; every
+#     started process carries OWNER_ENV=<owner> in its environment (bwrap clears it inside, the "unshare" script
+#     unsets it; in "rlimit" the command's processes inherit it, unless they clear it); inside bwrap or unshare
+#     every process's mount namespace has the work dir's tmpfs at SANDBOX_CWD (as root). check_sandbox, at the
+#     start of every stage, SIGKILLs the processes so marked whose owner has died, then removes its work dirs
+#     (end_orphaned_sandboxes). Needed where the death signal cannot reach: in "bwrap-root" bwrap has dropped
+#     CAP_KILL before its child drops to SANDBOX_UID, so the kernel refuses it. Nothing unmarked is ever touched.
 
 @functools.lru_cache(maxsize=None)
 def _libc():
@@ -94,9 +111,10 @@ def _mount_tmpfs(path, size_bytes, mode, uid):
 
 
 def make_workdir():
-    """A fresh, empty work dir for one episode, writable only by the sandbox user. As root it is a tmpfs of
+    """A fresh, empty work dir for one episode, writable only by the sandbox user, named after its owner (this
+    process: end_orphaned_sandboxes removes it once its owner has died). As root it is a tmpfs of
     SANDBOX_WORKDIR_BYTES, so that all the files of one episode together are bounded."""
-    path = tempfile.mkdtemp(prefix="es-agent-", dir=WORKDIR_ROOT)
+    path = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{owner_marker()}-", dir=WORKDIR_ROOT)
     if os.geteuid() == 0 and not _mount_tmpfs(path, SANDBOX_WORKDIR_BYTES, 0o700, SANDBOX_UID):
         os.chown(path, SANDBOX_UID, SANDBOX_UID)  # no mount allowed (a container): a plain directory
     return path
@@ -112,6 +130,129 @@ def remove_workdir(path):
                 if not os.path.islink(sub):  # never follow a link the command planted
                     os.chmod(sub, 0o700)
     shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- Leftovers of a stage that was killed: the sandboxes' processes and work dirs, found by their owner's marker
+
+def _start_time(pid):
+    """A process's start time (clock ticks after boot, field 22 of /proc/<pid>/stat), or None once it is gone: a pid
+    is reused, a pid with its start time names one process for good."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _pid_namespace():
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def owner_marker():
+    """This process as the owner of the sandboxes it starts: "<pid namespace>-<pid>-<start time>"."""
+    return f"{_pid_namespace()}-{os.getpid()}-{_start_time(os.getpid())}"
+
+
+def _owner_died(marker):
+    """Whether the process an owner_marker names has ended. One of another pid namespace (a container sharing the
+    temp dir) is never judged: its pids mean nothing here."""
+    try:
+        namespace, pid, start = (int(part) for part in marker.split("-"))
+    except ValueError:
+        return False
+    return namespace == _pid_namespace() and _start_time(pid) != start
+
+
+def _owner_in_environment(pid):
+    """The OWNER_ENV value a process was started with (its environment at exec), or None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            variables = f.read().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{OWNER_ENV}=".encode()
+    return next((v[len(prefix):].decode(errors="replace") for v in variables if v.startswith(prefix)), None)
+
+
+def _orphaned_workdirs():
+    """The work dirs (make_workdir) whose owner has died: named es-agent-<owner>-<random>, a directory of this user
+    (as root: of the sandbox user, who owns its tmpfs), never a link."""
+    root = WORKDIR_ROOT or tempfile.gettempdir()
+    users = {os.geteuid()} | ({SANDBOX_UID} if os.geteuid() == 0 else set())
+    found = []
+    for name in sorted(os.listdir(root)):
+        match = re.fullmatch(rf"{WORKDIR_PREFIX}(\d+-\d+-\d+)-[a-z0-9_]+", name)
+        path = os.path.join(root, name)
+        with contextlib.suppress(FileNotFoundError):
+            if match and _owner_died(match.group(1)):
+                info = os.lstat(path)
+                if stat.S_ISDIR(info.st_mode) and info.st_uid in users:
+                    found.append(path)
+    return found
+
+
+def _holds_workdir(pid, devices):
+    """Whether a process's mount namespace has one of these tmpfs work dirs (major:minor) mounted at SANDBOX_CWD:
+    then it runs in a bwrap or unshare sandbox of that work dir. The mount is its own: no command can undo it or
+    leave it (no privileges inside), unlike OWNER_ENV, which bwrap clears."""
+    try:
+        with open(f"/proc/{pid}/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return False
+    return any(m[4] == SANDBOX_CWD and m[3] == "/" and m[2] in devices for m in mounts if len(m) > 4)
+
+
+def _mount_namespace(pid):
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino
+    except OSError:
+        return None
+
+
+def _orphaned_sandbox_process(pid, devices):
+    """Whether a process belongs to a sandbox of a dead owner: its OWNER_ENV names a dead owner, or (in another mount
+    namespace) it holds one of the dead owners' tmpfs work dirs at SANDBOX_CWD."""
+    owner = _owner_in_environment(pid)
+    if owner is not None:
+        return _owner_died(owner)
+    return bool(devices) and _mount_namespace(pid) != _mount_namespace("self") and _holds_workdir(pid, devices)
+
+
+def _end_orphaned_processes(devices):
+    """SIGKILL every process of a dead owner's sandbox (_orphaned_sandbox_process); scans until a scan finds no new
+    one (a leftover fork bomb keeps starting them). Returns their pids."""
+    ended = set()
+    while True:
+        found = [int(n) for n in os.listdir("/proc")
+                 if n.isdigit() and int(n) not in ended and _orphaned_sandbox_process(n, devices)]
+        if not found:
+            return sorted(ended)
+        for pid in found:
+            try:
+                pidfd = os.pidfd_open(pid)  # pins the process: the check below and the kill reach the same one
+            except OSError:
+                continue
+            try:
+                if _orphaned_sandbox_process(pid, devices):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    ended.add(pid)
+            except ProcessLookupError:
+                pass
+            finally:
+                os.close(pidfd)
+
+
+def end_orphaned_sandboxes():
+    """What stages that died without cleaning up (SIGKILL) left of their sandboxes: the processes are killed, then
+    the work dirs removed, found only by what run_bash and make_workdir marked (OWNER_ENV, the work dir's name,
+    the work dir's tmpfs at SANDBOX_CWD); nothing else is ever killed or removed. Returns (pids, paths)."""
+    workdirs = _orphaned_workdirs()
+    devices = {f"{os.major(d)}:{os.minor(d)}" for d in (os.stat(w).st_dev for w in workdirs if os.path.ismount(w))}
+    pids = _end_orphaned_processes(devices)
+    for path in workdirs:
+        remove_workdir(path)
+    return pids, workdirs
 
 
 def _tool(name):
@@ -234,7 +375,7 @@ def _new_root_script():
               'ln -s "/proc/${f#*:}" "$R/dev/${f%%:*}"; done',
               f"mount {tmpfs} $R/tmp", f"mount {tmpfs} $R/dev/shm", "mount -t proc proc $R/proc",
               "cd $R", f"{q(_tool('pivot_root'))} . oldroot", "umount -l /oldroot", "rmdir /oldroot",
-              "mount -o remount,ro,bind /", f"cd {q(SANDBOX_CWD)}", "unset OLDPWD", 'exec "$@"']
+              "mount -o remount,ro,bind /", f"cd {q(SANDBOX_CWD)}", f"unset OLDPWD {OWNER_ENV}", 'exec "$@"']
     return "\n".join(lines)
 
 
@@ -245,29 +386,46 @@ def _rlimits_argv(timeout_s, processes):
             f"--fsize={SANDBOX_FILE_BYTES}", f"--nofile={SANDBOX_OPEN_FILES}", f"--nproc={processes}", "--"]
 
 
-_SETPRIV_ARGV = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
-                 "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+_SANDBOX_USER = [f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups", "--inh-caps=-all",
+                 "--bounding-set=-all", "--no-new-privs"]  # setpriv's options that drop to SANDBOX_UID
+
+
+@functools.lru_cache(maxsize=None)
+def _setpriv_has_pdeathsig():
+    if not shutil.which("setpriv"):
+        return False
+    return "--pdeathsig" in subprocess.run([_tool("setpriv"), "--help"], capture_output=True, text=True).stdout
+
+
+def _setpriv_argv(as_sandbox_user):
+    """setpriv before a sandbox's processes: --pdeathsig KILL ends the process when the thread that started it ends
+    (for the started process run_bash's thread, also when the stage is killed; for pid 1 inside "bwrap-root" and
+    "unshare" bwrap or unshare), and as_sandbox_user drops to SANDBOX_UID in the same call (a later change of uid
+    clears a death signal). Empty where setpriv has no --pdeathsig and there is nothing to drop."""
+    options = ["--pdeathsig", "KILL"] if _setpriv_has_pdeathsig() else []
+    options += _SANDBOX_USER if as_sandbox_user else []
+    return ["setpriv", *options, "--"] if options else []
 
 
 def _sandbox_argv(kind, command, workdir, timeout_s):
     """(argv, cwd) for one command in the given sandbox kind. When we are root, "bwrap" and "rlimit" start with
     setpriv to SANDBOX_UID (not Popen(user=...), which rules out vfork, and forking this large process is slow)."""
-    drop = _SETPRIV_ARGV if os.geteuid() == 0 else []
+    root = os.geteuid() == 0
     shell = ["bash", "-c", command]
     if kind == "bwrap":
         # the inner prlimit lowers NPROC for this sandbox's own user namespace, see the comment above
         inner = ["prlimit", f"--nproc={SANDBOX_PROCESSES}", "--", *shell]
         argv = [*_bwrap_argv(workdir), "--unshare-user", "--uid", "1000", "--gid", "1000", "--", *inner]
-        return drop + _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, "/"
+        return _setpriv_argv(root) + _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, "/"
     if kind == "bwrap-root":
-        argv = [*_bwrap_argv(workdir), "--", *_SETPRIV_ARGV, *shell]
-        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, "/"
+        argv = [*_bwrap_argv(workdir), "--", *_setpriv_argv(True), *shell]
+        return _setpriv_argv(False) + _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, "/"
     if kind == "unshare":
         argv = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
-                "bash", "-c", _new_root_script(), "es-sandbox", *_SETPRIV_ARGV, *shell]
-        return _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, workdir
+                "bash", "-c", _new_root_script(), "es-sandbox", *_setpriv_argv(True), *shell]
+        return _setpriv_argv(False) + _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + argv, workdir
     if kind == "rlimit":
-        return drop + _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + shell, workdir
+        return _setpriv_argv(root) + _rlimits_argv(timeout_s, SANDBOX_PROCESSES_ALL) + shell, workdir
     raise ValueError(f"unknown sandbox kind {kind!r}")
 
 
@@ -378,6 +536,7 @@ def run_bash(command, workdir, timeout_s=BASH_TIMEOUT_S, *, sandbox=None, output
         env = _sandbox_env(workdir, os.pathsep.join(sorted({os.path.dirname(h) for h, _ in sandbox_python_binds()})))
     else:
         env = _sandbox_env(SANDBOX_CWD)
+    env[OWNER_ENV] = owner_marker()  # what end_orphaned_sandboxes finds once this process has died
     started = time.monotonic()
     proc = subprocess.Popen(
         argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -507,10 +666,15 @@ def hidden_paths(run_dir, data=(), checkpoint=None):
 
 
 def check_sandbox(run_dir, data=(), checkpoint=None, *, allow_leaks=False, error=ValueError):
-    """Start-up check of 01_train.py, 03_eval.py, 04_replay.py and of every engine on another node: probe the
-    sandbox kind in use against the run's folder, data and checkpoint. With findings, refuse (raise `error`: the
-    stages pass common.ConfigError, which they report as a message) unless allow_leaks (--allow_leaky_sandbox);
-    the override and the findings go into every episode record (leak_check_result)."""
+    """Start-up check of 01_train.py, 03_eval.py, 04_replay.py and of every engine on another node: end what killed
+    stages left of their sandboxes (end_orphaned_sandboxes), then probe the sandbox kind in use against the run's
+    folder, data and checkpoint. With findings, refuse (raise `error`: the stages pass common.ConfigError, which they
+    report as a message) unless allow_leaks (--allow_leaky_sandbox); the override and the findings go into every
+    episode record (leak_check_result)."""
+    pids, workdirs = end_orphaned_sandboxes()
+    if pids or workdirs:
+        print(f"[sandbox] left by stages that died: {len(pids)} sandbox processes ended, {len(workdirs)} work dirs "
+              f"removed ({', '.join(workdirs) or 'none'})")
     kind = sandbox_kind()
     with _existing_folder(Path(run_dir).resolve()):
         leaks = sandbox_leaks(kind, hidden_paths(run_dir, data, checkpoint))

@@ -302,32 +302,42 @@ def test_learn_problems_are_right_sums_and_held_out_sets_share_no_operands_with_
 
 
 def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(tmp_path):
-    """03_eval reuses the finished episodes of its --out folder: another checkpoint, data file or sampling
-    setting is refused (the marker kept as it was); a setting of speed or placement, or how a perturbation is
-    undone (an evaluation never perturbs), may change, also against a marker written when such settings were still
-    part of it."""
+    """03_eval reuses the finished episodes of its --out folder: another checkpoint, data file (by path or by
+    sha256) or sampling setting is refused (the marker kept as it was); a setting of speed or placement, or how a
+    perturbation is undone (an evaluation never perturbs), may change, also against a marker written when such
+    settings were still part of it; a marker written before markers held the data's sha256s is compared by path."""
     checkpoint, data = {"kind": "base", "per_rank_digests": ["a", "b"]}, {"dapo": "d.jsonl", "aime2026": "a.jsonl"}
+    sha = {"dapo": "1" * 64, "aime2026": "2" * 64}
     cfg = cli.parse_config(["--preset=smoke"])
-    evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
+    evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data, sha)
     marker = (tmp_path / "eval_run.json").read_bytes()
     for other in ({"checkpoint": dict(checkpoint, per_rank_digests=["a", "c"])}, {"data": dict(data, dapo="e.jsonl")},
+                  {"sha": dict(sha, dapo="3" * 64)},
                   {"cfg": cli.parse_config(["--preset=smoke", "--temperature=0.5"])}):
-        args = {"checkpoint": checkpoint, "cfg": cfg, "data": data, **other}
+        args = {"checkpoint": checkpoint, "cfg": cfg, "data": data, "sha": sha, **other}
         with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
-            evaluation.claim_output_folder(tmp_path, args["checkpoint"], args["cfg"], args["data"])
+            evaluation.claim_output_folder(tmp_path, args["checkpoint"], args["cfg"], args["data"], args["sha"])
         assert (tmp_path / "eval_run.json").read_bytes() == marker
     faster = ["--concurrency=7", "--cudagraph_mode=FULL", "--max_num_batched_tokens=0"]
-    evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", *faster]), data)
+    evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", *faster]), data, sha)
     for restore in (["--restore=patch", "--patch_capacity=0.3"], ["--restore=subtract"]):
-        evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", *restore]), data)
+        evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", *restore]), data,
+                                       sha)
     older = json.loads(marker)  # written by a version that kept the engine settings in the marker
     older["config"].update(cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=0, concurrency=3)
     (tmp_path / "eval_run.json").write_text(json.dumps(older))
-    evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
+    evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data, sha)
     del older["config"]["fitness"]  # written before the setting: its default, the agent's score
     (tmp_path / "eval_run.json").write_text(json.dumps(older))
-    evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data)
+    evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data, sha)
     (tmp_path / "eval_run.json").write_text(json.dumps(older))
     with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
         evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", "--fitness=shaped"]),
-                                       data)
+                                       data, sha)
+    del older["data_sha256"]  # written before the data's sha256s: the paths compared, the sha256s recorded now
+    (tmp_path / "eval_run.json").write_text(json.dumps(older))
+    evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data, sha)
+    assert json.loads((tmp_path / "eval_run.json").read_text())["data_sha256"] == sha
+    (tmp_path / "eval_run.json").write_text(json.dumps(older))
+    with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
+        evaluation.claim_output_folder(tmp_path, checkpoint, cfg, dict(data, dapo="e.jsonl"), sha)

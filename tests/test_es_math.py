@@ -73,6 +73,41 @@ def test_zscore_mixed_rewards_keep_ddof0_and_epsilon(rewards):
         assert max(abs(v) for v in z) < 0.1
 
 
+class UpdateRecorder:
+    """An engine's update and digests with no weights: the coefficients each update was given."""
+
+    def __init__(self):
+        self.coefficients = []
+
+    def update(self, seeds, coefficients):
+        self.coefficients.append(coefficients)
+
+    def digests(self):
+        return [f"after {len(self.coefficients)} updates"]
+
+
+def test_replay_tolerates_recorded_z_an_ulp_off_and_refuses_an_edited_reward_saying_which():
+    """The replay recomputes z from the recorded rewards: another numpy may land an ulp away from the recorded z,
+    which must not read as an edit (the recorded z, what training applied, is applied); an edited reward moves z by
+    far more than the tolerance, and the refusal says by how much."""
+    rewards = [0.0, 0.25, 0.5, 1.0]
+    z = common.zscore(rewards)
+    ulp_off = [math.nextafter(v, math.inf) for v in z]
+    assert ulp_off != z
+    record = {"generation": 0, "seeds": [1, 2, 3, 4], "rewards": rewards, "z": ulp_off, "alpha": 0.5,
+              "digests": ["after 1 updates"]}
+    engine = UpdateRecorder()
+    assert common.replay(engine, [record], ["base"]) == ["after 1 updates"]
+    assert engine.coefficients == [common.update_coefficients(ulp_off, 0.5)]
+    edited = dict(record, rewards=[0.0, 0.25, 0.5, 0.9375])  # one episode of 16 scored otherwise
+    message = (r"^generation 0: the recorded z-scores \[.*\] differ from the z-scores of the recorded rewards "
+               r"\[0\.0, 0\.25, 0\.5, 0\.9375\] by 0\.0\d+ > tolerance 1\.\d+e-06: an edited history")
+    with pytest.raises(common.HistoryMismatch, match=message):
+        common.replay(UpdateRecorder(), [edited], ["base"])
+    with pytest.raises(common.HistoryMismatch, match="by inf > tolerance"):  # a z-score missing
+        common.replay(UpdateRecorder(), [dict(record, z=z[:3])], ["base"])
+
+
 def test_update_coefficients_fold_sigma_into_alpha():
     z = [1.0, -1.0, 0.5, -0.5]
     assert common.update_coefficients(z, 5e-4) == pytest.approx([5e-4 / 4 * v for v in z])

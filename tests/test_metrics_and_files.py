@@ -358,6 +358,37 @@ def test_sha256sums_checked_by_real_sha256sum(tmp_path):
                                                         "sub/config.json: missing"]
 
 
+def test_an_export_hashes_each_file_once_when_written_and_when_verified(tmp_path, monkeypatch):
+    """A shard of the 30B export is 28 GiB: writing the manifest and SHA256SUMS reads each file once, and so does
+    verifying them (the manifest's shard sums and SHA256SUMS checked from one hash), also when a shard is altered."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    shards = [f"model-rank-{rank}-part-0.safetensors" for rank in range(2)]
+    for name in shards:
+        (folder / name).write_bytes(os.urandom(4096))
+    (folder / "config.json").write_text("{}")
+    identity = {"config": {"dtype": "bfloat16"}, "tensor_parallel_size": 2, "parameter_names_sha256": "names",
+                "devices": [], "base_model": "tiny", "base_fingerprint": "sha256:base", "device_type": "cpu",
+                "vllm_version": "0.32.0", "torch_version": "2"}
+    hashed = []
+    sha256_file = fileio.sha256_file
+    monkeypatch.setattr(fileio, "sha256_file", lambda path, *args: hashed.append(Path(path).name) or
+                        sha256_file(path, *args))  # where export.py and fileio look it up
+    weights = export.sharded_state_fields(folder, identity, ["d0", "d1"])
+    export.write_manifest(folder, {"config": {}, "replayed_generations": 1}, identity, weights)
+    every_file = sorted([*shards, "config.json", export.SHARDED_STATE_MANIFEST])
+    assert sorted(hashed) == every_file
+    hashed.clear()
+    assert export.verify(folder, 2)["shards"] == weights["shards"]
+    assert sorted(hashed) == every_file
+    (folder / shards[0]).write_bytes(b"altered")
+    hashed.clear()
+    with pytest.raises(common.ExportError, match=f"shard {shards[0]} does not match its sha256 in the manifest; "
+                                                 f"{shards[0]}: sha256 mismatch$"):
+        export.verify(folder, 2)
+    assert sorted(hashed) == every_file
+
+
 def test_sha256sums_rejects_outside_files_and_reports_missing_list(tmp_path):
     with pytest.raises(ValueError, match="not inside"):
         fileio.write_sha256sums(str(tmp_path), ["../elsewhere"])

@@ -23,7 +23,7 @@ import torch
 
 import common
 from agentic_es import export, fileio, models, tracking
-from agentic_es.data import SMOKE_PROBLEMS, smoke_problems
+from agentic_es.data import SMOKE_PROBLEMS, problems_sha256, smoke_problems
 from agentic_es.engine import VLLM_LOG
 from agentic_es.history import HISTORY_FILE
 from agentic_es.metrics import EVAL_METRICS, dataset_metrics
@@ -254,8 +254,12 @@ def test_eval_writes_records_and_metrics(evaluated, exported):
     metrics = fileio.read_json(evaluated / "metrics.json")
     assert set(metrics["datasets"]) == {"dapo", "aime2026"}
     assert metrics["checkpoint"]["per_rank_digests"] == fileio.read_json(exported / export.SHARDED_STATE_MANIFEST)["per_rank_digests"]
+    smoke_sha256 = problems_sha256("smoke", common.Config.run_seed)  # the data evaluated, by content
+    assert fileio.read_json(evaluated / "eval_run.json")["data_sha256"] == {"dapo": smoke_sha256,
+                                                                            "aime2026": smoke_sha256}
     for name in ("dapo", "aime2026"):
         eval16 = fileio.read_json(evaluated / f"{name}_eval16.json")
+        assert eval16["data"] == "smoke" and eval16["data_sha256"] == smoke_sha256
         records = eval16["records"]
         assert len(records) == 2 * 16  # the smoke preset evaluates the first 2 problems of each set
         assert sorted({r["sample_index"] for r in records}) == list(range(16))

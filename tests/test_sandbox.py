@@ -421,6 +421,117 @@ def test_nothing_left_behind(kind, marker):
     assert_nothing_left(marker)
 
 
+# a stage as the scripts run it: a work dir, then a command in a worker thread (as common.run_episode does)
+STAGE = """
+import sys, threading
+sys.path.insert(0, {repo!r})
+from agentic_es import sandbox
+workdir = sandbox.make_workdir()
+print(workdir, flush=True)
+threading.Thread(target=sandbox.run_bash, args=({command!r}, workdir, 600), kwargs={{"sandbox": {kind!r}}}).start()
+"""
+
+
+def start_stage(kind, marker):
+    """A real process running a sandboxed command (a sleep in a shell that waits for it); returns it and its work
+    dir once the sleep runs."""
+    command = f"sleep 3600.{marker}; echo {marker}"
+    stage = subprocess.Popen([sys.executable, "-c", STAGE.format(repo=REPO, command=command, kind=kind)],
+                             stdout=subprocess.PIPE, text=True)
+    workdir = stage.stdout.readline().strip()
+    deadline = time.monotonic() + 20
+    while not sleeping(marker):
+        assert time.monotonic() < deadline and stage.poll() is None, "the sandboxed sleep never started"
+        time.sleep(0.05)
+    return stage, workdir
+
+
+def sleeping(marker):
+    """Whether `sleep 3600.<marker>` itself runs (not only the shell that starts it)."""
+    for pid in marked_pids(marker):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if f.read().startswith(b"sleep\0"):
+                return True
+    return False
+
+
+def reap_adopted(before):
+    """The killed stage's processes are re-parented to this test process (the module's subreaper), not to the host's
+    init: reap them as init would, once they have died."""
+    for _ in range(5):
+        for pid in orphaned_zombies() - before:
+            os.waitpid(pid, 0)
+        time.sleep(0.05)
+
+
+def mounted(path):
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+@pytest.mark.parametrize("kind", ["bwrap", "bwrap-root", "unshare", "rlimit"])
+def test_a_stage_killed_with_sigkill_leaves_no_sandbox_behind(kind, marker):
+    """SIGKILL runs no clean-up: what can die with the stage does (the setpriv death signal takes bwrap or unshare
+    and their pid namespace along); the next start (check_sandbox) ends the rest by its owner's markers (a
+    "bwrap-root" sandbox, whose death signal the kernel refuses, and an "rlimit" command's children) and removes the
+    work dir and its tmpfs."""
+    if kind not in KINDS + ["rlimit"]:
+        pytest.skip(f"{kind} not available here")
+    zombies = orphaned_zombies()
+    stage, workdir = start_stage(kind, marker)
+    stage.kill()
+    stage.wait()
+    stage.stdout.close()
+    if kind in ("bwrap", "unshare"):
+        assert_nothing_left(marker)  # died with the stage
+    assert os.path.isdir(workdir)  # no finally ran
+    pids, workdirs = sandbox.end_orphaned_sandboxes()
+    assert workdir in workdirs and not os.path.exists(workdir) and not mounted(workdir)
+    assert_nothing_left(marker)
+    if kind in ("bwrap-root", "rlimit"):
+        assert pids  # what the death signal could not reach
+    reap_adopted(zombies)
+
+
+def test_clean_up_touches_only_what_dead_stages_marked(tmp_path, marker):
+    """Nothing a live stage runs, nothing unmarked: a sandbox of a live stage, a process and a work dir of a name
+    without an owner, a link or a file named like a dead owner's work dir, all survive the clean-up."""
+    kind = KINDS[0] if KINDS else "rlimit"
+    zombies = orphaned_zombies()
+    live, live_workdir = start_stage(kind, marker)
+    unmarked = subprocess.Popen(["sleep", f"3600.{marker}"])
+    root = tempfile.gettempdir()
+    namespace, pid, start = sandbox.owner_marker().split("-")
+    dead_owner = f"{namespace}-{pid}-{int(start) + 1}"  # this pid with another start time: a process that has ended
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    planted = {"old": os.path.join(root, f"es-agent-{marker}"),  # no owner in its name
+               "link": os.path.join(root, f"es-agent-{dead_owner}-l"),
+               "file": os.path.join(root, f"es-agent-{dead_owner}-f")}
+    os.mkdir(planted["old"])
+    os.symlink(keep, planted["link"])
+    open(planted["file"], "w").close()
+    try:
+        while unmarked.pid not in marked_pids(marker):  # its command line is there once its exec has finished
+            time.sleep(0.01)
+        before = sorted(marked_pids(marker))
+        pids, workdirs = sandbox.end_orphaned_sandboxes()
+        assert not set(pids) & set(before) and live_workdir not in workdirs
+        assert sorted(marked_pids(marker)) == before and live.poll() is None and unmarked.poll() is None
+        assert all(os.path.lexists(path) for path in planted.values()) and keep.is_dir()
+    finally:
+        for path in planted.values():
+            os.rmdir(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        unmarked.kill()
+        unmarked.wait()
+        live.kill()
+        live.wait()
+        live.stdout.close()
+        sandbox.end_orphaned_sandboxes()  # what the killed live stage left: its own test above
+    assert_nothing_left(marker)
+    reap_adopted(zombies)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the work dir is a size-limited tmpfs only when we are root")
 def test_episode_disk_is_bounded(kind, workdir):
     # many files under the per-file limit, in the work dir and /tmp: the episode's total stops at the tmpfs sizes

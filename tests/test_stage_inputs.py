@@ -319,3 +319,77 @@ def test_the_evaluation_loads_an_export_in_its_format_and_checks_its_bits_in_its
     if noise == "rank_salted":
         with pytest.raises(common.ExportError, match="lays out the model's parameters differently"):
             export.check_loaded(LoadedExport(trained, layout="another vLLM's"), folder, manifest)
+
+
+# ---- the data an evaluation and a replay run on: identified by content (sha256), not by path ----
+
+def problems_file(path, problems):
+    fileio.write_jsonl(problems, path)
+    return path
+
+
+def test_an_evaluation_resumes_only_on_the_data_it_began_with_and_an_older_marker_by_its_paths(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """03_eval keeps the finished episodes of its --out folder: a data file changed at the same path since then is
+    refused before any engine starts, naming the file; a marker written before markers recorded the sha256s is
+    compared by its paths, as before, and says so."""
+    smoke = data.problems_from("smoke", SMOKE.run_seed)
+    dapo = problems_file(tmp_path / "dapo.jsonl", smoke[:4])
+    out = tmp_path / "eval"
+    argv = ["--preset=smoke", "--export=", f"--out={out}", f"--run_dir={tmp_path / 'run'}", f"--dapo={dapo}",
+            f"--aime2026={dapo}"]
+    marker = {"checkpoint": {"kind": "base"}, "config": {}, "data": {"dapo": str(dapo), "aime2026": str(dapo)},
+              "data_sha256": {"dapo": fileio.sha256_file(dapo), "aime2026": fileio.sha256_file(dapo)}}
+    write(marker, out / "eval_run.json")
+    problems_file(dapo, [dict(smoke[0], answer="changed"), *smoke[1:4]])  # the same path, other data
+    message = (f"{dapo}: sha256 {fileio.sha256_file(dapo)} differs from the {marker['data_sha256']['dapo']} that "
+               f"{out / 'eval_run.json'} recorded for dapo: the data changed since this evaluation began")
+    with pytest.raises(common.DataError, match=re.escape(message)):
+        eval_stage.main(argv)
+    assert json.loads((out / "eval_run.json").read_text()) == marker  # nothing touched
+
+    def pool(*args, **kwargs):
+        raise PoolAsked
+
+    monkeypatch.setattr(eval_stage, "EnginePool", pool)
+    write(without(marker, "data_sha256"), out / "eval_run.json")  # an older marker: the paths only
+    capsys.readouterr()
+    with pytest.raises(PoolAsked):  # accepted: the paths are the same
+        eval_stage.main(argv)
+    assert "records its data by path only" in capsys.readouterr().out
+
+
+def test_a_replay_runs_only_on_the_data_its_evaluation_used_and_an_older_eval16_on_its_path(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """04_replay re-runs the reported group on the data named in the eval16 files: a file changed at the same path
+    (its sha256 not the recorded one), or generated problems of another version, are refused before any engine
+    starts, naming the data; an eval16 file written before they recorded the sha256 takes the data by its path and
+    says so."""
+    eval16 = evaluation(tmp_path)
+    dapo = problems_file(tmp_path / "dapo.jsonl", data.problems_from("smoke", SMOKE.run_seed)[:4])
+    recorded = dict(eval16, data=str(dapo), data_sha256=fileio.sha256_file(dapo))
+    write(recorded, tmp_path / "eval" / "dapo_eval16.json")
+    with open(dapo, "a") as f:
+        f.write(json.dumps({"id": "new", "question": "1+1?", "answer": "2"}) + "\n")  # every evaluated id still there
+    message = (f"{dapo}: sha256 {fileio.sha256_file(dapo)} differs from the {recorded['data_sha256']} that "
+               f"{tmp_path / 'eval' / 'dapo_eval16.json'} recorded: the data changed since the evaluation")
+    with pytest.raises(common.DataError, match=re.escape(message)):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+    write(dict(eval16, data_sha256="smoke 0123"), tmp_path / "eval" / "dapo_eval16.json")
+    with pytest.raises(common.DataError, match="^smoke: sha256 smoke [0-9a-f]{64} differs from the smoke 0123"):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+
+    def pool(*args, **kwargs):
+        raise PoolAsked
+
+    monkeypatch.setattr(replay_stage, "EnginePool", pool)
+    write(dict(eval16, data_sha256=data.problems_sha256("smoke", SMOKE.run_seed)), tmp_path / "eval" /
+          "dapo_eval16.json")
+    with pytest.raises(PoolAsked):  # the same generated problems
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+    write(dict(eval16, data=str(dapo)), tmp_path / "eval" / "dapo_eval16.json")  # older: the path only
+    capsys.readouterr()
+    with pytest.raises(PoolAsked):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+    assert f"records its data by path only (written before data sha256s): {dapo} is taken by its path" in \
+        capsys.readouterr().out
