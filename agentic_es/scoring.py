@@ -20,6 +20,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import json
 import os
 import re
@@ -562,13 +563,19 @@ def _corrects(glue):
 
 
 def read_answer(text, math=False, depth=0):
-    """The values an answer commits to, the committed one first; [] when it commits to none (rules 1-5); math: the
+    """The values an answer commits to, the committed one first; [] when it commits to none (_read_answer)."""
+    return list(_read_answer(text[:20000], math, depth))
+
+
+@functools.lru_cache(maxsize=4096)  # a pure function; the values it renders are read again (_render)
+def _read_answer(text, math, depth):
+    """read_answer, as a tuple (rules 1-6); math: the
     text is LaTeX (a box's content, read 8 boxes deep). A value that a "not" precedes or that is said to be wrong is
     withdrawn; a correction or a later statement supersedes the values before it. The committed value is then the
     first box, else the first value; the values listed beside it, those offered as alternatives or under a condition
     after it (127 if n is odd) and the other boxes come with it, except witnesses of where it holds (x = 3); all
     else is a note. Without math, phrases are the values."""
-    tokens = _tokens(_normalized(text[:20000]), math)
+    tokens = _tokens(_normalized(text), math)
     phrase_end = lambda i: next((j for j in range(i, len(tokens)) if tokens[j].kind not in _PHRASE), len(tokens))
     for prose, end_of in ((False, lambda i: i + 1 if tokens[i].kind == "box" else _value_end(tokens, i)),
                           (True, phrase_end)):
@@ -581,7 +588,8 @@ def read_answer(text, math=False, depth=0):
             break
     render = lambda n: _render(tokens[units[n][0]:units[n][1]], depth)
     for n in range(len(units) - 1):  # a choice and its value are one answer: (C) 12
-        if n + 1 < len(units) and units[n][1] == units[n + 1][0] and re.fullmatch(r"\([A-E]\)", render(n)):
+        if n + 1 < len(units) and units[n][1] == units[n + 1][0] and _CHOICE_LABEL.fullmatch(
+                "".join(token.text for token in tokens[units[n][0]:units[n][1]])):
             units[n:n + 2] = [(units[n][0], units[n + 1][1])]
     glue = lambda n: tokens[units[n - 1][1] if n else 0:units[n][0]]  # the tokens before unit n
     after = lambda n: " ".join(token.text for token in tokens[units[n][1]:units[n][1] + 8])
@@ -613,7 +621,7 @@ def read_answer(text, math=False, depth=0):
             continue
         box = tokens[start].kind == "box" and depth < 8
         values += read_answer(tokens[start].text, True, depth + 1) if box else [render(n)]
-    return list(dict.fromkeys(values))
+    return tuple(dict.fromkeys(values))
 
 
 # ---- Comparing the committed value with the gold: pure functions
@@ -742,6 +750,7 @@ def _false_equation(value):
     return any(_math_verify(side, sides[0]) is False for side in sides[1:])
 
 
+_CHOICE_LABEL = re.compile(r"\([A-E]\)")
 _CHOICE = re.compile(r"\(([A-Ea-e])\)\s*(?:\\[ ,;:]|~|\s)*(\S.*)", re.DOTALL)  # a choice with its value
 _CHOICE_GOLD = re.compile(r"\(?(?:\\text(?:bf)?\{)?\(?([A-Ea-e])\)?\}?\)?")  # C  (C)  \text{C}  \textbf{(C)}
 
