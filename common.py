@@ -890,6 +890,37 @@ def fitness(records: list[dict], mode: str) -> float:
     return sum(reward(r) for r in records) / len(records)
 
 
+# ---- A scorer that fails stops the stage (docs/scoring.md): its scores would be 0s that say nothing of the answers
+
+SCORER_FAILURES = ("score_error", "score_timeout")  # the score methods of an answer the scorer gave no score for
+SCORER_FAILURE_BOUND = 0.05  # of a generation's (an evaluated set's) episodes; past it the stage stops
+
+
+def check_scorer() -> None:
+    """Before a stage's episodes run: the scorer's workers start and score known answers right (scoring.warm_up),
+    else ScorerFailure."""
+    try:
+        scoring.warm_up()
+    except scoring.ScorerBroken as exc:
+        raise ScorerFailure(f"the answer scorer does not work, so every answer would score 0: {exc}") from None
+
+
+def scorer_failures(records: list[dict]) -> dict:
+    """{score method: episodes} of SCORER_FAILURES: what a generation or an evaluation records."""
+    return {method: sum(r["score_method"] == method for r in records) for method in SCORER_FAILURES}
+
+
+def check_scorer_failures(records: list[dict], what: str, consequence: str) -> dict:
+    """scorer_failures(records), or ScorerFailure when they are more than SCORER_FAILURE_BOUND of the episodes."""
+    failures = scorer_failures(records)
+    failed = sum(failures.values())
+    if failed > SCORER_FAILURE_BOUND * len(records):
+        counts = ", ".join(f"{method} {n}" for method, n in failures.items())
+        raise ScorerFailure(f"{what}: the scorer failed on {failed} of {len(records)} episodes ({counts}), more than "
+                            f"{SCORER_FAILURE_BOUND:.0%}: {consequence}")
+    return failures
+
+
 # ============================================================================================================
 # 6. The errors a stage stops with: each one line for its user (engine.run_stage)
 # ============================================================================================================
@@ -914,6 +945,11 @@ class HistoryMismatch(StageError, RuntimeError):
 class EngineFailure(StageError, RuntimeError):
     """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
     fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
+
+
+class ScorerFailure(StageError, RuntimeError):
+    """The answer scorer's workers cannot start, score known answers wrongly, or failed on too many episodes
+    (SCORER_FAILURE_BOUND): the stage stops before it records scores that say nothing of the answers."""
 
 
 class PatchOverflow(StageError, RuntimeError):
