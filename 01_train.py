@@ -49,6 +49,7 @@ def main(argv: list[str]) -> dict:
                 tracker.log_missing(recorded["generations"])
             print_final_summary(recorded, run_dir)
             return recorded
+    common.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
     with EnginePool(cfg, model_path) as engines, tracking.Tracker(cfg, run_dir) as tracker:
         history = start_or_resume(cfg, model_path, engines, history_path)
         tracker.log_missing(history["generations"])  # generations the history has and the event files lack
@@ -99,6 +100,9 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
     jobs = [(problem, 0) for problem in batch]
     # each engine of the pool perturbs, runs the agent and restores, one member after another (records by member)
     per_member, timings = engines.evaluate_members(seeds, sigma, jobs, desc=f"generation {g} members")
+    # past the bound the scores are the scorer's failures, not the members': nothing of generation g is written
+    scorer_failures = common.check_scorer_failures([r for records in per_member for r in records], f"generation {g}",
+                                                   f"nothing of generation {g} is written (docs/scoring.md)")
     rewards = [float(fitness(records)) for records in per_member]
     episodes = [dict(r, generation=g, member=member, member_seed=seed)
                 for member, (seed, records) in enumerate(zip(seeds, per_member)) for r in records]
@@ -111,15 +115,19 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
     fileio.write_jsonl(episodes, rollout_dir / f"generation-{g:03d}.jsonl")
     return {
         "generation": g, "sigma": sigma, "alpha": cfg.alpha, "seeds": seeds, "rewards": rewards, "z": z,
-        "problem_ids": [p["id"] for p in batch], "digests": digests, **generation_settings(cfg),
+        "problem_ids": [p["id"] for p in batch], "digests": digests, "scorer_failures": scorer_failures,
+        **generation_settings(cfg),
         "timings": {k: round(v, 4) for k, v in timings.items()}, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
 
 def summary_line(record: dict, cfg) -> str:
     r = record["rewards"]
+    failures = record["scorer_failures"]
     return (f"[train] generation {record['generation'] + 1}/{cfg.generations}  sigma {record['sigma']:.3g}  "
-            f"reward mean {sum(r) / len(r):.3f} max {max(r):.3f}  |  {timing_text(record['timings'], digits=1)}")
+            f"reward mean {sum(r) / len(r):.3f} max {max(r):.3f}  |  {timing_text(record['timings'], digits=1)}"
+            + ("  |  scorer failed: " + ", ".join(f"{method} {n}" for method, n in failures.items())
+               if any(failures.values()) else ""))
 
 
 def timing_text(t: dict, digits: int) -> str:

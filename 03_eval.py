@@ -60,6 +60,7 @@ def main(argv: list[str]) -> dict:
     if not export_dir:
         models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
 
+    common.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
     with open_checkpoint(cfg, export_dir, manifest) as (engines, checkpoint):
         out.mkdir(parents=True, exist_ok=True)  # once the engines run: a refused setting leaves no folder behind
         claim_output_folder(out, checkpoint, cfg, data, data_sha256)
@@ -75,6 +76,10 @@ def main(argv: list[str]) -> dict:
             metrics["datasets"][name] = dataset_metrics(records, cfg.fitness)
     fileio.write_json_atomic(metrics, out / EVAL_METRICS)  # last: the evaluation is complete
     print(format_metrics_table(metrics["datasets"]))
+    for name, m in metrics["datasets"].items():
+        if any(m["scorer_failures"].values()):
+            print(f"[eval] {name}: the scorer failed on " + ", ".join(
+                f"{n} episodes ({method})" for method, n in m["scorer_failures"].items() if n) + ", scored 0")
     print(f"[eval] wrote {out}/{{{','.join(data)}}}_eval16.json and {EVAL_METRICS}")
     return metrics
 
@@ -169,14 +174,23 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
 
 def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
     """All (problem, sample) episodes. Each finished episode (with its transcript) is appended to `log` as it
-    ends; the ones already there are kept, not re-run."""
+    ends, those the scorer failed on once the set's episodes are within common.SCORER_FAILURE_BOUND (else they are
+    not done, and the stage stops); the ones already there are kept, not re-run."""
     finished = fileio.read_jsonl(log, required=EPISODE_RECORD_KEYS) if log.exists() else []
     done = {(r["problem_id"], r["sample_index"]): r for r in finished}
     todo = [(p, i) for p in problems for i in sample_indices if (p["id"], i) not in done]
     if done:
         print(f"[eval] {name}: resuming, {len(done)} episodes already finished, {len(todo)} to go")
+    held = []  # episodes the scorer failed on
+
+    def keep(record):
+        if record["score_method"] in common.SCORER_FAILURES:
+            held.append(record)
+        else:
+            fileio.append_jsonl(log, [record])
+
     try:
-        records = engines.run_agent(todo, desc=f"{name} episodes", on_record=lambda r: fileio.append_jsonl(log, [r]))
+        records = engines.run_agent(todo, desc=f"{name} episodes", on_record=keep)
     except (common.EngineFailure, engine.Interrupted) as stop:
         finished = len(fileio.read_jsonl(log)) if log.exists() else 0
         print(f"[eval] {name}: stopped ({stop}); {log} keeps the {finished} finished episodes: run the same "
@@ -184,7 +198,11 @@ def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str
         raise
     for record in records:
         done[(record["problem_id"], record["sample_index"])] = record
-    return [done[(p["id"], i)] for p in problems for i in sample_indices]
+    records = [done[(p["id"], i)] for p in problems for i in sample_indices]
+    common.check_scorer_failures(records, name, f"the {len(held)} episodes it failed on are not done ({log} keeps the "
+                                 "others; docs/scoring.md)")
+    fileio.append_jsonl(log, held)
+    return records
 
 
 def strip_transcripts(records: list[dict], fitness_kind: str = "agent") -> list[dict]:

@@ -855,20 +855,33 @@ def agent_reward(record: dict) -> float:
 
 def shaped_reward(record: dict) -> float:
     """The learn task's reward for one episode: what the task asks (the sum, computed with the tool, as an accepted
-    final answer), with partial credit for the steps towards it. The first rule that holds:
-      1     the agent's score is 1
-      0.5   a bash call exited 0 and its stdout holds the gold number  ("exit code: 0 / stdout: 19" for 12 + 7)
-      0.25  any bash call ran            (a failed command, a wrong number, the sum printed on stderr)
-      0.1   the first "a + b = n" (or "a + b is n") of the replies, with the question's own operands, states the
-            right sum                    ("12 + 7 = 19"; not "12 + 7 = 18, so 12 + 7 = 19": only the first counts)
+    final answer), with partial credit for the steps towards it that only the task's own work reaches. The first
+    rule that holds, for "What is 12 + 7?" (gold 19):
+      1     the agent's score is 1 (scoring.py: a right final answer after a bash call)
+      0.5   a bash call computed the question's sum (tool_computed_sum): it exited 0, its command adds the
+            question's own operands, 12 + 7 or 7 + 12, and writes no 19, and its whole stdout, stripped, is 19
+              paid:   python3 -c 'print(12 + 7)', echo $((7+12)), expr 12 + 7, and a loop that tests
+                      candidates against $((12 + 7)) (it computes the sum too)
+              0.25:   seq 0 40, for i in $(seq 40); do echo $i; done (many numbers, the gold among them);
+                      python3 -c 'print(12 + 7, 12 + 8)' (the sum and another number); echo 'What is 12 + 7?' (the
+                      question echoed); echo 19, echo 19 # 12 + 7 (the gold written in, not computed);
+                      python3 -c 'print(10 + 9)' (other operands); python3 -c 'print(12 + 7)' >&2 (stderr)
+      0.25  any bash call ran: the first step the task asks (a failed command, a wrong sum, any of the above)
+      0.1   no bash call, and the first "a + b = n" (or "a + b is n") of the replies, with the question's own
+            operands, states the right sum ("12 + 7 = 19"; not "12 + 7 = 18, so 12 + 7 = 19": only the first counts)
       0     otherwise                    (a final answer without a bash call, no sum, a wrong first sum)
-    The 0.1 rule reads questions of the learn task's form ("What is 12 + 7? ..."); on others it never holds."""
+    Why no game pays more than an honest wrong sum (0.25): a command that prints the gold without computing it
+    (sequences, loops, many numbers, the question echoed) fails the whole-stdout rule or adds no operands; one that
+    prints the gold it already knows writes the gold in. The 0.25 pays for calling the tool at all, which the task
+    asks first; every game calls it too and earns that, no more. The 0.1 needs the right sum, said first: only one
+    statement counts, so listing candidates states a wrong one first. Not paid though honest: a sum that names its
+    operands otherwise (a=12; b=7; echo $((a+b))) or writes another number in (print(12 + 7 + 0)). Only questions
+    of the learn task's form ("What is 12 + 7? ...") earn the 0.5 and 0.1; on others the 0.25 is the most."""
     if record["score"]:
         return 1.0
-    observations = [m["content"] for m in record["messages"][3:] if m["role"] == "user"
-                    and m["content"].startswith("exit code: 0\nstdout:\n")]
-    stdouts = [text.removeprefix("exit code: 0\nstdout:\n").split("\nstderr:")[0] for text in observations]
-    if any(record["gold"] in re.findall(r"-?\d+", text) for text in stdouts):
+    operands = learn_operands(record["messages"][1]["content"])
+    if operands and any(tool_computed_sum(command, observation, operands, record["gold"])
+                        for command, observation in bash_results(record)):
         return 0.5
     if record["bash_calls"]:
         return 0.25
@@ -881,6 +894,25 @@ def learn_operands(question: str) -> tuple[str, str] | None:
     return found.groups() if found else None
 
 
+def bash_results(record: dict) -> list[tuple[str, str]]:
+    """(command, the observation that reports its result) of each bash call of an episode, in order."""
+    messages = record["messages"]
+    return [(command, messages[i + 1]["content"]) for i, message in enumerate(messages[:-1])
+            if message["role"] == "assistant" and (command := parse_action(message["content"])) is not None]
+
+
+def tool_computed_sum(command: str, observation: str, operands: tuple[str, str], gold: str) -> bool:
+    """shaped_reward's 0.5: the command adds the operands (either order, neither part of a longer number) and
+    writes no gold, exited 0, and its whole stdout, stripped, is the gold."""
+    a, b = operands
+    number = lambda n: rf"(?<![\w.]){re.escape(n)}(?![\w.])"  # 7, not the 7 of 17, 7.5 or python7
+    adds = re.search(rf"{number(a)}\s*\+\s*{number(b)}|{number(b)}\s*\+\s*{number(a)}", command)
+    succeeded = "exit code: 0\nstdout:\n"
+    stdout = observation.removeprefix(succeeded).rsplit("\nstderr:\n", 1)[0]  # a printed "stderr:" stays in it
+    return (bool(adds) and not re.search(number(gold), command) and observation.startswith(succeeded)
+            and stdout.strip() == gold)
+
+
 def first_stated_sum(record: dict) -> str | None:
     """The result of the replies' first "a + b = n" (or "is n") with the question's operands, or None (also for a
     question that is not an addition "What is a + b?")."""
@@ -889,7 +921,7 @@ def first_stated_sum(record: dict) -> str | None:
         return None
     a, b = operands
     replies = "\n".join(m["content"] for m in record["messages"][2:] if m["role"] == "assistant")
-    found = re.search(rf"(?<!\d){a}\s*\+\s*{b}\s*(?:=|is)\s*(-?\d+)", replies)
+    found = re.search(rf"(?<![\d.]){a}\s*\+\s*{b}\s*(?:=|is)\s*(-?\d+(?:\.\d+)?)", replies)
     return found.group(1) if found else None
 
 
@@ -901,6 +933,37 @@ def fitness(records: list[dict], mode: str) -> float:
     (EPISODE_REWARDS)."""
     reward = EPISODE_REWARDS[mode]
     return sum(reward(r) for r in records) / len(records)
+
+
+# ---- A scorer that fails stops the stage (docs/scoring.md): its scores would be 0s that say nothing of the answers
+
+SCORER_FAILURES = ("score_error", "score_timeout")  # the score methods of an answer the scorer gave no score for
+SCORER_FAILURE_BOUND = 0.05  # of a generation's (an evaluated set's) episodes; past it the stage stops
+
+
+def check_scorer() -> None:
+    """Before a stage's episodes run: the scorer's workers start and score known answers right (scoring.warm_up),
+    else ScorerFailure."""
+    try:
+        scoring.warm_up()
+    except scoring.ScorerBroken as exc:
+        raise ScorerFailure(f"the answer scorer does not work, so every answer would score 0: {exc}") from None
+
+
+def scorer_failures(records: list[dict]) -> dict:
+    """{score method: episodes} of SCORER_FAILURES: what a generation or an evaluation records."""
+    return {method: sum(r["score_method"] == method for r in records) for method in SCORER_FAILURES}
+
+
+def check_scorer_failures(records: list[dict], what: str, consequence: str) -> dict:
+    """scorer_failures(records), or ScorerFailure when they are more than SCORER_FAILURE_BOUND of the episodes."""
+    failures = scorer_failures(records)
+    failed = sum(failures.values())
+    if failed > SCORER_FAILURE_BOUND * len(records):
+        counts = ", ".join(f"{method} {n}" for method, n in failures.items())
+        raise ScorerFailure(f"{what}: the scorer failed on {failed} of {len(records)} episodes ({counts}), more than "
+                            f"{SCORER_FAILURE_BOUND:.0%}: {consequence}")
+    return failures
 
 
 # ============================================================================================================
@@ -927,6 +990,11 @@ class HistoryMismatch(StageError, RuntimeError):
 class EngineFailure(StageError, RuntimeError):
     """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
     fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
+
+
+class ScorerFailure(StageError, RuntimeError):
+    """The answer scorer's workers cannot start, score known answers wrongly, or failed on too many episodes
+    (SCORER_FAILURE_BOUND): the stage stops before it records scores that say nothing of the answers."""
 
 
 class PatchOverflow(StageError, RuntimeError):

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from common import DataError, fitness
+from common import DataError, fitness, scorer_failures
 
 EVAL_SAMPLES = 16     # samples per problem in eval16
 GROUP_SIZE = 4        # samples per Mean4/Pass4 group
@@ -84,7 +84,8 @@ def pass_at_k_unbiased(n, c, k):
 
 def dataset_metrics(records, fitness_kind="agent"):
     """metrics.json entry for one dataset's eval16 records; "reward": their mean reward under fitness_kind (the
-    run's Config.fitness: with "agent" it is mean@16)."""
+    run's Config.fitness: with "agent" it is mean@16); "scorer_failures": the episodes the scorer gave no score
+    for (scored 0), by score method."""
     groups = group_metrics(records, EVAL_SAMPLES, GROUP_SIZE)
     scores = scores_by_problem(records, EVAL_SAMPLES)
     correct = [sum(row) for row in scores.values()]
@@ -96,4 +97,5 @@ def dataset_metrics(records, fitness_kind="agent"):
         "reward": {"fitness": fitness_kind, "mean_at_16": fitness(records, fitness_kind)},
         "n_problems": len(scores),
         "n_records": len(records),
+        "scorer_failures": scorer_failures(records),
     }

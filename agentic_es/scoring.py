@@ -826,6 +826,10 @@ def unscored_reason(prediction, *, bash_calls, finish_reason, error=None):
 # vLLM process and its threads) running this file, `python agentic_es/scoring.py PARENT_PID`, which imports neither torch nor
 # vLLM. They die with the pool thread that started them (PR_SET_PDEATHSIG; pool threads live as long as the pool), so
 # with the process, even a killed one.
+#
+# A scorer that cannot work would score every answer 0 and the stage would go on (docs/scoring.md, "A scorer that
+# fails stops the stage"): each worker scores the known answers of WARM_UP_ANSWERS before it says it is ready, and a
+# stage calls warm_up() before its episodes run, which raises ScorerBroken saying what failed.
 
 SCORE_TIMEOUT_S = 20.0            # wall-clock limit of one scoring call in a worker (normal answers take ms)
 SCORER_PROCESSES = 4              # at most this many workers (and scoring calls at once), started lazily
@@ -833,6 +837,22 @@ SCORER_START_TIMEOUT_S = 300.0    # a worker's start-up (imports of sympy and ma
 SCORER_MEMORY_BYTES = 4 * 1024**3  # RLIMIT_AS of a worker: a runaway sympy allocation ends in MemoryError
 
 _SCORER_SCRIPT = str(Path(__file__).resolve())  # what a worker runs (the __main__ block at the end)
+
+# (prediction, gold, score) that every worker must give: right answers 1, wrong ones 0, through the number reading and
+# math-verify (whose grammar and sympy's lazy modules they load, seconds, before any clock runs)
+WARM_UP_ANSWERS = ((r"\frac{1}{2}", "0.5", 1.0), (r"2^{10}", "1024", 1.0), ("41", "42", 0.0), ("x + 1", "y", 0.0))
+
+
+class ScorerBroken(RuntimeError):
+    """The scorer workers cannot start, or score known answers wrongly: every answer would score 0."""
+
+
+def warm_up_problem(prediction, gold, expected, result):
+    """What is wrong with a warm-up answer's (score, method), or None."""
+    score, method = result
+    if score == expected:
+        return None
+    return f"the known answer {prediction!r} against the gold {gold!r} scored {score:g} ({method}), not {expected:g}"
 
 
 def signal_on_parent_death(signum: int, parent: int) -> bool:
@@ -861,8 +881,14 @@ def _scorer_worker_main(parent_pid):
     resource.setrlimit(resource.RLIMIT_AS, (SCORER_MEMORY_BYTES, SCORER_MEMORY_BYTES))
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # a stray print (sympy, warnings) goes to stderr, never into the replies
-    for prediction, gold in ((r"\frac{1}{2}", "0.5"), ("x + 1", "y")):  # loads math_verify's grammar and sympy's
-        score_answer(prediction, gold)                                   # lazy modules (seconds) before any clock
+    for prediction, gold, expected in WARM_UP_ANSWERS:  # instead of "ready", what went wrong; then the worker ends
+        try:
+            problem = warm_up_problem(prediction, gold, expected, score_answer(prediction, gold))
+        except BaseException as exc:  # a missing or broken math_verify or sympy
+            problem = f"scoring {prediction!r} raised {type(exc).__name__}: {' '.join(str(exc).split())}"
+        if problem:
+            replies.write((json.dumps({"warm_up_failed": problem}) + "\n").encode())
+            return
     replies.write(b'"ready"\n')
     for line in sys.stdin.buffer:
         try:
@@ -898,11 +924,28 @@ class _ScorerWorker:
             line += chunk
         return json.loads(line)
 
+    def wait_ready(self):
+        """Returns once the worker has passed its warm-up; ScorerBroken says why it did not."""
+        what = f"a scorer worker ({Path(sys.executable).name} {_SCORER_SCRIPT})"
+        try:
+            reply = self.read_line(SCORER_START_TIMEOUT_S)
+        except TimeoutError:
+            raise ScorerBroken(f"{what} was not ready within {SCORER_START_TIMEOUT_S:g} s") from None
+        except EOFError:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=5)
+            raise ScorerBroken(f"{what} ended before it was ready (exit status {self.process.returncode})") from None
+        except ValueError:
+            raise ScorerBroken(f"{what} wrote something else than its ready line") from None
+        if reply != "ready":
+            failed = reply.get("warm_up_failed") if isinstance(reply, dict) else None
+            raise ScorerBroken(f"{what} failed its warm-up: {failed}" if failed else
+                               f"{what} answered {reply!r} instead of its ready line")
+        self.ready = True
+
     def score(self, prediction, gold, timeout_s):
         if not self.ready:
-            if self.read_line(SCORER_START_TIMEOUT_S) != "ready":
-                raise ValueError("worker did not start")
-            self.ready = True
+            self.wait_ready()
         self.process.stdin.write((json.dumps([prediction, gold]) + "\n").encode())
         score, method = self.read_line(timeout_s)
         return float(score), str(method)
@@ -922,6 +965,32 @@ class _ScorerPool:
     def __init__(self, processes):
         self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=processes, thread_name_prefix="scorer")
         self.idle, self.busy, self.lock, self.closed = [], set(), threading.Lock(), False
+        self.checked = False  # warm_up passed
+
+    def check(self):
+        """Runs in a pool thread: a worker (idle, or started) scores WARM_UP_ANSWERS through its pipes as they must
+        be scored, and goes back to the pool; ScorerBroken says what failed (and the worker is killed)."""
+        worker = self.take()
+        try:
+            for prediction, gold, expected in WARM_UP_ANSWERS:
+                try:
+                    result = worker.score(prediction, gold, SCORE_TIMEOUT_S)
+                except TimeoutError:
+                    raise ScorerBroken(f"a scorer worker gave no score for the known answer {prediction!r} within "
+                                       f"{SCORE_TIMEOUT_S:g} s") from None
+                except (EOFError, OSError):
+                    raise ScorerBroken(f"a scorer worker ended while scoring the known answer {prediction!r}") from None
+                except ScorerBroken:
+                    raise
+                except Exception as exc:
+                    raise ScorerBroken(f"a scorer worker garbled its reply for the known answer {prediction!r} "
+                                       f"({type(exc).__name__})") from None
+                if problem := warm_up_problem(prediction, gold, expected, result):
+                    raise ScorerBroken(f"a scorer worker gave a wrong score: {problem}")
+        except BaseException:
+            self.discard(worker)
+            raise
+        self.give_back(worker)
 
     def score(self, prediction, gold):
         """Runs in a pool thread. Never raises: a timeout or a broken worker scores 0 and is killed, and its
@@ -962,11 +1031,15 @@ class _ScorerPool:
             else:
                 self.idle.append(worker)
 
-    def replace(self, worker):
-        if worker is not None:
-            worker.kill()
+    def discard(self, worker):
+        worker.kill()
         with self.lock:
             self.busy.discard(worker)
+
+    def replace(self, worker):
+        if worker is not None:
+            self.discard(worker)
+        with self.lock:
             if not self.closed:
                 self.idle.append(_ScorerWorker())
 
@@ -1006,6 +1079,15 @@ def shutdown_scorer_pool():
 
 
 atexit.register(shutdown_scorer_pool)
+
+
+def warm_up():
+    """Checks the process's scorer pool once, before a stage's episodes run (_ScorerPool.check): ScorerBroken says
+    what failed. The worker it starts stays in the pool for the episodes."""
+    pool = _scorer_pool()
+    if not pool.checked:
+        pool.threads.submit(pool.check).result()
+        pool.checked = True
 
 
 async def score_answer_isolated(prediction, gold):

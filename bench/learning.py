@@ -12,9 +12,10 @@ override: fitness (the preset's "shaped", or "agent"), population, generations, 
 sigma_end, max_new_tokens, max_turns, concurrency, ...
 
 Held-out metrics (bench/results JSON "metrics"): "reward", the primary one, is the shaped fitness's own scorer
-(common.shaped_reward: 1 correct final answer after a bash call, 0.5 a bash call that printed the right number, 0.25
-any bash call, 0.1 a right "a + b = n" in the text); "accuracy" is the agent's unchanged score (scoring.py);
-"bash_call_rate"; "tool_sum_rate" (episodes whose bash call printed the right sum, or better). 95% intervals: percentile
+(common.shaped_reward: 1 correct final answer after a bash call, 0.5 a bash call that computed the question's own sum,
+0.25 any bash call, 0.1 a right "a + b = n" in the text; the reports in bench/results used its earlier 0.5, any
+stdout holding the sum); "accuracy" is the agent's unchanged score (scoring.py); "bash_call_rate"; "tool_sum_rate"
+(episodes whose bash call computed the right sum, or better). 95% intervals: percentile
 bootstrap over problems (episodes of one problem are not independent), for each mean and for the paired difference
 trained - base (same problems, same request seeds). Writes the JSON report, each run's reward_curve.png (with the
 held-out points) and held-out records. A run folder that also holds 03_eval.py's evaluations of the base and the
@@ -188,7 +189,7 @@ def main(argv):
                   "reward": "mean common.shaped_reward (the shaped fitness's scorer) on held-out problems",
                   "accuracy": "mean agent score (a bash call, then a correct final answer)",
                   "bash_call_rate": "fraction of episodes with at least one bash call",
-                  "tool_sum_rate": "fraction of episodes whose bash call printed the right sum (reward >= 0.5)"},
+                  "tool_sum_rate": "fraction of episodes whose bash call computed the right sum (reward >= 0.5)"},
               "ci": f"95% percentile bootstrap over problems, {BOOTSTRAP} resamples", "runs": []}
 
     for run_seed in range(base_cfg.run_seed, base_cfg.run_seed + opts["seeds"]):

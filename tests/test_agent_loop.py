@@ -174,15 +174,18 @@ SUM = LEARN["answer"]
 
 @pytest.mark.parametrize("problem, replies, reward", [
     (LEARN, [action(f"python3 -c 'print({A} + {B})'"), f"Final answer: \\boxed{{{SUM}}}"], 1.0),  # the task, done
-    (LEARN, [action(f"echo 'the sum is {SUM}.'")], 0.5),                        # the number among other words
-    (PROBLEM, [action("python3 -c 'print(6 * 7)'")], 0.5),                      # any problem: the gold printed
-    (LEARN, [action(f"echo {A}{B}; echo 1{SUM}")], 0.25),                       # digits around it: another number
-    (LEARN, [action(f"echo {SUM} >&2")], 0.25),                                 # stderr is not the output
-    (LEARN, [action(f"echo {SUM}; exit 3")], 0.25),                             # a failed command's output
-    (LEARN, [action(f"echo {SUM}; sleep 30")], 0.25),                           # a command killed at its time limit
+    (LEARN, [action(f"python3 -c 'print({A} + {B})'")], 0.5),                  # the question's sum, by the tool
+    (LEARN, [action(f"echo $(({B}+{A}))")], 0.5),                              # either order, any tool
+    (LEARN, [action(f"for i in $(seq 0 40); do [ $i -eq $(({A} + {B})) ] && echo $i; done; true")], 0.5),  # too
+    (LEARN, [action(f"python3 -c 'print({A} - {B})'")], 0.25),                 # honest, but a wrong sum
+    (LEARN, [action(f"python3 -c 'print({A} + {B})' >&2")], 0.25),             # stderr is not the output
+    (LEARN, [action(f"python3 -c 'print({A} + {B})'; exit 3")], 0.25),         # a failed command's output
+    (LEARN, [action(f"python3 -c 'print({A} + {B})'; sleep 30")], 0.25),       # a command killed at its time limit
+    (PROBLEM, [action("python3 -c 'print(6 * 7)'")], 0.25),                    # not a learn question: no operands
     (LEARN, [f"So {A}+{B} is {SUM}."], 0.1),                                    # the right sum, in words, no spaces
     (LEARN, [f"{A} + {B} = {int(SUM) - 1}. No: {A} + {B} = {SUM}"], 0.0),       # only the first stated sum counts
     (LEARN, [f"{A} + {int(B) + 1} = {int(SUM) + 1}"], 0.0),                     # not the question's operands
+    (LEARN, [f"{A} + {B} = {SUM}.5"], 0.0),                                     # not the sum
     (PROBLEM, ["6 * 7 = 42, and 40 + 2 = 42"], 0.0),                            # not an addition question
     (LEARN, [f"Final answer: \\boxed{{{SUM}}}"] * 3, 0.0),                     # an answer without the tool
 ])
@@ -194,6 +197,33 @@ def test_the_shaped_reward_credits_the_first_step_of_the_learn_task_an_episode_r
     silent = run(ScriptedPolicy(["..."] * 3), problem, max_turns=3)
     assert common.fitness([record, silent], "shaped") == reward / 2  # a member's fitness: the mean over episodes
     assert common.fitness([record, silent], "agent") == record["score"] / 2
+
+
+OTHER_OPERANDS = (int(A) + 1, int(B) - 1)  # the same sum
+assert sorted(map(str, OTHER_OPERANDS)) != sorted([A, B])
+
+
+@pytest.mark.parametrize("command", [
+    "seq 0 40",                                                   # every candidate, the gold among them
+    "for i in $(seq 0 40); do echo $i; done",                     # a loop over the candidates
+    f"echo {int(SUM) - 1} {SUM} {int(SUM) + 1}",                  # many numbers
+    f"python3 -c 'print({A} + {B}, {A} + {B} + 1)'",              # the sum and another number
+    f"python3 -c 'print({A} + {B}); print(\"stderr:\")'",         # the sum, then a false end of its stdout
+    f"echo 'What is {A} + {B}?'; python3 -c 'print({A} + {B})'",  # the question echoed beside the sum
+    f"echo {SUM}",                                                # the gold written in
+    f"echo {SUM}  # {A} + {B}",                                   # ... beside the sum that would compute it
+    f"python3 -c 'print({OTHER_OPERANDS[0]} + {OTHER_OPERANDS[1]})'",  # other operands of the same sum
+])
+def test_no_game_of_the_shaped_reward_earns_more_than_an_honest_wrong_sum(command):
+    """Commands whose output holds the gold, but not as the tool's answer to the question's sum alone (the gold among
+    other numbers or words, written in, or the sum of other operands): each earns what a bash call that computes a
+    wrong sum earns."""
+    game = run(ScriptedPolicy([action(command)] + ["..."] * 2), LEARN, max_turns=3)
+    honest_but_wrong = run(ScriptedPolicy([action(f"python3 -c 'print({A} - {B})'")] + ["..."] * 2), LEARN,
+                           max_turns=3)
+    observation = game["messages"][3]["content"]
+    assert observation.startswith("exit code: 0\nstdout:\n") and SUM in observation.split("stderr:")[0].split()
+    assert common.shaped_reward(game) == common.shaped_reward(honest_but_wrong) == 0.25
 
 
 def test_seeds_per_turn_and_sample():

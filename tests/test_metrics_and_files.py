@@ -134,8 +134,8 @@ CORRECT = {"a": set(range(16)), "b": {13}, "c": {0, 1, 8, 14, 15}}
 
 
 def make_records(correct=CORRECT):
-    return [{"problem_id": pid, "sample_index": i, "score": int(i in hits), "seed": 1000 + i}
-            for pid, hits in correct.items() for i in range(16)]
+    return [{"problem_id": pid, "sample_index": i, "score": int(i in hits), "seed": 1000 + i,
+             "score_method": "integer_match"} for pid, hits in correct.items() for i in range(16)]
 
 
 def test_group_metrics_hand_computed():
@@ -165,7 +165,14 @@ def test_dataset_metrics_hand_computed():
     # c: 1 - C(11,4)/1820 = 1 - 330/1820 = 149/182.  Mean = (1 + 1/4 + 149/182) / 3 = 251/364
     assert m["pass_at_4_unbiased"] == pytest.approx(0.6895604395604396, abs=1e-15)
     assert m["n_problems"] == 3 and m["n_records"] == 48
+    assert m["scorer_failures"] == {"score_error": 0, "score_timeout": 0}
     json.dumps(m)  # plain JSON-able values
+
+
+def test_dataset_metrics_count_the_episodes_the_scorer_failed_on():
+    records = mutate(mutate(mutate(make_records(), "a", 3, score=0, score_method="score_error"), "b", 3, score=0,
+                            score_method="score_timeout"), "c", 3, score=0, score_method="score_error")
+    assert metrics.dataset_metrics(records)["scorer_failures"] == {"score_error": 2, "score_timeout": 1}
 
 
 def test_pass_at_k_unbiased_matches_brute_force():

@@ -140,10 +140,14 @@ def test_a_finished_history_without_timings_still_prints_its_summary(tmp_path, c
 def test_the_generation_line_tells_the_population_wall_time_from_the_time_summed_over_members():
     record = {"generation": 4, "sigma": 1e-3, "rewards": [0.0, 0.5],
               "timings": {"members": 10.5, "rollout": 38.0, "perturb": 0.3, "restore": 0.2, "update": 0.1,
-                          "digest": 0.2}}
+                          "digest": 0.2}, "scorer_failures": {"score_error": 0, "score_timeout": 0}}
     line = train_stage.summary_line(record, common.Config(generations=200))
     assert "generation 5/200" in line
     assert "members 10.5s wall" in line and "summed over members: rollout 38.0s" in line
+    assert "scorer" not in line  # shown when it failed on an episode
+    record["scorer_failures"]["score_timeout"] = 1
+    line = train_stage.summary_line(record, common.Config(generations=200))
+    assert line.endswith("|  scorer failed: score_error 0, score_timeout 1")
 
 
 def test_an_export_manifest_that_lacks_a_key_is_refused(tmp_path):
