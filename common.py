@@ -646,6 +646,7 @@ class ContextOverflow(Exception):
 _JSON = json.JSONDecoder(strict=False)  # strict=False: models often put raw newlines inside the command string
 _OBJECT_START = re.compile(r'\{\s*"')   # decode only where an object with a key may start (LaTeX is full of '{')
 _RELAXED_ACTION = re.compile(r'"name"\s*:\s*"bash".*?"command"\s*:\s*"(.*?)"\s*\}\s*\}', re.DOTALL)
+_ESCAPE_OR_QUOTE = re.compile(r'\\(?:u[0-9a-fA-F]{4}|["\\/bfnrt])|\\|"')  # a JSON escape, a bare backslash or quote
 
 
 def _bash_command(obj):
@@ -667,8 +668,8 @@ def parse_action(text):
     """The bash command of the FIRST well-formed bash action in the reply (prose and code fences around it are
     fine), or None, also when that command is blank. First, because the model is told to act once per reply and
     anything written after its first call was written without seeing that call's output. If no object decodes, a
-    relaxed pattern catches the common slip of unescaped double quotes inside the command string; its text is taken
-    verbatim."""
+    relaxed pattern catches the common slip of unescaped double quotes inside the command string; its text is
+    decoded as a JSON string's (json_string_text)."""
     text = scoring.strip_think(text)
     for start in _OBJECT_START.finditer(text):
         try:
@@ -679,7 +680,27 @@ def parse_action(text):
         if command is not None:  # a blank command runs nothing: no call (it never counts as the required one)
             return command if command.strip() else None
     relaxed = _RELAXED_ACTION.search(text)
-    return relaxed.group(1) if relaxed and relaxed.group(1).strip() else None
+    command = json_string_text(relaxed.group(1)) if relaxed else None
+    return command if command and command.strip() else None
+
+
+def json_string_text(raw: str) -> str:
+    r"""The text of a JSON string's body whose double quotes may be unescaped: its escapes (\n, \t, \", \\,
+    \uXXXX, ...) decoded as json decodes them. When a backslash starts no JSON escape (grep '\d', a trailing
+    backslash) or a \u escape leaves half a surrogate pair, the model did not write JSON escapes: the text is taken
+    verbatim, its backslashes the shell's."""
+    def quoted(match):
+        token = match.group(0)
+        if token == "\\":
+            raise ValueError("not a JSON escape")
+        return '\\"' if token == '"' else token
+
+    try:
+        text = json.loads('"' + _ESCAPE_OR_QUOTE.sub(quoted, raw) + '"', strict=False)
+        text.encode("utf-8")  # a lone surrogate is no text the shell can be given
+    except ValueError:  # (UnicodeEncodeError is one)
+        return raw
+    return text
 
 
 # ---- Observations: a command's result as the next user message
