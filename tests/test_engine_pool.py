@@ -531,6 +531,32 @@ def test_a_read_only_pool_plans_weights_and_kv_cache_alone_and_holds_no_restore_
         engine.perturb(1, 0.1)
 
 
+@pytest.mark.parametrize("other", ["works", "fails later"])
+def test_after_one_engine_fails_the_pool_waits_for_the_others_then_raises_the_first_failure(monkeypatch, tmp_path,
+                                                                                          other):
+    """Engine 0 fails while engine 1 still runs its member: the call returns only once engine 1's member has
+    ended (its episodes handed on), whether it finishes or fails too, and what it raises is engine 0's failure."""
+    pool = fake_gpu_pool(monkeypatch, tmp_path, FakeGPU(), 2, gpus=("0", "1"))
+    ended = []
+
+    def fails_first(seed, sigma, jobs, desc=None, on_record=None):
+        time.sleep(0.1)
+        raise common.EngineFailure("the first failure")
+
+    def runs_on(seed, sigma, jobs, desc=None, on_record=None):
+        time.sleep(1.0)  # still at work when engine 0 fails
+        on_record({"score": 1.0})
+        ended.append(seed)
+        if other == "fails later":
+            raise common.EngineFailure("a later failure")
+        return [{"score": 1.0}], {}
+
+    pool.engines[0].evaluate_member, pool.engines[1].evaluate_member = fails_first, runs_on
+    with pool, pytest.raises(common.EngineFailure, match="engine 0 of 2 failed during member [01]: the first failure"):
+        pool.evaluate_members([11, 12], 1e-3, [({"id": "p"}, 0)], desc="members")
+    assert len(ended) == 1  # engine 1's member ended before the call returned
+
+
 def held_elsewhere(path) -> bool:
     """Whether the lock at `path` is held: a new open file description cannot take it (as another process)."""
     import fcntl
