@@ -111,7 +111,7 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
     fileio.write_jsonl(episodes, rollout_dir / f"generation-{g:03d}.jsonl")
     return {
         "generation": g, "sigma": sigma, "alpha": cfg.alpha, "seeds": seeds, "rewards": rewards, "z": z,
-        "problem_ids": [p["id"] for p in batch], "digests": digests, **generation_settings(cfg),
+        "problem_ids": [p["id"] for p in batch], "digests": digests, **generation_settings(cfg, engines.restore_modes),
         "timings": {k: round(v, 4) for k, v in timings.items()}, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -483,6 +484,11 @@ class RemoteEngine:
     def where(self) -> dict:
         return self._get(self.actor.where.remote(), "start")
 
+    @functools.cached_property
+    def restore_mode(self) -> str:
+        """Engine.restore_mode in the actor: fixed once the engine started (by its memory plan)."""
+        return self.where()["restore"]
+
     def _streamed(self, ref, what: str, on_record):
         """Wait for a long call, handing the episodes it finishes to on_record as they end."""
         import ray
@@ -682,6 +688,12 @@ class EnginePool(fileio.ClosedOnExit):
             raise common.ConfigError("the engines run on different device models (" + "; ".join(
                 f"engine {k}: {history.describe_devices(d)}" for k, d in enumerate(devices)) + "); the noise depends "
                 "on the device model, so every engine of a pool must use the same one")
+
+    @property
+    def restore_modes(self) -> list[str]:
+        """How each engine undoes a perturbation (Engine.restore_mode), in engine order: the run's --restore, except
+        where an engine's memory plan held its copy in pinned host memory (copy_host) instead of on the GPU."""
+        return [each.restore_mode for each in self.engines]
 
     def rpc(self, method: str, **kwargs) -> list:
         return self._each("rpc", method, **kwargs)[0]

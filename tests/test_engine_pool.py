@@ -398,6 +398,16 @@ class FakeGPUEngine:
     def rpc(self, method, **kwargs):
         return [{"name": "fake GPU", "sm_count": 1}]
 
+    def evaluate_member(self, seed, sigma, jobs, desc=None, on_record=None):
+        """A member's episodes, each scored by its seed's parity."""
+        return [{"score": float(seed % 2)} for _ in jobs], {"perturb": 0.0, "rollout": 0.0, "restore": 0.0}
+
+    def update(self, seeds, coeffs):
+        pass
+
+    def digests(self):
+        return ["fake digest"]
+
     def close(self):
         self.gpu.events.append(("close", self.gpu.engines.index(self)))
 
@@ -529,6 +539,25 @@ def test_a_read_only_pool_plans_weights_and_kv_cache_alone_and_holds_no_restore_
     engine.cfg, engine.perturbs = config(1, tmp_path), False
     with pytest.raises(RuntimeError, match="a read-only engine .* does not perturb"):
         engine.perturb(1, 0.1)
+
+
+@pytest.mark.parametrize("free_gib, restore", [
+    (9.0, "copy_device"),  # both engines' copies fit beside their vLLM shares
+    (8.3, "copy_host"),  # neither engine's plan finds room for its copy on the GPU
+    (8.8, ["copy_host", "copy_device"]),  # engine 0 planned for both copies, engine 1 for its own beside 0's
+])
+def test_a_generation_record_carries_the_restore_mode_the_engines_ran_with(monkeypatch, tmp_path, free_gib,
+                                                                          restore):
+    """The run asks for copy_device; where an engine's memory plan moves its copy to pinned host memory, the
+    generation's record says copy_host, and one mode per engine where the pool's engines differ."""
+    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    with fake_gpu_pool(monkeypatch, tmp_path, FakeGPU(free=int(free_gib * GIB)), 2) as pool:
+        cfg = pool.cfg
+        record = train.run_generation(pool, cfg, data.training_problems(cfg), 0, train.member_fitness(cfg),
+                                      tmp_path / "rollouts")
+        placed = [p["restore"] for p in pool.placement]
+    assert cfg.restore == "copy_device" and record["restore"] == restore
+    assert placed == (restore if isinstance(restore, list) else [restore] * 2)
 
 
 @pytest.mark.parametrize("other", ["works", "fails later"])

@@ -512,8 +512,8 @@ class ScoringPool:
     """A pool's interface to 01_train.run_generation with no engine: a member's score is its seed's last digit, the
     weights' digests count the updates."""
 
-    def __init__(self):
-        self.updates = 0
+    def __init__(self, restore_modes=("copy_device",)):
+        self.updates, self.restore_modes = 0, list(restore_modes)
 
     def evaluate_members(self, seeds, sigma, jobs, desc):
         return [[{"score": float(seed % 10)} for _ in jobs] for seed in seeds], {"members": 0.0}
@@ -533,8 +533,11 @@ def test_each_generation_record_tells_the_restore_mode_it_ran_with(tmp_path):
     first = cli.parse_config(["--preset=smoke", "--restore=copy_host"])
     resumed = dataclasses.replace(first, restore="patch", patch_capacity=0.3)
     problems, engines = data.training_problems(first), ScoringPool()
-    records = [train.run_generation(engines, cfg, problems, g, train.member_fitness(cfg), tmp_path / "rollouts")
-               for g, cfg in enumerate([first, first, resumed])]
+    records = []
+    for g, cfg in enumerate([first, first, resumed]):
+        engines.restore_modes = [cfg.restore]  # an engine started with cfg: no memory plan changed its mode
+        records.append(train.run_generation(engines, cfg, problems, g, train.member_fitness(cfg),
+                                            tmp_path / "rollouts"))
     assert [{k: r[k] for k in ("restore", "patch_capacity")} for r in records] == [
         {"restore": "copy_host", "patch_capacity": 0.0}] * 2 + [{"restore": "patch", "patch_capacity": 0.3}]
 
