@@ -751,7 +751,9 @@ async def run_episode(policy, problem, sample_index, cfg: Config, *, sandbox_che
     max_new_tokens, observation_chars, bash_timeout_s), its commands in the sandbox that `sandbox_check` names
     ({kind, leaks, override}: sandbox.leak_check_result(), which the record carries). `policy(messages, seed=,
     max_tokens=)` is async and returns a dict: the reply's "text" and, where the policy counts them, its
-    "prompt_tokens" and "completion_tokens".
+    "prompt_tokens" and "completion_tokens", and where it tells, its "finish_reason" (vLLM's: "stop" where the reply
+    ended, "length" where it was cut at max_tokens). The record keeps each reply's finish reason, in turn order
+    (reply_finish_reasons; None where the policy does not tell).
 
     A reply with a bash action runs it, even if it also states a final answer: the answer was written before the
     command's output was seen, so the model has to restate it afterwards. A final answer counts only after at
@@ -762,7 +764,7 @@ async def run_episode(policy, problem, sample_index, cfg: Config, *, sandbox_che
                 {"role": "user", "content": user_prompt(problem["question"])}]
     turns = bash_calls = prompt_tokens = completion_tokens = 0
     prediction, error = None, None
-    finish_reason = "max_turns"
+    finish_reason, reply_finish_reasons = "max_turns", []
     run_bash = functools.partial(sandbox.run_bash, timeout_s=cfg.bash_timeout_s, sandbox=sandbox_check["kind"])
     workdir = sandbox.make_workdir()
     try:
@@ -777,6 +779,7 @@ async def run_episode(policy, problem, sample_index, cfg: Config, *, sandbox_che
             turns += 1
             prompt_tokens = reply.get("prompt_tokens", 0)
             completion_tokens += reply.get("completion_tokens", 0)
+            reply_finish_reasons.append(reply.get("finish_reason"))
             messages.append({"role": "assistant", "content": text})
 
             command = parse_action(text)
@@ -807,7 +810,8 @@ async def run_episode(policy, problem, sample_index, cfg: Config, *, sandbox_che
         "seed": request_seed(cfg.run_seed, problem_id, sample_index, 0),
         "score": score, "score_method": score_method, "prediction": prediction, "gold": problem["answer"],
         "turns": turns, "bash_calls": bash_calls, "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens, "finish_reason": finish_reason, "error": error,
+        "completion_tokens": completion_tokens, "finish_reason": finish_reason,
+        "reply_finish_reasons": reply_finish_reasons, "error": error,
         "sandbox": sandbox_check["kind"], "sandbox_leaks": sandbox_check["leaks"],
         "sandbox_override": sandbox_check["override"], "messages": messages,
         "seconds": time.monotonic() - started,
