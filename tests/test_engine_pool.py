@@ -742,6 +742,7 @@ def test_two_engines_make_the_history_and_records_of_one(one_engine_run, two_eng
     assert all(len(set(g["rewards"])) > 1 for g in gens)  # the test reward separates members ...
     assert gens[-1]["digests"] != history["base_digests"]  # ... so the weights moved
     assert gens[0]["timings"]["members"] > 0
+    assert [g["restore"] for g in gens + one["generations"]] == ["copy_device"] * 4  # what the CPU engines ran
 
 
 @pytest.mark.engine
@@ -832,6 +833,7 @@ def test_three_engines_on_two_nodes_join_by_address_co_locate_and_make_the_histo
         history = train_on(pool, run_dir, cfg)
     assert replayable(history) == replayable(one)
     assert header(history) == header(one)
+    assert [g["restore"] for g in history["generations"]] == ["copy_device"] * 2  # the actors' engines report theirs
     # every engine checked its node's sandbox: the records carry the same sandbox fields as one engine's
     assert episode_records(run_dir) == episode_records(one_dir)
 
