@@ -21,6 +21,7 @@ import common
 from agentic_es import cli, data, engine, fileio, models, tracking
 from agentic_es.history import (HISTORY_FILE, check_config, generation_settings, read_history, rebuild_from_history,
                                 run_identity)
+from agentic_es.metrics import cut_replies
 from agentic_es.pool import EnginePool
 
 ROLLOUTS = "rollouts"  # one JSONL per generation: every episode of every member, with its transcript
@@ -116,7 +117,7 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
     return {
         "generation": g, "sigma": sigma, "alpha": cfg.alpha, "seeds": seeds, "rewards": rewards, "z": z,
         "problem_ids": [p["id"] for p in batch], "digests": digests, "scorer_failures": scorer_failures,
-        **generation_settings(cfg),
+        **generation_settings(cfg, engines.restore_modes), "replies": cut_replies(episodes),
         "timings": {k: round(v, 4) for k, v in timings.items()}, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
@@ -124,8 +125,10 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
 def summary_line(record: dict, cfg) -> str:
     r = record["rewards"]
     failures = record["scorer_failures"]
+    replies = record.get("replies")  # (a record written before they were counted has none)
+    cut = f"  {replies['cut']}/{replies['replies']} replies cut at the token limit" if replies else ""
     return (f"[train] generation {record['generation'] + 1}/{cfg.generations}  sigma {record['sigma']:.3g}  "
-            f"reward mean {sum(r) / len(r):.3f} max {max(r):.3f}  |  {timing_text(record['timings'], digits=1)}"
+            f"reward mean {sum(r) / len(r):.3f} max {max(r):.3f}{cut}  |  {timing_text(record['timings'], digits=1)}"
             + ("  |  scorer failed: " + ", ".join(f"{method} {n}" for method, n in failures.items())
                if any(failures.values()) else ""))
 

@@ -80,6 +80,7 @@ def main(argv: list[str]) -> dict:
         if any(m["scorer_failures"].values()):
             print(f"[eval] {name}: the scorer failed on " + ", ".join(
                 f"{n} episodes ({method})" for method, n in m["scorer_failures"].items() if n) + ", scored 0")
+    print(format_cut_replies(metrics["datasets"]))
     print(f"[eval] wrote {out}/{{{','.join(data)}}}_eval16.json and {EVAL_METRICS}")
     return metrics
 
@@ -234,6 +235,18 @@ def format_metrics_table(metrics_by_dataset):
     return "\n".join(line.rstrip() for line in lines)
 
 
+def format_cut_replies(metrics_by_dataset) -> str:
+    """One line per set: how many of its replies were cut at the token limit (metrics.cut_replies)."""
+    lines = []
+    for name, m in metrics_by_dataset.items():
+        replies = m["replies"]
+        unrecorded = (f" (not counted: {replies['unrecorded']} episodes recorded before their replies' finish "
+                      "reasons were kept)" if replies["unrecorded"] else "")
+        lines.append(f"[eval] {name}: {replies['cut']} of {replies['replies']} replies cut at the token limit"
+                     f"{unrecorded}")
+    return "\n".join(lines)
+
+
 def _fenced(text):
     """A Markdown code block whose fence is longer than any backtick run inside the text."""
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
@@ -251,8 +264,11 @@ def write_transcripts_markdown(records, path):
                      f"bash calls: {r['bash_calls']}; sandbox: {r['sandbox']}\n"
                      f"- prediction: `{r['prediction']}`; gold: `{r['gold']}`\n"
                      + (f"- error: {r['error']}\n" if r["error"] else ""))
+        reasons = iter(r.get("reply_finish_reasons") or [])  # (an episode recorded before they were kept: none)
         for n, message in enumerate(r["messages"]):
-            parts.append(f"### {n}. {message['role']}\n\n{_fenced(message['content'])}\n")
+            reason = next(reasons, None) if message["role"] == "assistant" else None
+            heading = message["role"] + (f" (finish reason: {reason})" if reason else "")
+            parts.append(f"### {n}. {heading}\n\n{_fenced(message['content'])}\n")
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(parts))
 

@@ -659,6 +659,7 @@ class ContextOverflow(Exception):
 _JSON = json.JSONDecoder(strict=False)  # strict=False: models often put raw newlines inside the command string
 _OBJECT_START = re.compile(r'\{\s*"')   # decode only where an object with a key may start (LaTeX is full of '{')
 _RELAXED_ACTION = re.compile(r'"name"\s*:\s*"bash".*?"command"\s*:\s*"(.*?)"\s*\}\s*\}', re.DOTALL)
+_ESCAPE_OR_QUOTE = re.compile(r'\\(?:u[0-9a-fA-F]{4}|["\\/bfnrt])|\\|"')  # a JSON escape, a bare backslash or quote
 
 
 def _bash_command(obj):
@@ -680,8 +681,8 @@ def parse_action(text):
     """The bash command of the FIRST well-formed bash action in the reply (prose and code fences around it are
     fine), or None, also when that command is blank. First, because the model is told to act once per reply and
     anything written after its first call was written without seeing that call's output. If no object decodes, a
-    relaxed pattern catches the common slip of unescaped double quotes inside the command string; its text is taken
-    verbatim."""
+    relaxed pattern catches the common slip of unescaped double quotes inside the command string; its text is
+    decoded as a JSON string's (json_string_text)."""
     text = scoring.strip_think(text)
     for start in _OBJECT_START.finditer(text):
         try:
@@ -692,7 +693,27 @@ def parse_action(text):
         if command is not None:  # a blank command runs nothing: no call (it never counts as the required one)
             return command if command.strip() else None
     relaxed = _RELAXED_ACTION.search(text)
-    return relaxed.group(1) if relaxed and relaxed.group(1).strip() else None
+    command = json_string_text(relaxed.group(1)) if relaxed else None
+    return command if command and command.strip() else None
+
+
+def json_string_text(raw: str) -> str:
+    r"""The text of a JSON string's body whose double quotes may be unescaped: its escapes (\n, \t, \", \\,
+    \uXXXX, ...) decoded as json decodes them. When a backslash starts no JSON escape (grep '\d', a trailing
+    backslash) or a \u escape leaves half a surrogate pair, the model did not write JSON escapes: the text is taken
+    verbatim, its backslashes the shell's."""
+    def quoted(match):
+        token = match.group(0)
+        if token == "\\":
+            raise ValueError("not a JSON escape")
+        return '\\"' if token == '"' else token
+
+    try:
+        text = json.loads('"' + _ESCAPE_OR_QUOTE.sub(quoted, raw) + '"', strict=False)
+        text.encode("utf-8")  # a lone surrogate is no text the shell can be given
+    except ValueError:  # (UnicodeEncodeError is one)
+        return raw
+    return text
 
 
 # ---- Observations: a command's result as the next user message
@@ -743,7 +764,9 @@ async def run_episode(policy, problem, sample_index, cfg: Config, *, sandbox_che
     max_new_tokens, observation_chars, bash_timeout_s), its commands in the sandbox that `sandbox_check` names
     ({kind, leaks, override}: sandbox.leak_check_result(), which the record carries). `policy(messages, seed=,
     max_tokens=)` is async and returns a dict: the reply's "text" and, where the policy counts them, its
-    "prompt_tokens" and "completion_tokens".
+    "prompt_tokens" and "completion_tokens", and where it tells, its "finish_reason" (vLLM's: "stop" where the reply
+    ended, "length" where it was cut at max_tokens). The record keeps each reply's finish reason, in turn order
+    (reply_finish_reasons; None where the policy does not tell).
 
     A reply with a bash action runs it, even if it also states a final answer: the answer was written before the
     command's output was seen, so the model has to restate it afterwards. A final answer counts only after at
@@ -754,7 +777,7 @@ async def run_episode(policy, problem, sample_index, cfg: Config, *, sandbox_che
                 {"role": "user", "content": user_prompt(problem["question"])}]
     turns = bash_calls = prompt_tokens = completion_tokens = 0
     prediction, error = None, None
-    finish_reason = "max_turns"
+    finish_reason, reply_finish_reasons = "max_turns", []
     run_bash = functools.partial(sandbox.run_bash, timeout_s=cfg.bash_timeout_s, sandbox=sandbox_check["kind"])
     workdir = sandbox.make_workdir()
     try:
@@ -769,6 +792,7 @@ async def run_episode(policy, problem, sample_index, cfg: Config, *, sandbox_che
             turns += 1
             prompt_tokens = reply.get("prompt_tokens", 0)
             completion_tokens += reply.get("completion_tokens", 0)
+            reply_finish_reasons.append(reply.get("finish_reason"))
             messages.append({"role": "assistant", "content": text})
 
             command = parse_action(text)
@@ -799,7 +823,8 @@ async def run_episode(policy, problem, sample_index, cfg: Config, *, sandbox_che
         "seed": request_seed(cfg.run_seed, problem_id, sample_index, 0),
         "score": score, "score_method": score_method, "prediction": prediction, "gold": problem["answer"],
         "turns": turns, "bash_calls": bash_calls, "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens, "finish_reason": finish_reason, "error": error,
+        "completion_tokens": completion_tokens, "finish_reason": finish_reason,
+        "reply_finish_reasons": reply_finish_reasons, "error": error,
         "sandbox": sandbox_check["kind"], "sandbox_leaks": sandbox_check["leaks"],
         "sandbox_override": sandbox_check["override"], "messages": messages,
         "seconds": time.monotonic() - started,

@@ -4,8 +4,9 @@ another run's history, and the rebuild of a run's weights from it.
 A history opens with the run's identity (run_identity): its constants, the noise definition, the base model's
 fingerprint and digests, the training data's sha256, the runtime layout, the device model and the versions; then one
 record per generation, which also carries the settings a resume may change that tell how its generation ran
-(generation_settings: the exact restore mode). A stage that resumes, exports or replays compares the header with its
-own (check_base, check_config) and refuses a history of another run before it changes any weight.
+(generation_settings: the exact restore mode its engines used). A stage that resumes, exports or replays compares
+the header with its own (check_base, check_config) and refuses a history of another run before it changes any
+weight.
 
 Export and replay take the recorded run's settings from its history (config_from_history: what defines the weights
 always, never a preset's or a default) and rebuild its weights (rebuild_from_history: the refusals, then
@@ -87,13 +88,17 @@ def resume_free_fields(config: dict) -> tuple[str, ...]:
 
 # settings a resume may change (resume_free_fields) that each generation's record carries, so that the history tells
 # how every generation ran: the header's config keeps the first run's values. A record written before records carried
-# them (an older history) ran with the header's, unless a resume changed them and left no trace.
+# them (an older history) ran with the header's, unless a resume changed them and left no trace; one written before
+# the engines reported their restore mode carries the run's --restore (a "copy_device" may have run as copy_host).
 GENERATION_SETTINGS = RESTORE_FIELDS
 
 
-def generation_settings(cfg: Config) -> dict:
-    """What a generation record carries of the settings it ran with (GENERATION_SETTINGS)."""
-    return {field: getattr(cfg, field) for field in GENERATION_SETTINGS}
+def generation_settings(cfg: Config, restore_modes: list[str]) -> dict:
+    """What a generation record carries of the settings it ran with (GENERATION_SETTINGS): the restore mode its
+    engines used (restore_modes, one per engine: a memory plan may have put a copy_device copy in host memory,
+    copy_host), one mode where they agree, else the list of them in engine order; the patch's capacity."""
+    modes = list(dict.fromkeys(restore_modes))
+    return {"restore": modes[0] if len(modes) == 1 else list(restore_modes), "patch_capacity": cfg.patch_capacity}
 
 
 def without_retired_settings(config: dict) -> dict:

@@ -1,5 +1,7 @@
 """The evaluation metrics of 03_eval.py: Mean4 and Pass4 per group of four samples of each problem, mean@16,
-the unbiased pass@4, and the mean reward of a set's episodes, from the eval16 records (one per problem and sample)."""
+the unbiased pass@4, the mean reward of a set's episodes and how many of their replies were cut at the token limit
+(cut_replies, which each training generation's record counts too), from the eval16 records (one per problem and
+sample)."""
 
 from __future__ import annotations
 
@@ -82,6 +84,18 @@ def pass_at_k_unbiased(n, c, k):
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+CUT_REPLY = "length"  # vLLM's finish reason of a reply cut at its max_tokens (max_new_tokens, or the context left)
+
+
+def cut_replies(records) -> dict:
+    """How many of the episodes' replies were cut at the token limit ("cut") of how many ("replies"), from each
+    record's reply_finish_reasons; episodes recorded before records kept them count in neither ("unrecorded": an
+    evaluation resumed from an older episode log)."""
+    kept = [r["reply_finish_reasons"] for r in records if "reply_finish_reasons" in r]
+    return {"replies": sum(len(reasons) for reasons in kept),
+            "cut": sum(reasons.count(CUT_REPLY) for reasons in kept), "unrecorded": len(records) - len(kept)}
+
+
 def dataset_metrics(records, fitness_kind="agent"):
     """metrics.json entry for one dataset's eval16 records; "reward": their mean reward under fitness_kind (the
     run's Config.fitness: with "agent" it is mean@16); "scorer_failures": the episodes the scorer gave no score
@@ -95,6 +109,7 @@ def dataset_metrics(records, fitness_kind="agent"):
         "mean_at_16": sum(correct) / (EVAL_SAMPLES * len(correct)),
         "pass_at_4_unbiased": sum(pass_at_k_unbiased(EVAL_SAMPLES, c, GROUP_SIZE) for c in correct) / len(correct),
         "reward": {"fitness": fitness_kind, "mean_at_16": fitness(records, fitness_kind)},
+        "replies": cut_replies(records),
         "n_problems": len(scores),
         "n_records": len(records),
         "scorer_failures": scorer_failures(records),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -483,6 +484,11 @@ class RemoteEngine:
     def where(self) -> dict:
         return self._get(self.actor.where.remote(), "start")
 
+    @functools.cached_property
+    def restore_mode(self) -> str:
+        """Engine.restore_mode in the actor: fixed once the engine started (by its memory plan)."""
+        return self.where()["restore"]
+
     def _streamed(self, ref, what: str, on_record):
         """Wait for a long call, handing the episodes it finishes to on_record as they end."""
         import ray
@@ -683,6 +689,12 @@ class EnginePool(fileio.ClosedOnExit):
                 f"engine {k}: {history.describe_devices(d)}" for k, d in enumerate(devices)) + "); the noise depends "
                 "on the device model, so every engine of a pool must use the same one")
 
+    @property
+    def restore_modes(self) -> list[str]:
+        """How each engine undoes a perturbation (Engine.restore_mode), in engine order: the run's --restore, except
+        where an engine's memory plan held its copy in pinned host memory (copy_host) instead of on the GPU."""
+        return [each.restore_mode for each in self.engines]
+
     def rpc(self, method: str, **kwargs) -> list:
         return self._each("rpc", method, **kwargs)[0]
 
@@ -749,7 +761,9 @@ class EnginePool(fileio.ClosedOnExit):
     def work(self, tasks: int, desc: str, noun: str, run, on_record=None, total_episodes: int = 0) -> list:
         """The work queue: one thread per engine takes the next task i when its engine is free and runs
         run(engine, i, on_record), so one task's straggler overlaps the others' work. Results are keyed by task
-        index, never by completion order; the first failure stops the queue and is raised, naming its engine."""
+        index, never by completion order. The first failure stops the queue: the other engines finish the task they
+        hold (their episodes still reach on_record), and then that first failure is raised, naming its engine, so
+        that no engine is still at work when the caller goes on (to close the engines, say)."""
         results, todo, failures = [None] * tasks, list(range(tasks)), []
         lock, status = threading.Lock(), ["idle"] * self.size
         bar = tracking.progress_bar(total=total_episodes or tasks, desc=desc, leave=False)
@@ -794,9 +808,12 @@ class EnginePool(fileio.ClosedOnExit):
                            for k in range(self.size)]
                 for thread in threads:
                     thread.start()
-                while any(t.is_alive() for t in threads) and not failures:
-                    threads[0].join(timeout=0.2)  # short waits: SIGTERM/Ctrl-C reach this (main) thread
+                for thread in threads:
+                    while thread.is_alive():
+                        thread.join(timeout=0.2)  # short waits: SIGTERM/Ctrl-C reach this (main) thread
         finally:
+            with lock:  # (after SIGTERM/Ctrl-C: no engine takes another task)
+                todo.clear()
             bar.close()
         if failures:
             k, i, exc = failures[0]

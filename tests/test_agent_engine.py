@@ -42,6 +42,11 @@ def test_records_are_complete_and_within_limits(records):
         assert r["score"] in (0, 0.0, 1, 1.0) and r["gold"] is not None
         assert r["messages"][0]["role"] == "system" and r["messages"][1]["role"] == "user"
         assert sum(m["role"] == "assistant" for m in r["messages"]) == r["turns"]
+        # vLLM's finish reason of every reply: a cut one ("length") took all max_new_tokens
+        reasons = r["reply_finish_reasons"]
+        assert len(reasons) == r["turns"] and set(reasons) <= {"stop", "length"}
+        assert CFG.max_new_tokens * reasons.count("length") <= r["completion_tokens"]
+    assert any("length" in r["reply_finish_reasons"] for r in recs)  # random weights ramble past 24 tokens
 
 
 def test_episodes_run_concurrently(records):

@@ -306,6 +306,35 @@ def test_run_episodes_concurrency_limit():
     assert policy.max_in_flight == 1
 
 
+def test_each_reply_s_finish_reason_is_kept_in_turn_order():
+    """A reply cut at max_tokens ("length") is told from one that ended ("stop"), in the record's
+    reply_finish_reasons; the conversation itself stays as the model saw it (the replay compares it), and a policy
+    that does not tell leaves None."""
+    replies = iter([("Let me think about 6 times", "length"), (action("echo 42"), "stop"),
+                    ("Final answer: \\boxed{42}", "stop")])
+
+    async def policy(messages, *, seed, max_tokens):
+        text, reason = next(replies)
+        return {"text": text, "finish_reason": reason}
+
+    record = run(policy)
+    assert (record["reply_finish_reasons"], record["turns"], record["score"]) == (["length", "stop", "stop"], 3, 1.0)
+    assert all(set(m) == {"role", "content"} for m in record["messages"])
+    untold = run(lambda messages, **kw: asyncio.sleep(0, {"text": "no action"}), max_turns=2)
+    assert untold["reply_finish_reasons"] == [None, None]
+
+
+def test_the_failed_episodes_transcript_tells_each_reply_s_finish_reason(tmp_path):
+    async def policy(messages, *, seed, max_tokens):
+        return {"text": "6 times 7 is", "finish_reason": "length"}
+
+    record = run(policy, max_turns=1)
+    older = {k: v for k, v in record.items() if k != "reply_finish_reasons"}  # an episode log's older record
+    evaluation.write_transcripts_markdown([record, older], tmp_path / "failed.md")
+    text = (tmp_path / "failed.md").read_text()
+    assert text.count("### 2. assistant (finish reason: length)") == 1 and text.count("### 2. assistant\n") == 1
+
+
 def test_write_transcripts_markdown(tmp_path):
     good = run(ScriptedPolicy([action("echo 42"), "Final answer: \\boxed{42}"]))
     bad = run(ScriptedPolicy([action("echo ```weird```"), "Final answer: \\boxed{41}"]), sample_index=5)

@@ -398,6 +398,16 @@ class FakeGPUEngine:
     def rpc(self, method, **kwargs):
         return [{"name": "fake GPU", "sm_count": 1}]
 
+    def evaluate_member(self, seed, sigma, jobs, desc=None, on_record=None):
+        """A member's episodes, each scored by its seed's parity."""
+        return [{"score": float(seed % 2)} for _ in jobs], {"perturb": 0.0, "rollout": 0.0, "restore": 0.0}
+
+    def update(self, seeds, coeffs):
+        pass
+
+    def digests(self):
+        return ["fake digest"]
+
     def close(self):
         self.gpu.events.append(("close", self.gpu.engines.index(self)))
 
@@ -529,6 +539,51 @@ def test_a_read_only_pool_plans_weights_and_kv_cache_alone_and_holds_no_restore_
     engine.cfg, engine.perturbs = config(1, tmp_path), False
     with pytest.raises(RuntimeError, match="a read-only engine .* does not perturb"):
         engine.perturb(1, 0.1)
+
+
+@pytest.mark.parametrize("free_gib, restore", [
+    (9.0, "copy_device"),  # both engines' copies fit beside their vLLM shares
+    (8.3, "copy_host"),  # neither engine's plan finds room for its copy on the GPU
+    (8.8, ["copy_host", "copy_device"]),  # engine 0 planned for both copies, engine 1 for its own beside 0's
+])
+def test_a_generation_record_carries_the_restore_mode_the_engines_ran_with(monkeypatch, tmp_path, free_gib,
+                                                                          restore):
+    """The run asks for copy_device; where an engine's memory plan moves its copy to pinned host memory, the
+    generation's record says copy_host, and one mode per engine where the pool's engines differ."""
+    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    with fake_gpu_pool(monkeypatch, tmp_path, FakeGPU(free=int(free_gib * GIB)), 2) as pool:
+        cfg = pool.cfg
+        record = train.run_generation(pool, cfg, data.training_problems(cfg), 0, train.member_fitness(cfg),
+                                      tmp_path / "rollouts")
+        placed = [p["restore"] for p in pool.placement]
+    assert cfg.restore == "copy_device" and record["restore"] == restore
+    assert placed == (restore if isinstance(restore, list) else [restore] * 2)
+
+
+@pytest.mark.parametrize("other", ["works", "fails later"])
+def test_after_one_engine_fails_the_pool_waits_for_the_others_then_raises_the_first_failure(monkeypatch, tmp_path,
+                                                                                          other):
+    """Engine 0 fails while engine 1 still runs its member: the call returns only once engine 1's member has
+    ended (its episodes handed on), whether it finishes or fails too, and what it raises is engine 0's failure."""
+    pool = fake_gpu_pool(monkeypatch, tmp_path, FakeGPU(), 2, gpus=("0", "1"))
+    ended = []
+
+    def fails_first(seed, sigma, jobs, desc=None, on_record=None):
+        time.sleep(0.1)
+        raise common.EngineFailure("the first failure")
+
+    def runs_on(seed, sigma, jobs, desc=None, on_record=None):
+        time.sleep(1.0)  # still at work when engine 0 fails
+        on_record({"score": 1.0})
+        ended.append(seed)
+        if other == "fails later":
+            raise common.EngineFailure("a later failure")
+        return [{"score": 1.0}], {}
+
+    pool.engines[0].evaluate_member, pool.engines[1].evaluate_member = fails_first, runs_on
+    with pool, pytest.raises(common.EngineFailure, match="engine 0 of 2 failed during member [01]: the first failure"):
+        pool.evaluate_members([11, 12], 1e-3, [({"id": "p"}, 0)], desc="members")
+    assert len(ended) == 1  # engine 1's member ended before the call returned
 
 
 def held_elsewhere(path) -> bool:
@@ -687,6 +742,7 @@ def test_two_engines_make_the_history_and_records_of_one(one_engine_run, two_eng
     assert all(len(set(g["rewards"])) > 1 for g in gens)  # the test reward separates members ...
     assert gens[-1]["digests"] != history["base_digests"]  # ... so the weights moved
     assert gens[0]["timings"]["members"] > 0
+    assert [g["restore"] for g in gens + one["generations"]] == ["copy_device"] * 4  # what the CPU engines ran
 
 
 @pytest.mark.engine
@@ -777,6 +833,7 @@ def test_three_engines_on_two_nodes_join_by_address_co_locate_and_make_the_histo
         history = train_on(pool, run_dir, cfg)
     assert replayable(history) == replayable(one)
     assert header(history) == header(one)
+    assert [g["restore"] for g in history["generations"]] == ["copy_device"] * 2  # the actors' engines report theirs
     # every engine checked its node's sandbox: the records carry the same sandbox fields as one engine's
     assert episode_records(run_dir) == episode_records(one_dir)
 

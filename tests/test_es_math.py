@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, data, digests, engine, fileio
+from agentic_es import cli, data, digests, engine, fileio, tracking
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, check_base, check_config, config_from_history,
                                 identity_differences, name_only_fingerprint, read_history)
 
@@ -547,11 +547,13 @@ class ScoringPool:
     """A pool's interface to 01_train.run_generation with no engine: a member's score is its seed's last digit, the
     weights' digests count the updates."""
 
-    def __init__(self):
-        self.updates = 0
+    def __init__(self, restore_modes=("copy_device",)):
+        self.updates, self.restore_modes = 0, list(restore_modes)
 
     def evaluate_members(self, seeds, sigma, jobs, desc):
-        return [[{"score": float(seed % 10)} for _ in jobs] for seed in seeds], {"members": 0.0}
+        """A member's episodes: an odd seed's first reply cut at the token limit."""
+        return [[{"score": float(seed % 10), "reply_finish_reasons": ["length"] * (seed % 2) + ["stop"]}
+                 for _ in jobs] for seed in seeds], {"members": 0.0, "rollout": 0.0, "perturb": 0.0, "restore": 0.0}
 
     def update(self, seeds, coefficients):
         self.updates += 1
@@ -568,8 +570,11 @@ def test_each_generation_record_tells_the_restore_mode_it_ran_with(tmp_path):
     first = cli.parse_config(["--preset=smoke", "--restore=copy_host"])
     resumed = dataclasses.replace(first, restore="patch", patch_capacity=0.3)
     problems, engines = data.training_problems(first), ScoringPool()
-    records = [train.run_generation(engines, cfg, problems, g, train.member_fitness(cfg), tmp_path / "rollouts")
-               for g, cfg in enumerate([first, first, resumed])]
+    records = []
+    for g, cfg in enumerate([first, first, resumed]):
+        engines.restore_modes = [cfg.restore]  # an engine started with cfg: no memory plan changed its mode
+        records.append(train.run_generation(engines, cfg, problems, g, train.member_fitness(cfg),
+                                            tmp_path / "rollouts"))
     assert [{k: r[k] for k in ("restore", "patch_capacity")} for r in records] == [
         {"restore": "copy_host", "patch_capacity": 0.0}] * 2 + [{"restore": "patch", "patch_capacity": 0.3}]
 
@@ -581,6 +586,21 @@ def test_each_generation_record_tells_the_restore_mode_it_ran_with(tmp_path):
     assert config_from_history(history, ["--preset=smoke"]).restore == "copy_host"  # export and replay: as given
     assert config_from_history(history, ["--preset=smoke", "--restore=patch"]).restore == "patch"
     assert common.replay(ScoringPool(), history["generations"], ["b0", "b1"]) == records[-1]["digests"]
+
+
+def test_a_generation_counts_its_replies_cut_at_the_token_limit(tmp_path):
+    """Every member's episodes keep each reply's finish reason; the generation's record counts the cut ones, and its
+    console line and TensorBoard scalars show them."""
+    train = importlib.import_module("01_train")
+    cfg = cli.parse_config(["--preset=smoke"])
+    record = train.run_generation(ScoringPool(), cfg, data.training_problems(cfg), 0, train.member_fitness(cfg),
+                                  tmp_path / "rollouts")
+    odd = sum(seed % 2 for seed in record["seeds"])
+    assert 0 < odd < cfg.population  # both kinds of member
+    replies = cfg.case_batch * (cfg.population + odd)
+    assert record["replies"] == {"replies": replies, "cut": cfg.case_batch * odd, "unrecorded": 0}
+    assert f"  {cfg.case_batch * odd}/{replies} replies cut at the token limit  |" in train.summary_line(record, cfg)
+    assert tracking.generation_scalars(record)["replies/cut"] == cfg.case_batch * odd
 
 
 def test_engine_speed_settings_may_change_on_resume():

@@ -217,6 +217,22 @@ def test_metrics_validation_errors(records, message):
     assert message in str(e.value)
 
 
+def test_an_evaluation_counts_the_replies_cut_at_the_token_limit():
+    """metrics.json's "replies": the replies cut ("length") of all the set's replies; the records of an older
+    episode log (an evaluation resumed across versions) without reply_finish_reasons are counted apart, never as
+    replies that ended."""
+    records = make_records()
+    for r in records:
+        r["reply_finish_reasons"] = ["length", "stop"] if r["sample_index"] < 3 else ["stop"]
+    assert metrics.dataset_metrics(records)["replies"] == {"replies": 3 * (3 * 2 + 13), "cut": 3 * 3, "unrecorded": 0}
+    del records[0]["reply_finish_reasons"], records[20]["reply_finish_reasons"]
+    m = metrics.dataset_metrics(records)
+    assert m["replies"] == {"replies": 57 - 2 - 1, "cut": 9 - 1, "unrecorded": 2}
+    assert importlib.import_module("03_eval").format_cut_replies({"dapo100": m}) == (
+        "[eval] dapo100: 8 of 54 replies cut at the token limit (not counted: 2 episodes recorded before their "
+        "replies' finish reasons were kept)")
+
+
 def test_format_metrics_table():
     m = metrics.dataset_metrics(make_records())
     table = importlib.import_module("03_eval").format_metrics_table({"dapo100": m, "aime2026": m})

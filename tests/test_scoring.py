@@ -764,6 +764,39 @@ def test_parse_action(reply, expected):
     assert common.parse_action(reply) == expected
 
 
+def relaxed_action(command_body: str) -> str:
+    """A bash action whose command string holds an unescaped double quote, so that it is no JSON: the relaxed
+    pattern's case."""
+    return '{"name": "bash", "arguments": {"command": "echo "x"; ' + command_body + '"}}'
+
+
+@pytest.mark.parametrize("body, command", [
+    # JSON escapes are decoded as json decodes them: what the model meant by writing them in a JSON string
+    (r"cat > a.py <<EOF\nprint(1)\nEOF\npython3 a.py", "cat > a.py <<EOF\nprint(1)\nEOF\npython3 a.py"),
+    (r'python3 -c \"print(2)\"', 'python3 -c "print(2)"'),
+    (r"printf 'a\\tb\\n'\tls", "printf 'a\\tb\\n'\tls"),  # \\ is one backslash, \t a tab
+    (r"echo caf\u00e9 \ud83d\ude00 \/tmp\r\b\f", "echo caf\u00e9 \U0001F600 /tmp\r\b\f"),
+    (r'echo \\"', 'echo \\"'),  # an escaped backslash, then a bare quote
+    # a backslash that starts no JSON escape: the model wrote the shell's text unescaped, taken verbatim
+    (r"grep -E '\d+' f\nwc -l", r"grep -E '\d+' f\nwc -l"),
+    (r"echo \$HOME \n", r"echo \$HOME \n"),
+    (r"echo \u12", r"echo \u12"),  # a \u without four hex digits
+    (r"echo \ud83d", r"echo \ud83d"),  # half a surrogate pair: no text the shell can be given
+    (r"echo a\\", "echo a\\"),  # a trailing escaped backslash decodes
+])
+def test_the_relaxed_action_decodes_json_escapes_or_keeps_the_text_verbatim(body, command):
+    assert common.parse_action(relaxed_action(body)) == 'echo "x"; ' + command
+
+
+def test_a_relaxed_action_blank_once_decoded_is_no_action():
+    reply = '{"name": "bash" "arguments": {"command": " \\n\\t "}}'  # no JSON: a comma is missing
+    assert common.parse_action(reply) is None
+
+
+def test_a_lone_trailing_backslash_is_kept_verbatim():
+    assert common.json_string_text("echo a\\") == "echo a\\"
+
+
 # ---- seeds ----
 
 def test_request_seed_is_stable_and_63_bit():
