@@ -400,7 +400,8 @@ class FakeGPUEngine:
 
     def evaluate_member(self, seed, sigma, jobs, desc=None, on_record=None):
         """A member's episodes, each scored by its seed's parity."""
-        return [{"score": float(seed % 2)} for _ in jobs], {"perturb": 0.0, "rollout": 0.0, "restore": 0.0}
+        records = [{"score": float(seed % 2), "score_method": "integer_match"} for _ in jobs]
+        return records, {"perturb": 0.0, "rollout": 0.0, "restore": 0.0}
 
     def update(self, seeds, coeffs):
         pass

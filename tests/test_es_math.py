@@ -552,7 +552,8 @@ class ScoringPool:
 
     def evaluate_members(self, seeds, sigma, jobs, desc):
         """A member's episodes: an odd seed's first reply cut at the token limit."""
-        return [[{"score": float(seed % 10), "reply_finish_reasons": ["length"] * (seed % 2) + ["stop"]}
+        return [[{"score": float(seed % 10), "score_method": "integer_match",
+                  "reply_finish_reasons": ["length"] * (seed % 2) + ["stop"]}
                  for _ in jobs] for seed in seeds], {"members": 0.0, "rollout": 0.0, "perturb": 0.0, "restore": 0.0}
 
     def update(self, seeds, coefficients):
