@@ -115,7 +115,7 @@ def data_paths(opts: dict, cfg) -> dict:
 
 
 def eval_problems(path: str, cfg) -> list[dict]:
-    problems = problems_from(path, cfg.run_seed)
+    problems = problems_from(path, cfg.run_seed, cfg.learn_digits)
     return problems[:cfg.eval_problems] if cfg.eval_problems else problems
 
 

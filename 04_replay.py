@@ -48,7 +48,7 @@ def main(argv: list[str]) -> dict:
     expected = {"the evaluated checkpoint": checkpoint["per_rank_digests"]}
     if export_dir:
         expected[export_dir] = export.digests(export.verify(export_dir, cfg.tensor_parallel_size))
-    jobs = {name: aligned_jobs(original, cfg.run_seed) for name, original in originals.items()}
+    jobs = {name: aligned_jobs(original, cfg) for name, original in originals.items()}
     transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in originals}
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before any engine
@@ -123,9 +123,10 @@ def check_digest_kind(checkpoint: dict, cfg: common.Config, eval_dir: Path) -> N
                              "(--eval=FOLDER)")
 
 
-def aligned_jobs(original: dict, run_seed: int) -> list[tuple[dict, int]]:
-    """The reported group's (problem, sample_index) requests of one eval16 file, problems as evaluated."""
-    problems = {p["id"]: p for p in data.problems_from(original["data"], run_seed)}
+def aligned_jobs(original: dict, cfg: common.Config) -> list[tuple[dict, int]]:
+    """The reported group's (problem, sample_index) requests of one eval16 file, problems as evaluated (cfg: the
+    evaluation's settings, replay_config)."""
+    problems = {p["id"]: p for p in data.problems_from(original["data"], cfg.run_seed, cfg.learn_digits)}
     ids = list(dict.fromkeys(r["problem_id"] for r in original["records"]))
     missing = [pid for pid in ids if pid not in problems]
     if missing:

@@ -167,7 +167,7 @@ def train_data_sha256(cfg: common.Config) -> str:
     and the sha256 of the problems themselves, so that a history of another version of them is refused."""
     if cfg.train_data not in GENERATED_DATA:
         return fileio.sha256_file(cfg.train_data)
-    problems = json.dumps(problems_from(cfg.train_data, cfg.run_seed), sort_keys=True).encode()
+    problems = json.dumps(problems_from(cfg.train_data, cfg.run_seed, cfg.learn_digits), sort_keys=True).encode()
     return f"{cfg.train_data} {hashlib.sha256(problems).hexdigest()}"
 
 
