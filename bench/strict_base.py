@@ -11,7 +11,8 @@ strict preset's tier (common.PRESETS["strict"], learn_digits).
 Script options (defaults in OPTIONS): out (the report as a file too), tiers (comma-separated: a number is a tier
 of the learn task, Config.learn_digits, evaluated on its held-out additions, as 03_eval.py evaluates them; anything
 else is a problems file, e.g. data/dapo_test100.jsonl), problems (the first N of each tier's set), samples (K per
-problem, sample indices 0..K-1 as 03_eval.py numbers them, so the seeds are the evaluation's). Every other
+problem, sample indices 0..K-1 as 03_eval.py numbers them, so the seeds are the evaluation's), episodes (a JSONL
+file that gets every episode's record with its conversation and its tier). Every other
 --key=value is a Config override of --preset=strict (model, max_turns, max_new_tokens, temperature, engines, ...).
 
 Per tier: the strict mean (the mean agent score over the N x K episodes, 03_eval.py's mean@16 at K samples) with a
@@ -31,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import learning  # noqa: E402
-from agentic_es import cli, data, models, vllm_platform  # noqa: E402
+from agentic_es import cli, data, fileio, models, vllm_platform  # noqa: E402
 from agentic_es.engine import prepare_script  # noqa: E402
 from agentic_es.pool import EnginePool  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
-OPTIONS = {"out": "", "tiers": "0,2,3,4,6", "problems": 64, "samples": 8}
+OPTIONS = {"out": "", "tiers": "0,2,3,4,6", "problems": 64, "samples": 8, "episodes": ""}
 
 
 def tier_problems(tier: str, cfg: common.Config, n: int) -> list[dict]:
@@ -89,6 +90,8 @@ def main(argv: list[str]) -> dict:
             records = engines.run_agent([(p, i) for p in problems for i in range(opts["samples"])],
                                         desc=f"tier {tier}")
             rows.append(tier_row(tier, problems, records, opts["samples"], time.perf_counter() - t0))
+            if opts["episodes"]:
+                fileio.append_jsonl(opts["episodes"], [dict(r, tier=tier) for r in records])
             print(format_table(rows), flush=True)
     report = {"bench": "strict_base", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": argv, "model": cfg.model,
               "device": vllm_platform.device_type(), "config": dataclasses.asdict(cfg),
