@@ -11,6 +11,7 @@ resumes without redoing them.
     python 03_eval.py --export= --out=runs/es/eval-base # the base model (Config.model), for the before/after table
     python 03_eval.py --preset=smoke                    # the smoke run's export, first 2 smoke problems per set
     python 03_eval.py --preset=learn                    # the learn run's export on 64 held-out additions
+    python 03_eval.py --preset=strict                   # the strict run's export on 64 held-out sums of its tier
 """
 
 import contextlib

@@ -26,7 +26,7 @@ LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
                   "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
 LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
 LEARN_HELDOUT_SEED = 1  # the held-out set's order: 03_eval.py and bench/learning.py take its first questions
-LEARN_DIGITS_MIN = 2  # the fewest operand digits of a tier (Config.learn_digits): one digit has too few pairs to hold out
+LEARN_DIGITS_MIN = 2  # the fewest operand digits of a tier (Config.learn_digits): one digit has too few pairs
 
 
 def load_problems(path):
@@ -150,8 +150,9 @@ def learn_problems(n, seed, split="train", digits=0):
     rng = np.random.default_rng([LEARN_SEED_TAG, int(seed)])
     tag = "" if split == "train" else "heldout-"
     tier = f"d{digits}-" if digits else ""
+    chosen = [pairs[j] for j in rng.permutation(len(pairs))[:n]]
     return [{"id": f"learn-{tier}{tag}{seed}-{i:04d}", "question": LEARN_QUESTION.format(a=a, b=b),
-             "answer": str(a + b), "source": "learn"} for i, (a, b) in enumerate(pairs[j] for j in rng.permutation(len(pairs))[:n])]
+             "answer": str(a + b), "source": "learn"} for i, (a, b) in enumerate(chosen)]
 
 
 def training_problems(cfg: Config) -> list[dict]:

@@ -3,8 +3,8 @@ correct final answer (the agent's own score, what --fitness=agent trains on), on
 each tier. ES can lift a strict score only where the base is clearly above 0 and below its ceiling: this picks the
 strict preset's tier (common.PRESETS["strict"], learn_digits).
 
-    python bench/strict_base.py --tiers=0,2,3,4,6 --problems=64 --samples=8 --tensor_parallel_size=1 \
-        --out=bench/results/strict_base_h100.json                          # one H100, the preset's model
+    python bench/strict_base.py --tiers=0,3,4,6,8 --problems=64 --samples=8 --tensor_parallel_size=1 \
+        --out=strict_base_h100.json --episodes=strict_base_h100_episodes.jsonl   # one H100, the preset's model
     bash run_cpu.sh python bench/strict_base.py --model=tiny-qwen3-dense --tiers=0,3 --problems=2 --samples=2 \
         --max_turns=2 --max_new_tokens=32                                  # CPU check of the pipeline
 
@@ -12,12 +12,13 @@ Script options (defaults in OPTIONS): out (the report as a file too), tiers (com
 of the learn task, Config.learn_digits, evaluated on its held-out additions, as 03_eval.py evaluates them; anything
 else is a problems file, e.g. data/dapo_test100.jsonl), problems (the first N of each tier's set), samples (K per
 problem, sample indices 0..K-1 as 03_eval.py numbers them, so the seeds are the evaluation's), episodes (a JSONL
-file that gets every episode's record with its conversation and its tier). Every other
---key=value is a Config override of --preset=strict (model, max_turns, max_new_tokens, temperature, engines, ...).
+file that gets every episode's record with its conversation and its tier). Every other --key=value is a Config
+override of --preset=strict (model, max_turns, max_new_tokens, temperature, engines, ...).
 
 Per tier: the strict mean (the mean agent score over the N x K episodes, 03_eval.py's mean@16 at K samples) with a
 95% percentile-bootstrap interval over problems, pass@K (problems solved at least once), the bash-call rate, the
-shaped reward (common.shaped_reward), mean turns, how episodes ended, seconds, and the first episode's conversation. One engine pool serves every tier.
+shaped reward (common.shaped_reward), mean turns, how episodes ended, seconds, and the first episode's
+conversation. One read-only engine pool serves every tier.
 """
 
 import collections
@@ -37,7 +38,7 @@ from agentic_es.engine import prepare_script  # noqa: E402
 from agentic_es.pool import EnginePool  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
-OPTIONS = {"out": "", "tiers": "0,2,3,4,6", "problems": 64, "samples": 8, "episodes": ""}
+OPTIONS = {"out": "", "tiers": "0,3,4,6,8", "problems": 64, "samples": 8, "episodes": ""}
 
 
 def tier_problems(tier: str, cfg: common.Config, n: int) -> list[dict]:
