@@ -11,6 +11,7 @@ resumes without redoing them.
     python 03_eval.py --export= --out=runs/es/eval-base # the base model (Config.model), for the before/after table
     python 03_eval.py --preset=smoke                    # the smoke run's export, first 2 smoke problems per set
     python 03_eval.py --preset=learn                    # the learn run's export on 64 held-out additions
+    python 03_eval.py --preset=strict                   # the strict run's export on 64 held-out sums of its tier
 """
 
 import contextlib
@@ -48,7 +49,7 @@ def main(argv: list[str]) -> dict:
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export_dir else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(path, cfg) for name, path in data.items()}
-    data_sha256 = {name: problems_sha256(path, cfg.run_seed) for name, path in data.items()}
+    data_sha256 = {name: problems_sha256(path, cfg.run_seed, cfg.learn_digits) for name, path in data.items()}
     fileio.check_output_path(cfg.run_dir, "run_dir")
     fileio.check_output_path(out, "out")
     check_finished_episodes(out, data, data_sha256)
@@ -132,7 +133,7 @@ def data_paths(opts: dict, cfg) -> dict:
 
 
 def eval_problems(path: str, cfg) -> list[dict]:
-    problems = problems_from(path, cfg.run_seed)
+    problems = problems_from(path, cfg.run_seed, cfg.learn_digits)
     return problems[:cfg.eval_problems] if cfg.eval_problems else problems
 
 

@@ -48,8 +48,8 @@ def main(argv: list[str]) -> dict:
     expected = {"the evaluated checkpoint": checkpoint["per_rank_digests"]}
     if export_dir:
         expected[export_dir] = export.digests(export.verify(export_dir, cfg.tensor_parallel_size))
-    jobs = {name: aligned_jobs(original, cfg.run_seed) for name, original in originals.items()}
-    check_data_unchanged(originals, eval_dir, cfg.run_seed)
+    jobs = {name: aligned_jobs(original, cfg) for name, original in originals.items()}
+    check_data_unchanged(originals, eval_dir, cfg)
     transcripts = {name: original_transcripts(eval_dir / f"{name}_episodes.jsonl") for name in originals}
 
     model_path = models.resolve_model(cfg.model)  # a hub id must be in the local cache: refused before any engine
@@ -127,9 +127,10 @@ def check_digest_kind(checkpoint: dict, cfg: common.Config, eval_dir: Path) -> N
                              "(--eval=FOLDER)")
 
 
-def aligned_jobs(original: dict, run_seed: int) -> list[tuple[dict, int]]:
-    """The reported group's (problem, sample_index) requests of one eval16 file, problems as evaluated."""
-    problems = {p["id"]: p for p in data.problems_from(original["data"], run_seed)}
+def aligned_jobs(original: dict, cfg: common.Config) -> list[tuple[dict, int]]:
+    """The reported group's (problem, sample_index) requests of one eval16 file, problems as evaluated (cfg: the
+    evaluation's settings, replay_config)."""
+    problems = {p["id"]: p for p in data.problems_from(original["data"], cfg.run_seed, cfg.learn_digits)}
     ids = list(dict.fromkeys(r["problem_id"] for r in original["records"]))
     missing = [pid for pid in ids if pid not in problems]
     if missing:
@@ -142,7 +143,7 @@ def aligned_jobs(original: dict, run_seed: int) -> list[tuple[dict, int]]:
     return [(problems[pid], i) for pid in ids for i in GROUP]
 
 
-def check_data_unchanged(originals: dict, eval_dir: Path, run_seed: int) -> None:
+def check_data_unchanged(originals: dict, eval_dir: Path, cfg) -> None:
     """Each set's data must be what the evaluation used: its sha256 against the one its eval16 file recorded. An
     eval16 file written before they recorded it holds the path only: the data is then taken by its path, as
     before (aligned_jobs still finds every evaluated problem id in it)."""
@@ -151,7 +152,7 @@ def check_data_unchanged(originals: dict, eval_dir: Path, run_seed: int) -> None
         if then is None:
             print(f"[replay] {eval_dir / f'{name}_eval16.json'} records its data by path only (written before data "
                   f"sha256s): {path} is taken by its path")
-        elif (now := data.problems_sha256(path, run_seed)) != then:
+        elif (now := data.problems_sha256(path, cfg.run_seed, cfg.learn_digits)) != then:
             raise common.DataError(f"{path}: sha256 {now} differs from the {then} that "
                                    f"{eval_dir / f'{name}_eval16.json'} recorded: the data changed since the "
                                    "evaluation; replay with the data it evaluated")

@@ -111,6 +111,7 @@ class Config:
     prompt_mode: str = "render"  # each turn's prompt: "render" the conversation (as the reference) or "continue" ids
     # data and outputs
     train_data: str = "data/dapo_train400.jsonl"  # built by 00_data.py; "smoke", "learn": arithmetic made here
+    learn_digits: int = 0  # the learn task's tier: additions of two numbers of this many digits; 0: of 2..19
     eval_problems: int = 0  # evaluate only the first K problems of each eval set (0: all)
     run_dir: str = "runs/es"  # history, rollouts, export and eval results of the run live here
     smoke_eval: bool = False  # 03_eval.py evaluates the smoke problems in place of the DAPO and AIME files (the
@@ -131,6 +132,12 @@ class Config:
         if self.max_new_tokens >= self.max_model_len:  # a turn's prompt needs at least one token of the context
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} leaves no room for the prompt in max_model_len="
                               f"{self.max_model_len}; use --max_new_tokens below --max_model_len")
+        if self.learn_digits == 1:
+            raise ConfigError("learn_digits=1 leaves too few pairs of one-digit numbers to hold out; use 0 (the "
+                              "numbers 2..19) or 2 digits and more")
+        if self.learn_digits and self.train_data != "learn":
+            raise ConfigError(f"learn_digits={self.learn_digits} is a tier of the learn task; use it with "
+                              f"--train_data=learn (train_data is {self.train_data!r})")
         if self.rounding == "stochastic" and self.dtype != "bfloat16":
             # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
             raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "
@@ -153,6 +160,18 @@ PRESETS = {
         model="smollm2-135m", max_model_len=2048, generations=12, population=16, case_batch=32, max_turns=3,
         max_new_tokens=96, bash_timeout_s=5.0, train_data="learn", eval_problems=64, run_dir="runs/learn",
         temperature=0.7, presence_penalty=0.0, sigma_start=2e-3, sigma_end=1e-3, alpha=4e-3, fitness="shaped",
+    ),
+    # ES on the strict score itself (--fitness=agent, the reference's): Qwen2.5-Coder-1.5B-Instruct (models.py) on a
+    # tier of the learn task, sums of two 4-digit numbers, where CPU probes saw it call the tool (on 2..19 it
+    # answers without it) and sometimes score; bench/strict_base.py measures each tier's base strict score, which
+    # decides the tier before training (bench/README.md, "The strict preset"). The learn preset's sampling and step
+    # sizes; turns enough for this model's habit of stating its answer in the reply that calls the tool (the loop
+    # then asks for it again).
+    "strict": dict(
+        model="qwen2.5-coder-1.5b", max_model_len=4096, generations=12, population=16, case_batch=32, max_turns=6,
+        max_new_tokens=256, bash_timeout_s=5.0, train_data="learn", learn_digits=4, eval_problems=64,
+        run_dir="runs/strict", temperature=0.7, presence_penalty=0.0, sigma_start=2e-3, sigma_end=1e-3, alpha=4e-3,
+        fitness="agent",
     ),
 }
 
@@ -1090,6 +1109,7 @@ SETTING_BOUNDS = {
     "observation_chars": Bounds(1),
     "concurrency": Bounds(1),
     "eval_problems": Bounds(0, why="0: all"),
+    "learn_digits": Bounds(0, 30, why="0: the numbers 2..19; one digit is refused (too few pairs to hold out)"),
 }
 
 

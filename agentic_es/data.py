@@ -1,6 +1,7 @@
 """The problems the agent solves: problem files (JSONL, checked line by line), and the arithmetic problem sets made
-here from a seed (the smoke preset's, and the learn preset's training and held-out additions). The per-generation case
-batch drawn from them is the algorithm's (common.case_batch)."""
+here from a seed (the smoke preset's, and the learn task's training and held-out additions, of the numbers 2..19 or,
+as harder tiers, of two D-digit numbers: Config.learn_digits). The per-generation case batch drawn from them is the
+algorithm's (common.case_batch)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
                   "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
 LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
 LEARN_HELDOUT_SEED = 1  # the held-out set's order: 03_eval.py and bench/learning.py take its first questions
+LEARN_DIGITS_MIN = 2  # the fewest operand digits of a tier (Config.learn_digits): one digit has too few pairs
 
 
 def load_problems(path):
@@ -81,26 +83,27 @@ def build_hint(path) -> str:
     return f"; build it with: {command}"
 
 
-def problems_from(path, run_seed):
+def problems_from(path, run_seed, learn_digits=0):
     """A problems file, or problems made here: "smoke" (SMOKE_PROBLEMS tiny arithmetic problems from the run seed),
-    "learn" (the learn preset's one fixed training set), "learn_heldout" (every held-out question of the learn
-    task, in one fixed order: none shares its operands with a training question)."""
+    "learn" (the learn task's one fixed training set), "learn_heldout" (every held-out question of the learn
+    task, in one fixed order: none shares its operands with a training question); the learn task of the tier
+    learn_digits (0: the numbers 2..19)."""
     if path == "smoke":
         return smoke_problems(SMOKE_PROBLEMS, seed=run_seed)
     if path == "learn":
-        return learn_problems(LEARN_PROBLEMS, seed=LEARN_TRAIN_SEED)
+        return learn_problems(LEARN_PROBLEMS, seed=LEARN_TRAIN_SEED, digits=learn_digits)
     if path == "learn_heldout":
-        return learn_problems(2 * LEARN_HELDOUT_PAIRS, seed=LEARN_HELDOUT_SEED, split="heldout")
+        return learn_problems(2 * LEARN_HELDOUT_PAIRS, seed=LEARN_HELDOUT_SEED, split="heldout", digits=learn_digits)
     return load_problems(path)
 
 
-def problems_sha256(path, run_seed) -> str:
-    """What identifies the problems of problems_from(path, run_seed) by content: a file's sha256, or for problems
+def problems_sha256(path, run_seed, learn_digits=0) -> str:
+    """What identifies the problems of problems_from(path, run_seed, learn_digits) by content: a file's sha256, or for problems
     made here (GENERATED_DATA) the name and the sha256 of the problems themselves. A history records it of its
     training data, an evaluation of each set it evaluates; a changed file at the same path is another one."""
     if path not in GENERATED_DATA:
         return fileio.sha256_file(path)
-    problems = json.dumps(problems_from(path, run_seed), sort_keys=True).encode()
+    problems = json.dumps(problems_from(path, run_seed, learn_digits), sort_keys=True).encode()
     return f"{path} {hashlib.sha256(problems).hexdigest()}"
 
 
@@ -130,16 +133,38 @@ def learn_pairs() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     return ([p for p in ordered if (min(p), max(p)) not in held], [p for p in ordered if (min(p), max(p)) in held])
 
 
-def learn_problems(n, seed, split="train"):
-    """n small additions ("What is 12 + 7?") of the learn task's training or held-out pairs (learn_pairs), in an
-    order drawn from `seed`."""
-    pairs = learn_pairs()[("train", "heldout").index(split)]
+def learn_digit_pairs(digits: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The operand pairs of the learn task's tier of two `digits`-digit numbers, split as learn_pairs splits: drawn
+    once from a fixed stream, each unordered pair at most once; the first LEARN_HELDOUT_PAIRS pairs of two different
+    numbers are held out in both orders, the next LEARN_PROBLEMS pairs (in the order drawn) are for training."""
+    if digits < LEARN_DIGITS_MIN:
+        raise ValueError(f"a tier of the learn task has at least {LEARN_DIGITS_MIN} operand digits, got {digits}")
+    rng = np.random.default_rng([LEARN_SEED_TAG, LEARN_SPLIT_SEED, digits])
+    seen, held, train = set(), [], []
+    while len(train) < LEARN_PROBLEMS:
+        a, b = (int(x) for x in rng.integers(10 ** (digits - 1), 10 ** digits, size=2))
+        if (min(a, b), max(a, b)) in seen:
+            continue
+        seen.add((min(a, b), max(a, b)))
+        if len(held) < 2 * LEARN_HELDOUT_PAIRS and a != b:
+            held += [(a, b), (b, a)]
+        elif len(held) == 2 * LEARN_HELDOUT_PAIRS:
+            train.append((a, b))
+    return train, held
+
+
+def learn_problems(n, seed, split="train", digits=0):
+    """n additions ("What is 12 + 7?") of the learn task's training or held-out pairs (learn_pairs; with digits,
+    learn_digit_pairs), in an order drawn from `seed`."""
+    pairs = (learn_digit_pairs(digits) if digits else learn_pairs())[("train", "heldout").index(split)]
     if n > len(pairs):
         raise DataError(f"{n} learn problems asked for, but the {split} split has only {len(pairs)} questions")
     rng = np.random.default_rng([LEARN_SEED_TAG, int(seed)])
     tag = "" if split == "train" else "heldout-"
-    return [{"id": f"learn-{tag}{seed}-{i:04d}", "question": LEARN_QUESTION.format(a=a, b=b), "answer": str(a + b),
-             "source": "learn"} for i, (a, b) in enumerate(pairs[j] for j in rng.permutation(len(pairs))[:n])]
+    tier = f"d{digits}-" if digits else ""
+    chosen = [pairs[j] for j in rng.permutation(len(pairs))[:n]]
+    return [{"id": f"learn-{tier}{tag}{seed}-{i:04d}", "question": LEARN_QUESTION.format(a=a, b=b),
+             "answer": str(a + b), "source": "learn"} for i, (a, b) in enumerate(chosen)]
 
 
 def training_problems(cfg: Config) -> list[dict]:
@@ -147,7 +172,7 @@ def training_problems(cfg: Config) -> list[dict]:
     if cfg.train_data == "learn_heldout":
         raise ConfigError("train_data=learn_heldout is the learn task's held-out set, which is never trained on; "
                           "train on --train_data=learn")
-    problems = problems_from(cfg.train_data, cfg.run_seed)
+    problems = problems_from(cfg.train_data, cfg.run_seed, cfg.learn_digits)
     if cfg.case_batch > len(problems):
         raise DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of {cfg.train_data}")
     return problems

