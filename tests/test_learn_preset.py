@@ -29,17 +29,21 @@ CPU_SIZED = ["--model=tiny-qwen3-dense", "--generations=1", "--population=4", "-
 SET = "learn_heldout"
 
 
+def run_four_stages(run_dir, preset, fitness):
+    """The preset's four stages' main() in order on the tiny model (CPU_SIZED), its fitness's reward the test
+    reward: (history, metrics, replay report)."""
+    argv = [f"--preset={preset}", *CPU_SIZED, f"--run_dir={run_dir}"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(common.EPISODE_REWARDS, fitness, first_reply_variety)
+        history = train.main(argv)
+        export.main(argv)
+        return history, evaluation.main(argv), replay.main(argv)
+
+
 @pytest.fixture(scope="module")
 def learn_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("learn") / "run"
-    argv = ["--preset=learn", *CPU_SIZED, f"--run_dir={run_dir}"]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(common.EPISODE_REWARDS, "shaped", first_reply_variety)
-        history = train.main(argv)
-        export.main(argv)
-        metrics = evaluation.main(argv)
-        replayed = replay.main(argv)
-    return run_dir, history, metrics, replayed
+    return run_dir, *run_four_stages(run_dir, "learn", "shaped")
 
 
 def test_the_members_are_scored_with_the_presets_fitness_which_moves_the_weights(learn_run):

@@ -13,29 +13,19 @@ import common
 from agentic_es import cli, data, fileio
 from agentic_es.export import SHARDED_STATE_MANIFEST
 from agentic_es.metrics import EVAL_SAMPLES
-from test_learn_preset import CPU_SIZED, SET
+from test_learn_preset import SET, run_four_stages
 from train_with_test_reward import first_reply_variety
 
 pytestmark = pytest.mark.engine  # the four stages run vLLM engines (pytest.ini)
 
 train = importlib.import_module("01_train")
-export = importlib.import_module("02_export")
-evaluation = importlib.import_module("03_eval")
-replay = importlib.import_module("04_replay")
 PRESET = common.PRESETS["strict"]
 
 
 @pytest.fixture(scope="module")
 def strict_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("strict") / "run"
-    argv = ["--preset=strict", *CPU_SIZED, f"--run_dir={run_dir}"]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(common.EPISODE_REWARDS, "agent", first_reply_variety)
-        history = train.main(argv)
-        export.main(argv)
-        metrics = evaluation.main(argv)
-        replayed = replay.main(argv)
-    return run_dir, history, metrics, replayed
+    return run_dir, *run_four_stages(run_dir, "strict", "agent")
 
 
 def test_the_preset_trains_on_the_strict_score_of_a_tier_of_the_learn_task():
