@@ -122,12 +122,13 @@ TENSORBOARD_DIR = "tensorboard"  # in the run dir: `tensorboard --logdir runs/es
 
 def generation_scalars(record: dict) -> dict[str, float]:
     """What a history record says about its generation, as named scalars: rewards, sigma, alpha, the replies cut
-    at the token limit (where the record counts them), seconds."""
+    at the token limit and the episodes the scorer failed on (where the record counts them), seconds."""
     rewards = np.asarray(record["rewards"], dtype=np.float64)
     scalars = {"reward/mean": rewards.mean(), "reward/max": rewards.max(), "reward/min": rewards.min(),
                "reward/std": rewards.std(), "sigma": record["sigma"], "alpha": record["alpha"]}
     if "replies" in record:
         scalars["replies/cut"] = record["replies"]["cut"]
+    scalars.update({f"scorer_failures/{method}": n for method, n in record.get("scorer_failures", {}).items()})
     scalars.update({f"seconds/{k}": v for k, v in record["timings"].items()})
     return {k: float(v) for k, v in scalars.items()}
 

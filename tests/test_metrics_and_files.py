@@ -718,6 +718,9 @@ def test_generation_scalars_are_the_records_numbers():
     assert tracking.generation_scalars(RECORD) == {
         "reward/mean": 0.5, "reward/max": 1.0, "reward/min": 0.25, "reward/std": pytest.approx(0.3061862178),
         "sigma": 7.5e-4, "alpha": 5e-4, "seconds/rollout": 12.5, "seconds/perturb": 0.25}
+    counted = dict(RECORD, replies={"cut": 2, "replies": 9}, scorer_failures={"score_error": 1, "score_timeout": 0})
+    assert {k: v for k, v in tracking.generation_scalars(counted).items() if k not in tracking.generation_scalars(
+        RECORD)} == {"replies/cut": 2.0, "scorer_failures/score_error": 1.0, "scorer_failures/score_timeout": 0.0}
 
 
 def test_tensorboard_tracking_writes_each_step_and_a_resume_appends(tmp_path):
