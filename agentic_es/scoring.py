@@ -46,7 +46,7 @@ def strip_think(text):
 # only at the start of a line, after optional markdown (quote, list bullet or number, heading, emphasis): prose such
 # as "I computed the answer: 16 earlier" in the middle of a line commits to nothing
 _ANSWER_MARKER = re.compile(
-    r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answers?|answers?|最终答案|答案)[ \t]*(?:\*\*|__)?[ \t]*"
+    r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answers?|answers?|réponse(?:[ \t]+finale)?|respuesta(?:[ \t]+final)?|resposta(?:[ \t]+final)?|risposta(?:[ \t]+finale)?|(?:endgültige[ \t]+)?antwort|(?:окончательный[ \t]+)?ответ|最终答案|答案|答え)[ \t]*(?:\*\*|__)?[ \t]*"
     r"(?:[:：]|(?=(?:\*\*|__)?[ \t]*$))",  # Final answer:  ## Final Answer (a heading, the value below)
     re.IGNORECASE | re.MULTILINE)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -75,9 +75,10 @@ def answer_text(reply):
     boxes = [(box.start(), closing.get(box.end())) for box in _BOXED.finditer(text)]
     closed = [(box, close) for box, close in boxes if close]
     line_end = lambda i: (text + "\n").find("\n", i)
-    answer = None
+    answer = earlier = None
     if markers := list(_ANSWER_MARKER.finditer(text)):
         start = markers[-1].end()
+        earlier = _earlier_statement(text, markers, line_end)
         end = max([line_end(close) for box, close in boxes if close and start <= box < line_end(start)], default=0)
         end = max(end, line_end(start))
         line = text[start:end].strip(" \t*_")
@@ -105,25 +106,49 @@ def answer_text(reply):
         start = next(box for box, _ in closed if box >= line)  # the work before the first box is no answer
         cut = next((box for box, close in boxes if start <= box < end and not close), end)
         answer = "$" * (text[line:start].count("$") % 2) + text[start:cut].strip()  # a box inside $...$ stays in math
+        stated = [(box, close) for box, close in closed[:n] if line_of(box) < line and re.search(
+            r"(?i)\banswer\b", text[line_of(box):box])]  # The answer is \boxed{64}. ... So \boxed{65}.
+        if stated and not _REEXAMINED.search(text[stated[-1][1]:line]):
+            earlier = text[stated[-1][0]:stated[-1][1]]
+    if earlier:
+        answer = earlier + LATER + answer
+    later = _later_statements(text, end)
+    if not later and _RETRACTED.search(text, end):  # Wait, that's wrong. Let me recompute ... (and nothing more)
+        return None
     return _PART_LABEL.sub("", answer) + "".join(  # the parts of an answer are listed together
-        ("\n" if _PART_LABEL.match(statement) else LATER) + _PART_LABEL.sub("", statement)
-        for statement in _later_statements(text, end))
+        ("\n" if _PART_LABEL.match(statement) else CORRECTED if corrected else LATER) + _PART_LABEL.sub("", statement)
+        for statement, corrected in later)
 
 
+# a sentence after the answer that takes it back: the reply then states no answer
+_RETRACTED = re.compile(r"(?im)(?:^|[.!?]\s+)[ \t]*(?:(?:wait|hmm+|oh|oops|no|actually)\b[,.!\s\u2014-]*)*(?:(?:that|this|it|"
+                        r"my\s+(?:final\s+)?answer|the\s+(?:final\s+)?answer|the\s+above)(?:['\u2019]s|\s+is|\s+was|"
+                        r"\s+seems|\s+must\s+be)\s+(?:(?:all|definitely|clearly|actually)\s+)?(?:wrong|incorrect|not\s+"
+                        r"(?:right|correct)|a\s+mistake|an\s+error)|I\s+(?:made|['\u2019]ve\s+made|have\s+made)\s+(?:a|an)\s+"
+                        r"(?:mistake|error)|scratch\s+that|disregard\s+(?:that|this|the\s+above)|that\s+can(?:['\u2019]|no)t\s+"
+                        r"be\s+right)\b")
 _CONDITION_BEFORE = re.compile(r"(?i)^\W*(?:if|unless|when|assuming|in case)\b")  # If rotations are ..., \boxed{}
 _PART_LABEL = re.compile(r"(?m)^[ \t>*-]*(?:\((?:[a-h]|i{1,3}|iv|vi{0,3}|\d)\)|(?:\*\*)?[Pp]art[ \t]+\w+(?:\*\*)?[:.)])"
                          r"(?:\*\*)?[ \t]*")  # (a)  (ii)  Part 2:
-_STATED_ANSWER = re.compile(r"(?im)\b(?:the|my|our)\s+(?:final\s+)?answer\s+(?:is|would\s+be|will\s+be)\s*:?([^\n]+)")
+_STATED_ANSWER = re.compile(r"(?im)\b(?:the|my|our)\s+(?:final\s+)?answer\s+(?:is|would\s+be|will\s+be|should\s+be|must\s+be)\s*:?([^\n]+)")
 LATER = "\ue000"  # joins an answer statement to a later one (private use: never in a reply)
+CORRECTED = "\ue001"  # LATER after text that corrects or re-examines (_REEXAMINED)
+# what tells that the text before a later answer statement corrects or re-examines the statement before it
+_REEXAMINED = re.compile(r"(?i)\b(?:actually|wait|oops|sorry|hmm+|correct(?:ion|ed|ing)|mistakes?|errors?|erroneous|wrong|"
+                         r"incorrect(?:ly)?|typo|missed|miss(?:ing|es)|forgot|overlooked|mis\w+|(?:double|over|under)[- ]?"
+                         r"count\w*|re-?(?:check|count|comput|calculat|examin|consider|evaluat|visit|do|work|think)\w*|"
+                         r"double-?check\w*|verif\w*|instead|revis\w*|fix\w*|updat\w*|on (?:second thought|reflection)|"
+                         r"let me)\b")
 _MATH_CONTENT = re.compile(r"[\d$\\]|(?<![\w'])(?:[a-zA-Z]|pi|infinity)(?![\w'])|" + "|".join(
     ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "twelve", "twenty",
      "hundred", "thousand"]), re.IGNORECASE)
 _ALTERNATIVE_BEFORE = re.compile(r"(?i)\b(?:or|maybe|perhaps|possibly|might|could|alternatively|otherwise)\b")
 # after the answer statement, what states an answer again: a box, an answer phrase, a correction with its value
 _LATER_ANSWER = re.compile(r"""(?ix) \\(?:boxed|fbox)\s*\{
-  | \b(?:final\s+|correct\s+|right\s+|true\s+)?answer\s*(?:is\b|[:：])
-  | \b(?:actually|wait|oops|correction|corrected|sorry|instead)\b[^\n.;]{0,30}?
-      \b(?:it'?s|it\s+is|is|be|gives?|to)\s*(?=[-$\\\d])
+  | \b(?:final\s+|correct\s+|right\s+|true\s+)?answer\s*(?:(?:is|should\s+be|must\s+be|would\s+be)\b|[:：])
+  | \b(?P<cue>actually|wait|oops|correction|corrected|sorry|instead|hmm+|missed|forgot|overlooked
+      |(?:over|under|mis|double[ -]?)count(?:ed)?|re-?(?:count|comput|calculat|check)(?:ed|ing)?)\b(?:(?![.!?]\s)[^\n]){0,80}?
+      (?P<verb>\b(?:it'?s|it\s+is|is|be|gives?|to|equals|becomes))\s*(?=[-$\\\d])
   | (?:^|(?<=[\n(]))[ \t(]*(?:or|alternatively|maybe|perhaps|possibly|otherwise)\b[ \t\w,]{0,30}?(?=[-$\\\d])""")
 
 
@@ -135,19 +160,42 @@ def _sentence_start(text, i):
 
 def _later_statements(text, end):
     """The sentences after text[:end] that state an answer again (a box, "the answer is", "actually it's 43"), to
-    the end of their box or line: a later answer supersedes the statement, a later alternative hedges it."""
-    spans = []
+    the end of their box or line, each with whether the text between it and the statement before it re-examines
+    (_REEXAMINED): a later answer corrects the statement only then (rule 6). Between a correction word and its value
+    the words are left out: "missed n = 0, so the total should be 19" states 19."""
+    spans, skips = [], []
     for found in _LATER_ANSWER.finditer(text, end):
         start = max(_sentence_start(text, found.start()), end)
         close = _closing_braces(text[found.start():]).get(found.end() - found.start()) if found[0].endswith("{") else 0
         if close is None:  # a box cut off after the answer (the token limit) states nothing
             continue
         stop = (text + "\n").find("\n", found.start() + (close or 0))
+        if found["cue"]:
+            skips.append((found.end("cue"), found.start("verb")))
         if spans and start < spans[-1][1]:
             spans[-1] = (spans[-1][0], max(stop, spans[-1][1]))
         else:
             spans.append((start, stop))
-    return [text[start:stop].strip() for start, stop in spans if text[start:stop].strip()]
+    ends = [end] + [stop for _, stop in spans]
+    statements = []
+    for n, (start, stop) in enumerate(spans):
+        kept = [(a, b) for a, b in skips if start <= a and b <= stop]
+        piece = text[start:stop]
+        for a, b in reversed(kept):
+            piece = piece[:a - start] + " " + piece[b - start:]
+        if piece.strip():
+            statements.append((piece.strip(), bool(_REEXAMINED.search(text[ends[n]:start]))))
+    return statements
+
+
+def _earlier_statement(text, markers, line_end):
+    """The statement of the marker line before the last one, when it states mathematics and nothing between the two
+    re-examines it: the last one then corrects nothing, and a different value in it is a second answer (rule 6)."""
+    if len(markers) < 2:
+        return None
+    statement = text[markers[-2].end():line_end(markers[-2].end())].strip(" \t*_")
+    between = text[line_end(markers[-2].end()):markers[-1].start()]
+    return statement if _MATH_CONTENT.search(statement) and not _REEXAMINED.search(between) else None
 
 
 def extract_final_answer(reply):
@@ -168,7 +216,16 @@ def extract_final_answer(reply):
 _UNICODE = str.maketrans({"−": "-", "×": r" \times ", "÷": r" \div ", "·": r" \cdot ", "≤": r" \le ", "≥": r" \ge ",
                           "≠": r" \ne ", "π": r" \pi ", "√": r"\sqrt", "∞": r" \infty ", "±": r" \pm ", "°": r"^\circ ",
                           "≈": r" \approx ", "，": ", ", "；": "; ", "：": ": ", "。": ". ", "（": " (", "）": ") ",
-                          "【": " [", "】": "] ", **{c: f"^{{{n}}}" for n, c in enumerate("⁰¹²³⁴⁵⁶⁷⁸⁹")}})
+                          "【": " [", "】": "] "})
+# a bound is not a value: at least 45 answers x >= 45, not 45
+_BOUND = re.compile(r"(?i)\b(?:(at\s+least|no\s+(?:less|fewer)\s+than|not\s+(?:less|fewer)\s+than)|(at\s+most|no\s+"
+                    r"more\s+than|not\s+more\s+than|up\s+to)|((?:more|greater|larger|bigger)\s+than|above)|((?:less|"
+                    r"fewer|smaller)\s+than|below|under))\s+(?=[-$\\\d])")
+_BOUND_RELATIONS = (r"\ge", r"\le", ">", "<")
+_BOUND_AFTER = re.compile(r"(?i)(?<![\w.])(\$?\d+(?:\.\d+)?)(\$?)\s+or\s+(?:(more|greater|higher|larger|above)|(?:less|fewer|lower|"
+                          r"smaller|below))\b")  # 45 or more
+_SUPERSCRIPT = re.compile("[⁻⁺]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")  # 2¹⁰ is 2^{10}
+_SUPERSCRIPT_DIGITS = str.maketrans("⁻⁺⁰¹²³⁴⁵⁶⁷⁸⁹", "-+0123456789")
 _CARDINALS = dict(zip(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
     "eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety".split(),
@@ -264,15 +321,20 @@ def _normalized(text):
     as words; number words as digits (not after a determiner: the same one, the two roots); words that change a
     number's value, sign words and math words as LaTeX; Unicode math and full-width punctuation as ASCII and LaTeX."""
     text = re.sub(r"√\s*(\d+(?:\.\d+)?|\w)", r"\\sqrt{\1}", re.sub(r",\\!\s*", ",", text))  # √2, 11,\! 111
+    text = _SUPERSCRIPT.sub(lambda m: "^{" + m[0].translate(_SUPERSCRIPT_DIGITS) + "}", text)
     text = _TRIG_DEGREES.sub(r"\1(\2 \\pi/180)", _unwrapped(text.translate(_UNICODE)))  # \sin 30^\circ is 1/2
     text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\degree", "", text)
     text = _FUNCTION_NAME.sub(r"\\operatorname{\1}", text)  # \mathrm{lcm}(4,6) is 12
     text = _REPEATING.sub(_repeating, text)  # 0.\overline{3} is 1/3
     text = _CHINESE_NUMBER.sub(lambda m: str(_chinese_number(m[0])), text)  # 三十六 is 36
-    text = re.sub(r"~~[^~\n]*~~", " ", text)  # a struck-through value is withdrawn: ~~41~~ 42
+    text = re.sub(r"~~[^~\n]*~~", " ", text).replace("~", " ")  # a struck-through value is withdrawn: ~~41~~ 42
     text = re.sub(r"(?<![\\\w])sqrt\s*\(([^()]*)\)", r"\\sqrt{\1}", text)  # sqrt(12)
     text = re.sub(r"(\d+(?:\.\d+)?)\s+over\s+(\d+(?:\.\d+)?)\b", r"\\frac{\1}{\2}", text)  # 3 over 4
     text = re.sub(r"(?i)\bin which case\b", " or ", text)  # 256, unless ..., in which case 512
+    text = _BOUND.sub(lambda m: next(f" x {relation} " for relation, word in zip(_BOUND_RELATIONS, m.groups()) if word),
+                      text)  # at least 45 is no value: x \ge 45
+    text = _BOUND_AFTER.sub(lambda m: "$" * m[1].startswith("$") + f"x {_BOUND_RELATIONS[0] if m[3] else _BOUND_RELATIONS[1]} "
+                            f"{m[1].lstrip('$')}{m[2]}", text)
     text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", re.sub(r",\s*(?:\.\.\.|…)", r", \\ldots", text.strip(" *")))
     text = _NUMBER_WORDS.sub(lambda m: m[0] if _DETERMINER.search(text[:m.start()][-9:]) else str(_cardinal(m[0])),
                              text)
@@ -281,7 +343,7 @@ def _normalized(text):
 
 
 _TOKEN = re.compile(r"""
-    (?P<later>\ue000) | (?P<space>(?:\s|\\[,;:!\ ]|~)+)
+    (?P<later>[\ue000\ue001]) | (?P<space>(?:\s|\\[,;:!\ ]|~)+)
   | (?P<box>\\(?:boxed|fbox)\s*\{) | (?P<text>\\(?:text\w*|mbox|math(?:rm|bf|it|sf|tt))\s*\{)
   | (?P<env>\\begin\{(?P<name>\w+\*?)\}.{0,2000}?\\end\{(?P=name)\})
   | (?P<delim>\$\$?|\\[()\[\]])
@@ -547,8 +609,9 @@ def _corrects(glue):
     correction word (_CORRECTION; correct, right, true before answer, value or result) followed by at most four
     bridge words, commas, colons and dashes (no, corrected: 42  the correct answer is 42  wait, actually it's 43);
     never inside a bracket (a note)."""
-    if any(token.kind == "later" for token in glue):
-        return not _later_condition(glue)
+    if later := [n for n, token in enumerate(glue) if token.kind == "later"]:
+        own = " ".join(token.text for token in glue[later[-1] + 1:])  # the later statement's words before its value
+        return not _later_condition(glue) and (glue[later[-1]].text == CORRECTED or bool(_REEXAMINED.search(own)))
     if any(token.kind == "open" for token in glue):
         return False
     words = [token.text.lower() for token in glue]
@@ -615,6 +678,7 @@ def _read_answer(text, math, depth):
     values = []
     for n in [committed] + [n for n in range(len(units)) if n != committed and (first <= n <= last or n in boxes or (
             n > committed and (_offered_as_alternative(glue(n), n == committed + 1) or conditional(n)
+                               or any(token.kind == "later" for token in glue(n))  # a second answer (rule 6)
                                or _ALSO_POSSIBLE.match(after(n)) or _later_condition(glue(n)))))]:
         start, end = units[n]
         if witness(n):
@@ -635,8 +699,18 @@ def _math_verify_timeout():
     return 5 if threading.current_thread() is threading.main_thread() and not _IN_SCORER_WORKER else None
 
 
-# math-verify drops a letter it takes for a unit after a number (5t, 2 m); in a math region a letter is a variable
-_UNIT_LETTER = re.compile(r"(?<![\w\\.])(\d+(?:\.\d+)?\}?)\s*([cdghlmost])(?![A-Za-z])")
+# math-verify drops letters it takes for a unit after a number (5t, 2 m, 3ab); in a math region letters after a
+# number are variables, a product, unless they name a unit or a function (7 kg, 3 mod 5; \text{} units are gone)
+_LETTERS_AFTER_NUMBER = re.compile(r"(?<![\w\\.])(?<![\^_]\{)(\d+(?:\.\d+)?\}?)(?:\s*([A-Za-z])|([A-Za-z]{2,3}))(?![A-Za-z])"
+                                   r"(?!(?<=[eE])[-+\d])")
+_UNIT_NAMES = frozenset("mm cm dm km kg mg ml mL min hr hrs ft yd mi lb lbs oz in sec deg rad mph kph kmh pi mod "
+                        "ln log lg sin cos tan cot sec csc exp".split())
+
+
+def _letters_as_variables(latex):
+    """3ab as 3 \\cdot a \\cdot b, so that math-verify reads no unit: letters after a number (_LETTERS_AFTER_NUMBER)."""
+    return _LETTERS_AFTER_NUMBER.sub(lambda m: m[0] if (m[2] or m[3]) in _UNIT_NAMES else m[1] + "".join(
+        f" \\cdot {letter}" for letter in m[2] or m[3]), latex)
 
 
 def _math_verify(prediction, gold):
@@ -646,7 +720,8 @@ def _math_verify(prediction, gold):
     from math_verify.errors import TimeoutException as MathVerifyTimeout
 
     timeout = _math_verify_timeout()
-    prediction = _UNIT_LETTER.sub(r"\1 \\cdot \2", re.sub(r"(?<!\\)\$", "", prediction))
+    prediction = _letters_as_variables(re.sub(r"(?<!\\)\$", "", prediction))
+    gold = _letters_as_variables(gold)
     try:  # $...$ makes bare LaTeX such as \frac{1}{2} parse
         gold_parsed = parse(f"${gold.strip('$')}$", parsing_timeout=timeout, raise_on_error=True)
         pred_parsed = parse(f"${prediction}$", [LatexExtractionConfig()], parsing_timeout=timeout, raise_on_error=True)
