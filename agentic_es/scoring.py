@@ -106,6 +106,8 @@ def answer_text(reply):
         start = next(box for box, _ in closed if box >= line)  # the work before the first box is no answer
         cut = next((box for box, close in boxes if start <= box < end and not close), end)
         answer = "$" * (text[line:start].count("$") % 2) + text[start:cut].strip()  # a box inside $...$ stays in math
+        if doubt := re.search(r"(?i)\b(\w+)\W{0,3}$", text[line:start]):  # The answer is probably \boxed{45}.
+            answer = (doubt[1] + " " if doubt[1].lower() in _DOUBT else "") + answer
         stated = [(box, close) for box, close in closed[:n] if line_of(box) < line and re.search(
             r"(?i)\banswer\b", text[line_of(box):box])]  # The answer is \boxed{64}. ... So \boxed{65}.
         if stated and not _REEXAMINED.search(text[stated[-1][1]:line]):
@@ -327,7 +329,8 @@ def _normalized(text):
     text = _FUNCTION_NAME.sub(r"\\operatorname{\1}", text)  # \mathrm{lcm}(4,6) is 12
     text = _REPEATING.sub(_repeating, text)  # 0.\overline{3} is 1/3
     text = _CHINESE_NUMBER.sub(lambda m: str(_chinese_number(m[0])), text)  # 三十六 is 36
-    text = re.sub(r"~~[^~\n]*~~", " ", text).replace("~", " ")  # a struck-through value is withdrawn: ~~41~~ 42
+    text = re.sub(r"~~[^~\n]*~~", " ", text)  # a struck-through value is withdrawn: ~~41~~ 42
+    text = re.sub(r"(?:(?<=\s)|^)~(?=\s*\d)", "about ", text).replace("~", " ")  # ~45 is about 45; else a space
     text = re.sub(r"(?<![\\\w])sqrt\s*\(([^()]*)\)", r"\\sqrt{\1}", text)  # sqrt(12)
     text = re.sub(r"(\d+(?:\.\d+)?)\s+over\s+(\d+(?:\.\d+)?)\b", r"\\frac{\1}{\2}", text)  # 3 over 4
     text = re.sub(r"(?i)\bin which case\b", " or ", text)  # 256, unless ..., in which case 512
@@ -548,6 +551,9 @@ def _render(tokens, depth=0):
 # ---- Rules 2 to 4: after the value, a note; beside it or as its alternative, other values it offers
 
 _PHRASE = ("prose", "letter", "name", "not")  # the words of an answer without math
+# an estimate or a doubt right before the committed value commits to nothing: about 45, likely around 245, maybe 45
+_DOUBT = frozenset("approximately approx about around roughly nearly almost likely probably presumably maybe perhaps "
+                   "possibly guess".split())
 
 
 def _listed(glue):
@@ -667,6 +673,8 @@ def _read_answer(text, math, depth):
     if not units:
         return []
     committed = first = last = (boxes or [0])[0]
+    if _DOUBT & {token.text.lower() for token in glue(committed)[-3:]}:
+        return ()
     conditional = lambda n: next((t.kind for t in tokens[units[n][1]:units[n][1] + 3] if t.kind != "sep"), "") == "if"
     while first > 0 and _listed(glue(first)):
         first -= 1

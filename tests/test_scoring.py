@@ -622,6 +622,17 @@ POLICY = {
         ("Final answer: \\boxed{12} (at least 12 is needed, and 12 works)", "12", 1),  # a note
         ("Final answer: 12 apples, more than 11", "12", 1),
     ],
+    "rule 1: an estimate or a doubt right before the value commits to nothing": [
+        ("Final answer: roughly 300", "300", 0),
+        ("Final answer: nearly $\\frac{1}{2}$", "\\frac{1}{2}", 0),
+        ("Final answer: ~ 64", "64", 0),
+        ("So the total is probably \\boxed{64}.", "64", 0),
+        ("Final answer: I guess 64", "64", 0),
+        ("Final answer: possibly 64", "64", 0),
+        ("Final answer: \\boxed{64} (roughly 8 times the first term)", "64", 1),  # a note after the value
+        ("Final answer: \\boxed{64}\n\nThat is about twice the estimate.", "64", 1),
+        ("Final answer: 3.14, approximately", "3.14", 1),  # after the value: a note
+    ],
     "rule 1: letters after a number in math are a product, unless a unit or a function": [
         ("Final answer: \\boxed{3ab}", "3", 0),
         ("Final answer: \\boxed{5 xy}", "5", 0),
