@@ -1,13 +1,16 @@
 """Base vs trained on the held-out set of a run through the four scripts: the strict agent score's Mean4 and Pass4
 (03_eval.py's reported group, samples 12-15) and mean@16, each with a 95% percentile-bootstrap interval over
 problems, and the paired difference (trained - base: the same problems, sample indices and seeds) with its interval;
-beside them the replay's agreement. Reads the files bench/learn_stages_h200.sh brings back (no engine):
+beside them the replay's agreement. Reads the files bench/learn_stages_h200.sh brings back (no engine; an
+eval16 file may be gzip-compressed, FILE.gz):
 
-    python bench/strict_stages_summary.py --trained=bench/results/strict_stages_seed1_eval16.json \
-        --base=bench/results/strict_stages_seed1_eval_base_eval16.json \
+    python bench/strict_stages_summary.py --trained=bench/results/strict_stages_seed1_eval16.json.gz \
+        --base=bench/results/strict_stages_seed1_eval_base_eval16.json.gz \
         --replay=bench/results/strict_stages_seed1_replay.json --out=bench/results/strict_stages_seed1_summary.json
 """
 
+import gzip
+import json
 import sys
 from pathlib import Path
 
@@ -17,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agentic_es import cli, fileio  # noqa: E402
 from agentic_es.metrics import EVAL_SAMPLES, REPORTED_SAMPLES  # noqa: E402
-from report import emit  # noqa: E402
+from report import emit, print_until_reader_gone  # noqa: E402
 
 OPTIONS = {"trained": "", "base": "", "replay": "", "out": "", "seed": 0}
 BOOTSTRAP = 10_000
@@ -37,6 +40,14 @@ def score_table(records: list[dict], problem_ids: list) -> np.ndarray:
     if missing:
         raise ValueError(f"{len(missing)} (problem, sample) episodes missing, e.g. {missing[0]}")
     return np.array([[table[p][i] for i in range(EVAL_SAMPLES)] for p in problem_ids])
+
+
+def read_json(path: str):
+    """A JSON file, gzip-compressed where its name ends in .gz (bench/results keeps the eval16 files so)."""
+    if path.endswith(".gz"):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    return fileio.read_json(path)
 
 
 def interval(values: np.ndarray, idx: np.ndarray) -> dict:
@@ -64,7 +75,7 @@ def main(argv: list[str]) -> dict:
     opts, rest = cli.parse_args(argv, OPTIONS)
     if rest or not opts["trained"] or not opts["base"]:
         raise SystemExit(f"usage: --trained=EVAL16 --base=EVAL16 [--replay=REPORT] [--out=FILE]; got {rest}")
-    trained, base = fileio.read_json(opts["trained"]), fileio.read_json(opts["base"])
+    trained, base = read_json(opts["trained"]), read_json(opts["base"])
     problem_ids = sorted({r["problem_id"] for r in base["records"]}, key=str)
     if problem_ids != sorted({r["problem_id"] for r in trained["records"]}, key=str):
         raise ValueError("the two evaluations hold different problems")
@@ -91,4 +102,5 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
+    print_until_reader_gone()
     main(sys.argv[1:])
