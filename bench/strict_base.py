@@ -18,7 +18,8 @@ override of --preset=strict (model, max_turns, max_new_tokens, temperature, engi
 Per tier: the strict mean (the mean agent score over the N x K episodes, 03_eval.py's mean@16 at K samples) with a
 95% percentile-bootstrap interval over problems, pass@K (problems solved at least once), the bash-call rate, the
 shaped reward (common.shaped_reward), mean turns, how episodes ended, seconds, and the first episode's
-conversation. One read-only engine pool serves every tier.
+conversation. One read-only engine pool serves every tier. With --out, the report is written after each tier (with
+"partial": true until the last), so a run stopped at a time limit keeps the tiers it finished.
 """
 
 import collections
@@ -85,6 +86,9 @@ def main(argv: list[str]) -> dict:
     sets = {tier: tier_problems(tier, cfg, opts["problems"]) for tier in tiers}  # every tier checked first
     common.check_sandbox(cfg, data=[t for t in tiers if not t.isdigit()])
     rows = []
+    report = {"bench": "strict_base", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": argv, "model": cfg.model,
+              "device": vllm_platform.device_type(), "config": dataclasses.asdict(cfg),
+              "ci": f"95% percentile bootstrap over problems, {learning.BOOTSTRAP} resamples", "tiers": rows}
     with EnginePool(cfg, models.resolve_model(cfg.model), perturbs=False) as engines:
         for tier, problems in sets.items():
             t0 = time.perf_counter()
@@ -93,10 +97,9 @@ def main(argv: list[str]) -> dict:
             rows.append(tier_row(tier, problems, records, opts["samples"], time.perf_counter() - t0))
             if opts["episodes"]:
                 fileio.append_jsonl(opts["episodes"], [dict(r, tier=tier) for r in records])
+            if opts["out"]:  # each finished tier at once: a run stopped at a time limit keeps the tiers it finished
+                fileio.write_json_atomic(dict(report, partial=len(rows) < len(sets)), opts["out"])
             print(format_table(rows), flush=True)
-    report = {"bench": "strict_base", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": argv, "model": cfg.model,
-              "device": vllm_platform.device_type(), "config": dataclasses.asdict(cfg),
-              "ci": f"95% percentile bootstrap over problems, {learning.BOOTSTRAP} resamples", "tiers": rows}
     return emit(report, opts["out"])
 
 
