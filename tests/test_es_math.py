@@ -157,6 +157,65 @@ def test_update_matches_numpy_float32_accumulation():
     assert not torch.equal(got, theta)
 
 
+class TensorWorker(common.ESWorker):
+    """common.ESWorker on plain tensors, as TP rank `rank` of a one-rank group: its reference path without vLLM."""
+
+    def __init__(self, params: dict[str, torch.Tensor], rank: int):
+        self.__dict__.update(es_params=list(params.items()), es_rank=rank)
+
+    def _es_gather(self, value):
+        return [value]
+
+
+def spec_change(theta: torch.Tensor, name: str, rank: int, members: list[tuple[int, float]], chunk: int,
+                rounding_seed: int | None = None) -> torch.Tensor:
+    """SPEC's Perturb and Update of one parameter, written out: for each member (seed s, coefficient c), eps is the
+    float32 standard normal stream of a torch.Generator seeded noise_seed(s, r, n), drawn in flat chunks; theta +
+    sum c * eps accumulated in float32, member by member (each a fused multiply-add, as torch's add with alpha
+    computes it: the product exact in float64, the sum rounded to float32), rounded once to theta's dtype: to
+    nearest, or (bf16) by adding uniform 16-bit integers of a generator seeded rounding_seed to the float32 bits and
+    clearing the low 16."""
+    n = theta.numel()
+    sizes = [min(chunk, n - start) for start in range(0, n, chunk)]
+    acc = theta.float().reshape(-1).numpy().copy()
+    for seed, c in members:
+        gen = torch.Generator().manual_seed(common.noise_seed(seed, rank, name))
+        eps = np.concatenate([torch.randn(k, generator=gen).numpy() for k in sizes])
+        acc = (acc.astype(np.float64) + np.float64(np.float32(c)) * eps.astype(np.float64)).astype(np.float32)
+    if rounding_seed is None or theta.dtype != torch.bfloat16:
+        return torch.from_numpy(acc).to(theta.dtype).view(theta.shape)
+    gen = torch.Generator().manual_seed(rounding_seed)
+    bits = torch.cat([torch.randint(0, 1 << 16, (k,), generator=gen, dtype=torch.int32) for k in sizes])
+    rounded = ((torch.from_numpy(acc).view(torch.int32) + bits) & -65536).view(torch.float32)
+    return rounded.to(torch.bfloat16).view(theta.shape)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_the_worker_perturbs_and_updates_as_spec_writes_it(rounding):
+    """The worker's reference path (es_perturb, es_restore, es_update on rank 1) against spec_change, bit for bit:
+    bf16 weights of odd sizes across chunk boundaries and a float32 one, a member with coefficient 0 drawing nothing."""
+    g = torch.Generator().manual_seed(4)
+    base = {"layers.0.mlp.weight": (torch.randn(3, 700, generator=g) * 0.02).bfloat16(),
+            "layers.0.norm.weight": (1 + torch.randn(1000, generator=g) * 0.02).bfloat16(),
+            "router.bias": torch.randn(37, generator=g) * 0.02}
+    params = {name: t.clone() for name, t in base.items()}
+    worker, chunk, rank = TensorWorker(params, rank=1), 256, 1
+    worker.es_configure(chunk, "copy_device", rounding, patch_capacity=0.0)
+    stochastic = rounding == "stochastic"
+    worker.es_perturb(5, 1e-2)
+    for name, t in params.items():
+        seed = common.rounding_seed("perturb", [5], rank, name) if stochastic else None
+        assert torch.equal(t, spec_change(base[name], name, rank, [(5, 1e-2)], chunk, seed)), name
+        assert not torch.equal(t, base[name])
+    worker.es_restore()
+    assert all(torch.equal(params[name], t) for name, t in base.items())
+    seeds, coeffs = [5, 6, 7], [3e-3, 0.0, -2e-3]
+    worker.es_update(seeds, coeffs)
+    for name, t in params.items():
+        seed = common.rounding_seed("update", seeds, rank, name) if stochastic else None
+        assert torch.equal(t, spec_change(base[name], name, rank, [(5, 3e-3), (7, -2e-3)], chunk, seed)), name
+
+
 def bf16_ulp(t: torch.Tensor) -> torch.Tensor:
     """Spacing of bf16 numbers at |t| (8 significant bits): 2^(e-8) for t = m * 2^e, 0.5 <= |m| < 1."""
     _, exponent = torch.frexp(t.float())
