@@ -270,47 +270,61 @@ def active_members(seeds: list[int], coeffs: list[float]) -> list[tuple[int, flo
 
 
 def noise_chunks(numel: int, seed: int, chunk: int, device):
-    """The noise of one parameter as (start, end, float32 tensor) chunks, drawn in order from one generator."""
+    """The noise eps of one parameter, drawn from one generator in flat chunks of `chunk` elements: each chunk's
+    float32 standard normals, in order."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     for start in range(0, numel, chunk):
-        end = min(start + chunk, numel)
-        yield start, end, torch.randn(end - start, generator=gen, dtype=torch.float32, device=device)
+        yield torch.randn(min(chunk, numel - start), generator=gen, dtype=torch.float32, device=device)
 
 
 def add_noise_(flat: torch.Tensor, seeds: list[int], coeffs: list[float], chunk: int,
-               rounding_seed: int | None = None, patch: restore_patch.RestorePatch | None = None) -> None:
-    """flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)): each member's noise stream drawn chunk by chunk,
-    accumulated in float32, rounded once. Perturbation is the one-member case (coeff = sigma); the update is the
-    N-member case. Rounding to nearest, or with rounding_seed stochastically (bf16 only: round_stochastic_, its
-    random bits drawn from that seed). With a patch (restore="patch"), the patch's walk (restore_patch.walk_)."""
-    streams = [noise_chunks(flat.numel(), s, chunk, flat.device) for s in seeds]
-    bits = None
-    if rounding_seed is not None and flat.dtype == torch.bfloat16:
-        bits = torch.Generator(device=flat.device)
-        bits.manual_seed(rounding_seed)
-    chunks = ((values, (next(stream)[2] for stream in streams), functools.partial(write_rounded_, values, bits))
-              for values in flat.split(chunk))
-    if patch is not None:
-        return restore_patch.walk_(patch, chunks, coeffs, float32_sum)
-    for values, noise, write_ in chunks:
-        write_(float32_sum(values, noise, coeffs))  # each member's noise drawn as it is added
+               rounding_seed: int | None = None) -> None:
+    """SPEC's Perturb (one member, coefficient sigma) and Update (coefficients alpha/N z_i) of one parameter:
+    flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)), chunk by chunk, each member's noise drawn as it is
+    added, accumulated in float32 and rounded once: to nearest (the reference), or with rounding_seed stochastically
+    (stochastic_rounding)."""
+    noise = [noise_chunks(flat.numel(), s, chunk, flat.device) for s in seeds]
+    random_bits = stochastic_rounding(flat, rounding_seed)
+    for values in flat.split(chunk):
+        acc = float32_sum(values, (next(eps) for eps in noise), coeffs)  # each member's noise drawn as it is added
+        write_rounded_(values, acc, random_bits)
+
+
+def add_noise_through_patch_(patch: restore_patch.RestorePatch, flat: torch.Tensor, seeds: list[int],
+                             coeffs: list[float], chunk: int, rounding_seed: int | None = None) -> None:
+    """add_noise_ with restore="patch": the same change, walked by the patch (restore_patch.walk_)."""
+    noise = [noise_chunks(flat.numel(), s, chunk, flat.device) for s in seeds]
+    random_bits = stochastic_rounding(flat, rounding_seed)
+    restore_patch.walk_(patch, flat, chunk, coeffs, lambda start, end: [next(eps) for eps in noise], float32_sum,
+                        lambda values, start, end, acc: write_rounded_(values, acc, random_bits))
 
 
 def float32_sum(values: torch.Tensor, noise, coeffs: list[float]) -> torch.Tensor:
-    """float32(values) + sum_i coeffs_i * noise_i, accumulated in float32: a new tensor, also for float32 values."""
+    """float32(values) + sum_i coeffs_i * noise_i, accumulated in float32 member by member (torch's add with alpha:
+    on CPU a fused multiply-add): a new tensor, also for float32 values."""
     acc = values.to(torch.float32, copy=True)
     for eps, c in zip(noise, coeffs):
         acc.add_(eps, alpha=c)
     return acc
 
 
-def write_rounded_(out: torch.Tensor, generator: torch.Generator | None, acc: torch.Tensor) -> None:
-    """out <- acc (float32) rounded once: to nearest, or with the generator's random bits stochastically."""
-    if generator is None:
+def write_rounded_(out: torch.Tensor, acc: torch.Tensor, random_bits: torch.Generator | None) -> None:
+    """out <- acc (float32) rounded once: to nearest, or with random_bits (stochastic_rounding) stochastically."""
+    if random_bits is None:
         out.copy_(acc)
     else:
-        round_stochastic_(out, acc, generator)
+        round_stochastic_(out, acc, random_bits)
+
+
+def stochastic_rounding(flat: torch.Tensor, rounding_seed: int | None) -> torch.Generator | None:
+    """The random bits of a stochastically rounded change of flat: a generator seeded with rounding_seed. None
+    (round to nearest) without a seed, and for a dtype other than bf16 (round_stochastic_ is bf16's)."""
+    if rounding_seed is None or flat.dtype != torch.bfloat16:
+        return None
+    generator = torch.Generator(device=flat.device)
+    generator.manual_seed(rounding_seed)
+    return generator
 
 
 def round_stochastic_(out: torch.Tensor, acc: torch.Tensor, generator: torch.Generator) -> None:
@@ -396,11 +410,16 @@ WORKER_EXTENSIONS = {"rank_salted": "common.ESWorker", "checkpoint": "agentic_es
 
 
 class ESWorker:
-    """Methods run inside each TP worker. They return plain JSON-able values. es_configure once, when the engine
-    starts; then es_perturb(seed, sigma), es_restore() and es_update(seeds, coeffs). Every change of theta by noise
-    goes through _es_add_noise: the rank-salted noise here, the checkpoint noise in
-    checkpoint_noise.CheckpointESWorker; what differs between restore modes, through _es_perturb_restorably and
-    _es_undo (the last part of the class)."""
+    """Methods run inside each TP worker; they return plain JSON-able values. es_configure once, when the engine
+    starts; then SPEC's Perturb, Restore and Update of every parameter of this rank: es_perturb(seed, sigma),
+    es_restore() and es_update(seeds, coeffs). The reference path is _es_add_noise: the rank-salted noise, added by
+    add_noise_'s loop, rounded to nearest. Its variants, each one call:
+      - rounding="stochastic": _es_rounding_seed, the random source of a change's rounding (None: to nearest);
+      - noise="checkpoint": checkpoint_noise.CheckpointESWorker overrides _es_add_noise;
+      - the restore modes (the last part of the class): copy_device and copy_host keep a copy of the centre
+        (_es_keep_copy) and copy it back (_es_copy_back); subtract adds the noise again, negated (_es_add_noise);
+        patch perturbs and restores through restore_patch.py (_es_perturb_through_patch, _es_restore_through_patch).
+    """
 
     es_settings: dict | None = None  # es_configure's: chunk, restore, rounding, patch_capacity
     es_copy: list[torch.Tensor] | None = None  # the exact-restore copy: always the centre theta (es_snapshot)
@@ -453,7 +472,12 @@ class ESWorker:
         it: a raised worker error would leave vLLM's engine unusable)."""
         if self.es_perturbation is not None:
             raise RuntimeError("es_perturb called twice without es_restore")
-        refusal = self._es_perturb_restorably(seed, sigma)
+        if self.es_settings["restore"] == "patch":
+            refusal = self._es_perturb_through_patch(seed, sigma)
+        else:
+            self._es_keep_copy()
+            self._es_add_noise("perturb", [seed], [sigma])
+            refusal = None
         if refusal is None:
             self.es_perturbation = (seed, sigma)
         self._es_sync()
@@ -463,7 +487,14 @@ class ESWorker:
         """Back to the pre-perturbation bits (restore="subtract": approximately)."""
         if self.es_perturbation is None:
             raise RuntimeError("es_restore called without a perturbation")
-        self._es_undo(*self.es_perturbation)
+        seed, sigma = self.es_perturbation
+        restore = self.es_settings["restore"]
+        if restore == "patch":
+            self._es_restore_through_patch(seed, sigma)
+        elif restore == "subtract":
+            self._es_add_noise("restore", [seed], [-sigma])  # not exact in bf16 (docs/exact_restore.md)
+        else:
+            self._es_copy_back()
         self.es_perturbation = None
         self._es_sync()
 
@@ -478,20 +509,29 @@ class ESWorker:
 
     def _es_add_noise(self, kind: str, seeds: list[int], coeffs: list[float],
                       patch: restore_patch.RestorePatch | None = None) -> bool:
-        """theta_r <- theta_r + sum_i coeffs_i * eps(seeds_i, r, name) over the active members, per parameter: the
-        rank-salted noise (add_noise_), through `patch` when given (restore="patch"). kind: "perturb", "update", or
-        "restore" (subtracts, to nearest); it picks the rounding (_es_stochastic) and its random source. Returns
-        whether any member is active (False: theta untouched)."""
+        """theta_r <- round(theta_r + sum_i coeffs_i * eps(seeds_i, r, n)) for every parameter n, over the active
+        members: add_noise_, or through `patch` add_noise_through_patch_ (restore="patch"). kind: "perturb",
+        "update", or "restore" (subtracts); it picks the rounding (_es_rounding_seed). Returns whether any member is
+        active (False: theta untouched)."""
         active = active_members(seeds, coeffs)
-        for name, t in self.es_params if active else []:
-            rounded = rounding_seed(kind, seeds, self.es_rank, name) if self._es_stochastic(kind) else None
-            add_noise_(t.view(-1), [noise_seed(s, self.es_rank, name) for s, _ in active], [c for _, c in active],
-                       self.es_settings["chunk"], rounded, patch)
+        for name, theta in self.es_params if active else []:
+            noise_seeds = [noise_seed(s, self.es_rank, name) for s, _ in active]
+            active_coeffs = [c for _, c in active]
+            rounding = self._es_rounding_seed(kind, seeds, name)
+            if patch is None:
+                add_noise_(theta.view(-1), noise_seeds, active_coeffs, self.es_settings["chunk"], rounding)
+            else:
+                add_noise_through_patch_(patch, theta.view(-1), noise_seeds, active_coeffs, self.es_settings["chunk"],
+                                         rounding)
         return bool(active)
 
+    def _es_rounding_seed(self, kind: str, seeds: list[int], name: str) -> int | None:
+        """The random source of a change's stochastic rounding (rounding_seed), or None: round to nearest, the
+        reference's, and always for a restore, which subtracts the noise again."""
+        return rounding_seed(kind, seeds, self.es_rank, name) if self._es_stochastic(kind) else None
+
     def _es_stochastic(self, kind: str) -> bool:
-        """Whether a change rounds stochastically: a perturbation or update with rounding="stochastic"; a restore
-        subtracts the noise again and rounds to nearest."""
+        """Whether a change rounds stochastically: a perturbation or update with rounding="stochastic"."""
         return kind != "restore" and self.es_settings["rounding"] == "stochastic"
 
     def es_memory(self) -> dict:
@@ -540,6 +580,16 @@ class ESWorker:
         on_host = self.es_settings["restore"] == "copy_host" and self.es_params[0][1].device.type != "cpu"
         self.es_copy = [t.to("cpu").pin_memory() if on_host else t.clone() for _, t in self.es_params]
 
+    def _es_keep_copy(self) -> None:
+        """copy_device and copy_host: the copy of the centre, taken before the first perturbation (subtract keeps
+        nothing)."""
+        if self.es_settings["restore"] in ("copy_device", "copy_host") and self.es_copy is None:
+            self._es_snapshot()
+
+    def _es_copy_back(self) -> None:
+        for (_, t), saved in zip(self.es_params, self.es_copy):
+            t.copy_(saved, non_blocking=True)
+
     def _es_patch(self) -> restore_patch.RestorePatch:
         """The patch of the configured capacity, allocated once (a pool's GPU engines reserve it at start)."""
         capacity = self.es_settings["patch_capacity"]
@@ -548,34 +598,9 @@ class ESWorker:
             self.es_patch = restore_patch.RestorePatch([t for _, t in self.es_params], capacity)
         return self.es_patch
 
-    def _es_perturb_restorably(self, seed: int, sigma: float) -> str | None:
-        """es_perturb's change, keeping what the restore mode needs; returns restore="patch"'s refusal, or None."""
-        restore = self.es_settings["restore"]
-        if restore == "patch":
-            return self._es_perturb_patched(seed, sigma)
-        if restore in ("copy_device", "copy_host") and self.es_copy is None:
-            self._es_snapshot()
-        self._es_add_noise("perturb", [seed], [sigma])
-        return None
-
-    def _es_undo(self, seed: int, sigma: float) -> None:
-        """es_restore's change: the copy of the centre back, or the noise subtracted (through the patch)."""
-        restore = self.es_settings["restore"]
-        if restore in ("copy_device", "copy_host"):
-            for (_, t), saved in zip(self.es_params, self.es_copy):
-                t.copy_(saved, non_blocking=True)
-        else:
-            self._es_subtract(seed, sigma, self.es_patch if restore == "patch" else None)
-
-    def _es_subtract(self, seed: int, sigma: float, patch: restore_patch.RestorePatch | None) -> None:
-        """theta_r - sigma * eps(seed), rounded to nearest; through a patch, the missed elements' bits back."""
-        if patch is not None:
-            patch.start_applying()
-        self._es_add_noise("restore", [seed], [-sigma], patch)
-        if patch is not None:
-            patch.check_applied()
-
-    def _es_perturb_patched(self, seed: int, sigma: float) -> str | None:
+    def _es_perturb_through_patch(self, seed: int, sigma: float) -> str | None:
+        """es_perturb with restore="patch": the perturbation, recording in the patch what subtracting it would
+        miss; on an overflow of any rank, every rank back at the centre and the refusal returned."""
         patch = self._es_patch()
         patch.start_recording()
         try:
@@ -586,11 +611,18 @@ class ESWorker:
         overflows = self._es_gather(overflow)  # every rank learns of any rank's overflow
         if not any(overflows):
             return None
-        self._es_subtract(seed, sigma, patch)  # the centre: the part done is restored exactly, the rest never changed
+        self._es_restore_through_patch(seed, sigma)  # the part done is restored exactly, the rest never changed
         where = "; ".join(f"rank {r}: {o}" for r, o in enumerate(overflows) if o)
         return (f"restore=patch: member seed {seed} at sigma {sigma:g} misses more elements than the patch "
                 f"holds (patch_capacity={patch.capacity:g} of each rank's elements; {where}). The weights are back "
                 "at the centre; raise --patch_capacity or use --restore=copy_device")
+
+    def _es_restore_through_patch(self, seed: int, sigma: float) -> None:
+        """theta_r - sigma * eps(seed), rounded to nearest, and the elements the subtraction misses given their
+        original bits back by the patch."""
+        self.es_patch.start_applying()
+        self._es_add_noise("restore", [seed], [-sigma], self.es_patch)
+        self.es_patch.check_applied()
 
 
 # ============================================================================================================

@@ -129,33 +129,56 @@ def checkpoint_positions(segments: torch.Tensor, start: int, end: int):
 
 
 def add_checkpoint_noise_(flat: torch.Tensor, segments: torch.Tensor, keys: list[torch.Tensor],
-                          coeffs: list[float], chunk: int, rounding_keys: torch.Tensor | None = None,
-                          patch: restore_patch.RestorePatch | None = None) -> None:
-    """flat <- round(float32(flat) + sum_i eps_i * coeffs_i), eps_i of each element checkpoint_noise(keys_i[its
-    tensor id], its checkpoint index); padding (no checkpoint element) keeps its value. The same function on a
-    whole checkpoint tensor (one segment) is the export's replay: the same operations, so the same bits. With a
-    patch (restore="patch"), the patch's walk (restore_patch.walk_), as common.add_noise_."""
+                          coeffs: list[float], chunk: int, rounding_keys: torch.Tensor | None = None) -> None:
+    """common.add_noise_ with the checkpoint noise: flat <- round(float32(flat) + sum_i eps_i * coeffs_i), eps_i of
+    each element checkpoint_noise(keys_i[its tensor id], its checkpoint index), chunk by chunk, each member's noise
+    computed as it is added; padding (no checkpoint element) keeps its value. Rounded to nearest, or with
+    rounding_keys stochastically (bf16 only). The same function on a whole checkpoint tensor (one segment) is the
+    export's replay: the same operations, so the same bits."""
+    for start in range(0, flat.numel(), chunk):
+        end = min(start + chunk, flat.numel())
+        values, (tid, index, padding) = flat[start:end], chunk_positions(segments, start, end)
+        noise = (element_noise(key, tid, index, padding) for key in keys)
+        write_checkpoint_rounded_(values, checkpoint_sum(values, noise, coeffs), rounding_keys, tid, index, padding)
 
-    def chunks():
-        for start in range(0, flat.numel(), chunk):
-            end = min(start + chunk, flat.numel())
-            _, tid, index = checkpoint_positions(segments, start, end)
-            padding, tid = tid < 0, tid.clamp(min=0)
-            values = flat[start:end]
-            noise = (checkpoint_noise(key[tid], index).masked_fill_(padding, 0.0) for key in keys)  # one at a time
-            yield values, noise, functools.partial(write_rounded_, values, tid, index, padding)
 
-    def write_rounded_(values, tid, index, padding, acc):
-        if rounding_keys is None or flat.dtype != torch.bfloat16:
-            values.copy_(acc)
-        else:
-            bits = rounding_bits(rounding_keys[tid], index).to(torch.int32).masked_fill_(padding, 0)
-            common.round_with_bits_(values, acc, bits)
+def add_checkpoint_noise_through_patch_(patch: restore_patch.RestorePatch, flat: torch.Tensor,
+                                        segments: torch.Tensor, keys: list[torch.Tensor], coeffs: list[float],
+                                        chunk: int, rounding_keys: torch.Tensor | None = None) -> None:
+    """add_checkpoint_noise_ with restore="patch": the same change, walked by the patch (restore_patch.walk_)."""
+    positions = {}  # the chunk's, from its noise to its rounding
 
-    if patch is not None:
-        return restore_patch.walk_(patch, chunks(), coeffs, checkpoint_sum)
-    for values, noise, write_ in chunks():
-        write_(checkpoint_sum(values, noise, coeffs))
+    def noise(start, end):
+        positions[start] = tid, index, padding = chunk_positions(segments, start, end)
+        return [element_noise(key, tid, index, padding) for key in keys]
+
+    def write_rounded_(values, start, end, acc):
+        write_checkpoint_rounded_(values, acc, rounding_keys, *positions.pop(start))
+
+    restore_patch.walk_(patch, flat, chunk, coeffs, noise, checkpoint_sum, write_rounded_)
+
+
+def chunk_positions(segments: torch.Tensor, start: int, end: int):
+    """For runtime elements [start, end) of a parameter: their checkpoint tensor id (0 for padding), index in that
+    tensor, and whether each is padding."""
+    _, tid, index = checkpoint_positions(segments, start, end)
+    return tid.clamp(min=0), index, tid < 0
+
+
+def element_noise(keys: torch.Tensor, tid: torch.Tensor, index: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+    """One member's checkpoint noise of a chunk (keys: its key per checkpoint tensor); 0 on padding."""
+    return checkpoint_noise(keys[tid], index).masked_fill_(padding, 0.0)
+
+
+def write_checkpoint_rounded_(values: torch.Tensor, acc: torch.Tensor, rounding_keys: torch.Tensor | None,
+                              tid: torch.Tensor, index: torch.Tensor, padding: torch.Tensor) -> None:
+    """values <- acc (float32) rounded once: to nearest, or for bf16 with rounding_keys stochastically, each
+    element's random bits from its checkpoint position (padding: 0, so it keeps its value)."""
+    if rounding_keys is None or values.dtype != torch.bfloat16:
+        values.copy_(acc)
+    else:
+        bits = rounding_bits(rounding_keys[tid], index).to(torch.int32).masked_fill_(padding, 0)
+        common.round_with_bits_(values, acc, bits)
 
 
 def checkpoint_sum(values: torch.Tensor, noise, coeffs: list[float]) -> torch.Tensor:
@@ -322,8 +345,9 @@ class CheckpointESWorker(common.ESWorker):
 
     def _es_add_noise(self, kind: str, seeds: list[int], coeffs: list[float],
                       patch: restore_patch.RestorePatch | None = None) -> bool:
-        """theta <- theta + sum_i coeffs_i * eps_i over the active members, eps_i the checkpoint noise of each
-        element's checkpoint tensor and index (add_checkpoint_noise_, through `patch` when given); stochastic
+        """common.ESWorker._es_add_noise with the checkpoint noise: theta <- round(theta + sum_i coeffs_i * eps_i)
+        over the active members, eps_i the checkpoint noise of each element's checkpoint tensor and index:
+        add_checkpoint_noise_, or through `patch` add_checkpoint_noise_through_patch_ (restore="patch"); stochastic
         rounding keyed per tensor. Returns whether any member is active (False: theta untouched)."""
         active = common.active_members(seeds, coeffs)
         if not active:
@@ -331,10 +355,16 @@ class CheckpointESWorker(common.ESWorker):
         layout = self.es_checkpoint_layout
         device, names = self.es_params[0][1].device, layout["names"]
         keys = [checkpoint_keys(s, names, device) for s, _ in active]
+        active_coeffs = [c for _, c in active]
         rounding_keys = checkpoint_rounding_keys(kind, seeds, names, device) if self._es_stochastic(kind) else None
-        for name, t in self.es_params:
-            add_checkpoint_noise_(t.view(-1), layout["segments"][name], keys, [c for _, c in active],
-                                  self.es_settings["chunk"], rounding_keys, patch)
+        for name, theta in self.es_params:
+            segments = layout["segments"][name]
+            if patch is None:
+                add_checkpoint_noise_(theta.view(-1), segments, keys, active_coeffs, self.es_settings["chunk"],
+                                      rounding_keys)
+            else:
+                add_checkpoint_noise_through_patch_(patch, theta.view(-1), segments, keys, active_coeffs,
+                                                    self.es_settings["chunk"], rounding_keys)
         return True
 
     def es_checkpoint_names(self) -> list[str]:

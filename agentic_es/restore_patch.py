@@ -3,8 +3,8 @@ perturbed value gives the original bits back for most elements (bench/README.md 
 perturbation finds the others itself, chunk by chunk, by computing the restore's result before it is needed, and the
 patch keeps their original bits: one bit per element (where the subtraction misses) plus the missed elements' bits in
 walk order, in buffers of fixed capacity allocated once, so that the memory plan can count them. Both noise kinds
-(common.add_noise_, checkpoint_noise.add_checkpoint_noise_) change a parameter through the patch by its walk
-(walk_)."""
+change a parameter through the patch by its walk (walk_): common.add_noise_through_patch_ and
+checkpoint_noise.add_checkpoint_noise_through_patch_, the patch's variants of their plain loops."""
 
 import math
 
@@ -28,20 +28,23 @@ def patch_bytes(numel: dict[torch.dtype, int], capacity: float) -> int:
             + sum(math.ceil(capacity * n) * dtype.itemsize for dtype, n in numel.items()))
 
 
-def walk_(patch: "RestorePatch", chunks, coeffs: list[float], changed) -> None:
-    """A noise function's change of one parameter through the patch, chunk by chunk: the walk of both noise kinds.
-    `chunks` yields per chunk its values (a view of the parameter), the members' noise for them, and write_(acc),
-    which rounds a float32 result into the values; changed(values, noise, coeffs) is the noise kind's float32 sum.
+def walk_(patch: "RestorePatch", flat: torch.Tensor, chunk: int, coeffs: list[float], noise, summed,
+          write_rounded_) -> None:
+    """One parameter's change flat <- round(float32(flat) + sum_i coeffs_i * eps_i) through the patch, chunk by chunk:
+    how either noise kind changes a parameter with restore="patch". The noise kind gives noise(start, end), its
+    members' float32 noise for the elements [start, end) (asked once per chunk, in order: a stream may be drawn);
+    summed(values, noise, coeffs), its float32 sum; write_rounded_(values, start, end, acc), its rounding.
     Recording (a perturbation), each chunk's original bits are kept and the restore's result is computed ahead: the
     same sum of the same noise negated, rounded to nearest. Applying (the restore, which subtracts), each chunk's
     missed elements get their bits back. The walk stops where the perturbation stopped (done)."""
-    for values, noise, write_ in chunks:
+    for start in range(0, flat.numel(), chunk):
         if patch.done():
             return
-        noise = list(noise)  # the member's noise again, for the restore's result
+        end = min(start + chunk, flat.numel())
+        values, eps = flat[start:end], noise(start, end)
         original = values.clone() if patch.recording else None
-        write_(changed(values, noise, coeffs))
-        patch.chunk(values, original, lambda: changed(values, noise, [-c for c in coeffs]))
+        write_rounded_(values, start, end, summed(values, eps, coeffs))
+        patch.chunk(values, original, lambda: summed(values, eps, [-c for c in coeffs]))
 
 
 class PatchFull(RuntimeError):

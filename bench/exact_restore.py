@@ -53,7 +53,7 @@ def synthetic(n: int = 4_000_000) -> list[dict]:
                 work = theta.clone()
                 patch.start_recording()
                 rs = common.rounding_seed("perturb", [5], 0, "w") if rounding == "stochastic" else None
-                common.add_noise_(work, [common.noise_seed(5, 0, "w")], [sigma], 1 << 20, rs, patch)
+                common.add_noise_through_patch_(patch, work, [common.noise_seed(5, 0, "w")], [sigma], 1 << 20, rs)
                 rows.append({"std": std, "sigma": sigma, "rounding": rounding,
                              "miss_fraction": round(patch.used[torch.bfloat16] / n, 5)})
     return rows

@@ -134,10 +134,10 @@ def test_noise_seed_mixes_member_rank_and_name():
 def test_noise_stream_is_chunked_from_one_generator():
     """The chunked stream is the generator's draws in order: chunk size is part of the noise definition."""
     chunks = list(common.noise_chunks(10, seed=5, chunk=4, device="cpu"))
-    assert [(a, b) for a, b, _ in chunks] == [(0, 4), (4, 8), (8, 10)]
+    assert [e.numel() for e in chunks] == [4, 4, 2]
     gen = torch.Generator().manual_seed(5)
     expected = [torch.randn(n, generator=gen) for n in (4, 4, 2)]
-    for (_, _, got), want in zip(chunks, expected):
+    for got, want in zip(chunks, expected):
         assert torch.equal(got, want)
 
 
@@ -150,11 +150,70 @@ def test_update_matches_numpy_float32_accumulation():
 
     acc = theta.float().numpy().copy()
     for s, c in zip(seeds, coeffs):
-        eps = np.concatenate([e.numpy() for _, _, e in common.noise_chunks(1000, s, chunk, "cpu")])
+        eps = np.concatenate([e.numpy() for e in common.noise_chunks(1000, s, chunk, "cpu")])
         acc = (acc + np.float32(c) * eps).astype(np.float32)
     want = torch.from_numpy(acc).to(torch.bfloat16)  # one rounding, at the end
     assert torch.equal(got, want)
     assert not torch.equal(got, theta)
+
+
+class TensorWorker(common.ESWorker):
+    """common.ESWorker on plain tensors, as TP rank `rank` of a one-rank group: its reference path without vLLM."""
+
+    def __init__(self, params: dict[str, torch.Tensor], rank: int):
+        self.__dict__.update(es_params=list(params.items()), es_rank=rank)
+
+    def _es_gather(self, value):
+        return [value]
+
+
+def spec_change(theta: torch.Tensor, name: str, rank: int, members: list[tuple[int, float]], chunk: int,
+                rounding_seed: int | None = None) -> torch.Tensor:
+    """SPEC's Perturb and Update of one parameter, written out: for each member (seed s, coefficient c), eps is the
+    float32 standard normal stream of a torch.Generator seeded noise_seed(s, r, n), drawn in flat chunks; theta +
+    sum c * eps accumulated in float32, member by member (each a fused multiply-add, as torch's add with alpha
+    computes it: the product exact in float64, the sum rounded to float32), rounded once to theta's dtype: to
+    nearest, or (bf16) by adding uniform 16-bit integers of a generator seeded rounding_seed to the float32 bits and
+    clearing the low 16."""
+    n = theta.numel()
+    sizes = [min(chunk, n - start) for start in range(0, n, chunk)]
+    acc = theta.float().reshape(-1).numpy().copy()
+    for seed, c in members:
+        gen = torch.Generator().manual_seed(common.noise_seed(seed, rank, name))
+        eps = np.concatenate([torch.randn(k, generator=gen).numpy() for k in sizes])
+        acc = (acc.astype(np.float64) + np.float64(np.float32(c)) * eps.astype(np.float64)).astype(np.float32)
+    if rounding_seed is None or theta.dtype != torch.bfloat16:
+        return torch.from_numpy(acc).to(theta.dtype).view(theta.shape)
+    gen = torch.Generator().manual_seed(rounding_seed)
+    bits = torch.cat([torch.randint(0, 1 << 16, (k,), generator=gen, dtype=torch.int32) for k in sizes])
+    rounded = ((torch.from_numpy(acc).view(torch.int32) + bits) & -65536).view(torch.float32)
+    return rounded.to(torch.bfloat16).view(theta.shape)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_the_worker_perturbs_and_updates_as_spec_writes_it(rounding):
+    """The worker's reference path (es_perturb, es_restore, es_update on rank 1) against spec_change, bit for bit:
+    bf16 weights of odd sizes across chunk boundaries and a float32 one, a member with coefficient 0 drawing nothing."""
+    g = torch.Generator().manual_seed(4)
+    base = {"layers.0.mlp.weight": (torch.randn(3, 700, generator=g) * 0.02).bfloat16(),
+            "layers.0.norm.weight": (1 + torch.randn(1000, generator=g) * 0.02).bfloat16(),
+            "router.bias": torch.randn(37, generator=g) * 0.02}
+    params = {name: t.clone() for name, t in base.items()}
+    worker, chunk, rank = TensorWorker(params, rank=1), 256, 1
+    worker.es_configure(chunk, "copy_device", rounding, patch_capacity=0.0)
+    stochastic = rounding == "stochastic"
+    worker.es_perturb(5, 1e-2)
+    for name, t in params.items():
+        seed = common.rounding_seed("perturb", [5], rank, name) if stochastic else None
+        assert torch.equal(t, spec_change(base[name], name, rank, [(5, 1e-2)], chunk, seed)), name
+        assert not torch.equal(t, base[name])
+    worker.es_restore()
+    assert all(torch.equal(params[name], t) for name, t in base.items())
+    seeds, coeffs = [5, 6, 7], [3e-3, 0.0, -2e-3]
+    worker.es_update(seeds, coeffs)
+    for name, t in params.items():
+        seed = common.rounding_seed("update", seeds, rank, name) if stochastic else None
+        assert torch.equal(t, spec_change(base[name], name, rank, [(5, 3e-3), (7, -2e-3)], chunk, seed)), name
 
 
 def bf16_ulp(t: torch.Tensor) -> torch.Tensor:
@@ -193,11 +252,11 @@ def test_noise_definition_golden_values():
     seed = common.noise_seed(20260627, 1, name)
     assert seed == 138453374855308281
     assert common.noise_seed(20260627, 0, name) == 6266319409785437437
-    eps = torch.cat([e for _, _, e in common.noise_chunks(24_576, seed, common.Config().noise_chunk, "cpu")])
+    eps = torch.cat(list(common.noise_chunks(24_576, seed, common.Config().noise_chunk, "cpu")))
     golden = torch.tensor([-1.7884882688522339, 0.7180325388908386, 1.0545233488082886, 0.09129620343446732])
     assert torch.equal(eps[:4], golden)
     # drawn in chunks of 4096, the second chunk continues the same generator
-    chunked = torch.cat([e for _, _, e in common.noise_chunks(24_576, seed, 4096, "cpu")])
+    chunked = torch.cat(list(common.noise_chunks(24_576, seed, 4096, "cpu")))
     golden_4096 = torch.tensor([-0.11121739447116852, -1.0960077047348022, 2.413072347640991, 1.5774480104446411])
     assert torch.equal(chunked[4096:4100], golden_4096) and torch.equal(chunked[:4], golden)
 

@@ -46,7 +46,10 @@ def rank_salted(kind: str, rounding: str):
     def apply(i, flat, coeff, patch):
         seed = common.noise_seed(77, 0, f"p{i}")
         rounded = common.rounding_seed(kind, [77], 0, f"p{i}") if rounding == "stochastic" else None
-        common.add_noise_(flat, [seed], [coeff], CHUNK, rounded, patch)
+        if patch is None:
+            common.add_noise_(flat, [seed], [coeff], CHUNK, rounded)
+        else:
+            common.add_noise_through_patch_(patch, flat, [seed], [coeff], CHUNK, rounded)
     return apply
 
 
@@ -58,7 +61,11 @@ def checkpoint(kind: str, rounding: str):
         keys = checkpoint_noise.checkpoint_keys(77, [f"p{j}" for j in range(4)], "cpu")
         rounding_keys = (checkpoint_noise.checkpoint_rounding_keys(kind, [77], [f"p{j}" for j in range(4)], "cpu")
                          if rounding == "stochastic" else None)
-        checkpoint_noise.add_checkpoint_noise_(flat, segments, [keys], [coeff], CHUNK, rounding_keys, patch)
+        if patch is None:
+            checkpoint_noise.add_checkpoint_noise_(flat, segments, [keys], [coeff], CHUNK, rounding_keys)
+        else:
+            checkpoint_noise.add_checkpoint_noise_through_patch_(patch, flat, segments, [keys], [coeff], CHUNK,
+                                                                 rounding_keys)
     return apply
 
 
