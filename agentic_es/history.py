@@ -60,20 +60,20 @@ def read_history(path) -> dict:
 
 # ---- The recorded run's settings: what export and replay take from a history, what a resume may change
 
-# What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
-# the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
-# command line, a preset or an evaluation's settings.
-WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "rounding", "noise")
-POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
-# settings of where and how fast a run executes, never of what it computes: where files go, how many episodes the
-# engine steps at once and how, which engines. A resume may change them (resume_free_fields), and 03_eval.py keeps
-# an evaluation's finished episodes across them. They never touch the weights (and a GPU's sampling is not
-# batch-invariant anyway)
-EXECUTION_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
-                    "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
+# The settings of each role (common.setting, beside each Config field, declares it). What defines the trained weights
+# besides the history's per-generation records: export and replay take it from the history, never from the command
+# line, a preset or an evaluation's settings
+WEIGHT_FIELDS = common.settings_of(common.WEIGHTS)
+POOL_FIELDS = common.settings_of(common.POOL)  # how many engines evaluate, never what they compute: not in the history
+# where and how fast a run executes, never what it computes: a resume may change them (resume_free_fields), and
+# 03_eval.py keeps an evaluation's finished episodes across them
+EXECUTION_FIELDS = common.settings_of(common.EXECUTION, common.POOL)
 # how a member's perturbation is undone: a stage that never perturbs (export, evaluation, replay) takes any value,
 # e.g. an evaluation of a --restore=subtract run resumed with --restore=patch --patch_capacity=0.3
-RESTORE_FIELDS = ("restore", "patch_capacity")
+RESTORE_FIELDS = common.settings_of(common.RESTORE)
+# what export and replay take from their command line (their --help lists them; with checkpoint noise the TP size
+# too: resume_free_fields): every other setting is the recorded run's
+REBUILD_FIELDS = EXECUTION_FIELDS + RESTORE_FIELDS
 
 
 def resume_free_fields(config: dict) -> tuple[str, ...]:
@@ -114,16 +114,16 @@ def without_retired_settings(config: dict) -> dict:
 def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
     """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
     from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
-    from the history. `--preset` fills in only the settings that may differ between runs (EXECUTION_FIELDS, such
-    as run_dir, and RESTORE_FIELDS: these stages never perturb), never a recorded value; an explicit `--key=value`
-    that differs from a recorded one is refused."""
+    from the history. `--preset` fills in only the settings that may differ between runs (REBUILD_FIELDS:
+    EXECUTION_FIELDS, such as run_dir, and RESTORE_FIELDS: these stages never perturb), never a recorded value; an
+    explicit `--key=value` that differs from a recorded one is refused."""
     history_settings = without_retired_settings(history["config"])  # refuses a run this code cannot rebuild
     given = without_retired_settings(settings) if settings else history_settings
-    recorded_settings = {k: v for k, v in given.items()
-                         if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
-    free_fields = resume_free_fields(history["config"]) + RESTORE_FIELDS
-    values = {**recorded_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS
-                                      if f in history["config"] and f not in free_fields}}
+    run_settings = {k: v for k, v in given.items()
+                    if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
+    free_fields = resume_free_fields(history["config"]) + REBUILD_FIELDS
+    values = {**run_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS
+                                 if f in history["config"] and f not in free_fields}}
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
     if unknown:
         raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
