@@ -94,7 +94,7 @@ def setting(default, role: str, meaning: str, *, choices: tuple = (), bounds: Bo
     """A Config field and what it is: its default (the paper's value where the paper has one), its role, what it
     means (--help), its valid values (choices, or numeric bounds: checked whenever a Config is made) and `before`:
     what the code did before the field existed, which is how a history or evaluation file written then, and so
-    lacking the field, reads; the comment beside it names the commit that added the
+    lacking the field, reads (history.recorded_settings); the comment beside it names the commit that added the
     field. None: the field is as old as those files (they all record it)."""
     return dataclasses.field(default=default, metadata={"role": role, "help": meaning, "choices": choices,
                                                         "bounds": bounds, "before": before})

@@ -76,12 +76,22 @@ RESTORE_FIELDS = common.settings_of(common.RESTORE)
 REBUILD_FIELDS = EXECUTION_FIELDS + RESTORE_FIELDS
 
 
+def recorded_settings(config: dict) -> dict:
+    """What a file records of a run's settings (a history's or an evaluation's config), each field it lacks as the
+    code ran before the field existed (the `before` Config declares beside it): a file written then reads as it
+    did then, whatever the default is now. A field as old as these files that one lacks reads as its default."""
+    lacking = {f.name: f.default if f.metadata["before"] is None else f.metadata["before"]
+               for f in dataclasses.fields(Config) if f.name not in config}
+    return {**config, **lacking}
+
+
 def resume_free_fields(config: dict) -> tuple[str, ...]:
     """EXECUTION_FIELDS; after an exact restore mode the restore mode and the patch's capacity (every exact mode
     leaves the same bits: a patch overflow's advice, another capacity or copy_device, resumes the run; a move to the
     inexact subtract is refused by identity_differences); with checkpoint noise the TP size: its weights are the
-    same at every TP size."""
-    exact = config.get("restore", common.Config.restore) != "subtract"
+    same at every TP size. `config`: a history's."""
+    config = recorded_settings(config)
+    exact = config["restore"] != "subtract"
     return (EXECUTION_FIELDS + (RESTORE_FIELDS if exact else ())
             + (("tensor_parallel_size",) if common.is_checkpoint_noise(config) else ()))
 
@@ -114,16 +124,17 @@ def without_retired_settings(config: dict) -> dict:
 def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
     """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
     from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
-    from the history. `--preset` fills in only the settings that may differ between runs (REBUILD_FIELDS:
-    EXECUTION_FIELDS, such as run_dir, and RESTORE_FIELDS: these stages never perturb), never a recorded value; an
-    explicit `--key=value` that differs from a recorded one is refused."""
-    history_settings = without_retired_settings(history["config"])  # refuses a run this code cannot rebuild
-    given = without_retired_settings(settings) if settings else history_settings
+    from the history; a field a file lacks as the code ran before the field existed (recorded_settings). `--preset`
+    fills in only the settings that may differ between runs (REBUILD_FIELDS: EXECUTION_FIELDS, such as run_dir, and
+    RESTORE_FIELDS: these stages never perturb), never a recorded value; an explicit `--key=value` that differs from
+    a recorded one is refused."""
+    # without_retired_settings refuses a run this code cannot rebuild
+    history_settings = recorded_settings(without_retired_settings(history["config"]))
+    given = recorded_settings(without_retired_settings(settings)) if settings else history_settings
     run_settings = {k: v for k, v in given.items()
                     if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
     free_fields = resume_free_fields(history["config"]) + REBUILD_FIELDS
-    values = {**run_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS
-                                 if f in history["config"] and f not in free_fields}}
+    values = {**run_settings, **{f: history_settings[f] for f in WEIGHT_FIELDS if f not in free_fields}}
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
     if unknown:
         raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
@@ -183,12 +194,12 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
         if any_tp and key in ("tensor_parallel_size", "parameter_names_sha256"):
             continue  # checkpoint noise: the same weights at every TP size (the digests compare them)
         if key == "config":
-            # a field newer than the history: its default is the old behaviour
-            defaults = dataclasses.asdict(common.Config())
+            then_config = recorded_settings(recorded["config"])  # a field newer than the history: the code before it
             for field, now in value.items():
-                then = recorded["config"].get(field, defaults.get(field))
+                then = then_config.get(field)
                 if field not in resume_free_fields(recorded["config"]) and then != now:
-                    older = "" if field in recorded["config"] else " (the default: the history predates the setting)"
+                    older = ("" if field in recorded["config"]
+                             else " (the history predates the setting: what the code did before it)")
                     diffs.append(f"config {field}: history has {then!r}{older}, this run has {now!r}")
                 elif field == "restore" and now == "subtract" != then:
                     diffs.append(f"config restore: history has {then!r} (exact), this run has 'subtract' (not exact)")

@@ -15,7 +15,8 @@ import torch
 import common
 from agentic_es import cli, data, digests, engine, fileio, tracking
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, REBUILD_FIELDS, check_base, check_config,
-                                config_from_history, identity_differences, name_only_fingerprint, read_history)
+                                config_from_history, identity_differences, name_only_fingerprint, read_history,
+                                resume_free_fields)
 
 
 # ---- sigma schedule ----
@@ -458,7 +459,8 @@ def test_the_fitness_is_the_recorded_runs_and_a_history_without_it_reads_as_the_
     assert config_from_history(older, ["--preset=learn"]).fitness == "agent"  # the preset's shaped is no record
     check_config(older, cli.parse_config(same_run))
     with pytest.raises(common.HistoryMismatch, match=re.escape(
-            "config fitness: history has 'agent' (the default: the history predates the setting), this run has "
+            "config fitness: history has 'agent' (the history predates the setting: what the code did before it), this "
+            "run has "
             "'shaped'")):
         check_config(older, cli.parse_config([*same_run, "--fitness=shaped"]))
     with pytest.raises(common.ConfigError, match="fitness must be one of agent, shaped, got 'score'"):
@@ -516,16 +518,16 @@ def test_older_name_only_fingerprint_of_the_same_hub_id_is_accepted():
     assert identity_differences(dict(older, base_fingerprint="sha256:" + "b" * 64), current, False)
 
 
-def test_a_setting_newer_than_the_history_counts_as_its_default():
-    """A history written before a Config field existed resumes when the field keeps its default (the behaviour
-    the history was made with), and is refused when the field is set to anything else."""
+def test_a_setting_newer_than_the_history_reads_as_the_code_before_it():
+    """A history written before a Config field existed resumes when the field is what the code did then (its
+    declared `before`; before prompt_mode, turns continued the generated ids), and is refused otherwise, also under
+    today's default."""
     config = dataclasses.asdict(common.Config())
     older = identity([H200, H200], config={k: v for k, v in config.items() if k != "prompt_mode"})
-    assert identity_differences(older, identity([H200, H200], config=config)) == []
-    changed = dict(config, prompt_mode="continue")
-    assert identity_differences(older, identity([H200, H200], config=changed)) == [
-        "config prompt_mode: history has 'render' (the default: the history predates the setting), this run has "
-        "'continue'"]
+    assert identity_differences(older, identity([H200, H200], config=dict(config, prompt_mode="continue"))) == []
+    assert identity_differences(older, identity([H200, H200], config=config)) == [
+        "config prompt_mode: history has 'continue' (the history predates the setting: what the code did before it), "
+        "this run has 'render'"]
 
 
 # The settings as old as the history and evaluation files (71e1e68 wrote them first): every file records them. Each
@@ -546,6 +548,45 @@ def test_a_setting_added_after_the_first_files_declares_what_the_code_did_before
     lacking = {f.name for f in fields} - set(read_history(OLD_HISTORY)["config"])
     assert lacking == {"fitness", "learn_digits", "engines", "ray_address"}  # the pool's: never in a history
     assert all(common.Config.__dataclass_fields__[name].metadata["before"] is not None for name in lacking)
+
+
+def test_an_old_history_reads_as_it_was_written_after_a_default_is_edited(edit_default):
+    """2ec1038's history predates --fitness (the agent's score) and --learn_digits (the numbers 2..19): with both
+    defaults edited, export and replay still rebuild it as an agent-score run of 2..19, a resume under its own
+    values goes on, and one under the new defaults is refused naming the setting."""
+    history = read_history(OLD_HISTORY)
+    edit_default("fitness", "shaped")
+    edit_default("train_data", "learn")  # a tier of the learn task only: the history records its own train_data
+    edit_default("learn_digits", 3)
+    cfg = config_from_history(history, [])
+    assert (cfg.fitness, cfg.learn_digits) == ("agent", 0)
+    check_config(history, cfg)
+    with pytest.raises(common.HistoryMismatch, match=re.escape(
+            "config fitness: history has 'agent' (the history predates the setting: what the code did before it), "
+            "this run has 'shaped'")):
+        check_config(history, dataclasses.replace(cfg, fitness=common.Config().fitness))
+    # the replay's settings from an evaluation file written before the setting read so too
+    evaluation = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "fitness"}
+    assert config_from_history(history, [], settings=evaluation).fitness == "agent"
+
+
+def test_an_old_history_keeps_its_weights_settings_after_a_default_is_edited(edit_default):
+    """A history written before --noise and --rounding ran the rank-salted noise, rounded to nearest: with the
+    defaults edited to the checkpoint noise and stochastic rounding, export and replay still rebuild it so (its TP
+    size not free), and a resume under the new defaults is refused."""
+    recorded = recorded_history()
+    for name in ("noise", "rounding"):
+        del recorded["config"][name]
+    edit_default("noise", "checkpoint")
+    edit_default("rounding", "stochastic")
+    cfg = config_from_history(recorded, ["--preset=smoke"])
+    assert (cfg.noise, cfg.rounding) == ("rank_salted", "nearest")
+    assert "tensor_parallel_size" not in resume_free_fields(recorded["config"])
+    with pytest.raises(common.ConfigError, match=re.escape("--tensor_parallel_size=1 (recorded: 2, from the history)")):
+        config_from_history(recorded, ["--tensor_parallel_size=1"])
+    diffs = identity_differences(recorded, {"config": dataclasses.asdict(common.Config(
+        **{**dataclasses.asdict(cfg), "noise": "checkpoint", "rounding": "stochastic", "restore": "copy_device"}))})
+    assert [d.split(":")[0] for d in diffs] == ["config rounding", "config noise"]
 
 
 def test_an_exact_restore_mode_may_change_on_resume_but_not_to_subtract():
@@ -814,8 +855,8 @@ def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
     history = {"config": {k: v for k, v in dataclasses.asdict(nearest).items() if k != "rounding"}}  # an older one
     check_config(history, nearest)
     with pytest.raises(common.HistoryMismatch,
-                       match=re.escape("config rounding: history has 'nearest' (the default: the history "
-                                       "predates the setting), this run has 'stochastic'")):
+                       match=re.escape("config rounding: history has 'nearest' (the history predates the "
+                                       "setting: what the code did before it), this run has 'stochastic'")):
         check_config(history, stochastic)
     diffs = identity_differences({"noise": common.noise_definition(nearest)},
                                  {"noise": common.noise_definition(stochastic)})
