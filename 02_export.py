@@ -16,7 +16,7 @@ from pathlib import Path
 
 import common
 from agentic_es import cli, engine, export, fileio, models
-from agentic_es.history import (HISTORY_FILE, check_base_files, config_from_history, read_history,
+from agentic_es.history import (HISTORY_FILE, REBUILD_FIELDS, check_base_files, config_from_history, read_history,
                                 rebuild_from_history)
 from agentic_es.pool import EnginePool
 
@@ -28,7 +28,7 @@ VERIFY = ""  # an export folder: check it against its manifest and exit
 
 def main(argv: list[str]) -> Path:
     options = {"history": HISTORY, "out": OUT, "replay_generations": REPLAY_GENERATIONS, "verify": VERIFY}
-    cli.exit_if_help(argv, __doc__, __file__, options)
+    cli.exit_if_help(argv, __doc__, __file__, options, settings=REBUILD_FIELDS)  # the others: the run's
     opts, overrides = cli.parse_args(argv, options)
     if opts["verify"]:
         kind = export.verify(opts["verify"])["format"]

@@ -23,7 +23,8 @@ from pathlib import Path
 import common
 from agentic_es import cli, engine, export, fileio, models
 from agentic_es.data import problems_from, problems_sha256
-from agentic_es.history import EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history, read_history
+from agentic_es.history import (EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history, read_history,
+                                recorded_settings)
 from agentic_es.metrics import EPISODE_RECORD_KEYS, EVAL_METRICS, EVAL_SAMPLES, REPORTED_GROUP, dataset_metrics
 from agentic_es.pool import EnginePool
 
@@ -156,11 +157,10 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
     """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data (paths and
     sha256s) and settings; the settings that only say where files go or how fast the engine steps
     (EXECUTION_FIELDS), and how a perturbation is undone (RESTORE_FIELDS: an evaluation never perturbs), may differ;
-    a setting newer than the folder's marker counts as its default, and a marker without data sha256s (older) is
-    compared by the paths alone."""
+    a setting newer than the folder's marker counts as what the code did before it (recorded_settings), and a
+    marker without data sha256s (older) is compared by the paths alone."""
     def settings(config: dict) -> dict:
-        return {k: v for k, v in {**dataclasses.asdict(common.Config()), **config}.items()
-                if k not in EXECUTION_FIELDS + RESTORE_FIELDS}
+        return {k: v for k, v in recorded_settings(config).items() if k not in EXECUTION_FIELDS + RESTORE_FIELDS}
 
     run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
                                  "data": data, "data_sha256": data_sha256}))

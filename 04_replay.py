@@ -15,7 +15,7 @@ from pathlib import Path
 
 import common
 from agentic_es import checkpoint_noise, cli, data, engine, export, fileio, models
-from agentic_es.history import (HISTORY_FILE, check_base_files, config_from_history, read_history,
+from agentic_es.history import (HISTORY_FILE, REBUILD_FIELDS, check_base_files, config_from_history, read_history,
                                 rebuild_from_history)
 from agentic_es.metrics import (EVAL16_SHAPE, EVAL_METRICS, EVAL_METRICS_SHAPE, REPORTED_SAMPLES, group_label,
                                 mean4_pass4)
@@ -30,7 +30,7 @@ GROUP = list(REPORTED_SAMPLES)  # the reported group, sample indices 12-15
 
 def main(argv: list[str]) -> dict:
     options = {"history": HISTORY, "export": EXPORT, "eval": EVAL, "out": OUT}
-    cli.exit_if_help(argv, __doc__, __file__, options)
+    cli.exit_if_help(argv, __doc__, __file__, options, settings=REBUILD_FIELDS)  # the others: the run's
     opts, overrides = cli.parse_args(argv, options)
     run_dir = Path(cli.parse_config(overrides).run_dir)
     history_path = Path(opts["history"] or run_dir / HISTORY_FILE)

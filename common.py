@@ -9,7 +9,7 @@ Sections, in order:
   4. replay: a run history's updates applied again to the base weights
   5. the math agent: prompts, reply parsing, per-request seeds, the episode loop, a member's fitness
   6. the errors a stage stops with
-  7. the settings' valid values, checked whenever a Config is made
+  7. the settings as declared: their valid values, checked whenever a Config is made, and their roles
 
 The infrastructure lives beside it in agentic_es/, one concern per module (the README's Layout lists them): engine.py
 and pool.py run this on K vLLM engines, history.py records, refuses and rebuilds runs, data.py and metrics.py hold the
@@ -54,73 +54,156 @@ TRACKING_MODES = ("none", "tensorboard")
 FITNESS_MODES = ("agent", "shaped")  # see EPISODE_REWARDS
 DTYPES = ("bfloat16", "float16", "float32")
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
-SETTING_CHOICES = {"restore": RESTORE_MODES, "rounding": ROUNDING_MODES, "noise": NOISE_MODES,
-                   "prompt_mode": PROMPT_MODES, "tracking": TRACKING_MODES, "dtype": DTYPES,
-                   "cudagraph_mode": CUDAGRAPH_MODES, "fitness": FITNESS_MODES}
+
+# A setting's role, which history.py's rules, 03_eval.py's reuse of finished episodes and --help read (cli.ROLE_RULES
+# says in words what the settings of each role may do)
+WEIGHTS = "weights"  # defines the trained weights
+RUN = "run"  # a run constant: what the run computes besides the weights' definition
+EXECUTION = "execution"  # where and how fast a stage runs, never what it computes
+POOL = "pool"  # how many engines run, and where: this machine's, never recorded in a history
+RESTORE = "restore"  # how a member's perturbation is undone
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The valid values of a numeric setting: low..high, each end included unless marked open."""
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+
+    def admits(self, value) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return (isinstance(value, int) or math.isfinite(value)) and above and below
+
+    def __str__(self) -> str:
+        def number(x):
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+        if self.high == math.inf:
+            text = f"{'greater than' if self.low_open else 'at least'} {number(self.low)}"
+        else:
+            text = (f"in {'(' if self.low_open else '['}{number(self.low)}, {number(self.high)}"
+                    f"{')' if self.high_open else ']'}")
+        return text + (f" ({self.why})" if self.why else "")
+
+
+def setting(default, role: str, meaning: str, *, choices: tuple = (), bounds: Bounds | None = None, before=None):
+    """A Config field and what it is: its default (the paper's value where the paper has one), its role, what it
+    means (--help), its valid values (choices, or numeric bounds: checked whenever a Config is made) and `before`:
+    what the code did before the field existed, which is how a history or evaluation file written then, and so
+    lacking the field, reads (history.recorded_settings); the comment beside it names the commit that added the
+    field. None: the field is as old as those files (they all record it)."""
+    return dataclasses.field(default=default, metadata={"role": role, "help": meaning, "choices": choices,
+                                                        "bounds": bounds, "before": before})
 
 
 @dataclass(frozen=True)
 class Config:
     # model and engine
-    model: str = "Qwen/Qwen3-30B-A3B"  # HF id or local folder; "tiny-qwen3-dense" / "tiny-qwen3-moe" are written locally
-    tensor_parallel_size: int = 2  # GPUs (TP ranks) per engine; part of the trained state (rank-salted noise)
-    dtype: str = "bfloat16"  # the runtime weights' dtype: perturbed, updated and saved in it
-    max_model_len: int = 40960  # Qwen3-30B-A3B's native context; a longer conversation ends the episode
-    gpu_memory_utilization: float = 0.6  # leaves room for the exact-restore copy of the weights on the GPU
-    cuda_graphs: bool = True  # CUDA graphs without inductor (engine.cuda_engine_args); CPU always runs eager
-    cudagraph_mode: str = "FULL_AND_PIECEWISE"  # decode steps as full graphs, steps with a prefill as piecewise
-                                                # ones; "FULL_DECODE_ONLY" runs the latter eagerly (README)
-    max_num_batched_tokens: int = 256  # GPU: tokens per engine step, and CUDA graphs are captured up to it. 0: vLLM's
-                                       # defaults (2048-token steps, graphs only up to 256 tokens: longer steps eager)
-    custom_all_reduce: bool = False  # GPU: vLLM's own all-reduce over NVLink peer memory instead of NCCL's (README)
-    engines: int = 0  # engines evaluating members at once (pool.py); 0: GPUs // tensor_parallel_size, 1 on CPU
-    ray_address: str = ""  # engines as Ray actors on this cluster ("auto", HEAD:PORT); empty: in this process
+    model: str = setting("Qwen/Qwen3-30B-A3B", WEIGHTS, 'HF id or local folder; "tiny-qwen3-dense" / '
+                         '"tiny-qwen3-moe" are written locally')
+    tensor_parallel_size: int = setting(2, WEIGHTS, "GPUs (TP ranks) per engine; part of the trained state "
+                                        "(rank-salted noise)", bounds=Bounds(1))
+    dtype: str = setting("bfloat16", WEIGHTS, "the runtime weights' dtype: perturbed, updated and saved in it",
+                         choices=DTYPES)
+    max_model_len: int = setting(40960, RUN, "Qwen3-30B-A3B's native context; a longer conversation ends the "
+                                 "episode", bounds=Bounds(1))
+    gpu_memory_utilization: float = setting(0.6, EXECUTION, "leaves room for the exact-restore copy of the weights "
+                                            "on the GPU", bounds=Bounds(0, 1, low_open=True, why="the share of each "
+                                                                        "GPU's memory vLLM may take"))
+    cuda_graphs: bool = setting(True, EXECUTION, "CUDA graphs without inductor (engine.cuda_engine_args); CPU always "
+                                "runs eager")
+    cudagraph_mode: str = setting("FULL_AND_PIECEWISE", EXECUTION, "decode steps as full graphs, steps with a "
+                                  'prefill as piecewise ones; "FULL_DECODE_ONLY" runs the latter eagerly (README)',
+                                  choices=CUDAGRAPH_MODES,
+                                  before="FULL_DECODE_ONLY")  # until 3c340be: the engine's fixed mode
+    max_num_batched_tokens: int = setting(256, EXECUTION, "GPU: tokens per engine step, and CUDA graphs are "
+                                          "captured up to it. 0: vLLM's defaults (2048-token steps, graphs only up "
+                                          "to 256 tokens: longer steps eager)",
+                                          bounds=Bounds(0, why="0: vLLM's default"), before=0)  # until 0d8f68d: vLLM's
+    custom_all_reduce: bool = setting(False, EXECUTION, "GPU: vLLM's own all-reduce over NVLink peer memory instead "
+                                      "of NCCL's (README)", before=False)  # until 9fe2601: always off
+    engines: int = setting(0, POOL, "engines evaluating members at once (pool.py); 0: GPUs // tensor_parallel_size, "
+                           "1 on CPU", bounds=Bounds(0, why="0: one per tensor_parallel_size GPUs"),
+                           before=1)  # until a55413f: one engine
+    ray_address: str = setting("", POOL, 'engines as Ray actors on this cluster ("auto", HEAD:PORT); empty: in this '
+                               "process", before="")  # until a55413f: in this process
     # evolution strategies
-    run_seed: int = 20260627  # member seeds, case batches and request seeds all derive from it
-    generations: int = 20  # ES updates G (the sigma schedule runs over them)
-    population: int = 16  # members N per generation
-    case_batch: int = 16  # problems per generation; a member's fitness is its mean reward on them
-    fitness: str = "agent"  # a member's fitness, its episodes' mean reward: "agent" (the agent's score, the
-                            # reference) or "shaped" (the learn task's partial credit: shaped_reward)
-    sigma_start: float = 1e-3  # noise scale at generation 0 (cosine schedule)
-    sigma_end: float = 5e-4  # noise scale at the last generation
-    alpha: float = 5e-4  # step size: theta += alpha / N * sum_i z_i eps_i (1/sigma folded in)
-    noise_chunk: int = 8_388_608  # elements per float32 noise draw: part of the noise definition
-    restore: str = "copy_device"  # copy_device | copy_host (pinned) | subtract (low memory, NOT bit-exact in bf16) |
-                                  # patch (exact: subtract, then put back the elements it misses; restore_patch.py)
-    patch_capacity: float = 0.0  # restore=patch: the share of each rank's elements whose bits the patch can hold;
-                                 # 0: restore_patch.PATCH_CAPACITY of the rounding mode
-    rounding: str = "nearest"  # bf16 rounding of every weight change: "nearest" (the reference) or "stochastic"
-                               # (unbiased: steps below half an ulp still move theta in expectation)
-    noise: str = "rank_salted"  # "rank_salted" (the reference: per-rank noise, the model exists at this TP size
-                                # only) or "checkpoint" (per checkpoint element: any TP size, a Hugging Face export)
+    run_seed: int = setting(20260627, RUN, "member seeds, case batches and request seeds all derive from it",
+                            bounds=Bounds(0, 2**32 - 1, why="vLLM seeds numpy's global generator with it"))
+    generations: int = setting(20, RUN, "ES updates G (the sigma schedule runs over them)", bounds=Bounds(1))
+    population: int = setting(16, RUN, "members N per generation",
+                              bounds=Bounds(2, 65536, why="z-scores need two members; every member's seed, reward "
+                                                          "and z-score is recorded each generation"))
+    case_batch: int = setting(16, RUN, "problems per generation; a member's fitness is its mean reward on them",
+                              bounds=Bounds(1))
+    fitness: str = setting("agent", RUN, "a member's fitness, its episodes' mean reward: \"agent\" (the agent's "
+                           "score, the reference) or \"shaped\" (the learn task's partial credit: shaped_reward)",
+                           choices=FITNESS_MODES, before="agent")  # until 7feb967: 01_train.py's mean agent score
+    sigma_start: float = setting(1e-3, RUN, "noise scale at generation 0 (cosine schedule)",
+                                 bounds=Bounds(0, low_open=True))
+    sigma_end: float = setting(5e-4, RUN, "noise scale at the last generation", bounds=Bounds(0, low_open=True))
+    alpha: float = setting(5e-4, RUN, "step size: theta += alpha / N * sum_i z_i eps_i (1/sigma folded in)",
+                           bounds=Bounds(0, why="0: members are evaluated, the weights never move"))
+    noise_chunk: int = setting(8_388_608, WEIGHTS, "elements per float32 noise draw: part of the noise definition",
+                               bounds=Bounds(1))
+    restore: str = setting("copy_device", RESTORE, "copy_device | copy_host (pinned) | subtract (low memory, NOT "
+                           "bit-exact in bf16) | patch (exact: subtract, then put back the elements it misses; "
+                           "restore_patch.py)", choices=RESTORE_MODES)
+    patch_capacity: float = setting(0.0, RESTORE, "restore=patch: the share of each rank's elements whose bits the "
+                                    "patch can hold; 0: restore_patch.PATCH_CAPACITY of the rounding mode",
+                                    bounds=Bounds(0, 1, why="0: 0.12 with rounding=nearest, 0.32 with stochastic"),
+                                    before=0.0)  # until 6f9fabc: no patch
+    rounding: str = setting("nearest", WEIGHTS, 'bf16 rounding of every weight change: "nearest" (the reference) or '
+                            '"stochastic" (unbiased: steps below half an ulp still move theta in expectation)',
+                            choices=ROUNDING_MODES, before="nearest")  # until c98db3b: to nearest
+    noise: str = setting("rank_salted", WEIGHTS, '"rank_salted" (the reference: per-rank noise, the model exists at '
+                         'this TP size only) or "checkpoint" (per checkpoint element: any TP size, a Hugging Face '
+                         "export)", choices=NOISE_MODES, before="rank_salted")  # until 20ebd4c: the only noise
     # the math agent
-    max_turns: int = 50  # assistant turns per episode
-    max_new_tokens: int = 4096  # per assistant turn
-    temperature: float = 1.0  # sampling (training and evaluation alike)
-    top_p: float = 1.0  # sampling
-    top_k: int = 40  # sampling
-    min_p: float = 0.0  # sampling
-    presence_penalty: float = 2.0  # sampling
-    repetition_penalty: float = 1.0  # sampling
-    bash_timeout_s: float = 20.0  # wall-clock limit of one sandboxed bash command
-    observation_chars: int = 4000  # characters of a command's result the model sees (its head and tail)
-    concurrency: int = 256  # episodes in flight at once
-    allow_leaky_sandbox: bool = False  # run even when the start-up leak check finds the data, run folder or other
-                                       # episodes visible to the sandbox (then every record says so)
-    prompt_mode: str = "render"  # each turn's prompt: "render" the conversation (as the reference) or "continue" ids
+    max_turns: int = setting(50, RUN, "assistant turns per episode", bounds=Bounds(1))
+    max_new_tokens: int = setting(4096, RUN, "per assistant turn", bounds=Bounds(1))
+    temperature: float = setting(1.0, RUN, "sampling (training and evaluation alike)",
+                                 bounds=Bounds(0, 2, why="vLLM's range; 0: greedy"))
+    top_p: float = setting(1.0, RUN, "sampling", bounds=Bounds(0, 1, low_open=True))
+    top_k: int = setting(40, RUN, "sampling", bounds=Bounds(-1, why="-1 or 0: every token"))
+    min_p: float = setting(0.0, RUN, "sampling", bounds=Bounds(0, 1))
+    presence_penalty: float = setting(2.0, RUN, "sampling", bounds=Bounds(-2, 2, why="vLLM's range"))
+    repetition_penalty: float = setting(1.0, RUN, "sampling", bounds=Bounds(0, low_open=True, why="1: none"))
+    bash_timeout_s: float = setting(20.0, RUN, "wall-clock limit of one sandboxed bash command",
+                                    bounds=Bounds(0, 86400, low_open=True, why="at most a day: the sandbox's CPU-time "
+                                                                              "limit is made of it"))
+    observation_chars: int = setting(4000, RUN, "characters of a command's result the model sees (its head and "
+                                     "tail)", bounds=Bounds(1))
+    concurrency: int = setting(256, EXECUTION, "episodes in flight at once", bounds=Bounds(1))
+    allow_leaky_sandbox: bool = setting(False, RUN, "run even when the start-up leak check finds the data, run "
+                                        "folder or other episodes visible to the sandbox (then every record says so)",
+                                        before=True)  # until 174fe5b: no leak check
+    prompt_mode: str = setting("render", RUN, 'each turn\'s prompt: "render" the conversation (as the reference) or '
+                               '"continue" ids', choices=PROMPT_MODES,
+                               before="continue")  # until 6bbc789: ids continued (since 3c340be)
     # data and outputs
-    train_data: str = "data/dapo_train400.jsonl"  # built by 00_data.py; "smoke", "learn": arithmetic made here
-    learn_digits: int = 0  # the learn task's tier: additions of two numbers of this many digits; 0: of 2..19
-    eval_problems: int = 0  # evaluate only the first K problems of each eval set (0: all)
-    run_dir: str = "runs/es"  # history, rollouts, export and eval results of the run live here
-    smoke_eval: bool = False  # 03_eval.py evaluates the smoke problems in place of the DAPO and AIME files (the
-                              # smoke preset's setting); --dapo=PATH or --aime2026=PATH still names a set's file
-    tracking: str = "none"  # "tensorboard": each generation's summary also to <run_dir>/tensorboard
+    train_data: str = setting("data/dapo_train400.jsonl", RUN, 'built by 00_data.py; "smoke", "learn": arithmetic '
+                              "made here")
+    learn_digits: int = setting(0, RUN, "the learn task's tier: additions of two numbers of this many digits; 0: of "
+                                "2..19", bounds=Bounds(0, 30, why="0: the numbers 2..19; one digit is refused (too "
+                                                                  "few pairs to hold out)"),
+                                before=0)  # until 6bc9b3c: the numbers 2..19
+    eval_problems: int = setting(0, RUN, "evaluate only the first K problems of each eval set (0: all)",
+                                 bounds=Bounds(0, why="0: all"))
+    run_dir: str = setting("runs/es", EXECUTION, "history, rollouts, export and eval results of the run live here")
+    smoke_eval: bool = setting(False, EXECUTION, "03_eval.py evaluates the smoke problems in place of the DAPO and "
+                               "AIME files (the smoke preset's setting); --dapo=PATH or --aime2026=PATH still names a "
+                               "set's file", before=False)  # until ab29bcf: the DAPO and AIME files
+    tracking: str = setting("none", EXECUTION, '"tensorboard": each generation\'s summary also to '
+                            "<run_dir>/tensorboard", choices=TRACKING_MODES, before="none")  # until bbb9ffd: none
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            problem = setting_problem(field.name, getattr(self, field.name), type(getattr(Config, field.name)))
+            problem = setting_problem(field, getattr(self, field.name))
             if problem:
                 raise ConfigError(problem)
         if is_checkpoint_noise(self) and self.restore == "subtract":
@@ -1082,72 +1165,16 @@ class ExportError(StageError, RuntimeError):
 
 
 # ============================================================================================================
-# 7. The settings' valid values: every Config is checked against them (Config.__post_init__)
+# 7. The settings as declared (setting(), section 1): each one's valid values, checked whenever a Config is made
+#    (Config.__post_init__: the defaults, a preset, the command line, or the settings read back from a history or an
+#    evaluation), and the settings of a role
 # ============================================================================================================
 
-@dataclass(frozen=True)
-class Bounds:
-    """The valid values of a numeric setting: low..high, each end included unless marked open."""
-    low: float = -math.inf
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-    why: str = ""
-
-    def admits(self, value) -> bool:
-        above = value > self.low if self.low_open else value >= self.low
-        below = value < self.high if self.high_open else value <= self.high
-        return (isinstance(value, int) or math.isfinite(value)) and above and below
-
-    def __str__(self) -> str:
-        def number(x):
-            return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-        if self.high == math.inf:
-            text = f"{'greater than' if self.low_open else 'at least'} {number(self.low)}"
-        else:
-            text = (f"in {'(' if self.low_open else '['}{number(self.low)}, {number(self.high)}"
-                    f"{')' if self.high_open else ']'}")
-        return text + (f" ({self.why})" if self.why else "")
-
-
-# Every numeric setting's valid values, checked (with SETTING_CHOICES) whenever a Config is made: the defaults, a
-# preset, the command line, or the settings read back from a history or an evaluation.
-SETTING_BOUNDS = {
-    "tensor_parallel_size": Bounds(1),
-    "max_model_len": Bounds(1),
-    "gpu_memory_utilization": Bounds(0, 1, low_open=True, why="the share of each GPU's memory vLLM may take"),
-    "max_num_batched_tokens": Bounds(0, why="0: vLLM's default"),
-    "engines": Bounds(0, why="0: one per tensor_parallel_size GPUs"),
-    "run_seed": Bounds(0, 2**32 - 1, why="vLLM seeds numpy's global generator with it"),
-    "generations": Bounds(1),
-    "population": Bounds(2, 65536, why="z-scores need two members; every member's seed, reward and z-score is "
-                                      "recorded each generation"),
-    "case_batch": Bounds(1),
-    "sigma_start": Bounds(0, low_open=True),
-    "sigma_end": Bounds(0, low_open=True),
-    "alpha": Bounds(0, why="0: members are evaluated, the weights never move"),
-    "noise_chunk": Bounds(1),
-    "patch_capacity": Bounds(0, 1, why="0: 0.12 with rounding=nearest, 0.32 with stochastic"),
-    "max_turns": Bounds(1),
-    "max_new_tokens": Bounds(1),
-    "temperature": Bounds(0, 2, why="vLLM's range; 0: greedy"),
-    "top_p": Bounds(0, 1, low_open=True),
-    "top_k": Bounds(-1, why="-1 or 0: every token"),
-    "min_p": Bounds(0, 1),
-    "presence_penalty": Bounds(-2, 2, why="vLLM's range"),
-    "repetition_penalty": Bounds(0, low_open=True, why="1: none"),
-    "bash_timeout_s": Bounds(0, 86400, low_open=True, why="at most a day: the sandbox's CPU-time limit is made of it"),
-    "observation_chars": Bounds(1),
-    "concurrency": Bounds(1),
-    "eval_problems": Bounds(0, why="0: all"),
-    "learn_digits": Bounds(0, 30, why="0: the numbers 2..19; one digit is refused (too few pairs to hold out)"),
-}
-
-
-def setting_problem(name: str, value, field_type: type) -> str | None:
-    """What is wrong with one Config value (the type of its default, SETTING_BOUNDS, SETTING_CHOICES), or None."""
-    numeric = field_type in (int, float)
+def setting_problem(field: dataclasses.Field, value) -> str | None:
+    """What is wrong with one Config value (the type of the field's default, its declared bounds or choices), or
+    None."""
+    name, field_type = field.name, type(field.default)
+    bounds, choices = field.metadata["bounds"], field.metadata["choices"]
     if field_type is float:
         expected, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
     elif field_type is int:
@@ -1156,15 +1183,19 @@ def setting_problem(name: str, value, field_type: type) -> str | None:
         expected, ok = {bool: "true or false", str: "a string"}[field_type], isinstance(value, field_type)
     if not ok:
         return f"{name} must be {expected}, got {value!r}"
-    if numeric and name in SETTING_BOUNDS and not SETTING_BOUNDS[name].admits(value):
+    if bounds is not None and not bounds.admits(value):
         finite = "a finite number " if field_type is float else ""
-        return f"{name} must be {finite}{SETTING_BOUNDS[name]}, got {value!r}"
+        return f"{name} must be {finite}{bounds}, got {value!r}"
     if field_type is int and not -2**63 <= value < 2**63:
         return f"{name} must fit in 64 bits (numpy, torch and vLLM hold it as an int64), got {value!r}"
-    choices = SETTING_CHOICES.get(name)
-    if choices is not None and value not in choices:
+    if choices and value not in choices:
         return f"{name} must be one of {', '.join(choices)}, got {value!r}"
     return None
+
+
+def settings_of(*roles: str) -> tuple[str, ...]:
+    """The names of the settings of these roles (WEIGHTS, RUN, EXECUTION, POOL, RESTORE), in Config's order."""
+    return tuple(f.name for f in dataclasses.fields(Config) if f.metadata["role"] in roles)
 
 
 # A vLLM CPU worker imports this module (worker_extension_cls) before its model loads, which is when the linear

@@ -1,6 +1,6 @@
 """The stages' command line: a preset and `--key=value` overrides of common.Config (nanoGPT style), each checked
-against the field's type, a stage's own options, and what `--help` prints (the comments beside Config's fields and
-beside the stage's constants)."""
+against the field's type, a stage's own options, and what `--help` prints (each setting as Config declares it,
+grouped by its role with that role's rules, and the comments beside the stage's constants)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,29 @@ import sys
 import textwrap
 from pathlib import Path
 
+import common
 from common import PRESETS, Config, ConfigError
 
 HELP_WIDTH = 120  # --help wraps each option's meaning at this column
+# What --help says of the settings of each role (common.setting declares a setting's role), in this order
+ROLE_RULES = {
+    common.WEIGHTS: "What defines the trained weights: a resume keeps them, export and replay take them from the "
+                    "history (with --noise=checkpoint the TP size is free: its weights are the same at every TP size)",
+    common.RUN: "The run's constants: a resume keeps them (a history of other constants is refused, naming them), an "
+                "evaluation reuses its finished episodes only under the same, export takes them from the history and "
+                "the replay from the evaluation it replays",
+    common.RESTORE: "How a member's perturbation is undone: a resume after an exact mode may move to another exact "
+                    "one (never to subtract); export, evaluation and replay never perturb and take any",
+    common.EXECUTION: "Where and how fast a stage runs, never what it computes: a resume may change them, an "
+                      "evaluation keeps its finished episodes across them, export and replay take them from their "
+                      "command line",
+    common.POOL: "How many engines run, and where: this machine's, from the command line, never recorded in a history",
+}
+# The title of the settings in --help of a stage that rebuilds a recorded run (export, replay: history.REBUILD_FIELDS)
+REBUILD_TITLE = ("Run settings this stage takes (common.Config; as --key=value). Every other setting is the recorded "
+                 "run's (what defines the weights the history's; the others the history's for an export, the "
+                 "evaluation's for a replay): a --key=value that differs from a recorded value is refused. With a "
+                 "history of --noise=checkpoint --tensor_parallel_size is free too. --preset=NAME supplies only these.")
 
 
 def parse_config(argv: list[str], base: Config | None = None) -> Config:
@@ -82,27 +102,33 @@ def _described(flag: str, meaning: str) -> str:
                          break_long_words=False, break_on_hyphens=False) if meaning else flag
 
 
-def usage(doc: str, script: str | None = None, options: dict | None = None, settings: bool = True) -> str:
+def usage(doc: str, script: str | None = None, options: dict | None = None, settings: bool | tuple = True) -> str:
     """What `--help` prints: the stage's docstring, its own options (the comments beside their constants in the
-    script) and every run setting with its default and the comment beside it in Config, then the presets."""
-    import inspect
-
+    script), the run settings with their defaults and meanings, grouped by role under its rules (every setting, or
+    a tuple of them: only those, for a stage that takes the rest from a recorded run), then the presets (of a tuple,
+    only its settings)."""
     parts = [doc.strip()]
     if options:
         meaning = _comments_beside(Path(script).read_text(), r"^([A-Z_]+) = ")
         parts.append("Options of this stage:\n" + "\n".join(
             _described(f"  --{k}={v}", meaning.get(k.upper(), "")) for k, v in options.items()))
     if settings:
-        meaning = _comments_beside(inspect.getsource(Config), r"^    (\w+): [^=]+= ")
-        parts.append("Run settings (common.Config; any as --key=value):\n" + "\n".join(
-            _described(f"  --{k}={v}", meaning.get(k, "")) for k, v in dataclasses.asdict(Config()).items()))
+        shown = [f for f in dataclasses.fields(Config) if settings is True or f.name in settings]
+        groups = ["\n".join([textwrap.fill(rules + ":", width=HELP_WIDTH, break_on_hyphens=False)] + [
+            _described(f"  --{f.name}={f.default}", f.metadata["help"]) for f in shown if f.metadata["role"] == role])
+            for role, rules in ROLE_RULES.items() if any(f.metadata["role"] == role for f in shown)]
+        title = ("Run settings (common.Config; any as --key=value, each checked against its range or choices)"
+                 if settings is True else REBUILD_TITLE)
+        parts.append("\n\n".join([textwrap.fill(title, width=HELP_WIDTH, break_on_hyphens=False), *groups]))
+        names = {f.name for f in shown}
         parts.append("Presets (--preset=NAME, before the other settings):\n" + "\n".join(
-            f"  {name}: " + " ".join(f"--{k}={v}" for k, v in values.items()) for name, values in PRESETS.items()))
+            f"  {name}: " + " ".join(f"--{k}={v}" for k, v in values.items() if k in names)
+            for name, values in PRESETS.items()))
     return "\n\n".join(parts)
 
 
 def exit_if_help(argv: list[str], doc: str, script: str | None = None, options: dict | None = None,
-                 settings: bool = True) -> None:
+                 settings: bool | tuple = True) -> None:
     if "--help" in argv or "-h" in argv:
         try:
             print(usage(doc, script, options, settings), flush=True)

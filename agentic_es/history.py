@@ -60,28 +60,38 @@ def read_history(path) -> dict:
 
 # ---- The recorded run's settings: what export and replay take from a history, what a resume may change
 
-# What defines the trained weights besides the history's per-generation records (seeds, z, alpha): the base model,
-# the runtime layout (TP size, dtype) and the noise. Export and replay take them from the history, never from the
-# command line, a preset or an evaluation's settings.
-WEIGHT_FIELDS = ("model", "tensor_parallel_size", "dtype", "noise_chunk", "rounding", "noise")
-POOL_FIELDS = ("engines", "ray_address")  # how many engines evaluate, never what they compute: not in the history
-# settings of where and how fast a run executes, never of what it computes: where files go, how many episodes the
-# engine steps at once and how, which engines. A resume may change them (resume_free_fields), and 03_eval.py keeps
-# an evaluation's finished episodes across them. They never touch the weights (and a GPU's sampling is not
-# batch-invariant anyway)
-EXECUTION_FIELDS = ("run_dir", "concurrency", "gpu_memory_utilization", "smoke_eval", "tracking", *POOL_FIELDS,
-                    "cuda_graphs", "cudagraph_mode", "max_num_batched_tokens", "custom_all_reduce")
+# The settings of each role (common.setting, beside each Config field, declares it). What defines the trained weights
+# besides the history's per-generation records: export and replay take it from the history, never from the command
+# line, a preset or an evaluation's settings
+WEIGHT_FIELDS = common.settings_of(common.WEIGHTS)
+POOL_FIELDS = common.settings_of(common.POOL)  # how many engines evaluate, never what they compute: not in the history
+# where and how fast a run executes, never what it computes: a resume may change them (resume_free_fields), and
+# 03_eval.py keeps an evaluation's finished episodes across them
+EXECUTION_FIELDS = common.settings_of(common.EXECUTION, common.POOL)
 # how a member's perturbation is undone: a stage that never perturbs (export, evaluation, replay) takes any value,
 # e.g. an evaluation of a --restore=subtract run resumed with --restore=patch --patch_capacity=0.3
-RESTORE_FIELDS = ("restore", "patch_capacity")
+RESTORE_FIELDS = common.settings_of(common.RESTORE)
+# what export and replay take from their command line (their --help lists them; with checkpoint noise the TP size
+# too: resume_free_fields): every other setting is the recorded run's
+REBUILD_FIELDS = EXECUTION_FIELDS + RESTORE_FIELDS
+
+
+def recorded_settings(config: dict) -> dict:
+    """What a file records of a run's settings (a history's or an evaluation's config), each field it lacks as the
+    code ran before the field existed (the `before` Config declares beside it): a file written then reads as it
+    did then, whatever the default is now. A field as old as these files that one lacks reads as its default."""
+    lacking = {f.name: f.default if f.metadata["before"] is None else f.metadata["before"]
+               for f in dataclasses.fields(Config) if f.name not in config}
+    return {**config, **lacking}
 
 
 def resume_free_fields(config: dict) -> tuple[str, ...]:
     """EXECUTION_FIELDS; after an exact restore mode the restore mode and the patch's capacity (every exact mode
     leaves the same bits: a patch overflow's advice, another capacity or copy_device, resumes the run; a move to the
     inexact subtract is refused by identity_differences); with checkpoint noise the TP size: its weights are the
-    same at every TP size."""
-    exact = config.get("restore", common.Config.restore) != "subtract"
+    same at every TP size. `config`: a history's."""
+    config = recorded_settings(config)
+    exact = config["restore"] != "subtract"
     return (EXECUTION_FIELDS + (RESTORE_FIELDS if exact else ())
             + (("tensor_parallel_size",) if common.is_checkpoint_noise(config) else ()))
 
@@ -114,16 +124,17 @@ def without_retired_settings(config: dict) -> dict:
 def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
     """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
     from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
-    from the history. `--preset` fills in only the settings that may differ between runs (EXECUTION_FIELDS, such
-    as run_dir, and RESTORE_FIELDS: these stages never perturb), never a recorded value; an explicit `--key=value`
-    that differs from a recorded one is refused."""
-    history_settings = without_retired_settings(history["config"])  # refuses a run this code cannot rebuild
-    given = without_retired_settings(settings) if settings else history_settings
-    recorded_settings = {k: v for k, v in given.items()
-                         if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
-    free_fields = resume_free_fields(history["config"]) + RESTORE_FIELDS
-    values = {**recorded_settings, **{f: history["config"][f] for f in WEIGHT_FIELDS
-                                      if f in history["config"] and f not in free_fields}}
+    from the history; a field a file lacks as the code ran before the field existed (recorded_settings). `--preset`
+    fills in only the settings that may differ between runs (REBUILD_FIELDS: EXECUTION_FIELDS, such as run_dir, and
+    RESTORE_FIELDS: these stages never perturb), never a recorded value; an explicit `--key=value` that differs from
+    a recorded one is refused."""
+    # without_retired_settings refuses a run this code cannot rebuild
+    history_settings = recorded_settings(without_retired_settings(history["config"]))
+    given = recorded_settings(without_retired_settings(settings)) if settings else history_settings
+    run_settings = {k: v for k, v in given.items()
+                    if k not in POOL_FIELDS}  # where engines run is this machine's, from the command line
+    free_fields = resume_free_fields(history["config"]) + REBUILD_FIELDS
+    values = {**run_settings, **{f: history_settings[f] for f in WEIGHT_FIELDS if f not in free_fields}}
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
     if unknown:
         raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
@@ -183,12 +194,12 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
         if any_tp and key in ("tensor_parallel_size", "parameter_names_sha256"):
             continue  # checkpoint noise: the same weights at every TP size (the digests compare them)
         if key == "config":
-            # a field newer than the history: its default is the old behaviour
-            defaults = dataclasses.asdict(common.Config())
+            then_config = recorded_settings(recorded["config"])  # a field newer than the history: the code before it
             for field, now in value.items():
-                then = recorded["config"].get(field, defaults.get(field))
+                then = then_config.get(field)
                 if field not in resume_free_fields(recorded["config"]) and then != now:
-                    older = "" if field in recorded["config"] else " (the default: the history predates the setting)"
+                    older = ("" if field in recorded["config"]
+                             else " (the history predates the setting: what the code did before it)")
                     diffs.append(f"config {field}: history has {then!r}{older}, this run has {now!r}")
                 elif field == "restore" and now == "subtract" != then:
                     diffs.append(f"config restore: history has {then!r} (exact), this run has 'subtract' (not exact)")

@@ -1,5 +1,6 @@
-"""What the test modules share: the engine mark's check (pytest.ini), an offline hub cache, waiting for processes to
-end, acting as another user, and the numbered scripts run in this process or as subprocesses."""
+"""What the test modules share: the engine mark's check (pytest.ini), an offline hub cache, a Config default edited
+for one test, waiting for processes to end, acting as another user, and the numbered scripts run in this process or
+as subprocesses."""
 
 import contextlib
 import hashlib
@@ -88,6 +89,27 @@ def hub_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return cache
+
+
+@pytest.fixture
+def edit_default(monkeypatch):
+    """edit_default(name, value): for this test Config's default of `name` is `value`, as an edit of the default
+    beside the field in common.py makes it (the design card's way to start a new run): Config(), the command line's
+    defaults and the field's declaration."""
+    import dataclasses
+
+    import common
+
+    def edit(name, value):
+        names = [f.name for f in dataclasses.fields(common.Config)]
+        defaults = list(common.Config.__init__.__defaults__)  # every field has one: one per field, in order
+        defaults[names.index(name)] = value
+        monkeypatch.setattr(common.Config.__init__, "__defaults__", tuple(defaults))
+        monkeypatch.setattr(common.Config.__dataclass_fields__[name], "default", value)
+        monkeypatch.setattr(common.Config, name, value)
+        assert getattr(common.Config(), name) == value
+
+    return edit
 
 
 def still_running(processes, timeout=60):

@@ -389,3 +389,24 @@ def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(
     (tmp_path / "eval_run.json").write_text(json.dumps(older))
     with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
         evaluation.claim_output_folder(tmp_path, checkpoint, cfg, dict(data, dapo="e.jsonl"), sha)
+
+
+def test_an_evaluation_marker_older_than_a_setting_reads_as_the_code_before_it(tmp_path, edit_default):
+    """A marker written before --fitness and --prompt_mode holds episodes scored by the agent's score, their turns
+    continuing the generated ids: the folder resumes under those, also after the fitness default is edited, and is
+    refused under the edited default or today's prompt mode."""
+    checkpoint, data, sha = {"kind": "base", "per_rank_digests": ["a"]}, {"dapo": "d.jsonl"}, {"dapo": "1" * 64}
+    then = cli.parse_config(["--preset=smoke", "--prompt_mode=continue", "--fitness=agent"])
+    evaluation.claim_output_folder(tmp_path, checkpoint, then, data, sha)
+    older = json.loads((tmp_path / "eval_run.json").read_text())
+    for name in ("fitness", "prompt_mode"):
+        del older["config"][name]
+    edit_default("fitness", "shaped")
+    for cfg, reused in ((then, True), (cli.parse_config(["--preset=smoke", "--prompt_mode=continue"]), False),
+                        (cli.parse_config(["--preset=smoke", "--fitness=agent"]), False)):
+        (tmp_path / "eval_run.json").write_text(json.dumps(older))
+        if reused:
+            evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data, sha)
+        else:
+            with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
+                evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data, sha)

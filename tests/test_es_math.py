@@ -6,6 +6,7 @@ import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +14,9 @@ import torch
 
 import common
 from agentic_es import cli, data, digests, engine, fileio, tracking
-from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, check_base, check_config, config_from_history,
-                                identity_differences, name_only_fingerprint, read_history)
+from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, REBUILD_FIELDS, check_base, check_config,
+                                config_from_history, identity_differences, name_only_fingerprint, read_history,
+                                resume_free_fields)
 
 
 # ---- sigma schedule ----
@@ -396,11 +398,10 @@ def test_parse_config_refuses_bad_input_and_out_of_range_settings(argv, message)
 
 
 def test_every_numeric_setting_has_its_range_and_defaults_and_presets_are_in_it():
-    numeric = {f.name for f in dataclasses.fields(common.Config)
-               if type(getattr(common.Config, f.name)) in (int, float)}
-    assert numeric == set(common.SETTING_BOUNDS)  # a new numeric setting needs its bounds
+    numeric = [f for f in dataclasses.fields(common.Config) if type(f.default) in (int, float)]
+    assert all(f.metadata["bounds"] is not None for f in numeric)  # a new numeric setting needs its bounds
+    assert all(f.metadata["bounds"].admits(f.default) for f in numeric)
     defaults = dataclasses.asdict(common.Config())
-    assert all(common.SETTING_BOUNDS[name].admits(defaults[name]) for name in numeric)
     for name, preset in common.PRESETS.items():
         assert cli.parse_config([f"--preset={name}"]) == common.Config(**{**defaults, **preset})
 
@@ -517,7 +518,8 @@ def test_the_fitness_is_the_recorded_runs_and_a_history_without_it_reads_as_the_
     assert config_from_history(older, ["--preset=learn"]).fitness == "agent"  # the preset's shaped is no record
     check_config(older, cli.parse_config(same_run))
     with pytest.raises(common.HistoryMismatch, match=re.escape(
-            "config fitness: history has 'agent' (the default: the history predates the setting), this run has "
+            "config fitness: history has 'agent' (the history predates the setting: what the code did before it), this "
+            "run has "
             "'shaped'")):
         check_config(older, cli.parse_config([*same_run, "--fitness=shaped"]))
     with pytest.raises(common.ConfigError, match="fitness must be one of agent, shaped, got 'score'"):
@@ -575,16 +577,75 @@ def test_older_name_only_fingerprint_of_the_same_hub_id_is_accepted():
     assert identity_differences(dict(older, base_fingerprint="sha256:" + "b" * 64), current, False)
 
 
-def test_a_setting_newer_than_the_history_counts_as_its_default():
-    """A history written before a Config field existed resumes when the field keeps its default (the behaviour
-    the history was made with), and is refused when the field is set to anything else."""
+def test_a_setting_newer_than_the_history_reads_as_the_code_before_it():
+    """A history written before a Config field existed resumes when the field is what the code did then (its
+    declared `before`; before prompt_mode, turns continued the generated ids), and is refused otherwise, also under
+    today's default."""
     config = dataclasses.asdict(common.Config())
     older = identity([H200, H200], config={k: v for k, v in config.items() if k != "prompt_mode"})
-    assert identity_differences(older, identity([H200, H200], config=config)) == []
-    changed = dict(config, prompt_mode="continue")
-    assert identity_differences(older, identity([H200, H200], config=changed)) == [
-        "config prompt_mode: history has 'render' (the default: the history predates the setting), this run has "
-        "'continue'"]
+    assert identity_differences(older, identity([H200, H200], config=dict(config, prompt_mode="continue"))) == []
+    assert identity_differences(older, identity([H200, H200], config=config)) == [
+        "config prompt_mode: history has 'continue' (the history predates the setting: what the code did before it), "
+        "this run has 'render'"]
+
+
+# The settings as old as the history and evaluation files (71e1e68 wrote them first): every file records them. Each
+# field added since declares `before`, what the code did before it, which is how a file lacking it reads
+SETTINGS_AS_OLD_AS_THE_FILES = {
+    "model", "tensor_parallel_size", "dtype", "max_model_len", "gpu_memory_utilization", "cuda_graphs", "run_seed",
+    "generations", "population", "case_batch", "sigma_start", "sigma_end", "alpha", "noise_chunk", "restore",
+    "max_turns", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty",
+    "bash_timeout_s", "observation_chars", "concurrency", "train_data", "run_dir", "eval_problems"}
+OLD_HISTORY = Path(__file__).parent / "fixtures" / "es_history_2ec1038.json"  # written before fitness, learn_digits
+
+
+def test_a_setting_added_after_the_first_files_declares_what_the_code_did_before_it():
+    fields = dataclasses.fields(common.Config)
+    assert {f.name for f in fields if f.metadata["before"] is None} == SETTINGS_AS_OLD_AS_THE_FILES
+    for f in fields:  # each before is a valid value of its setting
+        assert f.metadata["before"] is None or common.setting_problem(f, f.metadata["before"]) is None, f.name
+    lacking = {f.name for f in fields} - set(read_history(OLD_HISTORY)["config"])
+    assert lacking == {"fitness", "learn_digits", "engines", "ray_address"}  # the pool's: never in a history
+    assert all(common.Config.__dataclass_fields__[name].metadata["before"] is not None for name in lacking)
+
+
+def test_an_old_history_reads_as_it_was_written_after_a_default_is_edited(edit_default):
+    """2ec1038's history predates --fitness (the agent's score) and --learn_digits (the numbers 2..19): with both
+    defaults edited, export and replay still rebuild it as an agent-score run of 2..19, a resume under its own
+    values goes on, and one under the new defaults is refused naming the setting."""
+    history = read_history(OLD_HISTORY)
+    edit_default("fitness", "shaped")
+    edit_default("train_data", "learn")  # a tier of the learn task only: the history records its own train_data
+    edit_default("learn_digits", 3)
+    cfg = config_from_history(history, [])
+    assert (cfg.fitness, cfg.learn_digits) == ("agent", 0)
+    check_config(history, cfg)
+    with pytest.raises(common.HistoryMismatch, match=re.escape(
+            "config fitness: history has 'agent' (the history predates the setting: what the code did before it), "
+            "this run has 'shaped'")):
+        check_config(history, dataclasses.replace(cfg, fitness=common.Config().fitness))
+    # the replay's settings from an evaluation file written before the setting read so too
+    evaluation = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "fitness"}
+    assert config_from_history(history, [], settings=evaluation).fitness == "agent"
+
+
+def test_an_old_history_keeps_its_weights_settings_after_a_default_is_edited(edit_default):
+    """A history written before --noise and --rounding ran the rank-salted noise, rounded to nearest: with the
+    defaults edited to the checkpoint noise and stochastic rounding, export and replay still rebuild it so (its TP
+    size not free), and a resume under the new defaults is refused."""
+    recorded = recorded_history()
+    for name in ("noise", "rounding"):
+        del recorded["config"][name]
+    edit_default("noise", "checkpoint")
+    edit_default("rounding", "stochastic")
+    cfg = config_from_history(recorded, ["--preset=smoke"])
+    assert (cfg.noise, cfg.rounding) == ("rank_salted", "nearest")
+    assert "tensor_parallel_size" not in resume_free_fields(recorded["config"])
+    with pytest.raises(common.ConfigError, match=re.escape("--tensor_parallel_size=1 (recorded: 2, from the history)")):
+        config_from_history(recorded, ["--tensor_parallel_size=1"])
+    diffs = identity_differences(recorded, {"config": dataclasses.asdict(common.Config(
+        **{**dataclasses.asdict(cfg), "noise": "checkpoint", "rounding": "stochastic", "restore": "copy_device"}))})
+    assert [d.split(":")[0] for d in diffs] == ["config rounding", "config noise"]
 
 
 def test_an_exact_restore_mode_may_change_on_resume_but_not_to_subtract():
@@ -736,14 +797,48 @@ def test_help_prints_the_stage_its_options_and_every_setting(script, capsys):
     if script == "00_data":
         assert "--source_dir=" in text and "--model=" not in text  # its own options only
         return
-    for name, default in dataclasses.asdict(common.Config()).items():  # each with its default and a meaning
-        assert re.search(rf"^  --{name}={re.escape(str(default))} +\S", text, re.M), f"Config.{name} in --help"
+    # each setting the stage takes with its default and a meaning: export and replay take only REBUILD_FIELDS
+    listed = (REBUILD_FIELDS if script in ("02_export", "04_replay")
+              else [f.name for f in dataclasses.fields(common.Config)])
+    for name, default in dataclasses.asdict(common.Config()).items():
+        shown = re.search(rf"^  --{name}={re.escape(str(default))} +\S", text, re.M)
+        assert bool(shown) == (name in listed), f"Config.{name} in --help"
     for lines in HELP_OF_TWO_LINE_COMMENTS:
-        assert lines in text
+        assert (lines in text) == (lines.split("=")[0].strip()[2:] in listed)
     assert all(f"  {preset}: " in text for preset in common.PRESETS)
+    assert "--model=tiny-qwen3-dense" in text or script in ("02_export", "04_replay")  # a preset's, where taken
     if script == "02_export":  # a stage option's comment is read whole too
         assert """  --history=                       default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by
                                    --preset=smoke)""" in text
+
+
+@pytest.mark.parametrize("noise", common.NOISE_MODES)
+def test_export_and_replay_take_the_settings_their_help_lists_and_refuse_every_other(noise):
+    """02_export.py and 04_replay.py --help list REBUILD_FIELDS: each may differ from the recorded run, every other
+    setting given with another value is refused (with checkpoint noise the TP size is free too, as their help
+    says)."""
+    recorded = common.Config(model="/models/my-base", noise=noise)
+    history = {"config": dataclasses.asdict(recorded)}
+    other = {"tensor_parallel_size": 1, "dtype": "float16", "gpu_memory_utilization": 0.5, "cuda_graphs": False,
+             "cudagraph_mode": "FULL", "max_num_batched_tokens": 0, "custom_all_reduce": True, "engines": 2,
+             "ray_address": "auto", "run_seed": 1, "generations": 3, "population": 4, "case_batch": 2,
+             "fitness": "shaped", "sigma_start": 0.1, "sigma_end": 0.1, "alpha": 0.1, "noise_chunk": 1024,
+             "restore": "copy_host", "patch_capacity": 0.5, "rounding": "stochastic",
+             "noise": "rank_salted" if noise == "checkpoint" else "checkpoint", "max_turns": 2,
+             "max_new_tokens": 8, "max_model_len": 64, "temperature": 0.5, "top_p": 0.5, "top_k": 2, "min_p": 0.5,
+             "presence_penalty": 0.5, "repetition_penalty": 0.5, "bash_timeout_s": 1.0, "observation_chars": 9,
+             "concurrency": 3, "allow_leaky_sandbox": True, "prompt_mode": "continue", "train_data": "learn",
+             "learn_digits": 3, "eval_problems": 5, "run_dir": "/x", "smoke_eval": True, "tracking": "tensorboard",
+             "model": "/models/other"}
+    assert set(other) == {f.name for f in dataclasses.fields(common.Config)}
+    free = set(REBUILD_FIELDS) | ({"tensor_parallel_size"} if noise == "checkpoint" else set())
+    for name, value in other.items():
+        argv = [f"--{name}={value}"] + (["--train_data=learn"] if name == "learn_digits" else [])
+        if name in free:
+            assert getattr(config_from_history(history, argv), name) == value
+        else:
+            with pytest.raises(common.ConfigError, match=f"cannot be overridden: --{name}="):
+                config_from_history(history, argv)
 
 
 def test_help_into_a_pipe_closed_early_ends_quietly():
@@ -819,8 +914,8 @@ def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
     history = {"config": {k: v for k, v in dataclasses.asdict(nearest).items() if k != "rounding"}}  # an older one
     check_config(history, nearest)
     with pytest.raises(common.HistoryMismatch,
-                       match=re.escape("config rounding: history has 'nearest' (the default: the history "
-                                       "predates the setting), this run has 'stochastic'")):
+                       match=re.escape("config rounding: history has 'nearest' (the history predates the "
+                                       "setting: what the code did before it), this run has 'stochastic'")):
         check_config(history, stochastic)
     diffs = identity_differences({"noise": common.noise_definition(nearest)},
                                  {"noise": common.noise_definition(stochastic)})

@@ -97,7 +97,7 @@ def test_a_history_written_before_the_fitness_setting_resumes_as_the_agents_scor
     fileio.write_json_atomic(dict(history, config={k: v for k, v in history["config"].items() if k != "fitness"}),
                              older / HISTORY_FILE)
     argv = ["--preset=learn", *CPU_SIZED, f"--run_dir={older}"]
-    with pytest.raises(common.HistoryMismatch, match=r"config fitness: history has 'agent' \(the default: the history "
-                                                     r"predates the setting\), this run has 'shaped'"):
+    with pytest.raises(common.HistoryMismatch, match=r"config fitness: history has 'agent' \(the history predates the "
+                                                     r"setting: what the code did before it\), this run has 'shaped'"):
         train.main(argv)
     assert train.main([*argv, "--fitness=agent"])["generations"] == history["generations"]
