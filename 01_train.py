@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import common
-from agentic_es import cli, data, engine, fileio, models, tracking
+from agentic_es import cli, data, fileio, models, stage, tracking
 from agentic_es.history import (HISTORY_FILE, check_config, generation_settings, read_history, rebuild_from_history,
                                 run_identity)
 from agentic_es.metrics import cut_replies
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> dict:
                                 desc="generations"):
             try:
                 record = run_generation(engines, cfg, problems, g, member_fitness(cfg), run_dir / ROLLOUTS)
-            except (common.EngineFailure, engine.Interrupted) as stop:  # nothing of generation g has been written
+            except (common.EngineFailure, stage.Interrupted) as stop:  # nothing of generation g has been written
                 tqdm.write(f"[train] generation {g} abandoned ({stop}); {history_path} keeps the {g} finished "
                            "generations: run the same command again to resume")
                 raise
@@ -154,4 +154,4 @@ def print_final_summary(history: dict, run_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    engine.run_stage(main, "train")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly
+    stage.run_stage(main, "train")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly

@@ -8,8 +8,9 @@ Sections, in order:
   3. the vLLM worker extension that applies them inside each TP rank
   4. replay: a run history's updates applied again to the base weights
   5. the math agent: prompts, reply parsing, per-request seeds, the episode loop, a member's fitness
-  6. the errors a stage stops with
-  7. the settings' valid values, checked whenever a Config is made
+  6. the settings' valid values, checked whenever a Config is made
+The errors a stage stops with (ConfigError, DataError, EngineFailure, ...) are agentic_es/stage.py's; the stages
+name them here (common.ConfigError).
 
 The infrastructure lives beside it in agentic_es/, one concern per module (the README's Layout lists them): engine.py
 and pool.py run this on K vLLM engines, history.py records, refuses and rebuilds runs, data.py and metrics.py hold the
@@ -35,6 +36,9 @@ import numpy as np
 import torch
 
 from agentic_es import checkpoint_definition, digests, restore_patch, sandbox, scoring, vllm_platform
+# the errors a stage stops with: the stages and modules that import common name them as common.ConfigError, ...
+from agentic_es.stage import (ConfigError, DataError, EngineFailure, ExportError, HistoryMismatch,  # noqa: F401
+                              PatchOverflow, ScorerFailure, StageError)
 
 REPO = Path(__file__).resolve().parent
 
@@ -1011,46 +1015,7 @@ def check_scorer_failures(records: list[dict], what: str, consequence: str) -> d
 
 
 # ============================================================================================================
-# 6. The errors a stage stops with: each one line for its user (engine.run_stage)
-# ============================================================================================================
-
-class StageError(Exception):
-    """A stage stops with a message for its user, not a traceback: bad input, another run's files, a vLLM failure.
-    The numbered scripts catch this one base class."""
-
-
-class ConfigError(StageError, ValueError):
-    """A setting, a command line or a machine the run cannot use."""
-
-
-class DataError(StageError, ValueError):
-    """A missing, malformed or inconsistent input file or record set."""
-
-
-class HistoryMismatch(StageError, RuntimeError):
-    """A history made by another run, or one whose recorded updates do not rebuild its recorded weights."""
-
-
-class EngineFailure(StageError, RuntimeError):
-    """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
-    fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
-
-
-class ScorerFailure(StageError, RuntimeError):
-    """The answer scorer's workers cannot start, score known answers wrongly, or failed on too many episodes
-    (SCORER_FAILURE_BOUND): the stage stops before it records scores that say nothing of the answers."""
-
-
-class PatchOverflow(StageError, RuntimeError):
-    """restore="patch": a member misses more elements than the patch holds (the weights are back at the centre)."""
-
-
-class ExportError(StageError, RuntimeError):
-    """An export that is not what its manifest says, or weights that differ from the export's."""
-
-
-# ============================================================================================================
-# 7. The settings' valid values: every Config is checked against them (Config.__post_init__)
+# 6. The settings' valid values: every Config is checked against them (Config.__post_init__)
 # ============================================================================================================
 
 @dataclass(frozen=True)

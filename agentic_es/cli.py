@@ -12,20 +12,25 @@ import sys
 import textwrap
 from pathlib import Path
 
-from common import PRESETS, Config, ConfigError
+from agentic_es.stage import ConfigError
 
 HELP_WIDTH = 120  # --help wraps each option's meaning at this column
 
 
-def parse_config(argv: list[str], base: Config | None = None) -> Config:
-    """`--preset=NAME` first, then `--key=value` overrides, each checked against Config's field types."""
+def parse_config(argv: list[str], base=None):
+    """The run's common.Config (from `base`, else the defaults): `--preset=NAME` first, then `--key=value`
+    overrides, each checked against Config's field types."""
+    import common  # here: common imports torch, which a stage without run settings (00_data.py) never needs
+
     preset, explicit = parse_overrides(argv)
-    return Config(**{**dataclasses.asdict(base or Config()), **preset, **explicit})
+    return common.Config(**{**dataclasses.asdict(base or common.Config()), **preset, **explicit})
 
 
 def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
     """The values a command line sets: (the preset's, the explicit `--key=value` ones), each checked against
     Config's fields and types."""
+    from common import PRESETS, Config  # here: see parse_config
+
     fields = {f.name: f for f in dataclasses.fields(Config)}
     defaults = dataclasses.asdict(Config())
     preset, explicit = {}, {}
@@ -93,6 +98,8 @@ def usage(doc: str, script: str | None = None, options: dict | None = None, sett
         parts.append("Options of this stage:\n" + "\n".join(
             _described(f"  --{k}={v}", meaning.get(k.upper(), "")) for k, v in options.items()))
     if settings:
+        from common import PRESETS, Config  # here: see parse_config
+
         meaning = _comments_beside(inspect.getsource(Config), r"^    (\w+): [^=]+= ")
         parts.append("Run settings (common.Config; any as --key=value):\n" + "\n".join(
             _described(f"  --{k}={v}", meaning.get(k, "")) for k, v in dataclasses.asdict(Config()).items()))

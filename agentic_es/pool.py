@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import common
-from agentic_es import checkpoint_noise, engine, fileio, history, restore_patch, sandbox, tracking, vllm_platform
+from agentic_es import checkpoint_noise, engine, fileio, history, restore_patch, sandbox, stage, tracking, vllm_platform
 
 
 POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
@@ -511,7 +511,7 @@ class RemoteEngine:
         import ray
 
         with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
-            ray.get(self.actor.close.remote(), timeout=engine.ENGINE_SHUTDOWN_S + 30)
+            ray.get(self.actor.close.remote(), timeout=stage.ENGINE_SHUTDOWN_S + 30)
         with contextlib.suppress(Exception):
             ray.kill(self.actor)
 

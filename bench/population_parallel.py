@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agentic_es import cli, data, fileio, models, vllm_platform  # noqa: E402
-from agentic_es.engine import prepare_script  # noqa: E402
+from agentic_es.stage import prepare_script  # noqa: E402
 from agentic_es.pool import EnginePool  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Settings without sense and inputs a stage cannot use, met as a user meets them: each numbered script's __main__
-path (engine.run_stage) with the user's command line, in this process (the conftest's `stage`), and once per script
+path (stage.run_stage) with the user's command line, in this process (the conftest's `stage`), and once per script
 as a subprocess (the one line on the real stderr and the exit status of a real interpreter). Each refusal is one
 line on stderr naming the setting or the file (and its line where it has lines), a non-zero exit, no traceback, and
 nothing left behind: no run folder, no export or evaluation folder, no file changed. Every refusal comes before any

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from agentic_es import engine  # noqa: E402
+from agentic_es import engine, stage  # noqa: E402
 
 train = importlib.import_module("01_train")
 
@@ -58,4 +58,4 @@ if __name__ == "__main__":
     if os.environ.get("ES_TEST_PAUSE"):
         gate, steps = os.environ["ES_TEST_PAUSE"].rsplit(":", 1)
         pause_after_member_steps(gate, int(steps))
-    engine.run_stage(main, "train")
+    stage.run_stage(main, "train")
