@@ -99,8 +99,13 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
     seeds = common.member_seeds(cfg.run_seed, g, cfg.population)
     # every member sees the same problems with the same request seeds (sample 0): members differ only in weights
     jobs = [(problem, 0) for problem in batch]
-    # each engine of the pool perturbs, runs the agent and restores, one member after another (records by member)
-    per_member, timings = engines.evaluate_members(seeds, sigma, jobs, desc=f"generation {g} members")
+    # each member on the next free engine of the pool: perturb, the agent on the batch, exact restore
+    started = time.perf_counter()
+    results = engines.map(common.evaluate_member, [(seed, sigma, jobs) for seed in seeds],
+                          desc=f"generation {g} members", noun="member")
+    per_member = [records for records, _ in results]
+    timings = {step: sum(seconds[step] for _, seconds in results) for step in ("perturb", "rollout", "restore")}
+    timings["members"] = time.perf_counter() - started  # the population's wall time
     # past the bound the scores are the scorer's failures, not the members': nothing of generation g is written
     scorer_failures = common.check_scorer_failures([r for records in per_member for r in records], f"generation {g}",
                                                    f"nothing of generation {g} is written (docs/scoring.md)")

@@ -7,7 +7,8 @@ Sections, in order:
      case batch, sigma_at, zscore, the update
   3. the vLLM worker extension that applies them inside each TP rank
   4. replay: a run history's updates applied again to the base weights
-  5. the math agent: prompts, reply parsing, per-request seeds, the episode loop, a member's fitness
+  5. the math agent: prompts, reply parsing, per-request seeds, the episode loop, the member step (perturb, the
+     agent, restore), a member's fitness
   6. the settings' valid values, checked whenever a Config is made
 The errors a stage stops with (ConfigError, DataError, EngineFailure, ...) are agentic_es/stage.py's; the stages
 name them here (common.ConfigError).
@@ -892,6 +893,23 @@ async def run_episodes(policy, problems_and_sample_indices, cfg: Config, *, sand
         if own_executor is not None:
             # after a failure, bash calls still running end on their own timeout; don't hold the loop for them
             own_executor.shutdown(wait=finished, cancel_futures=not finished)
+
+
+# ---- The member step of ES: one member's episodes on one engine
+
+def evaluate_member(engine, seed: int, sigma: float, jobs: list[tuple[dict, int]], *, desc: str | None = None,
+                    on_record=None) -> tuple[list[dict], dict]:
+    """theta + sigma * eps(seed) on `engine` (an engine.Engine, or a pool's engine in a Ray actor), the agent on
+    `jobs` ((problem, sample index) pairs: one episode each, run_episodes), then the exact theta back. Returns the
+    member's records in input order and the seconds of each step. The pool runs it on its next free engine
+    (EnginePool.map); on_record(record) as each episode ends, desc: the episodes' progress bar (None: none)."""
+    started = time.perf_counter()
+    engine.perturb(seed, sigma)
+    perturbed = time.perf_counter()
+    records = engine.run_agent(jobs, desc=desc, on_record=on_record)
+    ran = time.perf_counter()
+    engine.restore()
+    return records, {"perturb": perturbed - started, "rollout": ran - perturbed, "restore": time.perf_counter() - ran}
 
 
 # ---- A member's fitness (Config.fitness): the mean of one reward per episode of its case batch

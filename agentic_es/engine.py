@@ -27,7 +27,7 @@ from pathlib import Path
 
 import common
 from agentic_es import checkpoint_noise, fileio, restore_patch, sandbox, stage, vllm_platform
-from agentic_es.tracking import progress_bar, stopwatch
+from agentic_es.tracking import progress_bar
 
 
 ENGINE_DEAD_GRACE_S = 5  # a call still waiting this long after EngineCore died is failed (EngineFailure)
@@ -425,19 +425,6 @@ class Engine(fileio.ClosedOnExit):
         self.configure_workers()
         self.rpc("es_update", seeds=seeds, coeffs=coeffs)
         self.reset_prefix_cache()
-
-    def evaluate_member(self, seed: int, sigma: float, jobs: list[tuple[dict, int]], *,
-                        desc: str | None = "episodes", on_record=None) -> tuple[list[dict], dict]:
-        """The member step of ES: theta + sigma * eps(seed), the agent on `jobs`, then the exact theta back.
-        Returns the member's records (input order) and the seconds of each step."""
-        timings = {}
-        with stopwatch(timings, "perturb"):
-            self.perturb(seed, sigma)
-        with stopwatch(timings, "rollout"):
-            records = self.run_agent(jobs, desc=desc, on_record=on_record)
-        with stopwatch(timings, "restore"):
-            self.restore()
-        return records, timings
 
     def digests(self) -> list[str]:
         """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order; with

@@ -422,9 +422,6 @@ class _EngineActor:
         """The engine's method, for RemoteEngine's blocking calls (rpc, update, digests, ...)."""
         return getattr(self.engine, method)(*args, **kwargs)
 
-    def evaluate_member(self, seed: int, sigma: float, jobs: list) -> tuple[list[dict], dict]:
-        return self.engine.evaluate_member(seed, sigma, jobs, desc=None, on_record=self._keep)
-
     def run_agent(self, jobs: list) -> list[dict]:
         return self.engine.run_agent(jobs, desc=None, on_record=self._keep)
 
@@ -501,9 +498,6 @@ class RemoteEngine:
             if ready:
                 return self._get(ref, what)
 
-    def evaluate_member(self, seed, sigma, jobs, *, desc=None, on_record=None):
-        return self._streamed(self.actor.evaluate_member.remote(seed, sigma, jobs), "a member", on_record)
-
     def run_agent(self, jobs, desc=None, on_record=None):
         return self._streamed(self.actor.run_agent.remote(jobs), "episodes", on_record)
 
@@ -527,11 +521,12 @@ def _probe_node(gpu_count: int) -> dict:
 # ---- the pool ----
 
 class EnginePool(fileio.ClosedOnExit):
-    """K engines with the facade the scripts need: evaluate_members (training), run_agent (evaluation, replay),
-    update, digests (checked to agree across engines), rpc and parameter_names_sha256 (engine 0's). A context
+    """K engines with the facade the scripts need: map (a step on the next free engine: training's members),
+    run_agent (evaluation, replay), update, digests (checked to agree across engines), rpc and
+    parameter_names_sha256 (engine 0's). A context
     manager; leaving it shuts every engine down. An engine that dies fails the call with an EngineFailure naming
     it; the stage then resumes from its files when started again. engine_kwargs go to each Engine: perturbs=False
-    starts a read-only pool (no restore memory; evaluate_members is refused)."""
+    starts a read-only pool (no restore memory; perturbing is refused)."""
 
     def __init__(self, cfg: common.Config, model_path: str, **engine_kwargs):
         self.cfg, self.engines, self._groups = cfg, [], []
@@ -733,19 +728,13 @@ class EnginePool(fileio.ClosedOnExit):
                                       "engines no longer hold the same theta")
 
     # ---- the work ----
-    def evaluate_members(self, seeds: list[int], sigma: float, jobs: list[tuple[dict, int]],
-                         desc: str = "members") -> tuple[list[list[dict]], dict]:
-        """Every member i (theta + sigma * eps(seeds[i])) on `jobs`: records[i] is member i's, whichever engine
-        ran it and whenever it finished. Timings: the members' summed perturb/rollout/restore seconds and the
-        wall time of the whole population ("members")."""
-        timings, t0 = {}, time.perf_counter()
-        results = self.work(len(seeds), desc, "member", lambda worker, i, on_record: worker.evaluate_member(
-            seeds[i], sigma, jobs, desc=f"member {i} episodes" if self.size == 1 else None, on_record=on_record))
-        for _, member_timings in results:
-            for key, seconds in member_timings.items():
-                timings[key] = timings.get(key, 0.0) + seconds
-        timings["members"] = time.perf_counter() - t0
-        return [records for records, _ in results], timings
+    def map(self, step, tasks: list[tuple], desc: str, noun: str) -> list:
+        """step(engine, *task, desc=..., on_record=...) for every task, each on the next free engine (the work
+        queue: work); results in task order. step: what one engine does with a task (01_train.py maps
+        common.evaluate_member over the members: perturb, the agent, restore); desc: that engine's progress bar of
+        the task's episodes, where the pool has one engine (with several, the pool draws one bar for all)."""
+        return self.work(len(tasks), desc, noun, lambda engine, i, on_record: step(
+            engine, *tasks[i], desc=f"{noun} {i} episodes" if self.size == 1 else None, on_record=on_record))
 
     def run_agent(self, jobs: list[tuple[dict, int]], desc: str = "episodes", on_record=None) -> list[dict]:
         """Engine.run_agent spread over the pool: contiguous slices of `jobs` (a problem's samples stay together,
