@@ -22,6 +22,7 @@ from pathlib import Path
 
 from agentic_es import scoring
 
+
 class StageError(Exception):
     """A stage stops with a message for its user, not a traceback: bad input, another run's files, a vLLM failure.
     The numbered scripts catch this one base class."""
