@@ -20,8 +20,7 @@ import hashlib
 import json
 from pathlib import Path
 
-import common
-from agentic_es import cli, data, engine, fileio
+from agentic_es import cli, data, fileio, stage
 
 OUT = "data"  # where the three problem files are written
 SOURCE_DIR = ""  # empty: the Hugging Face hub
@@ -37,7 +36,7 @@ def main(argv: list[str]) -> dict:
     cli.exit_if_help(argv, __doc__, __file__, options, settings=False)
     opts, rest = cli.parse_args(argv, options)
     if rest:
-        raise common.ConfigError(f"unknown options {rest}; 00_data.py takes --out, --source_dir, --cache_dir, --force")
+        raise stage.ConfigError(f"unknown options {rest}; 00_data.py takes --out, --source_dir, --cache_dir, --force")
     manifest = fileio.read_json(data.DATA_MANIFEST)["files"]
     out = Path(opts["out"])
 
@@ -69,7 +68,7 @@ def is_built(path: Path, entry: dict, force: bool) -> bool:
     if fileio.sha256_file(path) == entry["sha256"]:
         return True
     if not force:
-        raise common.DataError(f"{path} exists but differs from data_manifest.json (not the reference build); move it "
+        raise stage.DataError(f"{path} exists but differs from data_manifest.json (not the reference build); move it "
                                f"away or pass --force to replace it")
     return False
 
@@ -84,13 +83,13 @@ def load_source(repo: str, split: str, source_dir: str, cache_dir: str):
     if source_dir:
         where = str(Path(source_dir) / repo)
         if not Path(where).is_dir():
-            raise common.DataError(f"--source_dir: no local copy of {repo} at {where}")
+            raise stage.DataError(f"--source_dir: no local copy of {repo} at {where}")
     try:
         return datasets.load_dataset(where, split=split, cache_dir=cache_dir or None)
     except Exception as exc:  # any failure to get the data (network, hub, files) ends the build with its reason
         place, hint = ((f"the local copy {where}", "Check the files there") if source_dir else
                        ("the Hugging Face hub", "Check the network, or pass --source_dir=DIR with local copies"))
-        raise common.DataError(f"could not load {repo} (split {split!r}) from {place}: {type(exc).__name__}: {exc}. "
+        raise stage.DataError(f"could not load {repo} (split {split!r}) from {place}: {type(exc).__name__}: {exc}. "
                                f"{hint}") from None
 
 
@@ -100,7 +99,7 @@ def require_columns(ds, repo: str, columns: dict) -> None:
         feature = ds.features.get(column)
         if feature is None or subfields and not (isinstance(feature, dict) and all(f in feature for f in subfields)):
             wanted = f"{column} with {', '.join(subfields)}" if subfields else column
-            raise common.DataError(f"{repo}: expected column {wanted}; its columns are {dict(ds.features)}")
+            raise stage.DataError(f"{repo}: expected column {wanted}; its columns are {dict(ds.features)}")
 
 
 def field(row: dict, repo: str, dotted: str, kinds: tuple):
@@ -109,7 +108,7 @@ def field(row: dict, repo: str, dotted: str, kinds: tuple):
     for key in dotted.split("."):
         value = value.get(key) if isinstance(value, dict) else None
     if not isinstance(value, kinds) or isinstance(value, bool):
-        raise common.DataError(f"{repo}: field {dotted} is {value!r}, expected {'/'.join(k.__name__ for k in kinds)}")
+        raise stage.DataError(f"{repo}: field {dotted} is {value!r}, expected {'/'.join(k.__name__ for k in kinds)}")
     return value
 
 
@@ -125,7 +124,7 @@ def dapo_problem(row: dict) -> dict:
     messages = field(row, DAPO, "prompt", (list,))
     user = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
     if len(user) != 1:
-        raise common.DataError(f"{DAPO}: expected one user message in prompt, got {messages!r}")
+        raise stage.DataError(f"{DAPO}: expected one user message in prompt, got {messages!r}")
     return {"id": "dapo_" + field(row, DAPO, "extra_info.index", (str,)), "source": DAPO,
             "question": field(user[0], DAPO, "content", (str,)),
             "answer": field(row, DAPO, "reward_model.ground_truth", (str,)),
@@ -136,7 +135,7 @@ def aime_ids(ds) -> list[str]:
     require_columns(ds, AIME, {"problem_idx": (), "problem": (), "answer": ()})
     indices = ds.data.column("problem_idx").to_pylist()
     if not all(type(i) is int for i in indices):
-        raise common.DataError(f"{AIME}: problem_idx must hold integers, got {ds.features['problem_idx']}")
+        raise stage.DataError(f"{AIME}: problem_idx must hold integers, got {ds.features['problem_idx']}")
     return [f"aime_2026_{i:03d}" for i in indices]
 
 
@@ -160,7 +159,7 @@ def select_rows(ds, entry: dict, name: str) -> list[dict]:
     wanted = [pid for pid, _, _ in entry["rows"]]
     missing = [pid for pid in wanted if pid not in first]
     if missing:
-        raise common.DataError(f"{entry['source']} lacks {len(missing)} of the {len(wanted)} ids of {name}: "
+        raise stage.DataError(f"{entry['source']} lacks {len(missing)} of the {len(wanted)} ids of {name}: "
                                f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     return [to_problem(row) for row in ds.select([first[pid] for pid in wanted])]
 
@@ -175,17 +174,17 @@ def check_against_manifest(rows: list[dict], text: str, entry: dict, name: str) 
     wrong = [f"{r['id']}: source says {r['answer']!r}, manifest {answer!r}"
              for r, (_, answer, _) in zip(rows, entry["rows"]) if r["answer"] != answer]
     if wrong:
-        raise common.DataError(f"{name}: answer mismatch in {len(wrong)} rows: " + "; ".join(wrong[:5]))
+        raise stage.DataError(f"{name}: answer mismatch in {len(wrong)} rows: " + "; ".join(wrong[:5]))
     lines = text.splitlines()
     changed = [r["id"] for r, line, (_, _, digest) in zip(rows, lines, entry["rows"])
                if hashlib.sha256(line.encode()).hexdigest()[:12] != digest]
     if changed:
-        raise common.DataError(f"{name}: {len(changed)} rows differ from the reference build (question text or other "
+        raise stage.DataError(f"{name}: {len(changed)} rows differ from the reference build (question text or other "
                                f"fields; has the public dataset changed?): {', '.join(changed[:5])}")
     digest = hashlib.sha256(text.encode()).hexdigest()
     if digest != entry["sha256"]:
-        raise common.DataError(f"{name}: sha256 {digest} differs from the manifest's {entry['sha256']}")
+        raise stage.DataError(f"{name}: sha256 {digest} differs from the manifest's {entry['sha256']}")
 
 
 if __name__ == "__main__":
-    engine.run_stage(main, "data")  # errors as one line; SIGTERM/SIGINT stop cleanly
+    stage.run_stage(main, "data")  # errors as one line; SIGTERM/SIGINT stop cleanly

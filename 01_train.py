@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import common
-from agentic_es import cli, data, engine, fileio, models, tracking
+from agentic_es import cli, data, fileio, models, stage, tracking
 from agentic_es.history import (HISTORY_FILE, check_config, generation_settings, read_history, rebuild_from_history,
                                 run_identity)
 from agentic_es.metrics import cut_replies
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> dict:
                                 desc="generations"):
             try:
                 record = run_generation(engines, cfg, problems, g, member_fitness(cfg), run_dir / ROLLOUTS)
-            except (common.EngineFailure, engine.Interrupted) as stop:  # nothing of generation g has been written
+            except (common.EngineFailure, stage.Interrupted) as stop:  # nothing of generation g has been written
                 tqdm.write(f"[train] generation {g} abandoned ({stop}); {history_path} keeps the {g} finished "
                            "generations: run the same command again to resume")
                 raise
@@ -99,8 +99,13 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
     seeds = common.member_seeds(cfg.run_seed, g, cfg.population)
     # every member sees the same problems with the same request seeds (sample 0): members differ only in weights
     jobs = [(problem, 0) for problem in batch]
-    # each engine of the pool perturbs, runs the agent and restores, one member after another (records by member)
-    per_member, timings = engines.evaluate_members(seeds, sigma, jobs, desc=f"generation {g} members")
+    # each member on the next free engine of the pool: perturb, the agent on the batch, exact restore
+    started = time.perf_counter()
+    results = engines.map(common.evaluate_member, [(seed, sigma, jobs) for seed in seeds],
+                          desc=f"generation {g} members", noun="member")
+    per_member = [records for records, _ in results]
+    timings = {step: sum(seconds[step] for _, seconds in results) for step in ("perturb", "rollout", "restore")}
+    timings["members"] = time.perf_counter() - started  # the population's wall time
     # past the bound the scores are the scorer's failures, not the members': nothing of generation g is written
     scorer_failures = common.check_scorer_failures([r for records in per_member for r in records], f"generation {g}",
                                                    f"nothing of generation {g} is written (docs/scoring.md)")
@@ -154,4 +159,4 @@ def print_final_summary(history: dict, run_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    engine.run_stage(main, "train")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly
+    stage.run_stage(main, "train")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly

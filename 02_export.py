@@ -14,8 +14,7 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-import common
-from agentic_es import cli, engine, export, fileio, models
+from agentic_es import cli, export, fileio, models, stage
 from agentic_es.history import (HISTORY_FILE, REBUILD_FIELDS, check_base_files, config_from_history, read_history,
                                 rebuild_from_history)
 from agentic_es.pool import EnginePool
@@ -42,7 +41,7 @@ def main(argv: list[str]) -> Path:
     generations = select_generations(history, opts["replay_generations"])
     out = Path(opts["out"] or run_dir / "export")
     if out.exists():
-        raise common.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
+        raise stage.ExportError(f"{out} already exists; choose another --out (an export is never overwritten)")
     fileio.check_output_path(out, "out")
     fileio.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
 
@@ -75,10 +74,10 @@ def select_generations(history: dict, k: int) -> list[dict]:
     if k == -1:
         return recorded
     if not 0 <= k <= len(recorded):
-        raise common.ConfigError(f"--replay_generations={k}: the history has {len(recorded)} generations")
+        raise stage.ConfigError(f"--replay_generations={k}: the history has {len(recorded)} generations")
     return recorded[:k]
 
 
 if __name__ == "__main__":
     # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly
-    engine.run_stage(main, "export")
+    stage.run_stage(main, "export")

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 import common
-from agentic_es import cli, engine, export, fileio, models
+from agentic_es import cli, export, fileio, models, stage
 from agentic_es.data import problems_from, problems_sha256
 from agentic_es.history import (EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history, read_history,
                                 recorded_settings)
@@ -193,7 +193,7 @@ def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str
 
     try:
         records = engines.run_agent(todo, desc=f"{name} episodes", on_record=keep)
-    except (common.EngineFailure, engine.Interrupted) as stop:
+    except (common.EngineFailure, stage.Interrupted) as stop:
         finished = len(fileio.read_jsonl(log)) if log.exists() else 0
         print(f"[eval] {name}: stopped ({stop}); {log} keeps the {finished} finished episodes: run the same "
               "command again to resume")
@@ -275,4 +275,4 @@ def write_transcripts_markdown(records, path):
 
 
 if __name__ == "__main__":
-    engine.run_stage(main, "eval")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly
+    stage.run_stage(main, "eval")  # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly

@@ -14,7 +14,7 @@ scores beside the original ones with per-problem agreement, into a new file; the
 from pathlib import Path
 
 import common
-from agentic_es import checkpoint_noise, cli, data, engine, export, fileio, models
+from agentic_es import checkpoint_noise, cli, data, export, fileio, models, stage
 from agentic_es.history import (HISTORY_FILE, REBUILD_FIELDS, check_base_files, config_from_history, read_history,
                                 rebuild_from_history)
 from agentic_es.metrics import (EVAL16_SHAPE, EVAL_METRICS, EVAL_METRICS_SHAPE, REPORTED_SAMPLES, group_label,
@@ -212,4 +212,4 @@ def print_report(report: dict, out: Path) -> None:
 
 if __name__ == "__main__":
     # vLLM's log to <run_dir>/vllm.log; errors as one line; SIGTERM/SIGINT stop cleanly
-    engine.run_stage(main, "replay")
+    stage.run_stage(main, "replay")

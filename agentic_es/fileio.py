@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from common import ConfigError, DataError
+from agentic_es.stage import ConfigError, DataError
 
 
 def _fsync_dir(folder):

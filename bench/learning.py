@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
 from agentic_es import cli, data, fileio, models, tracking  # noqa: E402
-from agentic_es.engine import Interrupted, prepare_script  # noqa: E402
+from agentic_es.stage import Interrupted, prepare_script  # noqa: E402
 from agentic_es.history import rebuild_from_history  # noqa: E402
 from agentic_es.metrics import EVAL_METRICS, EVAL_METRICS_SHAPE, EVAL_SAMPLES  # noqa: E402
 from agentic_es.pool import EnginePool  # noqa: E402

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
 from agentic_es import cli, models, vllm_platform  # noqa: E402
-from agentic_es.engine import Engine, prepare_script  # noqa: E402
+from agentic_es.engine import Engine  # noqa: E402
+from agentic_es.stage import prepare_script  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 

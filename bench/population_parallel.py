@@ -21,9 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
 from agentic_es import cli, data, fileio, models, vllm_platform  # noqa: E402
-from agentic_es.engine import prepare_script  # noqa: E402
 from agentic_es.pool import EnginePool  # noqa: E402
+from agentic_es.stage import prepare_script  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 train = importlib.import_module("01_train")
@@ -40,18 +41,15 @@ def member_tails(rollout_file: Path, member_timings: list[dict]) -> list[float]:
 
 def watch_members(pool) -> dict:
     """{member seed: (the engine that evaluated it, its perturb/rollout/restore seconds)}, filled as the pool's
-    engines evaluate members (their evaluate_member, noted)."""
-    members = {}
+    engines evaluate members (common.evaluate_member, noted where run_generation looks it up)."""
+    members, evaluate_member = {}, common.evaluate_member
 
-    def noted(k: int, evaluate_member):
-        def call(seed, *args, **kwargs):
-            records, timings = evaluate_member(seed, *args, **kwargs)
-            members[seed] = (k, timings)
-            return records, timings
-        return call
+    def noted(engine, seed, *args, **kwargs):
+        records, timings = evaluate_member(engine, seed, *args, **kwargs)
+        members[seed] = (pool.engines.index(engine), timings)
+        return records, timings
 
-    for k, engine in enumerate(pool.engines):
-        engine.evaluate_member = noted(k, engine.evaluate_member)
+    common.evaluate_member = noted
     return members
 
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import learning  # noqa: E402
 from agentic_es import cli, data, fileio, models, vllm_platform  # noqa: E402
-from agentic_es.engine import prepare_script  # noqa: E402
+from agentic_es.stage import prepare_script  # noqa: E402
 from agentic_es.pool import EnginePool  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 

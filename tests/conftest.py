@@ -154,23 +154,23 @@ STAGE_NAMES = {"00_data": "data", "01_train": "train", "02_export": "export", "0
 
 
 def run_script(script, *args) -> subprocess.CompletedProcess:
-    """A numbered script (or tests/train_with_test_reward.py) run as its __main__ block runs it (engine.run_stage:
+    """A numbered script (or tests/train_with_test_reward.py) run as its __main__ block runs it (stage.run_stage:
     main(sys.argv[1:]), a StageError as one line "[name] error: ..." and exit status 1), but in this process, from
     the repository: its exit status and what it printed, as a subprocess.CompletedProcess. For the runs whose
     process is not what is tested (no interpreter start, no second import of torch and vLLM). Left out:
     prepare_script (the process's signal handlers; vLLM's log stays in this process's). os.environ is restored
     afterwards (an engine's set-up writes vLLM's variables into it)."""
-    from agentic_es import engine
+    from agentic_es import stage
 
     module = importlib.import_module(Path(script).stem)
     out, err, saved, status = io.StringIO(), io.StringIO(), dict(os.environ), 0
     try:
         with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            patch.setattr(engine, "prepare_script", lambda: None)
+            patch.setattr(stage, "prepare_script", lambda: None)
             patch.setattr(sys, "argv", [str(script), *map(str, args)])
             patch.chdir(REPO)
             try:
-                engine.run_stage(module.main, STAGE_NAMES[Path(script).stem])
+                stage.run_stage(module.main, STAGE_NAMES[Path(script).stem])
             except SystemExit as stop:  # as the interpreter ends on it: a text on stderr and status 1, or a status
                 status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
                 if isinstance(stop.code, str):

@@ -11,7 +11,8 @@ import pytest
 
 import common
 from agentic_es import cli, data, models
-from agentic_es.engine import ChatPrompts, Engine, choose_prompt_mode, continuation_user_turn
+from agentic_es.engine import Engine
+from common import ChatPrompts, choose_prompt_mode, continuation_user_turn
 
 pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
 

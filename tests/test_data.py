@@ -12,6 +12,8 @@ import json
 import os
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -410,3 +412,16 @@ def test_an_evaluation_marker_older_than_a_setting_reads_as_the_code_before_it(t
         else:
             with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
                 evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data, sha)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--no_such_option=1"]])
+def test_00_data_starts_without_torch_or_vllm(argv):
+    """00_data.py runs no engine: its process, from the interpreter's start through its __main__ block (here its
+    help, and a refusal once main has parsed the command line), imports neither torch nor vLLM (nor common, which
+    imports torch). A subprocess: what is tested is what one process imports."""
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['00_data.py', *{argv!r}]\n"
+            "try:\n    runpy.run_path('00_data.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print(sorted({'torch', 'vllm', 'common'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout[-2000:] + result.stderr[-2000:]

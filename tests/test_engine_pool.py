@@ -97,7 +97,7 @@ def train_on(pool, run_dir, cfg) -> dict:
     problems = data.training_problems(cfg)
     history = dict(run_identity(cfg, MODEL, pool), generations=[])
     for g in range(cfg.generations):
-        with engines_at_work(pool, "evaluate_member") as ran:
+        with engines_at_work(pool, "perturb") as ran:
             history["generations"].append(train.run_generation(pool, cfg, problems, g, reply_variety,
                                                                run_dir / train.ROLLOUTS))
         assert set(ran) == set(range(pool.size))  # every engine evaluated members
@@ -398,10 +398,15 @@ class FakeGPUEngine:
     def rpc(self, method, **kwargs):
         return [{"name": "fake GPU", "sm_count": 1}]
 
-    def evaluate_member(self, seed, sigma, jobs, desc=None, on_record=None):
-        """A member's episodes, each scored by its seed's parity."""
-        records = [{"score": float(seed % 2), "score_method": "integer_match"} for _ in jobs]
-        return records, {"perturb": 0.0, "rollout": 0.0, "restore": 0.0}
+    def perturb(self, seed, sigma):
+        self.seed = seed
+
+    def run_agent(self, jobs, desc=None, on_record=None):
+        """The perturbed member's episodes, each scored by its seed's parity."""
+        return [{"score": float(self.seed % 2), "score_method": "integer_match"} for _ in jobs]
+
+    def restore(self):
+        self.seed = None
 
     def update(self, seeds, coeffs):
         pass
@@ -569,21 +574,22 @@ def test_after_one_engine_fails_the_pool_waits_for_the_others_then_raises_the_fi
     pool = fake_gpu_pool(monkeypatch, tmp_path, FakeGPU(), 2, gpus=("0", "1"))
     ended = []
 
-    def fails_first(seed, sigma, jobs, desc=None, on_record=None):
+    def fails_first(jobs, desc=None, on_record=None):
         time.sleep(0.1)
         raise common.EngineFailure("the first failure")
 
-    def runs_on(seed, sigma, jobs, desc=None, on_record=None):
+    def runs_on(jobs, desc=None, on_record=None):
         time.sleep(1.0)  # still at work when engine 0 fails
         on_record({"score": 1.0})
-        ended.append(seed)
+        ended.append(jobs)
         if other == "fails later":
             raise common.EngineFailure("a later failure")
-        return [{"score": 1.0}], {}
+        return [{"score": 1.0}]
 
-    pool.engines[0].evaluate_member, pool.engines[1].evaluate_member = fails_first, runs_on
+    pool.engines[0].run_agent, pool.engines[1].run_agent = fails_first, runs_on
+    jobs = [({"id": "p"}, 0)]
     with pool, pytest.raises(common.EngineFailure, match="engine 0 of 2 failed during member [01]: the first failure"):
-        pool.evaluate_members([11, 12], 1e-3, [({"id": "p"}, 0)], desc="members")
+        pool.map(common.evaluate_member, [(11, 1e-3, jobs), (12, 1e-3, jobs)], desc="members", noun="member")
     assert len(ended) == 1  # engine 1's member ended before the call returned
 
 

@@ -670,11 +670,20 @@ class ScoringPool:
     def __init__(self, restore_modes=("copy_device",)):
         self.updates, self.restore_modes = 0, list(restore_modes)
 
-    def evaluate_members(self, seeds, sigma, jobs, desc):
-        """A member's episodes: an odd seed's first reply cut at the token limit."""
-        return [[{"score": float(seed % 10), "score_method": "integer_match",
-                  "reply_finish_reasons": ["length"] * (seed % 2) + ["stop"]}
-                 for _ in jobs] for seed in seeds], {"members": 0.0, "rollout": 0.0, "perturb": 0.0, "restore": 0.0}
+    def map(self, step, tasks, desc, noun):
+        """The member step (common.evaluate_member) on this one engine, task after task."""
+        return [step(self, *task, desc=None, on_record=None) for task in tasks]
+
+    def perturb(self, seed, sigma):
+        self.seed = seed
+
+    def run_agent(self, jobs, desc=None, on_record=None):
+        """The perturbed member's episodes: an odd seed's first reply cut at the token limit."""
+        return [{"score": float(self.seed % 10), "score_method": "integer_match",
+                 "reply_finish_reasons": ["length"] * (self.seed % 2) + ["stop"]} for _ in jobs]
+
+    def restore(self):
+        self.seed = None
 
     def update(self, seeds, coefficients):
         self.updates += 1

@@ -24,7 +24,7 @@ import torch
 import common
 from agentic_es import export, fileio, models, tracking
 from agentic_es.data import SMOKE_PROBLEMS, problems_sha256, smoke_problems
-from agentic_es.engine import VLLM_LOG
+from agentic_es.stage import VLLM_LOG
 from agentic_es.history import HISTORY_FILE
 from agentic_es.metrics import EVAL_METRICS, dataset_metrics
 from conftest import run_script, still_running

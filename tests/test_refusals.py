@@ -1,5 +1,5 @@
 """Settings without sense and inputs a stage cannot use, met as a user meets them: each numbered script's __main__
-path (engine.run_stage) with the user's command line, in this process (the conftest's `stage`), and once per script
+path (stage.run_stage) with the user's command line, in this process (the conftest's `stage`), and once per script
 as a subprocess (the one line on the real stderr and the exit status of a real interpreter). Each refusal is one
 line on stderr naming the setting or the file (and its line where it has lines), a non-zero exit, no traceback, and
 nothing left behind: no run folder, no export or evaluation folder, no file changed. Every refusal comes before any
@@ -111,28 +111,28 @@ def test_more_cpu_engines_than_cores_are_refused_before_any_engine(stage, tmp_pa
 def test_placement_counts_gpus_cores_and_the_user_s_core_groups(monkeypatch):
     import torch
 
-    monkeypatch.delenv(engine.CPU_BIND_DEFAULT, raising=False)  # no engine of this process chose a binding
+    monkeypatch.delenv(vllm_platform.CPU_BIND_DEFAULT, raising=False)  # no engine of this process chose a binding
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(common.ConfigError, match=r"^tensor_parallel_size=2 needs 2 GPUs, one per TP rank; this "
                                                  r"process sees 1 \(CUDA_VISIBLE_DEVICES=3\)$"):
-        engine.check_placement(2, "cuda")
-    engine.check_placement(1, "cuda")
+        vllm_platform.check_placement(2, "cuda")
+    vllm_platform.check_placement(1, "cuda")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     with pytest.raises(common.ConfigError, match="tensor_parallel_size=5 needs 5 CPU cores"):
-        engine.check_placement(5, "cpu")
-    monkeypatch.setenv(engine.CPU_BIND, "0|1")  # the user's: two core groups
+        vllm_platform.check_placement(5, "cpu")
+    monkeypatch.setenv(vllm_platform.CPU_BIND, "0|1")  # the user's: two core groups
     with pytest.raises(common.ConfigError, match=r"tensor_parallel_size=3 needs one core group per TP rank in "
                                                  r"VLLM_CPU_OMP_THREADS_BIND, which names 2 \('0\|1'\)"):
-        engine.check_placement(3, "cpu")
-    engine.check_placement(2, "cpu")
-    engine.check_placement(1, "cpu")  # one process: it takes the first group
-    monkeypatch.setenv(engine.CPU_BIND, "0|1|2|3")
+        vllm_platform.check_placement(3, "cpu")
+    vllm_platform.check_placement(2, "cpu")
+    vllm_platform.check_placement(1, "cpu")  # one process: it takes the first group
+    monkeypatch.setenv(vllm_platform.CPU_BIND, "0|1|2|3")
     with pytest.raises(common.ConfigError, match="tensor_parallel_size=2 needs one core group per TP rank"):
-        engine.check_placement(2, "cpu")
-    monkeypatch.setenv(engine.CPU_BIND, "auto")
-    engine.check_placement(4, "cpu")
+        vllm_platform.check_placement(2, "cpu")
+    monkeypatch.setenv(vllm_platform.CPU_BIND, "auto")
+    vllm_platform.check_placement(4, "cpu")
     with pytest.raises(common.ConfigError, match="engines=3 x tensor_parallel_size=2 = 6 TP ranks, but this machine "
                                                  "has 4 CPU cores, one per rank: use --engines=2 or fewer"):
         check_cpu_pool(3, 2, 4)
@@ -143,15 +143,15 @@ def test_the_default_core_binding_follows_each_engine_s_tp_size_and_leaves_the_u
                                                                                        environment_restored):
     monkeypatch.setattr(os, "cpu_count", lambda: 3)
     monkeypatch.setattr(vllm_platform, "keep_cpu_linear_weights", lambda: None)
-    monkeypatch.delenv(engine.CPU_BIND_DEFAULT, raising=False)
-    os.environ.pop(engine.CPU_BIND, None)
-    engine.configure_cpu_env(3)
-    assert os.environ[engine.CPU_BIND] == "0|1|2"
-    engine.configure_cpu_env(1)  # another engine of this process, at another TP size
-    assert os.environ[engine.CPU_BIND] == "0"
-    os.environ[engine.CPU_BIND] = "2"  # the user's (or the pool's) choice wins
-    engine.configure_cpu_env(1)
-    assert os.environ[engine.CPU_BIND] == "2"
+    monkeypatch.delenv(vllm_platform.CPU_BIND_DEFAULT, raising=False)
+    os.environ.pop(vllm_platform.CPU_BIND, None)
+    vllm_platform.configure_cpu_env(3)
+    assert os.environ[vllm_platform.CPU_BIND] == "0|1|2"
+    vllm_platform.configure_cpu_env(1)  # another engine of this process, at another TP size
+    assert os.environ[vllm_platform.CPU_BIND] == "0"
+    os.environ[vllm_platform.CPU_BIND] = "2"  # the user's (or the pool's) choice wins
+    vllm_platform.configure_cpu_env(1)
+    assert os.environ[vllm_platform.CPU_BIND] == "2"
 
 
 def test_a_stage_started_by_a_process_whose_engine_chose_a_binding_chooses_its_own(monkeypatch,
@@ -161,14 +161,14 @@ def test_a_stage_started_by_a_process_whose_engine_chose_a_binding_chooses_its_o
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(vllm_platform, "keep_cpu_linear_weights", lambda: None)
-    monkeypatch.delenv(engine.CPU_BIND_DEFAULT, raising=False)
-    os.environ.pop(engine.CPU_BIND, None)
-    engine.configure_cpu_env(1)
-    assert os.environ[engine.CPU_BIND] == "0"
+    monkeypatch.delenv(vllm_platform.CPU_BIND_DEFAULT, raising=False)
+    os.environ.pop(vllm_platform.CPU_BIND, None)
+    vllm_platform.configure_cpu_env(1)
+    assert os.environ[vllm_platform.CPU_BIND] == "0"
     # the child inherits this environment (the process boundary is what is tested); vLLM's layers are not
-    stage = subprocess.run([sys.executable, "-c", "from agentic_es import engine, vllm_platform; "
-                            "vllm_platform.keep_cpu_linear_weights = lambda: None; engine.check_placement(2, 'cpu'); "
-                            "engine.configure_cpu_env(2); import os; print(os.environ[engine.CPU_BIND])"],
+    stage = subprocess.run([sys.executable, "-c", "from agentic_es import vllm_platform; "
+                            "vllm_platform.keep_cpu_linear_weights = lambda: None; vllm_platform.check_placement(2, 'cpu'); "
+                            "vllm_platform.configure_cpu_env(2); import os; print(os.environ[vllm_platform.CPU_BIND])"],
                            cwd=common.REPO, capture_output=True, text=True, timeout=120)
     assert stage.returncode == 0 and stage.stdout.strip() != "0", stage.stderr[-2000:]  # "0|1" here, "auto" on 4+
 

@@ -72,7 +72,7 @@ def test_any_other_policy_error_is_an_episode_error_that_scores_zero():
 SCRIPT = """
 import common
 import logging, os, signal, time
-from agentic_es.engine import Interrupted, run_stage
+from agentic_es.stage import Interrupted, run_stage
 
 def main(argv):
     print(os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").getEffectiveLevel(), flush=True)

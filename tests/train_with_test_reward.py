@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from agentic_es import engine  # noqa: E402
+from agentic_es import stage  # noqa: E402
 
 train = importlib.import_module("01_train")
 
@@ -40,10 +40,10 @@ def main(argv: list[str]) -> dict:
 
 
 def pause_after_member_steps(gate: str, steps: int) -> None:
-    evaluate_member, done = engine.Engine.evaluate_member, [0]
+    evaluate_member, done = common.evaluate_member, [0]
 
-    def evaluate_then_maybe_pause(self, *args, **kwargs):
-        result = evaluate_member(self, *args, **kwargs)
+    def evaluate_then_maybe_pause(*args, **kwargs):
+        result = evaluate_member(*args, **kwargs)
         done[0] += 1
         if done[0] == steps:
             Path(gate + ".paused").touch()
@@ -51,11 +51,11 @@ def pause_after_member_steps(gate: str, steps: int) -> None:
                 time.sleep(0.05)
         return result
 
-    engine.Engine.evaluate_member = evaluate_then_maybe_pause
+    common.evaluate_member = evaluate_then_maybe_pause  # where run_generation looks it up
 
 
 if __name__ == "__main__":
     if os.environ.get("ES_TEST_PAUSE"):
         gate, steps = os.environ["ES_TEST_PAUSE"].rsplit(":", 1)
         pause_after_member_steps(gate, int(steps))
-    engine.run_stage(main, "train")
+    stage.run_stage(main, "train")
