@@ -157,10 +157,14 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
     """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data (paths and
     sha256s) and settings; the settings that only say where files go or how fast the engine steps
     (EXECUTION_FIELDS), and how a perturbation is undone (RESTORE_FIELDS: an evaluation never perturbs), may differ;
-    a setting newer than the folder's marker counts as what the code did before it (recorded_settings), and a
-    marker without data sha256s (older) is compared by the paths alone."""
+    a setting newer than the folder's marker counts as what the code did before it (recorded_settings), a marker
+    without data sha256s (older) is compared by the paths alone, and an export by its manifest and digests (not by
+    how its folder was named: runs/x/export and /abs/runs/x/export are one export)."""
     def settings(config: dict) -> dict:
         return {k: v for k, v in recorded_settings(config).items() if k not in EXECUTION_FIELDS + RESTORE_FIELDS}
+
+    def what(run: dict) -> dict:  # an export is its manifest and digests, wherever its folder was named from
+        return dict(run, checkpoint={k: v for k, v in run["checkpoint"].items() if k != "path"})
 
     run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
                                  "data": data, "data_sha256": data_sha256}))
@@ -169,7 +173,7 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
         recorded = fileio.read_json(marker)
         recorded = dict(recorded, config=settings(recorded.get("config", {})),
                         data_sha256=recorded.get("data_sha256", run["data_sha256"]))
-        if recorded != run:
+        if what(recorded) != what(run):
             raise common.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
     fileio.write_json_atomic(run, marker)
 

@@ -351,6 +351,20 @@ def test_a_tier_without_the_learn_task_or_of_one_digit_is_refused():
         cli.parse_config(["--preset=learn", "--learn_digits=31"])
 
 
+def test_an_evaluation_of_an_export_resumes_however_its_folder_is_named(tmp_path):
+    """An export is its manifest and digests: the same export named relative to the repository, then absolute, is
+    one checkpoint; another manifest or other digests at the same path are another."""
+    export = {"kind": "export", "path": "runs/x/export", "replayed_generations": 2, "manifest_sha256": "m" * 64,
+              "per_rank_digests": ["a", "b"]}
+    data, sha = {"dapo": "d.jsonl"}, {"dapo": "1" * 64}
+    cfg = cli.parse_config(["--preset=smoke"])
+    evaluation.claim_output_folder(tmp_path, export, cfg, data, sha)
+    evaluation.claim_output_folder(tmp_path, dict(export, path=str(common.REPO / "runs/x/export")), cfg, data, sha)
+    for other in ({"manifest_sha256": "n" * 64}, {"per_rank_digests": ["a", "c"]}, {"replayed_generations": 1}):
+        with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
+            evaluation.claim_output_folder(tmp_path, dict(export, **other), cfg, data, sha)
+
+
 def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(tmp_path):
     """03_eval reuses the finished episodes of its --out folder: another checkpoint, data file (by path or by
     sha256) or sampling setting is refused (the marker kept as it was); a setting of speed or placement, or how a

@@ -341,14 +341,14 @@ def test_eval_writes_records_and_metrics(evaluated, exported):
 
 
 def test_eval_resumes_without_redoing_finished_episodes(evaluated, trained, tmp_path):
-    """A copy of the eval folder with all episodes finished: a second run, with the run folder given as
-    runs/reference.sh gave it, reuses every one of them."""
+    """A copy of the eval folder with all episodes finished: a second run reuses every one of them, with the run
+    folder named absolute where runs/reference.sh named it relative to the repository (the same export)."""
     copy = tmp_path / "eval"
     shutil.copytree(evaluated, copy)
     log = copy / "dapo_episodes.jsonl"
     rows = fileio.read_jsonl(log)
     fileio.write_jsonl(rows[:-3], log)  # as if killed three episodes before the end
-    proc = run("03_eval.py", f"--run_dir={os.path.relpath(trained, REPO)}", f"--out={copy}")
+    proc = run("03_eval.py", f"--run_dir={trained}", f"--out={copy}")
     assert "dapo: resuming, 29 episodes already finished, 3 to go" in proc.stdout
     after = fileio.read_jsonl(log)
     keys = [(r["problem_id"], r["sample_index"]) for r in after]
