@@ -13,7 +13,7 @@ Sections, in order:
 The errors a stage stops with (ConfigError, DataError, EngineFailure, ...) are agentic_es/stage.py's; the stages
 name them here (common.ConfigError).
 
-The infrastructure lives beside it in agentic_es/, one concern per module (the README's Layout lists them): engine.py
+The infrastructure lives beside it in agentic_es/, one concern per module (agentic_es/__init__.py maps them): engine.py
 and pool.py run this on K vLLM engines, history.py records, refuses and rebuilds runs, data.py and metrics.py hold the
 problems and the evaluation's metrics, fileio.py writes and reads the files, cli.py and tracking.py parse and watch.
 """
