@@ -46,7 +46,9 @@ def strip_think(text):
 # only at the start of a line, after optional markdown (quote, list bullet or number, heading, emphasis): prose such
 # as "I computed the answer: 16 earlier" in the middle of a line commits to nothing
 _ANSWER_MARKER = re.compile(
-    r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answers?|answers?|réponse(?:[ \t]+finale)?|respuesta(?:[ \t]+final)?|resposta(?:[ \t]+final)?|risposta(?:[ \t]+finale)?|(?:endgültige[ \t]+)?antwort|(?:окончательный[ \t]+)?ответ|最终答案|答案|答え)[ \t]*(?:\*\*|__)?[ \t]*"
+    r"^[ \t]*(?:(?:[>#*_+-]|\d+[.)])[ \t]*)*(?:final[ \t]+answers?|answers?|réponse(?:[ \t]+finale)?|"
+    r"respuesta(?:[ \t]+final)?|resposta(?:[ \t]+final)?|risposta(?:[ \t]+finale)?|(?:endgültige[ \t]+)?antwort|"
+    r"(?:окончательный[ \t]+)?ответ|最终答案|答案|答え)[ \t]*(?:\*\*|__)?[ \t]*"
     r"(?:[:：]|(?=(?:\*\*|__)?[ \t]*$))",  # Final answer:  ## Final Answer (a heading, the value below)
     re.IGNORECASE | re.MULTILINE)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -132,7 +134,8 @@ _RETRACTED = re.compile(r"(?im)(?:^|[.!?]\s+)[ \t]*(?:(?:wait|hmm+|oh|oops|no|ac
 _CONDITION_BEFORE = re.compile(r"(?i)^\W*(?:if|unless|when|assuming|in case)\b")  # If rotations are ..., \boxed{}
 _PART_LABEL = re.compile(r"(?m)^[ \t>*-]*(?:\((?:[a-h]|i{1,3}|iv|vi{0,3}|\d)\)|(?:\*\*)?[Pp]art[ \t]+\w+(?:\*\*)?[:.)])"
                          r"(?:\*\*)?[ \t]*")  # (a)  (ii)  Part 2:
-_STATED_ANSWER = re.compile(r"(?im)\b(?:the|my|our)\s+(?:final\s+)?answer\s+(?:is|would\s+be|will\s+be|should\s+be|must\s+be)\s*:?([^\n]+)")
+_STATED_ANSWER = re.compile(r"(?im)\b(?:the|my|our)\s+(?:final\s+)?answer\s+(?:is|would\s+be|will\s+be|should\s+be|"
+                            r"must\s+be)\s*:?([^\n]+)")
 LATER = "\ue000"  # joins an answer statement to a later one (private use: never in a reply)
 CORRECTED = "\ue001"  # LATER after text that corrects or re-examines (_REEXAMINED)
 # what tells that the text before a later answer statement corrects or re-examines the statement before it
@@ -149,7 +152,8 @@ _ALTERNATIVE_BEFORE = re.compile(r"(?i)\b(?:or|maybe|perhaps|possibly|might|coul
 _LATER_ANSWER = re.compile(r"""(?ix) \\(?:boxed|fbox)\s*\{
   | \b(?:final\s+|correct\s+|right\s+|true\s+)?answer\s*(?:(?:is|should\s+be|must\s+be|would\s+be)\b|[:：])
   | \b(?P<cue>actually|wait|oops|correction|corrected|sorry|instead|hmm+|missed|forgot|overlooked
-      |(?:over|under|mis|double[ -]?)count(?:ed)?|re-?(?:count|comput|calculat|check)(?:ed|ing)?)\b(?:(?![.!?]\s)[^\n]){0,80}?
+      |(?:over|under|mis|double[ -]?)count(?:ed)?|re-?(?:count|comput|calculat|check)(?:ed|ing)?)\b
+      (?:(?![.!?]\s)[^\n]){0,80}?
       (?P<verb>\b(?:it'?s|it\s+is|is|be|gives?|to|equals|becomes))\s*(?=[-$\\\d])
   | (?:^|(?<=[\n(]))[ \t(]*(?:or|alternatively|maybe|perhaps|possibly|otherwise)\b[ \t\w,]{0,30}?(?=[-$\\\d])""")
 
@@ -224,8 +228,8 @@ _BOUND = re.compile(r"(?i)\b(?:(at\s+least|no\s+(?:less|fewer)\s+than|not\s+(?:l
                     r"more\s+than|not\s+more\s+than|up\s+to)|((?:more|greater|larger|bigger)\s+than|above)|((?:less|"
                     r"fewer|smaller)\s+than|below|under))\s+(?=[-$\\\d])")
 _BOUND_RELATIONS = (r"\ge", r"\le", ">", "<")
-_BOUND_AFTER = re.compile(r"(?i)(?<![\w.])(\$?\d+(?:\.\d+)?)(\$?)\s+or\s+(?:(more|greater|higher|larger|above)|(?:less|fewer|lower|"
-                          r"smaller|below))\b")  # 45 or more
+_BOUND_AFTER = re.compile(r"(?i)(?<![\w.])(\$?)(\d+(?:\.\d+)?)(\$?)\s+or\s+(?:(more|greater|higher|larger|above)|"
+                          r"(?:less|fewer|lower|smaller|below))\b")  # 45 or more, $45$ or fewer
 _SUPERSCRIPT = re.compile("[⁻⁺]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")  # 2¹⁰ is 2^{10}
 _SUPERSCRIPT_DIGITS = str.maketrans("⁻⁺⁰¹²³⁴⁵⁶⁷⁸⁹", "-+0123456789")
 _CARDINALS = dict(zip(
@@ -336,8 +340,8 @@ def _normalized(text):
     text = re.sub(r"(?i)\bin which case\b", " or ", text)  # 256, unless ..., in which case 512
     text = _BOUND.sub(lambda m: next(f" x {relation} " for relation, word in zip(_BOUND_RELATIONS, m.groups()) if word),
                       text)  # at least 45 is no value: x \ge 45
-    text = _BOUND_AFTER.sub(lambda m: "$" * m[1].startswith("$") + f"x {_BOUND_RELATIONS[0] if m[3] else _BOUND_RELATIONS[1]} "
-                            f"{m[1].lstrip('$')}{m[2]}", text)
+    text = _BOUND_AFTER.sub(lambda m: f"{m[1]}x {_BOUND_RELATIONS[0] if m[4] else _BOUND_RELATIONS[1]} {m[2]}{m[3]}",
+                            text)
     text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", re.sub(r",\s*(?:\.\.\.|…)", r", \\ldots", text.strip(" *")))
     text = _NUMBER_WORDS.sub(lambda m: m[0] if _DETERMINER.search(text[:m.start()][-9:]) else str(_cardinal(m[0])),
                              text)
@@ -709,8 +713,8 @@ def _math_verify_timeout():
 
 # math-verify drops letters it takes for a unit after a number (5t, 2 m, 3ab); in a math region letters after a
 # number are variables, a product, unless they name a unit or a function (7 kg, 3 mod 5; \text{} units are gone)
-_LETTERS_AFTER_NUMBER = re.compile(r"(?<![\w\\.])(?<![\^_]\{)(\d+(?:\.\d+)?\}?)(?:\s*([A-Za-z])|([A-Za-z]{2,3}))(?![A-Za-z])"
-                                   r"(?!(?<=[eE])[-+\d])")
+_LETTERS_AFTER_NUMBER = re.compile(r"(?<![\w\\.])(?<![\^_]\{)(\d+(?:\.\d+)?\}?)(?:\s*([A-Za-z])|([A-Za-z]{2,3}))"
+                                   r"(?![A-Za-z])(?!(?<=[eE])[-+\d])")
 _UNIT_NAMES = frozenset("mm cm dm km kg mg ml mL min hr hrs ft yd mi lb lbs oz in sec deg rad mph kph kmh pi mod "
                         "ln log lg sin cos tan cot sec csc exp".split())
 
