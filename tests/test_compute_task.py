@@ -5,9 +5,11 @@ levels 2 and 3; the splits fixed, disjoint and mixed; the wording DAPO's, with n
 larger than the one before by every family's size parameter."""
 
 import collections
+import dataclasses
 import decimal
 import functools
 import hashlib
+import importlib
 import json
 import math
 import re
@@ -17,8 +19,13 @@ import pytest
 import sympy
 from sympy.functions.combinatorial.numbers import partition
 
+import common
+from agentic_es import cli, data, fileio, history
 from agentic_es import compute_task as ct
+from agentic_es.export import SHARDED_STATE_MANIFEST
 from agentic_es.stage import DataError
+
+evaluation = importlib.import_module("03_eval")
 
 FORBIDDEN_WORDS = ("python", "bash", "command", "print(", "code")
 
@@ -316,3 +323,96 @@ def test_bad_splits_levels_and_counts_are_refused():
         ct.problems("train", 4)
     with pytest.raises(DataError, match="513 compute problems"):
         ct.problems("train", 1, 513)
+
+
+# ---- the task in the stages: data names, the setting, the preset, 03_eval's sets and the level it evaluates ------
+
+def test_the_stages_data_names_are_the_splits_of_the_configured_level():
+    for level in ct.LEVELS:
+        for name, split in data.COMPUTE_SPLITS.items():
+            assert data.problems_from(name, 3, compute_level=level) == ct.problems(split, level)  # any run seed
+    sha = {level: data.problems_sha256("compute_heldout", 0, compute_level=level) for level in ct.LEVELS}
+    assert len(set(sha.values())) == 3 and sha[1] == data.problems_sha256("compute_heldout", 9)  # level 1: default
+    assert sha[1].startswith("compute_heldout ")
+    cfg = cli.parse_config(["--preset=compute", "--compute_level=2"])
+    assert data.training_problems(cfg) == ct.problems("train", 2)
+    assert history.train_data_sha256(cfg) == data.problems_sha256("compute", 0, compute_level=2)
+    for held_out in ("compute_heldout", "compute_families"):
+        with pytest.raises(common.ConfigError, match=f"^train_data={held_out} is the compute task's held-out set, "
+                                                     "which is never trained on; train on --train_data=compute$"):
+            data.training_problems(cli.parse_config(["--preset=compute", f"--train_data={held_out}"]))
+
+
+def test_the_compute_preset_and_the_level_setting():
+    cfg = cli.parse_config(["--preset=compute"])
+    assert (cfg.model, cfg.train_data, cfg.compute_level, cfg.fitness) == ("qwen2.5-coder-1.5b", "compute", 1, "agent")
+    assert (cfg.max_model_len, cfg.max_new_tokens, cfg.max_turns, cfg.bash_timeout_s) == (8192, 512, 6, 10.0)
+    assert (cfg.generations, cfg.population, cfg.case_batch, cfg.eval_problems) == (12, 16, 32, 64)
+    assert (cfg.temperature, cfg.presence_penalty, cfg.sigma_start, cfg.sigma_end, cfg.alpha) == (
+        0.7, 0.0, 2e-3, 1e-3, 4e-3)
+    strict = common.PRESETS["strict"]  # the agent loop and prompt are the strict preset's: only the task differs
+    assert all(cfg.__getattribute__(k) == v for k, v in strict.items()
+               if k not in ("max_model_len", "max_new_tokens", "bash_timeout_s", "train_data", "learn_digits",
+                            "run_dir"))
+    assert common.Config().compute_level == 1 and cli.parse_config(["--preset=strict"]).compute_level == 1
+    with pytest.raises(common.ConfigError, match=r"^compute_level=2 is a level of the compute task; use it with "
+                                                 r"--train_data=compute \(train_data is 'learn'\)$"):
+        cli.parse_config(["--preset=strict", "--compute_level=2"])
+    with pytest.raises(common.ConfigError, match=r"^compute_level must be in \[1, 3\]"):
+        cli.parse_config(["--preset=compute", "--compute_level=4"])
+
+
+def test_03_eval_evaluates_both_held_out_sets_of_the_level():
+    no_paths = {name: "" for name in evaluation.ALL_DATASETS}
+    cfg = cli.parse_config(["--preset=compute", "--compute_level=3"])
+    assert evaluation.data_paths(no_paths, cfg) == evaluation.COMPUTE_DATASETS == {
+        "compute_heldout": "compute_heldout", "compute_families": "compute_families"}
+    assert evaluation.eval_problems("compute_families", cfg) == ct.problems("families", 3)[:64]
+    with pytest.raises(common.ConfigError, match=re.escape("--dapo= names a set this run does not evaluate "
+                                                           "(train_data=compute evaluates compute_heldout, "
+                                                           "compute_families)")):
+        evaluation.data_paths(dict(no_paths, dapo="x.jsonl"), cfg)
+
+
+def manifest_only_export(folder, **recorded):
+    """A folder holding only an export manifest whose history config records `recorded`: enough for 03_eval.py to
+    read the run's task, which it does before it verifies the export."""
+    folder.mkdir()
+    config = dataclasses.asdict(common.Config(**recorded))
+    fileio.write_json_atomic({"config": config}, folder / SHARDED_STATE_MANIFEST)
+    return str(folder)
+
+
+def test_03_eval_evaluates_an_export_at_the_level_and_tier_its_run_recorded(tmp_path):
+    level2 = manifest_only_export(tmp_path / "compute", train_data="compute", compute_level=2)
+    overrides = ["--preset=compute", f"--run_dir={tmp_path}"]
+    assert evaluation.exported_task(cli.parse_config(overrides), level2, overrides).compute_level == 2
+    for argv in (["--compute_level=2"], []):  # the recorded value, given or not
+        assert evaluation.exported_task(cli.parse_config(overrides + argv), level2, overrides + argv).compute_level == 2
+    refused = re.escape("an evaluation of a run's weights is of the task tier and level the run trained on: "
+                        f"--compute_level=3 (the run's is compute_level=2, recorded in {level2}/"
+                        f"{SHARDED_STATE_MANIFEST}); drop the setting or pass the recorded value")
+    with pytest.raises(common.ConfigError, match=refused):  # through main(): before anything is verified or written
+        evaluation.main(overrides + [f"--export={level2}", "--compute_level=3"])
+    assert not (tmp_path / "eval").exists()
+    # the learn task's tier: the same hole closed (the strict run's 4 digits are not evaluated as 6)
+    tier4 = manifest_only_export(tmp_path / "strict", train_data="learn", learn_digits=4)
+    strict = ["--preset=strict", f"--run_dir={tmp_path}"]
+    assert evaluation.exported_task(cli.parse_config(strict), tier4, strict).learn_digits == 4
+    with pytest.raises(common.ConfigError, match=r"--learn_digits=6 \(the run's is learn_digits=4, recorded in "):
+        evaluation.exported_task(cli.parse_config(strict + ["--learn_digits=6"]), tier4, strict + ["--learn_digits=6"])
+    # another task's sets (DAPO) of the same weights keep the command line's settings
+    dapo = cli.parse_config([f"--run_dir={tmp_path}"])
+    assert evaluation.exported_task(dapo, level2, []) == dapo
+    assert evaluation.exported_task(dapo, str(tmp_path / "missing"), []) == dapo  # left to export.verify
+
+
+def test_03_eval_of_the_base_model_in_a_run_folder_takes_the_run_s_level(tmp_path):
+    recorded = common.Config(model="tiny-qwen3-dense", train_data="compute", compute_level=3, run_dir=str(tmp_path))
+    fileio.write_json_atomic({"config": dataclasses.asdict(recorded), "base_model": {}, "base_digests": [],
+                              "generations": []},
+                             tmp_path / history.HISTORY_FILE)
+    argv = ["--model=tiny-qwen3-dense", "--train_data=compute", f"--run_dir={tmp_path}"]
+    assert evaluation.base_config(cli.parse_config(argv), argv).compute_level == 3
+    with pytest.raises(common.ConfigError, match=r"--compute_level=1 \(the run's is compute_level=3, recorded in "):
+        evaluation.base_config(cli.parse_config(argv + ["--compute_level=1"]), argv + ["--compute_level=1"])
