@@ -200,7 +200,7 @@ class Config:
                                 before=0)  # until 6bc9b3c: the numbers 2..19
     compute_level: int = setting(1, RUN, "the compute task's level, of its training and held-out sets: 1 numbers in "
                                  "the hundreds, 2 thousands, 3 competition sizes", bounds=Bounds(1, 3),
-                                 before=1)  # until COMMIT: no compute task (level 1 is what such a run reads as)
+                                 before=1)  # until fc41032: no compute task (such a run reads as level 1)
     eval_problems: int = setting(0, RUN, "evaluate only the first K problems of each eval set (0: all)",
                                  bounds=Bounds(0, why="0: all"))
     run_dir: str = setting("runs/es", EXECUTION, "history, rollouts, export and eval results of the run live here")
