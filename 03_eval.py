@@ -1,5 +1,5 @@
 """Stage 3: 16-sample agent evaluation of a checkpoint on DAPO-100 and AIME-2026 (the learn task: its held-out
-additions).
+additions; the compute task: its held-out parameters and held-out families).
 
 Every problem gets sample_index 0..15, each episode with its own seeds, so any sample can be re-run alone. The
 reported row is the group of samples 12-15 (Mean4 / Pass4); the other groups, mean@16 (the accuracy) and the
@@ -12,6 +12,11 @@ resumes without redoing them.
     python 03_eval.py --preset=smoke                    # the smoke run's export, first 2 smoke problems per set
     python 03_eval.py --preset=learn                    # the learn run's export on 64 held-out additions
     python 03_eval.py --preset=strict                   # the strict run's export on 64 held-out sums of its tier
+    python 03_eval.py --preset=compute                  # the compute run's export on 64 + 64 held-out problems
+
+An evaluation of a run's weights (its export, or the base model in a run folder holding its history) evaluates the
+tier and level of the task the run trained on (TASK_FIELDS: learn_digits, compute_level), as its history recorded
+them; a --learn_digits or --compute_level of another value is refused.
 """
 
 import contextlib
@@ -37,20 +42,30 @@ DATASETS = {  # name -> JSONL (built by 00_data.py); each writes <name>_eval16.j
 LEARN_DATASETS = {  # the sets of a run on the learn task (train_data=learn): made here, never trained on
     "learn_heldout": "learn_heldout",
 }
+COMPUTE_DATASETS = {  # the sets of a run on the compute task (train_data=compute): made here, never trained on
+    "compute_heldout": "compute_heldout",  # the training families, at parameters no training problem has
+    "compute_families": "compute_families",  # families training never sees
+}
+TASK_SETS = {"learn": LEARN_DATASETS, "compute": COMPUTE_DATASETS}  # train_data -> its sets; else DATASETS
+ALL_DATASETS = {**DATASETS, **LEARN_DATASETS, **COMPUTE_DATASETS}
+TASK_FIELDS = ("learn_digits", "compute_level")  # which tier or level of a task made here the sets are of
 
 
 def main(argv: list[str]) -> dict:
-    options = {"export": EXPORT, "out": OUT, **{name: "" for name in {**DATASETS, **LEARN_DATASETS}}}  # --dapo=PATH
+    options = {"export": EXPORT, "out": OUT, **{name: "" for name in ALL_DATASETS}}  # --dapo=PATH
     cli.exit_if_help(argv, __doc__, __file__, options)
     opts, overrides = cli.parse_args(argv, options)
     cfg = cli.parse_config(overrides)
     export_dir = opts["export"].replace("<run_dir>", cfg.run_dir)
     if not export_dir:
         cfg = base_config(cfg, overrides)
+    else:
+        cfg = exported_task(cfg, export_dir, overrides)
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export_dir else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(path, cfg) for name, path in data.items()}
-    data_sha256 = {name: problems_sha256(path, cfg.run_seed, cfg.learn_digits) for name, path in data.items()}
+    data_sha256 = {name: problems_sha256(path, cfg.run_seed, cfg.learn_digits, cfg.compute_level)
+                   for name, path in data.items()}
     fileio.check_output_path(cfg.run_dir, "run_dir")
     fileio.check_output_path(out, "out")
     check_finished_episodes(out, data, data_sha256)
@@ -102,7 +117,7 @@ def check_finished_episodes(out: Path, data: dict, data_sha256: dict) -> None:
                 raise common.DataError(f"{data[name]}: sha256 {data_sha256[name]} differs from the {then} that "
                                        f"{marker} recorded for {name}: the data changed since this evaluation "
                                        "began; restore it or choose another --out")
-    for name in {**DATASETS, **LEARN_DATASETS}:
+    for name in ALL_DATASETS:
         if (out / f"{name}_episodes.jsonl").exists():
             fileio.read_jsonl(out / f"{name}_episodes.jsonl", required=EPISODE_RECORD_KEYS)
 
@@ -111,22 +126,52 @@ def base_config(cfg, overrides: list[str]):
     """For the base model: when the run dir holds the history of a run from this base, that history's settings
     that define the weights and their digests (WEIGHT_FIELDS: the noise kind, the TP size, the dtype), as export
     and replay take them, so that the evaluation records the digests 04_replay rebuilds. An explicit --key=value
-    that contradicts the history is refused."""
+    that contradicts the history is refused; so is a task tier or level other than the run's (recorded_task)."""
     path = Path(cfg.run_dir) / HISTORY_FILE
     if not path.exists():
         return cfg
     history = read_history(path)
     if history["config"].get("model") != cfg.model:
         return cfg
-    return config_from_history(history, overrides, settings=dataclasses.asdict(cfg))
+    cfg = config_from_history(history, overrides, settings=dataclasses.asdict(cfg))
+    return recorded_task(cfg, history["config"], overrides, str(path))
+
+
+def exported_task(cfg, export_dir: str, overrides: list[str]):
+    """An export's weights are evaluated on the tier and level of the task its run trained on: its manifest's
+    copy of the history's config (recorded_task). A folder without a readable manifest is left to export.verify,
+    which refuses it with its reason."""
+    try:
+        manifest = fileio.read_json(export.manifest_file(export_dir))
+    except (OSError, stage.StageError):
+        return cfg
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
+        return cfg
+    return recorded_task(cfg, manifest["config"], overrides, str(export.manifest_file(export_dir)))
+
+
+def recorded_task(cfg, recorded_config: dict, overrides: list[str], source: str):
+    """cfg with the task tier and level (TASK_FIELDS) that a run recorded, when cfg evaluates that run's task (the
+    same train_data; evaluating another task's sets, e.g. DAPO, keeps cfg's). An explicit --key=value that differs
+    from the recorded value is refused, naming both: the trained weights would be scored on sets of another tier."""
+    recorded = recorded_settings(recorded_config)
+    if recorded["train_data"] != cfg.train_data:
+        return cfg
+    _, explicit = cli.parse_overrides(overrides)
+    refused = [f"--{k}={explicit[k]} (the run's is {k}={recorded[k]}, recorded in {source})" for k in TASK_FIELDS
+               if k in explicit and explicit[k] != recorded[k]]
+    if refused:
+        raise common.ConfigError("an evaluation of a run's weights is of the task tier and level the run trained "
+                                 f"on: {', '.join(refused)}; drop the setting or pass the recorded value")
+    return dataclasses.replace(cfg, **{k: recorded[k] for k in TASK_FIELDS})
 
 
 def data_paths(opts: dict, cfg) -> dict:
-    """The sets to evaluate and their problems: on the learn task (train_data=learn) LEARN_DATASETS, else DATASETS;
-    each set's --name=PATH if given, else "smoke" (the smoke problems) with smoke_eval, else its own. A --name=PATH
-    of a set the run does not evaluate is refused."""
-    sets = LEARN_DATASETS if cfg.train_data == "learn" else DATASETS
-    stray = [name for name in {**DATASETS, **LEARN_DATASETS} if opts[name] and name not in sets]
+    """The sets to evaluate and their problems: on the learn task (train_data=learn) LEARN_DATASETS, on the compute
+    task (train_data=compute) COMPUTE_DATASETS, else DATASETS; each set's --name=PATH if given, else "smoke" (the
+    smoke problems) with smoke_eval, else its own. A --name=PATH of a set the run does not evaluate is refused."""
+    sets = TASK_SETS.get(cfg.train_data, DATASETS)
+    stray = [name for name in ALL_DATASETS if opts[name] and name not in sets]
     if stray:
         raise common.ConfigError(f"--{stray[0]}= names a set this run does not evaluate (train_data={cfg.train_data}"
                                  f" evaluates {', '.join(sets)})")
@@ -134,7 +179,7 @@ def data_paths(opts: dict, cfg) -> dict:
 
 
 def eval_problems(path: str, cfg) -> list[dict]:
-    problems = problems_from(path, cfg.run_seed, cfg.learn_digits)
+    problems = problems_from(path, cfg.run_seed, cfg.learn_digits, cfg.compute_level)
     return problems[:cfg.eval_problems] if cfg.eval_problems else problems
 
 

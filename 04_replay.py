@@ -9,6 +9,7 @@ scores beside the original ones with per-problem agreement, into a new file; the
     python 04_replay.py                      # <run_dir>/es_history.json against <run_dir>/eval
     python 04_replay.py --preset=smoke       # the smoke run
     python 04_replay.py --preset=learn       # the learn run: samples 12-15 of its held-out additions, with rewards
+    python 04_replay.py --preset=compute     # the compute run: samples 12-15 of both its held-out sets
 """
 
 from pathlib import Path
@@ -130,7 +131,8 @@ def check_digest_kind(checkpoint: dict, cfg: common.Config, eval_dir: Path) -> N
 def aligned_jobs(original: dict, cfg: common.Config) -> list[tuple[dict, int]]:
     """The reported group's (problem, sample_index) requests of one eval16 file, problems as evaluated (cfg: the
     evaluation's settings, replay_config)."""
-    problems = {p["id"]: p for p in data.problems_from(original["data"], cfg.run_seed, cfg.learn_digits)}
+    problems = {p["id"]: p for p in data.problems_from(original["data"], cfg.run_seed, cfg.learn_digits,
+                                                         cfg.compute_level)}
     ids = list(dict.fromkeys(r["problem_id"] for r in original["records"]))
     missing = [pid for pid in ids if pid not in problems]
     if missing:
@@ -152,7 +154,7 @@ def check_data_unchanged(originals: dict, eval_dir: Path, cfg) -> None:
         if then is None:
             print(f"[replay] {eval_dir / f'{name}_eval16.json'} records its data by path only (written before data "
                   f"sha256s): {path} is taken by its path")
-        elif (now := data.problems_sha256(path, cfg.run_seed, cfg.learn_digits)) != then:
+        elif (now := data.problems_sha256(path, cfg.run_seed, cfg.learn_digits, cfg.compute_level)) != then:
             raise common.DataError(f"{path}: sha256 {now} differs from the {then} that "
                                    f"{eval_dir / f'{name}_eval16.json'} recorded: the data changed since the "
                                    "evaluation; replay with the data it evaluated")

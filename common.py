@@ -193,11 +193,14 @@ class Config:
                                before="continue")  # until 6bbc789: ids continued (since 3c340be)
     # data and outputs
     train_data: str = setting("data/dapo_train400.jsonl", RUN, 'built by 00_data.py; "smoke", "learn": arithmetic '
-                              "made here")
+                              'made here; "compute": the compute task made here (agentic_es/compute_task.py)')
     learn_digits: int = setting(0, RUN, "the learn task's tier: additions of two numbers of this many digits; 0: of "
                                 "2..19", bounds=Bounds(0, 30, why="0: the numbers 2..19; one digit is refused (too "
                                                                   "few pairs to hold out)"),
                                 before=0)  # until 6bc9b3c: the numbers 2..19
+    compute_level: int = setting(1, RUN, "the compute task's level, of its training and held-out sets: 1 numbers in "
+                                 "the hundreds, 2 thousands, 3 competition sizes", bounds=Bounds(1, 3),
+                                 before=1)  # until fc41032: no compute task (such a run reads as level 1)
     eval_problems: int = setting(0, RUN, "evaluate only the first K problems of each eval set (0: all)",
                                  bounds=Bounds(0, why="0: all"))
     run_dir: str = setting("runs/es", EXECUTION, "history, rollouts, export and eval results of the run live here")
@@ -227,6 +230,9 @@ class Config:
         if self.learn_digits and self.train_data != "learn":
             raise ConfigError(f"learn_digits={self.learn_digits} is a tier of the learn task; use it with "
                               f"--train_data=learn (train_data is {self.train_data!r})")
+        if self.compute_level != 1 and self.train_data != "compute":
+            raise ConfigError(f"compute_level={self.compute_level} is a level of the compute task; use it with "
+                              f"--train_data=compute (train_data is {self.train_data!r})")
         if self.rounding == "stochastic" and self.dtype != "bfloat16":
             # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
             raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "
@@ -260,6 +266,17 @@ PRESETS = {
         model="qwen2.5-coder-1.5b", max_model_len=4096, generations=12, population=16, case_batch=32, max_turns=6,
         max_new_tokens=256, bash_timeout_s=5.0, train_data="learn", learn_digits=4, eval_problems=64,
         run_dir="runs/strict", temperature=0.7, presence_penalty=0.0, sigma_start=2e-3, sigma_end=1e-3, alpha=4e-3,
+        fitness="agent",
+    ),
+    # A task whose prompt gives no command (agentic_es/compute_task.py): competition-style problems that a program
+    # solves (modular powers, primes in an interval, lattice paths around blocked points, ...) in DAPO's wording,
+    # evaluated on unseen parameters of the training families and on families training never sees. Shows whether
+    # ES teaches the strict preset's model to compute, not only to copy the command a learn question hands it. The
+    # strict preset's model, sampling and step sizes; room for a program in a reply and for longer conversations.
+    "compute": dict(
+        model="qwen2.5-coder-1.5b", max_model_len=8192, generations=12, population=16, case_batch=32, max_turns=6,
+        max_new_tokens=512, bash_timeout_s=10.0, train_data="compute", compute_level=1, eval_problems=64,
+        run_dir="runs/compute", temperature=0.7, presence_penalty=0.0, sigma_start=2e-3, sigma_end=1e-3, alpha=4e-3,
         fitness="agent",
     ),
 }

@@ -1,7 +1,8 @@
-"""The problems the agent solves: problem files (JSONL, checked line by line), and the arithmetic problem sets made
-here from a seed (the smoke preset's, and the learn task's training and held-out additions, of the numbers 2..19 or,
-as harder tiers, of two D-digit numbers: Config.learn_digits). The per-generation case batch drawn from them is the
-algorithm's (common.case_batch)."""
+"""The problems the agent solves: problem files (JSONL, checked line by line), and the problem sets made here (the
+smoke preset's arithmetic from a seed; the learn task's training and held-out additions, of the numbers 2..19 or, as
+harder tiers, of two D-digit numbers: Config.learn_digits; the compute task's training and held-out problems of a
+level, compute_task.py: Config.compute_level). The per-generation case batch drawn from them is the algorithm's
+(common.case_batch)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,18 @@ from pathlib import Path
 
 import numpy as np
 
-from agentic_es import fileio
+from agentic_es import compute_task, fileio
 from agentic_es.stage import ConfigError, DataError
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
 # at the top of the repository: the problem files 00_data.py builds (ids, answers, sha256s)
 DATA_MANIFEST = Path(__file__).resolve().parents[1] / "data_manifest.json"
 SMOKE_PROBLEMS = 64
-GENERATED_DATA = ("smoke", "learn", "learn_heldout")  # problem sets made here from a seed (no file to hash)
+# problem sets made here (no file to hash)
+GENERATED_DATA = ("smoke", "learn", "learn_heldout", "compute", "compute_heldout", "compute_families")
+HELD_OUT_DATA = {  # generated sets that are never trained on -> the training set of their task
+    "learn_heldout": "learn", "compute_heldout": "compute", "compute_families": "compute"}
+COMPUTE_SPLITS = {"compute": "train", "compute_heldout": "heldout", "compute_families": "families"}
 LEARN_PROBLEMS = 192  # training set of the learn preset: 324 questions less the 132 held out (learn_pairs)
 LEARN_HELDOUT_PAIRS = 66  # unordered pairs of two different numbers held out, in both orders: 132 questions
 LEARN_SPLIT_SEED = 0x5911  # which pairs are held out (fixed: every run and every held-out set agree)
@@ -85,11 +90,15 @@ def build_hint(path) -> str:
     return f"; build it with: {command}"
 
 
-def problems_from(path, run_seed, learn_digits=0):
+def problems_from(path, run_seed, learn_digits=0, compute_level=1):
     """A problems file, or problems made here: "smoke" (SMOKE_PROBLEMS tiny arithmetic problems from the run seed),
     "learn" (the learn task's one fixed training set), "learn_heldout" (every held-out question of the learn
     task, in one fixed order: none shares its operands with a training question); the learn task of the tier
-    learn_digits (0: the numbers 2..19)."""
+    learn_digits (0: the numbers 2..19); "compute", "compute_heldout", "compute_families": the compute task's
+    training set, its held-out parameters of the training families and its held-out families, of the level
+    compute_level (compute_task.problems, fixed whatever the run seed)."""
+    if path in COMPUTE_SPLITS:
+        return compute_task.problems(COMPUTE_SPLITS[path], compute_level)
     if path == "smoke":
         return smoke_problems(SMOKE_PROBLEMS, seed=run_seed)
     if path == "learn":
@@ -99,13 +108,14 @@ def problems_from(path, run_seed, learn_digits=0):
     return load_problems(path)
 
 
-def problems_sha256(path, run_seed, learn_digits=0) -> str:
-    """What identifies the problems of problems_from(path, run_seed, learn_digits) by content: a file's sha256, or for problems
-    made here (GENERATED_DATA) the name and the sha256 of the problems themselves. A history records it of its
-    training data, an evaluation of each set it evaluates; a changed file at the same path is another one."""
+def problems_sha256(path, run_seed, learn_digits=0, compute_level=1) -> str:
+    """What identifies the problems of problems_from(path, run_seed, learn_digits, compute_level) by content: a
+    file's sha256, or for problems made here (GENERATED_DATA) the name and the sha256 of the problems themselves. A
+    history records it of its training data, an evaluation of each set it evaluates; a changed file at the same path
+    is another one."""
     if path not in GENERATED_DATA:
         return fileio.sha256_file(path)
-    problems = json.dumps(problems_from(path, run_seed, learn_digits), sort_keys=True).encode()
+    problems = json.dumps(problems_from(path, run_seed, learn_digits, compute_level), sort_keys=True).encode()
     return f"{path} {hashlib.sha256(problems).hexdigest()}"
 
 
@@ -170,11 +180,12 @@ def learn_problems(n, seed, split="train", digits=0):
 
 
 def training_problems(cfg) -> list[dict]:
-    """The training set: a JSONL file, or the preset's arithmetic problems generated here ("smoke", "learn")."""
-    if cfg.train_data == "learn_heldout":
-        raise ConfigError("train_data=learn_heldout is the learn task's held-out set, which is never trained on; "
-                          "train on --train_data=learn")
-    problems = problems_from(cfg.train_data, cfg.run_seed, cfg.learn_digits)
+    """The training set: a JSONL file, or the preset's problems generated here ("smoke", "learn", "compute")."""
+    if cfg.train_data in HELD_OUT_DATA:
+        task = HELD_OUT_DATA[cfg.train_data]
+        raise ConfigError(f"train_data={cfg.train_data} is the {task} task's held-out set, which is never trained on; "
+                          f"train on --train_data={task}")
+    problems = problems_from(cfg.train_data, cfg.run_seed, cfg.learn_digits, cfg.compute_level)
     if cfg.case_batch > len(problems):
         raise DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of {cfg.train_data}")
     return problems

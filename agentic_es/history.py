@@ -181,7 +181,7 @@ def run_identity(cfg: common.Config, model_path: str, engine, train_data: bool =
 def train_data_sha256(cfg: common.Config) -> str:
     """The training problems' fingerprint (data.problems_sha256), so that a history of another version of them is
     refused."""
-    return problems_sha256(cfg.train_data, cfg.run_seed, cfg.learn_digits)
+    return problems_sha256(cfg.train_data, cfg.run_seed, cfg.learn_digits, cfg.compute_level)
 
 
 def identity_differences(recorded: dict, current: dict, compare_config: bool = True) -> list[str]:

@@ -251,7 +251,7 @@ def test_a_missing_default_file_names_the_command_that_builds_it(tmp_path, monke
 def test_default_paths_are_the_built_files_and_the_smoke_and_learn_presets_need_none():
     defaults = [common.Config().train_data, *evaluation.DATASETS.values()]
     assert all(os.path.dirname(p) == data.OUT and os.path.basename(p) in MANIFEST for p in defaults)
-    no_paths = {name: "" for name in {**evaluation.DATASETS, **evaluation.LEARN_DATASETS}}
+    no_paths = {name: "" for name in evaluation.ALL_DATASETS}
     assert evaluation.data_paths(no_paths, common.Config()) == evaluation.DATASETS
     smoke = cli.parse_config(["--preset=smoke"])
     assert smoke.train_data == "smoke"

@@ -605,7 +605,7 @@ def test_a_setting_added_after_the_first_files_declares_what_the_code_did_before
     for f in fields:  # each before is a valid value of its setting
         assert f.metadata["before"] is None or common.setting_problem(f, f.metadata["before"]) is None, f.name
     lacking = {f.name for f in fields} - set(read_history(OLD_HISTORY)["config"])
-    assert lacking == {"fitness", "learn_digits", "engines", "ray_address"}  # the pool's: never in a history
+    assert lacking == {"fitness", "learn_digits", "compute_level", "engines", "ray_address"}  # pool's: never recorded
     assert all(common.Config.__dataclass_fields__[name].metadata["before"] is not None for name in lacking)
 
 
@@ -837,12 +837,13 @@ def test_export_and_replay_take_the_settings_their_help_lists_and_refuse_every_o
              "max_new_tokens": 8, "max_model_len": 64, "temperature": 0.5, "top_p": 0.5, "top_k": 2, "min_p": 0.5,
              "presence_penalty": 0.5, "repetition_penalty": 0.5, "bash_timeout_s": 1.0, "observation_chars": 9,
              "concurrency": 3, "allow_leaky_sandbox": True, "prompt_mode": "continue", "train_data": "learn",
-             "learn_digits": 3, "eval_problems": 5, "run_dir": "/x", "smoke_eval": True, "tracking": "tensorboard",
+             "learn_digits": 3, "compute_level": 2, "eval_problems": 5, "run_dir": "/x", "smoke_eval": True, "tracking": "tensorboard",
              "model": "/models/other"}
     assert set(other) == {f.name for f in dataclasses.fields(common.Config)}
     free = set(REBUILD_FIELDS) | ({"tensor_parallel_size"} if noise == "checkpoint" else set())
     for name, value in other.items():
-        argv = [f"--{name}={value}"] + (["--train_data=learn"] if name == "learn_digits" else [])
+        argv = [f"--{name}={value}"] + {"learn_digits": ["--train_data=learn"],
+                                         "compute_level": ["--train_data=compute"]}.get(name, [])
         if name in free:
             assert getattr(config_from_history(history, argv), name) == value
         else:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import common
-from agentic_es import cli, data, fileio
+from agentic_es import cli, compute_task, data, fileio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import strict_base  # noqa: E402
@@ -49,6 +49,17 @@ def test_a_tier_is_a_learn_digits_value_s_held_out_additions_or_a_problems_file(
         strict_base.tier_problems("1", CFG, 5)
     with pytest.raises(common.DataError, match="problems file not found"):
         strict_base.tier_problems(str(tmp_path / "none.jsonl"), CFG, 5)
+
+
+def test_a_compute_tier_is_a_level_s_held_out_problems():
+    for level in (1, 2, 3):
+        assert strict_base.tier_problems(f"compute{level}", CFG, 4) == compute_task.problems("heldout", level, 4)
+    assert strict_base.tier_problems("compute_families2", CFG, 3) == compute_task.problems("families", 2, 3)
+    compute = cli.parse_config(["--preset=strict", "--preset=compute"])  # the bench's overrides, as main reads them
+    assert compute.train_data == "compute" and compute.max_new_tokens == 512
+    assert strict_base.tier_problems("4", compute, 2) == data.problems_from("learn_heldout", 0, 4)[:2]
+    with pytest.raises(common.ConfigError, match=r"^compute_level must be in \[1, 3\]"):
+        strict_base.tier_problems("compute4", CFG, 5)
 
 
 @pytest.mark.engine
