@@ -8,16 +8,16 @@ strict preset's tier (common.PRESETS["strict"], learn_digits), and shows the com
     bash run_cpu.sh python bench/strict_base.py --model=tiny-qwen3-dense --tiers=0,3 --problems=2 --samples=2 \
         --max_turns=2 --max_new_tokens=32                                  # CPU check of the pipeline
     python bench/strict_base.py --preset=compute --tiers=compute1,compute2,compute3 --problems=64 --samples=8 \
-        --tensor_parallel_size=1 --out=compute_base_h100.json   # the compute task's levels, the compute preset's agent
+        --tensor_parallel_size=1 --out=compute_base_h100.json     # the compute task's levels, its preset's budgets
 
 Script options (defaults in OPTIONS): out (the report as a file too), tiers (comma-separated: a number is a tier
 of the learn task, Config.learn_digits, evaluated on its held-out additions, as 03_eval.py evaluates them; computeL
 is level L of the compute task, Config.compute_level, evaluated on its compute_heldout set, compute_familiesL on its
-compute_families set; anything else is a problems file, e.g. data/dapo_test100.jsonl), problems (the first N of each tier's set), samples (K per
-problem, sample indices 0..K-1 as 03_eval.py numbers them, so the seeds are the evaluation's), episodes (a JSONL
-file that gets every episode's record with its conversation and its tier). Every other --key=value is a Config
-override of --preset=strict (model, max_turns, max_new_tokens, temperature, engines, ...; --preset=compute takes that
-preset's budgets instead).
+compute_families set; anything else is a problems file, e.g. data/dapo_test100.jsonl), problems (the first N of each
+tier's set), samples (K per problem, sample indices 0..K-1 as 03_eval.py numbers them, so the seeds are the
+evaluation's), episodes (a JSONL file that gets every episode's record with its conversation and its tier). Every
+other --key=value is a Config override of --preset=strict (model, max_turns, max_new_tokens, temperature, engines,
+...; --preset=compute takes that preset's budgets instead).
 
 Per tier: the strict mean (the mean agent score over the N x K episodes, 03_eval.py's mean@16 at K samples) with a
 95% percentile-bootstrap interval over problems, pass@K (problems solved at least once), the bash-call rate, the
