@@ -164,7 +164,8 @@ _VALUE_AHEAD = r"(?=[-$\\\d])"
 _ALONE = r"""(?=(?:\$[^$\n]{1,60}\$|\\\([^\n]{1,60}?\\\)|-?\d[\d,.]*(?:/\d+)?|\\[dt]?frac\{[^{}]*\}\{[^{}]*\})[ \t]*
     (?:[.!;,)(\n]|\u2014|\u2013|--|\Z|\s+(?:or|and)\b))"""  # a value that ends its sentence, or before a note or a list
 _CORRECTION_ALONE = rf"""(?P<fix>\b(?:(?:correction|corrected|actually|oops|sorry|wait|on\s+(?:second\s+thought
-      |reflection)|my\s+(?:mistake|bad)|I\s+meant|make\s+that|{_RETRACTION})\b|(?:the\s+)?(?:correct|right|true|actual
+      |reflection)|my\s+(?:mistake|bad)|I\s+meant|make\s+that|edit(?:ed)?|update[d]?|erratum|typo|fix(?:ed)?|revised
+      |amended|{_RETRACTION})\b|(?:the\s+)?(?:correct|right|true|actual
       |corrected)\s+(?:final\s+)?(?:answer|value|result|one|count|total|number|sum)\s*(?:(?:is|are|would\s+be
       |should\s+be|must\s+be)\b|[=:])))
     (?:[\s,:;.!\u2013\u2014-]|\b(?:it'?s|it\s+is|is|I\s+meant|I\s+mean|make\s+that|make\s+it|(?:it\s+)?should\s+be
@@ -173,13 +174,16 @@ _ALTERNATIVE_LATER = rf"""(?:^|(?<=[\n(]))[ \t(]*(?:or|alternatively|maybe|perha
       [ \t\w,]{{0,30}}?{_VALUE_AHEAD}
   | \b(?:(?:it|this|that|the\s+(?:final\s+)?answer)\s+(?:could|might|may|can)\s+(?:also\s+|equally\s+)?be
       |(?:could|might|may|can)\s+(?:also|equally|as\s+well)\s+be)\s+(?:also\s+)?{_VALUE_AHEAD}
-  | \b(?:is|are|would\s+be|seems)\s+(?:also|equally)\s+(?:possible|plausible|valid|likely|correct|right|acceptable
-      |an?\s+(?:option|possibility|candidate))\b
+  | [\d$}}][ \t,)]*(?:(?:is|are|would\s+be|seems)\s+(?:(?:also|equally)\s+(?:possible|plausible|valid|likely|correct
+      |right|acceptable|an?\s+(?:option|possibility|candidate))|(?:also\s+)?(?:another|an\s+alternative|one\s+more)\s+
+      (?:possibility|option|candidate|answer|solution))|(?:would|could|might|may)\s+(?:also|equally)\s+(?:work|fit|hold
+      |do))\b
+  | (?:^|(?<=\n))[ \t(]*(?=(?:\$[^$\n]{{1,60}}\$|-?\d[\d,.]*)\s+(?:if|unless|when|assuming)\b[^\n=]*$)
   | (?:^|(?<=[\n(])|(?<=[.!?]\s))[ \t(]*(?:(?:but|and|so|wait|actually|hmm+|oh|well|no|then)\b[\s,]*)*
-      (?:if|unless|when|assuming|in\s+case)\b(?:(?![.!?]\s)[^\n=]){{0,80}}?,\s*(?:then\s+)?(?:it|this|that|the\s+
-      (?:answer|count|total|result|value|number|sum))\s*(?:'s|is|would\s+be|will\s+be|becomes|equals)\s*
-      {_VALUE_AHEAD}"""
-_LATER_ANSWER = re.compile(rf"""(?ix) \\(?:boxed|fbox)\s*\{{
+      (?:if|unless|when|assuming|in\s+case)\b(?:(?![.!?]\s)[^\n=]){{0,80}}?[,:]\s*(?:then\s+)?(?:(?:it|this|that
+      |the\s+(?:answer|count|total|result|value|number|sum))\s*(?:'s|is|would\s+be|will\s+be|becomes|equals)\s*
+      {_VALUE_AHEAD}|{_ALONE})"""
+_LATER_ANSWER = re.compile(rf"""(?imx) \\(?:boxed|fbox)\s*\{{
   | \b(?:final\s+|correct\s+|right\s+|true\s+)?answer\s*(?:(?:is|should\s+be|must\s+be|would\s+be)\b|[:：])
   | \b(?P<cue>actually|wait|oops|correction|corrected|sorry|instead|hmm+|missed|forgot|overlooked
       |(?:over|under|mis|double[ -]?)count(?:ed)?|re-?(?:count|comput|calculat|check)(?:ed|ing)?|{_RETRACTION})\b
@@ -190,12 +194,12 @@ _LATER_ANSWER = re.compile(rf"""(?ix) \\(?:boxed|fbox)\s*\{{
 # A box the reply labels a check (Check: 6 x 7 = \boxed{42}; as a check, ...) or an intermediate quantity (the partial
 # sum \boxed{21}, \boxed{120} so far, \boxed{21} (intermediate)) is no answer; unless its sentence calls it the answer,
 # corrects, or offers it too (Sanity check: \boxed{841} also works).
-_CHECK_LABEL = re.compile(r"""(?ix)(?:^|[(\[])[\W_]*(?:[a-z]+\s+){0,2}?(?:check|verification|verify)\s*(?:\*\*|__)?\s*
-    [:.)\]\u2014-] | \b(?:as|for)\s+(?:a\s+)?(?:check|verification|sanity\s+check)\b | \bto\s+(?:check|verify)\b
-    | \b(?:sanity|cross)[- ]check""")  # in the box's sentence before it
+_CHECK_LABEL = re.compile(r"""(?ix)(?:^|[(\[])[\W_]*(?:[a-z]+\s+){0,2}?(?:check(?:ing)?|verif(?:y|ying|ied|ication))\s*
+    (?:\*\*|__)?\s*[:.)\]\u2014-] | \b(?:as|for)\s+(?:a\s+)?(?:check|verification|sanity\s+check)\b
+    | \bto\s+(?:check|verify)\b | \b(?:sanity|cross)[- ]check | \bstep\s+\d+\b""")  # in the box's sentence before it
 _INTERMEDIATE_LABEL = re.compile(r"""(?ix)\b(?:intermediate|interim|auxiliary|preliminary|partial\s+(?:sum|product|count
-    |total|result|value|answer)s?|sub-?totals?|running\s+total|so\s+far|for\s+now|not\s+(?:yet\s+)?the\s+(?:final\s+)?
-    answer)\b""")  # in the box's clause before it
+    |total|result|value|answer)s?|sub-?(?:totals?|results?)|running\s+total|so\s+far|for\s+now|halfway|lemma|not\s+
+    (?:yet\s+)?the\s+(?:final\s+)?answer)\b | ^\W*where\b""")  # in the box's clause before it
 _INTERMEDIATE_AFTER = re.compile(r"""(?ix)^\W*(?:[a-z]+\s+){0,2}?(?:so\s+far|for\s+now)\b
     | ^\s*(?:[(,\u2014-]\s*)?(?:an?\s+|is\s+(?:only\s+|just\s+)?(?:an?\s+)?)?(?:intermediate|interim|partial
       |preliminary)\b(?!\s+fraction)(?![^:]*:\s*$)""")  # right after it; not "(intermediate: \boxed{21})", a label
@@ -290,8 +294,8 @@ def extract_final_answer(reply):
 
 _UNICODE = str.maketrans({"−": "-", "×": r" \times ", "÷": r" \div ", "·": r" \cdot ", "≤": r" \le ", "≥": r" \ge ",
                           "≠": r" \ne ", "π": r" \pi ", "√": r"\sqrt", "∞": r" \infty ", "±": r" \pm ", "°": r"^\circ ",
-                          "≈": r" \approx ", "≡": r" \equiv ", "∅": r" \emptyset ", "，": ", ", "；": "; ", "：": ": ",
-                          "。": ". ", "（": " (", "）": ") ", "【": " [", "】": "] "})
+                          "≈": r" \approx ", "≃": r" \simeq ", "∼": r" \sim ", "≡": r" \equiv ", "∅": r" \emptyset ",
+                          "，": ", ", "；": "; ", "：": ": ", "。": ". ", "（": " (", "）": ") ", "【": " [", "】": "] "})
 # a bound is not a value: at least 45 answers x >= 45, not 45
 _BOUND = re.compile(r"(?i)\b(?:(at\s+least|no\s+(?:less|fewer)\s+than|not\s+(?:less|fewer)\s+than)|(at\s+most|no\s+"
                     r"more\s+than|not\s+more\s+than|up\s+to)|((?:more|greater|larger|bigger)\s+than|above)|((?:less|"
@@ -314,11 +318,11 @@ _PRONOUN_ONE = re.compile(r"(?i)\b(?:the|an?|this|that|which|each|every|any|only
 # words for an infinite count or an empty solution set, as the answer's first words: infinitely many, there are no
 # real solutions, the empty set (not a note's: "42 (no solutions for n > 5)"; not "infinite" before a noun)
 _SET_WORDS = re.compile(r"""(?ix)(?:^|(?<=[\n\ue000\ue001]))
-    ([^\w\\]*(?:\\(?:text|textrm|mathrm|mbox)\s*\{\s*)?(?:(?:there\s+(?:is|are|exists?)|(?:it|the\s+\w+)\s+
+    ([^\w\\]*(?:\\(?:text|textrm|mathrm|mbox)\s*\{\s*)?(?:(?:there\s+(?:is|are|exists?)|(?:it|the(?:\s+\w+){1,2})\s+
       (?:has|have|is)|the\s+answer\s+is)\s+)?)  # a statement's opening words
     (?:((?:countably\s+|uncountably\s+)?infinitely\s+many|an?\s+infinite\s+(?:number|amount|count)
-      |infinite(?![ \t]+[a-z]))|(no\s+(?:(?:real|integer|positive|valid|such)\s+)?(?:solutions?|roots?)
-      |(?:the\s+)?empty\s+set))\b""")
+      |(?:countably\s+|uncountably\s+)?infinite(?![ \t]+[a-z]))|(no\s+(?:(?:real|integer|positive|valid|such)\s+)?
+      (?:solutions?|roots?)|no\s+such\s+\w+|none(?!\s+of)|(?:the\s+)?empty(?:\s+set\b|(?![ \t]+[a-z]))))\b""")
 # the constants and roots as math-verify reads them: \mathrm{i} is the imaginary unit, \mathrm{e} Euler's number;
 # a root's argument without braces is one token, as in LaTeX (\sqrt[3]2 is \sqrt[3]{2}); 3{:}45 is the time 3:45
 _UPRIGHT_CONSTANT = re.compile(r"\\(?:mathrm|operatorname|mathit|textrm|rm|text)\s*\{\s*([ie])\s*\}"
@@ -330,11 +334,12 @@ _CONGRUENT_NAME = re.compile(r"(?<![\w\\}])([A-Za-z](?:_\{?\w+\}?)?)\s*\\equiv(?
 
 
 def _latex_forms(text):
-    """\\mathrm{i} and \\mathrm{e} as i and e, \\sqrt[3]2 as \\sqrt[3]{2}, \\varnothing as \\emptyset, 3{:}45 as 3:45
-    (the answer's and the gold's: math-verify parses neither form)."""
+    """\\mathrm{i} and \\mathrm{e} as i and e, \\sqrt[3]2 as \\sqrt[3]{2}, \\varnothing and \\{\\,\\} as \\emptyset,
+    3{:}45 as 3:45 (the answer's and the gold's: math-verify parses neither form)."""
     if "\\" in text:
         text = _UPRIGHT_CONSTANT.sub(lambda m: m[1] or m[2], text)
         text = _UNBRACED_ROOT.sub(lambda m: rf"\sqrt{m[1] or ''}{{{m[2]}}}", text).replace(r"\varnothing", r"\emptyset")
+        text = re.sub(r"\\\{(?:\s|\\[,;:! ])*\\\}", r"\\emptyset", text)  # \{\,\}
     return text.replace("{:}", ":")
 
 
@@ -439,10 +444,12 @@ def _normalized(text):
     text = _REPEATING.sub(_repeating, text)  # 0.\overline{3} is 1/3
     text = _CHINESE_NUMBER.sub(lambda m: str(_chinese_number(m[0])), text)  # 三十六 is 36
     text = re.sub(r"~~[^~\n]*~~", " ", text)  # a struck-through value is withdrawn: ~~41~~ 42
-    text = re.sub(r"(?:(?<=\s)|^)~(?=\s*\d)", "about ", text).replace("~", " ")  # ~45 is about 45; else a space
+    text = re.sub(r"(?:(?<=\s)|^)~(?=\s*(?:\d|\$|\\(?:boxed|fbox)\b))", "about ", text)  # ~45, ~\boxed{45}: about
+    text = text.replace("~", " ")  # else a space
     text = re.sub(r"(?<![\\\w])sqrt\s*\(([^()]*)\)", r"\\sqrt{\1}", text)  # sqrt(12)
     text = re.sub(r"(\d+(?:\.\d+)?)\s+over\s+(\d+(?:\.\d+)?)\b", r"\\frac{\1}{\2}", text)  # 3 over 4
     text = re.sub(r"(?i)\bin which case\b", " or ", text)  # 256, unless ..., in which case 512
+    text = re.sub(r"(?i)(\d\$?)\s+up\s+to\s+(?=[-$\\\d])", r"\1 to ", text)  # 12 up to 15 is a range, not a bound
     text = _BOUND.sub(lambda m: next(f" x {relation} " for relation, word in zip(_BOUND_RELATIONS, m.groups()) if word),
                       text)  # at least 45 is no value: x \ge 45
     text = _BOUND_AFTER.sub(lambda m: f"{m[1]}x {_BOUND_RELATIONS[0] if m[4] else _BOUND_RELATIONS[1]} {m[2]}{m[3]}",
@@ -672,7 +679,8 @@ def _render(tokens, depth=0):
 _PHRASE = ("prose", "letter", "name", "not")  # the words of an answer without math
 # an estimate or a doubt right before the committed value commits to nothing: about 45, likely around 245, maybe 45
 _DOUBT = frozenset("approximately approx about around roughly nearly almost likely probably presumably maybe perhaps "
-                   "possibly guess".split()) | {r"\approx", r"\sim", r"\simeq", r"\thickapprox"}  # \approx 45, \sim 45
+                   "possibly guess close circa ca estimated est".split()) | {
+    r"\approx", r"\sim", r"\simeq", r"\thickapprox"}  # \approx 45, \sim 45
 _ESTIMATE = re.compile(r"\$?\s*(?:\\?[A-Za-z]+(?:_\{?\w+\}?)?(?:\([^()=]*\))?\s*)?\\(?:approx|sim|simeq|thickapprox)"
                        r"(?![A-Za-z])")  # \approx 7034, x \approx 7034: an estimate, no value
 # a range offers both its ends: 7034-7035 (a dash), 7034 to 7035 (not: 3.14 to 2 decimal places)
@@ -698,14 +706,14 @@ def _ranged(glue, following):
 
 def _conditional_sentence(glue):
     """Whether these tokens before a value end in a sentence of its own that opens with a condition and states the
-    value with a verb (42. If both ends count, it is 43.): a value under another reading, offered; not when the
-    condition names a value (If n = 1, it is 3: a check)."""
-    stop = max((n for n, token in enumerate(glue) if token.kind == "stop"), default=None)
+    value with a verb or after a comma (42. If both ends count, it is 43.  42. If the corners count, 43.): a value
+    under another reading, offered; not when the condition names a value (If n = 1, it is 3: a check)."""
+    stop = max((n for n, token in enumerate(glue) if token.kind == "stop" and token.text in ".!?"), default=None)
     sentence = [token for token in glue[stop + 1:] if token.kind != "open"] if stop is not None else []
     while sentence and sentence[0].text.lower() in ("but", "and", "so"):
         sentence = sentence[1:]
     return len(sentence) > 1 and (sentence[0].kind == "if" or sentence[0].text.lower() == "assuming") and (
-        sentence[-1].kind == "is" or sentence[-1].text.lower() in ("be", "becomes")) and not any(
+        sentence[-1].kind == "is" or sentence[-1].text.lower() in ("be", "becomes", ",", ":")) and not any(
         token.text == "=" for token in sentence)
 
 
@@ -737,9 +745,13 @@ _WITHDRAWN = re.compile(r"(?i)^[\s)\]]*(?:is|was|were|are|=)\s+(?:(?:a|an|just|c
 # A value told as a past attempt is withdrawn too: earlier I got 8, my initial value 24, at first 30
 _RETROSPECT = re.compile(r"(?i)\b(?:earlier|initial(?:ly)?|previous(?:ly)?|original(?:ly)?|at first|my first|before that)\b")
 # A value after the committed one that is said to be possible too is offered: 16 is also possible
-_ALSO_POSSIBLE = re.compile(r"(?i)^\s*(?:is|are|would be|could be|might be|seems|may be)?\s*(?:also|equally|too)\s+"
-                            r"(?:possible|plausible|valid|likely|correct|right|works?|an? (?:option|possibility|candidate))"
-                            r"\b|^\s*(?:is|are)\s+(?:possible|plausible|valid)\s+(?:too|as well)\b|^\s*instead\b")
+_ALSO_POSSIBLE = re.compile(r"""(?ix)^\s*(?:(?:is|are|seems|would|could|might|may)\s+)?(?:be\s+)?(?:also|equally|too)\s+
+    (?:be\s+)?(?:possible|plausible|valid|likely|correct|right|works?|fits?|holds?|an?\s+(?:option|possibility
+      |candidate))\b
+  | ^\s*(?:is|are)\s+(?:possible|plausible|valid)\s+(?:too|as\s+well)\b
+  | ^\s*(?:is|are|would\s+be)\s+(?:another|an\s+alternative|one\s+more)\s+(?:possibility|option|candidate|answer
+      |solution)\b
+  | ^\s*instead\b""")
 _ASSIGNMENT = re.compile(r"\s*\\?[A-Za-z]+(?:_\{?\w+\}?)?'*\s*=\s*([^=]+)")  # n = 3, a_1 = 5, m=5
 
 
