@@ -76,10 +76,6 @@ def answer_text(reply):
     closing = _closing_braces(text) if _BOXED.search(text) else {}
     boxes = [(box.start(), closing.get(box.end())) for box in _BOXED.finditer(text)]
     closed = [(box, close) for box, close in boxes if close]
-    if closed:  # a box labelled a check or an intermediate quantity is no answer (one labelled a check, if alone, is)
-        labels = [_working_label(text, box, close) for box, close in closed]
-        closed = [b for b, label in zip(closed, labels) if not label] or [
-            b for b, label in zip(closed, labels) if label == "check"]
     line_end = lambda i: (text + "\n").find("\n", i)
     answer = earlier = None
     if markers := list(_ANSWER_MARKER.finditer(text)):
@@ -95,6 +91,10 @@ def answer_text(reply):
         elif not line and (below := _LINE_BELOW.match(text, end)):  # DAPO's Answer: with the value below
             answer, end = below[1].strip(" \t*_"), below.end()
         closed = [(box, close) for box, close in closed if box >= end] or closed  # a box below the marker first
+    if answer is None and closed:  # a box labelled a check or an intermediate quantity is no answer (one labelled a
+        labels = [_working_label(text, box, close) for box, close in closed]  # check is, where it is the only one)
+        closed = [b for b, label in zip(closed, labels) if not label] or [
+            b for b, label in zip(closed, labels) if label == "check"]
     if answer is None and not closed and (stated := _STATED_ANSWER.search(text.rstrip().rsplit("\n", 1)[-1])):
         answer, end = stated[1].strip(" \t*_"), len(text)  # no marker, no box: the last line's "the answer is 56."
     if answer is None:
@@ -300,6 +300,7 @@ _UNICODE = str.maketrans({"−": "-", "×": r" \times ", "÷": r" \div ", "·": 
 _BOUND = re.compile(r"(?i)\b(?:(at\s+least|no\s+(?:less|fewer)\s+than|not\s+(?:less|fewer)\s+than)|(at\s+most|no\s+"
                     r"more\s+than|not\s+more\s+than|up\s+to)|((?:more|greater|larger|bigger)\s+than|above)|((?:less|"
                     r"fewer|smaller)\s+than|below|under))\s+(?=[-$\\\d])")
+_UP_TO_RANGE = re.compile(r"(?i)(\d\$?)\s+up\s+to\s+(?=[-$\\\d])")
 _BOUND_RELATIONS = (r"\ge", r"\le", ">", "<")
 _BOUND_AFTER = re.compile(r"(?i)(?<![\w.])(\$?)(\d+(?:\.\d+)?)(\$?)\s+or\s+(?:(more|greater|higher|larger|above)|"
                           r"(?:less|fewer|lower|smaller|below))\b")  # 45 or more, $45$ or fewer
@@ -330,16 +331,21 @@ _UPRIGHT_CONSTANT = re.compile(r"\\(?:mathrm|operatorname|mathit|textrm|rm|text)
 _UNBRACED_ROOT = re.compile(r"\\sqrt\s*(\[[^\[\]{}]*\])?\s*(\d(?!\d)|[A-Za-z](?![A-Za-z])|\\(?:pi|alpha|beta|gamma|"
                             r"theta|phi|omega|lambda|mu|sigma|tau)(?![A-Za-z]))")
 # a leading name before \equiv is dropped as before =: n \equiv 5 \pmod 8 commits to 5
+_EMPTY_BRACES = re.compile(r"\\\{(?:\s|\\[,;:! ])*\\\}")
 _CONGRUENT_NAME = re.compile(r"(?<![\w\\}])([A-Za-z](?:_\{?\w+\}?)?)\s*\\equiv(?![A-Za-z])")
 
 
 def _latex_forms(text):
     """\\mathrm{i} and \\mathrm{e} as i and e, \\sqrt[3]2 as \\sqrt[3]{2}, \\varnothing and \\{\\,\\} as \\emptyset,
     3{:}45 as 3:45 (the answer's and the gold's: math-verify parses neither form)."""
-    if "\\" in text:
-        text = _UPRIGHT_CONSTANT.sub(lambda m: m[1] or m[2], text)
-        text = _UNBRACED_ROOT.sub(lambda m: rf"\sqrt{m[1] or ''}{{{m[2]}}}", text).replace(r"\varnothing", r"\emptyset")
-        text = re.sub(r"\\\{(?:\s|\\[,;:! ])*\\\}", r"\\emptyset", text)  # \{\,\}
+    if "\\" in text:  # each pattern only where its command is (the reading's cost)
+        text = _UPRIGHT_CONSTANT.sub(lambda m: m[1] or m[2], text) if "rm" in text or "\\text" in text or \
+            "\\operatorname" in text or "\\mathit" in text else text
+        if "\\sqrt" in text:
+            text = _UNBRACED_ROOT.sub(lambda m: rf"\sqrt{m[1] or ''}{{{m[2]}}}", text)
+        if "\\{" in text:
+            text = _EMPTY_BRACES.sub(r"\\emptyset", text)  # \{\,\}
+        text = text.replace(r"\varnothing", r"\emptyset")
     return text.replace("{:}", ":")
 
 
@@ -438,7 +444,7 @@ def _normalized(text):
     text = re.sub(r"√\s*(\d+(?:\.\d+)?|\w)", r"\\sqrt{\1}", re.sub(r",\\!\s*", ",", text))  # √2, 11,\! 111
     text = _SUPERSCRIPT.sub(lambda m: "^{" + m[0].translate(_SUPERSCRIPT_DIGITS) + "}", text)
     text = _TRIG_DEGREES.sub(r"\1(\2 \\pi/180)", _latex_forms(_unwrapped(text.translate(_UNICODE))))  # \sin 30^\circ
-    text = _CONGRUENT_NAME.sub(r"\1 =", text)  # n \equiv 5 \pmod 8 commits to 5, as n = 5 does
+    text = _CONGRUENT_NAME.sub(r"\1 =", text) if "\\equiv" in text else text  # n \equiv 5 \pmod 8: 5, as n = 5
     text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\degree", "", text)
     text = _FUNCTION_NAME.sub(r"\\operatorname{\1}", text)  # \mathrm{lcm}(4,6) is 12
     text = _REPEATING.sub(_repeating, text)  # 0.\overline{3} is 1/3
@@ -449,7 +455,8 @@ def _normalized(text):
     text = re.sub(r"(?<![\\\w])sqrt\s*\(([^()]*)\)", r"\\sqrt{\1}", text)  # sqrt(12)
     text = re.sub(r"(\d+(?:\.\d+)?)\s+over\s+(\d+(?:\.\d+)?)\b", r"\\frac{\1}{\2}", text)  # 3 over 4
     text = re.sub(r"(?i)\bin which case\b", " or ", text)  # 256, unless ..., in which case 512
-    text = re.sub(r"(?i)(\d\$?)\s+up\s+to\s+(?=[-$\\\d])", r"\1 to ", text)  # 12 up to 15 is a range, not a bound
+    if "up" in text or "Up" in text:  # 12 up to 15 is a range, not a bound
+        text = _UP_TO_RANGE.sub(r"\1 to ", text)
     text = _BOUND.sub(lambda m: next(f" x {relation} " for relation, word in zip(_BOUND_RELATIONS, m.groups()) if word),
                       text)  # at least 45 is no value: x \ge 45
     text = _BOUND_AFTER.sub(lambda m: f"{m[1]}x {_BOUND_RELATIONS[0] if m[4] else _BOUND_RELATIONS[1]} {m[2]}{m[3]}",
