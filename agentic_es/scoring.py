@@ -170,19 +170,21 @@ _CORRECTION_ALONE = rf"""(?P<fix>\b(?:(?:correction|corrected|actually|oops|sorr
       |should\s+be|must\s+be)\b|[=:])))
     (?:[\s,:;.!\u2013\u2014-]|\b(?:it'?s|it\s+is|is|I\s+meant|I\s+mean|make\s+that|make\s+it|(?:it\s+)?should\s+be
       |actually|no|rather)\b)*? (?P<fixed>){_ALONE}"""
+_OTHER_READING = r"(?:under|with|in|for)\s+(?:the\s+)?(?:other|alternative|another|different|opposite)\b"
 _ALTERNATIVE_LATER = rf"""(?:^|(?<=[\n(]))[ \t(]*(?:or|alternatively|maybe|perhaps|possibly|otherwise)\b
       [ \t\w,]{{0,30}}?{_VALUE_AHEAD}
   | \b(?:(?:it|this|that|the\s+(?:final\s+)?answer)\s+(?:could|might|may|can)\s+(?:also\s+|equally\s+)?be
       |(?:could|might|may|can)\s+(?:also|equally|as\s+well)\s+be)\s+(?:also\s+)?{_VALUE_AHEAD}
-  | [\d$}}][ \t,)]*(?:(?:is|are|would\s+be|seems)\s+(?:(?:also|equally)\s+(?:possible|plausible|valid|likely|correct
-      |right|acceptable|an?\s+(?:option|possibility|candidate))|(?:also\s+)?(?:another|an\s+alternative|one\s+more)\s+
-      (?:possibility|option|candidate|answer|solution))|(?:would|could|might|may)\s+(?:also|equally)\s+(?:work|fit|hold
-      |do))\b
-  | (?:^|(?<=\n))[ \t(]*(?=(?:\$[^$\n]{{1,60}}\$|-?\d[\d,.]*)\s+(?:if|unless|when|assuming)\b[^\n=]*$)
+  | [\d$}})][ \t,)]*(?:(?:is|are|would\s+be|seems)\s+(?:(?:also|equally)\s+(?:possible|plausible|valid|likely
+      |correct|right|acceptable|an?\s+(?:option|possibility|candidate))|(?:also\s+)?(?:another|an\s+alternative|one\s+
+      more)\s+(?:possibility|option|candidate|answer|solution))|(?:would|could|might|may)\s+(?:also|equally)\s+(?:work
+      |fit|hold|do)|also\s+works?|works?\s+(?:too|as\s+well))\b
+  | (?:^|(?<=\n))[ \t(]*(?=(?:\$[^$\n]{{1,60}}\$|-?\d[\d,.]*)\s+(?:(?:if|unless|when|assuming)\b|{_OTHER_READING})
+      [^\n=]*$)
   | (?:^|(?<=[\n(])|(?<=[.!?]\s))[ \t(]*(?:(?:but|and|so|wait|actually|hmm+|oh|well|no|then)\b[\s,]*)*
-      (?:if|unless|when|assuming|in\s+case)\b(?:(?![.!?]\s)[^\n=]){{0,80}}?[,:]\s*(?:then\s+)?(?:(?:it|this|that
-      |the\s+(?:answer|count|total|result|value|number|sum))\s*(?:'s|is|would\s+be|will\s+be|becomes|equals)\s*
-      {_VALUE_AHEAD}|{_ALONE})"""
+      (?:if|unless|when|assuming|in\s+case|{_OTHER_READING})\b(?:(?![.!?]\s)[^\n=]){{0,80}}?[,:]\s*(?:then\s+)?
+      (?:(?:it|this|that|the\s+(?:answer|count|total|result|value|number|sum))\s*(?:'s|is|would\s+be|will\s+be|becomes
+      |equals)\s*{_VALUE_AHEAD}|{_ALONE})"""
 _LATER_ANSWER = re.compile(rf"""(?imx) \\(?:boxed|fbox)\s*\{{
   | \b(?:final\s+|correct\s+|right\s+|true\s+)?answer\s*(?:(?:is|should\s+be|must\s+be|would\s+be)\b|[:：])
   | \b(?P<cue>actually|wait|oops|correction|corrected|sorry|instead|hmm+|missed|forgot|overlooked
@@ -198,21 +200,23 @@ _CHECK_LABEL = re.compile(r"""(?ix)(?:^|[(\[])[\W_]*(?:[a-z]+\s+){0,2}?(?:check(
     (?:\*\*|__)?\s*[:.)\]\u2014-] | \b(?:as|for)\s+(?:a\s+)?(?:check|verification|sanity\s+check)\b
     | \bto\s+(?:check|verify)\b | \b(?:sanity|cross)[- ]check | \bstep\s+\d+\b""")  # in the box's sentence before it
 _INTERMEDIATE_LABEL = re.compile(r"""(?ix)\b(?:intermediate|interim|auxiliary|preliminary|partial\s+(?:sum|product|count
-    |total|result|value|answer)s?|sub-?(?:totals?|results?)|running\s+total|so\s+far|for\s+now|halfway|lemma|not\s+
-    (?:yet\s+)?the\s+(?:final\s+)?answer)\b | ^\W*where\b""")  # in the box's clause before it
-_INTERMEDIATE_AFTER = re.compile(r"""(?ix)^\W*(?:[a-z]+\s+){0,2}?(?:so\s+far|for\s+now)\b
+    |total|result|value|answer)s?|sub-?(?:totals?|results?)|running\s+total|so\s+far(?!\s+as)|for\s+now|halfway|lemma
+    |not\s+(?:yet\s+)?the\s+(?:final\s+)?answer)\b | ^\W*where\b""")  # in the box's clause before it
+_INTERMEDIATE_AFTER = re.compile(r"""(?ix)^\W*(?:[a-z]+\s+){0,2}?(?:so\s+far(?!\s+as)|for\s+now)\b
     | ^\s*(?:[(,\u2014-]\s*)?(?:an?\s+|is\s+(?:only\s+|just\s+)?(?:an?\s+)?)?(?:intermediate|interim|partial
       |preliminary)\b(?!\s+fraction)(?![^:]*:\s*$)""")  # right after it; not "(intermediate: \boxed{21})", a label
 # of what follows
+_CHECK_AFTER = re.compile(r"(?i)^\s*(?:[(,\u2014-]\s*)?(?:as\s+a\s+|for\s+)?(?:check|verification|sanity\s+check)\b")
 _OFFERED_TOO = re.compile(r"(?i)\b(?:also|too|as\s+well|alternatively|or|could|might|maybe|perhaps|possibly|equally)\b")
 _ANSWER_WORD = re.compile(r"(?i)\b(?:answer|final(?:ly)?|actually|wait|oops|sorry|correct(?:ion|ed)?|instead|wrong)\b")
-_UP_TO_VALUE = re.compile(r"(?:(?![.!?]\s)[^\n\d$\\])*")
+_UP_TO_VALUE = re.compile(r"(?:\$|\\[)\]])?(?:(?![.!?]\s)[^\n\d$\\])*")  # past the end of the box's math
 
 
 def _working_label(text, box, close):
     """What the reply labels the box text[box:close]: "check", "intermediate" or None (_label): from its sentence
     before it and the words after it up to the sentence's end or the next value."""
-    return _label(text[_sentence_start(text, box):box], _UP_TO_VALUE.match(text, close, close + 80)[0])
+    after = _UP_TO_VALUE.match(text, close, close + 80)[0]
+    return _label(text[_sentence_start(text, box):box], after.lstrip("$\\)]"))
 
 
 def _label(before, after):
@@ -223,7 +227,7 @@ def _label(before, after):
         return None
     if _INTERMEDIATE_LABEL.search(re.split(r"[,;]", before)[-1]) or _INTERMEDIATE_AFTER.search(after):
         return "intermediate"
-    return "check" if _CHECK_LABEL.search(before) else None
+    return "check" if _CHECK_LABEL.search(before) or _CHECK_AFTER.match(after) else None
 
 
 _SENTENCE_END = re.compile(r"[.!?](?=\s)")
@@ -294,8 +298,9 @@ def extract_final_answer(reply):
 
 _UNICODE = str.maketrans({"−": "-", "×": r" \times ", "÷": r" \div ", "·": r" \cdot ", "≤": r" \le ", "≥": r" \ge ",
                           "≠": r" \ne ", "π": r" \pi ", "√": r"\sqrt", "∞": r" \infty ", "±": r" \pm ", "°": r"^\circ ",
-                          "≈": r" \approx ", "≃": r" \simeq ", "∼": r" \sim ", "≡": r" \equiv ", "∅": r" \emptyset ",
-                          "，": ", ", "；": "; ", "：": ": ", "。": ". ", "（": " (", "）": ") ", "【": " [", "】": "] "})
+                          "≈": r" \approx ", "≃": r" \simeq ", "∼": r" \sim ", "≲": r" \lesssim ", "≳": r" \gtrsim ",
+                          "≡": r" \equiv ", "∅": r" \emptyset ", "，": ", ", "；": "; ", "：": ": ", "。": ". ", "（": " (",
+                          "）": ") ", "【": " [", "】": "] "})
 # a bound is not a value: at least 45 answers x >= 45, not 45
 _BOUND = re.compile(r"(?i)\b(?:(at\s+least|no\s+(?:less|fewer)\s+than|not\s+(?:less|fewer)\s+than)|(at\s+most|no\s+"
                     r"more\s+than|not\s+more\s+than|up\s+to)|((?:more|greater|larger|bigger)\s+than|above)|((?:less|"
@@ -321,9 +326,10 @@ _PRONOUN_ONE = re.compile(r"(?i)\b(?:the|an?|this|that|which|each|every|any|only
 _SET_WORDS = re.compile(r"""(?ix)(?:^|(?<=[\n\ue000\ue001]))
     ([^\w\\]*(?:\\(?:text|textrm|mathrm|mbox)\s*\{\s*)?(?:(?:there\s+(?:is|are|exists?)|(?:it|the(?:\s+\w+){1,2})\s+
       (?:has|have|is)|the\s+answer\s+is)\s+)?)  # a statement's opening words
-    (?:((?:countably\s+|uncountably\s+)?infinitely\s+many|an?\s+infinite\s+(?:number|amount|count)
-      |(?:countably\s+|uncountably\s+)?infinite(?![ \t]+[a-z]))|(no\s+(?:(?:real|integer|positive|valid|such)\s+)?
-      (?:solutions?|roots?)|no\s+such\s+\w+|none(?!\s+of)|(?:the\s+)?empty(?:\s+set\b|(?![ \t]+[a-z]))))\b""")
+    (?:((?:countably\s+|uncountably\s+)?infinitely\s+many|(?:arbitrarily|unboundedly)\s+many|an?\s+infinite\s+
+      (?:number|amount|count)|(?:countably\s+|uncountably\s+)?infinite(?![ \t]+[a-z]))
+      |(no\s+(?:(?:real|integer|positive|valid|such)\s+)?(?:solutions?|roots?)|no\s+such\s+\w+|none(?!\s+of)
+      |(?:the\s+)?empty(?:\s+set\b|(?![ \t]+[a-z]))))\b""")
 # the constants and roots as math-verify reads them: \mathrm{i} is the imaginary unit, \mathrm{e} Euler's number;
 # a root's argument without braces is one token, as in LaTeX (\sqrt[3]2 is \sqrt[3]{2}); 3{:}45 is the time 3:45
 _UPRIGHT_CONSTANT = re.compile(r"\\(?:mathrm|operatorname|mathit|textrm|rm|text)\s*\{\s*([ie])\s*\}"
@@ -450,6 +456,7 @@ def _normalized(text):
     text = _REPEATING.sub(_repeating, text)  # 0.\overline{3} is 1/3
     text = _CHINESE_NUMBER.sub(lambda m: str(_chinese_number(m[0])), text)  # 三十六 is 36
     text = re.sub(r"~~[^~\n]*~~", " ", text)  # a struck-through value is withdrawn: ~~41~~ 42
+    text = re.sub(r"(\d)[ \t]*[~\uff5e][ \t]*(?=\d)(?!\d{3}(?!\d))", "\\1\u2013", text)  # 7034 ~ 7035, not 1~000
     text = re.sub(r"(?:(?<=\s)|^)~(?=\s*(?:\d|\$|\\(?:boxed|fbox)\b))", "about ", text)  # ~45, ~\boxed{45}: about
     text = text.replace("~", " ")  # else a space
     text = re.sub(r"(?<![\\\w])sqrt\s*\(([^()]*)\)", r"\\sqrt{\1}", text)  # sqrt(12)
@@ -687,9 +694,9 @@ _PHRASE = ("prose", "letter", "name", "not")  # the words of an answer without m
 # an estimate or a doubt right before the committed value commits to nothing: about 45, likely around 245, maybe 45
 _DOUBT = frozenset("approximately approx about around roughly nearly almost likely probably presumably maybe perhaps "
                    "possibly guess close circa ca estimated est".split()) | {
-    r"\approx", r"\sim", r"\simeq", r"\thickapprox"}  # \approx 45, \sim 45
-_ESTIMATE = re.compile(r"\$?\s*(?:\\?[A-Za-z]+(?:_\{?\w+\}?)?(?:\([^()=]*\))?\s*)?\\(?:approx|sim|simeq|thickapprox)"
-                       r"(?![A-Za-z])")  # \approx 7034, x \approx 7034: an estimate, no value
+    r"\approx", r"\sim", r"\simeq", r"\thickapprox", r"\lesssim", r"\gtrsim"}  # \approx 45, \sim 45
+_ESTIMATE = re.compile(r"\$?\s*(?:\\?[A-Za-z]+(?:_\{?\w+\}?)?(?:\([^()=]*\))?\s*)?\\(?:approx|sim|simeq|thickapprox|"
+                       r"lesssim|gtrsim)(?![A-Za-z])")  # \approx 7034, x \approx 7034: an estimate, no value
 # a range offers both its ends: 7034-7035 (a dash), 7034 to 7035 (not: 3.14 to 2 decimal places)
 _RANGE_WORDS = frozenset("to through thru till until".split())
 _PRECISION = frozenset("decimal significant sig place places digit digits dp sf".split())

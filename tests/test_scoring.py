@@ -742,6 +742,11 @@ CLASSES_ISSUE_67 = {
         ("Final answer: 15\n16 if the corners count.", "15", 0),
         ("Final answer: 15\nIf the corners count: 16.", "15", 0),
         ("Final answer: 15. If the corners count, 16.", "15", 0),
+        ("Final answer: (3, 4)\nWait, (5, 12) works too.", "(3, 4)", 0), ("Final answer: 42\n43 also works.", "42", 0),
+        ("Final answer: 42\n$43$ works as well.", "42", 0),
+        ("Final answer: 42\n(43 under the other convention.)", "42", 0),
+        ("Final answer: 42\nWith the other convention, 43.", "42", 0),
+        ("Final answer: 42\nFor the other parity, the count is 43.", "42", 0),
     ],
     "rule 1: an estimate or a doubt commits to nothing (an estimate sign)": [
         ("Final answer: \u2248 7034", "7034", 0),
@@ -753,6 +758,7 @@ CLASSES_ISSUE_67 = {
         ("Final answer: \u2243 7034", "7034", 0), ("Final answer: ~\\boxed{7034}", "7034", 0),
         ("Final answer: close to 7034", "7034", 0), ("Final answer: circa 7034", "7034", 0),
         ("Final answer: an estimated 7034", "7034", 0),
+        ("Final answer: \u2272 7034", "7034", 0),
     ],
     "rule 3: a range offers both its ends": [
         ("Final answer: 7034\u20137035", "7034", 0),
@@ -762,6 +768,7 @@ CLASSES_ISSUE_67 = {
         ("Final answer: 7034 to 7035", "7034", 0),
         ("Final answer: $7034$ to $7035$ ways", "7034", 0),
         ("Final answer: 7034 up to 7035", "7034", 0),
+        ("Final answer: 7034 ~ 7035", "7034", 0),
     ],
     "a check or an intermediate quantity is no answer": [
         ("Final answer: \\boxed{840}\n\n**Verification:** the number of unordered pairs is $\\boxed{420}$, doubled "
@@ -778,6 +785,8 @@ CLASSES_ISSUE_67 = {
         ("Final answer: \\boxed{42}\nwhere \\boxed{21} is the number of unordered pairs.", "42", 1),
         ("Final answer: \\boxed{42}\n\nLemma: \\boxed{21}", "42", 1),
         ("Final answer: \\boxed{42}\n(Sub-result: \\boxed{21})", "42", 1),
+        ("Final answer: \\boxed{42}\n\n\\boxed{21} (check)", "42", 1),
+        ("Final answer: \\boxed{42}\n\n$\\boxed{21}$ \u2014 as a check, half of it.", "42", 1),
         (RECAP + "Hence $\\boxed{42}$.\n\nCheck: $\\boxed{21} \\times 2 = 42$ \u2713", "42", 1),
         ("Intermediate: \\boxed{1296}, and after dividing by 24 the answer is \\boxed{54}.", "54", 1),
     ],
@@ -827,6 +836,8 @@ CLASSES_ISSUE_67 = {
         ("Final answer: \\boxed{\\text{none}}", "\\emptyset", 1), ("Final answer: \\boxed{\\{\\,\\}}", "\\emptyset", 1),
         ("Final answer: countably infinite", "\\infty", 1),
         ("Final answer: an infinite number of solutions", "\\infty", 1),
+        ("Final answer: arbitrarily many", "\\infty", 1), ("Final answer: the set is empty", "\\emptyset", 1),
+        ("Final answer: there is no such pair", "\\emptyset", 1),
         ("Final answer: \\boxed{3{:}45}", "3:45", 1),
         ("Final answer: $10{:}05$ a.m.", "10:05", 1),
         ("Final answer: \\boxed{15{:}45}", "3:45 PM", 1),
@@ -894,6 +905,11 @@ CLASSES_ISSUE_67 = {
         ("Final answer: 15. If n = 2, 3 cases remain.", "15", 1),
         ("Final answer: $3 \\mod 7$", "3", 1), ("Final answer: the remainder is 3 modulo 7", "3", 1),
         ("Final answer: 3:45 p.m.", "3:45", 1),
+        ("Final answer: 42\nThe formula works too, as checked.", "42", 1),
+        ("Thus the count is \\boxed{42}, so far as the constraints allow.", "42", 1),
+        ("Final answer: 42\nWith the other method, 42 again.", "42", 1),
+        ("Final answer: 7034 (about 7 thousand)", "7034", 1), ("Final answer: 7034\uff5e7035", "7035", 0),
+        ("Final answer: $1~024$ ways", "1024", 1),
     ],
 }
 
