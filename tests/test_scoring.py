@@ -910,6 +910,7 @@ CLASSES_ISSUE_67 = {
         ("Final answer: 42\nWith the other method, 42 again.", "42", 1),
         ("Final answer: 7034 (about 7 thousand)", "7034", 1), ("Final answer: 7034\uff5e7035", "7035", 0),
         ("Final answer: $1~024$ ways", "1024", 1),
+        ("Final answer: $\\sim 7034$", "7034", 0),
     ],
 }
 
