@@ -101,9 +101,17 @@ def setting(default, role: str, meaning: str, *, choices: tuple = (), bounds: Bo
     means (--help), its valid values (choices, or numeric bounds: checked whenever a Config is made) and `before`:
     what the code did before the field existed, which is how a history or evaluation file written then, and so
     lacking the field, reads (history.recorded_settings); the comment beside it names the commit that added the
-    field. None: the field is as old as those files (they all record it)."""
+    field. None: the field is as old as those files (they all record it). Where what the code did changed before
+    the field existed, `before` is a function of the file's recorded settings, which tell when it was written."""
     return dataclasses.field(default=default, metadata={"role": role, "help": meaning, "choices": choices,
                                                         "bounds": bounds, "before": before})
+
+
+def prompt_mode_before(recorded: dict) -> str:
+    """How a file written before prompt_mode (6bbc789) built each turn's prompt: from 3c340be, which also added
+    cudagraph_mode, the generated ids were continued; before it (71e1e68..3c340be) the conversation was rendered
+    every turn."""
+    return "continue" if "cudagraph_mode" in recorded else "render"
 
 
 @dataclass(frozen=True)
@@ -190,7 +198,7 @@ class Config:
                                         before=True)  # until 174fe5b: no leak check
     prompt_mode: str = setting("render", RUN, 'each turn\'s prompt: "render" the conversation (as the reference) or '
                                '"continue" ids', choices=PROMPT_MODES,
-                               before="continue")  # until 6bbc789: ids continued (since 3c340be)
+                               before=prompt_mode_before)  # until 6bbc789: rendered, from 3c340be continued
     # data and outputs
     train_data: str = setting("data/dapo_train400.jsonl", RUN, 'built by 00_data.py; "smoke", "learn": arithmetic '
                               "made here")

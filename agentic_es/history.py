@@ -80,8 +80,11 @@ def recorded_settings(config: dict) -> dict:
     """What a file records of a run's settings (a history's or an evaluation's config), each field it lacks as the
     code ran before the field existed (the `before` Config declares beside it): a file written then reads as it
     did then, whatever the default is now. A field as old as these files that one lacks reads as its default."""
-    lacking = {f.name: f.default if f.metadata["before"] is None else f.metadata["before"]
-               for f in dataclasses.fields(Config) if f.name not in config}
+    def before(field: dataclasses.Field):
+        then = field.metadata["before"]
+        return field.default if then is None else then(config) if callable(then) else then
+
+    lacking = {f.name: before(f) for f in dataclasses.fields(Config) if f.name not in config}
     return {**config, **lacking}
 
 

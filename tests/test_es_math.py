@@ -16,7 +16,7 @@ import common
 from agentic_es import cli, data, digests, engine, fileio, tracking
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, REBUILD_FIELDS, check_base, check_config,
                                 config_from_history, identity_differences, name_only_fingerprint, read_history,
-                                resume_free_fields)
+                                recorded_settings, resume_free_fields)
 
 
 # ---- sigma schedule ----
@@ -589,6 +589,24 @@ def test_a_setting_newer_than_the_history_reads_as_the_code_before_it():
         "this run has 'render'"]
 
 
+def test_a_file_older_than_prompt_mode_reads_as_the_prompts_of_its_time():
+    """Before prompt_mode (6bbc789) the code built each turn's prompt one way, then another: files of 3c340be.. (they
+    record cudagraph_mode, which 3c340be added) continued the generated ids, files of 71e1e68..3c340be rendered the
+    conversation every turn. A resume, and a replay of an evaluation, of either kind run as it ran."""
+    config = dataclasses.asdict(common.Config())
+    continued = {k: v for k, v in config.items() if k != "prompt_mode"}
+    rendered = {k: v for k, v in continued.items() if k != "cudagraph_mode"}
+    assert (recorded_settings(continued)["prompt_mode"], recorded_settings(rendered)["prompt_mode"]) == (
+        "continue", "render")
+    assert identity_differences(identity([H200, H200], config=rendered), identity([H200, H200], config=config)) == []
+    assert identity_differences(identity([H200, H200], config=rendered),
+                                identity([H200, H200], config=dict(config, prompt_mode="continue"))) == [
+        "config prompt_mode: history has 'render' (the history predates the setting: what the code did before it), "
+        "this run has 'continue'"]
+    history = {"config": dataclasses.asdict(common.Config(model="/models/my-base")), "generations": []}
+    assert config_from_history(history, [], settings=rendered).prompt_mode == "render"  # the evaluation's own
+
+
 # The settings as old as the history and evaluation files (71e1e68 wrote them first): every file records them. Each
 # field added since declares `before`, what the code did before it, which is how a file lacking it reads
 SETTINGS_AS_OLD_AS_THE_FILES = {
@@ -602,8 +620,11 @@ OLD_HISTORY = Path(__file__).parent / "fixtures" / "es_history_2ec1038.json"  # 
 def test_a_setting_added_after_the_first_files_declares_what_the_code_did_before_it():
     fields = dataclasses.fields(common.Config)
     assert {f.name for f in fields if f.metadata["before"] is None} == SETTINGS_AS_OLD_AS_THE_FILES
+    oldest, older = {}, read_history(OLD_HISTORY)["config"]  # what a function of the file reads: both ends
     for f in fields:  # each before is a valid value of its setting
-        assert f.metadata["before"] is None or common.setting_problem(f, f.metadata["before"]) is None, f.name
+        then = f.metadata["before"]
+        for value in ([then(oldest), then(older)] if callable(then) else [then] if then is not None else []):
+            assert common.setting_problem(f, value) is None, f.name
     lacking = {f.name for f in fields} - set(read_history(OLD_HISTORY)["config"])
     assert lacking == {"fitness", "learn_digits", "engines", "ray_address"}  # the pool's: never in a history
     assert all(common.Config.__dataclass_fields__[name].metadata["before"] is not None for name in lacking)
