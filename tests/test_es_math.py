@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, data, digests, engine, fileio, tracking
+from agentic_es import cli, data, digests, engine, export, fileio, tracking
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, REBUILD_FIELDS, check_base, check_config,
-                                config_from_history, identity_differences, name_only_fingerprint, read_history,
-                                recorded_settings, resume_free_fields)
+                                config_from_history, history_fitness, identity_differences, name_only_fingerprint,
+                                read_history, recorded_settings, resume_free_fields)
 
 
 # ---- sigma schedule ----
@@ -524,6 +524,65 @@ def test_the_fitness_is_the_recorded_runs_and_a_history_without_it_reads_as_the_
         check_config(older, cli.parse_config([*same_run, "--fitness=shaped"]))
     with pytest.raises(common.ConfigError, match="fitness must be one of agent, shaped, got 'score'"):
         cli.parse_config(["--fitness=score"])
+
+
+def older_learn_history(rewards: list[float]) -> dict:
+    """A learn-task history written before --fitness (7feb967): no fitness in its config, one generation of these
+    member rewards (case batch 4)."""
+    history = recorded_history(train_data="learn", case_batch=4)
+    del history["config"]["fitness"]
+    return dict(history, generations=[{"generation": 0, "rewards": rewards}])
+
+
+def test_a_history_older_than_the_fitness_setting_reads_as_its_rewards_tell(tmp_path):
+    """Before --fitness, 01_train.py trained on the agent's score and bench/learning.py passed in the shaped reward
+    (on the learn task): a learn history of that time reads as its rewards tell (the agent's score gives whole
+    episodes over the case batch), in export (its manifest's config) and resume; one whose rewards cannot tell (all
+    0) is refused on resume, saying so."""
+    same_run = ["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100", "--train_data=learn",
+                "--case_batch=4"]  # as older_learn_history
+    shaped = older_learn_history([0.025, 0.0625, 0.0, 0.25])  # 0.1 / 4: a 0.1, no whole episode
+    assert config_from_history(shaped, ["--preset=learn"]).fitness == "shaped"
+    check_config(shaped, cli.parse_config([*same_run, "--fitness=shaped"]))
+    with pytest.raises(common.HistoryMismatch, match=re.escape(
+            "config fitness: history has 'shaped' (the history predates the setting: read from its rewards, not each "
+            "a whole number of episodes over case_batch, which the agent's score gives), this run has 'agent'")):
+        check_config(shaped, cli.parse_config([*same_run, "--fitness=agent"]))
+    path = tmp_path / HISTORY_FILE
+    fileio.write_json_atomic(shaped, path)
+    assert export.provenance(shaped, path, [])["config"]["fitness"] == "shaped"
+
+    agent = older_learn_history([0.25, 0.0, 0.5, 0.0])
+    assert config_from_history(agent, []).fitness == "agent"
+    with pytest.raises(common.HistoryMismatch, match=re.escape("history has 'agent' (the history predates the "
+                                                               "setting: read from its rewards, each a whole")):
+        check_config(agent, cli.parse_config([*same_run, "--fitness=shaped"]))
+    silent = older_learn_history([0.0] * 4)
+    for fitness in common.FITNESS_MODES:
+        with pytest.raises(common.HistoryMismatch, match=re.escape(
+                "its rewards (every one 0) cannot tell the agent's score from the shaped reward; this run has "
+                f"'{fitness}': add \"fitness\"")):
+            check_config(silent, cli.parse_config([*same_run, f"--fitness={fitness}"]))
+    assert "fitness" not in export.provenance(silent, path, [])["config"]  # no reading: none written
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def test_the_published_histories_record_the_fitness_their_rewards_tell():
+    """Every history in bench/results says which fitness trained it, and its rewards, read as a history older than
+    the setting's are, tell the same; each reads (the retired low-rank run refused by name)."""
+    published = sorted(RESULTS.glob("*history.json"))
+    assert len(published) == 16
+    for path in published:
+        history = read_history(path)
+        older = dict(history, config={k: v for k, v in history["config"].items() if k != "fitness"})
+        assert history_fitness(older) == history["config"]["fitness"], path.name
+        if history["config"].get("scope", "full") != "full":
+            with pytest.raises(common.ConfigError, match="scope='lowrank'"):
+                config_from_history(history, [])
+        else:
+            assert config_from_history(history, []).fitness == history["config"]["fitness"]
 
 
 # ---- the history's identity: the device model ----
