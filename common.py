@@ -1218,6 +1218,38 @@ def fitness(records: list[dict], mode: str) -> float:
     return sum(reward(r) for r in records) / len(records)
 
 
+# What a history and an evaluation record of how their rewards were scored, as a history records the noise's
+# definition: a resume, a resumed evaluation or a replay under another definition is refused (rewards scored under two
+# definitions are two different rewards). Change shaped_reward's rules, change SHAPED_REWARD_RULES with them.
+SHAPED_REWARD_RULES = ("1: the agent's score is 1; 0.5: a bash call exited 0 whose command adds the question's own "
+                       "operands (either order) and writes no gold, and whose whole stdout, stripped, is the gold; "
+                       "0.25: any bash call ran; 0.1: no bash call, and the replies' first 'a + b = n' (or 'is n') "
+                       "with the question's operands states the gold; 0: otherwise")
+
+
+@functools.cache
+def agent_score_version() -> str:
+    """The agent's score's policy as the code that scores it: scoring.py's sha256 (any edit of it may score an answer
+    otherwise)."""
+    return "agentic_es/scoring.py sha256:" + hashlib.sha256(Path(scoring.__file__).read_bytes()).hexdigest()
+
+
+def reward_definition(fitness_mode: str) -> dict:
+    """How an episode's reward is scored under a fitness mode (Config.fitness): the agent's score
+    (agent_score_version), and for the shaped reward its rules (SHAPED_REWARD_RULES)."""
+    definition = {"fitness": fitness_mode, "agent_score": agent_score_version()}
+    if fitness_mode == "shaped":
+        definition["shaped_rules"] = SHAPED_REWARD_RULES
+    return definition
+
+
+def reward_differences(recorded: dict, current: dict, what: str, this: str) -> list[str]:
+    """Each part of two reward definitions that differs, named with both values: `what` has the recorded one,
+    `this` the current one."""
+    return [f"reward {key}: {what} has {recorded.get(key)!r}, {this} has {value!r}"
+            for key, value in current.items() if recorded.get(key) != value]
+
+
 # ---- A scorer that fails stops the stage (docs/scoring.md): its scores would be 0s that say nothing of the answers
 
 SCORER_FAILURES = ("score_error", "score_timeout")  # the score methods of an answer the scorer gave no score for

@@ -1,9 +1,9 @@
 """The run history (es_history.json): its file, the run settings it records, the run's identity, the refusals of
 another run's history, and the rebuild of a run's weights from it.
 
-A history opens with the run's identity (run_identity): its constants, the noise definition, the base model's
-fingerprint and digests, the training data's sha256, the runtime layout, the device model and the versions; then one
-record per generation, which also carries the settings a resume may change that tell how its generation ran
+A history opens with the run's identity (run_identity): its constants, the noise and reward definitions, the base
+model's fingerprint and digests, the training data's sha256, the runtime layout, the device model and the versions;
+then one record per generation, which also carries the settings a resume may change that tell how its generation ran
 (generation_settings: the exact restore mode its engines used). A stage that resumes, exports or replays compares
 the header with its own (check_base, check_config) and refuses a history of another run before it changes any
 weight.
@@ -220,6 +220,7 @@ def run_identity(cfg: common.Config, model_path: str, engine, train_data: bool =
         "format": HISTORY_FORMAT,
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POOL_FIELDS},  # any K, one history
         "noise": common.noise_definition(cfg),
+        "reward": common.reward_definition(cfg.fitness),  # how its rewards are scored: a resume under others refused
         **data,
         "base_model": cfg.model,
         "base_model_path": str(model_path),
@@ -246,7 +247,7 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
     compare_config only what defines the weights is compared (base, noise, layout, TP, device, versions)."""
     diffs, any_tp = [], common.is_checkpoint_noise(recorded.get("config", {}))
     for key, value in current.items():
-        if not compare_config and key in ("config", "train_data_sha256"):
+        if not compare_config and key in ("config", "train_data_sha256", "reward"):
             continue
         if any_tp and key in ("tensor_parallel_size", "parameter_names_sha256"):
             continue  # checkpoint noise: the same weights at every TP size (the digests compare them)
@@ -262,6 +263,8 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
                     diffs.append(f"config {field}: history has {then!r}{older}, this run has {now!r}")
                 elif field == "restore" and now == "subtract" != then:
                     diffs.append(f"config restore: history has {then!r} (exact), this run has 'subtract' (not exact)")
+        elif key == "reward":
+            diffs += history_reward_differences(recorded, value)
         elif key == "devices" and any_tp:
             diffs += device_differences(recorded.get(key) and recorded[key][:1], value[:1])
         elif key == "devices":
@@ -271,6 +274,25 @@ def identity_differences(recorded: dict, current: dict, compare_config: bool = T
         elif key not in ("base_model_path",) and recorded.get(key) != value:
             diffs.append(f"{key}: history has {recorded.get(key)!r}, this run has {value!r}")
     return diffs
+
+
+def history_reward_differences(history: dict, current: dict) -> list[str]:
+    """What differs between the reward definition a history's run trained under and this run's
+    (common.reward_definition; the fitness mode is compared as a setting). A history written before definitions
+    were recorded: on the shaped reward refused, as its rules changed at 097270a (`seq 0 40` earned 0.5 before, 0.25
+    since) and which ones trained it the file cannot tell; on the agent's score resumed, as every resume of one was
+    before (its scorer's version is not recorded either)."""
+    recorded = history.get("reward")
+    if recorded is None:
+        if history_fitness(history) != "shaped":
+            return []
+        return [f"reward: the history records no reward definition (written before they were recorded), and the "
+                f"shaped reward's rules changed at 097270a (`seq 0 40` earned 0.5, since 0.25), so which ones trained "
+                f"it the file cannot tell; this run has {current!r}. Resume it with the code that trained it, or, "
+                f"where it trained under these rules (a commit since 097270a), add \"reward\": {json.dumps(current)} "
+                "to its header"]
+    return common.reward_differences(recorded, {k: v for k, v in current.items() if k != "fitness"}, "history",
+                                     "this run")
 
 
 def name_only_fingerprint(model: str | None) -> str:
@@ -314,8 +336,9 @@ def check_base_files(recorded: dict, model_path: str) -> None:
 
 
 def check_config(recorded: dict, cfg: common.Config) -> None:
-    """Refuse a history (`recorded`) of other run constants than cfg's, before any engine starts."""
-    check_base(recorded, {"config": dataclasses.asdict(cfg)})
+    """Refuse a history (`recorded`) of other run constants or another reward definition than cfg's, before any
+    engine starts."""
+    check_base(recorded, {"config": dataclasses.asdict(cfg), "reward": common.reward_definition(cfg.fitness)})
 
 
 def rebuild_from_history(engine, cfg: Config, model_path: str, history: dict, generations: list[dict],

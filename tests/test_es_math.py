@@ -16,7 +16,7 @@ import common
 from agentic_es import cli, data, digests, engine, export, fileio, tracking
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, REBUILD_FIELDS, check_base, check_config,
                                 config_from_history, history_fitness, identity_differences, name_only_fingerprint,
-                                read_history, recorded_settings, resume_free_fields)
+                                read_history, recorded_settings, resume_free_fields, run_identity)
 
 
 # ---- sigma schedule ----
@@ -430,7 +430,7 @@ def recorded_history(**config):
     """A history header as 01_train.py writes it: here a smoke run trained with a local --model folder."""
     cfg = cli.parse_config(["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100",
                           *(f"--{k}={v}" for k, v in config.items())])
-    return {"config": dataclasses.asdict(cfg)}
+    return {"config": dataclasses.asdict(cfg), "reward": common.reward_definition(cfg.fitness)}
 
 
 def test_preset_never_overrides_recorded_values():
@@ -527,10 +527,10 @@ def test_the_fitness_is_the_recorded_runs_and_a_history_without_it_reads_as_the_
 
 
 def older_learn_history(rewards: list[float]) -> dict:
-    """A learn-task history written before --fitness (7feb967): no fitness in its config, one generation of these
-    member rewards (case batch 4)."""
+    """A learn-task history written before --fitness (7feb967): no fitness in its config and no reward definition,
+    one generation of these member rewards (case batch 4)."""
     history = recorded_history(train_data="learn", case_batch=4)
-    del history["config"]["fitness"]
+    del history["config"]["fitness"], history["reward"]
     return dict(history, generations=[{"generation": 0, "rewards": rewards}])
 
 
@@ -538,22 +538,27 @@ def test_a_history_older_than_the_fitness_setting_reads_as_its_rewards_tell(tmp_
     """Before --fitness, 01_train.py trained on the agent's score and bench/learning.py passed in the shaped reward
     (on the learn task): a learn history of that time reads as its rewards tell (the agent's score gives whole
     episodes over the case batch), in export (its manifest's config) and resume; one whose rewards cannot tell (all
-    0) is refused on resume, saying so."""
+    0) is refused on resume, saying so. (A shaped one resumes only where it records which rules trained it.)"""
     same_run = ["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100", "--train_data=learn",
                 "--case_batch=4"]  # as older_learn_history
     shaped = older_learn_history([0.025, 0.0625, 0.0, 0.25])  # 0.1 / 4: a 0.1, no whole episode
     assert config_from_history(shaped, ["--preset=learn"]).fitness == "shaped"
-    check_config(shaped, cli.parse_config([*same_run, "--fitness=shaped"]))
     with pytest.raises(common.HistoryMismatch, match=re.escape(
             "config fitness: history has 'shaped' (the history predates the setting: read from its rewards, not each "
             "a whole number of episodes over case_batch, which the agent's score gives), this run has 'agent'")):
         check_config(shaped, cli.parse_config([*same_run, "--fitness=agent"]))
+    with pytest.raises(common.HistoryMismatch, match="the history records no reward definition") as refused:
+        check_config(shaped, cli.parse_config([*same_run, "--fitness=shaped"]))
+    assert "config fitness" not in str(refused.value)
+    check_config(dict(shaped, reward=common.reward_definition("shaped")), cli.parse_config([*same_run,
+                                                                                           "--fitness=shaped"]))
     path = tmp_path / HISTORY_FILE
     fileio.write_json_atomic(shaped, path)
     assert export.provenance(shaped, path, [])["config"]["fitness"] == "shaped"
 
     agent = older_learn_history([0.25, 0.0, 0.5, 0.0])
     assert config_from_history(agent, []).fitness == "agent"
+    check_config(agent, cli.parse_config(same_run))
     with pytest.raises(common.HistoryMismatch, match=re.escape("history has 'agent' (the history predates the "
                                                                "setting: read from its rewards, each a whole")):
         check_config(agent, cli.parse_config([*same_run, "--fitness=shaped"]))
@@ -564,6 +569,55 @@ def test_a_history_older_than_the_fitness_setting_reads_as_its_rewards_tell(tmp_
                 f"'{fitness}': add \"fitness\"")):
             check_config(silent, cli.parse_config([*same_run, f"--fitness={fitness}"]))
     assert "fitness" not in export.provenance(silent, path, [])["config"]  # no reading: none written
+
+
+class IdentityEngine:
+    """What run_identity asks of an engine, without one."""
+    device = "cpu"
+
+    def base_digests(self, model_path):
+        return ["b0", "b1"]
+
+    def parameter_names_sha256(self):
+        return "layout"
+
+    def rpc(self, method):
+        return [{"name": "cpu (AVX2 kernels)", "sm_count": None}] * 2
+
+
+def test_the_reward_definition_is_part_of_the_run_and_a_resume_under_another_is_refused(tmp_path, monkeypatch):
+    """A history records how its rewards are scored (common.reward_definition: the agent's score by scoring.py's
+    sha256, and the shaped reward's rules), and a resume under another definition is refused naming both values; a
+    history written before definitions were recorded resumes on the agent's score and is refused on the shaped
+    reward (its rules changed at 097270a)."""
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    shaped_cfg = cli.parse_config(["--preset=learn", f"--model={tmp_path}"])
+    history = dict(run_identity(shaped_cfg, str(tmp_path), IdentityEngine(), train_data=False), generations=[])
+    assert history["reward"] == {"fitness": "shaped", "agent_score": common.agent_score_version(),
+                                 "shaped_rules": common.SHAPED_REWARD_RULES}
+    assert re.fullmatch(r"agentic_es/scoring.py sha256:[0-9a-f]{64}", common.agent_score_version())
+    check_config(history, shaped_cfg)
+    older_rules = dict(history, reward=dict(history["reward"], shaped_rules="0.5: a bash call's stdout holds the gold"))
+    with pytest.raises(common.HistoryMismatch, match=re.escape(
+            "reward shaped_rules: history has \"0.5: a bash call's stdout holds the gold\", this run has "
+            f"{common.SHAPED_REWARD_RULES!r}")):
+        check_config(older_rules, shaped_cfg)
+    other_scorer = dict(history, reward=dict(history["reward"], agent_score="agentic_es/scoring.py sha256:" + "0" * 64))
+    with pytest.raises(common.HistoryMismatch, match=re.escape(
+            f"reward agent_score: history has 'agentic_es/scoring.py sha256:{'0' * 64}', this run has "
+            f"{common.agent_score_version()!r}")):
+        check_config(other_scorer, shaped_cfg)
+    identity = {k: v for k, v in history.items() if k != "generations"}
+    with pytest.raises(common.HistoryMismatch, match="reward agent_score"):  # the engines' check as well
+        check_base(other_scorer, identity)
+    check_base(other_scorer, identity, compare_config=False)  # export and replay: only what defines the weights
+    unrecorded = {k: v for k, v in history.items() if k != "reward"}
+    with pytest.raises(common.HistoryMismatch, match=re.escape(
+            "the history records no reward definition (written before they were recorded), and the shaped reward's "
+            "rules changed at 097270a")):
+        check_config(unrecorded, shaped_cfg)
+    agent_cfg = dataclasses.replace(shaped_cfg, fitness="agent")
+    check_config(dict(unrecorded, config=dataclasses.asdict(agent_cfg)), agent_cfg)
 
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
