@@ -23,8 +23,8 @@ from pathlib import Path
 import common
 from agentic_es import cli, export, fileio, models, stage
 from agentic_es.data import problems_from, problems_sha256
-from agentic_es.history import (EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history, read_history,
-                                recorded_settings)
+from agentic_es.history import (EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history, history_settings,
+                                read_history, recorded_settings)
 from agentic_es.metrics import EPISODE_RECORD_KEYS, EVAL_METRICS, EVAL_SAMPLES, REPORTED_GROUP, dataset_metrics
 from agentic_es.pool import EnginePool
 
@@ -58,6 +58,7 @@ def main(argv: list[str]) -> dict:
     # before any writing
     manifest = export.verify(export_dir, cfg.tensor_parallel_size) if export_dir else None
     if manifest:  # the loaded bits are checked, and recorded, in the digests of the export's noise
+        check_trained_tier(recorded_settings(manifest["config"]), cfg, export.manifest_file(export_dir))
         cfg = dataclasses.replace(cfg, noise=export.digest_noise(manifest))
     if not export_dir:
         models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
@@ -119,14 +120,24 @@ def base_config(cfg, overrides: list[str]):
     """For the base model: when the run dir holds the history of a run from this base, that history's settings
     that define the weights and their digests (WEIGHT_FIELDS: the noise kind, the TP size, the dtype), as export
     and replay take them, so that the evaluation records the digests 04_replay rebuilds. An explicit --key=value
-    that contradicts the history is refused."""
+    that contradicts the history is refused, and so is another tier of the learn task than the run's."""
     path = Path(cfg.run_dir) / HISTORY_FILE
     if not path.exists():
         return cfg
     history = read_history(path)
     if history["config"].get("model") != cfg.model:
         return cfg
+    check_trained_tier(history_settings(history), cfg, path)
     return config_from_history(history, overrides, settings=dataclasses.asdict(cfg))
+
+
+def check_trained_tier(trained: dict, cfg, source: Path) -> None:
+    """A run on the learn task is evaluated on the tier it trained on: the learn_digits its history recorded
+    (`trained`: its settings, read from `source`), refused where this evaluation's differs."""
+    if trained["train_data"] == cfg.train_data == "learn" and trained["learn_digits"] != cfg.learn_digits:
+        raise common.ConfigError(f"learn_digits: {source} records a run trained on learn_digits="
+                                 f"{trained['learn_digits']}, this evaluation has learn_digits={cfg.learn_digits}: "
+                                 f"evaluate the tier it trained on (--learn_digits={trained['learn_digits']})")
 
 
 def data_paths(opts: dict, cfg) -> dict:

@@ -49,6 +49,7 @@ def learn_run(tmp_path_factory):
 def test_the_members_are_scored_with_the_presets_fitness_which_moves_the_weights(learn_run):
     run_dir, history, _, _ = learn_run
     assert history["config"]["fitness"] == "shaped" and history["config"]["train_data"] == "learn"
+    assert history["reward"] == common.reward_definition("shaped")
     (generation,) = history["generations"]
     episodes = fileio.read_jsonl(run_dir / train.ROLLOUTS / "generation-000.jsonl")
     by_member = [[e for e in episodes if e["member"] == m] for m in range(4)]
@@ -82,7 +83,9 @@ def test_the_evaluation_is_of_held_out_additions_with_the_shaped_reward_beside_m
     m = metrics["datasets"][SET]
     assert m["reward"] == {"fitness": "shaped", "mean_at_16": sum(map(first_reply_variety, in_order)) / 16}
     assert m["mean_at_16"] == common.fitness(in_order, "agent") and {"mean4", "pass4"} <= set(m["reported"])
-    records = fileio.read_json(run_dir / "eval" / f"{SET}_eval16.json")["records"]
+    eval16 = fileio.read_json(run_dir / "eval" / f"{SET}_eval16.json")
+    assert eval16["reward"] == common.reward_definition("shaped")  # how it scored them: a replay compares under it
+    records = eval16["records"]
     assert [r["reward"] for r in records] == [first_reply_variety(by_sample[r["sample_index"]]) for r in records]
     header = evaluation.format_metrics_table(metrics["datasets"]).splitlines()[0]
     assert "Mean4@12-15" in header and "mean@16" in header and "shaped reward@16" in header

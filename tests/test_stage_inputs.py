@@ -460,3 +460,40 @@ def test_an_evaluation_resumes_only_under_the_reward_definition_that_scored_its_
         write(accepted, out / "eval_run.json")
         with pytest.raises(PoolAsked):
             eval_stage.main(argv)
+
+
+# ---- the tier of the learn task: an evaluation of a run's weights is of the tier it trained on ----
+
+def test_an_evaluation_of_a_learn_run_is_of_the_tier_it_trained_on(tmp_path, monkeypatch):
+    """03_eval takes learn_digits from its command line: an export whose history trained on another tier (its
+    manifest's config), or the base model in a run folder whose history did, is refused before any engine starts,
+    naming both values; the tier the run trained on is evaluated."""
+    strict = cli.parse_config(["--preset=strict", "--population=4"])  # learn_digits=4; history()'s members
+    trained = dict(history(), config=dataclasses.asdict(strict), base_model=strict.model)
+    folder = tmp_path / "run" / "export"
+    folder.mkdir(parents=True)
+    for rank in range(2):
+        (folder / f"model-rank-{rank}-part-0.safetensors").write_bytes(b"shard %d" % rank)
+    identity = {"config": trained["config"], "tensor_parallel_size": 2, "parameter_names_sha256": "layout",
+                "devices": [], "base_model": strict.model, "base_fingerprint": "sha256:base", "device_type": "cpu",
+                "vllm_version": "v", "torch_version": "t"}
+    write(trained, tmp_path / "run" / HISTORY_FILE)
+    export.write_manifest(folder, export.provenance(trained, tmp_path / "run" / HISTORY_FILE, []), identity,
+                          export.sharded_state_fields(folder, identity, ["r0", "r1"]))
+    manifest = export.manifest_file(folder)
+    argv = ["--preset=learn", f"--model={strict.model}", "--tensor_parallel_size=2", f"--run_dir={tmp_path / 'run'}"]
+    with pytest.raises(common.ConfigError, match=re.escape(
+            f"learn_digits: {manifest} records a run trained on learn_digits=4, this evaluation has learn_digits=0")):
+        eval_stage.main([*argv, f"--export={folder}"])
+    with pytest.raises(common.ConfigError, match=re.escape(
+            f"learn_digits: {tmp_path / 'run' / HISTORY_FILE} records a run trained on learn_digits=4, this "
+            "evaluation has learn_digits=0")):
+        eval_stage.main([*argv, "--export=", f"--out={tmp_path / 'base'}"])
+
+    def pool(*args, **kwargs):
+        raise PoolAsked
+
+    monkeypatch.setattr(eval_stage, "EnginePool", pool)
+    for more in ([f"--export={folder}"], ["--export=", f"--out={tmp_path / 'base'}"]):
+        with pytest.raises(PoolAsked):  # the tier it trained on
+            eval_stage.main([*argv, "--learn_digits=4", *more])

@@ -51,6 +51,47 @@ def test_a_tier_is_a_learn_digits_value_s_held_out_additions_or_a_problems_file(
         strict_base.tier_problems(str(tmp_path / "none.jsonl"), CFG, 5)
 
 
+class ScoredByABrokenScorer:
+    """A read-only pool whose every episode the scorer failed on (score_error)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def run_agent(self, jobs, desc=None):
+        return [dict(record(problem["id"], 0), score_method="score_error") for problem, _ in jobs]
+
+
+def test_the_bench_checks_the_scorer_as_the_stages_do(tmp_path, monkeypatch):
+    """A scorer that fails its warm-up stops the bench before its engines start; a tier whose episodes it failed on
+    past the stages' bound (common.SCORER_FAILURE_BOUND) stops it with that tier's row unwritten: a strict tier is
+    never chosen from a broken scorer's 0s."""
+    monkeypatch.setattr(common, "check_sandbox", lambda *args, **kwargs: [])
+    monkeypatch.setattr(strict_base.models, "resolve_model", lambda name, *args, **kwargs: name)
+
+    def broken():
+        raise common.ScorerFailure("the answer scorer does not work, so every answer would score 0: stand-in")
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine started before the scorer was checked")
+
+    argv = ["--tiers=3", "--problems=2", "--samples=2", f"--out={tmp_path / 'report.json'}"]
+    monkeypatch.setattr(common, "check_scorer", broken)
+    monkeypatch.setattr(strict_base, "EnginePool", no_engine)
+    with pytest.raises(common.ScorerFailure, match="every answer would score 0"):
+        strict_base.main(argv)
+    monkeypatch.setattr(common, "check_scorer", lambda: None)
+    monkeypatch.setattr(strict_base, "EnginePool", ScoredByABrokenScorer)
+    with pytest.raises(common.ScorerFailure, match="^tier 3: the scorer failed on 4 of 4 episodes"):
+        strict_base.main(argv)
+    assert not (tmp_path / "report.json").exists()
+
+
 @pytest.mark.engine
 def test_a_run_on_the_tiny_model_reports_every_tier_and_keeps_every_episode(tmp_path):
     episodes = tmp_path / "episodes.jsonl"
