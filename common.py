@@ -1213,9 +1213,20 @@ EPISODE_REWARDS = {"agent": agent_reward, "shaped": shaped_reward}  # by Config.
 
 def fitness(records: list[dict], mode: str) -> float:
     """A member's fitness: the mean reward of its episodes, each scored as the fitness mode (Config.fitness) says
-    (EPISODE_REWARDS)."""
+    (EPISODE_REWARDS). An episode the scorer gave no score for (SCORER_FAILURES, within the bound) says nothing of
+    the member's answer: it is left out of the mean (scored_records), not a 0 that would bias z against whichever
+    member it hit."""
     reward = EPISODE_REWARDS[mode]
-    return sum(reward(r) for r in records) / len(records)
+    scored = scored_records(records)
+    return sum(reward(r) for r in scored) / len(scored)
+
+
+def scored_records(records: list[dict]) -> list[dict]:
+    """The episodes the scorer gave a score for (not SCORER_FAILURES); ScorerFailure where it gave none."""
+    scored = [r for r in records if r.get("score_method") not in SCORER_FAILURES]
+    if not scored:
+        raise ScorerFailure(f"the scorer failed on all {len(records)} episodes of a member: it has no fitness")
+    return scored
 
 
 # What a history and an evaluation record of how their rewards were scored, as a history records the noise's
@@ -1252,7 +1263,10 @@ def reward_differences(recorded: dict, current: dict, what: str, this: str) -> l
 
 # ---- A scorer that fails stops the stage (docs/scoring.md): its scores would be 0s that say nothing of the answers
 
-SCORER_FAILURES = ("score_error", "score_timeout")  # the score methods of an answer the scorer gave no score for
+# the score methods of an answer the scorer gave no score for: the machine's failure (an answer that keeps a fresh
+# worker busy too is the model's: "answer_timeout", scoring.py); "score_timeout" is how files written before that
+# retry recorded a worker's timeout
+SCORER_FAILURES = ("score_error", "score_timeout")
 SCORER_FAILURE_BOUND = 0.05  # of a generation's (an evaluated set's) episodes; past it the stage stops
 
 

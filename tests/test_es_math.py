@@ -867,6 +867,33 @@ def test_a_generation_counts_its_replies_cut_at_the_token_limit(tmp_path):
     assert tracking.generation_scalars(record)["replies/cut"] == cfg.case_batch * odd
 
 
+class ScorerFailsOnce(ScoringPool):
+    """ScoringPool, but the scorer gives no score for the first episode of the member with seed `failing`."""
+
+    def __init__(self, failing):
+        super().__init__()
+        self.failing = failing
+
+    def run_agent(self, jobs, desc=None, on_record=None):
+        records = super().run_agent(jobs, desc, on_record)
+        if self.seed == self.failing:
+            records[0] = dict(records[0], score=0.0, score_method="score_error")
+        return records
+
+
+def test_a_scorer_failure_within_the_bound_is_left_out_of_its_members_fitness_and_recorded(tmp_path):
+    """A member's fitness is the mean over the episodes the scorer scored: the one it failed on (within the bound)
+    is no 0 against that member, and the generation's record says, per member, how many were left out."""
+    train = importlib.import_module("01_train")
+    cfg = cli.parse_config(["--preset=smoke", "--case_batch=32"])  # 1 failure of 128 episodes: within the bound
+    seeds = common.member_seeds(cfg.run_seed, 0, cfg.population)
+    record = train.run_generation(ScorerFailsOnce(seeds[2]), cfg, data.training_problems(cfg), 0,
+                                  train.member_fitness(cfg), tmp_path / "rollouts")
+    assert record["rewards"] == [float(seed % 10) for seed in seeds]
+    assert record["scorer_failures"] == {"score_error": 1, "score_timeout": 0}
+    assert record["scorer_failures_by_member"] == [0, 0, 1, 0]
+
+
 def test_engine_speed_settings_may_change_on_resume():
     """CUDA graphs, the step size and the all-reduce change how fast the engine steps, never the weights: a run
     started with vLLM's old defaults (or before a setting existed) resumes under the new ones (and any other), while
