@@ -51,6 +51,22 @@ def test_a_tier_is_a_learn_digits_value_s_held_out_additions_or_a_problems_file(
         strict_base.tier_problems(str(tmp_path / "none.jsonl"), CFG, 5)
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_strict_presets_documented_base_scores_are_its_gpu_reports():
+    """docs/models.md says what bench/results/strict_base_h100.json measured: the base strict score on every tier,
+    the preset's tier's, and the tool called on every tier, 2..19 included."""
+    tiers = {row["tier"]: row for row in fileio.read_json(REPO / "bench" / "results" / "strict_base_h100.json")["tiers"]}
+    strict = [row["strict"] for row in tiers.values()]
+    calls = [round(100 * row["bash_call_rate"]) for row in tiers.values()]
+    text = " ".join((REPO / "docs" / "models.md").read_text().split())
+    assert f"it is {min(strict):.2f}-{max(strict):.2f} on every tier measured" in text
+    assert f"{tiers['4']['strict']:.3f} on tier 4" in text
+    assert f"calls the tool in {min(calls)}-{max(calls)}% of the episodes on every tier, 2..19 included" in text
+    assert tiers["0"]["bash_call_rate"] > 0.25 and "still to be made" not in text
+
+
 class ScoredByABrokenScorer:
     """A read-only pool whose every episode the scorer failed on (score_error)."""
 
