@@ -1,6 +1,7 @@
 """Does this ES learn? Train the real SmolLM2-135M-Instruct on the learn preset through 01_train's main (the real
 loop: agent, the preset's shaped fitness, history), then evaluate the base model and the trained centre model
-(rebuilt from the history, digests checked) on held-out additions never seen in training, for several run seeds.
+(rebuilt from the history, digests checked) on held-out additions never seen in training, of the tier it trained on
+(--learn_digits), for several run seeds. The scorer is checked as the stages check it.
 
     python bench/learning.py --out=bench/results/learning_gpu.json --seeds=2   # the learn preset's constants
     python bench/learning.py --quick=true --out=/tmp/learning.json       # CPU sanity run (2 generations x 4 members)
