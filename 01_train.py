@@ -109,7 +109,7 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
     # past the bound the scores are the scorer's failures, not the members': nothing of generation g is written
     scorer_failures = common.check_scorer_failures([r for records in per_member for r in records], f"generation {g}",
                                                    f"nothing of generation {g} is written (docs/scoring.md)")
-    rewards = [float(fitness(records)) for records in per_member]
+    rewards = [float(fitness(records)) for records in per_member]  # each without the episodes the scorer failed on
     episodes = [dict(r, generation=g, member=member, member_seed=seed)
                 for member, (seed, records) in enumerate(zip(seeds, per_member)) for r in records]
 
@@ -122,6 +122,8 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
     return {
         "generation": g, "sigma": sigma, "alpha": cfg.alpha, "seeds": seeds, "rewards": rewards, "z": z,
         "problem_ids": [p["id"] for p in batch], "digests": digests, "scorer_failures": scorer_failures,
+        # per member: its episodes the scorer failed on, left out of its fitness (common.fitness)
+        "scorer_failures_by_member": [len(records) - len(common.scored_records(records)) for records in per_member],
         **generation_settings(cfg, engines.restore_modes), "replies": cut_replies(episodes),
         "timings": {k: round(v, 4) for k, v in timings.items()}, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

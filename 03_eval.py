@@ -28,8 +28,8 @@ from pathlib import Path
 import common
 from agentic_es import cli, export, fileio, models, stage
 from agentic_es.data import problems_from, problems_sha256
-from agentic_es.history import (EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history, read_history,
-                                recorded_settings)
+from agentic_es.history import (EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history,
+                                read_history, recorded_settings)
 from agentic_es.metrics import EPISODE_RECORD_KEYS, EVAL_METRICS, EVAL_SAMPLES, REPORTED_GROUP, dataset_metrics
 from agentic_es.pool import EnginePool
 
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> dict:
                    for name, path in data.items()}
     fileio.check_output_path(cfg.run_dir, "run_dir")
     fileio.check_output_path(out, "out")
-    check_finished_episodes(out, data, data_sha256)
+    check_finished_episodes(out, data, data_sha256, common.reward_definition(cfg.fitness))
     common.check_sandbox(cfg, data=list(data.values()), checkpoint=export_dir)  # (unless allowed)
     # before any writing
     manifest = export.verify(export_dir, cfg.tensor_parallel_size) if export_dir else None
@@ -87,6 +87,7 @@ def main(argv: list[str]) -> dict:
             records = evaluate(engines, problems, range(EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
             fileio.write_json_atomic({"dataset": name, "data": data[name], "data_sha256": data_sha256[name],
                                       "checkpoint": checkpoint, "config": dataclasses.asdict(cfg),
+                                      "reward": common.reward_definition(cfg.fitness),  # how it scored them
                                       "records": strip_transcripts(records, cfg.fitness)},
                                      out / f"{name}_eval16.json")
             write_transcripts_markdown(records, out / f"{name}_failed.md")
@@ -102,13 +103,20 @@ def main(argv: list[str]) -> dict:
     return metrics
 
 
-def check_finished_episodes(out: Path, data: dict, data_sha256: dict) -> None:
+def check_finished_episodes(out: Path, data: dict, data_sha256: dict, reward: dict) -> None:
     """The files a resumed evaluation keeps, read before the engine starts: a damaged one is refused now, not after
     minutes of loading, and so is a data file that changed since the evaluation began (by its sha256; a marker
-    written before markers recorded it holds the paths only, which claim_output_folder compares as before)."""
+    written before markers recorded it holds the paths only, which claim_output_folder compares as before), and a
+    reward definition (common.reward_definition) other than the one its episodes were scored under (a marker
+    written before markers recorded it: not compared)."""
     marker = out / "eval_run.json"
     if marker.exists():
-        recorded = fileio.read_json(marker, required=("checkpoint", "config", "data")).get("data_sha256")
+        run = fileio.read_json(marker, required=("checkpoint", "config", "data"))
+        differences = common.reward_differences(run.get("reward", reward), reward, marker.name, "this evaluation")
+        if differences:
+            raise common.ConfigError(f"{out} holds episodes scored under another reward definition: "
+                                     + "; ".join(differences) + "; evaluate into another --out")
+        recorded = run.get("data_sha256")
         if recorded is None:
             print(f"[eval] {marker} records its data by path only (written before data sha256s): the paths are "
                   "compared, the content cannot be; its data's sha256s are recorded from now on")
@@ -203,8 +211,9 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
     sha256s) and settings; the settings that only say where files go or how fast the engine steps
     (EXECUTION_FIELDS), and how a perturbation is undone (RESTORE_FIELDS: an evaluation never perturbs), may differ;
     a setting newer than the folder's marker counts as what the code did before it (recorded_settings), a marker
-    without data sha256s (older) is compared by the paths alone, and an export by its manifest and digests (not by
-    how its folder was named: runs/x/export and /abs/runs/x/export are one export)."""
+    without data sha256s (older) is compared by the paths alone, one without the reward definition without it, and
+    an export by its manifest and digests (not by how its folder was named: runs/x/export and /abs/runs/x/export are
+    one export)."""
     def settings(config: dict) -> dict:
         return {k: v for k, v in recorded_settings(config).items() if k not in EXECUTION_FIELDS + RESTORE_FIELDS}
 
@@ -212,12 +221,14 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
         return dict(run, checkpoint={k: v for k, v in run["checkpoint"].items() if k != "path"})
 
     run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
-                                 "data": data, "data_sha256": data_sha256}))
+                                 "data": data, "data_sha256": data_sha256,
+                                 "reward": common.reward_definition(cfg.fitness)}))
     marker = out / "eval_run.json"
     if marker.exists():
         recorded = fileio.read_json(marker)
         recorded = dict(recorded, config=settings(recorded.get("config", {})),
-                        data_sha256=recorded.get("data_sha256", run["data_sha256"]))
+                        data_sha256=recorded.get("data_sha256", run["data_sha256"]),
+                        reward=recorded.get("reward", run["reward"]))
         if what(recorded) != what(run):
             raise common.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
     fileio.write_json_atomic(run, marker)

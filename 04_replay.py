@@ -45,6 +45,7 @@ def main(argv: list[str]) -> dict:
     cfg = replay_config(history, originals, overrides)
     checkpoint = next(iter(originals.values()))["checkpoint"]  # what was evaluated: the base, or an export of K generations
     check_digest_kind(checkpoint, cfg, eval_dir)  # before the engine starts: digests of another kind never match
+    check_reward_definition(originals, cfg, eval_dir)  # its scores and rewards compare only under the same one
     generations = history["generations"][: checkpoint.get("replayed_generations", 0)]
     expected = {"the evaluated checkpoint": checkpoint["per_rank_digests"]}
     if export_dir:
@@ -126,6 +127,29 @@ def check_digest_kind(checkpoint: dict, cfg: common.Config, eval_dir: Path) -> N
     raise common.ConfigError(problem + f"Evaluate the base model again with the run's settings into a new folder "
                              f"(python 03_eval.py --export= {settings} --out=FOLDER) and replay that one "
                              "(--eval=FOLDER)")
+
+
+def check_reward_definition(originals: dict, cfg: common.Config, eval_dir: Path) -> None:
+    """The replay scores its episodes under this code's reward definition (common.reward_definition): compared with
+    scores and rewards of another, the agreement would measure the scorer, not the weights. Refused where an eval16
+    file recorded another, naming both values. One written before eval16 files recorded it: on the agent's score
+    compared under this code's scorer, saying so; on the shaped reward refused (its rules changed at 097270a, and
+    which ones scored it the file cannot tell)."""
+    current = common.reward_definition(cfg.fitness)
+    for name, original in originals.items():
+        path = eval_dir / f"{name}_eval16.json"
+        recorded = original.get("reward")
+        if recorded is None and cfg.fitness == "shaped":
+            raise common.ConfigError(f"{path} records no reward definition (written before they were recorded), and "
+                                     "the shaped reward's rules changed at 097270a: which ones scored it the file "
+                                     f"cannot tell; this code's are {current!r}. Replay it with the code that "
+                                     "evaluated it")
+        if recorded is None:
+            print(f"[replay] {path} records no reward definition (written before they were recorded): its scores are "
+                  f"compared with this code's ({current['agent_score']})")
+        elif differences := common.reward_differences(recorded, current, "the evaluation", "this code"):
+            raise common.ConfigError(f"{path} was scored under another reward definition: " + "; ".join(differences)
+                                     + ". Replay it with the code that evaluated it")
 
 
 def aligned_jobs(original: dict, cfg: common.Config) -> list[tuple[dict, int]]:

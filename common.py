@@ -101,9 +101,17 @@ def setting(default, role: str, meaning: str, *, choices: tuple = (), bounds: Bo
     means (--help), its valid values (choices, or numeric bounds: checked whenever a Config is made) and `before`:
     what the code did before the field existed, which is how a history or evaluation file written then, and so
     lacking the field, reads (history.recorded_settings); the comment beside it names the commit that added the
-    field. None: the field is as old as those files (they all record it)."""
+    field. None: the field is as old as those files (they all record it). Where what the code did changed before
+    the field existed, `before` is a function of the file's recorded settings, which tell when it was written."""
     return dataclasses.field(default=default, metadata={"role": role, "help": meaning, "choices": choices,
                                                         "bounds": bounds, "before": before})
+
+
+def prompt_mode_before(recorded: dict) -> str:
+    """How a file written before prompt_mode (6bbc789) built each turn's prompt: from 3c340be, which also added
+    cudagraph_mode, the generated ids were continued; before it (71e1e68..3c340be) the conversation was rendered
+    every turn."""
+    return "continue" if "cudagraph_mode" in recorded else "render"
 
 
 @dataclass(frozen=True)
@@ -190,7 +198,7 @@ class Config:
                                         before=True)  # until 174fe5b: no leak check
     prompt_mode: str = setting("render", RUN, 'each turn\'s prompt: "render" the conversation (as the reference) or '
                                '"continue" ids', choices=PROMPT_MODES,
-                               before="continue")  # until 6bbc789: ids continued (since 3c340be)
+                               before=prompt_mode_before)  # until 6bbc789: rendered, from 3c340be continued
     # data and outputs
     train_data: str = setting("data/dapo_train400.jsonl", RUN, 'built by 00_data.py; "smoke", "learn": arithmetic '
                               'made here; "compute": the compute task made here (agentic_es/compute_task.py)')
@@ -1222,14 +1230,60 @@ EPISODE_REWARDS = {"agent": agent_reward, "shaped": shaped_reward}  # by Config.
 
 def fitness(records: list[dict], mode: str) -> float:
     """A member's fitness: the mean reward of its episodes, each scored as the fitness mode (Config.fitness) says
-    (EPISODE_REWARDS)."""
+    (EPISODE_REWARDS). An episode the scorer gave no score for (SCORER_FAILURES, within the bound) says nothing of
+    the member's answer: it is left out of the mean (scored_records), not a 0 that would bias z against whichever
+    member it hit."""
     reward = EPISODE_REWARDS[mode]
-    return sum(reward(r) for r in records) / len(records)
+    scored = scored_records(records)
+    return sum(reward(r) for r in scored) / len(scored)
+
+
+def scored_records(records: list[dict]) -> list[dict]:
+    """The episodes the scorer gave a score for (not SCORER_FAILURES); ScorerFailure where it gave none."""
+    scored = [r for r in records if r.get("score_method") not in SCORER_FAILURES]
+    if not scored:
+        raise ScorerFailure(f"the scorer failed on all {len(records)} episodes of a member: it has no fitness")
+    return scored
+
+
+# What a history and an evaluation record of how their rewards were scored, as a history records the noise's
+# definition: a resume, a resumed evaluation or a replay under another definition is refused (rewards scored under two
+# definitions are two different rewards). Change shaped_reward's rules, change SHAPED_REWARD_RULES with them.
+SHAPED_REWARD_RULES = ("1: the agent's score is 1; 0.5: a bash call exited 0 whose command adds the question's own "
+                       "operands (either order) and writes no gold, and whose whole stdout, stripped, is the gold; "
+                       "0.25: any bash call ran; 0.1: no bash call, and the replies' first 'a + b = n' (or 'is n') "
+                       "with the question's operands states the gold; 0: otherwise")
+
+
+@functools.cache
+def agent_score_version() -> str:
+    """The agent's score's policy as the code that scores it: scoring.py's sha256 (any edit of it may score an answer
+    otherwise)."""
+    return "agentic_es/scoring.py sha256:" + hashlib.sha256(Path(scoring.__file__).read_bytes()).hexdigest()
+
+
+def reward_definition(fitness_mode: str) -> dict:
+    """How an episode's reward is scored under a fitness mode (Config.fitness): the agent's score
+    (agent_score_version), and for the shaped reward its rules (SHAPED_REWARD_RULES)."""
+    definition = {"fitness": fitness_mode, "agent_score": agent_score_version()}
+    if fitness_mode == "shaped":
+        definition["shaped_rules"] = SHAPED_REWARD_RULES
+    return definition
+
+
+def reward_differences(recorded: dict, current: dict, what: str, this: str) -> list[str]:
+    """Each part of two reward definitions that differs, named with both values: `what` has the recorded one,
+    `this` the current one."""
+    return [f"reward {key}: {what} has {recorded.get(key)!r}, {this} has {value!r}"
+            for key, value in current.items() if recorded.get(key) != value]
 
 
 # ---- A scorer that fails stops the stage (docs/scoring.md): its scores would be 0s that say nothing of the answers
 
-SCORER_FAILURES = ("score_error", "score_timeout")  # the score methods of an answer the scorer gave no score for
+# the score methods of an answer the scorer gave no score for: the machine's failure (an answer that keeps a fresh
+# worker busy too is the model's: "answer_timeout", scoring.py); "score_timeout" is how files written before that
+# retry recorded a worker's timeout
+SCORER_FAILURES = ("score_error", "score_timeout")
 SCORER_FAILURE_BOUND = 0.05  # of a generation's (an evaluated set's) episodes; past it the stage stops
 
 

@@ -133,6 +133,8 @@ class Engine(fileio.ClosedOnExit):
             args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_model_len, 8192))
         with stage.vllm_log_dropped():  # refuses what vLLM cannot run before the run folder or a process exists
             engine_config(args)
+        self._closing = False  # close() began: a call made or still waiting then is an EngineFailure
+        self._waiting = set()  # the calls waited on (_run), which stop_calls cancels
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="es-engine-loop", daemon=True)
         self._thread.start()
@@ -162,6 +164,7 @@ class Engine(fileio.ClosedOnExit):
 
     def _run(self, coro):
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._waiting.add(future)
         dead_since = None
         try:
             while True:
@@ -170,27 +173,40 @@ class Engine(fileio.ClosedOnExit):
                 except concurrent.futures.TimeoutError:
                     if future.done():  # the call itself raised a TimeoutError
                         raise
-                # a call made just as EngineCore died can wait forever: give it ENGINE_DEAD_GRACE_S to fail
-                if getattr(self, "llm", None) is not None and self.llm.errored:
+                # a call made just as EngineCore died, or waiting while the engine closes (its loop then stops), can
+                # wait forever: give it ENGINE_DEAD_GRACE_S to fail
+                closing = getattr(self, "_closing", False)
+                if closing or (getattr(self, "llm", None) is not None and self.llm.errored):
                     dead_since = dead_since or time.monotonic()
                     if time.monotonic() - dead_since > ENGINE_DEAD_GRACE_S:
-                        raise self._failure("a call", RuntimeError("EngineCore died while the call waited"))
+                        why = "the engine was closed" if closing else "EngineCore died"
+                        raise self._failure("a call", RuntimeError(f"{why} while the call waited"))
         except BaseException:
             future.cancel()  # interrupted while waiting (SIGTERM, Ctrl-C), or dead: stop that work on the loop too
             raise
+        finally:
+            self._waiting.discard(future)
 
-    def _check_alive(self, what: str, coro=None) -> None:
-        """vLLM can hang on a call made after its EngineCore died: refuse it instead."""
-        if self.llm.errored:
-            if coro is not None:
-                coro.close()
-            raise self._failure(what, RuntimeError("EngineCore is dead"))
+    def stop_calls(self) -> None:
+        """Cancel the calls other threads wait on (the stage is stopping: a pool's other engines' members or
+        episodes), so that they end before the engine closes; each raises in its thread. The engine stays open."""
+        for future in list(self._waiting):
+            future.cancel()
 
-    def _call_vllm(self, coro, what: str):
-        """Run one vLLM call; any failure of it is vLLM's, not the caller's (EngineFailure)."""
-        self._check_alive(what, coro)
+    def _check_alive(self, what: str) -> None:
+        """vLLM can hang on a call made after its EngineCore died: refuse it instead, and a call on an engine that
+        is closing or closed (a request of another thread after SIGTERM): vLLM's failure, never the episode's."""
+        llm = getattr(self, "llm", None)
+        closed = llm is None or getattr(self, "_closing", False)
+        if closed or llm.errored:
+            raise self._failure(what, RuntimeError("the engine is closed" if closed else "EngineCore is dead"))
+
+    def _call_vllm(self, call, what: str):
+        """Run one vLLM call, call(the AsyncLLM)'s coroutine; any failure of it is vLLM's, not the caller's
+        (EngineFailure)."""
+        self._check_alive(what)
         try:
-            return self._run(coro)
+            return self._run(call(self.llm))
         except Exception as exc:
             raise self._failure(what, exc) from exc
 
@@ -217,6 +233,7 @@ class Engine(fileio.ClosedOnExit):
     def close(self) -> None:
         """Shut vLLM down: the EngineCore process and its TP workers exit (also after an engine failure). On a GPU
         under the machine's GPU memory lock: memory freed while another engine profiles fails that start."""
+        self._closing = True
         if getattr(self, "llm", None) is not None:
             with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
                 # shut down on the engine's own loop, so its output handler is cancelled rather than left failing
@@ -233,10 +250,10 @@ class Engine(fileio.ClosedOnExit):
 
     # ---- weights ----
     def rpc(self, method: str, **kwargs) -> list:
-        return self._call_vllm(self.llm.collective_rpc(method, kwargs=kwargs), f"the worker call {method}")
+        return self._call_vllm(lambda llm: llm.collective_rpc(method, kwargs=kwargs), f"the worker call {method}")
 
     def reset_prefix_cache(self) -> None:
-        if not self._call_vllm(self.llm.reset_prefix_cache(), "the prefix cache reset"):
+        if not self._call_vllm(lambda llm: llm.reset_prefix_cache(), "the prefix cache reset"):
             raise common.EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
 
     @property
@@ -324,7 +341,7 @@ class Engine(fileio.ClosedOnExit):
 
     def save_sharded_state(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
-        self._call_vllm(self.llm.engine_core.save_sharded_state_async(path=str(path)), "save_sharded_state")
+        self._call_vllm(lambda llm: llm.engine_core.save_sharded_state_async(path=str(path)), "save_sharded_state")
 
     # ---- requests ----
     async def _complete(self, ids: list[int], params, request_id: str):

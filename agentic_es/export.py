@@ -16,7 +16,7 @@ transformers, and vLLM at any TP size), its manifest es_export_manifest.json hol
 and each tensor's digest sum. Either also holds the base model's other files (config, tokenizer, chat template) and
 SHA256SUMS over every file (`sha256sum -c SHA256SUMS`).
 
-This module imports common, fileio and checkpoint_noise; none of them imports it.
+This module imports common, fileio, checkpoint_noise and history; none of them imports it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 
 import common
 from agentic_es import checkpoint_noise, fileio
+from agentic_es.history import config_as_trained
 from common import ExportError
 
 SHARDED_STATE = "es-sharded-export/1"  # a manifest's "format": per-rank shards of one TP size (rank-salted noise)
@@ -59,11 +60,12 @@ def save(engine, folder: str | Path, model_path: str, identity: dict, digests: l
 
 
 def provenance(history: dict, history_path: str | Path, generations: list[dict]) -> dict:
-    """What a manifest records of where its weights came from: the history (path, sha256, its config) and how many
-    of its generations were replayed."""
+    """What a manifest records of where its weights came from: the history (path, sha256, its config, with the
+    fitness its run trained on where it predates the setting: history.config_as_trained) and how many of its
+    generations were replayed."""
     return {"source_history": str(history_path), "source_history_sha256": fileio.sha256_file(history_path),
             "replayed_generations": len(generations), "history_generations": len(history["generations"]),
-            "config": history["config"]}
+            "config": config_as_trained(history)}
 
 
 def verify(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:

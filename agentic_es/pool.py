@@ -25,6 +25,7 @@ import math
 import os
 import subprocess
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -40,6 +41,9 @@ GIB = 1 << 30
 ENGINE_OVERHEAD_BYTES = 1 * GIB
 ACTIVATION_RESERVE_BYTES = 2 * GIB
 HOST_PINNED_SHARE = 0.8  # exact-restore copies in pinned host memory may take this share of the node's free RAM
+# after SIGTERM or Ctrl-C, how long the pool waits for its other threads' calls to stop before the engines close (one
+# still at work then finds its engine closed: an EngineFailure in that thread, no episode recorded)
+POOL_STOP_JOIN_S = 30
 MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # nvidia-cuda-mps-control's default when CUDA_MPS_PIPE_DIRECTORY is unset
 MPS_COMMANDS = ("export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log; "
                 "mkdir -p $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d   (as root; stop: echo quit | "
@@ -465,6 +469,17 @@ class EnginePool(fileio.ClosedOnExit):
                     raise self._named(k, method, exc) from exc
             return results
 
+    def stop_threads(self, threads: list[threading.Thread]) -> None:
+        """Cancel the engine calls the work queue's threads wait on and join those threads, for at most
+        POOL_STOP_JOIN_S in all."""
+        for each in self.engines:
+            with contextlib.suppress(Exception):  # a dead engine has no call to stop
+                each.stop_calls()
+        deadline = time.monotonic() + POOL_STOP_JOIN_S
+        for thread in threads:
+            if thread.ident is not None:  # (a stop while they start: one not started never runs)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
     def check_same_devices(self, devices: list[list[dict]]) -> None:
         """The noise streams depend on the device model: a mixed pool would train on two different noises."""
         if any(d != devices[0] for d in devices):
@@ -540,7 +555,9 @@ class EnginePool(fileio.ClosedOnExit):
         run(engine, i, on_record), so one task's straggler overlaps the others' work. Results are keyed by task
         index, never by completion order. The first failure stops the queue: the other engines finish the task they
         hold (their episodes still reach on_record), and then that first failure is raised, naming its engine, so
-        that no engine is still at work when the caller goes on (to close the engines, say)."""
+        that no engine is still at work when the caller goes on (to close the engines, say). A stop of this thread
+        (SIGTERM, Ctrl-C) cancels the calls the other threads wait on and joins them (at most POOL_STOP_JOIN_S)
+        before it is raised: the engines close under no request, and the episodes that ended reached on_record."""
         results, todo, failures = [None] * tasks, list(range(tasks)), []
         lock, status = threading.Lock(), ["idle"] * self.size
         bar = tracking.progress_bar(total=total_episodes or tasks, desc=desc, leave=False)
@@ -577,6 +594,7 @@ class EnginePool(fileio.ClosedOnExit):
                     if not total_episodes:
                         bar.update(1)
 
+        threads = []
         try:
             if self.size == 1:
                 worker(0)  # in this thread: nothing to overlap
@@ -588,6 +606,11 @@ class EnginePool(fileio.ClosedOnExit):
                 for thread in threads:
                     while thread.is_alive():
                         thread.join(timeout=0.2)  # short waits: SIGTERM/Ctrl-C reach this (main) thread
+        except BaseException:  # (SIGTERM/Ctrl-C): the other threads stop before the caller closes the engines
+            with lock:
+                todo.clear()
+            self.stop_threads(threads)
+            raise
         finally:
             with lock:  # (after SIGTERM/Ctrl-C: no engine takes another task)
                 todo.clear()

@@ -160,6 +160,7 @@ class RemoteEngine:
 
     def __init__(self, actor, name: str):
         self.actor, self.name = actor, name
+        self.stopping = False  # stop_calls: the driver's waits end (the actor's call ends with its close)
 
     def _get(self, ref, what: str):
         import ray
@@ -220,6 +221,12 @@ class RemoteEngine:
                     on_record(record)
             if ready:
                 return self._get(ref, what)
+            if self.stopping:
+                raise common.EngineFailure(f"{self.name}: the stage is stopping; {what} left unfinished")
+
+    def stop_calls(self) -> None:
+        """The driver stops waiting on this engine's episodes (the stage is stopping), as Engine.stop_calls."""
+        self.stopping = True
 
     def run_agent(self, jobs, desc=None, on_record=None):
         return self._streamed(self.actor.run_agent.remote(jobs), "episodes", on_record)

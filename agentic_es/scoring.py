@@ -1113,7 +1113,9 @@ def unscored_reason(prediction, *, bash_calls, finish_reason, error=None):
 # sympy can run for minutes on an answer such as 2^{2001^{2000}}, mostly inside C code that holds the GIL (a thread
 # would freeze the whole engine) and that no signal interrupts. So the episode loop scores in a small pool of
 # worker processes, awaited through the pool's threads: a call takes an idle worker (or starts one); a worker that
-# does not answer within SCORE_TIMEOUT_S is killed (0, "score_timeout"), one that dies or garbles its reply too
+# does not answer within SCORE_TIMEOUT_S is killed and the answer scored again in a fresh worker, which has just
+# scored the known answers, with SCORE_RETRY_FACTOR times the limit: an answer that keeps that one busy too is the
+# model's doing (0, "answer_timeout"), not the machine's. A worker that dies or garbles its reply is killed
 # (0, "score_error"), and a replacement starts at once. Workers are fresh interpreters (subprocess: no fork of the
 # vLLM process and its threads) running this file, `python agentic_es/scoring.py PARENT_PID`, which imports neither torch nor
 # vLLM. They die with the pool thread that started them (PR_SET_PDEATHSIG; pool threads live as long as the pool), so
@@ -1124,6 +1126,7 @@ def unscored_reason(prediction, *, bash_calls, finish_reason, error=None):
 # stage calls warm_up() before its episodes run, which raises ScorerBroken saying what failed.
 
 SCORE_TIMEOUT_S = 20.0            # wall-clock limit of one scoring call in a worker (normal answers take ms)
+SCORE_RETRY_FACTOR = 3.0          # an answer past the limit: scored again, in a fresh worker, with this times it
 SCORER_PROCESSES = 4              # at most this many workers (and scoring calls at once), started lazily
 SCORER_START_TIMEOUT_S = 300.0    # a worker's start-up (imports of sympy and math_verify); not part of the limit
 SCORER_MEMORY_BYTES = 4 * 1024**3  # RLIMIT_AS of a worker: a runaway sympy allocation ends in MemoryError
@@ -1285,27 +1288,42 @@ class _ScorerPool:
         self.give_back(worker)
 
     def score(self, prediction, gold):
-        """Runs in a pool thread. Never raises: a timeout or a broken worker scores 0 and is killed, and its
-        replacement starts at once (its start-up overlaps what comes next)."""
+        """Runs in a pool thread. Never raises. An answer that keeps its worker past SCORE_TIMEOUT_S is scored again
+        in a fresh worker (its warm-up has just scored the known answers) with SCORE_RETRY_FACTOR times the limit:
+        its score, or where that one times out too (0, "answer_timeout"), the model's answer's doing. A broken
+        worker scores 0 (score_error). A worker that failed is killed and its replacement starts at once (its
+        start-up overlaps what comes next)."""
         worker = None
         try:
             worker = self.take()
-            result = worker.score(prediction, gold, SCORE_TIMEOUT_S)
-            self.give_back(worker)
-            return result
+            return self._scored(worker, worker.score(prediction, gold, SCORE_TIMEOUT_S))
         except TimeoutError:
-            result = 0.0, "score_timeout"
+            with contextlib.suppress(Exception):
+                self.discard(worker)
+            worker = None
+            try:
+                worker = self.take(fresh=True)
+                return self._scored(worker, worker.score(prediction, gold, SCORE_RETRY_FACTOR * SCORE_TIMEOUT_S))
+            except TimeoutError:
+                result = 0.0, "answer_timeout"
+            except Exception:  # the fresh worker did not start, died or garbled its reply
+                result = 0.0, "score_error"
         except Exception:  # a worker that died or garbled its reply, a failed start: this answer only scores 0
             result = 0.0, "score_error"
         with contextlib.suppress(Exception):
             self.replace(worker)
         return result
 
-    def take(self):
+    def _scored(self, worker, result):
+        self.give_back(worker)
+        return result
+
+    def take(self, fresh=False):
+        """An idle worker, or a new one (fresh: always a new one)."""
         with self.lock:
             if self.closed:
                 raise RuntimeError("the scorer pool is shut down")
-            while self.idle:
+            while self.idle and not fresh:
                 worker = self.idle.pop()
                 if worker.process.poll() is None:
                     break
@@ -1384,7 +1402,8 @@ def warm_up():
 
 async def score_answer_isolated(prediction, gold):
     """score_answer(prediction, gold) in a scorer worker, awaited without blocking the event loop. At most
-    SCORE_TIMEOUT_S of scoring (plus a worker's start-up); never raises."""
+    SCORE_TIMEOUT_S of scoring, and for an answer past it (1 + SCORE_RETRY_FACTOR) times that (plus a worker's
+    start-up); never raises."""
     if prediction is None or not prediction.strip():
         return score_answer(prediction, gold)
     try:

@@ -30,7 +30,7 @@ VARIANTS = {
 
 def main(argv):
     opts, overrides = cli.parse_args(argv, {"out": "", "problems": 48, "turns": "3,6"})
-    heldout = learning.heldout_problems(opts["problems"])
+    heldout = learning.heldout_problems(opts["problems"], cli.parse_config(["--preset=learn", *overrides]).learn_digits)
     rows = []
     for turns in map(int, str(opts["turns"]).split(",")):
         cfg = cli.parse_config(["--preset=learn", *overrides, f"--max_turns={turns}"])

@@ -1,6 +1,7 @@
 """Does this ES learn? Train the real SmolLM2-135M-Instruct on the learn preset through 01_train's main (the real
 loop: agent, the preset's shaped fitness, history), then evaluate the base model and the trained centre model
-(rebuilt from the history, digests checked) on held-out additions never seen in training, for several run seeds.
+(rebuilt from the history, digests checked) on held-out additions never seen in training, of the tier it trained on
+(--learn_digits), for several run seeds. The scorer is checked as the stages check it.
 
     python bench/learning.py --out=bench/results/learning_gpu.json --seeds=2   # the learn preset's constants
     python bench/learning.py --quick=true --out=/tmp/learning.json       # CPU sanity run (2 generations x 4 members)
@@ -57,10 +58,10 @@ PRIMARY = "reward"  # the held-out metric the target is judged on (the others ar
 PAPER = {"alpha": 5e-4, "sigma_start": 1e-3, "sigma_end": 5e-4}  # the reference run's constants (common.Config)
 
 
-def heldout_problems(n):
-    """The first n of the learn task's held-out questions (03_eval.py's set): none shares its operands with a
-    training question (either order)."""
-    return data.learn_problems(n, seed=data.LEARN_HELDOUT_SEED, split="heldout")
+def heldout_problems(n, learn_digits):
+    """The first n of the held-out questions of the learn task's tier learn_digits (03_eval.py's set of a run on
+    that tier): none shares its operands with a training question (either order)."""
+    return data.learn_problems(n, seed=data.LEARN_HELDOUT_SEED, split="heldout", digits=learn_digits)
 
 
 def evaluate_base_and_trained(cfg, history, problems, samples):
@@ -180,7 +181,8 @@ def main(argv):
         opts.update(heldout=min(opts["heldout"], 16), eval_samples=1)
     base_argv = ["--preset=learn", *overrides]
     base_cfg = cli.parse_config(base_argv)
-    problems = heldout_problems(opts["heldout"])
+    problems = heldout_problems(opts["heldout"], base_cfg.learn_digits)  # the tier it trains on (--learn_digits)
+    common.check_scorer()  # as the stages: a broken scorer would score every held-out answer 0
     train = importlib.import_module("01_train")
     report = {"bench": "learning", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": argv,
               "config": dataclasses.asdict(base_cfg), "fitness": base_cfg.fitness, "heldout_problems": len(problems),
@@ -201,6 +203,9 @@ def main(argv):
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         base, trained, digests, base_eval_s = evaluate_base_and_trained(cfg, history, problems, opts["eval_samples"])
+        for model, records in (("base", base), ("trained", trained)):  # past the bound the 0s are the scorer's
+            common.check_scorer_failures(records, f"seed {run_seed}, held-out {model} model",
+                                         "no report is written (docs/scoring.md)")
         eval_s = time.perf_counter() - t0
         result = compare(base, trained, problems, run_seed)
         gens = history["generations"]

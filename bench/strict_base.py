@@ -99,6 +99,7 @@ def main(argv: list[str]) -> dict:
     tiers = [t.strip() for t in str(opts["tiers"]).split(",") if t.strip()]
     sets = {tier: tier_problems(tier, cfg, opts["problems"]) for tier in tiers}  # every tier checked first
     common.check_sandbox(cfg, data=[t for t in tiers if not t.isdigit() and not COMPUTE_TIER.fullmatch(t)])
+    common.check_scorer()  # as the stages: a broken scorer would score every answer 0
     rows = []
     report = {"bench": "strict_base", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": argv, "model": cfg.model,
               "device": vllm_platform.device_type(), "config": dataclasses.asdict(cfg),
@@ -108,6 +109,7 @@ def main(argv: list[str]) -> dict:
             t0 = time.perf_counter()
             records = engines.run_agent([(p, i) for p in problems for i in range(opts["samples"])],
                                         desc=f"tier {tier}")
+            common.check_scorer_failures(records, f"tier {tier}", "its row is not written (docs/scoring.md)")
             rows.append(tier_row(tier, problems, records, opts["samples"], time.perf_counter() - t0))
             if opts["episodes"]:
                 fileio.append_jsonl(opts["episodes"], [dict(r, tier=tier) for r in records])

@@ -349,6 +349,7 @@ def test_write_transcripts_markdown(tmp_path):
 def test_a_hanging_answer_times_out_without_delaying_other_episodes(monkeypatch):
     # sympy alone runs for minutes on this answer, holding the GIL (measured by hand: > 4 min, process frozen)
     monkeypatch.setattr(scoring, "SCORE_TIMEOUT_S", 6.0)
+    monkeypatch.setattr(scoring, "SCORE_RETRY_FACTOR", 1.0)  # scored again in a fresh worker, which times out too
     tower_scoring = asyncio.Event()
 
     async def policy(messages, *, seed, max_tokens):
@@ -365,8 +366,8 @@ def test_a_hanging_answer_times_out_without_delaying_other_episodes(monkeypatch)
     finished = []
     records = run_many(policy, items, progress=finished.append)
     tower = records[0]
-    assert (tower["score"], tower["score_method"], tower["finish_reason"]) == (0.0, "score_timeout", "final_answer")
-    assert tower["seconds"] < 3 * scoring.SCORE_TIMEOUT_S  # it ended (not minutes of sympy)
+    assert (tower["score"], tower["score_method"], tower["finish_reason"]) == (0.0, "answer_timeout", "final_answer")
+    assert tower["seconds"] < 60  # it ended: both limits and a fresh worker's start-up, not minutes of sympy
     assert all((r["score"], r["score_method"]) == (1.0, "integer_match") for r in records[1:])
     assert [r["problem_id"] for r in finished][-1] == "tower"  # the others finished while it was being scored
     assert all(r["seconds"] < tower["seconds"] for r in records[1:])

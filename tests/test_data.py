@@ -417,6 +417,7 @@ def test_an_evaluation_marker_older_than_a_setting_reads_as_the_code_before_it(t
     older = json.loads((tmp_path / "eval_run.json").read_text())
     for name in ("fitness", "prompt_mode"):
         del older["config"][name]
+    older["config"]["cudagraph_mode"] = "FULL_DECODE_ONLY"  # a marker of 3c340be..6bbc789 held it: ids continued
     edit_default("fitness", "shaped")
     for cfg, reused in ((then, True), (cli.parse_config(["--preset=smoke", "--prompt_mode=continue"]), False),
                         (cli.parse_config(["--preset=smoke", "--fitness=agent"]), False)):

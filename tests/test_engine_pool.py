@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, data, fileio, models, restore_patch, sandbox, tracking
+from agentic_es import cli, data, fileio, models, restore_patch, sandbox, stage, tracking
 from agentic_es.engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
 from agentic_es.history import (GENERATION_SETTINGS, HISTORY_FILE, POOL_FIELDS, check_config, config_from_history,
                                 run_identity)
@@ -591,6 +591,37 @@ def test_after_one_engine_fails_the_pool_waits_for_the_others_then_raises_the_fi
     with pool, pytest.raises(common.EngineFailure, match="engine 0 of 2 failed during member [01]: the first failure"):
         pool.map(common.evaluate_member, [(11, 1e-3, jobs), (12, 1e-3, jobs)], desc="members", noun="member")
     assert len(ended) == 1  # engine 1's member ended before the call returned
+
+
+def test_a_stop_cancels_the_other_engines_calls_and_joins_their_threads_before_the_engines_close(monkeypatch,
+                                                                                                 tmp_path):
+    """SIGTERM or Ctrl-C reaches the pool's caller (the main thread) while its threads wait on their engines: the
+    pool cancels those calls (stop_calls) and joins the threads, bounded, before the stop is raised, so that no
+    request is made on an engine as it closes; the episodes that ended before reached on_record."""
+    pool = fake_gpu_pool(monkeypatch, tmp_path, FakeGPU(), 2, gpus=("0", "1"))
+    stopped, signalled, both, ended, calls = threading.Event(), threading.Lock(), threading.Barrier(2), [], []
+
+    def stop(signum, frame):
+        raise stage.Interrupted(signum)  # as stage.prepare_script's handler
+
+    def waits_on_its_engine(jobs, desc=None, on_record=None):
+        on_record({"episode": jobs[0][0]["id"]})
+        both.wait(10)  # both engines at work
+        if signalled.acquire(blocking=False):
+            os.kill(os.getpid(), signal.SIGUSR1)  # the stop reaches the main thread
+        calls.append("stopped" if stopped.wait(10) else "never stopped")
+        raise common.EngineFailure("cancelled")  # as a cancelled call ends
+
+    for each in pool.engines:
+        each.run_agent, each.stop_calls = waits_on_its_engine, stopped.set
+    previous = signal.signal(signal.SIGUSR1, stop)
+    try:
+        with pytest.raises(stage.Interrupted):
+            pool.run_agent([({"id": "p"}, 0), ({"id": "q"}, 0)], on_record=ended.append)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert not any(t.name.startswith("es-pool-") and t.is_alive() for t in threading.enumerate())
+    assert calls == ["stopped", "stopped"] and sorted(e["episode"] for e in ended) == ["p", "q"]
 
 
 def held_elsewhere(path) -> bool:

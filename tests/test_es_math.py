@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, data, digests, engine, fileio, tracking
+from agentic_es import cli, data, digests, engine, export, fileio, tracking
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, REBUILD_FIELDS, check_base, check_config,
-                                config_from_history, identity_differences, name_only_fingerprint, read_history,
-                                resume_free_fields)
+                                config_from_history, history_fitness, identity_differences, name_only_fingerprint,
+                                read_history, recorded_settings, resume_free_fields, run_identity)
 
 
 # ---- sigma schedule ----
@@ -430,7 +430,7 @@ def recorded_history(**config):
     """A history header as 01_train.py writes it: here a smoke run trained with a local --model folder."""
     cfg = cli.parse_config(["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100",
                           *(f"--{k}={v}" for k, v in config.items())])
-    return {"config": dataclasses.asdict(cfg)}
+    return {"config": dataclasses.asdict(cfg), "reward": common.reward_definition(cfg.fitness)}
 
 
 def test_preset_never_overrides_recorded_values():
@@ -526,6 +526,119 @@ def test_the_fitness_is_the_recorded_runs_and_a_history_without_it_reads_as_the_
         cli.parse_config(["--fitness=score"])
 
 
+def older_learn_history(rewards: list[float]) -> dict:
+    """A learn-task history written before --fitness (7feb967): no fitness in its config and no reward definition,
+    one generation of these member rewards (case batch 4)."""
+    history = recorded_history(train_data="learn", case_batch=4)
+    del history["config"]["fitness"], history["reward"]
+    return dict(history, generations=[{"generation": 0, "rewards": rewards}])
+
+
+def test_a_history_older_than_the_fitness_setting_reads_as_its_rewards_tell(tmp_path):
+    """Before --fitness, 01_train.py trained on the agent's score and bench/learning.py passed in the shaped reward
+    (on the learn task): a learn history of that time reads as its rewards tell (the agent's score gives whole
+    episodes over the case batch), in export (its manifest's config) and resume; one whose rewards cannot tell (all
+    0) is refused on resume, saying so. (A shaped one resumes only where it records which rules trained it.)"""
+    same_run = ["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100", "--train_data=learn",
+                "--case_batch=4"]  # as older_learn_history
+    shaped = older_learn_history([0.025, 0.0625, 0.0, 0.25])  # 0.1 / 4: a 0.1, no whole episode
+    assert config_from_history(shaped, ["--preset=learn"]).fitness == "shaped"
+    with pytest.raises(common.HistoryMismatch, match=re.escape(
+            "config fitness: history has 'shaped' (the history predates the setting: read from its rewards, not each "
+            "a whole number of episodes over case_batch, which the agent's score gives), this run has 'agent'")):
+        check_config(shaped, cli.parse_config([*same_run, "--fitness=agent"]))
+    with pytest.raises(common.HistoryMismatch, match="the history records no reward definition") as refused:
+        check_config(shaped, cli.parse_config([*same_run, "--fitness=shaped"]))
+    assert "config fitness" not in str(refused.value)
+    check_config(dict(shaped, reward=common.reward_definition("shaped")), cli.parse_config([*same_run,
+                                                                                           "--fitness=shaped"]))
+    path = tmp_path / HISTORY_FILE
+    fileio.write_json_atomic(shaped, path)
+    assert export.provenance(shaped, path, [])["config"]["fitness"] == "shaped"
+
+    agent = older_learn_history([0.25, 0.0, 0.5, 0.0])
+    assert config_from_history(agent, []).fitness == "agent"
+    check_config(agent, cli.parse_config(same_run))
+    with pytest.raises(common.HistoryMismatch, match=re.escape("history has 'agent' (the history predates the "
+                                                               "setting: read from its rewards, each a whole")):
+        check_config(agent, cli.parse_config([*same_run, "--fitness=shaped"]))
+    silent = older_learn_history([0.0] * 4)
+    for fitness in common.FITNESS_MODES:
+        with pytest.raises(common.HistoryMismatch, match=re.escape(
+                "its rewards (every one 0) cannot tell the agent's score from the shaped reward; this run has "
+                f"'{fitness}': add \"fitness\"")):
+            check_config(silent, cli.parse_config([*same_run, f"--fitness={fitness}"]))
+    assert "fitness" not in export.provenance(silent, path, [])["config"]  # no reading: none written
+
+
+class IdentityEngine:
+    """What run_identity asks of an engine, without one."""
+    device = "cpu"
+
+    def base_digests(self, model_path):
+        return ["b0", "b1"]
+
+    def parameter_names_sha256(self):
+        return "layout"
+
+    def rpc(self, method):
+        return [{"name": "cpu (AVX2 kernels)", "sm_count": None}] * 2
+
+
+def test_the_reward_definition_is_part_of_the_run_and_a_resume_under_another_is_refused(tmp_path, monkeypatch):
+    """A history records how its rewards are scored (common.reward_definition: the agent's score by scoring.py's
+    sha256, and the shaped reward's rules), and a resume under another definition is refused naming both values; a
+    history written before definitions were recorded resumes on the agent's score and is refused on the shaped
+    reward (its rules changed at 097270a)."""
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    shaped_cfg = cli.parse_config(["--preset=learn", f"--model={tmp_path}"])
+    history = dict(run_identity(shaped_cfg, str(tmp_path), IdentityEngine(), train_data=False), generations=[])
+    assert history["reward"] == {"fitness": "shaped", "agent_score": common.agent_score_version(),
+                                 "shaped_rules": common.SHAPED_REWARD_RULES}
+    assert re.fullmatch(r"agentic_es/scoring.py sha256:[0-9a-f]{64}", common.agent_score_version())
+    check_config(history, shaped_cfg)
+    older_rules = dict(history, reward=dict(history["reward"], shaped_rules="0.5: a bash call's stdout holds the gold"))
+    with pytest.raises(common.HistoryMismatch, match=re.escape(
+            "reward shaped_rules: history has \"0.5: a bash call's stdout holds the gold\", this run has "
+            f"{common.SHAPED_REWARD_RULES!r}")):
+        check_config(older_rules, shaped_cfg)
+    other_scorer = dict(history, reward=dict(history["reward"], agent_score="agentic_es/scoring.py sha256:" + "0" * 64))
+    with pytest.raises(common.HistoryMismatch, match=re.escape(
+            f"reward agent_score: history has 'agentic_es/scoring.py sha256:{'0' * 64}', this run has "
+            f"{common.agent_score_version()!r}")):
+        check_config(other_scorer, shaped_cfg)
+    identity = {k: v for k, v in history.items() if k != "generations"}
+    with pytest.raises(common.HistoryMismatch, match="reward agent_score"):  # the engines' check as well
+        check_base(other_scorer, identity)
+    check_base(other_scorer, identity, compare_config=False)  # export and replay: only what defines the weights
+    unrecorded = {k: v for k, v in history.items() if k != "reward"}
+    with pytest.raises(common.HistoryMismatch, match=re.escape(
+            "the history records no reward definition (written before they were recorded), and the shaped reward's "
+            "rules changed at 097270a")):
+        check_config(unrecorded, shaped_cfg)
+    agent_cfg = dataclasses.replace(shaped_cfg, fitness="agent")
+    check_config(dict(unrecorded, config=dataclasses.asdict(agent_cfg)), agent_cfg)
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def test_the_published_histories_record_the_fitness_their_rewards_tell():
+    """Every history in bench/results says which fitness trained it, and its rewards, read as a history older than
+    the setting's are, tell the same; each reads (the retired low-rank run refused by name)."""
+    published = sorted(RESULTS.glob("*history.json"))
+    assert len(published) >= 16  # the 16 of before the fitness setting and every later one
+    for path in published:
+        history = read_history(path)
+        older = dict(history, config={k: v for k, v in history["config"].items() if k != "fitness"})
+        assert history_fitness(older) == history["config"]["fitness"], path.name
+        if history["config"].get("scope", "full") != "full":
+            with pytest.raises(common.ConfigError, match="scope='lowrank'"):
+                config_from_history(history, [])
+        else:
+            assert config_from_history(history, []).fitness == history["config"]["fitness"]
+
+
 # ---- the history's identity: the device model ----
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132}
@@ -589,6 +702,24 @@ def test_a_setting_newer_than_the_history_reads_as_the_code_before_it():
         "this run has 'render'"]
 
 
+def test_a_file_older_than_prompt_mode_reads_as_the_prompts_of_its_time():
+    """Before prompt_mode (6bbc789) the code built each turn's prompt one way, then another: files of 3c340be.. (they
+    record cudagraph_mode, which 3c340be added) continued the generated ids, files of 71e1e68..3c340be rendered the
+    conversation every turn. A resume, and a replay of an evaluation, of either kind run as it ran."""
+    config = dataclasses.asdict(common.Config())
+    continued = {k: v for k, v in config.items() if k != "prompt_mode"}
+    rendered = {k: v for k, v in continued.items() if k != "cudagraph_mode"}
+    assert (recorded_settings(continued)["prompt_mode"], recorded_settings(rendered)["prompt_mode"]) == (
+        "continue", "render")
+    assert identity_differences(identity([H200, H200], config=rendered), identity([H200, H200], config=config)) == []
+    assert identity_differences(identity([H200, H200], config=rendered),
+                                identity([H200, H200], config=dict(config, prompt_mode="continue"))) == [
+        "config prompt_mode: history has 'render' (the history predates the setting: what the code did before it), "
+        "this run has 'continue'"]
+    history = {"config": dataclasses.asdict(common.Config(model="/models/my-base")), "generations": []}
+    assert config_from_history(history, [], settings=rendered).prompt_mode == "render"  # the evaluation's own
+
+
 # The settings as old as the history and evaluation files (71e1e68 wrote them first): every file records them. Each
 # field added since declares `before`, what the code did before it, which is how a file lacking it reads
 SETTINGS_AS_OLD_AS_THE_FILES = {
@@ -602,8 +733,11 @@ OLD_HISTORY = Path(__file__).parent / "fixtures" / "es_history_2ec1038.json"  # 
 def test_a_setting_added_after_the_first_files_declares_what_the_code_did_before_it():
     fields = dataclasses.fields(common.Config)
     assert {f.name for f in fields if f.metadata["before"] is None} == SETTINGS_AS_OLD_AS_THE_FILES
+    oldest, older = {}, read_history(OLD_HISTORY)["config"]  # what a function of the file reads: both ends
     for f in fields:  # each before is a valid value of its setting
-        assert f.metadata["before"] is None or common.setting_problem(f, f.metadata["before"]) is None, f.name
+        then = f.metadata["before"]
+        for value in ([then(oldest), then(older)] if callable(then) else [then] if then is not None else []):
+            assert common.setting_problem(f, value) is None, f.name
     lacking = {f.name for f in fields} - set(read_history(OLD_HISTORY)["config"])
     assert lacking == {"fitness", "learn_digits", "compute_level", "engines", "ray_address"}  # pool's: never recorded
     assert all(common.Config.__dataclass_fields__[name].metadata["before"] is not None for name in lacking)
@@ -731,6 +865,33 @@ def test_a_generation_counts_its_replies_cut_at_the_token_limit(tmp_path):
     assert record["replies"] == {"replies": replies, "cut": cfg.case_batch * odd, "unrecorded": 0}
     assert f"  {cfg.case_batch * odd}/{replies} replies cut at the token limit  |" in train.summary_line(record, cfg)
     assert tracking.generation_scalars(record)["replies/cut"] == cfg.case_batch * odd
+
+
+class ScorerFailsOnce(ScoringPool):
+    """ScoringPool, but the scorer gives no score for the first episode of the member with seed `failing`."""
+
+    def __init__(self, failing):
+        super().__init__()
+        self.failing = failing
+
+    def run_agent(self, jobs, desc=None, on_record=None):
+        records = super().run_agent(jobs, desc, on_record)
+        if self.seed == self.failing:
+            records[0] = dict(records[0], score=0.0, score_method="score_error")
+        return records
+
+
+def test_a_scorer_failure_within_the_bound_is_left_out_of_its_members_fitness_and_recorded(tmp_path):
+    """A member's fitness is the mean over the episodes the scorer scored: the one it failed on (within the bound)
+    is no 0 against that member, and the generation's record says, per member, how many were left out."""
+    train = importlib.import_module("01_train")
+    cfg = cli.parse_config(["--preset=smoke", "--case_batch=32"])  # 1 failure of 128 episodes: within the bound
+    seeds = common.member_seeds(cfg.run_seed, 0, cfg.population)
+    record = train.run_generation(ScorerFailsOnce(seeds[2]), cfg, data.training_problems(cfg), 0,
+                                  train.member_fitness(cfg), tmp_path / "rollouts")
+    assert record["rewards"] == [float(seed % 10) for seed in seeds]
+    assert record["scorer_failures"] == {"score_error": 1, "score_timeout": 0}
+    assert record["scorer_failures_by_member"] == [0, 0, 1, 0]
 
 
 def test_engine_speed_settings_may_change_on_resume():

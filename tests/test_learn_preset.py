@@ -49,6 +49,7 @@ def learn_run(tmp_path_factory):
 def test_the_members_are_scored_with_the_presets_fitness_which_moves_the_weights(learn_run):
     run_dir, history, _, _ = learn_run
     assert history["config"]["fitness"] == "shaped" and history["config"]["train_data"] == "learn"
+    assert history["reward"] == common.reward_definition("shaped")
     (generation,) = history["generations"]
     episodes = fileio.read_jsonl(run_dir / train.ROLLOUTS / "generation-000.jsonl")
     by_member = [[e for e in episodes if e["member"] == m] for m in range(4)]
@@ -82,22 +83,25 @@ def test_the_evaluation_is_of_held_out_additions_with_the_shaped_reward_beside_m
     m = metrics["datasets"][SET]
     assert m["reward"] == {"fitness": "shaped", "mean_at_16": sum(map(first_reply_variety, in_order)) / 16}
     assert m["mean_at_16"] == common.fitness(in_order, "agent") and {"mean4", "pass4"} <= set(m["reported"])
-    records = fileio.read_json(run_dir / "eval" / f"{SET}_eval16.json")["records"]
+    eval16 = fileio.read_json(run_dir / "eval" / f"{SET}_eval16.json")
+    assert eval16["reward"] == common.reward_definition("shaped")  # how it scored them: a replay compares under it
+    records = eval16["records"]
     assert [r["reward"] for r in records] == [first_reply_variety(by_sample[r["sample_index"]]) for r in records]
     header = evaluation.format_metrics_table(metrics["datasets"]).splitlines()[0]
     assert "Mean4@12-15" in header and "mean@16" in header and "shaped reward@16" in header
 
 
-def test_a_history_written_before_the_fitness_setting_resumes_as_the_agents_score(learn_run, tmp_path):
-    """No engine starts: the finished run's history without its fitness is refused under the preset's shaped fitness
-    (the setting named) and taken as finished under the agent's."""
+def test_a_history_written_before_the_fitness_setting_resumes_as_its_rewards_tell(learn_run, tmp_path):
+    """No engine starts: the finished run's history without its fitness (as bench/learning.py's were written before
+    the setting) reads as the shaped reward its rewards tell (no whole number of episodes over the case batch): taken
+    as finished under the preset's shaped fitness, refused under the agent's (the setting and the reading named)."""
     run_dir, history, _, _ = learn_run
     older = tmp_path / "run"
     older.mkdir()
     fileio.write_json_atomic(dict(history, config={k: v for k, v in history["config"].items() if k != "fitness"}),
                              older / HISTORY_FILE)
     argv = ["--preset=learn", *CPU_SIZED, f"--run_dir={older}"]
-    with pytest.raises(common.HistoryMismatch, match=r"config fitness: history has 'agent' \(the history predates the "
-                                                     r"setting: what the code did before it\), this run has 'shaped'"):
-        train.main(argv)
-    assert train.main([*argv, "--fitness=agent"])["generations"] == history["generations"]
+    with pytest.raises(common.HistoryMismatch, match=r"config fitness: history has 'shaped' \(the history predates "
+                                                     r"the setting: read from its rewards, not each a whole number"):
+        train.main([*argv, "--fitness=agent"])
+    assert train.main(argv)["generations"] == history["generations"]

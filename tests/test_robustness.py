@@ -67,6 +67,27 @@ def test_any_other_policy_error_is_an_episode_error_that_scores_zero():
     assert record["error"] == "ValueError: unparseable tokenizer output"
 
 
+def test_a_request_on_a_closed_engine_is_an_engine_failure_never_an_episode_error():
+    """After SIGTERM with several engines, a pool thread may still ask an engine that is closing (or closed) for a
+    reply: that is vLLM's failure (EngineFailure: the batch stops, no record), never an episode's error scored 0
+    that 03_eval.py would keep as done on resume. So is a worker call on it."""
+    closed = Engine.__new__(Engine)
+    closed.llm, closed._closing = None, True  # as close() leaves it
+    reported = []
+
+    async def policy(messages, *, seed, max_tokens):
+        if len(messages) == 2:
+            return {"text": BASH}
+        return {"text": (await closed._complete([1, 2, 3], None, "turn-1")).text}
+
+    with pytest.raises(common.EngineFailure, match="request turn-1: RuntimeError: the engine is closed"):
+        asyncio.run(common.run_episodes(policy, [(PROBLEMS[0], 0)], common.Config(bash_timeout_s=5),
+                                        sandbox_check=sandbox.leak_check_result(), progress=reported.append))
+    assert reported == []
+    with pytest.raises(common.EngineFailure, match="the worker call es_digest: RuntimeError: the engine is closed"):
+        closed.rpc("es_digest")
+
+
 # ---- the scripts' signal handling and vLLM log level (a Python process without an engine) ----
 
 SCRIPT = """

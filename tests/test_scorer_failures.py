@@ -127,6 +127,49 @@ def test_the_stage_stops_past_5_percent_of_episodes_the_scorer_failed_on():
         common.check_scorer_failures(past, "generation 3", "nothing is written")
 
 
+def slow_on_first_answers(marker, answers: int) -> str:
+    """A stand-in worker whose first `answers` answers of the whole pool (counted in `marker`) take a minute."""
+    return f"""
+    import os, sys, time
+    print('"ready"', flush=True)
+    for line in sys.stdin:
+        with open({str(marker)!r}, "a") as f:
+            f.write("x")
+        if os.path.getsize({str(marker)!r}) <= {answers}:
+            time.sleep(60)
+        print('[1.0, "stand-in"]', flush=True)
+"""
+
+
+def test_an_answer_past_the_limit_is_scored_again_and_a_second_timeout_is_the_models(scorer_script, monkeypatch,
+                                                                                    tmp_path):
+    """A worker that gives no score within SCORE_TIMEOUT_S is killed and the answer scored again in a fresh worker
+    with SCORE_RETRY_FACTOR times the limit: a machine's stall costs no score; an answer that keeps that worker busy
+    too scores 0 as the model's (answer_timeout), which the bound on the scorer's failures does not count, and
+    which counts in a member's fitness."""
+    monkeypatch.setattr(scoring, "SCORE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(scoring, "SCORE_RETRY_FACTOR", 2.0)
+    scorer_script(slow_on_first_answers(tmp_path / "answers", 1))
+    assert asyncio.run(scoring.score_answer_isolated("42", "42")) == (1.0, "stand-in")  # the fresh worker's score
+    assert len(scoring._scorer_pool().workers()) == 1  # the stalled one killed, the fresh one kept
+    scorer_script(slow_on_first_answers(tmp_path / "twice", 2))
+    assert asyncio.run(scoring.score_answer_isolated("2^{2001^{2000}}", "1")) == (0.0, "answer_timeout")
+    assert "answer_timeout" not in common.SCORER_FAILURES
+    timed_out = records(["answer_timeout"] * 20)
+    assert common.check_scorer_failures(timed_out, "generation 3", "-") == {"score_error": 0, "score_timeout": 0}
+    assert common.fitness(timed_out, "agent") == 0.0
+
+
+def test_a_scorer_failure_within_the_bound_is_left_out_of_the_members_fitness():
+    """An answer the scorer gave no score for (score_error, score_timeout) says nothing of the member: its fitness
+    is the mean of the episodes that scored, not a 0 that biases z against it; a member with none has no fitness."""
+    scored = [dict(r, score=1.0) for r in records(["integer_match"] * 3)]
+    assert common.fitness(scored + records(["score_error"]), "agent") == 1.0
+    assert common.fitness(scored + records(["score_timeout"]), "shaped") == 1.0
+    with pytest.raises(common.ScorerFailure, match="the scorer failed on all 2 episodes of a member"):
+        common.fitness(records(["score_error", "score_timeout"]), "agent")
+
+
 @pytest.mark.parametrize("script", [EXITS, DIES_ON_EVERY_CALL])
 @pytest.mark.parametrize("stage_script, name", [("01_train.py", "train"), ("03_eval.py", "eval")])
 def test_a_broken_scorer_stops_training_and_evaluation_before_their_engines_start(scorer_script, stage, tmp_path,

@@ -1199,11 +1199,13 @@ def test_isolated_scoring_agrees_with_score_answer_and_survives_a_hang(monkeypat
         assert worker.process.poll() is None
         maps = open(f"/proc/{worker.process.pid}/maps").read()
         assert "libtorch" not in maps and "/vllm/" not in maps  # a light worker: neither torch nor vLLM loaded
-        # sympy alone runs for minutes on this answer, holding the GIL; the worker is killed at the limit
+        # sympy alone runs for minutes on this answer, holding the GIL; the worker is killed at the limit, and a
+        # fresh one that keeps at it too marks the answer's timeout (the model's, not the machine's)
         monkeypatch.setattr(scoring, "SCORE_TIMEOUT_S", 5.0)
+        monkeypatch.setattr(scoring, "SCORE_RETRY_FACTOR", 1.0)
         started = time.monotonic()
-        assert asyncio.run(scoring.score_answer_isolated("2^{2001^{2000}}", "1")) == (0.0, "score_timeout")
-        assert time.monotonic() - started < 3 * scoring.SCORE_TIMEOUT_S
+        assert asyncio.run(scoring.score_answer_isolated("2^{2001^{2000}}", "1")) == (0.0, "answer_timeout")
+        assert time.monotonic() - started < 60  # both limits and a fresh worker's start-up, not minutes of sympy
         assert worker.process.poll() is not None  # killed ...
         (replacement,) = scoring._scorer_pool().workers()  # ... and replaced
         assert asyncio.run(scoring.score_answer_isolated("42", "42")) == (1.0, "integer_match")

@@ -397,3 +397,104 @@ def test_a_replay_runs_only_on_the_data_its_evaluation_used_and_an_older_eval16_
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
     assert f"records its data by path only (written before data sha256s): {dapo} is taken by its path" in \
         capsys.readouterr().out
+
+
+# ---- the reward's definition: an evaluation resumes, and a replay compares, only under the one that scored it ----
+
+def test_a_replay_refuses_an_evaluation_scored_under_another_reward_definition(tmp_path, monkeypatch, capsys):
+    """04_replay scores under this code's reward definition (common.reward_definition): an eval16 file that
+    recorded another is refused before any engine starts, naming both values; one written before eval16 files
+    recorded it is compared under this code's scorer on the agent's score, saying so, and refused on the shaped
+    reward (its rules changed at 097270a)."""
+    eval16 = evaluation(tmp_path)
+    current = common.reward_definition("agent")
+    other = dict(current, agent_score="agentic_es/scoring.py sha256:" + "0" * 64)
+    write(dict(eval16, reward=other), tmp_path / "eval" / "dapo_eval16.json")
+    message = (f"{tmp_path / 'eval' / 'dapo_eval16.json'} was scored under another reward definition: reward "
+               f"agent_score: the evaluation has {other['agent_score']!r}, this code has {current['agent_score']!r}")
+    with pytest.raises(common.ConfigError, match=re.escape(message)):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+
+    def pool(*args, **kwargs):
+        raise PoolAsked
+
+    monkeypatch.setattr(replay_stage, "EnginePool", pool)
+    write(dict(eval16, reward=current), tmp_path / "eval" / "dapo_eval16.json")
+    with pytest.raises(PoolAsked):  # the same definition
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+    write(eval16, tmp_path / "eval" / "dapo_eval16.json")  # older: none recorded
+    capsys.readouterr()
+    with pytest.raises(PoolAsked):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+    assert "records no reward definition (written before they were recorded): its scores are compared with this " \
+           "code's" in capsys.readouterr().out
+    shaped = dict(eval16, config=dict(eval16["config"], fitness="shaped"))
+    write(shaped, tmp_path / "eval" / "dapo_eval16.json")
+    with pytest.raises(common.ConfigError, match="records no reward definition .* the shaped reward's rules changed"):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+
+
+def test_an_evaluation_resumes_only_under_the_reward_definition_that_scored_its_episodes(tmp_path, monkeypatch):
+    """03_eval's marker records the reward definition its kept episodes were scored under: a resume under another
+    is refused before any engine starts, naming both values; a marker written before markers recorded it resumes."""
+    smoke = data.problems_from("smoke", SMOKE.run_seed)
+    dapo = problems_file(tmp_path / "dapo.jsonl", smoke[:4])
+    out = tmp_path / "eval"
+    argv = ["--preset=smoke", "--export=", f"--out={out}", f"--run_dir={tmp_path / 'run'}", f"--dapo={dapo}",
+            f"--aime2026={dapo}"]
+    current = common.reward_definition("agent")
+    marker = {"checkpoint": {"kind": "base"}, "config": {}, "data": {"dapo": str(dapo), "aime2026": str(dapo)},
+              "data_sha256": {"dapo": fileio.sha256_file(dapo), "aime2026": fileio.sha256_file(dapo)},
+              "reward": dict(current, agent_score="agentic_es/scoring.py sha256:" + "0" * 64)}
+    write(marker, out / "eval_run.json")
+    with pytest.raises(common.ConfigError, match=re.escape(
+            f"{out} holds episodes scored under another reward definition: reward agent_score: eval_run.json has "
+            f"{marker['reward']['agent_score']!r}, this evaluation has {current['agent_score']!r}")):
+        eval_stage.main(argv)
+
+    def pool(*args, **kwargs):
+        raise PoolAsked
+
+    monkeypatch.setattr(eval_stage, "EnginePool", pool)
+    for accepted in (dict(marker, reward=current), without(marker, "reward")):
+        write(accepted, out / "eval_run.json")
+        with pytest.raises(PoolAsked):
+            eval_stage.main(argv)
+
+
+# ---- the tier of the learn task: an evaluation of a run's weights is of the tier it trained on ----
+
+def test_an_evaluation_of_a_learn_run_is_of_the_tier_it_trained_on(tmp_path, monkeypatch):
+    """03_eval evaluates an export of a learn run (its manifest's config), or the base model in a run folder whose
+    history trained on the learn task, on the tier the run trained on; an explicit --learn_digits of another tier is
+    refused before any engine starts, naming both values and the file that recorded the run's."""
+    strict = cli.parse_config(["--preset=strict", "--population=4"])  # learn_digits=4; history()'s members
+    trained = dict(history(), config=dataclasses.asdict(strict), base_model=strict.model)
+    folder = tmp_path / "run" / "export"
+    folder.mkdir(parents=True)
+    for rank in range(2):
+        (folder / f"model-rank-{rank}-part-0.safetensors").write_bytes(b"shard %d" % rank)
+    identity = {"config": trained["config"], "tensor_parallel_size": 2, "parameter_names_sha256": "layout",
+                "devices": [], "base_model": strict.model, "base_fingerprint": "sha256:base", "device_type": "cpu",
+                "vllm_version": "v", "torch_version": "t"}
+    write(trained, tmp_path / "run" / HISTORY_FILE)
+    export.write_manifest(folder, export.provenance(trained, tmp_path / "run" / HISTORY_FILE, []), identity,
+                          export.sharded_state_fields(folder, identity, ["r0", "r1"]))
+    manifest = export.manifest_file(folder)
+    argv = ["--preset=learn", f"--model={strict.model}", "--tensor_parallel_size=2", f"--run_dir={tmp_path / 'run'}"]
+    with pytest.raises(common.ConfigError, match=re.escape(
+            f"--learn_digits=3 (the run's is learn_digits=4, recorded in {manifest})")):
+        eval_stage.main([*argv, "--learn_digits=3", f"--export={folder}"])
+    with pytest.raises(common.ConfigError, match=re.escape(
+            f"--learn_digits=3 (the run's is learn_digits=4, recorded in {tmp_path / 'run' / HISTORY_FILE})")):
+        eval_stage.main([*argv, "--learn_digits=3", "--export=", f"--out={tmp_path / 'base'}"])
+
+    def pool(cfg, *args, **kwargs):
+        assert cfg.learn_digits == 4  # the sets are those of the tier it trained on
+        raise PoolAsked
+
+    monkeypatch.setattr(eval_stage, "EnginePool", pool)
+    for tier in ([], ["--learn_digits=4"]):  # the tier it trained on, named or not
+        for more in ([f"--export={folder}"], ["--export=", f"--out={tmp_path / 'base'}"]):
+            with pytest.raises(PoolAsked):
+                eval_stage.main([*argv, *tier, *more])
