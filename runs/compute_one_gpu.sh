@@ -10,7 +10,8 @@
 #   bash runs/compute_one_gpu.sh                              # -> runs/compute (README, Results: the measured time)
 #
 # RUN_SEED=S picks the run seed, RUN_DIR=DIR the folder, TRAIN_UTIL / EVAL_UTIL the share of GPU memory of each
-# training engine and of the one evaluation engine. After a stop run it again: training and the evaluations resume
+# training engine and of the one evaluation engine; CONTROL=1 also evaluates the skeptic's control (generation 0's
+# best member alone, bench/member_eval.py). After a stop run it again: training and the evaluations resume
 # where they stopped, an export already made is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,4 +40,9 @@ python 03_eval.py "${ARGS[@]}" "${EVAL[@]}" --export= --out="$RUN/eval-base"   #
 python 04_replay.py "${ARGS[@]}" "${EVAL[@]}"                       # rebuild theta, re-run samples 12-15
 python bench/compute_stages_summary.py --trained="$RUN/eval" --base="$RUN/eval-base" \
   --replay="$RUN/eval/aligned_history_replay_eval4.json" --history="$RUN/es_history.json" --out="$RUN/summary.json"
+if [ -n "${CONTROL:-}" ]; then  # CONTROL=1: generation 0's best member alone, one draw and no update (RandOpt)
+  python bench/member_eval.py "${ARGS[@]}" "${EVAL[@]}"                # -> $RUN/eval-best-member
+  python bench/compute_stages_summary.py --trained="$RUN/eval-best-member" --base="$RUN/eval-base" \
+    --out="$RUN/summary_best_member.json"
+fi
 echo "[compute] done: $RUN/summary.json (base vs trained per held-out set, with what the agent did)"
