@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import agent_behaviour  # noqa: E402
 from agentic_es import cli, fileio  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
-from strict_stages_summary import BOOTSTRAP, compare, read_json, score_table  # noqa: E402
+from strict_stages_summary import BOOTSTRAP, compare, read_json, replay_agreement, score_table  # noqa: E402
 
 OPTIONS = {"trained": "", "base": "", "replay": "", "history": "", "out": "", "seed": 0}
 
@@ -64,11 +64,7 @@ def main(argv: list[str]) -> dict:
               "ci": f"95% percentile bootstrap over problems, {BOOTSTRAP} resamples, paired",
               "sets": {name: compare_set(trained_dir, base_dir, name, opts["seed"]) for name in names}}
     if opts["replay"]:
-        replay = fileio.read_json(opts["replay"])
-        report["replay"] = {name: {k: d.get(k) for k in ("sample_agreement", "identical_transcripts",
-                                                         "problems_fully_agreeing")}
-                            for name, d in replay["datasets"].items()}
-        report["replay"]["replayed_generations"] = replay.get("replayed_generations")
+        report["replay"] = replay_agreement(opts["replay"])
     if opts["history"]:
         history = fileio.read_json(opts["history"])
         report["run"] = {k: history["config"].get(k) for k in ("run_seed", "model", "train_data", "compute_level",
