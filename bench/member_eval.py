@@ -9,8 +9,8 @@ trained one, so that an ES gain is shown to be more than one lucky draw.
 
 Script options: out (default <run_dir>/eval-best-member), history (default <run_dir>/es_history.json). Every other
 --key=value is a setting of where and how fast it runs (engines, memory, run_dir); the rest is the run's, from its
-history (its task, tier or level, agent and sampling). Writes <set>_eval16.json, <set>_episodes.jsonl and metrics.json, the checkpoint
-recorded as {"kind": "member", "generation": 0, "member", "seed", "sigma", "fitness"}.
+history (its task, tier or level, agent and sampling). Writes <set>_eval16.json, <set>_episodes.jsonl and
+metrics.json, the checkpoint recorded as {"kind": "member", "generation": 0, "member", "seed", "sigma", "fitness"}.
 """
 
 import dataclasses

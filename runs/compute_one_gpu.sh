@@ -23,7 +23,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
 export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/nvidia-mps-log}
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-pgrep -f nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d || echo "[compute] no CUDA MPS: engines time-slice"
+pgrep -f nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d \
+  || echo "[compute] no CUDA MPS: the engines time-slice the GPU"
 
 RUN=${RUN_DIR:-runs/compute}
 ARGS=(--preset=compute --tensor_parallel_size=1 --run_dir="$RUN" ${RUN_SEED:+--run_seed=$RUN_SEED})
