@@ -18,7 +18,8 @@ start)
   seed_a=${2:?seed}; seed_b=${3:?seed}
   [ -z "${LEVEL:-}" ] && python bench/strict_base.py --preset=compute --tiers=compute1,compute2,compute3 \
     --problems=64 --samples=8 --tensor_parallel_size=1 --engines=1 --gpu_memory_utilization=0.5 \
-    --out="$root/compute_base.json" --episodes="$root/compute_base_episodes.jsonl" 2>&1 | grep --line-buffered -v -E "it/s\]|s/it\]" \
+    --out="$root/compute_base.json" --episodes="$root/compute_base_episodes.jsonl" 2>&1 \
+    | grep --line-buffered -v -E "it/s\]|s/it\]" \
     | tee "$root/compute_base_log.txt" | grep -E "^tier|^compute|Error|error" | tail -n 8
   level=${LEVEL:-$(python - "$root/compute_base.json" <<'EOF'
 import json, sys
