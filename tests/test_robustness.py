@@ -13,6 +13,7 @@ import pytest
 
 import common
 from agentic_es import sandbox
+from agentic_es.engine import Engine
 
 PROBLEMS = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
 BASH = json.dumps({"name": "bash", "arguments": {"command": "echo 2"}})
