@@ -8,7 +8,8 @@ Running vLLM:
     checkpoint_definition  what a history records of the checkpoint noise (a leaf common.py imports)
     digests           sha256 weight digests per TP rank: the exactness check everywhere
     engine            one vLLM engine behind a synchronous facade
-    pool              K engines at once: placement, memory plans, the work queue (map)
+    placement         where a pool's engines run and whether they fit: GPU groups, memory plans, MPS (a leaf)
+    pool              K engines at once: their start and the work queue (map)
     ray_pool          the pool's engines as Ray actors on a cluster (--ray_address)
     restore_patch     exact restore without a copy of the weights (restore="patch")
     stage             a script as a stage: the errors it stops with, run_stage, signals, vLLM's log

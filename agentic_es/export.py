@@ -265,9 +265,9 @@ def write_checkpoint_tensors(engine, folder: Path) -> tuple[list[str], dict[str,
     pieces = folder / PIECES
     pieces.mkdir(parents=True, exist_ok=True)
     try:
-        engine.rpc("es_write_checkpoint_pieces", folder=str(pieces))
+        engine.rpc(checkpoint_noise.CheckpointESWorker.es_write_checkpoint_pieces, folder=str(pieces))
         sums, shapes = engine.checkpoint_sums()
-        names = engine.rpc("es_checkpoint_names")[0]
+        names = engine.rpc(checkpoint_noise.CheckpointESWorker.es_checkpoint_names)[0]
         files = write_safetensors_files(assembled_tensors(pieces, names, shapes), folder)
     finally:
         shutil.rmtree(pieces, ignore_errors=True)

@@ -230,7 +230,7 @@ def run_identity(cfg: common.Config, model_path: str, engine, train_data: bool =
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "dtype": cfg.dtype,
         "device_type": engine.device,
-        "devices": engine.rpc("es_device"),  # per rank: the noise streams depend on the device model
+        "devices": engine.rpc(common.ESWorker.es_device),  # per rank: the noise streams depend on the device model
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
     }

@@ -1,7 +1,8 @@
 """The engine pool's engines as Ray actors (--ray_address): one placement group per GPU group on the nodes of a
 cluster, an Engine in each actor, and the driver's handle on it (RemoteEngine: Engine's blocking methods, each run in
 its actor, the episodes it finishes streamed back as they end). pool.py imports this module, and Ray with it, only
-with --ray_address; placement, memory plans and the work queue are pool.py's.
+with --ray_address; placement and memory plans are placement.py's, the work queue pool.py's. It does not import
+pool.py: start_engines adds each engine it starts to the pool it is handed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 
 import common
 from agentic_es import engine, sandbox, stage
-from agentic_es.pool import cpu_binding, engines_to_plan, node_report, place_engines, start_gpu_engine
+from agentic_es.placement import cpu_binding, engines_to_plan, node_report, place_engines, start_gpu_engine
 
 POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
 POOL_START_TIMEOUT_S = 900  # for the cluster to find room for a GPU group's placement group
@@ -181,7 +182,8 @@ class RemoteEngine:
         """engine.method(*args, **kwargs) in the actor, waited for."""
         return self._get(self.actor.call.remote(method, *args, **kwargs), method)
 
-    def rpc(self, method: str, **kwargs) -> list:
+    def rpc(self, method, **kwargs) -> list:
+        """Engine.rpc (a worker method named by reference, common.ESWorker.es_digest)."""
         return self._call("rpc", method, **kwargs)
 
     def parameter_names_sha256(self) -> str:

@@ -42,7 +42,8 @@ def measure(cfg, path: str, repeats: int, population: int) -> dict:
         coeffs = common.update_coefficients(common.zscore(list(range(population))), cfg.alpha)
         return {
             "noise": cfg.noise,
-            "params_per_rank": sum(r["params"] for r in engine.rpc("es_memory")) // cfg.tensor_parallel_size,
+            "params_per_rank": (sum(r["params"] for r in engine.rpc(common.ESWorker.es_memory))
+                                // cfg.tensor_parallel_size),
             "first_digest_s": round(first_digest, 3),
             "perturb_restore_s": round(seconds_of(lambda: (engine.perturb(seeds[0], cfg.sigma_start), engine.restore()),
                                           repeats), 3),

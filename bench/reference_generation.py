@@ -174,7 +174,7 @@ def main(argv):
                 e.rpc(qwen3_30b.normal_weights, std=qwen3_30b.NORMAL_STD, seed=opts["seed"])
                 e.reset_prefix_cache()
         engine = pool.engines[0]
-        memory = [e.rpc("es_memory")[0] for e in pool.engines]
+        memory = [e.rpc(common.ESWorker.es_memory)[0] for e in pool.engines]
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         plain = plain_tokens_per_s(engine, vocab) if opts["plain"] else None
         single = plain_tokens_per_s(engine, vocab, sequences=1)  # the speed of a straggler decoding alone

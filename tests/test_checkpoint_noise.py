@@ -234,7 +234,7 @@ def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_
 
 def rank_digests(engine) -> list[str]:
     """Every rank's sha256 of its bits (the checkpoint digest adds elements up; this one sees each rank's)."""
-    return [r["digest"] for r in engine.rpc("es_digest")]
+    return [r["digest"] for r in engine.rpc(common.ESWorker.es_digest)]
 
 
 @pytest.mark.engine
@@ -250,7 +250,7 @@ def test_patch_restore_is_bit_exact_with_checkpoint_noise():
             assert engine.digests() != base
             engine.restore()
             assert engine.digests() == base and rank_digests(engine) == ranks
-        assert all(m["patch_used"] > 0 for m in engine.rpc("es_memory"))
+        assert all(m["patch_used"] > 0 for m in engine.rpc(common.ESWorker.es_memory))
 
 
 @pytest.fixture(scope="class")

@@ -28,9 +28,10 @@ from agentic_es import cli, data, fileio, models, restore_patch, sandbox, stage,
 from agentic_es.engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
 from agentic_es.history import (GENERATION_SETTINGS, HISTORY_FILE, POOL_FIELDS, check_config, config_from_history,
                                 run_identity)
-from agentic_es.pool import (ENGINE_OVERHEAD_BYTES, EnginePool, EnginesDisagree, check_colocation, cpu_binding,
-                             engine_memory_needs, engines_to_plan, gpu_groups, held_elements, parameter_count,
-                             place_engines, plan_gpu_memory, pool_size, safetensors_elements)
+from agentic_es.placement import (ENGINE_OVERHEAD_BYTES, check_colocation, cpu_binding, engine_memory_needs,
+                                  engines_to_plan, gpu_groups, held_elements, parameter_count, place_engines,
+                                  plan_gpu_memory, safetensors_elements)
+from agentic_es.pool import EnginePool, EnginesDisagree, pool_size
 from conftest import as_user
 from train_with_test_reward import first_reply_variety, reply_variety
 
@@ -142,6 +143,23 @@ def test_each_cpu_engine_gets_its_own_cores():
     assert [cpu_binding(k, 1, 2) for k in range(2)] == ["0", "1"]
     assert [cpu_binding(k, 2, 4) for k in range(2)] == ["0|1", "2|3"]
     assert cpu_binding(2, 1, 2) == "0"  # more engines than cores: wrap around
+
+
+def test_worker_calls_name_their_method_by_reference():
+    """Engine.rpc sends a worker extension's method by its name (vLLM looks it up on the worker), any other function
+    whole (a probe), and refuses a string: a typo fails in the driver, before any engine is asked."""
+    from agentic_es import checkpoint_noise
+    from agentic_es.engine import worker_call
+
+    assert worker_call(common.ESWorker.es_perturb) == "es_perturb"
+    assert worker_call(checkpoint_noise.CheckpointESWorker.es_checkpoint_digest) == "es_checkpoint_digest"
+    assert worker_call(checkpoint_noise.CheckpointESWorker.es_digest) == "es_digest"  # inherited
+    probe = lambda worker: worker.rank  # noqa: E731
+    assert worker_call(probe) is probe
+    with pytest.raises(TypeError, match=r"common.ESWorker.es_perturb"):
+        worker_call("es_perturb")
+    with pytest.raises(AttributeError):
+        worker_call(common.ESWorker.es_pertrub)
 
 
 def test_pool_size_defaults():
@@ -439,9 +457,9 @@ def fake_gpu_pool(monkeypatch, tmp_path, gpu: FakeGPU, engines: int, *extra, gpu
     monkeypatch.setattr("agentic_es.engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
     monkeypatch.setattr("agentic_es.vllm_platform.device_type", lambda: "cuda")
     monkeypatch.setattr("torch.cuda.device_count", lambda: len(gpus))
-    monkeypatch.setattr("agentic_es.pool.visible_gpus", lambda: list(gpus))
-    monkeypatch.setattr("agentic_es.pool.mps_running", lambda: True)
-    monkeypatch.setattr("agentic_es.pool.node_report", gpu.report)
+    monkeypatch.setattr("agentic_es.placement.visible_gpus", lambda: list(gpus))
+    monkeypatch.setattr("agentic_es.placement.mps_running", lambda: True)
+    monkeypatch.setattr("agentic_es.placement.node_report", gpu.report)
     monkeypatch.setattr("agentic_es.engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path,
                                                                                                 **kw))
     cfg = config(engines, tmp_path, "--tensor_parallel_size=1", "--gpu_memory_utilization=0.3", *extra)
@@ -468,9 +486,9 @@ def test_the_pool_refuses_co_location_without_mps_before_any_engine_starts(monke
     gpu = FakeGPU()
     monkeypatch.setattr("agentic_es.engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
     monkeypatch.setattr("agentic_es.vllm_platform.device_type", lambda: "cuda")
-    monkeypatch.setattr("agentic_es.pool.visible_gpus", lambda: ["0", "1"])
-    monkeypatch.setattr("agentic_es.pool.mps_running", lambda: False)
-    monkeypatch.setattr("agentic_es.pool.node_report", gpu.report)
+    monkeypatch.setattr("agentic_es.placement.visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr("agentic_es.placement.mps_running", lambda: False)
+    monkeypatch.setattr("agentic_es.placement.node_report", gpu.report)
     monkeypatch.setattr("agentic_es.engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path,
                                                                                                 **kw))
     with pytest.raises(common.ConfigError,
@@ -505,7 +523,7 @@ def test_a_single_engine_whose_restore_copy_or_patch_cannot_fit_is_refused_befor
         monkeypatch, tmp_path, restore, refusal):
     """One engine (the default on one GPU group) is planned like a pool's: where its vLLM share fits but neither
     its copy (on the GPU or in pinned host memory) nor its patch does, it never starts."""
-    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    monkeypatch.setattr("agentic_es.placement.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     gpu = FakeGPU(free=int(4.2 * GIB), host_free=GIB // 2)
     with pytest.raises(common.ConfigError, match=refusal):
         fake_gpu_pool(monkeypatch, tmp_path, gpu, 1, f"--restore={restore}")
@@ -515,7 +533,7 @@ def test_a_single_engine_whose_restore_copy_or_patch_cannot_fit_is_refused_befor
 def test_a_single_engine_takes_its_restore_copy_or_patch_at_start_inside_the_lock(monkeypatch, tmp_path):
     """The reference's default, one TP=2 engine on two GPUs: planned, started, and its copy taken before the pool
     is handed over (not at its first perturbation)."""
-    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    monkeypatch.setattr("agentic_es.placement.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     for restore in ("copy_device", "copy_host", "patch"):
         gpu = FakeGPU(free=5 * GIB)
         pool = fake_gpu_pool(monkeypatch, tmp_path, gpu, 0, "--tensor_parallel_size=2", f"--restore={restore}",
@@ -527,7 +545,7 @@ def test_a_single_engine_takes_its_restore_copy_or_patch_at_start_inside_the_loc
 def test_a_read_only_pool_plans_weights_and_kv_cache_alone_and_holds_no_restore_memory(monkeypatch, tmp_path):
     """Export, evaluation and replay never perturb: where two engines' copies or patches would not fit, the same
     engines start read-only, take nothing at start and refuse to perturb."""
-    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    monkeypatch.setattr("agentic_es.placement.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     for restore, refusal in (("copy_device", "copies fit neither"), ("patch", "patches do not fit")):
         gpu = FakeGPU(free=int(8.2 * GIB), host_free=GIB // 2)  # two engines' vLLM shares and no more
         with pytest.raises(common.ConfigError, match=refusal):
@@ -556,7 +574,7 @@ def test_a_generation_record_carries_the_restore_mode_the_engines_ran_with(monke
                                                                           restore):
     """The run asks for copy_device; where an engine's memory plan moves its copy to pinned host memory, the
     generation's record says copy_host, and one mode per engine where the pool's engines differ."""
-    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    monkeypatch.setattr("agentic_es.placement.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     with fake_gpu_pool(monkeypatch, tmp_path, FakeGPU(free=int(free_gib * GIB)), 2) as pool:
         cfg = pool.cfg
         record = train.run_generation(pool, cfg, data.training_problems(cfg), 0, train.member_fitness(cfg),
@@ -652,7 +670,7 @@ def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_
     lock.write_text("")
     engine = Engine.__new__(Engine)
     engine.cfg, engine.device, engine.perturbs, calls = config(1, tmp_path), "cuda", True, []
-    engine.rpc = lambda method, **kw: calls.append((method, held_elsewhere(lock))) or [0.0]
+    engine.rpc = lambda method, **kw: calls.append((method.__name__, held_elsewhere(lock))) or [0.0]
     engine.reset_prefix_cache = lambda: None
     engine.perturb(1, 0.1)
     engine.perturb(2, 0.1)  # the copy is taken once, before the first perturbation

@@ -132,7 +132,7 @@ def check_each_member_restores_exactly(engine, seeds):
 def check_every_floating_parameter_is_perturbed(engine):
     """The ES set is every floating parameter of the runtime model (one entry per storage), none of them freed:
     a vLLM that prepacks weights away would leave ES silently off for those layers."""
-    for model_params, es_params in zip(engine.rpc(model_parameters), engine.rpc("es_parameter_names")):
+    for model_params, es_params in zip(engine.rpc(model_parameters), engine.rpc(common.ESWorker.es_parameter_names)):
         floating = [p for p in model_params if p["floating"]]
         assert floating and all(p["numel"] > 0 for p in floating), [p["name"] for p in floating if not p["numel"]]
         first_per_storage = {}
@@ -197,7 +197,7 @@ def test_perturb_restore_is_bit_exact(engine, monkeypatch, restore, rounding):
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, restore=restore, rounding=rounding))
     check_each_member_restores_exactly(engine, (1, 2, 3))
     if restore == "patch":
-        for m in engine.rpc("es_memory"):
+        for m in engine.rpc(common.ESWorker.es_memory):
             assert 0 < m["patch_used"]
             capacity = restore_patch.patch_capacity(engine.cfg)
             assert m["patch_bytes"] == restore_patch.patch_bytes({torch.bfloat16: m["params"]}, capacity)
@@ -269,7 +269,7 @@ class TestFreshEngine:
         so the copy is a plain clone; the pinned path proper runs on GPU in
         `python bench/gpu_pipeline.py --restore=copy_host`."""
         check_each_member_restores_exactly(replica, (1, 2))
-        memory = replica.rpc("es_memory")
+        memory = replica.rpc(common.ESWorker.es_memory)
         assert all(m["copy_bytes"] == m["param_bytes"] > 0 and m["copy_device"] == "cpu" for m in memory)
 
     def test_replay_is_bit_exact_and_refuses_a_tampered_generation(self, trained, replica, base_path):

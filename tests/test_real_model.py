@@ -146,11 +146,12 @@ def test_the_checkpoint_layout_of_a_tied_llama_reads_the_checkpoint_back_exactly
     the ranks hold, read through the layout found by load_weights, is the checkpoint, element for element. An
     engine of its own: noise=checkpoint runs the checkpoint noise's worker extension."""
     with Engine(dataclasses.replace(CFG, noise="checkpoint"), base_path) as e:
-        before = [r["digest"] for r in e.rpc("es_digest")]  # per rank, before the layout's probes
+        before = [r["digest"] for r in e.rpc(common.ESWorker.es_digest)]  # per rank, before the layout's probes
         assert checkpoint_noise.checked_checkpoint_digests(e, base_path, "bfloat16")[0].startswith("ckpt:")
         sums, _ = e.checkpoint_sums()
         assert "model.embed_tokens.weight" in sums and "lm_head.weight" not in sums  # one tensor, held once
-        assert [r["digest"] for r in e.rpc("es_digest")] == before  # the probes left the weights (tied ones too)
+        # the probes left the weights (tied ones too)
+        assert [r["digest"] for r in e.rpc(common.ESWorker.es_digest)] == before
         test_greedy_answer_is_sensible(e)  # and the model computes with them
 
 

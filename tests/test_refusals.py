@@ -20,7 +20,7 @@ from agentic_es import cli, engine, fileio, metrics, models, vllm_platform
 from agentic_es.data import load_problems, problems_from
 from agentic_es.export import SHARDED_STATE_MANIFEST, verify_sharded_state
 from agentic_es.history import HISTORY_FILE, HISTORY_FORMAT
-from agentic_es.pool import check_cpu_pool
+from agentic_es.placement import check_cpu_pool
 from conftest import stage_process
 
 SMOKE = cli.parse_config(["--preset=smoke"])

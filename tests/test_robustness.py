@@ -85,7 +85,7 @@ def test_a_request_on_a_closed_engine_is_an_engine_failure_never_an_episode_erro
                                         sandbox_check=sandbox.leak_check_result(), progress=reported.append))
     assert reported == []
     with pytest.raises(common.EngineFailure, match="the worker call es_digest: RuntimeError: the engine is closed"):
-        closed.rpc("es_digest")
+        closed.rpc(common.ESWorker.es_digest)
 
 
 # ---- the scripts' signal handling and vLLM log level (a Python process without an engine) ----
