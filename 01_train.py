@@ -59,7 +59,7 @@ def main(argv: list[str]) -> dict:
                                 desc="generations"):
             try:
                 record = run_generation(engines, cfg, problems, g, member_fitness(cfg), run_dir / ROLLOUTS)
-            except (common.EngineFailure, stage.Interrupted) as stop:  # nothing of generation g has been written
+            except (stage.EngineFailure, stage.Interrupted) as stop:  # nothing of generation g has been written
                 tqdm.write(f"[train] generation {g} abandoned ({stop}); {history_path} keeps the {g} finished "
                            "generations: run the same command again to resume")
                 raise

@@ -29,7 +29,7 @@ import common
 from agentic_es import cli, export, fileio, models, stage
 from agentic_es.data import problems_from, problems_sha256
 from agentic_es.history import (EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history,
-                                read_history, recorded_settings)
+                                field_differences, read_history, recorded_settings)
 from agentic_es.metrics import EPISODE_RECORD_KEYS, EVAL_METRICS, EVAL_SAMPLES, REPORTED_GROUP, dataset_metrics
 from agentic_es.pool import EnginePool
 
@@ -114,17 +114,17 @@ def check_finished_episodes(out: Path, data: dict, data_sha256: dict, reward: di
         run = fileio.read_json(marker, required=("checkpoint", "config", "data"))
         differences = common.reward_differences(run.get("reward", reward), reward, marker.name, "this evaluation")
         if differences:
-            raise common.ConfigError(f"{out} holds episodes scored under another reward definition: "
-                                     + "; ".join(differences) + "; evaluate into another --out")
+            raise stage.ConfigError(f"{out} holds episodes scored under another reward definition: "
+                                    + "; ".join(differences) + "; evaluate into another --out")
         recorded = run.get("data_sha256")
         if recorded is None:
             print(f"[eval] {marker} records its data by path only (written before data sha256s): the paths are "
                   "compared, the content cannot be; its data's sha256s are recorded from now on")
         for name, then in (recorded or {}).items():
             if name in data_sha256 and data_sha256[name] != then:
-                raise common.DataError(f"{data[name]}: sha256 {data_sha256[name]} differs from the {then} that "
-                                       f"{marker} recorded for {name}: the data changed since this evaluation "
-                                       "began; restore it or choose another --out")
+                raise stage.DataError(f"{data[name]}: sha256 {data_sha256[name]} differs from the {then} that "
+                                      f"{marker} recorded for {name}: the data changed since this evaluation "
+                                      "began; restore it or choose another --out")
     for name in ALL_DATASETS:
         if (out / f"{name}_episodes.jsonl").exists():
             fileio.read_jsonl(out / f"{name}_episodes.jsonl", required=EPISODE_RECORD_KEYS)
@@ -169,8 +169,8 @@ def recorded_task(cfg, recorded_config: dict, overrides: list[str], source: str)
     refused = [f"--{k}={explicit[k]} (the run's is {k}={recorded[k]}, recorded in {source})" for k in TASK_FIELDS
                if k in explicit and explicit[k] != recorded[k]]
     if refused:
-        raise common.ConfigError("an evaluation of a run's weights is of the task tier and level the run trained "
-                                 f"on: {', '.join(refused)}; drop the setting or pass the recorded value")
+        raise stage.ConfigError("an evaluation of a run's weights is of the task tier and level the run trained "
+                                f"on: {', '.join(refused)}; drop the setting or pass the recorded value")
     return dataclasses.replace(cfg, **{k: recorded[k] for k in TASK_FIELDS})
 
 
@@ -181,8 +181,8 @@ def data_paths(opts: dict, cfg) -> dict:
     sets = TASK_SETS.get(cfg.train_data, DATASETS)
     stray = [name for name in ALL_DATASETS if opts[name] and name not in sets]
     if stray:
-        raise common.ConfigError(f"--{stray[0]}= names a set this run does not evaluate (train_data={cfg.train_data}"
-                                 f" evaluates {', '.join(sets)})")
+        raise stage.ConfigError(f"--{stray[0]}= names a set this run does not evaluate (train_data={cfg.train_data}"
+                                f" evaluates {', '.join(sets)})")
     return {name: opts[name] or ("smoke" if cfg.smoke_eval else sets[name]) for name in sets}
 
 
@@ -229,8 +229,10 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
         recorded = dict(recorded, config=settings(recorded.get("config", {})),
                         data_sha256=recorded.get("data_sha256", run["data_sha256"]),
                         reward=recorded.get("reward", run["reward"]))
-        if what(recorded) != what(run):
-            raise common.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
+        diffs = field_differences(what(recorded), what(run), marker.name, "this evaluation")
+        if diffs:
+            raise stage.ConfigError(f"{out} holds an evaluation of another checkpoint or config ("
+                                    + "; ".join(diffs) + "); choose another --out")
     fileio.write_json_atomic(run, marker)
 
 
@@ -253,7 +255,7 @@ def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str
 
     try:
         records = engines.run_agent(todo, desc=f"{name} episodes", on_record=keep)
-    except (common.EngineFailure, stage.Interrupted) as stop:
+    except (stage.EngineFailure, stage.Interrupted) as stop:
         finished = len(fileio.read_jsonl(log)) if log.exists() else 0
         print(f"[eval] {name}: stopped ({stop}); {log} keeps the {finished} finished episodes: run the same "
               "command again to resume")

@@ -10,8 +10,8 @@ Sections, in order:
   5. the math agent: prompts, reply parsing, per-request seeds, each turn's prompt ids (ChatPrompts), the episode
      loop, the member step (perturb, the agent, restore), a member's fitness
   6. the settings as declared: their valid values, checked whenever a Config is made, and their roles
-The errors a stage stops with (ConfigError, DataError, EngineFailure, ...) are agentic_es/stage.py's; the stages
-name them here (common.ConfigError).
+The errors a stage stops with (ConfigError, DataError, EngineFailure, ...) are agentic_es/stage.py's, named as
+stage.ConfigError everywhere.
 
 The infrastructure lives beside it in agentic_es/, one concern per module (agentic_es/__init__.py maps them): engine.py
 and pool.py run this on K vLLM engines, history.py records, refuses and rebuilds runs, data.py and metrics.py hold the
@@ -37,10 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agentic_es import checkpoint_definition, digests, restore_patch, sandbox, scoring, vllm_platform
-# the errors a stage stops with: the stages and modules that import common name them as common.ConfigError, ...
-from agentic_es.stage import (ConfigError, DataError, EngineFailure, ExportError, HistoryMismatch,  # noqa: F401
-                              PatchOverflow, ScorerFailure, StageError)
+from agentic_es import checkpoint_definition, digests, restore_patch, sandbox, scoring, stage, vllm_platform
 
 REPO = Path(__file__).resolve().parent
 
@@ -222,29 +219,29 @@ class Config:
         for field in dataclasses.fields(self):
             problem = setting_problem(field, getattr(self, field.name))
             if problem:
-                raise ConfigError(problem)
+                raise stage.ConfigError(problem)
         if is_checkpoint_noise(self) and self.restore == "subtract":
-            raise ConfigError("restore=subtract is for the rank-salted noise; use copy_device or copy_host with "
-                              "noise=checkpoint")
+            raise stage.ConfigError("restore=subtract is for the rank-salted noise; use copy_device or copy_host with "
+                                    "noise=checkpoint")
         if self.rounding == "stochastic" and self.restore == "subtract":
-            raise ConfigError("restore=subtract cannot undo a stochastically rounded perturbation; use copy_device "
-                              "or copy_host with rounding=stochastic")
+            raise stage.ConfigError("restore=subtract cannot undo a stochastically rounded perturbation; use "
+                                    "copy_device or copy_host with rounding=stochastic")
         if self.max_new_tokens >= self.max_model_len:  # a turn's prompt needs at least one token of the context
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens} leaves no room for the prompt in max_model_len="
-                              f"{self.max_model_len}; use --max_new_tokens below --max_model_len")
+            raise stage.ConfigError(f"max_new_tokens={self.max_new_tokens} leaves no room for the prompt in "
+                                    f"max_model_len={self.max_model_len}; use --max_new_tokens below --max_model_len")
         if self.learn_digits == 1:
-            raise ConfigError("learn_digits=1 leaves too few pairs of one-digit numbers to hold out; use 0 (the "
-                              "numbers 2..19) or 2 digits and more")
+            raise stage.ConfigError("learn_digits=1 leaves too few pairs of one-digit numbers to hold out; use 0 (the "
+                                    "numbers 2..19) or 2 digits and more")
         if self.learn_digits and self.train_data != "learn":
-            raise ConfigError(f"learn_digits={self.learn_digits} is a tier of the learn task; use it with "
-                              f"--train_data=learn (train_data is {self.train_data!r})")
+            raise stage.ConfigError(f"learn_digits={self.learn_digits} is a tier of the learn task; use it with "
+                                    f"--train_data=learn (train_data is {self.train_data!r})")
         if self.compute_level != 1 and self.train_data != "compute":
-            raise ConfigError(f"compute_level={self.compute_level} is a level of the compute task; use it with "
-                              f"--train_data=compute (train_data is {self.train_data!r})")
+            raise stage.ConfigError(f"compute_level={self.compute_level} is a level of the compute task; use it with "
+                                    f"--train_data=compute (train_data is {self.train_data!r})")
         if self.rounding == "stochastic" and self.dtype != "bfloat16":
             # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
-            raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "
-                              "use rounding=nearest with this dtype")
+            raise stage.ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got "
+                                    f"dtype={self.dtype!r}; use rounding=nearest with this dtype")
 
 
 # The README's main job: a tiny random Qwen3 the project writes itself, tiny arithmetic problems, CPU-sized budgets.
@@ -755,9 +752,9 @@ def recorded_z(record: dict) -> list[float]:
     gap = max(abs(a - b) for a, b in zip(z, record["z"])) if len(z) == len(record["z"]) else math.inf
     tolerance = Z_TOLERANCE * max(1.0, *(abs(v) for v in z))
     if not gap <= tolerance:  # (also a NaN)
-        raise HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} differ from "
-                              f"the z-scores of the recorded rewards {record['rewards']} by {gap:.3g} > tolerance "
-                              f"{tolerance:.3g}: an edited history (a numpy change moves them by ulps)")
+        raise stage.HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} differ "
+                                    f"from the z-scores of the recorded rewards {record['rewards']} by {gap:.3g} > "
+                                    f"tolerance {tolerance:.3g}: an edited history (a numpy change moves them by ulps)")
     return record["z"]
 
 
@@ -770,7 +767,7 @@ def replay(engine, generations, base_digests: list[str]) -> list[str]:
         engine.update(record["seeds"], update_coefficients(recorded_z(record), record["alpha"]))
         per_rank = engine.digests()
         if per_rank != record["digests"]:
-            raise HistoryMismatch(
+            raise stage.HistoryMismatch(
                 f"replay diverged at generation {record['generation']}: per-rank digests {per_rank} "
                 f"!= recorded {record['digests']} (different base weights, vLLM version or device?)")
     return per_rank
@@ -916,7 +913,8 @@ def request_seed(run_seed, problem_id, sample_index, turn):
 def check_sandbox(cfg: Config, data=(), checkpoint=None) -> list[str]:
     """sandbox.check_sandbox for this run's folder and the given data and checkpoint: a sandbox that lets commands see
     them is refused (a ConfigError) unless cfg.allow_leaky_sandbox. Returns the leaks it found."""
-    return sandbox.check_sandbox(cfg.run_dir, data, checkpoint, allow_leaks=cfg.allow_leaky_sandbox, error=ConfigError)
+    return sandbox.check_sandbox(cfg.run_dir, data, checkpoint, allow_leaks=cfg.allow_leaky_sandbox,
+                                 error=stage.ConfigError)
 
 
 # ---- The prompt of each turn: the conversation as token ids
@@ -1067,7 +1065,7 @@ async def run_episode(policy, problem, sample_index, cfg: Config, *, sandbox_che
                 break
             else:
                 messages.append({"role": "user", "content": NO_ACTION_MESSAGE})
-    except EngineFailure:  # vLLM failed, not this episode: no record, the whole batch stops
+    except stage.EngineFailure:  # vLLM failed, not this episode: no record, the whole batch stops
         raise
     except Exception as exc:  # a policy or sandbox failure ends this episode only; it never scores
         finish_reason, error = "error", f"{type(exc).__name__}: {exc}"
@@ -1242,7 +1240,7 @@ def scored_records(records: list[dict]) -> list[dict]:
     """The episodes the scorer gave a score for (not SCORER_FAILURES); ScorerFailure where it gave none."""
     scored = [r for r in records if r.get("score_method") not in SCORER_FAILURES]
     if not scored:
-        raise ScorerFailure(f"the scorer failed on all {len(records)} episodes of a member: it has no fitness")
+        raise stage.ScorerFailure(f"the scorer failed on all {len(records)} episodes of a member: it has no fitness")
     return scored
 
 
@@ -1293,7 +1291,7 @@ def check_scorer() -> None:
     try:
         scoring.warm_up()
     except scoring.ScorerBroken as exc:
-        raise ScorerFailure(f"the answer scorer does not work, so every answer would score 0: {exc}") from None
+        raise stage.ScorerFailure(f"the answer scorer does not work, so every answer would score 0: {exc}") from None
 
 
 def scorer_failures(records: list[dict]) -> dict:
@@ -1307,8 +1305,8 @@ def check_scorer_failures(records: list[dict], what: str, consequence: str) -> d
     failed = sum(failures.values())
     if failed > SCORER_FAILURE_BOUND * len(records):
         counts = ", ".join(f"{method} {n}" for method, n in failures.items())
-        raise ScorerFailure(f"{what}: the scorer failed on {failed} of {len(records)} episodes ({counts}), more than "
-                            f"{SCORER_FAILURE_BOUND:.0%}: {consequence}")
+        raise stage.ScorerFailure(f"{what}: the scorer failed on {failed} of {len(records)} episodes ({counts}), more "
+                                  f"than {SCORER_FAILURE_BOUND:.0%}: {consequence}")
     return failures
 
 
@@ -1351,3 +1349,12 @@ def settings_of(*roles: str) -> tuple[str, ...]:
 # so that importing common anywhere else changes nothing
 if os.environ.get(vllm_platform.KEEP_CPU_WEIGHTS_ENV) == "1":
     vllm_platform.keep_cpu_linear_weights()
+
+
+def __getattr__(name: str):
+    """common.ConfigError and the other errors of a stage, for code outside the repository written while common.py
+    re-exported them: stage.ConfigError is their one spelling here."""
+    if name in ("StageError", "ConfigError", "DataError", "HistoryMismatch", "EngineFailure", "ScorerFailure",
+                "PatchOverflow", "ExportError"):
+        return getattr(stage, name)
+    raise AttributeError(f"module 'common' has no attribute {name!r}")

@@ -12,7 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from agentic_es.stage import ConfigError
+from agentic_es import stage
+
 
 HELP_WIDTH = 120  # --help wraps each option's meaning at this column
 # What --help says of the settings of each role (common.setting declares a setting's role: common.WEIGHTS,
@@ -55,19 +56,19 @@ def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
     preset, explicit = {}, {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(f"expected --key=value, got {arg!r}")
+            raise stage.ConfigError(f"expected --key=value, got {arg!r}")
         key, text = arg[2:].split("=", 1)
         key = key.replace("-", "_")
         if key == "preset":
             if text not in PRESETS:
-                raise ConfigError(f"unknown preset {text!r}; presets: {', '.join(PRESETS)}")
+                raise stage.ConfigError(f"unknown preset {text!r}; presets: {', '.join(PRESETS)}")
             preset = dict(PRESETS[text])
         elif key in fields:
             explicit[key] = _parse_value(key, text, type(defaults[key]))
         else:
             close = difflib.get_close_matches(key, fields, n=3)
             hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
-            raise ConfigError(f"unknown setting --{key}{hint}")
+            raise stage.ConfigError(f"unknown setting --{key}{hint}")
     return preset, explicit
 
 
@@ -158,4 +159,4 @@ def _parse_value(key: str, text: str, value_type: type):
         return value_type(text)
     except (ValueError, OverflowError):  # OverflowError: an integer setting given as 1e400 (float infinity)
         expected = {int: "an integer", float: "a number", bool: "true or false"}.get(value_type, value_type.__name__)
-        raise ConfigError(f"--{key} expects {expected}, got {text!r}") from None
+        raise stage.ConfigError(f"--{key} expects {expected}, got {text!r}") from None

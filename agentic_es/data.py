@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agentic_es import compute_task, fileio
-from agentic_es.stage import ConfigError, DataError
+from agentic_es import compute_task, fileio, stage
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
 # at the top of the repository: the problem files 00_data.py builds (ids, answers, sha256s)
@@ -41,43 +40,43 @@ LEARN_DIGITS_MIN = 2  # the fewest operand digits of a tier (Config.learn_digits
 def load_problems(path):
     """Read a problems JSONL file: one object per line with string id, question, answer (other fields kept)."""
     if os.path.isdir(path):
-        raise DataError(f"{path}: a folder, not a problems file")
+        raise stage.DataError(f"{path}: a folder, not a problems file")
     if not os.path.isfile(path):
-        raise DataError(f"{path}: problems file not found{build_hint(path)}")
+        raise stage.DataError(f"{path}: problems file not found{build_hint(path)}")
     problems, line_of_id = [], {}
     try:
         with open(path, "rb") as f:
             lines = f.read().split(b"\n")
     except OSError as e:
-        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+        raise stage.DataError(f"{path}: cannot read it ({e.strerror or e})") from None
     for lineno, raw in enumerate(lines, start=1):
         where = f"{path}:{lineno}"
         try:
             line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a byte order mark may open the file)
         except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
+            raise stage.DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
         if not line.strip():
             continue  # tolerate blank lines (e.g. a trailing empty line)
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{where}: malformed JSON ({e.msg})") from None
+            raise stage.DataError(f"{where}: malformed JSON ({e.msg})") from None
         if not isinstance(row, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            raise stage.DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
         for field in REQUIRED_PROBLEM_FIELDS:
             if field not in row:
-                raise DataError(f"{where}: missing required field {field!r}")
+                raise stage.DataError(f"{where}: missing required field {field!r}")
             if not isinstance(row[field], str):
-                raise DataError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__}")
+                raise stage.DataError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__}")
             if not row[field].strip():
-                raise DataError(f"{where}: field {field!r} is empty")
+                raise stage.DataError(f"{where}: field {field!r} is empty")
         pid = row["id"]
         if pid in line_of_id:
-            raise DataError(f"{where}: duplicate id {pid!r} (first seen on line {line_of_id[pid]})")
+            raise stage.DataError(f"{where}: duplicate id {pid!r} (first seen on line {line_of_id[pid]})")
         line_of_id[pid] = lineno
         problems.append(row)
     if not problems:
-        raise DataError(f"{path}: no problems in file")
+        raise stage.DataError(f"{path}: no problems in file")
     return problems
 
 
@@ -170,7 +169,7 @@ def learn_problems(n, seed, split="train", digits=0):
     learn_digit_pairs), in an order drawn from `seed`."""
     pairs = (learn_digit_pairs(digits) if digits else learn_pairs())[("train", "heldout").index(split)]
     if n > len(pairs):
-        raise DataError(f"{n} learn problems asked for, but the {split} split has only {len(pairs)} questions")
+        raise stage.DataError(f"{n} learn problems asked for, but the {split} split has only {len(pairs)} questions")
     rng = np.random.default_rng([LEARN_SEED_TAG, int(seed)])
     tag = "" if split == "train" else "heldout-"
     tier = f"d{digits}-" if digits else ""
@@ -183,9 +182,10 @@ def training_problems(cfg) -> list[dict]:
     """The training set: a JSONL file, or the preset's problems generated here ("smoke", "learn", "compute")."""
     if cfg.train_data in HELD_OUT_DATA:
         task = HELD_OUT_DATA[cfg.train_data]
-        raise ConfigError(f"train_data={cfg.train_data} is the {task} task's held-out set, which is never trained on; "
-                          f"train on --train_data={task}")
+        raise stage.ConfigError(f"train_data={cfg.train_data} is the {task} task's held-out set, which is never "
+                                f"trained on; train on --train_data={task}")
     problems = problems_from(cfg.train_data, cfg.run_seed, cfg.learn_digits, cfg.compute_level)
     if cfg.case_batch > len(problems):
-        raise DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of {cfg.train_data}")
+        raise stage.DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of "
+                              f"{cfg.train_data}")
     return problems

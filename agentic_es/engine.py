@@ -58,8 +58,8 @@ def engine_config(args: dict):
     except (ValueError, TypeError, OSError) as exc:  # (pydantic's ValidationError is a ValueError)
         reasons = ([e["msg"].removeprefix("Value error, ") for e in exc.errors()] if hasattr(exc, "errors")
                    else [f"{type(exc).__name__}: {exc}"])
-        raise common.ConfigError(f"vLLM refuses to run {args['model']} with these settings: "
-                                 + " ".join("; ".join(reasons).split())) from None
+        raise stage.ConfigError(f"vLLM refuses to run {args['model']} with these settings: "
+                                + " ".join("; ".join(reasons).split())) from None
 
 
 # ---- the machine's GPU memory lock: engine starts, restore copies and shutdowns take turns ----
@@ -225,14 +225,14 @@ class Engine(fileio.ClosedOnExit):
         except Exception as exc:
             raise self._failure(what, exc) from exc
 
-    def _failure(self, what: str, exc: BaseException | None = None) -> common.EngineFailure:
+    def _failure(self, what: str, exc: BaseException | None = None) -> stage.EngineFailure:
         causes, seen = [], exc
         while seen is not None and len(causes) < 4:  # vLLM wraps the real error (EngineGenerateError <- cause)
             causes.append(f"{type(seen).__name__}: {seen}".rstrip(": "))
             seen = seen.__cause__
         dead = [code for code in self._engine_core_exitcodes() if code is not None]
-        return common.EngineFailure(f"vLLM failed during {what}: " + " <- ".join(causes or ["no output"])
-                                    + (f" (EngineCore process exited with code {dead[0]})" if dead else ""))
+        return stage.EngineFailure(f"vLLM failed during {what}: " + " <- ".join(causes or ["no output"])
+                                   + (f" (EngineCore process exited with code {dead[0]})" if dead else ""))
 
     def _engine_core_processes(self) -> list:
         manager = getattr(getattr(getattr(self.llm, "engine_core", None), "resources", None), "engine_manager", None)
@@ -273,7 +273,7 @@ class Engine(fileio.ClosedOnExit):
 
     def reset_prefix_cache(self) -> None:
         if not self._call_vllm(lambda llm: llm.reset_prefix_cache(), "the prefix cache reset"):
-            raise common.EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
+            raise stage.EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
 
     @property
     def restore_mode(self) -> str:
@@ -309,7 +309,7 @@ class Engine(fileio.ClosedOnExit):
         self.configure_workers()
         refusals = self.rpc(common.ESWorker.es_perturb, seed=seed, sigma=sigma)
         if any(refusals):  # restore="patch" overflowed: every rank is back at the exact centre
-            raise common.PatchOverflow(next(r for r in refusals if r))
+            raise stage.PatchOverflow(next(r for r in refusals if r))
         self.reset_prefix_cache()
 
     def restore(self) -> None:
@@ -349,8 +349,8 @@ class Engine(fileio.ClosedOnExit):
                 wrong.append(f"{name}: {count} of {math.prod(shapes[name])} elements")
             sums[name] = sum(r["sums"][i] for r in ranks) & common.MASK64
         if wrong:
-            raise common.EngineFailure("the runtime parameters do not hold these checkpoint tensors exactly once each "
-                                       "(noise=checkpoint cannot map them): " + "; ".join(wrong[:5]))
+            raise stage.EngineFailure("the runtime parameters do not hold these checkpoint tensors exactly once each "
+                                      "(noise=checkpoint cannot map them): " + "; ".join(wrong[:5]))
         return sums, {n: shapes[n] for n in sums}
 
     def parameter_names_sha256(self) -> str:

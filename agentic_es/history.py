@@ -24,7 +24,7 @@ import json
 import torch
 
 import common
-from agentic_es import fileio
+from agentic_es import fileio, stage
 from agentic_es.cli import parse_overrides
 from agentic_es.data import problems_sha256
 from agentic_es.tracking import progress_bar
@@ -49,12 +49,12 @@ def read_history(path) -> dict:
     for i, record in enumerate(history["generations"]):
         where = f"{path}: generations[{i}]"
         if record["generation"] != i:
-            raise common.DataError(f"{where} is generation {record['generation']}; a history holds generations 0, 1, "
-                                   "2, ... in order")
+            raise stage.DataError(f"{where} is generation {record['generation']}; a history holds generations 0, 1, "
+                                  "2, ... in order")
         if {len(record[key]) for key in ("seeds", "rewards", "z")} != {history["config"]["population"]}:
-            raise common.DataError(f"{where} has {len(record['seeds'])} seeds, {len(record['rewards'])} rewards and "
-                                   f"{len(record['z'])} z-scores; the run's population is "
-                                   f"{history['config']['population']!r}: one of each per member")
+            raise stage.DataError(f"{where} has {len(record['seeds'])} seeds, {len(record['rewards'])} rewards and "
+                                  f"{len(record['z'])} z-scores; the run's population is "
+                                  f"{history['config']['population']!r}: one of each per member")
     return history
 
 
@@ -242,6 +242,23 @@ def train_data_sha256(cfg: common.Config) -> str:
     return problems_sha256(cfg.train_data, cfg.run_seed, cfg.learn_digits, cfg.compute_level)
 
 
+def field_differences(first: dict, second: dict, first_name: str, second_name: str, prefix: str = "") -> list[str]:
+    """Each field (nested ones dotted: config.temperature) whose value differs between two records, with both
+    values: "config.temperature: 0.6 in eval_run.json, 0.7 in this evaluation". A long value is cut short."""
+    def shown(value) -> str:
+        text = repr(value)
+        return text if len(text) <= 160 else text[:150] + " ...]"
+
+    diffs = []
+    for key in sorted(set(first) | set(second), key=str):
+        a, b, name = first.get(key, "(absent)"), second.get(key, "(absent)"), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += field_differences(a, b, first_name, second_name, f"{name}.")
+        elif a != b:
+            diffs.append(f"{name}: {shown(a)} in {first_name}, {shown(b)} in {second_name}")
+    return diffs
+
+
 def identity_differences(recorded: dict, current: dict, compare_config: bool = True) -> list[str]:
     """Human-readable differences between a history's identity and this run's (empty: compatible). Without
     compare_config only what defines the weights is compared (base, noise, layout, TP, device, versions)."""
@@ -325,7 +342,7 @@ def check_base(recorded: dict, current: dict, compare_config: bool = True) -> No
     engine's."""
     diffs = identity_differences(recorded, current, compare_config)
     if diffs:
-        raise common.HistoryMismatch("this history was made by a different run:\n  " + "\n  ".join(diffs))
+        raise stage.HistoryMismatch("this history was made by a different run:\n  " + "\n  ".join(diffs))
 
 
 def check_base_files(recorded: dict, model_path: str) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import common
-from agentic_es import engine, restore_patch
+from agentic_es import engine, restore_patch, stage
 
 
 GIB = 1 << 30
@@ -43,7 +43,7 @@ def gpu_groups(gpu_ids: list[str], tensor_parallel_size: int) -> list[list[str]]
 def place_engines(engines: int, groups: int) -> list[int]:
     """The GPU group of each engine: k mod G, so that engines share GPUs only when there are more than groups."""
     if groups < 1:
-        raise common.ConfigError("no GPU group to place an engine on (fewer GPUs than tensor_parallel_size)")
+        raise stage.ConfigError("no GPU group to place an engine on (fewer GPUs than tensor_parallel_size)")
     return [k % groups for k in range(engines)]
 
 
@@ -58,9 +58,9 @@ def check_cpu_pool(engines: int, tensor_parallel_size: int, cores: int) -> None:
     take turns on the same cores (no faster than fewer engines), each engine holding its own weights and KV cache."""
     ranks = engines * tensor_parallel_size
     if ranks > cores:
-        raise common.ConfigError(f"engines={engines} x tensor_parallel_size={tensor_parallel_size} = {ranks} TP ranks, "
-                                 f"but this machine has {cores} CPU cores, one per rank: use --engines="
-                                 f"{max(1, cores // tensor_parallel_size)} or fewer")
+        raise stage.ConfigError(f"engines={engines} x tensor_parallel_size={tensor_parallel_size} = {ranks} TP ranks, "
+                                f"but this machine has {cores} CPU cores, one per rank: use --engines="
+                                f"{max(1, cores // tensor_parallel_size)} or fewer")
 
 
 def parameter_count(config: dict, folder: str | Path | None = None) -> int:
@@ -118,9 +118,9 @@ def formula_parameter_count(config: dict) -> int:
     """Parameters of a checkpoint of FORMULA_MODEL_TYPES from its config.json alone; a ConfigError for others."""
     model_type = config.get("model_type")
     if model_type not in FORMULA_MODEL_TYPES:
-        raise common.ConfigError(f"cannot size the engines' memory: the model folder has no safetensors weights to "
-                                 f"count its parameters from, and its config.json (model_type {model_type!r}) is not "
-                                 f"one of the layouts counted from the config ({', '.join(FORMULA_MODEL_TYPES)})")
+        raise stage.ConfigError(f"cannot size the engines' memory: the model folder has no safetensors weights to "
+                                f"count its parameters from, and its config.json (model_type {model_type!r}) is not "
+                                f"one of the layouts counted from the config ({', '.join(FORMULA_MODEL_TYPES)})")
     h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     heads, head_dim = config["num_attention_heads"], _head_dim(config)
     q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
@@ -141,9 +141,9 @@ def language_model_config(config: dict) -> dict:
     text = config if "num_hidden_layers" in config or "text_config" not in config else config["text_config"]
     missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in text]
     if missing:
-        raise common.ConfigError(f"cannot size the engines' memory: config.json (model_type "
-                                 f"{config.get('model_type')!r}) has no {', '.join(missing)}, at its top level or in a "
-                                 f"text_config")
+        raise stage.ConfigError(f"cannot size the engines' memory: config.json (model_type "
+                                f"{config.get('model_type')!r}) has no {', '.join(missing)}, at its top level or in a "
+                                f"text_config")
     return text
 
 
@@ -182,30 +182,30 @@ def plan_gpu_memory(*, engines_per_gpu: int, engines_on_node: int, gpu_total: in
                f"vLLM share {utilization} x {gib(gpu_total)} = {gib(share)}, one {gib(sequence_kv_bytes)} "
                f"max_model_len sequence of KV cache")
     if kv_room < sequence_kv_bytes:
-        raise common.ConfigError(f"an engine's vLLM share does not hold its weights, {gib(ACTIVATION_RESERVE_BYTES)} "
-                                 f"of activations and one max_model_len sequence ({numbers}): raise "
-                                 "--gpu_memory_utilization or lower --max_model_len")
+        raise stage.ConfigError(f"an engine's vLLM share does not hold its weights, {gib(ACTIVATION_RESERVE_BYTES)} "
+                                f"of activations and one max_model_len sequence ({numbers}): raise "
+                                "--gpu_memory_utilization or lower --max_model_len")
     vllm_bytes = engines_per_gpu * (share + ENGINE_OVERHEAD_BYTES)
     if vllm_bytes > gpu_free:
         most = (gpu_free / engines_per_gpu - ENGINE_OVERHEAD_BYTES) / gpu_total
-        raise common.ConfigError(f"{engines_per_gpu} engines per GPU need {gib(vllm_bytes)} ({numbers}, "
-                                 f"{gib(ENGINE_OVERHEAD_BYTES)} overhead each): use "
-                                 f"--gpu_memory_utilization={most:.2f} or less, or fewer --engines")
+        raise stage.ConfigError(f"{engines_per_gpu} engines per GPU need {gib(vllm_bytes)} ({numbers}, "
+                                f"{gib(ENGINE_OVERHEAD_BYTES)} overhead each): use "
+                                f"--gpu_memory_utilization={most:.2f} or less, or fewer --engines")
     if restore == "patch" and vllm_bytes + engines_per_gpu * patch_bytes > gpu_free:
-        raise common.ConfigError(f"the restore patches do not fit on the GPUs ({engines_per_gpu} x {gib(patch_bytes)} "
-                                 f"beside {gib(vllm_bytes)} of vLLM, {gib(gpu_free)} free; a patch is a bit per "
-                                 "element plus patch_capacity of the weights): lower --patch_capacity or "
-                                 "--gpu_memory_utilization, use fewer --engines, or --restore=copy_host")
+        raise stage.ConfigError(f"the restore patches do not fit on the GPUs ({engines_per_gpu} x {gib(patch_bytes)} "
+                                f"beside {gib(vllm_bytes)} of vLLM, {gib(gpu_free)} free; a patch is a bit per "
+                                "element plus patch_capacity of the weights): lower --patch_capacity or "
+                                "--gpu_memory_utilization, use fewer --engines, or --restore=copy_host")
     copies_on_gpu = engines_per_gpu * weights_bytes
     host_copies = engines_on_node * tensor_parallel_size * weights_bytes
     if restore == "copy_device" and vllm_bytes + copies_on_gpu > gpu_free:
         restore = "copy_host"  # as exact; a host-to-device copy per restore instead of a device copy
     if restore == "copy_host" and host_copies > HOST_PINNED_SHARE * host_free:
-        raise common.ConfigError(f"the exact-restore copies fit neither on the GPUs ({engines_per_gpu} x "
-                                 f"{gib(weights_bytes)} beside {gib(vllm_bytes)} of vLLM, {gib(gpu_free)} free) nor in "
-                                 f"pinned host memory ({engines_on_node} engines x {tensor_parallel_size} ranks x "
-                                 f"{gib(weights_bytes)} = {gib(host_copies)}, {HOST_PINNED_SHARE:.0%} of "
-                                 f"{gib(host_free)} free); lower --gpu_memory_utilization or use fewer --engines")
+        raise stage.ConfigError(f"the exact-restore copies fit neither on the GPUs ({engines_per_gpu} x "
+                                f"{gib(weights_bytes)} beside {gib(vllm_bytes)} of vLLM, {gib(gpu_free)} free) nor in "
+                                f"pinned host memory ({engines_on_node} engines x {tensor_parallel_size} ranks x "
+                                f"{gib(weights_bytes)} = {gib(host_copies)}, {HOST_PINNED_SHARE:.0%} of "
+                                f"{gib(host_free)} free); lower --gpu_memory_utilization or use fewer --engines")
     return {"restore": restore, "engines_per_gpu": engines_per_gpu, "gpu_total_bytes": gpu_total,
             "gpu_free_bytes": gpu_free, "vllm_share_bytes": int(share), "weights_bytes": weights_bytes,
             "kv_cache_bytes": int(kv_room), "device_copy_bytes": weights_bytes if restore == "copy_device" else 0,
@@ -219,10 +219,10 @@ def check_colocation(engines_per_group: int, tensor_parallel_size: int, mps: boo
     if engines_per_group <= 1 or mps:
         return None
     if tensor_parallel_size > 1:
-        raise common.ConfigError(f"{engines_per_group} engines at tensor_parallel_size={tensor_parallel_size} would "
-                                 "share GPUs without CUDA MPS: their NCCL collectives stall under time-slicing. Start "
-                                 f"MPS on the node first:\n  {MPS_COMMANDS}\nor use --engines <= GPUs // "
-                                 f"tensor_parallel_size")
+        raise stage.ConfigError(f"{engines_per_group} engines at tensor_parallel_size={tensor_parallel_size} would "
+                                "share GPUs without CUDA MPS: their NCCL collectives stall under time-slicing. Start "
+                                f"MPS on the node first:\n  {MPS_COMMANDS}\nor use --engines <= GPUs // "
+                                f"tensor_parallel_size")
     return (f"{engines_per_group} engines share each GPU without CUDA MPS: their kernels only time-slice, never run "
             "at once. Start MPS: " + MPS_COMMANDS)
 

@@ -28,7 +28,7 @@ import warnings
 import torch
 
 import common
-from agentic_es import checkpoint_noise, engine, fileio, history, placement, tracking, vllm_platform
+from agentic_es import checkpoint_noise, engine, fileio, history, placement, stage, tracking, vllm_platform
 
 
 # after SIGTERM or Ctrl-C, how long the pool waits for its other threads' calls to stop before the engines close (one
@@ -36,7 +36,7 @@ from agentic_es import checkpoint_noise, engine, fileio, history, placement, tra
 POOL_STOP_JOIN_S = 30
 
 
-class EnginesDisagree(common.EngineFailure):
+class EnginesDisagree(stage.EngineFailure):
     """Two engines of the pool hold different weights after the same updates: their results cannot be mixed."""
 
 
@@ -150,10 +150,10 @@ class EnginePool(fileio.ClosedOnExit):
 
     def _named(self, k: int, what: str, exc: BaseException) -> BaseException:
         """An engine's failure, naming the engine when the pool has several."""
-        if self.size == 1 or isinstance(exc, (common.ConfigError, KeyboardInterrupt)) or str(exc).startswith("engine "):
+        if self.size == 1 or isinstance(exc, (stage.ConfigError, KeyboardInterrupt)) or str(exc).startswith("engine "):
             return exc
-        if isinstance(exc, common.EngineFailure):
-            return common.EngineFailure(f"{self._name(k)} failed during {what}: {exc}")
+        if isinstance(exc, stage.EngineFailure):
+            return stage.EngineFailure(f"{self._name(k)} failed during {what}: {exc}")
         return exc
 
     def _each(self, method: str, *args, **kwargs) -> list:
@@ -184,7 +184,7 @@ class EnginePool(fileio.ClosedOnExit):
     def check_same_devices(self, devices: list[list[dict]]) -> None:
         """The noise streams depend on the device model: a mixed pool would train on two different noises."""
         if any(d != devices[0] for d in devices):
-            raise common.ConfigError("the engines run on different device models (" + "; ".join(
+            raise stage.ConfigError("the engines run on different device models (" + "; ".join(
                 f"engine {k}: {history.describe_devices(d)}" for k, d in enumerate(devices)) + "); the noise depends "
                 "on the device model, so every engine of a pool must use the same one")
 

@@ -56,8 +56,8 @@ def start_engines(pool, model_path: str, engine_kwargs: dict) -> None:
         try:
             ray.get(group.ready(), timeout=POOL_START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise common.ConfigError(f"the Ray cluster has no room for GPU group {j} ({bundle} on one node); it "
-                                     f"has {ray.cluster_resources()}") from None
+            raise stage.ConfigError(f"the Ray cluster has no room for GPU group {j} ({bundle} on one node); it "
+                                    f"has {ray.cluster_resources()}") from None
     strategy = lambda j: PlacementGroupSchedulingStrategy(pool.placement_groups[j],  # noqa: E731
                                                           placement_group_bundle_index=0)
     reports = [ray.get(ray.remote(_probe_node).options(num_cpus=0, num_gpus=tp if gpu else 0,
@@ -170,13 +170,13 @@ class RemoteEngine:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, Exception) else exc
-            if isinstance(cause, common.ConfigError):
-                raise common.ConfigError(f"{self.name}: {cause}") from exc
-            raise common.EngineFailure(f"{self.name} failed during {what}: {cause}") from exc
+            if isinstance(cause, stage.ConfigError):
+                raise stage.ConfigError(f"{self.name}: {cause}") from exc
+            raise stage.EngineFailure(f"{self.name} failed during {what}: {cause}") from exc
         except ray.exceptions.RayError as exc:  # actor died (process killed, node lost), or unavailable
             # a failed creation task (one _EngineActor does not catch) says what failed: all of it
             detail = str(exc) if getattr(exc, "actor_init_failed", False) else str(exc)[:600]
-            raise common.EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {detail})") from exc
+            raise stage.EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {detail})") from exc
 
     def _call(self, method: str, /, *args, **kwargs):
         """engine.method(*args, **kwargs) in the actor, waited for."""
@@ -224,7 +224,7 @@ class RemoteEngine:
             if ready:
                 return self._get(ref, what)
             if self.stopping:
-                raise common.EngineFailure(f"{self.name}: the stage is stopping; {what} left unfinished")
+                raise stage.EngineFailure(f"{self.name}: the stage is stopping; {what} left unfinished")
 
     def stop_calls(self) -> None:
         """The driver stops waiting on this engine's episodes (the stage is stopping), as Engine.stop_calls."""

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli, models, placement, restore_patch  # noqa: E402
+from agentic_es import cli, models, placement, restore_patch, stage  # noqa: E402
 from agentic_es.engine import Engine  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -68,7 +68,7 @@ def largest_k(restore: str, needs: dict, report: dict, utilization: float, tp: i
                                         gpu_total=report["gpu_total_bytes"], gpu_free=report["gpu_free_bytes"],
                                         host_free=report["host_free_bytes"], utilization=utilization, restore=restore,
                                         tensor_parallel_size=tp, **needs)
-        except common.ConfigError:
+        except stage.ConfigError:
             break
         if plan["restore"] != restore:
             break
@@ -84,7 +84,7 @@ def best_utilization(k: int, restore: str | None, needs: dict, report: dict, tp:
             plan = placement.plan_gpu_memory(engines_per_gpu=k, engines_on_node=k, gpu_total=report["gpu_total_bytes"],
                                         gpu_free=report["gpu_free_bytes"], host_free=report["host_free_bytes"],
                                         utilization=step / 100, restore=restore, tensor_parallel_size=tp, **needs)
-        except common.ConfigError:
+        except stage.ConfigError:
             continue
         if plan["restore"] == restore:
             return step / 100, plan

@@ -40,7 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
-from agentic_es import cli, data, fileio, models, tracking  # noqa: E402
+from agentic_es import cli, data, fileio, models, stage, tracking  # noqa: E402
 from agentic_es.stage import Interrupted, prepare_script  # noqa: E402
 from agentic_es.history import rebuild_from_history  # noqa: E402
 from agentic_es.metrics import EVAL_METRICS, EVAL_METRICS_SHAPE, EVAL_SAMPLES  # noqa: E402
@@ -160,8 +160,8 @@ def combine_reports(paths: list[str]) -> dict:
     settings = [{k: v for k, v in r["config"].items() if k not in ("run_seed", "run_dir")} for r in reports]
     differing = [p for p, s in zip(paths, settings) if s != settings[0]]
     if differing:
-        raise common.ConfigError(f"{', '.join(differing)}: other settings than {paths[0]}; only runs of one setting "
-                                 "combine")
+        raise stage.ConfigError(f"{', '.join(differing)}: other settings than {paths[0]}; only runs of one setting "
+                                "combine")
     combined = {**reports[0], "combined_from": paths, "runs": [run for r in reports for run in r["runs"]]}
     combined["every_seed_beyond_ci"] = all(r[PRIMARY]["difference_ci_above_zero"] for r in combined["runs"])
     return combined
@@ -172,7 +172,7 @@ def main(argv):
     if opts["combine"]:  # no training: the reports of seeds run apart, as one
         try:
             report = combine_reports(opts["combine"].split(","))
-        except (OSError, ValueError, KeyError, common.ConfigError, common.StageError) as e:
+        except (OSError, ValueError, KeyError, stage.ConfigError, stage.StageError) as e:
             sys.exit(f"[learning] cannot combine {opts['combine']}: {type(e).__name__}: {e}")
         print(format_table(report["runs"]))
         return emit(report, opts["out"])

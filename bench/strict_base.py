@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import learning  # noqa: E402
-from agentic_es import cli, data, fileio, models, vllm_platform  # noqa: E402
+from agentic_es import cli, data, fileio, models, stage, vllm_platform  # noqa: E402
 from agentic_es.stage import prepare_script  # noqa: E402
 from agentic_es.pool import EnginePool  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> dict:
     opts, overrides = cli.parse_args(argv, OPTIONS)
     cfg = cli.parse_config(["--preset=strict", *overrides])
     if opts["problems"] < 1 or opts["samples"] < 1:
-        raise common.ConfigError("--problems and --samples must be at least 1")
+        raise stage.ConfigError("--problems and --samples must be at least 1")
     tiers = [t.strip() for t in str(opts["tiers"]).split(",") if t.strip()]
     sets = {tier: tier_problems(tier, cfg, opts["problems"]) for tier in tiers}  # every tier checked first
     common.check_sandbox(cfg, data=[t for t in tiers if not t.isdigit() and not COMPUTE_TIER.fullmatch(t)])

@@ -6,7 +6,7 @@ import time
 import pytest
 
 import common
-from agentic_es import cli, data, models
+from agentic_es import cli, data, models, stage
 from agentic_es.engine import Engine
 
 pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
@@ -72,6 +72,6 @@ def test_context_overflow_ends_the_episode(engine):
 def test_a_failed_worker_call_is_an_engine_failure(engine):
     """Last in this module, whose engine closes after it: vLLM's replies to later calls are out of step after a
     failed one (the next call gets the stale error), so a failed worker call stops the stage too."""
-    with pytest.raises(common.EngineFailure,
+    with pytest.raises(stage.EngineFailure,
                        match="worker call es_restore: .*es_restore called without a perturbation"):
         engine.restore()

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import common
-from agentic_es import cli, data, models
+from agentic_es import cli, data, models, stage
 from agentic_es.engine import Engine
 from common import ChatPrompts, choose_prompt_mode, continuation_user_turn
 
@@ -161,5 +161,5 @@ def test_a_template_that_cannot_continue_is_rendered_and_says_so(engine, model):
         assert choose_prompt_mode("continue", tok) == "render"
     assert choose_prompt_mode("render", tok) == "render"
     assert choose_prompt_mode("continue", engine.tokenizer) == "continue"
-    with pytest.raises(common.ConfigError, match="prompt_mode"):
+    with pytest.raises(stage.ConfigError, match="prompt_mode"):
         dataclasses.replace(CFG, prompt_mode="append")

@@ -135,7 +135,7 @@ def test_engines_spread_over_gpu_groups_before_they_share_one():
     assert place_engines(3, 4) == [0, 1, 2]  # fewer engines than groups: one each
     assert place_engines(4, 2) == [0, 1, 0, 1]  # then two per group
     assert place_engines(4, 1) == [0, 0, 0, 0]  # one GPU (group): all co-located
-    with pytest.raises(common.ConfigError, match="fewer GPUs than tensor_parallel_size"):
+    with pytest.raises(stage.ConfigError, match="fewer GPUs than tensor_parallel_size"):
         place_engines(2, 0)
 
 
@@ -212,10 +212,10 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
     text = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
     config = {"model_type": "mistral3", "text_config": text, "vision_config": {"hidden_size": 32}}
     cfg = cli.parse_config(["--tensor_parallel_size=1", "--max_model_len=1000", "--max_new_tokens=512"])
-    with pytest.raises(common.ConfigError, match="no safetensors weights to count its parameters from, and its "
-                                            "config.json \\(model_type 'mistral3'\\) is not one of"):
+    with pytest.raises(stage.ConfigError, match="no safetensors weights to count its parameters from, and its "
+                                           "config.json \\(model_type 'mistral3'\\) is not one of"):
         engine_memory_needs(config, cfg)
-    with pytest.raises(common.ConfigError, match="no safetensors weights"):
+    with pytest.raises(stage.ConfigError, match="no safetensors weights"):
         engine_memory_needs(config, cfg, tmp_path)  # an empty folder
     save_file({"a": torch.zeros(3, 5), "b": torch.zeros(7)}, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
@@ -227,7 +227,7 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
     assert engine_memory_needs(config, cfg, tmp_path) == {"weights_bytes": (15 + 7 + 8) * 2,
                                                           "sequence_kv_bytes": 2 * 3 * 2 * 16 * 2 * 1000,
                                                           "patch_bytes": 4 + 4 * 2}  # 30 bits; 12% of 30 values
-    with pytest.raises(common.ConfigError, match="has no num_hidden_layers, at its top level or in a text_config"):
+    with pytest.raises(stage.ConfigError, match="has no num_hidden_layers, at its top level or in a text_config"):
         engine_memory_needs({"model_type": "odd", "hidden_size": 8, "num_attention_heads": 2}, cfg, tmp_path)
 
 
@@ -299,8 +299,8 @@ def test_memory_plan_keeps_patches_on_the_gpu_where_copies_no_longer_fit_and_ref
     assert plan["restore"] == "patch" and plan["device_patch_bytes"] == QWEN3_12_LAYERS["patch_bytes"]
     assert plan["device_copy_bytes"] == plan["host_copy_bytes"] == 0
     # at 0.23 they do not: refused with the numbers (no host fallback), where the copies would go to the host
-    with pytest.raises(common.ConfigError, match=r"the restore patches do not fit on the GPUs \(4 x 2\.8 GiB beside "
-                                            r"132\.6 GiB of vLLM, 138\.8 GiB free.*--restore=copy_host"):
+    with pytest.raises(stage.ConfigError, match=r"the restore patches do not fit on the GPUs \(4 x 2\.8 GiB beside "
+                                           r"132\.6 GiB of vLLM, 138\.8 GiB free.*--restore=copy_host"):
         plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.23, restore="patch",
                           tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     assert plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.23, restore="copy_device",
@@ -308,14 +308,14 @@ def test_memory_plan_keeps_patches_on_the_gpu_where_copies_no_longer_fit_and_ref
 
 
 def test_memory_plan_refuses_with_the_numbers():
-    with pytest.raises(common.ConfigError, match=r"8 engines per GPU need 231\.7 GiB .*--gpu_memory_utilization=0\.12"):
+    with pytest.raises(stage.ConfigError, match=r"8 engines per GPU need 231\.7 GiB .*--gpu_memory_utilization=0\.12"):
         plan_gpu_memory(engines_per_gpu=8, engines_on_node=8, utilization=0.2, restore="copy_device",
                         tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
-    with pytest.raises(common.ConfigError, match=r"does not hold its weights.*weights 15\.1 GiB, vLLM share 0\.1"):
+    with pytest.raises(stage.ConfigError, match=r"does not hold its weights.*weights 15\.1 GiB, vLLM share 0\.1"):
         plan_gpu_memory(engines_per_gpu=1, engines_on_node=1, utilization=0.1, restore="copy_device",
                         tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     small_host = dict(H200, host_free=40 * GIB)
-    with pytest.raises(common.ConfigError, match=r"pinned host memory \(4 engines x 1 ranks x 15\.1 GiB = 60\.3 GiB"):
+    with pytest.raises(stage.ConfigError, match=r"pinned host memory \(4 engines x 1 ranks x 15\.1 GiB = 60\.3 GiB"):
         plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="copy_device",
                         tensor_parallel_size=1, **small_host, **QWEN3_12_LAYERS)
 
@@ -391,7 +391,7 @@ def test_on_a_terminal_the_progress_bar_is_tqdm_s_redrawn_in_place():
 
 
 def test_co_located_engines_at_tp2_need_mps_and_at_tp1_get_a_warning():
-    with pytest.raises(common.ConfigError, match="(?s)stall.*nvidia-cuda-mps-control -d"):
+    with pytest.raises(stage.ConfigError, match="(?s)stall.*nvidia-cuda-mps-control -d"):
         check_colocation(2, 2, mps=False)
     assert "time-slice" in check_colocation(4, 1, mps=False)
     assert check_colocation(2, 2, mps=True) is None
@@ -476,7 +476,7 @@ def test_the_pool_plans_each_gpu_engine_inside_the_lock_from_the_memory_free_at_
 
 def test_memory_another_process_takes_between_two_starts_refuses_the_next_start_with_numbers(monkeypatch, tmp_path):
     gpu = FakeGPU(taken_by_another_after=0)  # 4 GiB per engine: 8 of 10 fit, then another run takes 3
-    with pytest.raises(common.ConfigError,
+    with pytest.raises(stage.ConfigError,
                        match=r"1 engines per GPU need 4\.0 GiB \(per GPU: 10\.0 GiB total, 2\.9 GiB free"):
         fake_gpu_pool(monkeypatch, tmp_path, gpu, engines=2)
     assert gpu.events[-2:] == [("plan", 1, True), ("close", 0)]  # refused before engine 1 started; engine 0 shut
@@ -491,7 +491,7 @@ def test_the_pool_refuses_co_location_without_mps_before_any_engine_starts(monke
     monkeypatch.setattr("agentic_es.placement.node_report", gpu.report)
     monkeypatch.setattr("agentic_es.engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path,
                                                                                                 **kw))
-    with pytest.raises(common.ConfigError,
+    with pytest.raises(stage.ConfigError,
                        match="2 engines at tensor_parallel_size=2 would share GPUs without CUDA MPS"):
         EnginePool(config(2, tmp_path, "--tensor_parallel_size=2", "--gpu_memory_utilization=0.3"), MODEL)
     assert gpu.events == []
@@ -525,7 +525,7 @@ def test_a_single_engine_whose_restore_copy_or_patch_cannot_fit_is_refused_befor
     its copy (on the GPU or in pinned host memory) nor its patch does, it never starts."""
     monkeypatch.setattr("agentic_es.placement.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     gpu = FakeGPU(free=int(4.2 * GIB), host_free=GIB // 2)
-    with pytest.raises(common.ConfigError, match=refusal):
+    with pytest.raises(stage.ConfigError, match=refusal):
         fake_gpu_pool(monkeypatch, tmp_path, gpu, 1, f"--restore={restore}")
     assert gpu.events == [("plan", 0, True)]
 
@@ -548,7 +548,7 @@ def test_a_read_only_pool_plans_weights_and_kv_cache_alone_and_holds_no_restore_
     monkeypatch.setattr("agentic_es.placement.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     for restore, refusal in (("copy_device", "copies fit neither"), ("patch", "patches do not fit")):
         gpu = FakeGPU(free=int(8.2 * GIB), host_free=GIB // 2)  # two engines' vLLM shares and no more
-        with pytest.raises(common.ConfigError, match=refusal):
+        with pytest.raises(stage.ConfigError, match=refusal):
             fake_gpu_pool(monkeypatch, tmp_path, gpu, 2, f"--restore={restore}")
         gpu = FakeGPU(free=int(8.2 * GIB), host_free=GIB // 2)
         pool = fake_gpu_pool(monkeypatch, tmp_path, gpu, 2, f"--restore={restore}", perturbs=False)
@@ -556,7 +556,7 @@ def test_a_read_only_pool_plans_weights_and_kv_cache_alone_and_holds_no_restore_
                               ("start", 1, True, "none")]
         assert [p["restore"] for p in pool.placement] == ["none", "none"]
     gpu = FakeGPU(free=7 * GIB)  # the plan still checks weights and KV cache
-    with pytest.raises(common.ConfigError, match=r"2 engines per GPU need 8\.0 GiB .* 7\.0 GiB free"):
+    with pytest.raises(stage.ConfigError, match=r"2 engines per GPU need 8\.0 GiB .* 7\.0 GiB free"):
         fake_gpu_pool(monkeypatch, tmp_path, gpu, 2, perturbs=False)
     assert gpu.events == [("plan", 0, True)]
     engine = Engine.__new__(Engine)
@@ -594,19 +594,19 @@ def test_after_one_engine_fails_the_pool_waits_for_the_others_then_raises_the_fi
 
     def fails_first(jobs, desc=None, on_record=None):
         time.sleep(0.1)
-        raise common.EngineFailure("the first failure")
+        raise stage.EngineFailure("the first failure")
 
     def runs_on(jobs, desc=None, on_record=None):
         time.sleep(1.0)  # still at work when engine 0 fails
         on_record({"score": 1.0})
         ended.append(jobs)
         if other == "fails later":
-            raise common.EngineFailure("a later failure")
+            raise stage.EngineFailure("a later failure")
         return [{"score": 1.0}]
 
     pool.engines[0].run_agent, pool.engines[1].run_agent = fails_first, runs_on
     jobs = [({"id": "p"}, 0)]
-    with pool, pytest.raises(common.EngineFailure, match="engine 0 of 2 failed during member [01]: the first failure"):
+    with pool, pytest.raises(stage.EngineFailure, match="engine 0 of 2 failed during member [01]: the first failure"):
         pool.map(common.evaluate_member, [(11, 1e-3, jobs), (12, 1e-3, jobs)], desc="members", noun="member")
     assert len(ended) == 1  # engine 1's member ended before the call returned
 
@@ -628,7 +628,7 @@ def test_a_stop_cancels_the_other_engines_calls_and_joins_their_threads_before_t
         if signalled.acquire(blocking=False):
             os.kill(os.getpid(), signal.SIGUSR1)  # the stop reaches the main thread
         calls.append("stopped" if stopped.wait(10) else "never stopped")
-        raise common.EngineFailure("cancelled")  # as a cancelled call ends
+        raise stage.EngineFailure("cancelled")  # as a cancelled call ends
 
     for each in pool.engines:
         each.run_agent, each.stop_calls = waits_on_its_engine, stopped.set
@@ -768,7 +768,7 @@ def test_a_mixed_pool_is_refused():
     pool = EnginePool.__new__(EnginePool)
     h200, h100 = [{"name": "NVIDIA H200", "sm_count": 132}] * 2, [{"name": "NVIDIA H100", "sm_count": 132}] * 2
     pool.check_same_devices([h200, h200])
-    with pytest.raises(common.ConfigError, match="engine 1: 2 x NVIDIA H100"):
+    with pytest.raises(stage.ConfigError, match="engine 1: 2 x NVIDIA H100"):
         pool.check_same_devices([h200, h100])
 
 
@@ -835,7 +835,7 @@ def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
     run_dir = tmp_path / "run"
     os.kill(two_engines.engines[1].engine_core_pids()[0], signal.SIGKILL)
     cfg = config(2, run_dir)
-    with pytest.raises(common.EngineFailure, match="engine 1 of 2 failed during member"):
+    with pytest.raises(stage.EngineFailure, match="engine 1 of 2 failed during member"):
         train.run_generation(two_engines, cfg, data.training_problems(cfg), 1, reply_variety,
                              run_dir / train.ROLLOUTS)
     assert not run_dir.exists()  # nothing of the failed generation was written
@@ -901,7 +901,7 @@ def test_a_refusal_in_an_engine_actor_s_start_reaches_the_user_whole(ray_nodes, 
     not a lost actor. The actor fails before its engine starts."""
     monkeypatch.setattr(sandbox, "LEAK_CHECK_PATHS", {"data": ["/usr/bin/env"], "checkpoint": None})
     cfg = config(1, tmp_path / "run", f"--ray_address={ray_nodes.address}")
-    with pytest.raises(common.ConfigError) as refusal:
+    with pytest.raises(stage.ConfigError) as refusal:
         EnginePool(cfg, MODEL)
     message = str(refusal.value)
     assert message.startswith("engine 0 of 1: the ") and "sandbox leaks" in message, message

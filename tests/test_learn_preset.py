@@ -11,7 +11,7 @@ import importlib
 import pytest
 
 import common
-from agentic_es import data, fileio
+from agentic_es import data, fileio, stage
 from agentic_es.export import SHARDED_STATE_MANIFEST
 from agentic_es.history import HISTORY_FILE
 from agentic_es.metrics import EVAL_SAMPLES
@@ -101,7 +101,7 @@ def test_a_history_written_before_the_fitness_setting_resumes_as_its_rewards_tel
     fileio.write_json_atomic(dict(history, config={k: v for k, v in history["config"].items() if k != "fitness"}),
                              older / HISTORY_FILE)
     argv = ["--preset=learn", *CPU_SIZED, f"--run_dir={older}"]
-    with pytest.raises(common.HistoryMismatch, match=r"config fitness: history has 'shaped' \(the history predates "
-                                                     r"the setting: read from its rewards, not each a whole number"):
+    with pytest.raises(stage.HistoryMismatch, match=r"config fitness: history has 'shaped' \(the history predates "
+                                                    r"the setting: read from its rewards, not each a whole number"):
         train.main([*argv, "--fitness=agent"])
     assert train.main(argv)["generations"] == history["generations"]

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 import common
-from agentic_es import cli, data, models, sandbox
+from agentic_es import cli, data, models, sandbox, stage
 from agentic_es.engine import Engine
 from conftest import still_running
 
@@ -41,7 +41,7 @@ def test_an_engine_failure_stops_the_batch_and_never_becomes_a_score():
             return {"text": BASH if turn == 0 else "Final answer: \\boxed{0}"}
         if problem == "p1" and turn == 1:
             await p0_reported.wait()
-            raise common.EngineFailure("vLLM failed during request x: EngineDeadError")
+            raise stage.EngineFailure("vLLM failed during request x: EngineDeadError")
         if problem == "p1":
             return {"text": BASH}
         try:
@@ -50,7 +50,7 @@ def test_an_engine_failure_stops_the_batch_and_never_becomes_a_score():
             cancelled.append(problem)
             raise
 
-    with pytest.raises(common.EngineFailure, match="EngineDeadError"):
+    with pytest.raises(stage.EngineFailure, match="EngineDeadError"):
         asyncio.run(common.run_episodes(policy, [(p, 0) for p in PROBLEMS], common.Config(bash_timeout_s=5),
                                         sandbox_check=sandbox.leak_check_result(), progress=progress))
     assert [(r["problem_id"], r["score"], r["error"]) for r in reported] == [("p0", 1.0, None)]
@@ -80,11 +80,11 @@ def test_a_request_on_a_closed_engine_is_an_engine_failure_never_an_episode_erro
             return {"text": BASH}
         return {"text": (await closed._complete([1, 2, 3], None, "turn-1")).text}
 
-    with pytest.raises(common.EngineFailure, match="request turn-1: RuntimeError: the engine is closed"):
+    with pytest.raises(stage.EngineFailure, match="request turn-1: RuntimeError: the engine is closed"):
         asyncio.run(common.run_episodes(policy, [(PROBLEMS[0], 0)], common.Config(bash_timeout_s=5),
                                         sandbox_check=sandbox.leak_check_result(), progress=reported.append))
     assert reported == []
-    with pytest.raises(common.EngineFailure, match="the worker call es_digest: RuntimeError: the engine is closed"):
+    with pytest.raises(stage.EngineFailure, match="the worker call es_digest: RuntimeError: the engine is closed"):
         closed.rpc(common.ESWorker.es_digest)
 
 
@@ -93,12 +93,12 @@ def test_a_request_on_a_closed_engine_is_an_engine_failure_never_an_episode_erro
 SCRIPT = """
 import common
 import logging, os, signal, time
-from agentic_es.stage import Interrupted, run_stage
+from agentic_es.stage import ConfigError, Interrupted, run_stage
 
 def main(argv):
     print(os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").getEffectiveLevel(), flush=True)
     if argv[0] == "refuse":
-        raise common.ConfigError("a refusal for its user")
+        raise ConfigError("a refusal for its user")
     try:
         os.kill(os.getpid(), getattr(signal, argv[0]))
         time.sleep(60)
@@ -181,7 +181,7 @@ def test_a_dead_engine_aborts_the_episodes_and_close_leaves_no_process(engine, m
     # 4 episodes in flight: the second four start as the first end, and their first turn meets the dead worker
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, concurrency=4))
     jobs = [(p, i) for p in data.smoke_problems(4, seed=2) for i in (0, 1)]
-    with pytest.raises(common.EngineFailure, match="vLLM failed during request"):
+    with pytest.raises(stage.EngineFailure, match="vLLM failed during request"):
         engine.run_agent(jobs, on_record=reported.append)
     assert calls and 0 < len(reported) < len(jobs)  # some episodes finished before the kill, not all
     assert all(r["error"] is None for r in reported)  # whatever finished before the failure is a real episode

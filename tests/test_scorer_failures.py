@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import common
-from agentic_es import data, engine, fileio, models, scoring
+from agentic_es import data, engine, fileio, models, scoring, stage
 from agentic_es.history import HISTORY_FILE
 from conftest import REPO
 
@@ -101,13 +101,13 @@ def test_a_scorer_that_cannot_start_or_scores_known_answers_wrongly_fails_the_wa
                                                                                       script, says):
     monkeypatch.setattr(scoring, "SCORER_START_TIMEOUT_S", 1.0)
     scorer_script(script)
-    with pytest.raises(common.ScorerFailure, match="^the answer scorer does not work, so every answer would score 0: "
-                                                   f".*{says}") as failure:
+    with pytest.raises(stage.ScorerFailure, match="^the answer scorer does not work, so every answer would score 0: "
+                                                  f".*{says}") as failure:
         common.check_scorer()
     assert "\n" not in str(failure.value)
     pool = scoring._scorer_pool()
     assert not pool.checked and pool.workers() == []  # the failed worker is killed, none waits for work
-    with pytest.raises(common.ScorerFailure):  # checked again on the next call
+    with pytest.raises(stage.ScorerFailure):  # checked again on the next call
         common.check_scorer()
 
 
@@ -122,8 +122,8 @@ def test_the_stage_stops_past_5_percent_of_episodes_the_scorer_failed_on():
     assert common.check_scorer_failures(records(["integer_match"] * 3), "generation 3", "-") == {
         "score_error": 0, "score_timeout": 0}
     past = records(["score_error", "score_timeout"] + ["no_match"] * 18)  # 2 of 20: 10%
-    with pytest.raises(common.ScorerFailure, match=r"^generation 3: the scorer failed on 2 of 20 episodes \(score_error "
-                                                   r"1, score_timeout 1\), more than 5%: nothing is written$"):
+    with pytest.raises(stage.ScorerFailure, match=r"^generation 3: the scorer failed on 2 of 20 episodes \(score_error "
+                                                  r"1, score_timeout 1\), more than 5%: nothing is written$"):
         common.check_scorer_failures(past, "generation 3", "nothing is written")
 
 
@@ -166,7 +166,7 @@ def test_a_scorer_failure_within_the_bound_is_left_out_of_the_members_fitness():
     scored = [dict(r, score=1.0) for r in records(["integer_match"] * 3)]
     assert common.fitness(scored + records(["score_error"]), "agent") == 1.0
     assert common.fitness(scored + records(["score_timeout"]), "shaped") == 1.0
-    with pytest.raises(common.ScorerFailure, match="the scorer failed on all 2 episodes of a member"):
+    with pytest.raises(stage.ScorerFailure, match="the scorer failed on all 2 episodes of a member"):
         common.fitness(records(["score_error", "score_timeout"]), "agent")
 
 
