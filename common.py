@@ -391,10 +391,10 @@ def noise_chunks(numel: int, seed: int, chunk: int, device):
 
 def add_noise_(flat: torch.Tensor, seeds: list[int], coeffs: list[float], chunk: int,
                rounding_seed: int | None = None) -> None:
-    """SPEC's Perturb (one member, coefficient sigma) and Update (coefficients alpha/N z_i) of one parameter:
-    flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)), chunk by chunk, each member's noise drawn as it is
-    added, accumulated in float32 and rounded once: to nearest (the reference), or with rounding_seed stochastically
-    (stochastic_rounding)."""
+    """docs/algorithm.md's perturb (one member, coefficient sigma) and update (coefficients alpha/N z_i) of one
+    parameter: flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)), chunk by chunk, each member's noise
+    drawn as it is added, accumulated in float32 and rounded once: to nearest (the reference), or with rounding_seed
+    stochastically (stochastic_rounding)."""
     noise = [noise_chunks(flat.numel(), s, chunk, flat.device) for s in seeds]
     random_bits = stochastic_rounding(flat, rounding_seed)
     for values in flat.split(chunk):
@@ -522,8 +522,8 @@ WORKER_EXTENSIONS = {"rank_salted": "common.ESWorker", "checkpoint": "agentic_es
 
 class ESWorker:
     """Methods run inside each TP worker; they return plain JSON-able values. es_configure once, when the engine
-    starts; then SPEC's Perturb, Restore and Update of every parameter of this rank: es_perturb(seed, sigma),
-    es_restore() and es_update(seeds, coeffs). The reference path is _es_add_noise: the rank-salted noise, added by
+    starts; then docs/algorithm.md's perturb, restore and update of every parameter of this rank:
+    es_perturb(seed, sigma), es_restore() and es_update(seeds, coeffs). The reference path is _es_add_noise: the rank-salted noise, added by
     add_noise_'s loop, rounded to nearest. Its variants, each one call:
       - rounding="stochastic": _es_rounding_seed, the random source of a change's rounding (None: to nearest);
       - noise="checkpoint": checkpoint_noise.CheckpointESWorker overrides _es_add_noise;

@@ -169,14 +169,14 @@ class TensorWorker(common.ESWorker):
         return [value]
 
 
-def spec_change(theta: torch.Tensor, name: str, rank: int, members: list[tuple[int, float]], chunk: int,
-                rounding_seed: int | None = None) -> torch.Tensor:
-    """SPEC's Perturb and Update of one parameter, written out: for each member (seed s, coefficient c), eps is the
-    float32 standard normal stream of a torch.Generator seeded noise_seed(s, r, n), drawn in flat chunks; theta +
-    sum c * eps accumulated in float32, member by member (each a fused multiply-add, as torch's add with alpha
-    computes it: the product exact in float64, the sum rounded to float32), rounded once to theta's dtype: to
-    nearest, or (bf16) by adding uniform 16-bit integers of a generator seeded rounding_seed to the float32 bits and
-    clearing the low 16."""
+def written_out_change(theta: torch.Tensor, name: str, rank: int, members: list[tuple[int, float]], chunk: int,
+                       rounding_seed: int | None = None) -> torch.Tensor:
+    """docs/algorithm.md's perturb and update ("Perturb, restore, update") of one parameter, written out: for each
+    member (seed s, coefficient c), eps is the float32 standard normal stream of a torch.Generator seeded
+    noise_seed(s, r, n), drawn in flat chunks; theta + sum c * eps accumulated in float32, member by member (each a
+    fused multiply-add, as torch's add with alpha computes it: the product exact in float64, the sum rounded to
+    float32), rounded once to theta's dtype: to nearest, or (bf16) by adding uniform 16-bit integers of a generator
+    seeded rounding_seed to the float32 bits and clearing the low 16."""
     n = theta.numel()
     sizes = [min(chunk, n - start) for start in range(0, n, chunk)]
     acc = theta.float().reshape(-1).numpy().copy()
@@ -193,9 +193,10 @@ def spec_change(theta: torch.Tensor, name: str, rank: int, members: list[tuple[i
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_the_worker_perturbs_and_updates_as_spec_writes_it(rounding):
-    """The worker's reference path (es_perturb, es_restore, es_update on rank 1) against spec_change, bit for bit:
-    bf16 weights of odd sizes across chunk boundaries and a float32 one, a member with coefficient 0 drawing nothing."""
+def test_the_worker_perturbs_and_updates_as_docs_algorithm_writes_it(rounding):
+    """The worker's reference path (es_perturb, es_restore, es_update on rank 1) against written_out_change, bit for
+    bit: bf16 weights of odd sizes across chunk boundaries and a float32 one, a member with coefficient 0 drawing
+    nothing."""
     g = torch.Generator().manual_seed(4)
     base = {"layers.0.mlp.weight": (torch.randn(3, 700, generator=g) * 0.02).bfloat16(),
             "layers.0.norm.weight": (1 + torch.randn(1000, generator=g) * 0.02).bfloat16(),
@@ -207,7 +208,7 @@ def test_the_worker_perturbs_and_updates_as_spec_writes_it(rounding):
     worker.es_perturb(5, 1e-2)
     for name, t in params.items():
         seed = common.rounding_seed("perturb", [5], rank, name) if stochastic else None
-        assert torch.equal(t, spec_change(base[name], name, rank, [(5, 1e-2)], chunk, seed)), name
+        assert torch.equal(t, written_out_change(base[name], name, rank, [(5, 1e-2)], chunk, seed)), name
         assert not torch.equal(t, base[name])
     worker.es_restore()
     assert all(torch.equal(params[name], t) for name, t in base.items())
@@ -215,7 +216,7 @@ def test_the_worker_perturbs_and_updates_as_spec_writes_it(rounding):
     worker.es_update(seeds, coeffs)
     for name, t in params.items():
         seed = common.rounding_seed("update", seeds, rank, name) if stochastic else None
-        assert torch.equal(t, spec_change(base[name], name, rank, [(5, 3e-3), (7, -2e-3)], chunk, seed)), name
+        assert torch.equal(t, written_out_change(base[name], name, rank, [(5, 3e-3), (7, -2e-3)], chunk, seed)), name
 
 
 def bf16_ulp(t: torch.Tensor) -> torch.Tensor:
