@@ -186,12 +186,12 @@ def run_phase(name: str, cfg, model: str, opts: dict, plans: list[dict], perturb
                            if engines.device == "cuda" else None)
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         result = evaluate(engines, plans, vocab)
-        placement = engines.placement
+        where = engines.placement
     result.update(phase=name, engines=engines.size, restore=cfg.restore if perturbs else "none (read-only)",
                   gpu_memory_utilization=cfg.gpu_memory_utilization, engines_start_s=round(start_s, 1),
                   restore_bytes_per_engine=[m["copy_bytes"] + m["patch_bytes"] for m in memory],
                   restore_on=[m["copy_device"] for m in memory], gpu_free_bytes_after_start=gpu_after_start,
-                  devices=devices, placement=placement)
+                  devices=devices, placement=where)
     print(f"[eval_memory] {name}: K={result['engines']} ({result['restore']}), {result['episodes']} episodes in "
           f"{result['wall_s']} s = {result['episodes_per_s']} episodes/s, {result['tokens_per_s']} tok/s; engines "
           f"started in {result['engines_start_s']} s", flush=True)
