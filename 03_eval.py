@@ -77,7 +77,7 @@ def main(argv: list[str]) -> dict:
     if not export_dir:
         models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
 
-    common.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
+    stage.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
     with open_checkpoint(cfg, export_dir, manifest) as (engines, checkpoint):
         out.mkdir(parents=True, exist_ok=True)  # once the engines run: a refused setting leaves no folder behind
         claim_output_folder(out, checkpoint, cfg, data, data_sha256)
@@ -238,7 +238,7 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
 
 def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
     """All (problem, sample) episodes. Each finished episode (with its transcript) is appended to `log` as it
-    ends, those the scorer failed on once the set's episodes are within common.SCORER_FAILURE_BOUND (else they are
+    ends, those the scorer failed on once the set's episodes are within stage.SCORER_FAILURE_BOUND (else they are
     not done, and the stage stops); the ones already there are kept, not re-run."""
     finished = fileio.read_jsonl(log, required=EPISODE_RECORD_KEYS) if log.exists() else []
     done = {(r["problem_id"], r["sample_index"]): r for r in finished}
@@ -248,7 +248,7 @@ def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str
     held = []  # episodes the scorer failed on
 
     def keep(record):
-        if record["score_method"] in common.SCORER_FAILURES:
+        if record["score_method"] in stage.SCORER_FAILURES:
             held.append(record)
         else:
             fileio.append_jsonl(log, [record])
@@ -263,7 +263,7 @@ def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str
     for record in records:
         done[(record["problem_id"], record["sample_index"])] = record
     records = [done[(p["id"], i)] for p in problems for i in sample_indices]
-    common.check_scorer_failures(records, name, f"the {len(held)} episodes it failed on are not done ({log} keeps the "
+    stage.check_scorer_failures(records, name, f"the {len(held)} episodes it failed on are not done ({log} keeps the "
                                  "others; docs/scoring.md)")
     fileio.append_jsonl(log, held)
     return records

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> dict:
     fileio.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
     common.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export_dir or None)
-    common.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
+    stage.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
     with EnginePool(cfg, model_path, perturbs=False) as engines:
         _, digests = rebuild_from_history(engines, cfg, model_path, history, generations, compare_config=False,
                                           desc=f"rebuilding theta from {len(generations)} generations")
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> dict:
                 raise stage.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
         replayed = {name: engines.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
     for name, records in replayed.items():  # a broken scorer's 0s would read as disagreements
-        common.check_scorer_failures(records, f"{name} replay", f"{out} is not written (docs/scoring.md)")
+        stage.check_scorer_failures(records, f"{name} replay", f"{out} is not written (docs/scoring.md)")
 
     report = {
         "group": group_label(GROUP), "history": str(history_path),

@@ -13,10 +13,11 @@ import textwrap
 from pathlib import Path
 
 from agentic_es import stage
+from agentic_es.settings import PRESETS
 
 
 HELP_WIDTH = 120  # --help wraps each option's meaning at this column
-# What --help says of the settings of each role (common.setting declares a setting's role: common.WEIGHTS,
+# What --help says of the settings of each role (settings.setting declares a setting's role: settings.WEIGHTS,
 # RUN, RESTORE, EXECUTION, POOL), in this order
 ROLE_RULES = {
     "weights": "What defines the trained weights: a resume keeps them, export and replay take them from the history "
@@ -49,7 +50,7 @@ def parse_config(argv: list[str], base=None):
 def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
     """The values a command line sets: (the preset's, the explicit `--key=value` ones), each checked against
     Config's fields and types."""
-    from common import PRESETS, Config  # here: see parse_config
+    from common import Config  # here: see parse_config
 
     fields = {f.name: f for f in dataclasses.fields(Config)}
     defaults = dataclasses.asdict(Config())
@@ -118,7 +119,7 @@ def usage(doc: str, script: str | None = None, options: dict | None = None, sett
         parts.append("Options of this stage:\n" + "\n".join(
             _described(f"  --{k}={v}", meaning.get(k.upper(), "")) for k, v in options.items()))
     if settings:
-        from common import PRESETS, Config  # here: see parse_config
+        from common import Config  # here: see parse_config
 
         shown = [f for f in dataclasses.fields(Config) if settings is True or f.name in settings]
         groups = ["\n".join([textwrap.fill(rules + ":", width=HELP_WIDTH, break_on_hyphens=False)] + [

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agentic_es import compute_task, fileio, stage
+from agentic_es import compute_task, fileio, learn_task, stage
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
 # at the top of the repository: the problem files 00_data.py builds (ids, answers, sha256s)
@@ -24,17 +24,7 @@ GENERATED_DATA = ("smoke", "learn", "learn_heldout", "compute", "compute_heldout
 HELD_OUT_DATA = {  # generated sets that are never trained on -> the training set of their task
     "learn_heldout": "learn", "compute_heldout": "compute", "compute_families": "compute"}
 COMPUTE_SPLITS = {"compute": "train", "compute_heldout": "heldout", "compute_families": "families"}
-LEARN_PROBLEMS = 192  # training set of the learn preset: 324 questions less the 132 held out (learn_pairs)
-LEARN_HELDOUT_PAIRS = 66  # unordered pairs of two different numbers held out, in both orders: 132 questions
-LEARN_SPLIT_SEED = 0x5911  # which pairs are held out (fixed: every run and every held-out set agree)
-LEARN_OPERANDS = (2, 19)  # sums the base SmolLM2-135M gets right sometimes, not always (bench/README.md)
-LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other streams seeded by the run seed
-# The question shows the tool call, which the base SmolLM2-135M otherwise rarely makes (bench/README.md)
-LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
-                  "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
-LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
-LEARN_HELDOUT_SEED = 1  # the held-out set's order: 03_eval.py and bench/learning.py take its first questions
-LEARN_DIGITS_MIN = 2  # the fewest operand digits of a tier (Config.learn_digits): one digit has too few pairs
+LEARN_SPLITS = {"learn": "train", "learn_heldout": "heldout"}  # learn_task.py
 
 
 def load_problems(path):
@@ -100,10 +90,8 @@ def problems_from(path, run_seed, learn_digits=0, compute_level=1):
         return compute_task.problems(COMPUTE_SPLITS[path], compute_level)
     if path == "smoke":
         return smoke_problems(SMOKE_PROBLEMS, seed=run_seed)
-    if path == "learn":
-        return learn_problems(LEARN_PROBLEMS, seed=LEARN_TRAIN_SEED, digits=learn_digits)
-    if path == "learn_heldout":
-        return learn_problems(2 * LEARN_HELDOUT_PAIRS, seed=LEARN_HELDOUT_SEED, split="heldout", digits=learn_digits)
+    if path in LEARN_SPLITS:
+        return learn_task.problems(LEARN_SPLITS[path], learn_digits)
     return load_problems(path)
 
 
@@ -130,52 +118,6 @@ def smoke_problems(n, seed=0):
             question, answer = f"What is {a} * {b}?", a * b
         rows.append({"id": f"smoke-{i:03d}", "question": question, "answer": str(answer), "source": "smoke"})
     return rows
-
-
-def learn_pairs() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The learn task's operand pairs (a, b), split once by unordered pair into training and held-out: no held-out
-    question has the operands of a training question, in either order. Held out: LEARN_HELDOUT_PAIRS pairs of two
-    different numbers, both orders; training: every other pair (192 questions)."""
-    low, high = LEARN_OPERANDS
-    distinct = [(a, b) for a in range(low, high + 1) for b in range(a + 1, high + 1)]
-    order = np.random.default_rng([LEARN_SEED_TAG, LEARN_SPLIT_SEED]).permutation(len(distinct))
-    held = {distinct[i] for i in order[:LEARN_HELDOUT_PAIRS]}
-    ordered = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
-    return ([p for p in ordered if (min(p), max(p)) not in held], [p for p in ordered if (min(p), max(p)) in held])
-
-
-def learn_digit_pairs(digits: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The operand pairs of the learn task's tier of two `digits`-digit numbers, split as learn_pairs splits: drawn
-    once from a fixed stream, each unordered pair at most once; the first LEARN_HELDOUT_PAIRS pairs of two different
-    numbers are held out in both orders, the next LEARN_PROBLEMS pairs (in the order drawn) are for training."""
-    if digits < LEARN_DIGITS_MIN:
-        raise ValueError(f"a tier of the learn task has at least {LEARN_DIGITS_MIN} operand digits, got {digits}")
-    rng = np.random.default_rng([LEARN_SEED_TAG, LEARN_SPLIT_SEED, digits])
-    seen, held, train = set(), [], []
-    while len(train) < LEARN_PROBLEMS:
-        a, b = (int(x) for x in rng.integers(10 ** (digits - 1), 10 ** digits, size=2))
-        if (min(a, b), max(a, b)) in seen:
-            continue
-        seen.add((min(a, b), max(a, b)))
-        if len(held) < 2 * LEARN_HELDOUT_PAIRS and a != b:
-            held += [(a, b), (b, a)]
-        elif len(held) == 2 * LEARN_HELDOUT_PAIRS:
-            train.append((a, b))
-    return train, held
-
-
-def learn_problems(n, seed, split="train", digits=0):
-    """n additions ("What is 12 + 7?") of the learn task's training or held-out pairs (learn_pairs; with digits,
-    learn_digit_pairs), in an order drawn from `seed`."""
-    pairs = (learn_digit_pairs(digits) if digits else learn_pairs())[("train", "heldout").index(split)]
-    if n > len(pairs):
-        raise stage.DataError(f"{n} learn problems asked for, but the {split} split has only {len(pairs)} questions")
-    rng = np.random.default_rng([LEARN_SEED_TAG, int(seed)])
-    tag = "" if split == "train" else "heldout-"
-    tier = f"d{digits}-" if digits else ""
-    chosen = [pairs[j] for j in rng.permutation(len(pairs))[:n]]
-    return [{"id": f"learn-{tier}{tag}{seed}-{i:04d}", "question": LEARN_QUESTION.format(a=a, b=b),
-             "answer": str(a + b), "source": "learn"} for i, (a, b) in enumerate(chosen)]
 
 
 def training_problems(cfg) -> list[dict]:

@@ -2,7 +2,7 @@
 noise="checkpoint" checkpoint_noise.CheckpointESWorker), behind a synchronous facade so that the numbered scripts
 read top to bottom. Async inside, so that agent episodes advance independently (no per-turn barrier). Every weight
 change (perturb, restore, update) resets vLLM's prefix cache: cached KV blocks are keyed by tokens, not weights.
-Each agent turn's prompt is built by common.ChatPrompts (the chat template's rendering, or the continue mode).
+Each agent turn's prompt is built by prompts.ChatPrompts (the chat template's rendering, or the continue mode).
 
 Beside it, what starting an engine takes: the placement and CPU binding checks, the vLLM arguments of a GPU engine,
 and the machine-wide GPU memory lock through which the engine starts, exact-restore copies and shutdowns of every
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import common
-from agentic_es import checkpoint_noise, fileio, restore_patch, sandbox, stage, vllm_platform
+from agentic_es import checkpoint_noise, fileio, prompts, restore_patch, sandbox, stage, vllm_platform
 from agentic_es.tracking import progress_bar
 
 
@@ -127,7 +127,7 @@ class Engine(fileio.ClosedOnExit):
         vllm_platform.check_placement(cfg.tensor_parallel_size, self.device)
         self._tokenizer_path = tokenizer or model_path
         self.prompts = (None if skip_tokenizer_init  # no tokenizer: no agent
-                        else common.ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
+                        else prompts.ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
         if self.device == "cpu":
             vllm_platform.configure_cpu_env(cfg.tensor_parallel_size)
         args = dict(
@@ -392,7 +392,7 @@ class Engine(fileio.ClosedOnExit):
         (the pool draws one for all its engines)."""
         with progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
             def progress(record):
-                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (common.ChatPrompts)
+                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (prompts.ChatPrompts)
                 bar.update(1)
                 if on_record is not None:
                     on_record(record)
@@ -406,7 +406,7 @@ class Engine(fileio.ClosedOnExit):
 
     @property
     def prompt_mode(self) -> str | None:
-        """How the agent's prompts are built ("render" or "continue", see common.ChatPrompts); None without a
+        """How the agent's prompts are built ("render" or "continue", see prompts.ChatPrompts); None without a
         tokenizer."""
         return None if self.prompts is None else self.prompts.mode
 
@@ -419,7 +419,7 @@ class Engine(fileio.ClosedOnExit):
         return self._tokenizer
 
     async def _policy(self, messages: list[dict], *, seed: int, max_tokens: int) -> dict:
-        """One assistant turn: the conversation's prompt ids (common.ChatPrompts), sampled with the turn's seed."""
+        """One assistant turn: the conversation's prompt ids (prompts.ChatPrompts), sampled with the turn's seed."""
         ids = self.prompts.ids(messages)
         room = self.cfg.max_model_len - len(ids)
         if room <= 0:

@@ -24,11 +24,11 @@ import json
 import torch
 
 import common
-from agentic_es import fileio, stage
+from agentic_es import fileio, settings, stage
 from agentic_es.cli import parse_overrides
 from agentic_es.data import problems_sha256
 from agentic_es.tracking import progress_bar
-from common import Config, ConfigError
+from common import Config
 
 
 # ---- The history file: what the stages read from it, checked before any engine starts
@@ -60,17 +60,18 @@ def read_history(path) -> dict:
 
 # ---- The recorded run's settings: what export and replay take from a history, what a resume may change
 
-# The settings of each role (common.setting, beside each Config field, declares it). What defines the trained weights
+# The settings of each role (settings.setting, beside each Config field, declares it). What defines the trained weights
 # besides the history's per-generation records: export and replay take it from the history, never from the command
 # line, a preset or an evaluation's settings
-WEIGHT_FIELDS = common.settings_of(common.WEIGHTS)
-POOL_FIELDS = common.settings_of(common.POOL)  # how many engines evaluate, never what they compute: not in the history
+WEIGHT_FIELDS = settings.settings_of(common.Config, settings.WEIGHTS)
+# how many engines evaluate, never what they compute: not in the history
+POOL_FIELDS = settings.settings_of(common.Config, settings.POOL)
 # where and how fast a run executes, never what it computes: a resume may change them (resume_free_fields), and
 # 03_eval.py keeps an evaluation's finished episodes across them
-EXECUTION_FIELDS = common.settings_of(common.EXECUTION, common.POOL)
+EXECUTION_FIELDS = settings.settings_of(common.Config, settings.EXECUTION, settings.POOL)
 # how a member's perturbation is undone: a stage that never perturbs (export, evaluation, replay) takes any value,
 # e.g. an evaluation of a --restore=subtract run resumed with --restore=patch --patch_capacity=0.3
-RESTORE_FIELDS = common.settings_of(common.RESTORE)
+RESTORE_FIELDS = settings.settings_of(common.Config, settings.RESTORE)
 # what export and replay take from their command line (their --help lists them; with checkpoint noise the TP size
 # too: resume_free_fields): every other setting is the recorded run's
 REBUILD_FIELDS = EXECUTION_FIELDS + RESTORE_FIELDS
@@ -174,8 +175,8 @@ def without_retired_settings(config: dict) -> dict:
     have: scope="full" (every member perturbs every parameter) is what this code does; any other scope is refused
     (bench/README.md, "Low-rank members", says why there is no other)."""
     if config.get("scope", "full") != "full":
-        raise ConfigError(f"the run was trained with scope={config['scope']!r}, which this version of the code no "
-                          "longer has (bench/README.md, \"Low-rank members\"): use the version that trained it")
+        raise stage.ConfigError(f"the run was trained with scope={config['scope']!r}, which this version of the code "
+                                "no longer has (bench/README.md, \"Low-rank members\"): use the version that trained it")
     return {k: v for k, v in config.items() if k not in ("scope", "lora_rank")}
 
 
@@ -194,13 +195,14 @@ def config_from_history(history: dict, argv: list[str], settings: dict | None = 
     values = {**run_settings, **{f: recorded_run[f] for f in WEIGHT_FIELDS if f not in free_fields}}
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
     if unknown:
-        raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
+        raise stage.ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
     recorded = Config(**values)
     preset, explicit = parse_overrides(argv)
     refused = [f"--{k}={v!r} (recorded: {getattr(recorded, k)!r}{', from the history' if k in WEIGHT_FIELDS else ''})"
                for k, v in explicit.items() if k not in free_fields and v != getattr(recorded, k)]
     if refused:
-        raise ConfigError("these settings were recorded by the run and cannot be overridden: " + ", ".join(refused))
+        raise stage.ConfigError("these settings were recorded by the run and cannot be overridden: "
+                                + ", ".join(refused))
     free = {k: v for k, v in {**preset, **explicit}.items() if k in free_fields}
     return dataclasses.replace(recorded, **free)
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli, metrics, models, placement, pool  # noqa: E402
+from agentic_es import cli, metrics, models, placement, pool, worker_memory  # noqa: E402
 from exact_restore import best_utilization, plans_by_k  # noqa: E402
 from reference_generation import FIRST_PROMPT_TOKENS, draw_episode, scripted_episode  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
@@ -180,7 +180,7 @@ def run_phase(name: str, cfg, model: str, opts: dict, plans: list[dict], perturb
             if opts["normal_weights"]:
                 engine.rpc(qwen3_30b.normal_weights, std=qwen3_30b.NORMAL_STD, seed=opts["seed"])
             engine.reset_prefix_cache()
-        memory = [engine.rpc(common.ESWorker.es_memory)[0] for engine in engines.engines]
+        memory = [engine.rpc(worker_memory.es_memory)[0] for engine in engines.engines]
         devices = engines.rpc(common.ESWorker.es_device)
         gpu_after_start = (placement.node_report(placement.visible_gpus()[:cfg.tensor_parallel_size])["gpu_free_bytes"]
                            if engines.device == "cuda" else None)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli, models, placement, restore_patch, stage  # noqa: E402
+from agentic_es import cli, models, placement, restore_patch, settings, stage, worker_memory  # noqa: E402
 from agentic_es.engine import Engine  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -48,7 +48,7 @@ def synthetic(n: int = 4_000_000) -> list[dict]:
     for std in SYNTHETIC_STDS:
         theta = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * std).bfloat16()
         for sigma in SYNTHETIC_SIGMAS:
-            for rounding in common.ROUNDING_MODES:
+            for rounding in settings.ROUNDING_MODES:
                 patch = restore_patch.RestorePatch([theta], 1.0)
                 work = theta.clone()
                 patch.start_recording()
@@ -122,7 +122,7 @@ def run_mode(cfg, model, load_format, opts, seeds) -> dict:
             t = time.perf_counter()
             engine.perturb(seed, cfg.sigma_start)
             perturb_s = time.perf_counter() - t
-            memory = engine.rpc(common.ESWorker.es_memory)
+            memory = engine.rpc(worker_memory.es_memory)
             t = time.perf_counter()
             engine.restore()
             restore_s = time.perf_counter() - t
@@ -131,7 +131,7 @@ def run_mode(cfg, model, load_format, opts, seeds) -> dict:
                             "miss_fraction_per_rank": [round(m["patch_used"] / m["params"], 5) for m in memory],
                             "patch_used_bytes_per_rank": [m["patch_used"] * m["param_bytes"] // m["params"]
                                                           for m in memory]})
-        memory = engine.rpc(common.ESWorker.es_memory)
+        memory = engine.rpc(worker_memory.es_memory)
     rank0 = memory[0]
     result = {"restore": cfg.restore, "engine_start_s": round(start_s, 1), "members": members,
               "perturb_s_median": round(statistics.median(m["perturb_s"] for m in members), 3),

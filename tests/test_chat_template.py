@@ -12,7 +12,7 @@ import pytest
 import common
 from agentic_es import cli, data, models, stage
 from agentic_es.engine import Engine
-from common import ChatPrompts, choose_prompt_mode, continuation_user_turn
+from agentic_es.prompts import ChatPrompts, choose_prompt_mode, continuation_user_turn
 
 pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import checkpoint_noise, cli, data, export, fileio, metrics, models, stage
+from agentic_es import checkpoint_noise, cli, data, export, fileio, metrics, models, stage, worker_memory
 from agentic_es.engine import Engine
 from agentic_es.history import HISTORY_FILE, check_config, config_from_history, run_identity
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha
@@ -250,7 +250,7 @@ def test_patch_restore_is_bit_exact_with_checkpoint_noise():
             assert engine.digests() != base
             engine.restore()
             assert engine.digests() == base and rank_digests(engine) == ranks
-        assert all(m["patch_used"] > 0 for m in engine.rpc(common.ESWorker.es_memory))
+        assert all(m["patch_used"] > 0 for m in engine.rpc(worker_memory.es_memory))
 
 
 @pytest.fixture(scope="class")

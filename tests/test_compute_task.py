@@ -20,7 +20,7 @@ import sympy
 from sympy.functions.combinatorial.numbers import partition
 
 import common
-from agentic_es import cli, data, fileio, history, stage
+from agentic_es import cli, data, fileio, history, settings, stage
 from agentic_es import compute_task as ct
 from agentic_es.export import SHARDED_STATE_MANIFEST
 
@@ -349,7 +349,7 @@ def test_the_compute_preset_and_the_level_setting():
     assert (cfg.generations, cfg.population, cfg.case_batch, cfg.eval_problems) == (12, 16, 32, 64)
     assert (cfg.temperature, cfg.presence_penalty, cfg.sigma_start, cfg.sigma_end, cfg.alpha) == (
         0.7, 0.0, 2e-3, 1e-3, 4e-3)
-    strict = common.PRESETS["strict"]  # the agent loop and prompt are the strict preset's: only the task differs
+    strict = settings.PRESETS["strict"]  # the agent loop and prompt are the strict preset's: only the task differs
     assert all(cfg.__getattribute__(k) == v for k, v in strict.items()
                if k not in ("max_model_len", "max_new_tokens", "bash_timeout_s", "train_data", "learn_digits",
                             "run_dir"))

@@ -21,10 +21,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import common
-from agentic_es import cli, fileio, history, stage
-from agentic_es.data import (DATA_MANIFEST, LEARN_HELDOUT_PAIRS, LEARN_OPERANDS, LEARN_PROBLEMS, LEARN_QUESTION,
-                             LEARN_TRAIN_SEED, SMOKE_PROBLEMS, learn_problems, load_problems, problems_from,
-                             smoke_problems, training_problems)
+from agentic_es import cli, fileio, history, learn_task, stage
+from agentic_es.data import (DATA_MANIFEST, SMOKE_PROBLEMS, load_problems, problems_from, smoke_problems,
+                             training_problems)
+from agentic_es.learn_task import (LEARN_HELDOUT_PAIRS, LEARN_OPERANDS, LEARN_PROBLEMS, LEARN_QUESTION,
+                                   LEARN_TRAIN_SEED, learn_problems)
 
 REPO = common.REPO
 SHARED = REPO.parent / "shared" / "data"  # the reference files: never part of the project
@@ -322,7 +323,7 @@ def test_a_tier_of_the_learn_task_adds_numbers_of_that_many_digits_and_holds_out
     held_out = problems_from("learn_heldout", 0, learn_digits=digits)
 
     def operands(p):
-        return tuple(int(x) for x in common.learn_operands(p["question"]))
+        return tuple(int(x) for x in learn_task.learn_operands(p["question"]))
 
     assert len(train) == LEARN_PROBLEMS and len(held_out) == 2 * LEARN_HELDOUT_PAIRS
     for p in train + held_out:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, digests, models, restore_patch, stage
+from agentic_es import cli, digests, models, restore_patch, stage, worker_memory
 from agentic_es.engine import Engine
 from agentic_es.history import rebuild_from_history, run_identity
 from test_es_math import check_subtract_restore
@@ -197,7 +197,7 @@ def test_perturb_restore_is_bit_exact(engine, monkeypatch, restore, rounding):
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, restore=restore, rounding=rounding))
     check_each_member_restores_exactly(engine, (1, 2, 3))
     if restore == "patch":
-        for m in engine.rpc(common.ESWorker.es_memory):
+        for m in engine.rpc(worker_memory.es_memory):
             assert 0 < m["patch_used"]
             capacity = restore_patch.patch_capacity(engine.cfg)
             assert m["patch_bytes"] == restore_patch.patch_bytes({torch.bfloat16: m["params"]}, capacity)
@@ -269,7 +269,7 @@ class TestFreshEngine:
         so the copy is a plain clone; the pinned path proper runs on GPU in
         `python bench/gpu_pipeline.py --restore=copy_host`."""
         check_each_member_restores_exactly(replica, (1, 2))
-        memory = replica.rpc(common.ESWorker.es_memory)
+        memory = replica.rpc(worker_memory.es_memory)
         assert all(m["copy_bytes"] == m["param_bytes"] > 0 and m["copy_device"] == "cpu" for m in memory)
 
     def test_replay_is_bit_exact_and_refuses_a_tampered_generation(self, trained, replica, base_path):

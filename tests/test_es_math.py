@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, data, digests, engine, export, fileio, stage, tracking
+from agentic_es import cli, data, digests, engine, export, fileio, learn_task, settings, stage, tracking
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, REBUILD_FIELDS, check_base, check_config,
                                 config_from_history, history_fitness, identity_differences, name_only_fingerprint,
                                 read_history, recorded_settings, resume_free_fields, run_identity)
@@ -403,7 +403,7 @@ def test_every_numeric_setting_has_its_range_and_defaults_and_presets_are_in_it(
     assert all(f.metadata["bounds"] is not None for f in numeric)  # a new numeric setting needs its bounds
     assert all(f.metadata["bounds"].admits(f.default) for f in numeric)
     defaults = dataclasses.asdict(common.Config())
-    for name, preset in common.PRESETS.items():
+    for name, preset in settings.PRESETS.items():
         assert cli.parse_config([f"--preset={name}"]) == common.Config(**{**defaults, **preset})
 
 
@@ -564,7 +564,7 @@ def test_a_history_older_than_the_fitness_setting_reads_as_its_rewards_tell(tmp_
                                                               "setting: read from its rewards, each a whole")):
         check_config(agent, cli.parse_config([*same_run, "--fitness=shaped"]))
     silent = older_learn_history([0.0] * 4)
-    for fitness in common.FITNESS_MODES:
+    for fitness in settings.FITNESS_MODES:
         with pytest.raises(stage.HistoryMismatch, match=re.escape(
                 "its rewards (every one 0) cannot tell the agent's score from the shaped reward; this run has "
                 f"'{fitness}': add \"fitness\"")):
@@ -595,13 +595,13 @@ def test_the_reward_definition_is_part_of_the_run_and_a_resume_under_another_is_
     shaped_cfg = cli.parse_config(["--preset=learn", f"--model={tmp_path}"])
     history = dict(run_identity(shaped_cfg, str(tmp_path), IdentityEngine(), train_data=False), generations=[])
     assert history["reward"] == {"fitness": "shaped", "agent_score": common.agent_score_version(),
-                                 "shaped_rules": common.SHAPED_REWARD_RULES}
+                                 "shaped_rules": learn_task.SHAPED_REWARD_RULES}
     assert re.fullmatch(r"agentic_es/scoring.py sha256:[0-9a-f]{64}", common.agent_score_version())
     check_config(history, shaped_cfg)
     older_rules = dict(history, reward=dict(history["reward"], shaped_rules="0.5: a bash call's stdout holds the gold"))
     with pytest.raises(stage.HistoryMismatch, match=re.escape(
             "reward shaped_rules: history has \"0.5: a bash call's stdout holds the gold\", this run has "
-            f"{common.SHAPED_REWARD_RULES!r}")):
+            f"{learn_task.SHAPED_REWARD_RULES!r}")):
         check_config(older_rules, shaped_cfg)
     other_scorer = dict(history, reward=dict(history["reward"], agent_score="agentic_es/scoring.py sha256:" + "0" * 64))
     with pytest.raises(stage.HistoryMismatch, match=re.escape(
@@ -738,7 +738,7 @@ def test_a_setting_added_after_the_first_files_declares_what_the_code_did_before
     for f in fields:  # each before is a valid value of its setting
         then = f.metadata["before"]
         for value in ([then(oldest), then(older)] if callable(then) else [then] if then is not None else []):
-            assert common.setting_problem(f, value) is None, f.name
+            assert settings.setting_problem(f, value) is None, f.name
     lacking = {f.name for f in fields} - set(read_history(OLD_HISTORY)["config"])
     assert lacking == {"fitness", "learn_digits", "compute_level", "engines", "ray_address"}  # pool's: never recorded
     assert all(common.Config.__dataclass_fields__[name].metadata["before"] is not None for name in lacking)
@@ -976,14 +976,14 @@ def test_help_prints_the_stage_its_options_and_every_setting(script, capsys):
         assert bool(shown) == (name in listed), f"Config.{name} in --help"
     for lines in HELP_OF_TWO_LINE_COMMENTS:
         assert (lines in text) == (lines.split("=")[0].strip()[2:] in listed)
-    assert all(f"  {preset}: " in text for preset in common.PRESETS)
+    assert all(f"  {preset}: " in text for preset in settings.PRESETS)
     assert "--model=tiny-qwen3-dense" in text or script in ("02_export", "04_replay")  # a preset's, where taken
     if script == "02_export":  # a stage option's comment is read whole too
         assert """  --history=                       default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by
                                    --preset=smoke)""" in text
 
 
-@pytest.mark.parametrize("noise", common.NOISE_MODES)
+@pytest.mark.parametrize("noise", settings.NOISE_MODES)
 def test_export_and_replay_take_the_settings_their_help_lists_and_refuse_every_other(noise):
     """02_export.py and 04_replay.py --help list REBUILD_FIELDS: each may differ from the recorded run, every other
     setting given with another value is refused (with checkpoint noise the TP size is free too, as their help
@@ -1104,7 +1104,7 @@ def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("noise", common.NOISE_MODES)
+@pytest.mark.parametrize("noise", settings.NOISE_MODES)
 def test_stochastic_rounding_with_a_dtype_other_than_bf16_is_refused(dtype, noise):
     """Stochastic rounding is bf16's: in another dtype the change would round to nearest under a history that says
     "stochastic". Refused on the command line and in a history that records the pair (export, replay)."""

@@ -2,7 +2,7 @@
 shared by the module), on the tiny random Qwen3 at TP=2 with budgets cut to a CPU's: the run scores its members with
 the fitness the preset names (the shaped one), records it, and moves the weights; the evaluation is of the learn
 task's held-out additions, with that reward beside Mean4/Pass4; export, evaluation and replay agree by digests.
-A random model earns no shaped reward (common.shaped_reward, tested on real episodes in test_agent_loop.py), so here
+A random model earns no shaped reward (learn_task.shaped_reward, tested on real episodes in test_agent_loop.py), so here
 the shaped entry of common.EPISODE_REWARDS, where common.fitness looks it up, is the test reward that varies across
 members (train_with_test_reward.py), and the agent's entry stays the agent's score."""
 
@@ -11,7 +11,7 @@ import importlib
 import pytest
 
 import common
-from agentic_es import data, fileio, stage
+from agentic_es import data, fileio, learn_task, stage
 from agentic_es.export import SHARDED_STATE_MANIFEST
 from agentic_es.history import HISTORY_FILE
 from agentic_es.metrics import EVAL_SAMPLES

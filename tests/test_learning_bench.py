@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 import common
-from agentic_es import data, fileio, metrics, stage, tracking
+from agentic_es import data, fileio, learn_task, metrics, stage, tracking
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 import fitness_trend  # noqa: E402
 import learning  # noqa: E402
 
-PROBLEM = data.learn_problems(1, seed=7)[0]
+PROBLEM = learn_task.learn_problems(1, seed=7)[0]
 GOLD = PROBLEM["answer"]
 
 
@@ -272,7 +272,7 @@ def test_learning_checks_the_scorer_and_evaluates_the_tier_it_trains_on(tmp_path
     episodes (the failure bound: no report from a broken scorer's 0s), and evaluates the held-out additions of the
     tier it trains on (--learn_digits, as 03_eval.py evaluates that run)."""
     calls = []
-    monkeypatch.setattr(common, "check_scorer", lambda: calls.append("check_scorer"))
+    monkeypatch.setattr(stage, "check_scorer", lambda: calls.append("check_scorer"))
     train = importlib.import_module("01_train")
     monkeypatch.setattr(train, "main", lambda argv: calls.append("train") or {"generations": [],
                                                                                "base_digests": ["b"]})

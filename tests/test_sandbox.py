@@ -20,7 +20,7 @@ import uuid
 import pytest
 
 import common
-from agentic_es import history, sandbox, stage
+from agentic_es import actions, history, sandbox, stage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIND = sandbox.sandbox_kind()
@@ -229,7 +229,7 @@ def test_sleep_is_killed_at_timeout(kind, workdir, marker):
     result = sandbox.run_bash(f"echo before; sleep 3600.{marker}", workdir, timeout_s=1, sandbox=kind)
     assert result["timed_out"] and result["seconds"] < 3
     assert result["stdout"] == "before\n"  # output written before the kill is kept
-    assert "timed out" in common.format_observation(result, 4000)
+    assert "timed out" in actions.format_observation(result, 4000)
     assert_nothing_left(marker)
 
 
@@ -250,7 +250,7 @@ def test_huge_output_is_bounded(kind, workdir):
     assert result["stdout"].startswith("H" * 1000) and result["stdout"].endswith("T" * 1000)
     assert "bytes of output dropped" in result["stdout"]
     assert after - before < 50 * 1024  # the 100 MB never sat in this process
-    observation = common.format_observation(result, 4000)
+    observation = actions.format_observation(result, 4000)
     assert len(observation) < 4100 and "characters cut" in observation
 
 

@@ -11,7 +11,7 @@ import re
 import pytest
 
 import common
-from agentic_es import cli, data, engine, export, fileio, metrics, models, pool, sandbox, stage
+from agentic_es import cli, data, engine, export, fileio, metrics, models, pool, sandbox, settings, stage
 from agentic_es.history import HISTORY_FILE, HISTORY_FORMAT
 
 export_stage = importlib.import_module("02_export")
@@ -295,7 +295,7 @@ class LoadedExport:
         return self.layout
 
 
-@pytest.mark.parametrize("noise", common.NOISE_MODES)
+@pytest.mark.parametrize("noise", settings.NOISE_MODES)
 def test_the_evaluation_loads_an_export_in_its_format_and_checks_its_bits_in_its_noise(tmp_path, monkeypatch, noise):
     """03_eval.py starts its engines on an export as its format loads (sharded_state: vLLM's load format, the
     tokenizer beside the shards; a Hugging Face folder: as any model), with the noise whose digests its manifest

@@ -97,7 +97,7 @@ class ScoredByABrokenScorer:
 
 def test_the_bench_checks_the_scorer_as_the_stages_do(tmp_path, monkeypatch):
     """A scorer that fails its warm-up stops the bench before its engines start; a tier whose episodes it failed on
-    past the stages' bound (common.SCORER_FAILURE_BOUND) stops it with that tier's row unwritten: a strict tier is
+    past the stages' bound (stage.SCORER_FAILURE_BOUND) stops it with that tier's row unwritten: a strict tier is
     never chosen from a broken scorer's 0s."""
     monkeypatch.setattr(common, "check_sandbox", lambda *args, **kwargs: [])
     monkeypatch.setattr(strict_base.models, "resolve_model", lambda name, *args, **kwargs: name)
@@ -109,11 +109,11 @@ def test_the_bench_checks_the_scorer_as_the_stages_do(tmp_path, monkeypatch):
         raise AssertionError("an engine started before the scorer was checked")
 
     argv = ["--tiers=3", "--problems=2", "--samples=2", f"--out={tmp_path / 'report.json'}"]
-    monkeypatch.setattr(common, "check_scorer", broken)
+    monkeypatch.setattr(stage, "check_scorer", broken)
     monkeypatch.setattr(strict_base, "EnginePool", no_engine)
     with pytest.raises(stage.ScorerFailure, match="every answer would score 0"):
         strict_base.main(argv)
-    monkeypatch.setattr(common, "check_scorer", lambda: None)
+    monkeypatch.setattr(stage, "check_scorer", lambda: None)
     monkeypatch.setattr(strict_base, "EnginePool", ScoredByABrokenScorer)
     with pytest.raises(stage.ScorerFailure, match="^tier 3: the scorer failed on 4 of 4 episodes"):
         strict_base.main(argv)

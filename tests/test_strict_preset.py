@@ -10,7 +10,7 @@ import importlib
 import pytest
 
 import common
-from agentic_es import cli, data, fileio
+from agentic_es import cli, data, fileio, learn_task, settings
 from agentic_es.export import SHARDED_STATE_MANIFEST
 from agentic_es.metrics import EVAL_SAMPLES
 from test_learn_preset import SET, run_four_stages
@@ -19,7 +19,7 @@ from train_with_test_reward import first_reply_variety
 pytestmark = pytest.mark.engine  # the four stages run vLLM engines (pytest.ini)
 
 train = importlib.import_module("01_train")
-PRESET = common.PRESETS["strict"]
+PRESET = settings.PRESETS["strict"]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def strict_run(tmp_path_factory):
 def test_the_preset_trains_on_the_strict_score_of_a_tier_of_the_learn_task():
     cfg = cli.parse_config(["--preset=strict"])
     assert (cfg.fitness, cfg.train_data, cfg.model) == ("agent", "learn", "qwen2.5-coder-1.5b")
-    assert cfg.learn_digits == PRESET["learn_digits"] >= data.LEARN_DIGITS_MIN
-    assert common.PRESETS["learn"]["fitness"] == "shaped" and "learn_digits" not in common.PRESETS["learn"]
+    assert cfg.learn_digits == PRESET["learn_digits"] >= learn_task.LEARN_DIGITS_MIN
+    assert settings.PRESETS["learn"]["fitness"] == "shaped" and "learn_digits" not in settings.PRESETS["learn"]
 
 
 def test_the_members_are_scored_with_the_agent_s_score_on_the_preset_s_tier(strict_run):
