@@ -27,7 +27,7 @@ from pathlib import Path
 
 import common
 from agentic_es import cli, export, fileio, models, stage
-from agentic_es.data import problems_from, problems_sha256
+from agentic_es.data import TASKS, problems_from, problems_sha256
 from agentic_es.history import (EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history,
                                 field_differences, read_history, recorded_settings)
 from agentic_es.metrics import EPISODE_RECORD_KEYS, EVAL_METRICS, EVAL_SAMPLES, REPORTED_GROUP, dataset_metrics
@@ -39,15 +39,9 @@ DATASETS = {  # name -> JSONL (built by 00_data.py); each writes <name>_eval16.j
     "dapo": "data/dapo_test100.jsonl",
     "aime2026": "data/aime2026.jsonl",
 }
-LEARN_DATASETS = {  # the sets of a run on the learn task (train_data=learn): made here, never trained on
-    "learn_heldout": "learn_heldout",
-}
-COMPUTE_DATASETS = {  # the sets of a run on the compute task (train_data=compute): made here, never trained on
-    "compute_heldout": "compute_heldout",  # the training families, at parameters no training problem has
-    "compute_families": "compute_families",  # families training never sees
-}
-TASK_SETS = {"learn": LEARN_DATASETS, "compute": COMPUTE_DATASETS}  # train_data -> its sets; else DATASETS
-ALL_DATASETS = {**DATASETS, **LEARN_DATASETS, **COMPUTE_DATASETS}
+# train_data -> the sets of a task made here (data.TASKS, each task's EVAL_SETS); other runs: DATASETS
+TASK_SETS = {name: task.EVAL_SETS for name, task in TASKS.items() if task.EVAL_SETS}
+ALL_DATASETS = {**DATASETS, **{name: path for sets in TASK_SETS.values() for name, path in sets.items()}}
 TASK_FIELDS = ("learn_digits", "compute_level")  # which tier or level of a task made here the sets are of
 
 
@@ -175,8 +169,8 @@ def recorded_task(cfg, recorded_config: dict, overrides: list[str], source: str)
 
 
 def data_paths(opts: dict, cfg) -> dict:
-    """The sets to evaluate and their problems: on the learn task (train_data=learn) LEARN_DATASETS, on the compute
-    task (train_data=compute) COMPUTE_DATASETS, else DATASETS; each set's --name=PATH if given, else "smoke" (the
+    """The sets to evaluate and their problems: on a task made here (train_data=learn, compute) the task's EVAL_SETS
+    (TASK_SETS), else DATASETS; each set's --name=PATH if given, else "smoke" (the
     smoke problems) with smoke_eval, else its own. A --name=PATH of a set the run does not evaluate is refused."""
     sets = TASK_SETS.get(cfg.train_data, DATASETS)
     stray = [name for name in ALL_DATASETS if opts[name] and name not in sets]

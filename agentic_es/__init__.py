@@ -21,7 +21,8 @@ The agent:
     scoring           the reply's answer against the gold, in worker processes
     worker_memory     what an engine's workers hold (es_memory, for benchmarks and tests)
 The problems and the evaluation:
-    data              problem files, the smoke problem set, the generated sets of each task
+    data              problem files, and the tasks made here (TASKS: a task is one module and one line there)
+    smoke_task        the smoke task: tiny arithmetic from the run seed (the smoke preset)
     learn_task        the learn task: its additions (training, held out, tiers) and its shaped reward
     compute_task      the compute task: problems a program solves, per level
     metrics           Mean4 / Pass4, mean@16, unbiased pass@4 of eval16 records

@@ -461,6 +461,16 @@ FAMILIES = {f.name: f for f in (DIGIT_PROPERTY, MODULAR_POWER, POWER_DIGIT_SUM, 
 HELDOUT_FAMILIES = ("partition_count", "collatz_steps", "totient_sum")
 TRAIN_FAMILIES = tuple(name for name in FAMILIES if name not in HELDOUT_FAMILIES)
 SPLITS = tuple(SPLIT_SIZES)
+SETS = {"compute": "train", "compute_heldout": "heldout", "compute_families": "families"}  # data.TASKS, by name
+EVAL_SETS = {  # what 03_eval.py evaluates after a run on the task: made here, never trained on
+    "compute_heldout": "compute_heldout",  # the training families, at parameters no training problem has
+    "compute_families": "compute_families",  # families training never sees
+}
+
+
+def set_problems(split: str, run_seed: int, learn_digits: int = 0, compute_level: int = 1) -> list[dict]:
+    """A set of SETS (data.problems_from): its split of the level compute_level, the same for every run seed."""
+    return problems(split, compute_level)
 
 
 # ---- the splits ------------------------------------------------------------------------------------------------

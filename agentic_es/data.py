@@ -1,8 +1,6 @@
-"""The problems the agent solves: problem files (JSONL, checked line by line), and the problem sets made here (the
-smoke preset's arithmetic from a seed; the learn task's training and held-out additions, of the numbers 2..19 or, as
-harder tiers, of two D-digit numbers: Config.learn_digits; the compute task's training and held-out problems of a
-level, compute_task.py: Config.compute_level). The per-generation case batch drawn from them is the algorithm's
-(common.case_batch)."""
+"""The problems the agent solves: problem files (JSONL, checked line by line), and the problem sets of the tasks made
+here (TASKS: a task is one module, smoke_task.py, learn_task.py, compute_task.py, and one line there). The
+per-generation case batch drawn from them is the algorithm's (common.case_batch)."""
 
 from __future__ import annotations
 
@@ -11,20 +9,22 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
-
-from agentic_es import compute_task, fileio, learn_task, stage
+from agentic_es import compute_task, fileio, learn_task, smoke_task, stage
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
 # at the top of the repository: the problem files 00_data.py builds (ids, answers, sha256s)
 DATA_MANIFEST = Path(__file__).resolve().parents[1] / "data_manifest.json"
-SMOKE_PROBLEMS = 64
-# problem sets made here (no file to hash)
-GENERATED_DATA = ("smoke", "learn", "learn_heldout", "compute", "compute_heldout", "compute_families")
+# The tasks whose problems are made here, by the train_data name of their training set: a task is one module (its
+# problems, wording and rewards; SETS, EVAL_SETS, set_problems) and one line here
+TASKS = {
+    "smoke": smoke_task,
+    "learn": learn_task,
+    "compute": compute_task,
+}
+SET_TASKS = {name: task for task in TASKS.values() for name in task.SETS}  # every set made here -> its task
+GENERATED_DATA = tuple(SET_TASKS)  # problem sets made here (no file to hash)
 HELD_OUT_DATA = {  # generated sets that are never trained on -> the training set of their task
-    "learn_heldout": "learn", "compute_heldout": "compute", "compute_families": "compute"}
-COMPUTE_SPLITS = {"compute": "train", "compute_heldout": "heldout", "compute_families": "families"}
-LEARN_SPLITS = {"learn": "train", "learn_heldout": "heldout"}  # learn_task.py
+    name: train for train, task in TASKS.items() for name, split in task.SETS.items() if split != "train"}
 
 
 def load_problems(path):
@@ -80,18 +80,16 @@ def build_hint(path) -> str:
 
 
 def problems_from(path, run_seed, learn_digits=0, compute_level=1):
-    """A problems file, or problems made here: "smoke" (SMOKE_PROBLEMS tiny arithmetic problems from the run seed),
+    """A problems file, or problems made here (a set of a task of TASKS): "smoke" (tiny arithmetic problems from the
+    run seed),
     "learn" (the learn task's one fixed training set), "learn_heldout" (every held-out question of the learn
     task, in one fixed order: none shares its operands with a training question); the learn task of the tier
     learn_digits (0: the numbers 2..19); "compute", "compute_heldout", "compute_families": the compute task's
     training set, its held-out parameters of the training families and its held-out families, of the level
     compute_level (compute_task.problems, fixed whatever the run seed)."""
-    if path in COMPUTE_SPLITS:
-        return compute_task.problems(COMPUTE_SPLITS[path], compute_level)
-    if path == "smoke":
-        return smoke_problems(SMOKE_PROBLEMS, seed=run_seed)
-    if path in LEARN_SPLITS:
-        return learn_task.problems(LEARN_SPLITS[path], learn_digits)
+    if path in SET_TASKS:
+        task = SET_TASKS[path]
+        return task.set_problems(task.SETS[path], run_seed, learn_digits, compute_level)
     return load_problems(path)
 
 
@@ -104,20 +102,6 @@ def problems_sha256(path, run_seed, learn_digits=0, compute_level=1) -> str:
         return fileio.sha256_file(path)
     problems = json.dumps(problems_from(path, run_seed, learn_digits, compute_level), sort_keys=True).encode()
     return f"{path} {hashlib.sha256(problems).hexdigest()}"
-
-
-def smoke_problems(n, seed=0):
-    """n tiny deterministic arithmetic problems, for smoke runs of the whole pipeline."""
-    rng = np.random.default_rng([int(seed)])
-    rows = []
-    for i in range(n):
-        a, b = (int(x) for x in rng.integers(2, 100, size=2))
-        if rng.random() < 0.5:
-            question, answer = f"What is {a} + {b}?", a + b
-        else:
-            question, answer = f"What is {a} * {b}?", a * b
-        rows.append({"id": f"smoke-{i:03d}", "question": question, "answer": str(answer), "source": "smoke"})
-    return rows
 
 
 def training_problems(cfg) -> list[dict]:

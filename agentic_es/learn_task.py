@@ -25,6 +25,13 @@ LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
 LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
 LEARN_HELDOUT_SEED = 1  # the held-out set's order: 03_eval.py and bench/learning.py take its first questions
 LEARN_DIGITS_MIN = 2  # the fewest operand digits of a tier (Config.learn_digits): one digit has too few pairs
+SETS = {"learn": "train", "learn_heldout": "heldout"}  # data.TASKS: the sets of the task, by train_data name
+EVAL_SETS = {"learn_heldout": "learn_heldout"}  # what 03_eval.py evaluates after a run on it: never trained on
+
+
+def set_problems(split: str, run_seed: int, learn_digits: int = 0, compute_level: int = 1) -> list[dict]:
+    """A set of SETS (data.problems_from): its split of the tier learn_digits, the same for every run seed."""
+    return problems(split, learn_digits)
 
 
 def problems(split: str, digits: int = 0) -> list[dict]:

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import checkpoint_noise, cli, data, export, fileio, models, stage  # noqa: E402
+from agentic_es import checkpoint_noise, cli, data, export, fileio, models, smoke_task, stage  # noqa: E402
 from agentic_es.history import HISTORY_FILE  # noqa: E402
 from report import print_until_reader_gone  # noqa: E402
 
@@ -64,7 +64,7 @@ def main(argv):
             print(f"[gpu_pipeline] {folder}: random weights written in {time.perf_counter() - t0:.0f} s", flush=True)
         model = str(folder)
     eval_data = run_dir / "eval_problems.jsonl"  # the GPU machine has no ../shared/data: tiny problems instead
-    fileio.write_jsonl(data.smoke_problems(2, seed=7), eval_data)
+    fileio.write_jsonl(smoke_task.smoke_problems(2, seed=7), eval_data)
     args = ["--preset=smoke", f"--model={model}", f"--run_dir={run_dir}", *overrides]
     report = {"bench": "gpu_pipeline", "date": time.strftime("%Y-%m-%d"), "args": args, "stages": {}}
     for name, script in STAGES:

@@ -6,13 +6,13 @@ import time
 import pytest
 
 import common
-from agentic_es import cli, data, models, stage
+from agentic_es import cli, data, models, smoke_task, stage
 from agentic_es.engine import Engine
 
 pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
 
 CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])
-PROBLEMS = data.smoke_problems(4, seed=1)
+PROBLEMS = smoke_task.smoke_problems(4, seed=1)
 JOBS = [(p, i) for p in PROBLEMS for i in (0, 1)]
 
 

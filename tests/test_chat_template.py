@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import common
-from agentic_es import cli, data, models, stage
+from agentic_es import cli, data, models, smoke_task, stage
 from agentic_es.engine import Engine
 from agentic_es.prompts import ChatPrompts, choose_prompt_mode, continuation_user_turn
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.in
 
 TEMPLATE = common.REPO / "tests" / "fixtures" / "qwen3_chat_template.jinja"
 CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24", "--prompt_mode=continue"])
-JOBS = [(p, 0) for p in data.smoke_problems(4, seed=2)]
+JOBS = [(p, 0) for p in smoke_task.smoke_problems(4, seed=2)]
 GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3 with enable_thinking=False
 
 

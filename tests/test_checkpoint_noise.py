@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import checkpoint_noise, cli, data, export, fileio, metrics, models, stage, worker_memory
+from agentic_es import checkpoint_noise, cli, data, export, fileio, metrics, models, smoke_task, stage, worker_memory
 from agentic_es.engine import Engine
 from agentic_es.history import HISTORY_FILE, check_config, config_from_history, run_identity
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha
@@ -140,7 +140,7 @@ def test_replay_of_a_base_evaluated_with_other_noise_says_what_to_run_before_any
                               "base_digests": ["ckpt:0"], "generations": []}, run_dir / HISTORY_FILE)
     base = {"kind": "base", "model": settings["model"], "per_rank_digests": ["a" * 64, "b" * 64]}  # rank-salted
     records = [{"problem_id": p["id"], "sample_index": i, "seed": i, "score": 0.0}
-               for p in data.smoke_problems(1) for i in range(16)]
+               for p in smoke_task.smoke_problems(1) for i in range(16)]
     fileio.write_json_atomic({"dataset": "dapo", "data": "smoke", "checkpoint": base, "config": settings,
                               "records": records}, eval_dir / "dapo_eval16.json")
     fileio.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / metrics.EVAL_METRICS)

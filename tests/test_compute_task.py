@@ -328,7 +328,7 @@ def test_bad_splits_levels_and_counts_are_refused():
 
 def test_the_stages_data_names_are_the_splits_of_the_configured_level():
     for level in ct.LEVELS:
-        for name, split in data.COMPUTE_SPLITS.items():
+        for name, split in ct.SETS.items():
             assert data.problems_from(name, 3, compute_level=level) == ct.problems(split, level)  # any run seed
     sha = {level: data.problems_sha256("compute_heldout", 0, compute_level=level) for level in ct.LEVELS}
     assert len(set(sha.values())) == 3 and sha[1] == data.problems_sha256("compute_heldout", 9)  # level 1: default
@@ -364,7 +364,7 @@ def test_the_compute_preset_and_the_level_setting():
 def test_03_eval_evaluates_both_held_out_sets_of_the_level():
     no_paths = {name: "" for name in evaluation.ALL_DATASETS}
     cfg = cli.parse_config(["--preset=compute", "--compute_level=3"])
-    assert evaluation.data_paths(no_paths, cfg) == evaluation.COMPUTE_DATASETS == {
+    assert evaluation.data_paths(no_paths, cfg) == ct.EVAL_SETS == {
         "compute_heldout": "compute_heldout", "compute_families": "compute_families"}
     assert evaluation.eval_problems("compute_families", cfg) == ct.problems("families", 3)[:64]
     with pytest.raises(stage.ConfigError, match=re.escape("--dapo= names a set this run does not evaluate "

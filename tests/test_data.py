@@ -22,10 +22,10 @@ import pytest
 
 import common
 from agentic_es import cli, fileio, history, learn_task, stage
-from agentic_es.data import (DATA_MANIFEST, SMOKE_PROBLEMS, load_problems, problems_from, smoke_problems,
-                             training_problems)
+from agentic_es.data import DATA_MANIFEST, load_problems, problems_from, training_problems
 from agentic_es.learn_task import (LEARN_HELDOUT_PAIRS, LEARN_OPERANDS, LEARN_PROBLEMS, LEARN_QUESTION,
                                    LEARN_TRAIN_SEED, learn_problems)
+from agentic_es.smoke_task import SMOKE_PROBLEMS, smoke_problems
 
 REPO = common.REPO
 SHARED = REPO.parent / "shared" / "data"  # the reference files: never part of the project

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, data, fileio, models, restore_patch, sandbox, stage, tracking
+from agentic_es import cli, data, fileio, models, restore_patch, sandbox, smoke_task, stage, tracking
 from agentic_es.engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
 from agentic_es.history import (GENERATION_SETTINGS, HISTORY_FILE, POOL_FIELDS, check_config, config_from_history,
                                 run_identity)
@@ -803,7 +803,7 @@ def test_two_engines_make_the_history_and_records_of_one(one_engine_run, two_eng
 
 @pytest.mark.engine
 def test_episodes_are_spread_over_the_engines_in_input_order(two_engines, two_engine_run):
-    problems = data.smoke_problems(3, seed=2)
+    problems = smoke_task.smoke_problems(3, seed=2)
     jobs = [(p, i) for p in problems for i in (0, 1)]
     finished = []
     with engines_at_work(two_engines, "run_agent") as ran:

@@ -15,7 +15,8 @@ import pytest
 
 import common
 from agentic_es import cli, export, fileio, history, metrics, models, stage, tracking
-from agentic_es.data import DATA_MANIFEST, load_problems, smoke_problems
+from agentic_es.data import DATA_MANIFEST, load_problems
+from agentic_es.smoke_task import smoke_problems
 from conftest import as_user
 
 DATA_DIR = common.REPO.parent / "shared" / "data"  # the reference files, where CI keeps them beside the clone

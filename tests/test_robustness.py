@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 import common
-from agentic_es import cli, data, models, sandbox, stage
+from agentic_es import cli, data, models, sandbox, smoke_task, stage
 from agentic_es.engine import Engine
 from conftest import still_running
 
@@ -180,7 +180,7 @@ def test_a_dead_engine_aborts_the_episodes_and_close_leaves_no_process(engine, m
     monkeypatch.setattr(engine, "_policy", policy)
     # 4 episodes in flight: the second four start as the first end, and their first turn meets the dead worker
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, concurrency=4))
-    jobs = [(p, i) for p in data.smoke_problems(4, seed=2) for i in (0, 1)]
+    jobs = [(p, i) for p in smoke_task.smoke_problems(4, seed=2) for i in (0, 1)]
     with pytest.raises(stage.EngineFailure, match="vLLM failed during request"):
         engine.run_agent(jobs, on_record=reported.append)
     assert calls and 0 < len(reported) < len(jobs)  # some episodes finished before the kill, not all
