@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from agentic_es import (checkpoint_definition, digests, learn_task, restore_patch, sandbox, scoring, stage,
-                        vllm_platform)
+                        vllm_platform, worker_memory)
 from agentic_es.actions import format_observation, parse_action
 from agentic_es.prompts import ChatPrompts
 from agentic_es.settings import (CUDAGRAPH_MODES, DTYPES, EXECUTION, FITNESS_MODES, NOISE_MODES, POOL,  # noqa: F401
@@ -392,7 +392,7 @@ WORKER_EXTENSIONS = {"rank_salted": "common.ESWorker", "checkpoint": "agentic_es
 
 
 
-class ESWorker:
+class ESWorker(worker_memory.WorkerMemory):
     """Methods run inside each TP worker; they return plain JSON-able values. es_configure once, when the engine
     starts; then docs/algorithm.md's perturb, restore and update of every parameter of this rank:
     es_perturb(seed, sigma), es_restore() and es_update(seeds, coeffs). The reference path is _es_add_noise: the rank-salted noise, added by

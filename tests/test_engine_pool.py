@@ -148,12 +148,13 @@ def test_each_cpu_engine_gets_its_own_cores():
 def test_worker_calls_name_their_method_by_reference():
     """Engine.rpc sends a worker extension's method by its name (vLLM looks it up on the worker), any other function
     whole (a probe), and refuses a string: a typo fails in the driver, before any engine is asked."""
-    from agentic_es import checkpoint_noise
+    from agentic_es import checkpoint_noise, worker_memory
     from agentic_es.engine import worker_call
 
     assert worker_call(common.ESWorker.es_perturb) == "es_perturb"
     assert worker_call(checkpoint_noise.CheckpointESWorker.es_checkpoint_digest) == "es_checkpoint_digest"
     assert worker_call(checkpoint_noise.CheckpointESWorker.es_digest) == "es_digest"  # inherited
+    assert worker_call(worker_memory.es_memory) == "es_memory"  # mixed into ESWorker from its own module
     probe = lambda worker: worker.rank  # noqa: E731
     assert worker_call(probe) is probe
     with pytest.raises(TypeError, match=r"common.ESWorker.es_perturb"):
