@@ -27,9 +27,9 @@ from pathlib import Path
 
 import common
 from agentic_es import cli, export, fileio, models, stage
-from agentic_es.data import problems_from, problems_sha256
+from agentic_es.data import TASKS, problems_from, problems_sha256
 from agentic_es.history import (EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history,
-                                read_history, recorded_settings)
+                                field_differences, read_history, recorded_settings)
 from agentic_es.metrics import EPISODE_RECORD_KEYS, EVAL_METRICS, EVAL_SAMPLES, REPORTED_GROUP, dataset_metrics
 from agentic_es.pool import EnginePool
 
@@ -39,15 +39,9 @@ DATASETS = {  # name -> JSONL (built by 00_data.py); each writes <name>_eval16.j
     "dapo": "data/dapo_test100.jsonl",
     "aime2026": "data/aime2026.jsonl",
 }
-LEARN_DATASETS = {  # the sets of a run on the learn task (train_data=learn): made here, never trained on
-    "learn_heldout": "learn_heldout",
-}
-COMPUTE_DATASETS = {  # the sets of a run on the compute task (train_data=compute): made here, never trained on
-    "compute_heldout": "compute_heldout",  # the training families, at parameters no training problem has
-    "compute_families": "compute_families",  # families training never sees
-}
-TASK_SETS = {"learn": LEARN_DATASETS, "compute": COMPUTE_DATASETS}  # train_data -> its sets; else DATASETS
-ALL_DATASETS = {**DATASETS, **LEARN_DATASETS, **COMPUTE_DATASETS}
+# train_data -> the sets of a task made here (data.TASKS, each task's EVAL_SETS); other runs: DATASETS
+TASK_SETS = {name: task.EVAL_SETS for name, task in TASKS.items() if task.EVAL_SETS}
+ALL_DATASETS = {**DATASETS, **{name: path for sets in TASK_SETS.values() for name, path in sets.items()}}
 TASK_FIELDS = ("learn_digits", "compute_level")  # which tier or level of a task made here the sets are of
 
 
@@ -77,7 +71,7 @@ def main(argv: list[str]) -> dict:
     if not export_dir:
         models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
 
-    common.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
+    stage.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
     with open_checkpoint(cfg, export_dir, manifest) as (engines, checkpoint):
         out.mkdir(parents=True, exist_ok=True)  # once the engines run: a refused setting leaves no folder behind
         claim_output_folder(out, checkpoint, cfg, data, data_sha256)
@@ -114,17 +108,17 @@ def check_finished_episodes(out: Path, data: dict, data_sha256: dict, reward: di
         run = fileio.read_json(marker, required=("checkpoint", "config", "data"))
         differences = common.reward_differences(run.get("reward", reward), reward, marker.name, "this evaluation")
         if differences:
-            raise common.ConfigError(f"{out} holds episodes scored under another reward definition: "
-                                     + "; ".join(differences) + "; evaluate into another --out")
+            raise stage.ConfigError(f"{out} holds episodes scored under another reward definition: "
+                                    + "; ".join(differences) + "; evaluate into another --out")
         recorded = run.get("data_sha256")
         if recorded is None:
             print(f"[eval] {marker} records its data by path only (written before data sha256s): the paths are "
                   "compared, the content cannot be; its data's sha256s are recorded from now on")
         for name, then in (recorded or {}).items():
             if name in data_sha256 and data_sha256[name] != then:
-                raise common.DataError(f"{data[name]}: sha256 {data_sha256[name]} differs from the {then} that "
-                                       f"{marker} recorded for {name}: the data changed since this evaluation "
-                                       "began; restore it or choose another --out")
+                raise stage.DataError(f"{data[name]}: sha256 {data_sha256[name]} differs from the {then} that "
+                                      f"{marker} recorded for {name}: the data changed since this evaluation "
+                                      "began; restore it or choose another --out")
     for name in ALL_DATASETS:
         if (out / f"{name}_episodes.jsonl").exists():
             fileio.read_jsonl(out / f"{name}_episodes.jsonl", required=EPISODE_RECORD_KEYS)
@@ -169,20 +163,20 @@ def recorded_task(cfg, recorded_config: dict, overrides: list[str], source: str)
     refused = [f"--{k}={explicit[k]} (the run's is {k}={recorded[k]}, recorded in {source})" for k in TASK_FIELDS
                if k in explicit and explicit[k] != recorded[k]]
     if refused:
-        raise common.ConfigError("an evaluation of a run's weights is of the task tier and level the run trained "
-                                 f"on: {', '.join(refused)}; drop the setting or pass the recorded value")
+        raise stage.ConfigError("an evaluation of a run's weights is of the task tier and level the run trained "
+                                f"on: {', '.join(refused)}; drop the setting or pass the recorded value")
     return dataclasses.replace(cfg, **{k: recorded[k] for k in TASK_FIELDS})
 
 
 def data_paths(opts: dict, cfg) -> dict:
-    """The sets to evaluate and their problems: on the learn task (train_data=learn) LEARN_DATASETS, on the compute
-    task (train_data=compute) COMPUTE_DATASETS, else DATASETS; each set's --name=PATH if given, else "smoke" (the
+    """The sets to evaluate and their problems: on a task made here (train_data=learn, compute) the task's EVAL_SETS
+    (TASK_SETS), else DATASETS; each set's --name=PATH if given, else "smoke" (the
     smoke problems) with smoke_eval, else its own. A --name=PATH of a set the run does not evaluate is refused."""
     sets = TASK_SETS.get(cfg.train_data, DATASETS)
     stray = [name for name in ALL_DATASETS if opts[name] and name not in sets]
     if stray:
-        raise common.ConfigError(f"--{stray[0]}= names a set this run does not evaluate (train_data={cfg.train_data}"
-                                 f" evaluates {', '.join(sets)})")
+        raise stage.ConfigError(f"--{stray[0]}= names a set this run does not evaluate (train_data={cfg.train_data}"
+                                f" evaluates {', '.join(sets)})")
     return {name: opts[name] or ("smoke" if cfg.smoke_eval else sets[name]) for name in sets}
 
 
@@ -229,14 +223,16 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
         recorded = dict(recorded, config=settings(recorded.get("config", {})),
                         data_sha256=recorded.get("data_sha256", run["data_sha256"]),
                         reward=recorded.get("reward", run["reward"]))
-        if what(recorded) != what(run):
-            raise common.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
+        diffs = field_differences(what(recorded), what(run), marker.name, "this evaluation")
+        if diffs:
+            raise stage.ConfigError(f"{out} holds an evaluation of another checkpoint or config ("
+                                    + "; ".join(diffs) + "); choose another --out")
     fileio.write_json_atomic(run, marker)
 
 
 def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
     """All (problem, sample) episodes. Each finished episode (with its transcript) is appended to `log` as it
-    ends, those the scorer failed on once the set's episodes are within common.SCORER_FAILURE_BOUND (else they are
+    ends, those the scorer failed on once the set's episodes are within stage.SCORER_FAILURE_BOUND (else they are
     not done, and the stage stops); the ones already there are kept, not re-run."""
     finished = fileio.read_jsonl(log, required=EPISODE_RECORD_KEYS) if log.exists() else []
     done = {(r["problem_id"], r["sample_index"]): r for r in finished}
@@ -246,14 +242,14 @@ def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str
     held = []  # episodes the scorer failed on
 
     def keep(record):
-        if record["score_method"] in common.SCORER_FAILURES:
+        if record["score_method"] in stage.SCORER_FAILURES:
             held.append(record)
         else:
             fileio.append_jsonl(log, [record])
 
     try:
         records = engines.run_agent(todo, desc=f"{name} episodes", on_record=keep)
-    except (common.EngineFailure, stage.Interrupted) as stop:
+    except (stage.EngineFailure, stage.Interrupted) as stop:
         finished = len(fileio.read_jsonl(log)) if log.exists() else 0
         print(f"[eval] {name}: stopped ({stop}); {log} keeps the {finished} finished episodes: run the same "
               "command again to resume")
@@ -261,7 +257,7 @@ def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str
     for record in records:
         done[(record["problem_id"], record["sample_index"])] = record
     records = [done[(p["id"], i)] for p in problems for i in sample_indices]
-    common.check_scorer_failures(records, name, f"the {len(held)} episodes it failed on are not done ({log} keeps the "
+    stage.check_scorer_failures(records, name, f"the {len(held)} episodes it failed on are not done ({log} keeps the "
                                  "others; docs/scoring.md)")
     fileio.append_jsonl(log, held)
     return records

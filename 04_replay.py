@@ -16,8 +16,8 @@ from pathlib import Path
 
 import common
 from agentic_es import checkpoint_noise, cli, data, export, fileio, models, stage
-from agentic_es.history import (HISTORY_FILE, REBUILD_FIELDS, check_base_files, config_from_history, read_history,
-                                rebuild_from_history)
+from agentic_es.history import (HISTORY_FILE, REBUILD_FIELDS, check_base_files, config_from_history,
+                                field_differences, read_history, rebuild_from_history)
 from agentic_es.metrics import (EVAL16_SHAPE, EVAL_METRICS, EVAL_METRICS_SHAPE, REPORTED_SAMPLES, group_label,
                                 mean4_pass4)
 from agentic_es.pool import EnginePool
@@ -60,16 +60,16 @@ def main(argv: list[str]) -> dict:
     fileio.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
     common.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export_dir or None)
-    common.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
+    stage.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
     with EnginePool(cfg, model_path, perturbs=False) as engines:
         _, digests = rebuild_from_history(engines, cfg, model_path, history, generations, compare_config=False,
                                           desc=f"rebuilding theta from {len(generations)} generations")
         for source, wanted in expected.items():
             if digests != wanted:
-                raise common.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
+                raise stage.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
         replayed = {name: engines.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
     for name, records in replayed.items():  # a broken scorer's 0s would read as disagreements
-        common.check_scorer_failures(records, f"{name} replay", f"{out} is not written (docs/scoring.md)")
+        stage.check_scorer_failures(records, f"{name} replay", f"{out} is not written (docs/scoring.md)")
 
     report = {
         "group": group_label(GROUP), "history": str(history_path),
@@ -87,17 +87,20 @@ def evaluated_sets(eval_dir: Path) -> list[str]:
     """The sets 03_eval.py evaluated, named in its metrics file (written last: only a finished evaluation)."""
     metrics = eval_dir / EVAL_METRICS
     if not metrics.exists():
-        raise common.ConfigError(f"{metrics} not found: 04_replay.py replays a finished 03_eval.py (--eval=FOLDER)")
+        raise stage.ConfigError(f"{metrics} not found: 04_replay.py replays a finished 03_eval.py (--eval=FOLDER)")
     return list(fileio.read_json(metrics, required=EVAL_METRICS_SHAPE)["datasets"])
 
 
 def replay_config(history: dict, originals: dict, overrides: list[str]) -> common.Config:
     """What defines the weights (base model, TP size, dtype, noise) from the history; the sampling and agent
     settings from the original evaluation, so that the same requests meet the same weights."""
-    first = next(iter(originals.values()))
-    if any((o["config"], o["checkpoint"]) != (first["config"], first["checkpoint"]) for o in originals.values()):
-        raise common.ConfigError("the eval16 files come from different checkpoints or settings; they cannot be "
-                                 "replayed together")
+    (first_set, first), *others = originals.items()
+    diffs = [d for name, o in others for d in field_differences(
+        {"config": first["config"], "checkpoint": first["checkpoint"]},
+        {"config": o["config"], "checkpoint": o["checkpoint"]}, first_set, name)]
+    if diffs:
+        raise stage.ConfigError("the eval16 files come from different checkpoints or settings (" + "; ".join(diffs)
+                                + "); they cannot be replayed together")
     return config_from_history(history, overrides, settings=first["config"])
 
 
@@ -121,12 +124,12 @@ def check_digest_kind(checkpoint: dict, cfg: common.Config, eval_dir: Path) -> N
     problem = (f"{eval_dir} holds its checkpoint's digests for {recorded}, and this history rebuilds them for "
                f"{rebuilt}: they cannot match. ")
     if checkpoint["kind"] != "base":
-        raise common.ConfigError(problem + "The evaluated export was not made from this history")
+        raise stage.ConfigError(problem + "The evaluated export was not made from this history")
     settings = f"--noise={cfg.noise}" + ("" if common.is_checkpoint_noise(cfg)
                                         else f" --tensor_parallel_size={cfg.tensor_parallel_size}")
-    raise common.ConfigError(problem + f"Evaluate the base model again with the run's settings into a new folder "
-                             f"(python 03_eval.py --export= {settings} --out=FOLDER) and replay that one "
-                             "(--eval=FOLDER)")
+    raise stage.ConfigError(problem + f"Evaluate the base model again with the run's settings into a new folder "
+                            f"(python 03_eval.py --export= {settings} --out=FOLDER) and replay that one "
+                            "(--eval=FOLDER)")
 
 
 def check_reward_definition(originals: dict, cfg: common.Config, eval_dir: Path) -> None:
@@ -140,16 +143,16 @@ def check_reward_definition(originals: dict, cfg: common.Config, eval_dir: Path)
         path = eval_dir / f"{name}_eval16.json"
         recorded = original.get("reward")
         if recorded is None and cfg.fitness == "shaped":
-            raise common.ConfigError(f"{path} records no reward definition (written before they were recorded), and "
-                                     "the shaped reward's rules changed at 097270a: which ones scored it the file "
-                                     f"cannot tell; this code's are {current!r}. Replay it with the code that "
-                                     "evaluated it")
+            raise stage.ConfigError(f"{path} records no reward definition (written before they were recorded), and "
+                                    "the shaped reward's rules changed at 097270a: which ones scored it the file "
+                                    f"cannot tell; this code's are {current!r}. Replay it with the code that "
+                                    "evaluated it")
         if recorded is None:
             print(f"[replay] {path} records no reward definition (written before they were recorded): its scores are "
                   f"compared with this code's ({current['agent_score']})")
         elif differences := common.reward_differences(recorded, current, "the evaluation", "this code"):
-            raise common.ConfigError(f"{path} was scored under another reward definition: " + "; ".join(differences)
-                                     + ". Replay it with the code that evaluated it")
+            raise stage.ConfigError(f"{path} was scored under another reward definition: " + "; ".join(differences)
+                                    + ". Replay it with the code that evaluated it")
 
 
 def aligned_jobs(original: dict, cfg: common.Config) -> list[tuple[dict, int]]:
@@ -160,12 +163,12 @@ def aligned_jobs(original: dict, cfg: common.Config) -> list[tuple[dict, int]]:
     ids = list(dict.fromkeys(r["problem_id"] for r in original["records"]))
     missing = [pid for pid in ids if pid not in problems]
     if missing:
-        raise common.DataError(f"{original['data']} no longer holds evaluated problems {missing[:5]}")
+        raise stage.DataError(f"{original['data']} no longer holds evaluated problems {missing[:5]}")
     recorded = {(r["problem_id"], r["sample_index"]) for r in original["records"]}
     unrecorded = [(pid, i) for pid in ids for i in GROUP if (pid, i) not in recorded]
     if unrecorded:  # the comparison needs every original sample of the group: refused before the engine starts
-        raise common.DataError(f"the evaluation of {original['data']} has no records of (problem, sample) "
-                               f"{unrecorded[:5]} ({len(unrecorded)} in all)")
+        raise stage.DataError(f"the evaluation of {original['data']} has no records of (problem, sample) "
+                              f"{unrecorded[:5]} ({len(unrecorded)} in all)")
     return [(problems[pid], i) for pid in ids for i in GROUP]
 
 
@@ -179,9 +182,9 @@ def check_data_unchanged(originals: dict, eval_dir: Path, cfg) -> None:
             print(f"[replay] {eval_dir / f'{name}_eval16.json'} records its data by path only (written before data "
                   f"sha256s): {path} is taken by its path")
         elif (now := data.problems_sha256(path, cfg.run_seed, cfg.learn_digits, cfg.compute_level)) != then:
-            raise common.DataError(f"{path}: sha256 {now} differs from the {then} that "
-                                   f"{eval_dir / f'{name}_eval16.json'} recorded: the data changed since the "
-                                   "evaluation; replay with the data it evaluated")
+            raise stage.DataError(f"{path}: sha256 {now} differs from the {then} that "
+                                  f"{eval_dir / f'{name}_eval16.json'} recorded: the data changed since the "
+                                  "evaluation; replay with the data it evaluated")
 
 
 def original_transcripts(log: Path) -> dict:
@@ -203,7 +206,7 @@ def compare(original: dict, replayed: list[dict], transcripts: dict, fitness_kin
         new = {r["sample_index"]: r for r in replayed if r["problem_id"] == pid}
         old = [before[(pid, i)] for i in GROUP]
         if [o["seed"] for o in old] != [new[i]["seed"] for i in GROUP]:
-            raise common.DataError(f"problem {pid}: replay seeds differ from the original evaluation's")
+            raise stage.DataError(f"problem {pid}: replay seeds differ from the original evaluation's")
         rows.append({"problem_id": pid, "sample_indices": GROUP, "seeds": [o["seed"] for o in old],
                      "original_scores": [o["score"] for o in old], "replayed_scores": [new[i]["score"] for i in GROUP],
                      "agree": [o["score"] == new[i]["score"] for o, i in zip(old, GROUP)],

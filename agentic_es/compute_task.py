@@ -14,7 +14,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from agentic_es.stage import DataError
+from agentic_es import stage
+
 
 LEVELS = (1, 2, 3)  # 1: numbers in the hundreds, exponents <= 60; 2: thousands; 3: competition sizes
 SPLIT_SIZES = {"train": 512, "heldout": 128, "families": 128}  # problems per level: 512 > 12 generations x 32
@@ -39,7 +40,7 @@ class Family:
 def pick(level: int, by_level: dict):
     """The level's entry of a family's difficulty table (levels 1..3)."""
     if level not in by_level:
-        raise DataError(f"compute_level={level} is not a level of the compute task; levels: {LEVELS}")
+        raise stage.DataError(f"compute_level={level} is not a level of the compute task; levels: {LEVELS}")
     return by_level[level]
 
 
@@ -460,6 +461,16 @@ FAMILIES = {f.name: f for f in (DIGIT_PROPERTY, MODULAR_POWER, POWER_DIGIT_SUM, 
 HELDOUT_FAMILIES = ("partition_count", "collatz_steps", "totient_sum")
 TRAIN_FAMILIES = tuple(name for name in FAMILIES if name not in HELDOUT_FAMILIES)
 SPLITS = tuple(SPLIT_SIZES)
+SETS = {"compute": "train", "compute_heldout": "heldout", "compute_families": "families"}  # data.TASKS, by name
+EVAL_SETS = {  # what 03_eval.py evaluates after a run on the task: made here, never trained on
+    "compute_heldout": "compute_heldout",  # the training families, at parameters no training problem has
+    "compute_families": "compute_families",  # families training never sees
+}
+
+
+def set_problems(split: str, run_seed: int, learn_digits: int = 0, compute_level: int = 1) -> list[dict]:
+    """A set of SETS (data.problems_from): its split of the level compute_level, the same for every run seed."""
+    return problems(split, compute_level)
 
 
 # ---- the splits ------------------------------------------------------------------------------------------------
@@ -490,8 +501,8 @@ def unique_params(family: Family, level: int, stream: str, count: int, excluded:
         if params_key(params) not in seen:
             seen.add(params_key(params))
             chosen.append(params)
-    raise DataError(f"compute family {family.name} at level {level}: fewer than {count} distinct parameter sets "
-                    f"outside the {len(excluded)} excluded ones")
+    raise stage.DataError(f"compute family {family.name} at level {level}: fewer than {count} distinct parameter sets "
+                          f"outside the {len(excluded)} excluded ones")
 
 
 @functools.lru_cache(maxsize=16)
@@ -526,12 +537,12 @@ def problems(split: str, level: int, n: int | None = None) -> list[dict]:
     """The first n problems (all: None) of a split of a level, in the split's fixed order, which mixes its
     families. split: "train", "heldout" (unseen parameters of TRAIN_FAMILIES) or "families" (HELDOUT_FAMILIES)."""
     if split not in SPLIT_SIZES:
-        raise DataError(f"compute task split {split!r} does not exist; splits: {', '.join(SPLITS)}")
+        raise stage.DataError(f"compute task split {split!r} does not exist; splits: {', '.join(SPLITS)}")
     if level not in LEVELS:
-        raise DataError(f"compute task level {level!r} does not exist; levels: {LEVELS}")
+        raise stage.DataError(f"compute task level {level!r} does not exist; levels: {LEVELS}")
     size = SPLIT_SIZES[split]
     if n is None:
         n = size
     if not 0 <= n <= size:
-        raise DataError(f"{n} compute problems asked for, but split {split} of level {level} has {size}")
+        raise stage.DataError(f"{n} compute problems asked for, but split {split} of level {level} has {size}")
     return json.loads(split_rows(split, level, n))

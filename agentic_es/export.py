@@ -30,9 +30,8 @@ from pathlib import Path
 import torch
 
 import common
-from agentic_es import checkpoint_noise, fileio
+from agentic_es import checkpoint_noise, fileio, stage
 from agentic_es.history import config_as_trained
-from common import ExportError
 
 SHARDED_STATE = "es-sharded-export/1"  # a manifest's "format": per-rank shards of one TP size (rank-salted noise)
 HUGGING_FACE = "es-hf-export/1"  # ... a Hugging Face folder, any TP size (checkpoint noise)
@@ -108,11 +107,11 @@ def check_loaded(engines, folder: str | Path, manifest: dict) -> list[str]:
     """After loading: the running vLLM must hold the exported bits (rank by rank for a sharded_state, whose
     parameter layout must also be the one it was saved from). Returns the loaded digests."""
     if not is_hugging_face(manifest) and engines.parameter_names_sha256() != manifest["parameter_names_sha256"]:
-        raise ExportError(f"{folder}: this vLLM ({manifest['vllm_version']} wrote the export) lays out the model's "
-                          "parameters differently; the sharded state cannot be trusted here")
+        raise stage.ExportError(f"{folder}: this vLLM ({manifest['vllm_version']} wrote the export) lays out the "
+                                "model's parameters differently; the sharded state cannot be trusted here")
     loaded = engines.digests()
     if loaded != digests(manifest):
-        raise ExportError(f"{folder}: loaded digests {loaded} differ from the manifest's {digests(manifest)}")
+        raise stage.ExportError(f"{folder}: loaded digests {loaded} differ from the manifest's {digests(manifest)}")
     return loaded
 
 
@@ -201,12 +200,12 @@ def verify_sharded_state(folder: str | Path, tensor_parallel_size: int | None = 
     an ExportError."""
     folder = Path(folder)
     if not (folder / SHARDED_STATE_MANIFEST).is_file():
-        raise ExportError(f"{folder}: no {SHARDED_STATE_MANIFEST}; not an export of 02_export.py")
+        raise stage.ExportError(f"{folder}: no {SHARDED_STATE_MANIFEST}; not an export of 02_export.py")
     manifest = fileio.read_json(folder / SHARDED_STATE_MANIFEST, required=SHARDED_STATE_MANIFEST_SHAPE)
     tp = manifest["tensor_parallel_size"]
     if tensor_parallel_size is not None and tensor_parallel_size != tp:
-        raise ExportError(f"{folder} holds per-rank shards for tensor_parallel_size={tp}; it cannot be loaded "
-                          f"with tensor_parallel_size={tensor_parallel_size} (the ranks carry different noise)")
+        raise stage.ExportError(f"{folder} holds per-rank shards for tensor_parallel_size={tp}; it cannot be loaded "
+                                f"with tensor_parallel_size={tensor_parallel_size} (the ranks carry different noise)")
     problems = []
     recorded = {s["file"]: s for s in manifest["shards"]}
     present = {f.name for f in folder.iterdir() if SHARD_PATTERN.match(f.name)}
@@ -219,7 +218,7 @@ def verify_sharded_state(folder: str | Path, tensor_parallel_size: int | None = 
         problems.append(f"manifest shards do not cover ranks 0..{tp - 1}")
     problems += sha256sums_problems(folder, actual)
     if problems:
-        raise ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
+        raise stage.ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
     return manifest
 
 
@@ -265,9 +264,9 @@ def write_checkpoint_tensors(engine, folder: Path) -> tuple[list[str], dict[str,
     pieces = folder / PIECES
     pieces.mkdir(parents=True, exist_ok=True)
     try:
-        engine.rpc("es_write_checkpoint_pieces", folder=str(pieces))
+        engine.rpc(checkpoint_noise.CheckpointESWorker.es_write_checkpoint_pieces, folder=str(pieces))
         sums, shapes = engine.checkpoint_sums()
-        names = engine.rpc("es_checkpoint_names")[0]
+        names = engine.rpc(checkpoint_noise.CheckpointESWorker.es_checkpoint_names)[0]
         files = write_safetensors_files(assembled_tensors(pieces, names, shapes), folder)
     finally:
         shutil.rmtree(pieces, ignore_errors=True)
@@ -293,7 +292,7 @@ def assembled_tensors(pieces: Path, names: list[str], shapes: dict[str, list[int
                 out[start:start + length] = values[at:at + length]
                 at, filled = at + length, filled + length
         if filled != math.prod(shapes[name]):
-            raise ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
+            raise stage.ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
         yield name, out.view(shapes[name])
 
 
@@ -331,8 +330,8 @@ def verify_hugging_face(folder: str | Path) -> dict:
     """verify for a Hugging Face export: every file against its SHA256SUMS."""
     folder = Path(folder)
     if not (folder / HUGGING_FACE_MANIFEST).is_file():
-        raise ExportError(f"{folder}: no {HUGGING_FACE_MANIFEST}; not a checkpoint-noise export of 02_export.py")
+        raise stage.ExportError(f"{folder}: no {HUGGING_FACE_MANIFEST}; not a checkpoint-noise export of 02_export.py")
     problems = sha256sums_problems(folder)
     if problems:
-        raise ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
+        raise stage.ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
     return fileio.read_json(folder / HUGGING_FACE_MANIFEST, required=HUGGING_FACE_MANIFEST_SHAPE)

@@ -24,11 +24,11 @@ import json
 import torch
 
 import common
-from agentic_es import fileio
+from agentic_es import fileio, settings, stage
 from agentic_es.cli import parse_overrides
 from agentic_es.data import problems_sha256
 from agentic_es.tracking import progress_bar
-from common import Config, ConfigError
+from common import Config
 
 
 # ---- The history file: what the stages read from it, checked before any engine starts
@@ -49,28 +49,29 @@ def read_history(path) -> dict:
     for i, record in enumerate(history["generations"]):
         where = f"{path}: generations[{i}]"
         if record["generation"] != i:
-            raise common.DataError(f"{where} is generation {record['generation']}; a history holds generations 0, 1, "
-                                   "2, ... in order")
+            raise stage.DataError(f"{where} is generation {record['generation']}; a history holds generations 0, 1, "
+                                  "2, ... in order")
         if {len(record[key]) for key in ("seeds", "rewards", "z")} != {history["config"]["population"]}:
-            raise common.DataError(f"{where} has {len(record['seeds'])} seeds, {len(record['rewards'])} rewards and "
-                                   f"{len(record['z'])} z-scores; the run's population is "
-                                   f"{history['config']['population']!r}: one of each per member")
+            raise stage.DataError(f"{where} has {len(record['seeds'])} seeds, {len(record['rewards'])} rewards and "
+                                  f"{len(record['z'])} z-scores; the run's population is "
+                                  f"{history['config']['population']!r}: one of each per member")
     return history
 
 
 # ---- The recorded run's settings: what export and replay take from a history, what a resume may change
 
-# The settings of each role (common.setting, beside each Config field, declares it). What defines the trained weights
+# The settings of each role (settings.setting, beside each Config field, declares it). What defines the trained weights
 # besides the history's per-generation records: export and replay take it from the history, never from the command
 # line, a preset or an evaluation's settings
-WEIGHT_FIELDS = common.settings_of(common.WEIGHTS)
-POOL_FIELDS = common.settings_of(common.POOL)  # how many engines evaluate, never what they compute: not in the history
+WEIGHT_FIELDS = settings.settings_of(common.Config, settings.WEIGHTS)
+# how many engines evaluate, never what they compute: not in the history
+POOL_FIELDS = settings.settings_of(common.Config, settings.POOL)
 # where and how fast a run executes, never what it computes: a resume may change them (resume_free_fields), and
 # 03_eval.py keeps an evaluation's finished episodes across them
-EXECUTION_FIELDS = common.settings_of(common.EXECUTION, common.POOL)
+EXECUTION_FIELDS = settings.settings_of(common.Config, settings.EXECUTION, settings.POOL)
 # how a member's perturbation is undone: a stage that never perturbs (export, evaluation, replay) takes any value,
 # e.g. an evaluation of a --restore=subtract run resumed with --restore=patch --patch_capacity=0.3
-RESTORE_FIELDS = common.settings_of(common.RESTORE)
+RESTORE_FIELDS = settings.settings_of(common.Config, settings.RESTORE)
 # what export and replay take from their command line (their --help lists them; with checkpoint noise the TP size
 # too: resume_free_fields): every other setting is the recorded run's
 REBUILD_FIELDS = EXECUTION_FIELDS + RESTORE_FIELDS
@@ -174,8 +175,8 @@ def without_retired_settings(config: dict) -> dict:
     have: scope="full" (every member perturbs every parameter) is what this code does; any other scope is refused
     (bench/README.md, "Low-rank members", says why there is no other)."""
     if config.get("scope", "full") != "full":
-        raise ConfigError(f"the run was trained with scope={config['scope']!r}, which this version of the code no "
-                          "longer has (bench/README.md, \"Low-rank members\"): use the version that trained it")
+        raise stage.ConfigError(f"the run was trained with scope={config['scope']!r}, which this version of the code "
+                                "no longer has (bench/README.md, \"Low-rank members\"): use the version that trained it")
     return {k: v for k, v in config.items() if k not in ("scope", "lora_rank")}
 
 
@@ -194,13 +195,14 @@ def config_from_history(history: dict, argv: list[str], settings: dict | None = 
     values = {**run_settings, **{f: recorded_run[f] for f in WEIGHT_FIELDS if f not in free_fields}}
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
     if unknown:
-        raise ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
+        raise stage.ConfigError(f"the recorded settings {', '.join(unknown)} are unknown to this version of the code")
     recorded = Config(**values)
     preset, explicit = parse_overrides(argv)
     refused = [f"--{k}={v!r} (recorded: {getattr(recorded, k)!r}{', from the history' if k in WEIGHT_FIELDS else ''})"
                for k, v in explicit.items() if k not in free_fields and v != getattr(recorded, k)]
     if refused:
-        raise ConfigError("these settings were recorded by the run and cannot be overridden: " + ", ".join(refused))
+        raise stage.ConfigError("these settings were recorded by the run and cannot be overridden: "
+                                + ", ".join(refused))
     free = {k: v for k, v in {**preset, **explicit}.items() if k in free_fields}
     return dataclasses.replace(recorded, **free)
 
@@ -230,7 +232,7 @@ def run_identity(cfg: common.Config, model_path: str, engine, train_data: bool =
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "dtype": cfg.dtype,
         "device_type": engine.device,
-        "devices": engine.rpc("es_device"),  # per rank: the noise streams depend on the device model
+        "devices": engine.rpc(common.ESWorker.es_device),  # per rank: the noise streams depend on the device model
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
     }
@@ -240,6 +242,23 @@ def train_data_sha256(cfg: common.Config) -> str:
     """The training problems' fingerprint (data.problems_sha256), so that a history of another version of them is
     refused."""
     return problems_sha256(cfg.train_data, cfg.run_seed, cfg.learn_digits, cfg.compute_level)
+
+
+def field_differences(first: dict, second: dict, first_name: str, second_name: str, prefix: str = "") -> list[str]:
+    """Each field (nested ones dotted: config.temperature) whose value differs between two records, with both
+    values: "config.temperature: 0.6 in eval_run.json, 0.7 in this evaluation". A long value is cut short."""
+    def shown(value) -> str:
+        text = repr(value)
+        return text if len(text) <= 160 else text[:150] + " ...]"
+
+    diffs = []
+    for key in sorted(set(first) | set(second), key=str):
+        a, b, name = first.get(key, "(absent)"), second.get(key, "(absent)"), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += field_differences(a, b, first_name, second_name, f"{name}.")
+        elif a != b:
+            diffs.append(f"{name}: {shown(a)} in {first_name}, {shown(b)} in {second_name}")
+    return diffs
 
 
 def identity_differences(recorded: dict, current: dict, compare_config: bool = True) -> list[str]:
@@ -325,7 +344,7 @@ def check_base(recorded: dict, current: dict, compare_config: bool = True) -> No
     engine's."""
     diffs = identity_differences(recorded, current, compare_config)
     if diffs:
-        raise common.HistoryMismatch("this history was made by a different run:\n  " + "\n  ".join(diffs))
+        raise stage.HistoryMismatch("this history was made by a different run:\n  " + "\n  ".join(diffs))
 
 
 def check_base_files(recorded: dict, model_path: str) -> None:

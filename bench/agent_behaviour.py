@@ -27,11 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from agentic_es import scoring  # noqa: E402
+from agentic_es import actions, scoring  # noqa: E402
 
 # the system prompt's two commands: the action's template ("<shell command>") and its worked example
-EXAMPLE_COMMANDS = {common.parse_action(common.SYSTEM_PROMPT),
-                    common.parse_action(common.SYSTEM_PROMPT.split("for example", 1)[1])}
+EXAMPLE_COMMANDS = {actions.parse_action(common.SYSTEM_PROMPT),
+                    actions.parse_action(common.SYSTEM_PROMPT.split("for example", 1)[1])}
 # DAPO's instructions around the statement (the compute task's wording copies them): not the problem's numbers
 _INSTRUCTIONS = re.compile(r"Solve the following math problem step by step\..*?answer to the problem\.|"
                            r"Remember to put your answer on its own line after \"Answer:\"\.", re.S)
@@ -60,7 +60,7 @@ def problem_numbers(text: str) -> set[str]:
 
 
 def commands(record: dict) -> list[str]:
-    return [c for m in record["messages"] if m["role"] == "assistant" and (c := common.parse_action(m["content"]))]
+    return [c for m in record["messages"] if m["role"] == "assistant" and (c := actions.parse_action(m["content"]))]
 
 
 def uses_problem(command: str, numbers: set[str]) -> bool:
@@ -80,7 +80,7 @@ def behaviour(record: dict) -> dict:
     from_problem = any(uses_problem(c, numbers) for c in ran)
     example_only = bool(ran) and all(is_example(c) for c in ran)
     return {"never_bash": not ran,
-            "bash_and_answer": any(common.parse_action(r) and scoring.extract_final_answer(r) for r in replies),
+            "bash_and_answer": any(actions.parse_action(r) and scoring.extract_final_answer(r) for r in replies),
             "example_only": example_only, "from_problem": from_problem,
             "junk": bool(ran) and not from_problem and not example_only}
 

@@ -1,7 +1,7 @@
 """The base model's strict score per task tier: how often the unchanged agent makes a bash call and then states the
 correct final answer (the agent's own score, what --fitness=agent trains on), on N held-out problems x K samples of
 each tier. ES can lift a strict score only where the base is clearly above 0 and below its ceiling: this picks the
-strict preset's tier (common.PRESETS["strict"], learn_digits), and shows the compute task's levels (compute_task.py).
+strict preset's tier (settings.PRESETS["strict"], learn_digits), and shows the compute task's levels (compute_task.py).
 
     python bench/strict_base.py --tiers=0,3,4,6,8 --problems=64 --samples=8 --tensor_parallel_size=1 \
         --out=strict_base_h100.json --episodes=strict_base_h100_episodes.jsonl   # one H100, the preset's model
@@ -21,7 +21,7 @@ other --key=value is a Config override of --preset=strict (model, max_turns, max
 
 Per tier: the strict mean (the mean agent score over the N x K episodes, 03_eval.py's mean@16 at K samples) with a
 95% percentile-bootstrap interval over problems, pass@K (problems solved at least once), the bash-call rate, the
-shaped reward (common.shaped_reward), mean turns, how episodes ended, seconds, and the first episode's
+shaped reward (learn_task.shaped_reward), mean turns, how episodes ended, seconds, and the first episode's
 conversation. One read-only engine pool serves every tier. With --out, the report is written after each tier (with
 "partial": true until the last), so a run stopped at a time limit keeps the tiers it finished.
 """
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import learning  # noqa: E402
-from agentic_es import cli, data, fileio, models, vllm_platform  # noqa: E402
+from agentic_es import cli, data, fileio, learn_task, models, settings, stage, vllm_platform  # noqa: E402
 from agentic_es.stage import prepare_script  # noqa: E402
 from agentic_es.pool import EnginePool  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
@@ -72,7 +72,7 @@ def tier_row(tier: str, problems: list[dict], records: list[dict], samples: int,
     return {"tier": tier, "problems": len(problems), "samples": samples, "strict": mean, "strict_ci": [low, high],
             "pass_at_k": float((strict > 0).mean()),
             "bash_call_rate": float(np.mean([r["bash_calls"] > 0 for r in records])),
-            "shaped": float(np.mean([common.shaped_reward(r) for r in records])),
+            "shaped": float(np.mean([learn_task.shaped_reward(r) for r in records])),
             "mean_turns": float(np.mean([r["turns"] for r in records])),
             "finish": dict(collections.Counter(r["finish_reason"] for r in records)),
             "score_methods": dict(collections.Counter(r["score_method"] for r in records).most_common(6)),
@@ -95,11 +95,11 @@ def main(argv: list[str]) -> dict:
     opts, overrides = cli.parse_args(argv, OPTIONS)
     cfg = cli.parse_config(["--preset=strict", *overrides])
     if opts["problems"] < 1 or opts["samples"] < 1:
-        raise common.ConfigError("--problems and --samples must be at least 1")
+        raise stage.ConfigError("--problems and --samples must be at least 1")
     tiers = [t.strip() for t in str(opts["tiers"]).split(",") if t.strip()]
     sets = {tier: tier_problems(tier, cfg, opts["problems"]) for tier in tiers}  # every tier checked first
     common.check_sandbox(cfg, data=[t for t in tiers if not t.isdigit() and not COMPUTE_TIER.fullmatch(t)])
-    common.check_scorer()  # as the stages: a broken scorer would score every answer 0
+    stage.check_scorer()  # as the stages: a broken scorer would score every answer 0
     rows = []
     report = {"bench": "strict_base", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": argv, "model": cfg.model,
               "device": vllm_platform.device_type(), "config": dataclasses.asdict(cfg),
@@ -109,7 +109,7 @@ def main(argv: list[str]) -> dict:
             t0 = time.perf_counter()
             records = engines.run_agent([(p, i) for p in problems for i in range(opts["samples"])],
                                         desc=f"tier {tier}")
-            common.check_scorer_failures(records, f"tier {tier}", "its row is not written (docs/scoring.md)")
+            stage.check_scorer_failures(records, f"tier {tier}", "its row is not written (docs/scoring.md)")
             rows.append(tier_row(tier, problems, records, opts["samples"], time.perf_counter() - t0))
             if opts["episodes"]:
                 fileio.append_jsonl(opts["episodes"], [dict(r, tier=tier) for r in records])

@@ -24,7 +24,7 @@ _running = {}
 # workers, each taking a whole module at a time (pytest.ini: --dist loadfile): started first, the long modules
 # overlap, and what is left for the end is short.
 SLOWEST_MODULES = ("test_pipeline.py", "test_engine_pool.py", "test_checkpoint_noise.py", "test_real_model.py",
-                   "test_learn_preset.py", "test_strict_preset.py", "test_compute_preset.py", "test_es_engine.py")
+                   "test_presets.py", "test_compute_preset.py", "test_es_engine.py")
 
 
 def pytest_collection_modifyitems(items):

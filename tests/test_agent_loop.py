@@ -11,7 +11,7 @@ import time
 import pytest
 
 import common
-from agentic_es import data, sandbox, scoring
+from agentic_es import data, learn_task, sandbox, scoring
 
 evaluation = importlib.import_module("03_eval")  # writes the failed episodes' transcripts
 
@@ -167,8 +167,8 @@ def test_timeout_is_reported_to_the_model():
     assert "timed out after 1 s" in record["messages"][3]["content"]
 
 
-LEARN = data.learn_problems(1, seed=7)[0]  # "What is A + B? First call the tool: ..."
-A, B = common.learn_operands(LEARN["question"])
+LEARN = learn_task.learn_problems(1, seed=7)[0]  # "What is A + B? First call the tool: ..."
+A, B = learn_task.learn_operands(LEARN["question"])
 SUM = LEARN["answer"]
 
 
@@ -190,9 +190,9 @@ SUM = LEARN["answer"]
     (LEARN, [f"Final answer: \\boxed{{{SUM}}}"] * 3, 0.0),                     # an answer without the tool
 ])
 def test_the_shaped_reward_credits_the_first_step_of_the_learn_task_an_episode_reached(problem, replies, reward):
-    """common.shaped_reward, each of its rules on episodes of the real loop and sandbox (then silence)."""
+    """learn_task.shaped_reward, each of its rules on episodes of the real loop and sandbox (then silence)."""
     record = run(ScriptedPolicy(replies + ["..."] * 3), problem, max_turns=3, bash_timeout_s=1)
-    assert common.shaped_reward(record) == common.EPISODE_REWARDS["shaped"](record) == reward
+    assert learn_task.shaped_reward(record) == common.EPISODE_REWARDS["shaped"](record) == reward
     assert common.agent_reward(record) == record["score"] == (reward == 1.0)
     silent = run(ScriptedPolicy(["..."] * 3), problem, max_turns=3)
     assert common.fitness([record, silent], "shaped") == reward / 2  # a member's fitness: the mean over episodes
@@ -223,7 +223,7 @@ def test_no_game_of_the_shaped_reward_earns_more_than_an_honest_wrong_sum(comman
                            max_turns=3)
     observation = game["messages"][3]["content"]
     assert observation.startswith("exit code: 0\nstdout:\n") and SUM in observation.split("stderr:")[0].split()
-    assert common.shaped_reward(game) == common.shaped_reward(honest_but_wrong) == 0.25
+    assert learn_task.shaped_reward(game) == learn_task.shaped_reward(honest_but_wrong) == 0.25
 
 
 def test_seeds_per_turn_and_sample():

@@ -1,10 +1,10 @@
 """The compute preset through the four stages as `--preset=compute` runs them (their main() in this process, one run
-shared by the module), on the tiny random Qwen3 at TP=2 with budgets below test_learn_preset.py's (2 members, one
+shared by the module), on the tiny random Qwen3 at TP=2 with budgets below test_presets.py's (2 members, one
 problem, one turn): the members are scored with the agent's own score on the compute task's training problems of
 the level the run sets (2 here); the evaluation, run without --compute_level, takes that level from the export's
 history and evaluates both held-out sets of it; export, evaluation and replay agree by digests. A random model never
 scores, so the agent's entry of common.EPISODE_REWARDS is the test reward that varies across members
-(train_with_test_reward.py), as in test_strict_preset.py."""
+(train_with_test_reward.py), as in test_presets.py."""
 
 import pytest
 
@@ -12,7 +12,7 @@ import common
 from agentic_es import compute_task, data, fileio
 from agentic_es.export import SHARDED_STATE_MANIFEST
 from agentic_es.metrics import EVAL_SAMPLES
-from test_learn_preset import evaluation, export, replay, train
+from test_presets import evaluation, export, replay, train
 from train_with_test_reward import first_reply_variety
 
 pytestmark = pytest.mark.engine  # the four stages run vLLM engines (pytest.ini)

@@ -20,10 +20,9 @@ import sympy
 from sympy.functions.combinatorial.numbers import partition
 
 import common
-from agentic_es import cli, data, fileio, history
+from agentic_es import cli, data, fileio, history, settings, stage
 from agentic_es import compute_task as ct
 from agentic_es.export import SHARDED_STATE_MANIFEST
-from agentic_es.stage import DataError
 
 evaluation = importlib.import_module("03_eval")
 
@@ -317,11 +316,11 @@ def test_each_level_is_larger_than_the_one_before_by_every_family_s_size():
 
 
 def test_bad_splits_levels_and_counts_are_refused():
-    with pytest.raises(DataError, match="split 'test'"):
+    with pytest.raises(stage.DataError, match="split 'test'"):
         ct.problems("test", 1)
-    with pytest.raises(DataError, match="level 4"):
+    with pytest.raises(stage.DataError, match="level 4"):
         ct.problems("train", 4)
-    with pytest.raises(DataError, match="513 compute problems"):
+    with pytest.raises(stage.DataError, match="513 compute problems"):
         ct.problems("train", 1, 513)
 
 
@@ -329,7 +328,7 @@ def test_bad_splits_levels_and_counts_are_refused():
 
 def test_the_stages_data_names_are_the_splits_of_the_configured_level():
     for level in ct.LEVELS:
-        for name, split in data.COMPUTE_SPLITS.items():
+        for name, split in ct.SETS.items():
             assert data.problems_from(name, 3, compute_level=level) == ct.problems(split, level)  # any run seed
     sha = {level: data.problems_sha256("compute_heldout", 0, compute_level=level) for level in ct.LEVELS}
     assert len(set(sha.values())) == 3 and sha[1] == data.problems_sha256("compute_heldout", 9)  # level 1: default
@@ -338,8 +337,8 @@ def test_the_stages_data_names_are_the_splits_of_the_configured_level():
     assert data.training_problems(cfg) == ct.problems("train", 2)
     assert history.train_data_sha256(cfg) == data.problems_sha256("compute", 0, compute_level=2)
     for held_out in ("compute_heldout", "compute_families"):
-        with pytest.raises(common.ConfigError, match=f"^train_data={held_out} is the compute task's held-out set, "
-                                                     "which is never trained on; train on --train_data=compute$"):
+        with pytest.raises(stage.ConfigError, match=f"^train_data={held_out} is the compute task's held-out set, "
+                                                    "which is never trained on; train on --train_data=compute$"):
             data.training_problems(cli.parse_config(["--preset=compute", f"--train_data={held_out}"]))
 
 
@@ -350,27 +349,27 @@ def test_the_compute_preset_and_the_level_setting():
     assert (cfg.generations, cfg.population, cfg.case_batch, cfg.eval_problems) == (12, 16, 32, 64)
     assert (cfg.temperature, cfg.presence_penalty, cfg.sigma_start, cfg.sigma_end, cfg.alpha) == (
         0.7, 0.0, 2e-3, 1e-3, 4e-3)
-    strict = common.PRESETS["strict"]  # the agent loop and prompt are the strict preset's: only the task differs
+    strict = settings.PRESETS["strict"]  # the agent loop and prompt are the strict preset's: only the task differs
     assert all(cfg.__getattribute__(k) == v for k, v in strict.items()
                if k not in ("max_model_len", "max_new_tokens", "bash_timeout_s", "train_data", "learn_digits",
                             "run_dir"))
     assert common.Config().compute_level == 1 and cli.parse_config(["--preset=strict"]).compute_level == 1
-    with pytest.raises(common.ConfigError, match=r"^compute_level=2 is a level of the compute task; use it with "
-                                                 r"--train_data=compute \(train_data is 'learn'\)$"):
+    with pytest.raises(stage.ConfigError, match=r"^compute_level=2 is a level of the compute task; use it with "
+                                                r"--train_data=compute \(train_data is 'learn'\)$"):
         cli.parse_config(["--preset=strict", "--compute_level=2"])
-    with pytest.raises(common.ConfigError, match=r"^compute_level must be in \[1, 3\]"):
+    with pytest.raises(stage.ConfigError, match=r"^compute_level must be in \[1, 3\]"):
         cli.parse_config(["--preset=compute", "--compute_level=4"])
 
 
 def test_03_eval_evaluates_both_held_out_sets_of_the_level():
     no_paths = {name: "" for name in evaluation.ALL_DATASETS}
     cfg = cli.parse_config(["--preset=compute", "--compute_level=3"])
-    assert evaluation.data_paths(no_paths, cfg) == evaluation.COMPUTE_DATASETS == {
+    assert evaluation.data_paths(no_paths, cfg) == ct.EVAL_SETS == {
         "compute_heldout": "compute_heldout", "compute_families": "compute_families"}
     assert evaluation.eval_problems("compute_families", cfg) == ct.problems("families", 3)[:64]
-    with pytest.raises(common.ConfigError, match=re.escape("--dapo= names a set this run does not evaluate "
-                                                           "(train_data=compute evaluates compute_heldout, "
-                                                           "compute_families)")):
+    with pytest.raises(stage.ConfigError, match=re.escape("--dapo= names a set this run does not evaluate "
+                                                          "(train_data=compute evaluates compute_heldout, "
+                                                          "compute_families)")):
         evaluation.data_paths(dict(no_paths, dapo="x.jsonl"), cfg)
 
 
@@ -392,14 +391,14 @@ def test_03_eval_evaluates_an_export_at_the_level_and_tier_its_run_recorded(tmp_
     refused = re.escape("an evaluation of a run's weights is of the task tier and level the run trained on: "
                         f"--compute_level=3 (the run's is compute_level=2, recorded in {level2}/"
                         f"{SHARDED_STATE_MANIFEST}); drop the setting or pass the recorded value")
-    with pytest.raises(common.ConfigError, match=refused):  # through main(): before anything is verified or written
+    with pytest.raises(stage.ConfigError, match=refused):  # through main(): before anything is verified or written
         evaluation.main(overrides + [f"--export={level2}", "--compute_level=3"])
     assert not (tmp_path / "eval").exists()
     # the learn task's tier: the same hole closed (the strict run's 4 digits are not evaluated as 6)
     tier4 = manifest_only_export(tmp_path / "strict", train_data="learn", learn_digits=4)
     strict = ["--preset=strict", f"--run_dir={tmp_path}"]
     assert evaluation.exported_task(cli.parse_config(strict), tier4, strict).learn_digits == 4
-    with pytest.raises(common.ConfigError, match=r"--learn_digits=6 \(the run's is learn_digits=4, recorded in "):
+    with pytest.raises(stage.ConfigError, match=r"--learn_digits=6 \(the run's is learn_digits=4, recorded in "):
         evaluation.exported_task(cli.parse_config(strict + ["--learn_digits=6"]), tier4, strict + ["--learn_digits=6"])
     # another task's sets (DAPO) of the same weights keep the command line's settings
     dapo = cli.parse_config([f"--run_dir={tmp_path}"])
@@ -414,5 +413,5 @@ def test_03_eval_of_the_base_model_in_a_run_folder_takes_the_run_s_level(tmp_pat
                              tmp_path / history.HISTORY_FILE)
     argv = ["--model=tiny-qwen3-dense", "--train_data=compute", f"--run_dir={tmp_path}"]
     assert evaluation.base_config(cli.parse_config(argv), argv).compute_level == 3
-    with pytest.raises(common.ConfigError, match=r"--compute_level=1 \(the run's is compute_level=3, recorded in "):
+    with pytest.raises(stage.ConfigError, match=r"--compute_level=1 \(the run's is compute_level=3, recorded in "):
         evaluation.base_config(cli.parse_config(argv + ["--compute_level=1"]), argv + ["--compute_level=1"])

@@ -8,7 +8,7 @@ shaped reward beside Mean4/Pass4; export, evaluation and replay agree by digests
 (the agent's score on its tier) are checked as parsed; a run of the agent's fitness through the four stages:
 test_pipeline.py.
 
-A random model earns no shaped reward (common.shaped_reward, tested on real episodes in test_agent_loop.py), so
+A random model earns no shaped reward (learn_task.shaped_reward, tested on real episodes in test_agent_loop.py), so
 here the shaped entry of common.EPISODE_REWARDS, where common.fitness looks it up, is the test reward that varies
 across members (train_with_test_reward.py), and the agent's entry stays the agent's score."""
 
@@ -17,7 +17,7 @@ import importlib
 import pytest
 
 import common
-from agentic_es import cli, data, fileio
+from agentic_es import cli, data, fileio, learn_task, settings
 from agentic_es.export import SHARDED_STATE_MANIFEST
 from agentic_es.history import HISTORY_FILE
 from agentic_es.metrics import EVAL_SAMPLES
@@ -28,7 +28,7 @@ export = importlib.import_module("02_export")
 evaluation = importlib.import_module("03_eval")
 replay = importlib.import_module("04_replay")
 
-STRICT = common.PRESETS["strict"]
+STRICT = settings.PRESETS["strict"]
 TIER = STRICT["learn_digits"]
 CPU_SIZED = ["--model=tiny-qwen3-dense", "--generations=1", "--population=4", "--case_batch=2", "--max_turns=2",
              "--max_new_tokens=32", "--eval_problems=1"]
@@ -58,9 +58,9 @@ def test_the_two_presets_differ_in_the_fitness_and_the_tier_the_flow_combines():
     """What each preset sets (the flow below runs the learn preset's fitness on the strict preset's tier)."""
     strict, learn = cli.parse_config(["--preset=strict"]), cli.parse_config(["--preset=learn"])
     assert (strict.fitness, strict.train_data, strict.model) == ("agent", "learn", "qwen2.5-coder-1.5b")
-    assert strict.learn_digits == TIER >= data.LEARN_DIGITS_MIN
+    assert strict.learn_digits == TIER >= learn_task.LEARN_DIGITS_MIN
     assert (learn.fitness, learn.train_data, learn.learn_digits) == ("shaped", "learn", 0)
-    assert common.PRESETS["learn"]["fitness"] == "shaped" and "learn_digits" not in common.PRESETS["learn"]
+    assert settings.PRESETS["learn"]["fitness"] == "shaped" and "learn_digits" not in settings.PRESETS["learn"]
     flow = cli.parse_config([*ARGV, "--run_dir=run"])
     as_strict = cli.parse_config(["--preset=strict", "--fitness=shaped", *CPU_SIZED, "--max_model_len=2048",
                                   "--run_dir=run"])

@@ -39,7 +39,7 @@ def test_an_engine_failure_stops_the_batch_and_never_becomes_a_score():
             return {"text": BASH if turn == 0 else "Final answer: \\boxed{0}"}
         if problem == "p1" and turn == 1:
             await p0_reported.wait()
-            raise common.EngineFailure("vLLM failed during request x: EngineDeadError")
+            raise stage.EngineFailure("vLLM failed during request x: EngineDeadError")
         if problem == "p1":
             return {"text": BASH}
         try:
@@ -48,7 +48,7 @@ def test_an_engine_failure_stops_the_batch_and_never_becomes_a_score():
             cancelled.append(problem)
             raise
 
-    with pytest.raises(common.EngineFailure, match="EngineDeadError"):
+    with pytest.raises(stage.EngineFailure, match="EngineDeadError"):
         asyncio.run(common.run_episodes(policy, [(p, 0) for p in PROBLEMS], common.Config(bash_timeout_s=5),
                                         sandbox_check=sandbox.leak_check_result(), progress=progress))
     assert [(r["problem_id"], r["score"], r["error"]) for r in reported] == [("p0", 1.0, None)]
@@ -78,12 +78,12 @@ def test_a_request_on_a_closed_engine_is_an_engine_failure_never_an_episode_erro
             return {"text": BASH}
         return {"text": (await closed._complete([1, 2, 3], None, "turn-1")).text}
 
-    with pytest.raises(common.EngineFailure, match="request turn-1: RuntimeError: the engine is closed"):
+    with pytest.raises(stage.EngineFailure, match="request turn-1: RuntimeError: the engine is closed"):
         asyncio.run(common.run_episodes(policy, [(PROBLEMS[0], 0)], common.Config(bash_timeout_s=5),
                                         sandbox_check=sandbox.leak_check_result(), progress=reported.append))
     assert reported == []
-    with pytest.raises(common.EngineFailure, match="the worker call es_digest: RuntimeError: the engine is closed"):
-        closed.rpc("es_digest")
+    with pytest.raises(stage.EngineFailure, match="the worker call es_digest: RuntimeError: the engine is closed"):
+        closed.rpc(common.ESWorker.es_digest)
 
 
 # ---- the scripts' signal handling and vLLM log level (a Python process without an engine) ----
@@ -91,12 +91,12 @@ def test_a_request_on_a_closed_engine_is_an_engine_failure_never_an_episode_erro
 SCRIPT = """
 import common
 import logging, os, signal, time
-from agentic_es.stage import Interrupted, run_stage
+from agentic_es.stage import ConfigError, Interrupted, run_stage
 
 def main(argv):
     print(os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").getEffectiveLevel(), flush=True)
     if argv[0] == "refuse":
-        raise common.ConfigError("a refusal for its user")
+        raise ConfigError("a refusal for its user")
     try:
         os.kill(os.getpid(), getattr(signal, argv[0]))
         time.sleep(60)

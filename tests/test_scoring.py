@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import common
-from agentic_es import scoring
+from agentic_es import actions, scoring
 from test_agent_loop import ScriptedPolicy, action, run
 
 # (model output, gold, expected score)
@@ -1062,7 +1062,7 @@ def test_score_episode_rules(name):
     ("just prose {with braces}", None),
 ])
 def test_parse_action(reply, expected):
-    assert common.parse_action(reply) == expected
+    assert actions.parse_action(reply) == expected
 
 
 def relaxed_action(command_body: str) -> str:
@@ -1086,16 +1086,16 @@ def relaxed_action(command_body: str) -> str:
     (r"echo a\\", "echo a\\"),  # a trailing escaped backslash decodes
 ])
 def test_the_relaxed_action_decodes_json_escapes_or_keeps_the_text_verbatim(body, command):
-    assert common.parse_action(relaxed_action(body)) == 'echo "x"; ' + command
+    assert actions.parse_action(relaxed_action(body)) == 'echo "x"; ' + command
 
 
 def test_a_relaxed_action_blank_once_decoded_is_no_action():
     reply = '{"name": "bash" "arguments": {"command": " \\n\\t "}}'  # no JSON: a comma is missing
-    assert common.parse_action(reply) is None
+    assert actions.parse_action(reply) is None
 
 
 def test_a_lone_trailing_backslash_is_kept_verbatim():
-    assert common.json_string_text("echo a\\") == "echo a\\"
+    assert actions.json_string_text("echo a\\") == "echo a\\"
 
 
 # ---- seeds ----
@@ -1184,7 +1184,7 @@ def test_integer_gold_falls_back_to_math_verify_for_expressions():
     '{"name": "bash", "arguments": {"command": " "}} }}',  # the relaxed pattern too
 ])
 def test_blank_bash_command_is_no_action(reply):
-    assert common.parse_action(reply) is None
+    assert actions.parse_action(reply) is None
 
 
 # ---- scoring in worker processes

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import common
-from agentic_es import cli, compute_task, data, fileio
+from agentic_es import cli, compute_task, data, fileio, stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import strict_base  # noqa: E402
@@ -45,9 +45,9 @@ def test_a_tier_is_a_learn_digits_value_s_held_out_additions_or_a_problems_file(
     path = tmp_path / "set.jsonl"
     path.write_text(json.dumps({"id": "a", "question": "What is 2 + 2?", "answer": "4"}) + "\n")
     assert [p["id"] for p in strict_base.tier_problems(str(path), CFG, 5)] == ["a"]
-    with pytest.raises(common.ConfigError, match="^learn_digits=1 leaves too few pairs"):
+    with pytest.raises(stage.ConfigError, match="^learn_digits=1 leaves too few pairs"):
         strict_base.tier_problems("1", CFG, 5)
-    with pytest.raises(common.DataError, match="problems file not found"):
+    with pytest.raises(stage.DataError, match="problems file not found"):
         strict_base.tier_problems(str(tmp_path / "none.jsonl"), CFG, 5)
 
 
@@ -58,7 +58,7 @@ def test_a_compute_tier_is_a_level_s_held_out_problems():
     compute = cli.parse_config(["--preset=strict", "--preset=compute"])  # the bench's overrides, as main reads them
     assert compute.train_data == "compute" and compute.max_new_tokens == 512
     assert strict_base.tier_problems("4", compute, 2) == data.problems_from("learn_heldout", 0, 4)[:2]
-    with pytest.raises(common.ConfigError, match=r"^compute_level must be in \[1, 3\]"):
+    with pytest.raises(stage.ConfigError, match=r"^compute_level must be in \[1, 3\]"):
         strict_base.tier_problems("compute4", CFG, 5)
 
 
@@ -97,25 +97,25 @@ class ScoredByABrokenScorer:
 
 def test_the_bench_checks_the_scorer_as_the_stages_do(tmp_path, monkeypatch):
     """A scorer that fails its warm-up stops the bench before its engines start; a tier whose episodes it failed on
-    past the stages' bound (common.SCORER_FAILURE_BOUND) stops it with that tier's row unwritten: a strict tier is
+    past the stages' bound (stage.SCORER_FAILURE_BOUND) stops it with that tier's row unwritten: a strict tier is
     never chosen from a broken scorer's 0s."""
     monkeypatch.setattr(common, "check_sandbox", lambda *args, **kwargs: [])
     monkeypatch.setattr(strict_base.models, "resolve_model", lambda name, *args, **kwargs: name)
 
     def broken():
-        raise common.ScorerFailure("the answer scorer does not work, so every answer would score 0: stand-in")
+        raise stage.ScorerFailure("the answer scorer does not work, so every answer would score 0: stand-in")
 
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine started before the scorer was checked")
 
     argv = ["--tiers=3", "--problems=2", "--samples=2", f"--out={tmp_path / 'report.json'}"]
-    monkeypatch.setattr(common, "check_scorer", broken)
+    monkeypatch.setattr(stage, "check_scorer", broken)
     monkeypatch.setattr(strict_base, "EnginePool", no_engine)
-    with pytest.raises(common.ScorerFailure, match="every answer would score 0"):
+    with pytest.raises(stage.ScorerFailure, match="every answer would score 0"):
         strict_base.main(argv)
-    monkeypatch.setattr(common, "check_scorer", lambda: None)
+    monkeypatch.setattr(stage, "check_scorer", lambda: None)
     monkeypatch.setattr(strict_base, "EnginePool", ScoredByABrokenScorer)
-    with pytest.raises(common.ScorerFailure, match="^tier 3: the scorer failed on 4 of 4 episodes"):
+    with pytest.raises(stage.ScorerFailure, match="^tier 3: the scorer failed on 4 of 4 episodes"):
         strict_base.main(argv)
     assert not (tmp_path / "report.json").exists()
 
