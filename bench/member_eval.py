@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from agentic_es import cli, fileio, models  # noqa: E402
+from agentic_es import cli, fileio, models, stage  # noqa: E402
 from agentic_es.data import problems_sha256  # noqa: E402
 from agentic_es.history import HISTORY_FILE, config_from_history, read_history  # noqa: E402
 from agentic_es.metrics import EVAL_METRICS, EVAL_SAMPLES, REPORTED_GROUP, dataset_metrics  # noqa: E402
@@ -34,7 +34,7 @@ def best_member(history: dict) -> dict:
     """Generation 0's member of the highest fitness (the first of equals): the perturbation of the base weights
     alone, before any update."""
     if not history["generations"]:
-        raise common.ConfigError("the history holds no generation: there is no member to evaluate")
+        raise stage.ConfigError("the history holds no generation: there is no member to evaluate")
     record = history["generations"][0]
     best = max(range(len(record["rewards"])), key=lambda i: record["rewards"][i])
     return {"kind": "member", "generation": 0, "member": best, "seed": record["seeds"][best],
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> dict:
                    for name, path in data.items()}
     fileio.check_output_path(out, "out")
     common.check_sandbox(cfg, data=list(data.values()))
-    common.check_scorer()
+    stage.check_scorer()
     jobs = {name: [(p, i) for p in problems for i in range(EVAL_SAMPLES)] for name, problems in datasets.items()}
     print(f"[member] generation 0's best member (member {member['member']}, fitness {member['fitness']:.3f}, "
           f"sigma {member['sigma']:g}) on {', '.join(f'{n} ({len(j)} episodes)' for n, j in jobs.items())}")
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> dict:
         [(records, _)] = engines.map(common.evaluate_member,
                                      [(member["seed"], member["sigma"], [j for js in jobs.values() for j in js])],
                                      desc="best member", noun="member")
-    common.check_scorer_failures(records, "the best member's evaluation", "nothing is written")
+    stage.check_scorer_failures(records, "the best member's evaluation", "nothing is written")
     out.mkdir(parents=True, exist_ok=True)
     metrics = {"checkpoint": member, "samples": EVAL_SAMPLES, "reported_group": REPORTED_GROUP, "datasets": {}}
     for name, set_jobs in jobs.items():

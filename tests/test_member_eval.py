@@ -14,7 +14,7 @@ import compute_stages_summary  # noqa: E402
 import member_eval  # noqa: E402
 
 import common  # noqa: E402
-from agentic_es import cli, compute_task  # noqa: E402
+from agentic_es import cli, compute_task, stage  # noqa: E402
 from agentic_es.history import HISTORY_FILE, HISTORY_FORMAT  # noqa: E402
 from agentic_es.metrics import EVAL_SAMPLES  # noqa: E402
 
@@ -73,7 +73,7 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(member_eval, "EnginePool", stand_in_pool(log))
     monkeypatch.setattr(member_eval.models, "resolve_model", lambda name, *a, **k: name)
     monkeypatch.setattr(common, "check_sandbox", lambda *a, **k: [])
-    monkeypatch.setattr(common, "check_scorer", lambda: None)
+    monkeypatch.setattr(stage, "check_scorer", lambda: None)
     return log
 
 
@@ -108,5 +108,5 @@ def test_a_history_without_a_generation_is_refused(tmp_path, stubbed):
     write_history(tmp_path / "run")
     path = tmp_path / "run" / HISTORY_FILE
     path.write_text(json.dumps(dict(json.loads(path.read_text()), generations=[])))
-    with pytest.raises(common.ConfigError, match="no generation"):
+    with pytest.raises(stage.ConfigError, match="no generation"):
         member_eval.main([f"--run_dir={tmp_path / 'run'}"])

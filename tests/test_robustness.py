@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import common
-from agentic_es import sandbox
+from agentic_es import sandbox, stage
 from agentic_es.engine import Engine
 
 PROBLEMS = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
