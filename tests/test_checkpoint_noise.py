@@ -160,6 +160,18 @@ def trained(tmp_path_factory):
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def resumed(trained, tmp_path_factory):
+    """The TP=2 run as a stop after its generation 0 leaves it (the history is written whole after each generation;
+    test_pipeline stops runs by signals), resumed at TP=1, then exported at TP=2: the module's one export, of a run
+    whose generations were made at two TP sizes. (run folder, the export's CompletedProcess)"""
+    run_dir = tmp_path_factory.mktemp("resumed")
+    stopped = fileio.read_json(trained / HISTORY_FILE)
+    fileio.write_json_atomic(dict(stopped, generations=stopped["generations"][:1]), run_dir / HISTORY_FILE)
+    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", "--noise=checkpoint", "--tensor_parallel_size=1")
+    return run_dir, run("02_export.py", f"--run_dir={run_dir}")  # at TP=2 again
+
+
 @pytest.mark.engine
 def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_2(trained):
     """(At TP=1: the resume at TP=1 below reads the base back through the TP=1 layout, checked against these
@@ -175,14 +187,26 @@ def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_2(trained):
 
 
 @pytest.mark.engine
-def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
+def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, resumed):
+    """Resumed at TP=1, then exported at TP=2 (the `resumed` fixture): every generation's digest agrees."""
+    run_dir, _ = resumed
+    resumed_history = fileio.read_json(run_dir / HISTORY_FILE)
+    reference = fileio.read_json(trained / HISTORY_FILE)
+    assert replayable(resumed_history)[0] == replayable(reference)[0]  # generation 0, made at TP=2, replayed at TP=1
+    assert len(resumed_history["generations"]) == 2 and resumed_history["tensor_parallel_size"] == 2  # the run's
+    manifest = fileio.read_json(run_dir / "export" / export.HUGGING_FACE_MANIFEST)
+    assert manifest["digest"] == resumed_history["generations"][-1]["digests"][0]
+
+
+@pytest.mark.engine
+def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(resumed):
     from transformers import AutoModelForCausalLM
 
-    proc = run("02_export.py", f"--run_dir={trained}")
+    run_dir, proc = resumed
     assert "a Hugging Face folder" in proc.stdout and "safetensors files in" in proc.stdout  # progress, timed
-    exported = trained / "export"
+    exported = run_dir / "export"
     manifest = export.verify(exported)
-    history = fileio.read_json(trained / HISTORY_FILE)
+    history = fileio.read_json(run_dir / HISTORY_FILE)
     assert manifest["digest"] == history["generations"][-1]["digests"][0] and manifest["noise"] == "checkpoint"
     model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
     loaded = model.state_dict()
@@ -191,13 +215,14 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
                                                      history)  # digests checked inside
     assert set(loaded) == set(expected)
     assert [n for n in expected if not torch.equal(loaded[n], expected[n])] == []  # bit for bit, without vLLM
-    run("02_export.py", f"--run_dir={trained}", "--tensor_parallel_size=1", f"--out={trained / 'export-tp1'}")
-    assert sha(trained / "export-tp1" / "model.safetensors") == sha(exported / "model.safetensors")
-    # stock vLLM loading, at another TP size: the evaluation loads the folder and checks the loaded digest
-    run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")
-    checkpoint = fileio.read_json(trained / "eval" / metrics.EVAL_METRICS)["checkpoint"]
+    run("02_export.py", f"--run_dir={run_dir}", "--tensor_parallel_size=1", f"--out={run_dir / 'export-tp1'}")
+    assert sha(run_dir / "export-tp1" / "model.safetensors") == sha(exported / "model.safetensors")
+    # stock vLLM loading, at another TP size: the evaluation loads the folder and checks the loaded digest (one
+    # problem of each set: the loading is what is checked)
+    run("03_eval.py", f"--run_dir={run_dir}", "--tensor_parallel_size=1", "--eval_problems=1")
+    checkpoint = fileio.read_json(run_dir / "eval" / metrics.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "export" and checkpoint["per_rank_digests"] == [manifest["digest"]]
-    # (reading the base through the TP=1 layout and replaying the TP=2 run's updates at TP=1: the resume below;
+    # (reading the base through the TP=1 layout and replaying the TP=2 run's updates at TP=1: the resume above;
     # bench/gpu_pipeline.py's report on a checkpoint-noise run's files: test_gpu_pipeline_report.py)
 
 
@@ -213,23 +238,6 @@ def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_nois
     report = fileio.read_json(out / "aligned_history_replay_eval4.json")
     assert report["replayed_generations"] == 0 and report["per_rank_digests"] == history["base_digests"]
     assert all(d["sample_agreement"] == 1.0 for d in report["datasets"].values())
-
-
-@pytest.mark.engine
-def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_path):
-    """The TP=2 run as a stop after its generation 0 leaves it (the history is written whole after each generation;
-    test_pipeline stops runs by signals), resumed at TP=1, then exported at TP=2."""
-    history_path = tmp_path / HISTORY_FILE
-    stopped = fileio.read_json(trained / HISTORY_FILE)
-    fileio.write_json_atomic(dict(stopped, generations=stopped["generations"][:1]), history_path)
-    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}", "--noise=checkpoint", "--tensor_parallel_size=1")
-    resumed = fileio.read_json(history_path)
-    reference = fileio.read_json(trained / HISTORY_FILE)
-    assert replayable(resumed)[0] == replayable(reference)[0]  # generation 0, made at TP=2, replayed at TP=1
-    assert len(resumed["generations"]) == 2 and resumed["tensor_parallel_size"] == 2  # the header is the run's
-    run("02_export.py", f"--run_dir={tmp_path}")  # at TP=2 again: every generation's digest agrees
-    manifest = fileio.read_json(tmp_path / "export" / export.HUGGING_FACE_MANIFEST)
-    assert manifest["digest"] == resumed["generations"][-1]["digests"][0]
 
 
 def rank_digests(engine) -> list[str]:
