@@ -13,9 +13,11 @@ import common
 from agentic_es import checkpoint_noise, cli, data, export, fileio, metrics, models
 from agentic_es.engine import Engine
 from agentic_es.history import HISTORY_FILE, check_config, config_from_history, run_identity
+from agentic_es.pool import EnginePool
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha
 
 evaluation, replay = importlib.import_module("03_eval"), importlib.import_module("04_replay")
+PATCH_RUN = ["--noise=checkpoint", "--restore=patch", "--noise_chunk=4096"]  # the module's run (`training`)
 
 KEY = checkpoint_noise.checkpoint_noise_key(20260627, "model.layers.0.mlp.down_proj.weight")
 
@@ -153,11 +155,51 @@ def test_replay_of_a_base_evaluated_with_other_noise_says_what_to_run_before_any
 
 # ---- real engines: the smoke run with the test reward, at TP=2 and TP=1 ----
 
+PATCH_ROUNDS = [("nearest", 3), ("stochastic", 4), ("stochastic", 5)]  # (rounding, member seed)
+
+
+def patch_restore_rounds(engine) -> dict:
+    """Members perturbed and restored through the patch on `engine`, with either rounding: the digests seen
+    (test_patch_restore_is_bit_exact_with_checkpoint_noise checks them)."""
+    cfg, seen = engine.cfg, {"base": engine.digests(), "ranks": rank_digests(engine), "rounds": []}
+    try:
+        for rounding, seed in PATCH_ROUNDS:
+            engine.cfg = dataclasses.replace(cfg, rounding=rounding)
+            engine.perturb(seed=seed, sigma=1e-3)
+            perturbed = engine.digests()
+            engine.restore()
+            seen["rounds"].append((perturbed, engine.digests(), rank_digests(engine)))
+        seen["patch_used"] = [m["patch_used"] for m in engine.rpc("es_memory")]
+    finally:
+        engine.cfg = cfg
+    return seen
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("ckpt") / "run"
-    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", "--noise=checkpoint")
-    return run_dir
+def training(tmp_path_factory):
+    """The smoke run with the test reward at TP=2, its members restored through the patch (restore="patch", small
+    noise chunks). Its engine, the settings test_patch_restore_is_bit_exact_with_checkpoint_noise needs, runs that
+    test's members once the run has finished, before it closes: (run folder, what they showed)."""
+    run_dir, seen = tmp_path_factory.mktemp("ckpt") / "run", {}
+    close = EnginePool.close
+
+    def members_then_close(pool):
+        if pool.engines and not seen:
+            try:
+                seen.update(patch_restore_rounds(pool.engines[0]))
+            except Exception as failure:  # noqa: BLE001  (the test reports it)
+                seen["failure"] = failure
+        close(pool)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EnginePool, "close", members_then_close)
+        run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", *PATCH_RUN)
+    return run_dir, seen
+
+
+@pytest.fixture(scope="module")
+def trained(training):
+    return training[0]
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +210,8 @@ def resumed(trained, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resumed")
     stopped = fileio.read_json(trained / HISTORY_FILE)
     fileio.write_json_atomic(dict(stopped, generations=stopped["generations"][:1]), run_dir / HISTORY_FILE)
-    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", "--noise=checkpoint", "--tensor_parallel_size=1")
+    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", "--noise=checkpoint", "--noise_chunk=4096",
+        "--tensor_parallel_size=1")  # (--restore: the run's, copy_device; any exact mode resumes)
     return run_dir, run("02_export.py", f"--run_dir={run_dir}")  # at TP=2 again
 
 
@@ -246,19 +289,16 @@ def rank_digests(engine) -> list[str]:
 
 
 @pytest.mark.engine
-def test_patch_restore_is_bit_exact_with_checkpoint_noise():
+def test_patch_restore_is_bit_exact_with_checkpoint_noise(training):
     """restore="patch" with the checkpoint noise, where subtract is refused: every rank back to the centre's bits,
-    with either rounding, member after member."""
-    cfg = cli.parse_config(["--preset=smoke", "--noise=checkpoint", "--restore=patch", "--noise_chunk=4096"])
-    with Engine(cfg, models.resolve_model(cfg.model)) as engine:
-        base, ranks = engine.digests(), rank_digests(engine)
-        for rounding, seed in [("nearest", 3), ("stochastic", 4), ("stochastic", 5)]:
-            engine.cfg = dataclasses.replace(cfg, rounding=rounding)
-            engine.perturb(seed=seed, sigma=1e-3)
-            assert engine.digests() != base
-            engine.restore()
-            assert engine.digests() == base and rank_digests(engine) == ranks
-        assert all(m["patch_used"] > 0 for m in engine.rpc("es_memory"))
+    with either rounding, member after member (on the training run's engine, at its trained centre)."""
+    _, seen = training
+    assert "failure" not in seen, seen.get("failure")
+    assert len(seen["rounds"]) == len(PATCH_ROUNDS)
+    for perturbed, restored, ranks in seen["rounds"]:
+        assert perturbed != seen["base"]
+        assert restored == seen["base"] and ranks == seen["ranks"]
+    assert all(used > 0 for used in seen["patch_used"])
 
 
 @pytest.fixture(scope="class")
