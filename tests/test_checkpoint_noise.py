@@ -175,6 +175,7 @@ def patch_restore_rounds(engine) -> dict:
     return seen
 
 
+# slow: the TP=2 run every engine test here reads, one engine (the patch test's members run on it too)
 @pytest.fixture(scope="module")
 def training(tmp_path_factory):
     """The smoke run with the test reward at TP=2, its members restored through the patch (restore="patch", small
@@ -202,6 +203,7 @@ def trained(training):
     return training[0]
 
 
+# slow: a resume at TP=1 and an export at TP=2, two engines
 @pytest.fixture(scope="module")
 def resumed(trained, tmp_path_factory):
     """The TP=2 run as a stop after its generation 0 leaves it (the history is written whole after each generation;
@@ -241,6 +243,7 @@ def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, resu
     assert manifest["digest"] == resumed_history["generations"][-1]["digests"][0]
 
 
+# slow: the export at TP=1 and vLLM's loading of the folder at TP=1, two engines
 @pytest.mark.engine
 def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(resumed):
     from transformers import AutoModelForCausalLM
@@ -269,6 +272,7 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(resumed):
     # bench/gpu_pipeline.py's report on a checkpoint-noise run's files: test_gpu_pipeline_report.py)
 
 
+# slow: an evaluation and its replay, two engines
 @pytest.mark.engine
 def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_noise(trained, tmp_path):
     """03_eval.py --export= in the run's folder, without --noise: the digests it records are the history's."""
@@ -301,6 +305,7 @@ def test_patch_restore_is_bit_exact_with_checkpoint_noise(training):
     assert all(used > 0 for used in seen["patch_used"])
 
 
+# slow: the MoE model's engine, with the checkpoint noise's worker extension
 @pytest.fixture(scope="class")
 def moe_checkpoint(tmp_path_factory):
     cfg = cli.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", "--restore=patch",

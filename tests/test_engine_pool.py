@@ -105,6 +105,7 @@ def train_on(pool, run_dir, cfg) -> dict:
     return history
 
 
+# slow: the reference every pool is held to, one engine's whole smoke run
 @pytest.fixture(scope="module")
 def one_engine_run(tmp_path_factory):
     """The smoke run as users run it, with one engine (--engines=1)."""
@@ -114,6 +115,7 @@ def one_engine_run(tmp_path_factory):
         return run_dir, train.main([*ARGS, "--engines=1", f"--run_dir={run_dir}"])
 
 
+# slow: two engines, started one after the other as the pool starts them
 @pytest.fixture(scope="module")
 def two_engines(one_engine_run):  # after the one-engine run: at most two engines at a time
     with EnginePool(config(2, "unused"), MODEL) as pool:
@@ -779,6 +781,7 @@ def test_a_digest_disagreement_names_the_engine_and_rank(two_engines, two_engine
     assert two_engines.digests() == theta
 
 
+# slow: the restart is a whole stage with an engine of its own
 @pytest.mark.engine
 def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
         two_engines, two_engine_run, one_engine_run, tmp_path, monkeypatch):
@@ -823,6 +826,7 @@ def ray_nodes():
     cluster.shutdown()
 
 
+# slow: three engines in Ray actors, each a process of its own (placement over the nodes is what is tested)
 @pytest.mark.engine
 def test_three_engines_on_two_nodes_join_by_address_co_locate_and_make_the_history_of_one(
         ray_nodes, one_engine_run, tmp_path):

@@ -94,6 +94,7 @@ def offline_hub(tmp_path_factory):
         yield cache
 
 
+# slow (the suite's longest step): runs/reference.sh is what is tested, six stage processes with an engine each
 @pytest.fixture(scope="module")
 def trained(offline_hub, tmp_path_factory):
     """`PRESET=smoke bash runs/reference.sh`, the README's whole flow, as a subprocess (the script is what is
@@ -224,6 +225,7 @@ def test_every_episode_is_recorded_whole_and_scores_0_as_the_agent_on_a_random_m
         assert [common.fitness(records, "agent") for records in by_member] == [0.0] * 4
 
 
+# slow: an export and a resume of a history this code did not write, two engines
 @pytest.mark.xdist_group("test_pipeline.py::2ec1038")  # shares nothing with the module's flow: may run beside it
 def test_a_history_written_by_2ec1038_resumes_and_exports_to_its_weights(tmp_path):
     """A history from before the fitness and per-generation restore fields (tests/fixtures/README.md).
@@ -348,6 +350,7 @@ def test_eval_writes_records_and_metrics(evaluated, exported):
         assert len(fileio.read_jsonl(evaluated / f"{name}_episodes.jsonl")) == 32  # transcripts, the resume state
 
 
+# slow: the three episodes left need an engine
 def test_eval_resumes_without_redoing_finished_episodes(evaluated, trained, tmp_path):
     """A copy of the eval folder with all episodes finished: a second run reuses every one of them, with the run
     folder named absolute where runs/reference.sh named it relative to the repository (the same export)."""
@@ -467,6 +470,7 @@ def process_tree(pid):
     return [root, *root.children(recursive=True)]
 
 
+# slow: signals are what is tested, so the two stopped runs are processes of their own (each with an engine)
 def test_stopped_runs_leave_no_process_nor_change_and_a_restart_resumes_to_the_same_history(trained, tmp_path):
     """Two stops of 01_train.py, then a start that finishes. SIGTERM (a scheduler's preemption) in the middle of
     generation 0 ends every process of the run with status 143, the history and the rollouts as they were. (A
