@@ -34,6 +34,7 @@ def model(tmp_path_factory):
     return str(models.write_tiny_model(tmp_path_factory.mktemp("qwen3-template"), chat_template=TEMPLATE.read_text()))
 
 
+# slow: the module's one engine
 @pytest.fixture(scope="module")
 def engine(model):
     with Engine(CFG, model) as e:

@@ -13,9 +13,11 @@ import common
 from agentic_es import checkpoint_noise, cli, data, export, fileio, metrics, models, smoke_task, stage, worker_memory
 from agentic_es.engine import Engine
 from agentic_es.history import HISTORY_FILE, check_config, config_from_history, run_identity
+from agentic_es.pool import EnginePool
 from test_pipeline import TRAIN_WITH_TEST_REWARD, replayable, run, sha
 
 evaluation, replay = importlib.import_module("03_eval"), importlib.import_module("04_replay")
+PATCH_RUN = ["--noise=checkpoint", "--restore=patch", "--noise_chunk=4096"]  # the module's run (`training`)
 
 KEY = checkpoint_noise.checkpoint_noise_key(20260627, "model.layers.0.mlp.down_proj.weight")
 
@@ -153,11 +155,66 @@ def test_replay_of_a_base_evaluated_with_other_noise_says_what_to_run_before_any
 
 # ---- real engines: the smoke run with the test reward, at TP=2 and TP=1 ----
 
+PATCH_ROUNDS = [("nearest", 3), ("stochastic", 4), ("stochastic", 5)]  # (rounding, member seed)
+
+
+def patch_restore_rounds(engine) -> dict:
+    """Members perturbed and restored through the patch on `engine`, with either rounding: the digests seen
+    (test_patch_restore_is_bit_exact_with_checkpoint_noise checks them)."""
+    cfg, seen = engine.cfg, {"base": engine.digests(), "ranks": rank_digests(engine), "rounds": []}
+    try:
+        for rounding, seed in PATCH_ROUNDS:
+            engine.cfg = dataclasses.replace(cfg, rounding=rounding)
+            engine.perturb(seed=seed, sigma=1e-3)
+            perturbed = engine.digests()
+            engine.restore()
+            seen["rounds"].append((perturbed, engine.digests(), rank_digests(engine)))
+        seen["patch_used"] = [m["patch_used"] for m in engine.rpc(worker_memory.es_memory)]
+    finally:
+        engine.cfg = cfg
+    return seen
+
+
+# slow: the TP=2 run every engine test here reads, one engine (the patch test's members run on it too)
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("ckpt") / "run"
-    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", "--noise=checkpoint")
-    return run_dir
+def training(tmp_path_factory):
+    """The smoke run with the test reward at TP=2, its members restored through the patch (restore="patch", small
+    noise chunks). Its engine, the settings test_patch_restore_is_bit_exact_with_checkpoint_noise needs, runs that
+    test's members once the run has finished, before it closes: (run folder, what they showed)."""
+    run_dir, seen = tmp_path_factory.mktemp("ckpt") / "run", {}
+    close = EnginePool.close
+
+    def members_then_close(pool):
+        if pool.engines and not seen:
+            try:
+                seen.update(patch_restore_rounds(pool.engines[0]))
+            except Exception as failure:  # noqa: BLE001  (the test reports it)
+                seen["failure"] = failure
+        close(pool)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EnginePool, "close", members_then_close)
+        run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", *PATCH_RUN)
+    return run_dir, seen
+
+
+@pytest.fixture(scope="module")
+def trained(training):
+    return training[0]
+
+
+# slow: a resume at TP=1 and an export at TP=2, two engines
+@pytest.fixture(scope="module")
+def resumed(trained, tmp_path_factory):
+    """The TP=2 run as a stop after its generation 0 leaves it (the history is written whole after each generation;
+    test_pipeline stops runs by signals), resumed at TP=1, then exported at TP=2: the module's one export, of a run
+    whose generations were made at two TP sizes. (run folder, the export's CompletedProcess)"""
+    run_dir = tmp_path_factory.mktemp("resumed")
+    stopped = fileio.read_json(trained / HISTORY_FILE)
+    fileio.write_json_atomic(dict(stopped, generations=stopped["generations"][:1]), run_dir / HISTORY_FILE)
+    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={run_dir}", "--noise=checkpoint", "--noise_chunk=4096",
+        "--tensor_parallel_size=1")  # (--restore: the run's, copy_device; any exact mode resumes)
+    return run_dir, run("02_export.py", f"--run_dir={run_dir}")  # at TP=2 again
 
 
 @pytest.mark.engine
@@ -175,14 +232,27 @@ def test_the_layout_reads_back_the_checkpoint_exactly_at_tp_2(trained):
 
 
 @pytest.mark.engine
-def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
+def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, resumed):
+    """Resumed at TP=1, then exported at TP=2 (the `resumed` fixture): every generation's digest agrees."""
+    run_dir, _ = resumed
+    resumed_history = fileio.read_json(run_dir / HISTORY_FILE)
+    reference = fileio.read_json(trained / HISTORY_FILE)
+    assert replayable(resumed_history)[0] == replayable(reference)[0]  # generation 0, made at TP=2, replayed at TP=1
+    assert len(resumed_history["generations"]) == 2 and resumed_history["tensor_parallel_size"] == 2  # the run's
+    manifest = fileio.read_json(run_dir / "export" / export.HUGGING_FACE_MANIFEST)
+    assert manifest["digest"] == resumed_history["generations"][-1]["digests"][0]
+
+
+# slow: the export at TP=1 and vLLM's loading of the folder at TP=1, two engines
+@pytest.mark.engine
+def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(resumed):
     from transformers import AutoModelForCausalLM
 
-    proc = run("02_export.py", f"--run_dir={trained}")
+    run_dir, proc = resumed
     assert "a Hugging Face folder" in proc.stdout and "safetensors files in" in proc.stdout  # progress, timed
-    exported = trained / "export"
+    exported = run_dir / "export"
     manifest = export.verify(exported)
-    history = fileio.read_json(trained / HISTORY_FILE)
+    history = fileio.read_json(run_dir / HISTORY_FILE)
     assert manifest["digest"] == history["generations"][-1]["digests"][0] and manifest["noise"] == "checkpoint"
     model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
     loaded = model.state_dict()
@@ -191,16 +261,18 @@ def test_the_export_is_a_hugging_face_folder_with_the_trained_weights(trained):
                                                      history)  # digests checked inside
     assert set(loaded) == set(expected)
     assert [n for n in expected if not torch.equal(loaded[n], expected[n])] == []  # bit for bit, without vLLM
-    run("02_export.py", f"--run_dir={trained}", "--tensor_parallel_size=1", f"--out={trained / 'export-tp1'}")
-    assert sha(trained / "export-tp1" / "model.safetensors") == sha(exported / "model.safetensors")
-    # stock vLLM loading, at another TP size: the evaluation loads the folder and checks the loaded digest
-    run("03_eval.py", f"--run_dir={trained}", "--tensor_parallel_size=1")
-    checkpoint = fileio.read_json(trained / "eval" / metrics.EVAL_METRICS)["checkpoint"]
+    run("02_export.py", f"--run_dir={run_dir}", "--tensor_parallel_size=1", f"--out={run_dir / 'export-tp1'}")
+    assert sha(run_dir / "export-tp1" / "model.safetensors") == sha(exported / "model.safetensors")
+    # stock vLLM loading, at another TP size: the evaluation loads the folder and checks the loaded digest (one
+    # problem of each set: the loading is what is checked)
+    run("03_eval.py", f"--run_dir={run_dir}", "--tensor_parallel_size=1", "--eval_problems=1")
+    checkpoint = fileio.read_json(run_dir / "eval" / metrics.EVAL_METRICS)["checkpoint"]
     assert checkpoint["kind"] == "export" and checkpoint["per_rank_digests"] == [manifest["digest"]]
-    # (reading the base through the TP=1 layout and replaying the TP=2 run's updates at TP=1: the resume below;
+    # (reading the base through the TP=1 layout and replaying the TP=2 run's updates at TP=1: the resume above;
     # bench/gpu_pipeline.py's report on a checkpoint-noise run's files: test_gpu_pipeline_report.py)
 
 
+# slow: an evaluation and its replay, two engines
 @pytest.mark.engine
 def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_noise(trained, tmp_path):
     """03_eval.py --export= in the run's folder, without --noise: the digests it records are the history's."""
@@ -215,44 +287,25 @@ def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_nois
     assert all(d["sample_agreement"] == 1.0 for d in report["datasets"].values())
 
 
-@pytest.mark.engine
-def test_a_run_stopped_at_tp_2_resumes_at_tp_1_to_the_same_weights(trained, tmp_path):
-    """The TP=2 run as a stop after its generation 0 leaves it (the history is written whole after each generation;
-    test_pipeline stops runs by signals), resumed at TP=1, then exported at TP=2."""
-    history_path = tmp_path / HISTORY_FILE
-    stopped = fileio.read_json(trained / HISTORY_FILE)
-    fileio.write_json_atomic(dict(stopped, generations=stopped["generations"][:1]), history_path)
-    run(TRAIN_WITH_TEST_REWARD, f"--run_dir={tmp_path}", "--noise=checkpoint", "--tensor_parallel_size=1")
-    resumed = fileio.read_json(history_path)
-    reference = fileio.read_json(trained / HISTORY_FILE)
-    assert replayable(resumed)[0] == replayable(reference)[0]  # generation 0, made at TP=2, replayed at TP=1
-    assert len(resumed["generations"]) == 2 and resumed["tensor_parallel_size"] == 2  # the header is the run's
-    run("02_export.py", f"--run_dir={tmp_path}")  # at TP=2 again: every generation's digest agrees
-    manifest = fileio.read_json(tmp_path / "export" / export.HUGGING_FACE_MANIFEST)
-    assert manifest["digest"] == resumed["generations"][-1]["digests"][0]
-
-
 def rank_digests(engine) -> list[str]:
     """Every rank's sha256 of its bits (the checkpoint digest adds elements up; this one sees each rank's)."""
     return [r["digest"] for r in engine.rpc(common.ESWorker.es_digest)]
 
 
 @pytest.mark.engine
-def test_patch_restore_is_bit_exact_with_checkpoint_noise():
+def test_patch_restore_is_bit_exact_with_checkpoint_noise(training):
     """restore="patch" with the checkpoint noise, where subtract is refused: every rank back to the centre's bits,
-    with either rounding, member after member."""
-    cfg = cli.parse_config(["--preset=smoke", "--noise=checkpoint", "--restore=patch", "--noise_chunk=4096"])
-    with Engine(cfg, models.resolve_model(cfg.model)) as engine:
-        base, ranks = engine.digests(), rank_digests(engine)
-        for rounding, seed in [("nearest", 3), ("stochastic", 4), ("stochastic", 5)]:
-            engine.cfg = dataclasses.replace(cfg, rounding=rounding)
-            engine.perturb(seed=seed, sigma=1e-3)
-            assert engine.digests() != base
-            engine.restore()
-            assert engine.digests() == base and rank_digests(engine) == ranks
-        assert all(m["patch_used"] > 0 for m in engine.rpc(worker_memory.es_memory))
+    with either rounding, member after member (on the training run's engine, at its trained centre)."""
+    _, seen = training
+    assert "failure" not in seen, seen.get("failure")
+    assert len(seen["rounds"]) == len(PATCH_ROUNDS)
+    for perturbed, restored, ranks in seen["rounds"]:
+        assert perturbed != seen["base"]
+        assert restored == seen["base"] and ranks == seen["ranks"]
+    assert all(used > 0 for used in seen["patch_used"])
 
 
+# slow: the MoE model's engine, with the checkpoint noise's worker extension
 @pytest.fixture(scope="class")
 def moe_checkpoint(tmp_path_factory):
     cfg = cli.parse_config(["--preset=smoke", "--model=tiny-qwen3-moe", "--noise=checkpoint", "--restore=patch",

@@ -88,6 +88,7 @@ def base_path():
     return models.resolve_model("tiny-qwen3-dense")
 
 
+# slow: the module's engine (a fresh one on the same weights: replica; the MoE model: moe)
 @pytest.fixture(scope="module")
 def engine(probes_allowed, base_path):
     with Engine(CFG, base_path) as e:

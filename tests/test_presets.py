@@ -47,6 +47,7 @@ def run_four_stages(run_dir, argv, fitness):
         return history, evaluation.main(argv), replay.main(argv)
 
 
+# slow: the four stages, an engine each: both presets' one flow
 @pytest.fixture(scope="module")
 def preset_run(tmp_path_factory):
     """The one flow of both presets (four engine starts)."""

@@ -34,6 +34,7 @@ def base_path():
     return models.resolve_model(NAME)
 
 
+# slow: the real 135M model at TP=2, shared by the module
 @pytest.fixture(scope="module")
 def engine(base_path):
     with Engine(CFG, base_path) as e:
@@ -72,6 +73,7 @@ def hf_model(config, state):
     return model.eval()
 
 
+# slow: two float32 transformers models generate, the reference the engine is held to
 @pytest.fixture(scope="module")
 def reference(base_path, engine):
     """Greedy tokens and their log-probabilities from the unpadded and padded models in float32 transformers."""
@@ -141,6 +143,7 @@ def test_greedy_answer_is_sensible(engine):
     assert "12" in text, text
 
 
+# slow: an engine of its own (the checkpoint noise's worker extension) and 135M parameters read through the layout
 def test_the_checkpoint_layout_of_a_tied_llama_reads_the_checkpoint_back_exactly(base_path):
     """noise=checkpoint on Llama at TP=2 (tied embeddings, vocabulary shards with padding, padded heads): what
     the ranks hold, read through the layout found by load_weights, is the checkpoint, element for element. An
@@ -165,6 +168,7 @@ def test_perturb_restore_update_cycle_is_exact(engine):
     assert engine.digests() != base
 
 
+# slow: a second engine, loading the export
 @pytest.fixture(scope="module")
 def export(engine, tmp_path_factory, base_path):
     """The engine's current (updated) weights saved as sharded_state, reloaded at TP=2 in a second engine."""

@@ -223,8 +223,11 @@ def test_a_generation_the_scorer_failed_on_is_not_written(scorer_script, stage, 
     assert proc.stderr.strip().splitlines()[-1] == (
         "[train] error: generation 1: the scorer failed on 8 of 8 episodes (score_error 8, score_timeout 0), more "
         "than 5%: nothing of generation 1 is written (docs/scoring.md)")
-    (generation,) = fileio.read_json(run_dir / HISTORY_FILE)["generations"]
+    history = fileio.read_json(run_dir / HISTORY_FILE)
+    (generation,) = history["generations"]
     assert generation["rewards"] == [1.0] * 4  # every answer of generation 0 scored, and right
+    # 01_train.py with the agent's score: equal rewards give z = 0, and the weights stay where they were
+    assert generation["z"] == [0.0] * 4 and generation["digests"] == history["base_digests"]
     assert generation["scorer_failures"] == {"score_error": 0, "score_timeout": 0}
     assert not (run_dir / train.ROLLOUTS / "generation-001.jsonl").exists()
 
