@@ -41,6 +41,7 @@ from agentic_es.prompts import ChatPrompts
 from agentic_es.settings import (CUDAGRAPH_MODES, DTYPES, EXECUTION, FITNESS_MODES, NOISE_MODES, POOL,  # noqa: F401
                                  PROMPT_MODES, RESTORE, RESTORE_MODES, ROUNDING_MODES, RUN, TRACKING_MODES, WEIGHTS,
                                  Bounds, check_settings, prompt_mode_before, setting)
+from agentic_es.settings import SPECULATIVE_MODES
 
 REPO = Path(__file__).resolve().parent
 
@@ -77,6 +78,16 @@ class Config:
                                           bounds=Bounds(0, why="0: vLLM's default"), before=0)  # until 0d8f68d: vLLM's
     custom_all_reduce: bool = setting(False, EXECUTION, "GPU: vLLM's own all-reduce over NVLink peer memory instead "
                                       "of NCCL's (README)", before=False)  # until 9fe2601: always off
+    speculative: str = setting("off", RUN, '"ngram": vLLM drafts tokens by n-gram lookup in each request\'s own ids '
+                               "and the model verifies them (engine.speculative_config). Samples the same distribution, "
+                               "not the same tokens: the random draws are spent otherwise, so it is a run constant",
+                               choices=SPECULATIVE_MODES, before="off")  # until issue 70: none
+    speculative_tokens: int = setting(4, RUN, "speculative=ngram: tokens drafted per step (vLLM's "
+                                      "num_speculative_tokens)", bounds=Bounds(1, 32), before=4)  # until issue 70
+    ngram_lookup_max: int = setting(4, RUN, "speculative=ngram: the longest n-gram matched (prompt_lookup_max)",
+                                    bounds=Bounds(1), before=4)  # until issue 70
+    ngram_lookup_min: int = setting(2, RUN, "speculative=ngram: the shortest n-gram matched (prompt_lookup_min)",
+                                    bounds=Bounds(1), before=2)  # until issue 70
     engines: int = setting(0, POOL, "engines evaluating members at once (pool.py); 0: GPUs // tensor_parallel_size, "
                            "1 on CPU", bounds=Bounds(0, why="0: one per tensor_parallel_size GPUs"),
                            before=1)  # until a55413f: one engine

@@ -137,6 +137,8 @@ class Engine(fileio.ClosedOnExit):
             worker_extension_cls=common.WORKER_EXTENSIONS[cfg.noise],
             skip_tokenizer_init=skip_tokenizer_init,
         )
+        if cfg.speculative != "off":
+            args["speculative_config"] = speculative_config(cfg)
         if executor:  # inside a Ray placement group vLLM would pick its Ray executor; the pool wants "mp"
             args["distributed_executor_backend"] = executor
         if self.device == "cuda":
@@ -441,6 +443,16 @@ def sampling_params(cfg: common.Config, *, seed: int, max_tokens: int, ignore_eo
                           presence_penalty=cfg.presence_penalty, repetition_penalty=cfg.repetition_penalty,
                           seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos,
                           output_kind=RequestOutputKind.FINAL_ONLY)  # one message per turn, not per token
+
+
+def speculative_config(cfg: common.Config) -> dict | None:
+    """vLLM's speculative_config of --speculative: with "ngram", each step drafts up to speculative_tokens tokens by
+    matching the request's last ngram_lookup_min..ngram_lookup_max ids earlier in its own ids (an agent's turns
+    repeat its prompt's commands and numbers), and one forward pass verifies them. None: off."""
+    if cfg.speculative == "off":
+        return None
+    return {"method": "ngram", "num_speculative_tokens": cfg.speculative_tokens,
+            "prompt_lookup_max": cfg.ngram_lookup_max, "prompt_lookup_min": cfg.ngram_lookup_min}
 
 
 def cuda_engine_args(cfg: common.Config) -> dict:

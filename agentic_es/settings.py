@@ -22,6 +22,7 @@ TRACKING_MODES = ("none", "tensorboard")
 FITNESS_MODES = ("agent", "shaped")  # see EPISODE_REWARDS
 DTYPES = ("bfloat16", "float16", "float32")
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
+SPECULATIVE_MODES = ("off", "ngram")  # see engine.speculative_config
 
 # A setting's role, which history.py's rules, 03_eval.py's reuse of finished episodes and --help read (cli.ROLE_RULES
 # says in words what the settings of each role may do)
@@ -92,6 +93,12 @@ def check_settings(cfg) -> None:
     if cfg.max_new_tokens >= cfg.max_model_len:  # a turn's prompt needs at least one token of the context
         raise stage.ConfigError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for the prompt in "
                                 f"max_model_len={cfg.max_model_len}; use --max_new_tokens below --max_model_len")
+    if cfg.speculative == "ngram" and cfg.ngram_lookup_min > cfg.ngram_lookup_max:
+        raise stage.ConfigError(f"ngram_lookup_min={cfg.ngram_lookup_min} is above ngram_lookup_max="
+                                f"{cfg.ngram_lookup_max}; the shortest n-gram looked up must not be longer than the longest")
+    if cfg.speculative == "ngram" and cfg.min_p > 0:  # vLLM would fail every request (SamplingParams.verify)
+        raise stage.ConfigError(f"speculative=ngram: vLLM samples no min_p with speculative decoding, and min_p is "
+                                f"{cfg.min_p}; use --min_p=0 or --speculative=off")
     if cfg.learn_digits == 1:
         raise stage.ConfigError("learn_digits=1 leaves too few pairs of one-digit numbers to hold out; use 0 (the "
                                 "numbers 2..19) or 2 digits and more")
