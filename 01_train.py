@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import common
-from agentic_es import cli, data, fileio, models, stage, tracking
+from agentic_es import cli, data, fileio, generation_time, models, stage, tracking
 from agentic_es.history import (HISTORY_FILE, check_config, generation_settings, read_history, rebuild_from_history,
                                 run_identity)
 from agentic_es.metrics import cut_replies
@@ -119,13 +119,17 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
     with tracking.stopwatch(timings, "digest"):
         digests = engines.digests()
     fileio.write_jsonl(episodes, rollout_dir / f"generation-{g:03d}.jsonl")
+    breakdown = generation_time.time_breakdown(  # where the time went: the members, their stragglers, the tokens
+        [(seconds["began_at"], seconds["ended_at"]) for _, seconds in results],
+        [seconds["rollout"] for _, seconds in results], per_member, engines.size, engines.gpus,
+        timings["update"], timings["digest"])
     return {
         "generation": g, "sigma": sigma, "alpha": cfg.alpha, "seeds": seeds, "rewards": rewards, "z": z,
         "problem_ids": [p["id"] for p in batch], "digests": digests, "scorer_failures": scorer_failures,
         # per member: its episodes the scorer failed on, left out of its fitness (common.fitness)
         "scorer_failures_by_member": [len(records) - len(common.scored_records(records)) for records in per_member],
         **generation_settings(cfg, engines.restore_modes), "replies": cut_replies(episodes),
-        "timings": {k: round(v, 4) for k, v in timings.items()}, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "timings": {k: round(v, 4) for k, v in timings.items()}, "time_breakdown": breakdown, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
 
@@ -136,6 +140,8 @@ def summary_line(record: dict, cfg) -> str:
     cut = f"  {replies['cut']}/{replies['replies']} replies cut at the token limit" if replies else ""
     return (f"[train] generation {record['generation'] + 1}/{cfg.generations}  sigma {record['sigma']:.3g}  "
             f"reward mean {sum(r) / len(r):.3f} max {max(r):.3f}{cut}  |  {timing_text(record['timings'], digits=1)}"
+            + (f"  |  {generation_time.summary_text(record['time_breakdown'])}" if "time_breakdown" in record
+               else "")  # (a record written before it was kept has none)
             + ("  |  scorer failed: " + ", ".join(f"{method} {n}" for method, n in failures.items())
                if any(failures.values()) else ""))
 

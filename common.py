@@ -784,11 +784,13 @@ async def run_episode(policy, problem, sample_index, cfg: Config, *, sandbox_che
 async def run_episodes(policy, problems_and_sample_indices, cfg: Config, *, sandbox_check: dict, progress=None,
                        tool_executor=None):
     """Run many episodes (run_episode), at most cfg.concurrency at once; records come back in input order,
-    `progress(record)` is called as each ends. Bash calls run in a thread pool of SANDBOX_MAX_PARALLEL workers unless
-    tool_executor is given. An EngineFailure (or cancellation) in one episode cancels the others and is raised once
+    `progress(record)` is called as each ends; each record's "ended_s" is its end in seconds from this call's start
+    (a member's straggler tail: generation_time.tail_share). Bash calls run in a thread pool of SANDBOX_MAX_PARALLEL
+    workers unless tool_executor is given. An EngineFailure (or cancellation) in one episode cancels the others and is raised once
     they have stopped; the episodes that finished before it have been passed to `progress`."""
     items = list(problems_and_sample_indices)
     limit = asyncio.Semaphore(cfg.concurrency)
+    began = time.monotonic()
     own_executor = None
     if tool_executor is None:
         tool_executor = own_executor = concurrent.futures.ThreadPoolExecutor(max_workers=SANDBOX_MAX_PARALLEL,
@@ -798,6 +800,7 @@ async def run_episodes(policy, problems_and_sample_indices, cfg: Config, *, sand
         async with limit:
             record = await run_episode(policy, problem, sample_index, cfg, sandbox_check=sandbox_check,
                                        tool_executor=tool_executor)
+        record["ended_s"] = time.monotonic() - began
         if progress is not None:
             progress(record)
         return record
@@ -827,7 +830,8 @@ def evaluate_member(engine, seed: int, sigma: float, jobs: list[tuple[dict, int]
                     on_record=None) -> tuple[list[dict], dict]:
     """theta + sigma * eps(seed) on `engine` (an engine.Engine, or a pool's engine in a Ray actor), the agent on
     `jobs` ((problem, sample index) pairs: one episode each, run_episodes), then the exact theta back. Returns the
-    member's records in input order and the seconds of each step. The pool runs it on its next free engine
+    member's records in input order and the seconds of each step, with the member's span on this process's
+    perf_counter clock ("began_at", "ended_at": which members were in flight at once). The pool runs it on its next free engine
     (EnginePool.map); on_record(record) as each episode ends, desc: the episodes' progress bar (None: none)."""
     started = time.perf_counter()
     engine.perturb(seed, sigma)
@@ -835,7 +839,9 @@ def evaluate_member(engine, seed: int, sigma: float, jobs: list[tuple[dict, int]
     records = engine.run_agent(jobs, desc=desc, on_record=on_record)
     ran = time.perf_counter()
     engine.restore()
-    return records, {"perturb": perturbed - started, "rollout": ran - perturbed, "restore": time.perf_counter() - ran}
+    ended = time.perf_counter()
+    return records, {"perturb": perturbed - started, "rollout": ran - perturbed, "restore": ended - ran,
+                     "began_at": started, "ended_at": ended}
 
 
 # ---- A member's fitness (Config.fitness): the mean of one reward per episode of its case batch

@@ -125,6 +125,7 @@ class Engine(fileio.ClosedOnExit):
         self.cfg, self.perturbs = cfg, perturbs
         self.device = vllm_platform.device_type()
         vllm_platform.check_placement(cfg.tensor_parallel_size, self.device)
+        vllm_platform.check_speculative(cfg, self.device)
         self._tokenizer_path = tokenizer or model_path
         self.prompts = (None if skip_tokenizer_init  # no tokenizer: no agent
                         else prompts.ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))

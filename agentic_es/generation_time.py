@@ -15,10 +15,10 @@ def tail_share(episode_ends_s: list[float], rollout_s: float) -> float:
     waited on one long episode, its engine mostly idle."""
     if not episode_ends_s:
         raise ValueError("a member's tail share needs the end of at least one episode")
-    if rollout_s <= 0:
-        raise ValueError(f"a member's rollout must take some time, got {rollout_s} s")
+    if rollout_s < 0 or any(end < 0 or end > rollout_s for end in episode_ends_s):
+        raise ValueError(f"episodes end within their rollout: ends {sorted(episode_ends_s)} s, rollout {rollout_s} s")
     ends = sorted(episode_ends_s)
-    return (ends[-1] - statistics.median(ends)) / rollout_s
+    return (ends[-1] - statistics.median(ends)) / rollout_s if rollout_s else 0.0
 
 
 def underfilled_share(spans: list[tuple[float, float]], engines: int) -> float:

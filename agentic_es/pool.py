@@ -194,6 +194,17 @@ class EnginePool(fileio.ClosedOnExit):
         where an engine's memory plan held its copy in pinned host memory (copy_host) instead of on the GPU."""
         return [each.restore_mode for each in self.engines]
 
+    @property
+    def gpus(self) -> int:
+        """The distinct GPUs the pool's engines run on (co-located engines share theirs); 0 on CPU."""
+        held = set()
+        for where in self.placement:
+            gpus = where.get("gpus", [])
+            if isinstance(gpus, str):  # (a Ray engine's CUDA_VISIBLE_DEVICES)
+                gpus = [g for g in gpus.split(",") if g]
+            held.update((where.get("node"), gpu) for gpu in gpus)
+        return len(held)
+
     def rpc(self, method, **kwargs) -> list:
         """Engine.rpc on engine 0 (a worker method named by reference, common.ESWorker.es_digest)."""
         return self._each("rpc", method, **kwargs)[0]

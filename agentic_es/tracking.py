@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from agentic_es.fileio import ClosedOnExit, write_file_atomic
-from agentic_es import stage
+from agentic_es import generation_time, stage
 
 
 # ---- Progress: the bars of episodes, members and generations
@@ -122,7 +122,8 @@ TENSORBOARD_DIR = "tensorboard"  # in the run dir: `tensorboard --logdir runs/es
 
 def generation_scalars(record: dict) -> dict[str, float]:
     """What a history record says about its generation, as named scalars: rewards, sigma, alpha, the replies cut
-    at the token limit and the episodes the scorer failed on (where the record counts them), seconds."""
+    at the token limit and the episodes the scorer failed on (where the record counts them), seconds, and where the
+    time went (generation_time.scalars, where the record keeps it)."""
     rewards = np.asarray(record["rewards"], dtype=np.float64)
     scalars = {"reward/mean": rewards.mean(), "reward/max": rewards.max(), "reward/min": rewards.min(),
                "reward/std": rewards.std(), "sigma": record["sigma"], "alpha": record["alpha"]}
@@ -130,6 +131,8 @@ def generation_scalars(record: dict) -> dict[str, float]:
         scalars["replies/cut"] = record["replies"]["cut"]
     scalars.update({f"scorer_failures/{method}": n for method, n in record.get("scorer_failures", {}).items()})
     scalars.update({f"seconds/{k}": v for k, v in record["timings"].items()})
+    if "time_breakdown" in record:  # (a record written before it was kept has none)
+        scalars.update(generation_time.scalars(record["time_breakdown"]))
     return {k: float(v) for k, v in scalars.items()}
 
 

