@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, data, fileio, models, restore_patch, sandbox, smoke_task, stage, tracking
+from agentic_es import cli, data, fileio, generation_time, models, restore_patch, sandbox, smoke_task, stage, tracking
 from agentic_es.engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
 from agentic_es.history import (GENERATION_SETTINGS, HISTORY_FILE, POOL_FIELDS, check_config, config_from_history,
                                 run_identity)
@@ -803,6 +803,34 @@ def test_two_engines_make_the_history_and_records_of_one(one_engine_run, two_eng
     assert gens[-1]["digests"] != history["base_digests"]  # ... so the weights moved
     assert gens[0]["timings"]["members"] > 0
     assert [g["restore"] for g in gens + one["generations"]] == ["copy_device"] * 4  # what the CPU engines ran
+
+
+@pytest.mark.engine
+def test_each_generation_records_where_its_time_went(one_engine_run, two_engine_run):
+    """The smoke run's records, with one engine and with two: each member's time within the members' wall time,
+    its longest episode within it, the shares in [0, 1], the tokens those of its episodes' generated ids; the
+    console line and TensorBoard show them."""
+    for engines, (run_dir, history) in ((1, one_engine_run), (2, two_engine_run)):
+        cfg = config(engines, run_dir)
+        for g in history["generations"]:
+            t, population = g["time_breakdown"], len(g["seeds"])
+            assert len(t["member_s"]) == len(t["longest_episode_s"]) == len(t["tail_share"]) == population
+            assert t["engines"] == engines and "tokens_per_s_per_gpu" not in t  # the CPU's rate is per engine
+            assert 0 < max(t["member_s"]) <= t["members_wall_s"] <= g["timings"]["members"]
+            assert sum(t["member_s"]) <= engines * t["members_wall_s"] + 1e-3
+            assert t["wall_s"] == pytest.approx(t["members_wall_s"] + g["timings"]["update"] + g["timings"]["digest"],
+                                                abs=1e-3)
+            assert all(0 < longest < member for longest, member in zip(t["longest_episode_s"], t["member_s"]))
+            assert all(0 <= share <= 1 for share in [*t["tail_share"], t["underfilled_share"]])
+            if engines == 1:
+                assert t["underfilled_share"] < 0.01  # one member after another: the engine never waits for one
+            episodes = fileio.read_jsonl(run_dir / train.ROLLOUTS / f"generation-{g['generation']:03d}.jsonl")
+            assert t["generated_tokens"] == sum(e["completion_tokens"] for e in episodes) > 0
+            assert t["tokens_per_s_per_engine"] == pytest.approx(
+                t["generated_tokens"] / t["members_wall_s"] / engines, rel=1e-3)
+            assert all(0 < e["ended_s"] and e["seconds"] <= e["ended_s"] + 1e-3 for e in episodes)
+            assert generation_time.summary_text(t) in train.summary_line(g, cfg)
+            assert tracking.generation_scalars(g)["time/underfilled_share"] == t["underfilled_share"]
 
 
 @pytest.mark.engine
