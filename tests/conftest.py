@@ -28,7 +28,7 @@ _running = {}
 GROUP_SECONDS = {"test_pipeline.py": 590, "test_checkpoint_noise.py": 217, "test_engine_pool.py": 190,
                  "test_real_model.py": 160, "test_presets.py": 121, "test_compute_preset.py": 90, "test_pipeline.py::2ec1038": 67,
                  "test_es_engine.py": 60, "test_scorer_failures.py": 55, "test_agent_engine.py": 45,
-                 "test_strict_base_bench.py": 35}
+                 "test_strict_base_bench.py": 35, "test_speculative.py": 145}
 
 
 def group_of(item) -> str:

@@ -740,7 +740,8 @@ def test_a_setting_added_after_the_first_files_declares_what_the_code_did_before
         for value in ([then(oldest), then(older)] if callable(then) else [then] if then is not None else []):
             assert settings.setting_problem(f, value) is None, f.name
     lacking = {f.name for f in fields} - set(read_history(OLD_HISTORY)["config"])
-    assert lacking == {"fitness", "learn_digits", "compute_level", "engines", "ray_address"}  # pool's: never recorded
+    assert lacking == {"fitness", "learn_digits", "compute_level", "engines", "ray_address",  # pool's: never recorded
+                       "speculative", "speculative_tokens", "ngram_lookup_max", "ngram_lookup_min"}
     assert all(common.Config.__dataclass_fields__[name].metadata["before"] is not None for name in lacking)
 
 
@@ -1002,7 +1003,8 @@ def test_export_and_replay_take_the_settings_their_help_lists_and_refuse_every_o
              "presence_penalty": 0.5, "repetition_penalty": 0.5, "bash_timeout_s": 1.0, "observation_chars": 9,
              "concurrency": 3, "allow_leaky_sandbox": True, "prompt_mode": "continue", "train_data": "learn",
              "learn_digits": 3, "compute_level": 2, "eval_problems": 5, "run_dir": "/x", "smoke_eval": True, "tracking": "tensorboard",
-             "model": "/models/other"}
+             "model": "/models/other", "speculative": "ngram", "speculative_tokens": 2, "ngram_lookup_max": 3,
+             "ngram_lookup_min": 1}
     assert set(other) == {f.name for f in dataclasses.fields(common.Config)}
     free = set(REBUILD_FIELDS) | ({"tensor_parallel_size"} if noise == "checkpoint" else set())
     for name, value in other.items():
