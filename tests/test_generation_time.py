@@ -86,3 +86,24 @@ def test_the_console_and_tensorboard_show_the_slowest_member_and_the_shares():
     assert scalars["time/slowest_member_s"] == 6.0 and scalars["time/longest_episode_s"] == 4.75
     assert scalars["time/underfilled_share"] == pytest.approx(0.6667) and scalars["time/tokens_per_s_per_gpu"] == 5.0
     assert all(isinstance(v, float) for v in scalars.values())
+
+
+
+def test_a_record_written_before_the_breakdown_still_reads_prints_and_tracks(tmp_path):
+    """A history written before issue 70 has no time_breakdown: it reads, and its console line and TensorBoard
+    scalars are those it had, nothing of where the time went."""
+    import importlib
+
+    from agentic_es import cli, data, tracking
+    from agentic_es.history import read_history
+    from test_es_math import OLD_HISTORY, ScoringPool
+
+    assert all("time_breakdown" not in g for g in read_history(OLD_HISTORY)["generations"])
+    train = importlib.import_module("01_train")
+    cfg = cli.parse_config(["--preset=smoke"])
+    record = train.run_generation(ScoringPool(), cfg, data.training_problems(cfg), 0, train.member_fitness(cfg),
+                                  tmp_path / "rollouts")
+    assert "tail share" in train.summary_line(record, cfg) and "time/wall_s" in tracking.generation_scalars(record)
+    older = {k: v for k, v in record.items() if k != "time_breakdown"}
+    assert train.summary_line(older, cfg) == train.summary_line(record, cfg).split("  |  wall ")[0]
+    assert not any(name.startswith("time/") for name in tracking.generation_scalars(older))
