@@ -129,7 +129,8 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
         # per member: its episodes the scorer failed on, left out of its fitness (common.fitness)
         "scorer_failures_by_member": [len(records) - len(common.scored_records(records)) for records in per_member],
         **generation_settings(cfg, engines.restore_modes), "replies": cut_replies(episodes),
-        "timings": {k: round(v, 4) for k, v in timings.items()}, "time_breakdown": breakdown, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "timings": {k: round(v, 4) for k, v in timings.items()}, "time_breakdown": breakdown,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
 

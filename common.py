@@ -79,8 +79,9 @@ class Config:
     custom_all_reduce: bool = setting(False, EXECUTION, "GPU: vLLM's own all-reduce over NVLink peer memory instead "
                                       "of NCCL's (README)", before=False)  # until 9fe2601: always off
     speculative: str = setting("off", RUN, '"ngram": vLLM drafts tokens by n-gram lookup in each request\'s own ids '
-                               "and the model verifies them (engine.speculative_config). Samples the same distribution, "
-                               "not the same tokens: the random draws are spent otherwise, so it is a run constant",
+                               "and the model verifies them (engine.speculative_config). Samples the same "
+                               "distribution, not the same tokens: the random draws are spent otherwise, so it is a "
+                               "run constant",
                                choices=SPECULATIVE_MODES, before="off")  # until issue 70: none
     speculative_tokens: int = setting(4, RUN, "speculative=ngram: tokens drafted per step (vLLM's "
                                       "num_speculative_tokens)", bounds=Bounds(1, 32), before=4)  # until issue 70
@@ -786,8 +787,8 @@ async def run_episodes(policy, problems_and_sample_indices, cfg: Config, *, sand
     """Run many episodes (run_episode), at most cfg.concurrency at once; records come back in input order,
     `progress(record)` is called as each ends; each record's "ended_s" is its end in seconds from this call's start
     (a member's straggler tail: generation_time.tail_share). Bash calls run in a thread pool of SANDBOX_MAX_PARALLEL
-    workers unless tool_executor is given. An EngineFailure (or cancellation) in one episode cancels the others and is raised once
-    they have stopped; the episodes that finished before it have been passed to `progress`."""
+    workers unless tool_executor is given. An EngineFailure (or cancellation) in one episode cancels the others and
+    is raised once they have stopped; the episodes that finished before it have been passed to `progress`."""
     items = list(problems_and_sample_indices)
     limit = asyncio.Semaphore(cfg.concurrency)
     began = time.monotonic()
@@ -831,8 +832,9 @@ def evaluate_member(engine, seed: int, sigma: float, jobs: list[tuple[dict, int]
     """theta + sigma * eps(seed) on `engine` (an engine.Engine, or a pool's engine in a Ray actor), the agent on
     `jobs` ((problem, sample index) pairs: one episode each, run_episodes), then the exact theta back. Returns the
     member's records in input order and the seconds of each step, with the member's span on this process's
-    perf_counter clock ("began_at", "ended_at": which members were in flight at once). The pool runs it on its next free engine
-    (EnginePool.map); on_record(record) as each episode ends, desc: the episodes' progress bar (None: none)."""
+    perf_counter clock ("began_at", "ended_at": which members were in flight at once). The pool runs it on its next
+    free engine (EnginePool.map); on_record(record) as each episode ends, desc: the episodes' progress bar (None:
+    none)."""
     started = time.perf_counter()
     engine.perturb(seed, sigma)
     perturbed = time.perf_counter()

@@ -95,7 +95,8 @@ def check_settings(cfg) -> None:
                                 f"max_model_len={cfg.max_model_len}; use --max_new_tokens below --max_model_len")
     if cfg.speculative == "ngram" and cfg.ngram_lookup_min > cfg.ngram_lookup_max:
         raise stage.ConfigError(f"ngram_lookup_min={cfg.ngram_lookup_min} is above ngram_lookup_max="
-                                f"{cfg.ngram_lookup_max}; the shortest n-gram looked up must not be longer than the longest")
+                                f"{cfg.ngram_lookup_max}; the shortest n-gram looked up must not be longer than the "
+                                "longest")
     if cfg.speculative == "ngram" and cfg.min_p > 0:  # vLLM would fail every request (SamplingParams.verify)
         raise stage.ConfigError(f"speculative=ngram: vLLM samples no min_p with speculative decoding, and min_p is "
                                 f"{cfg.min_p}; use --min_p=0 or --speculative=off")

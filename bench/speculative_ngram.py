@@ -217,12 +217,15 @@ def table(modes: list[dict]) -> str:
             ("generation: fewer than K in flight", ("generation", "underfilled_share")),
             ("generation: floor share", ("generation", "floor_share")),
             ("generation: tok/s per GPU", ("generation", "tokens_per_s_per_gpu")),
+            ("generation: tok/s per engine (CPU)", ("generation", "tokens_per_s_per_engine")),
             ("generation: strict score mean", ("generation", "strict_score_mean")),
             ("generation: acceptance rate", ("generation", "drafts", "acceptance_rate")),
             ("reference sampling runs", ("reference_sampling", "runs"))]
     lines = ["| | " + " | ".join(m["mode"] for m in modes) + " |", "|---|" + "---|" * len(modes)]
     for name, path in rows:
         cells = [get(m, *path) for m in modes]
+        if all(c == "-" for c in cells):
+            continue  # (a row this device has not: tokens per GPU on the CPU, per engine on a GPU)
         cells = [max(c) if isinstance(c, list) else c for c in cells]  # (the slowest member of the list)
         lines.append(f"| {name} | " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -243,6 +246,9 @@ def main(argv):
     if len(modes) == 2 and all(episodes.values()):
         report["same_episodes"] = same_episodes(*episodes.values())
     print(table(results))
+    for result in results:
+        if "error" in result:
+            print(f"{result['mode']}: {result['error']}")
     return emit(report, opts["out"])
 
 
