@@ -19,7 +19,9 @@ on the GPU this measures it). A step vLLM fails is recorded as its error, and th
 
     python bench/speculative_ngram.py --out=$OUT/speculative_ngram.json          # one GPU; CUDA MPS as
         # runs/compute_one_gpu.sh starts it (without it the engines time-slice the GPU: slower, not wrong)
-    python bench/speculative_ngram.py --modes=ngram --population=8 ...           # one mode, a smaller generation
+    python bench/speculative_ngram.py --modes=off --out=$OUT/off.json            # one mode per command (each
+    python bench/speculative_ngram.py --modes=ngram --out=$OUT/ngram.json        # keeps its episodes beside --out;
+        # the second compares them with the first's: same_episodes)
 
 Script options: modes (default off,ngram), preset (compute), single_tokens (tokens of the lone sequence, 1024),
 reference_probe (true), out. Every other --key=value is a setting (defaults: --tensor_parallel_size=1 --engines=4
@@ -51,26 +53,48 @@ OPTIONS = {"modes": "off,ngram", "preset": "compute", "single_tokens": 1024, "re
 DEFAULTS = ["--tensor_parallel_size=1", "--engines=4", "--gpu_memory_utilization=0.13"]  # the compute run's
 REFERENCE_SAMPLING = {"temperature": 1.0, "top_k": 40, "presence_penalty": 2.0, "top_p": 1.0, "min_p": 0.0}
 PROBE_SEQUENCES, PROBE_TOKENS = 16, 256
+EPISODES_FILE = "speculative_ngram_{mode}_episodes.jsonl"  # beside --out: a later run of the other mode compares
 train = importlib.import_module("01_train")
 
 
-def draft_counters() -> dict[str, float] | None:
-    """vLLM's speculative decoding counters of this process, summed over its engines (None: this vLLM has no
-    metrics reader)."""
-    try:
-        from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
-    except ImportError:
-        return None
+DRAFT_COUNTERS = []  # every engine's speculative decoding counters (Prometheus collectors), as they were registered
+
+
+def keep_draft_counters() -> None:
+    """Keep each speculative decoding counter vLLM registers: each engine's Prometheus logger unregisters the
+    collectors of the engines started before it (unregister_vllm_metrics), so that the registry shows the last
+    engine's alone, while the others still count into theirs."""
+    from prometheus_client import REGISTRY
+
+    if getattr(REGISTRY.register, "keeps_draft_counters", False):
+        return
+    register = REGISTRY.register
+
+    def register_and_keep(collector):
+        if getattr(collector, "_name", "").startswith("vllm:spec_decode"):
+            DRAFT_COUNTERS.append(collector)
+        return register(collector)
+
+    register_and_keep.keeps_draft_counters = True
+    REGISTRY.register = register_and_keep
+
+
+def draft_counters() -> dict[str, float]:
+    """vLLM's speculative decoding counters of this process's engines (kept by keep_draft_counters), summed over
+    the engines: {counter name: value}."""
     counts = {}
-    for metric in get_metrics_snapshot():
-        if isinstance(metric, Counter) and metric.name.startswith("vllm:spec_decode"):
-            counts[metric.name] = counts.get(metric.name, 0.0) + metric.value
+    for collector in DRAFT_COUNTERS:
+        for family in collector.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    name = sample.name.removesuffix("_total")
+                    counts[name] = counts.get(name, 0.0) + sample.value
     return counts
 
 
 def acceptance(before: dict | None, after: dict | None) -> dict | None:
     """Drafts, draft tokens and accepted tokens between two counter readings; the acceptance rate (accepted over
-    drafted tokens) and the tokens accepted per draft."""
+    drafted tokens) and the tokens accepted per draft. None where there was no reading."""
     if before is None or after is None:
         return None
     delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
@@ -235,15 +259,24 @@ def main(argv):
     opts, overrides = cli.parse_args(argv, OPTIONS)
     modes = [m for m in opts["modes"].split(",") if m]
     stage.check_scorer()
+    keep_draft_counters()  # before any engine starts
     work = Path(tempfile.mkdtemp(prefix="speculative-ngram-"))
     results, episodes = [], {}
     for mode in modes:
         result, episodes[mode] = run_mode(mode, overrides, opts, work)
         results.append(result)
+    kept = Path(opts["out"]).parent if opts["out"] else None  # each mode's episodes, for a run of the other mode
+    for mode, mode_episodes in episodes.items():
+        if kept is not None and mode_episodes:
+            fileio.write_jsonl(mode_episodes, kept / EPISODES_FILE.format(mode=mode))
+    if kept is not None and len(episodes) == 1:  # the other mode's, from an earlier run beside it
+        other = kept / EPISODES_FILE.format(mode="ngram" if "off" in episodes else "off")
+        if other.exists():
+            episodes = {**episodes, other.name: fileio.read_jsonl(other)}
     report = {"bench": "speculative_ngram", "date": time.strftime("%Y-%m-%d"),
               "vllm_version": __import__("vllm").__version__, "mps": mps_running(),
               "settings": [f"--preset={opts['preset']}", *DEFAULTS, *overrides], "modes": results}
-    if len(modes) == 2 and all(episodes.values()):
+    if len(episodes) == 2 and all(episodes.values()):
         report["same_episodes"] = same_episodes(*episodes.values())
     print(table(results))
     for result in results:

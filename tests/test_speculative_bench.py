@@ -4,6 +4,8 @@ CPU: bench/README.md, "Speculative decoding".)"""
 
 import sys
 
+import pytest
+
 import common
 
 sys.path.insert(0, str(common.REPO / "bench"))
@@ -36,3 +38,33 @@ def test_the_table_shows_a_failed_mode_as_dashes_and_leaves_out_rows_no_mode_has
     assert "| one sequence alone, tok/s | 100.0 | - |" in text
     assert "| generation: slowest member s | 3.0 | - |" in text  # the slowest of the members
     assert "per engine" not in text
+
+
+@pytest.fixture
+def kept_counters(monkeypatch):
+    """keep_draft_counters on this test's own registry and list."""
+    import prometheus_client
+
+    registry = prometheus_client.CollectorRegistry()
+    monkeypatch.setattr(prometheus_client, "REGISTRY", registry)
+    monkeypatch.setattr(speculative_ngram, "DRAFT_COUNTERS", [])
+    speculative_ngram.keep_draft_counters()
+    return registry
+
+
+def test_the_draft_counters_of_every_engine_are_summed_though_each_start_unregisters_the_last(kept_counters):
+    """vLLM's Prometheus logger of each new engine unregisters the collectors before it: the counters the earlier
+    engines still count into are read all the same."""
+    import prometheus_client
+
+    counters = []
+    for engine in range(2):
+        for collector in list(kept_counters._collector_to_names):  # as vLLM's unregister_vllm_metrics does
+            kept_counters.unregister(collector)
+        counter = prometheus_client.Counter("vllm:spec_decode_num_drafts", "drafts", ["engine"],
+                                            registry=kept_counters)
+        counters.append(counter.labels(engine=str(engine)))
+    prometheus_client.Counter("vllm:other", "not a draft counter", registry=kept_counters).inc(9)
+    counters[0].inc(3)
+    counters[1].inc(4)
+    assert speculative_ngram.draft_counters() == {"vllm:spec_decode_num_drafts": 7.0}
