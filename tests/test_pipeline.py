@@ -198,6 +198,7 @@ def test_training_history_is_complete_and_moves_the_weights(trained, offline_hub
         assert len(g["seeds"]) == len(g["rewards"]) == len(g["z"]) == 4 and len(g["problem_ids"]) == 2
         assert len(set(g["rewards"])) > 1 and any(z != 0 for z in g["z"])  # the test reward separates members
         assert set(g["timings"]) >= {"rollout", "perturb", "restore", "update", "digest"}
+        assert len(g["time_breakdown"]["member_s"]) == 4 and g["time_breakdown"]["generated_tokens"] > 0
         assert len(g["digests"]) == 2
     assert gens[-1]["digests"] != history["base_digests"]  # the updates changed the weights on both ranks
     assert [g["sigma"] for g in gens] == [common.Config.sigma_start, common.Config.sigma_end]
