@@ -42,7 +42,8 @@ import common  # noqa: E402
 import plain_generation  # noqa: E402
 import qwen3_30b  # noqa: E402
 from agentic_es import cli, models, worker_memory  # noqa: E402
-from agentic_es.pool import EnginePool, mps_running  # noqa: E402
+from agentic_es.placement import mps_running  # noqa: E402
+from agentic_es.pool import EnginePool  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 TAIL_SHARE = 0.15
