@@ -66,6 +66,9 @@ wait)
   ;;
 collect)
   out=${2:?OUT_DIR}; mkdir -p "$out"
+  for history in "$root"/seed-*/es_history.json; do  # also a run the time limit cut: its generations so far
+    [ -f "$history" ] && cp "$history" "$out/compute_$(basename "$(dirname "$history")")_history.json"
+  done
   tar czf "$out/compute_stages_all.tar.gz" -C "$root" --exclude='seed-*' . 2>/dev/null
   ls -la "$out"
   ;;
