@@ -226,7 +226,6 @@ def test_every_episode_is_recorded_whole_and_scores_0_as_the_agent_on_a_random_m
 
 
 # slow: an export and a resume of a history this code did not write, two engines
-@pytest.mark.xdist_group("test_pipeline.py::2ec1038")  # shares nothing with the module's flow: may run beside it
 def test_a_history_written_by_2ec1038_resumes_and_exports_to_its_weights(tmp_path):
     """A history from before the fitness and per-generation restore fields (tests/fixtures/README.md).
 
