@@ -27,9 +27,9 @@ _running = {}
 # otherwise hand out the modules with the most tests first, the long ones last; its --dist loadgroup, which could
 # split a module, does not group with pytest 9, whose node ids it cannot extend.) A new module of engines belongs
 # here.
-MODULE_SECONDS = {"test_pipeline.py": 650, "test_checkpoint_noise.py": 220, "test_engine_pool.py": 190,
-                  "test_real_model.py": 160, "test_presets.py": 120, "test_es_engine.py": 60,
-                  "test_scorer_failures.py": 55, "test_agent_engine.py": 45, "test_strict_base_bench.py": 35}
+MODULE_SECONDS = {"test_pipeline.py": 589, "test_engine_pool.py": 269, "test_checkpoint_noise.py": 223,
+                  "test_real_model.py": 156, "test_presets.py": 90, "test_es_engine.py": 85, "test_old_history.py": 67,
+                  "test_strict_base_bench.py": 62, "test_scorer_failures.py": 55, "test_agent_engine.py": 32}
 
 
 def pytest_collection_modifyitems(items):
