@@ -50,7 +50,7 @@ def main(argv: list[str]) -> dict:
                 tracker.log_missing(recorded["generations"])
             print_final_summary(recorded, run_dir)
             return recorded
-    common.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
+    stage.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
     with EnginePool(cfg, model_path) as engines, tracking.Tracker(cfg, run_dir) as tracker:
         history = start_or_resume(cfg, model_path, engines, history_path)
         tracker.log_missing(history["generations"])  # generations the history has and the event files lack
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> dict:
                                 desc="generations"):
             try:
                 record = run_generation(engines, cfg, problems, g, member_fitness(cfg), run_dir / ROLLOUTS)
-            except (common.EngineFailure, stage.Interrupted) as stop:  # nothing of generation g has been written
+            except (stage.EngineFailure, stage.Interrupted) as stop:  # nothing of generation g has been written
                 tqdm.write(f"[train] generation {g} abandoned ({stop}); {history_path} keeps the {g} finished "
                            "generations: run the same command again to resume")
                 raise
@@ -107,9 +107,9 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
     timings = {step: sum(seconds[step] for _, seconds in results) for step in ("perturb", "rollout", "restore")}
     timings["members"] = time.perf_counter() - started  # the population's wall time
     # past the bound the scores are the scorer's failures, not the members': nothing of generation g is written
-    scorer_failures = common.check_scorer_failures([r for records in per_member for r in records], f"generation {g}",
+    scorer_failures = stage.check_scorer_failures([r for records in per_member for r in records], f"generation {g}",
                                                    f"nothing of generation {g} is written (docs/scoring.md)")
-    rewards = [float(fitness(records)) for records in per_member]
+    rewards = [float(fitness(records)) for records in per_member]  # each without the episodes the scorer failed on
     episodes = [dict(r, generation=g, member=member, member_seed=seed)
                 for member, (seed, records) in enumerate(zip(seeds, per_member)) for r in records]
 
@@ -122,6 +122,8 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
     return {
         "generation": g, "sigma": sigma, "alpha": cfg.alpha, "seeds": seeds, "rewards": rewards, "z": z,
         "problem_ids": [p["id"] for p in batch], "digests": digests, "scorer_failures": scorer_failures,
+        # per member: its episodes the scorer failed on, left out of its fitness (common.fitness)
+        "scorer_failures_by_member": [len(records) - len(common.scored_records(records)) for records in per_member],
         **generation_settings(cfg, engines.restore_modes), "replies": cut_replies(episodes),
         "timings": {k: round(v, 4) for k, v in timings.items()}, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

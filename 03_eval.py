@@ -1,5 +1,5 @@
 """Stage 3: 16-sample agent evaluation of a checkpoint on DAPO-100 and AIME-2026 (the learn task: its held-out
-additions).
+additions; the compute task: its held-out parameters and held-out families).
 
 Every problem gets sample_index 0..15, each episode with its own seeds, so any sample can be re-run alone. The
 reported row is the group of samples 12-15 (Mean4 / Pass4); the other groups, mean@16 (the accuracy) and the
@@ -12,6 +12,11 @@ resumes without redoing them.
     python 03_eval.py --preset=smoke                    # the smoke run's export, first 2 smoke problems per set
     python 03_eval.py --preset=learn                    # the learn run's export on 64 held-out additions
     python 03_eval.py --preset=strict                   # the strict run's export on 64 held-out sums of its tier
+    python 03_eval.py --preset=compute                  # the compute run's export on 64 + 64 held-out problems
+
+An evaluation of a run's weights (its export, or the base model in a run folder holding its history) evaluates the
+tier and level of the task the run trained on (TASK_FIELDS: learn_digits, compute_level), as its history recorded
+them; a --learn_digits or --compute_level of another value is refused.
 """
 
 import contextlib
@@ -22,9 +27,9 @@ from pathlib import Path
 
 import common
 from agentic_es import cli, export, fileio, models, stage
-from agentic_es.data import problems_from, problems_sha256
-from agentic_es.history import (EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history, read_history,
-                                recorded_settings)
+from agentic_es.data import TASKS, problems_from, problems_sha256
+from agentic_es.history import (EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history,
+                                field_differences, read_history, recorded_settings)
 from agentic_es.metrics import EPISODE_RECORD_KEYS, EVAL_METRICS, EVAL_SAMPLES, REPORTED_GROUP, dataset_metrics
 from agentic_es.pool import EnginePool
 
@@ -34,26 +39,30 @@ DATASETS = {  # name -> JSONL (built by 00_data.py); each writes <name>_eval16.j
     "dapo": "data/dapo_test100.jsonl",
     "aime2026": "data/aime2026.jsonl",
 }
-LEARN_DATASETS = {  # the sets of a run on the learn task (train_data=learn): made here, never trained on
-    "learn_heldout": "learn_heldout",
-}
+# train_data -> the sets of a task made here (data.TASKS, each task's EVAL_SETS); other runs: DATASETS
+TASK_SETS = {name: task.EVAL_SETS for name, task in TASKS.items() if task.EVAL_SETS}
+ALL_DATASETS = {**DATASETS, **{name: path for sets in TASK_SETS.values() for name, path in sets.items()}}
+TASK_FIELDS = ("learn_digits", "compute_level")  # which tier or level of a task made here the sets are of
 
 
 def main(argv: list[str]) -> dict:
-    options = {"export": EXPORT, "out": OUT, **{name: "" for name in {**DATASETS, **LEARN_DATASETS}}}  # --dapo=PATH
+    options = {"export": EXPORT, "out": OUT, **{name: "" for name in ALL_DATASETS}}  # --dapo=PATH
     cli.exit_if_help(argv, __doc__, __file__, options)
     opts, overrides = cli.parse_args(argv, options)
     cfg = cli.parse_config(overrides)
     export_dir = opts["export"].replace("<run_dir>", cfg.run_dir)
     if not export_dir:
         cfg = base_config(cfg, overrides)
+    else:
+        cfg = exported_task(cfg, export_dir, overrides)
     out = Path(opts["out"] or Path(cfg.run_dir) / ("eval" if export_dir else "eval-base"))
     data = data_paths(opts, cfg)
     datasets = {name: eval_problems(path, cfg) for name, path in data.items()}
-    data_sha256 = {name: problems_sha256(path, cfg.run_seed, cfg.learn_digits) for name, path in data.items()}
+    data_sha256 = {name: problems_sha256(path, cfg.run_seed, cfg.learn_digits, cfg.compute_level)
+                   for name, path in data.items()}
     fileio.check_output_path(cfg.run_dir, "run_dir")
     fileio.check_output_path(out, "out")
-    check_finished_episodes(out, data, data_sha256)
+    check_finished_episodes(out, data, data_sha256, common.reward_definition(cfg.fitness))
     common.check_sandbox(cfg, data=list(data.values()), checkpoint=export_dir)  # (unless allowed)
     # before any writing
     manifest = export.verify(export_dir, cfg.tensor_parallel_size) if export_dir else None
@@ -62,7 +71,7 @@ def main(argv: list[str]) -> dict:
     if not export_dir:
         models.resolve_model(cfg.model)  # a hub id that is not in the local cache is refused before anything is written
 
-    common.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
+    stage.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
     with open_checkpoint(cfg, export_dir, manifest) as (engines, checkpoint):
         out.mkdir(parents=True, exist_ok=True)  # once the engines run: a refused setting leaves no folder behind
         claim_output_folder(out, checkpoint, cfg, data, data_sha256)
@@ -72,6 +81,7 @@ def main(argv: list[str]) -> dict:
             records = evaluate(engines, problems, range(EVAL_SAMPLES), out / f"{name}_episodes.jsonl", name)
             fileio.write_json_atomic({"dataset": name, "data": data[name], "data_sha256": data_sha256[name],
                                       "checkpoint": checkpoint, "config": dataclasses.asdict(cfg),
+                                      "reward": common.reward_definition(cfg.fitness),  # how it scored them
                                       "records": strip_transcripts(records, cfg.fitness)},
                                      out / f"{name}_eval16.json")
             write_transcripts_markdown(records, out / f"{name}_failed.md")
@@ -87,22 +97,29 @@ def main(argv: list[str]) -> dict:
     return metrics
 
 
-def check_finished_episodes(out: Path, data: dict, data_sha256: dict) -> None:
+def check_finished_episodes(out: Path, data: dict, data_sha256: dict, reward: dict) -> None:
     """The files a resumed evaluation keeps, read before the engine starts: a damaged one is refused now, not after
     minutes of loading, and so is a data file that changed since the evaluation began (by its sha256; a marker
-    written before markers recorded it holds the paths only, which claim_output_folder compares as before)."""
+    written before markers recorded it holds the paths only, which claim_output_folder compares as before), and a
+    reward definition (common.reward_definition) other than the one its episodes were scored under (a marker
+    written before markers recorded it: not compared)."""
     marker = out / "eval_run.json"
     if marker.exists():
-        recorded = fileio.read_json(marker, required=("checkpoint", "config", "data")).get("data_sha256")
+        run = fileio.read_json(marker, required=("checkpoint", "config", "data"))
+        differences = common.reward_differences(run.get("reward", reward), reward, marker.name, "this evaluation")
+        if differences:
+            raise stage.ConfigError(f"{out} holds episodes scored under another reward definition: "
+                                    + "; ".join(differences) + "; evaluate into another --out")
+        recorded = run.get("data_sha256")
         if recorded is None:
             print(f"[eval] {marker} records its data by path only (written before data sha256s): the paths are "
                   "compared, the content cannot be; its data's sha256s are recorded from now on")
         for name, then in (recorded or {}).items():
             if name in data_sha256 and data_sha256[name] != then:
-                raise common.DataError(f"{data[name]}: sha256 {data_sha256[name]} differs from the {then} that "
-                                       f"{marker} recorded for {name}: the data changed since this evaluation "
-                                       "began; restore it or choose another --out")
-    for name in {**DATASETS, **LEARN_DATASETS}:
+                raise stage.DataError(f"{data[name]}: sha256 {data_sha256[name]} differs from the {then} that "
+                                      f"{marker} recorded for {name}: the data changed since this evaluation "
+                                      "began; restore it or choose another --out")
+    for name in ALL_DATASETS:
         if (out / f"{name}_episodes.jsonl").exists():
             fileio.read_jsonl(out / f"{name}_episodes.jsonl", required=EPISODE_RECORD_KEYS)
 
@@ -111,30 +128,60 @@ def base_config(cfg, overrides: list[str]):
     """For the base model: when the run dir holds the history of a run from this base, that history's settings
     that define the weights and their digests (WEIGHT_FIELDS: the noise kind, the TP size, the dtype), as export
     and replay take them, so that the evaluation records the digests 04_replay rebuilds. An explicit --key=value
-    that contradicts the history is refused."""
+    that contradicts the history is refused; so is a task tier or level other than the run's (recorded_task)."""
     path = Path(cfg.run_dir) / HISTORY_FILE
     if not path.exists():
         return cfg
     history = read_history(path)
     if history["config"].get("model") != cfg.model:
         return cfg
-    return config_from_history(history, overrides, settings=dataclasses.asdict(cfg))
+    cfg = config_from_history(history, overrides, settings=dataclasses.asdict(cfg))
+    return recorded_task(cfg, history["config"], overrides, str(path))
+
+
+def exported_task(cfg, export_dir: str, overrides: list[str]):
+    """An export's weights are evaluated on the tier and level of the task its run trained on: its manifest's
+    copy of the history's config (recorded_task). A folder without a readable manifest is left to export.verify,
+    which refuses it with its reason."""
+    try:
+        manifest = fileio.read_json(export.manifest_file(export_dir))
+    except (OSError, stage.StageError):
+        return cfg
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
+        return cfg
+    return recorded_task(cfg, manifest["config"], overrides, str(export.manifest_file(export_dir)))
+
+
+def recorded_task(cfg, recorded_config: dict, overrides: list[str], source: str):
+    """cfg with the task tier and level (TASK_FIELDS) that a run recorded, when cfg evaluates that run's task (the
+    same train_data; evaluating another task's sets, e.g. DAPO, keeps cfg's). An explicit --key=value that differs
+    from the recorded value is refused, naming both: the trained weights would be scored on sets of another tier."""
+    recorded = recorded_settings(recorded_config)
+    if recorded["train_data"] != cfg.train_data:
+        return cfg
+    _, explicit = cli.parse_overrides(overrides)
+    refused = [f"--{k}={explicit[k]} (the run's is {k}={recorded[k]}, recorded in {source})" for k in TASK_FIELDS
+               if k in explicit and explicit[k] != recorded[k]]
+    if refused:
+        raise stage.ConfigError("an evaluation of a run's weights is of the task tier and level the run trained "
+                                f"on: {', '.join(refused)}; drop the setting or pass the recorded value")
+    return dataclasses.replace(cfg, **{k: recorded[k] for k in TASK_FIELDS})
 
 
 def data_paths(opts: dict, cfg) -> dict:
-    """The sets to evaluate and their problems: on the learn task (train_data=learn) LEARN_DATASETS, else DATASETS;
-    each set's --name=PATH if given, else "smoke" (the smoke problems) with smoke_eval, else its own. A --name=PATH
-    of a set the run does not evaluate is refused."""
-    sets = LEARN_DATASETS if cfg.train_data == "learn" else DATASETS
-    stray = [name for name in {**DATASETS, **LEARN_DATASETS} if opts[name] and name not in sets]
+    """The sets to evaluate and their problems: on a task made here (train_data=learn, compute) the task's EVAL_SETS
+    (TASK_SETS), else DATASETS; each set's --name=PATH if given, else "smoke" (the
+    smoke problems) with smoke_eval, else its own. A --name=PATH of a set the run does not evaluate is refused."""
+    sets = TASK_SETS.get(cfg.train_data, DATASETS)
+    stray = [name for name in ALL_DATASETS if opts[name] and name not in sets]
     if stray:
-        raise common.ConfigError(f"--{stray[0]}= names a set this run does not evaluate (train_data={cfg.train_data}"
-                                 f" evaluates {', '.join(sets)})")
+        raise stage.ConfigError(f"--{stray[0]}= names a set this run does not evaluate (train_data={cfg.train_data}"
+                                f" evaluates {', '.join(sets)})")
     return {name: opts[name] or ("smoke" if cfg.smoke_eval else sets[name]) for name in sets}
 
 
 def eval_problems(path: str, cfg) -> list[dict]:
-    problems = problems_from(path, cfg.run_seed, cfg.learn_digits)
+    problems = problems_from(path, cfg.run_seed, cfg.learn_digits, cfg.compute_level)
     return problems[:cfg.eval_problems] if cfg.eval_problems else problems
 
 
@@ -158,8 +205,9 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
     sha256s) and settings; the settings that only say where files go or how fast the engine steps
     (EXECUTION_FIELDS), and how a perturbation is undone (RESTORE_FIELDS: an evaluation never perturbs), may differ;
     a setting newer than the folder's marker counts as what the code did before it (recorded_settings), a marker
-    without data sha256s (older) is compared by the paths alone, and an export by its manifest and digests (not by
-    how its folder was named: runs/x/export and /abs/runs/x/export are one export)."""
+    without data sha256s (older) is compared by the paths alone, one without the reward definition without it, and
+    an export by its manifest and digests (not by how its folder was named: runs/x/export and /abs/runs/x/export are
+    one export)."""
     def settings(config: dict) -> dict:
         return {k: v for k, v in recorded_settings(config).items() if k not in EXECUTION_FIELDS + RESTORE_FIELDS}
 
@@ -167,20 +215,24 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
         return dict(run, checkpoint={k: v for k, v in run["checkpoint"].items() if k != "path"})
 
     run = json.loads(json.dumps({"checkpoint": checkpoint, "config": settings(dataclasses.asdict(cfg)),
-                                 "data": data, "data_sha256": data_sha256}))
+                                 "data": data, "data_sha256": data_sha256,
+                                 "reward": common.reward_definition(cfg.fitness)}))
     marker = out / "eval_run.json"
     if marker.exists():
         recorded = fileio.read_json(marker)
         recorded = dict(recorded, config=settings(recorded.get("config", {})),
-                        data_sha256=recorded.get("data_sha256", run["data_sha256"]))
-        if what(recorded) != what(run):
-            raise common.ConfigError(f"{out} holds an evaluation of another checkpoint or config; choose another --out")
+                        data_sha256=recorded.get("data_sha256", run["data_sha256"]),
+                        reward=recorded.get("reward", run["reward"]))
+        diffs = field_differences(what(recorded), what(run), marker.name, "this evaluation")
+        if diffs:
+            raise stage.ConfigError(f"{out} holds an evaluation of another checkpoint or config ("
+                                    + "; ".join(diffs) + "); choose another --out")
     fileio.write_json_atomic(run, marker)
 
 
 def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str) -> list[dict]:
     """All (problem, sample) episodes. Each finished episode (with its transcript) is appended to `log` as it
-    ends, those the scorer failed on once the set's episodes are within common.SCORER_FAILURE_BOUND (else they are
+    ends, those the scorer failed on once the set's episodes are within stage.SCORER_FAILURE_BOUND (else they are
     not done, and the stage stops); the ones already there are kept, not re-run."""
     finished = fileio.read_jsonl(log, required=EPISODE_RECORD_KEYS) if log.exists() else []
     done = {(r["problem_id"], r["sample_index"]): r for r in finished}
@@ -190,14 +242,14 @@ def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str
     held = []  # episodes the scorer failed on
 
     def keep(record):
-        if record["score_method"] in common.SCORER_FAILURES:
+        if record["score_method"] in stage.SCORER_FAILURES:
             held.append(record)
         else:
             fileio.append_jsonl(log, [record])
 
     try:
         records = engines.run_agent(todo, desc=f"{name} episodes", on_record=keep)
-    except (common.EngineFailure, stage.Interrupted) as stop:
+    except (stage.EngineFailure, stage.Interrupted) as stop:
         finished = len(fileio.read_jsonl(log)) if log.exists() else 0
         print(f"[eval] {name}: stopped ({stop}); {log} keeps the {finished} finished episodes: run the same "
               "command again to resume")
@@ -205,7 +257,7 @@ def evaluate(engines, problems: list[dict], sample_indices, log: Path, name: str
     for record in records:
         done[(record["problem_id"], record["sample_index"])] = record
     records = [done[(p["id"], i)] for p in problems for i in sample_indices]
-    common.check_scorer_failures(records, name, f"the {len(held)} episodes it failed on are not done ({log} keeps the "
+    stage.check_scorer_failures(records, name, f"the {len(held)} episodes it failed on are not done ({log} keeps the "
                                  "others; docs/scoring.md)")
     fileio.append_jsonl(log, held)
     return records

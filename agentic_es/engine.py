@@ -2,7 +2,7 @@
 noise="checkpoint" checkpoint_noise.CheckpointESWorker), behind a synchronous facade so that the numbered scripts
 read top to bottom. Async inside, so that agent episodes advance independently (no per-turn barrier). Every weight
 change (perturb, restore, update) resets vLLM's prefix cache: cached KV blocks are keyed by tokens, not weights.
-Each agent turn's prompt is built by common.ChatPrompts (the chat template's rendering, or the continue mode).
+Each agent turn's prompt is built by prompts.ChatPrompts (the chat template's rendering, or the continue mode).
 
 Beside it, what starting an engine takes: the placement and CPU binding checks, the vLLM arguments of a GPU engine,
 and the machine-wide GPU memory lock through which the engine starts, exact-restore copies and shutdowns of every
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import common
-from agentic_es import checkpoint_noise, fileio, restore_patch, sandbox, stage, vllm_platform
+from agentic_es import checkpoint_noise, fileio, prompts, restore_patch, sandbox, stage, vllm_platform
 from agentic_es.tracking import progress_bar
 
 
@@ -58,8 +58,8 @@ def engine_config(args: dict):
     except (ValueError, TypeError, OSError) as exc:  # (pydantic's ValidationError is a ValueError)
         reasons = ([e["msg"].removeprefix("Value error, ") for e in exc.errors()] if hasattr(exc, "errors")
                    else [f"{type(exc).__name__}: {exc}"])
-        raise common.ConfigError(f"vLLM refuses to run {args['model']} with these settings: "
-                                 + " ".join("; ".join(reasons).split())) from None
+        raise stage.ConfigError(f"vLLM refuses to run {args['model']} with these settings: "
+                                + " ".join("; ".join(reasons).split())) from None
 
 
 # ---- the machine's GPU memory lock: engine starts, restore copies and shutdowns take turns ----
@@ -100,6 +100,21 @@ def gpu_memory_lock(path: Path | None = None):
 
 # ---- the engine ----
 
+
+def worker_call(method):
+    """What vLLM's collective_rpc is sent for Engine.rpc(method): a method of the ES worker extension
+    (common.ESWorker, checkpoint_noise.CheckpointESWorker), named by reference so that a typo fails here and a
+    reader can follow the call, goes by its name, which vLLM looks up on each worker's extension; any other function
+    is sent whole. A string is refused: name the method."""
+    if isinstance(method, str):
+        raise TypeError(f"a worker call names its method by reference (common.ESWorker.{method}), not the string "
+                        f"{method!r}")
+    name = getattr(method, "__name__", "")
+    if any(getattr(worker, name, None) is method for worker in (common.ESWorker, checkpoint_noise.CheckpointESWorker)):
+        return name
+    return method
+
+
 class Engine(fileio.ClosedOnExit):
     """vLLM at TP=2 with the ES worker extension and prefix caching on. Every weight change (perturb, restore,
     update) resets the prefix cache: cached KV blocks are keyed by tokens, not weights. perturbs=False: a read-only
@@ -112,7 +127,7 @@ class Engine(fileio.ClosedOnExit):
         vllm_platform.check_placement(cfg.tensor_parallel_size, self.device)
         self._tokenizer_path = tokenizer or model_path
         self.prompts = (None if skip_tokenizer_init  # no tokenizer: no agent
-                        else common.ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
+                        else prompts.ChatPrompts(self.tokenizer, cfg.prompt_mode, self._tokenizer_path))
         if self.device == "cpu":
             vllm_platform.configure_cpu_env(cfg.tensor_parallel_size)
         args = dict(
@@ -133,6 +148,8 @@ class Engine(fileio.ClosedOnExit):
             args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_model_len, 8192))
         with stage.vllm_log_dropped():  # refuses what vLLM cannot run before the run folder or a process exists
             engine_config(args)
+        self._closing = False  # close() began: a call made or still waiting then is an EngineFailure
+        self._waiting = set()  # the calls waited on (_run), which stop_calls cancels
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="es-engine-loop", daemon=True)
         self._thread.start()
@@ -162,6 +179,7 @@ class Engine(fileio.ClosedOnExit):
 
     def _run(self, coro):
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._waiting.add(future)
         dead_since = None
         try:
             while True:
@@ -170,38 +188,51 @@ class Engine(fileio.ClosedOnExit):
                 except concurrent.futures.TimeoutError:
                     if future.done():  # the call itself raised a TimeoutError
                         raise
-                # a call made just as EngineCore died can wait forever: give it ENGINE_DEAD_GRACE_S to fail
-                if getattr(self, "llm", None) is not None and self.llm.errored:
+                # a call made just as EngineCore died, or waiting while the engine closes (its loop then stops), can
+                # wait forever: give it ENGINE_DEAD_GRACE_S to fail
+                closing = getattr(self, "_closing", False)
+                if closing or (getattr(self, "llm", None) is not None and self.llm.errored):
                     dead_since = dead_since or time.monotonic()
                     if time.monotonic() - dead_since > ENGINE_DEAD_GRACE_S:
-                        raise self._failure("a call", RuntimeError("EngineCore died while the call waited"))
+                        why = "the engine was closed" if closing else "EngineCore died"
+                        raise self._failure("a call", RuntimeError(f"{why} while the call waited"))
         except BaseException:
             future.cancel()  # interrupted while waiting (SIGTERM, Ctrl-C), or dead: stop that work on the loop too
             raise
+        finally:
+            self._waiting.discard(future)
 
-    def _check_alive(self, what: str, coro=None) -> None:
-        """vLLM can hang on a call made after its EngineCore died: refuse it instead."""
-        if self.llm.errored:
-            if coro is not None:
-                coro.close()
-            raise self._failure(what, RuntimeError("EngineCore is dead"))
+    def stop_calls(self) -> None:
+        """Cancel the calls other threads wait on (the stage is stopping: a pool's other engines' members or
+        episodes), so that they end before the engine closes; each raises in its thread. The engine stays open."""
+        for future in list(self._waiting):
+            future.cancel()
 
-    def _call_vllm(self, coro, what: str):
-        """Run one vLLM call; any failure of it is vLLM's, not the caller's (EngineFailure)."""
-        self._check_alive(what, coro)
+    def _check_alive(self, what: str) -> None:
+        """vLLM can hang on a call made after its EngineCore died: refuse it instead, and a call on an engine that
+        is closing or closed (a request of another thread after SIGTERM): vLLM's failure, never the episode's."""
+        llm = getattr(self, "llm", None)
+        closed = llm is None or getattr(self, "_closing", False)
+        if closed or llm.errored:
+            raise self._failure(what, RuntimeError("the engine is closed" if closed else "EngineCore is dead"))
+
+    def _call_vllm(self, call, what: str):
+        """Run one vLLM call, call(the AsyncLLM)'s coroutine; any failure of it is vLLM's, not the caller's
+        (EngineFailure)."""
+        self._check_alive(what)
         try:
-            return self._run(coro)
+            return self._run(call(self.llm))
         except Exception as exc:
             raise self._failure(what, exc) from exc
 
-    def _failure(self, what: str, exc: BaseException | None = None) -> common.EngineFailure:
+    def _failure(self, what: str, exc: BaseException | None = None) -> stage.EngineFailure:
         causes, seen = [], exc
         while seen is not None and len(causes) < 4:  # vLLM wraps the real error (EngineGenerateError <- cause)
             causes.append(f"{type(seen).__name__}: {seen}".rstrip(": "))
             seen = seen.__cause__
         dead = [code for code in self._engine_core_exitcodes() if code is not None]
-        return common.EngineFailure(f"vLLM failed during {what}: " + " <- ".join(causes or ["no output"])
-                                    + (f" (EngineCore process exited with code {dead[0]})" if dead else ""))
+        return stage.EngineFailure(f"vLLM failed during {what}: " + " <- ".join(causes or ["no output"])
+                                   + (f" (EngineCore process exited with code {dead[0]})" if dead else ""))
 
     def _engine_core_processes(self) -> list:
         manager = getattr(getattr(getattr(self.llm, "engine_core", None), "resources", None), "engine_manager", None)
@@ -217,6 +248,7 @@ class Engine(fileio.ClosedOnExit):
     def close(self) -> None:
         """Shut vLLM down: the EngineCore process and its TP workers exit (also after an engine failure). On a GPU
         under the machine's GPU memory lock: memory freed while another engine profiles fails that start."""
+        self._closing = True
         if getattr(self, "llm", None) is not None:
             with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
                 # shut down on the engine's own loop, so its output handler is cancelled rather than left failing
@@ -232,12 +264,16 @@ class Engine(fileio.ClosedOnExit):
         self._thread.join(timeout=10)
 
     # ---- weights ----
-    def rpc(self, method: str, **kwargs) -> list:
-        return self._call_vllm(self.llm.collective_rpc(method, kwargs=kwargs), f"the worker call {method}")
+    def rpc(self, method, **kwargs) -> list:
+        """method(**kwargs) in every TP worker, one result per rank in rank order. method: a worker method named by
+        reference (common.ESWorker.es_perturb), or a function run in each worker with the worker as its first
+        argument (a test's or benchmark's probe)."""
+        sent = worker_call(method)
+        return self._call_vllm(lambda llm: llm.collective_rpc(sent, kwargs=kwargs), f"the worker call {sent}")
 
     def reset_prefix_cache(self) -> None:
-        if not self._call_vllm(self.llm.reset_prefix_cache(), "the prefix cache reset"):
-            raise common.EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
+        if not self._call_vllm(lambda llm: llm.reset_prefix_cache(), "the prefix cache reset"):
+            raise stage.EngineFailure("vLLM refused to reset the prefix cache (requests still running?)")
 
     @property
     def restore_mode(self) -> str:
@@ -247,7 +283,7 @@ class Engine(fileio.ClosedOnExit):
     def reserve_restore_copy(self) -> None:
         """Take the exact-restore copy (or allocate the patch, restore="patch") now (once), under the machine's GPU
         memory lock: a copy made while another engine profiles its memory fails that start. A pool's GPU engines
-        take it at start (pool.start_gpu_engine, after their memory plan), others before their first
+        take it at start (placement.start_gpu_engine, after their memory plan), others before their first
         perturbation."""
         if not self.perturbs:
             raise RuntimeError("a read-only engine (perturbs=False) does not perturb: it holds no exact-restore copy "
@@ -256,7 +292,7 @@ class Engine(fileio.ClosedOnExit):
             return
         self.configure_workers()  # the restore mode and capacity the copy or patch is for
         with gpu_memory_lock() if self.device == "cuda" else contextlib.nullcontext():
-            self.rpc("es_snapshot")
+            self.rpc(common.ESWorker.es_snapshot)
         self._restore_copy_taken = True
 
     def configure_workers(self) -> None:
@@ -265,24 +301,24 @@ class Engine(fileio.ClosedOnExit):
         settings = dict(chunk=self.cfg.noise_chunk, restore=self.cfg.restore, rounding=self.cfg.rounding,
                         patch_capacity=restore_patch.patch_capacity(self.cfg))
         if settings != getattr(self, "_worker_settings", None):
-            self.rpc("es_configure", **settings)
+            self.rpc(common.ESWorker.es_configure, **settings)
             self._worker_settings = settings
 
     def perturb(self, seed: int, sigma: float) -> None:
         self.reserve_restore_copy()
         self.configure_workers()
-        refusals = self.rpc("es_perturb", seed=seed, sigma=sigma)
+        refusals = self.rpc(common.ESWorker.es_perturb, seed=seed, sigma=sigma)
         if any(refusals):  # restore="patch" overflowed: every rank is back at the exact centre
-            raise common.PatchOverflow(next(r for r in refusals if r))
+            raise stage.PatchOverflow(next(r for r in refusals if r))
         self.reset_prefix_cache()
 
     def restore(self) -> None:
-        self.rpc("es_restore")
+        self.rpc(common.ESWorker.es_restore)
         self.reset_prefix_cache()
 
     def update(self, seeds: list[int], coeffs: list[float]) -> None:
         self.configure_workers()
-        self.rpc("es_update", seeds=seeds, coeffs=coeffs)
+        self.rpc(common.ESWorker.es_update, seeds=seeds, coeffs=coeffs)
         self.reset_prefix_cache()
 
     def digests(self) -> list[str]:
@@ -290,7 +326,7 @@ class Engine(fileio.ClosedOnExit):
         noise="checkpoint" one digest of the state in checkpoint terms, the same at every TP size."""
         if common.is_checkpoint_noise(self.cfg):
             return [checkpoint_noise.combine_checkpoint_digest(*self.checkpoint_sums(), self.cfg.dtype)]
-        return [r["digest"] for r in self.rpc("es_digest")]
+        return [r["digest"] for r in self.rpc(common.ESWorker.es_digest)]
 
     def base_digests(self, model_path: str) -> list[str]:
         """digests() of the base weights just loaded from model_path; with noise="checkpoint" after proving that the
@@ -302,7 +338,7 @@ class Engine(fileio.ClosedOnExit):
     def checkpoint_sums(self) -> tuple[dict[str, int], dict[str, list[int]]]:
         """{checkpoint tensor: digest sum} over the tensors the ES parameters hold, and their shapes. Every element
         of each such tensor must be held by exactly one owner: otherwise the layout is not the checkpoint's."""
-        ranks = self.rpc("es_checkpoint_digest", chunk=self.cfg.noise_chunk)
+        ranks = self.rpc(checkpoint_noise.CheckpointESWorker.es_checkpoint_digest, chunk=self.cfg.noise_chunk)
         names, shapes = ranks[0]["names"], dict(zip(ranks[0]["names"], ranks[0]["shapes"]))
         sums, wrong = {}, []
         for i, name in enumerate(names):
@@ -313,18 +349,18 @@ class Engine(fileio.ClosedOnExit):
                 wrong.append(f"{name}: {count} of {math.prod(shapes[name])} elements")
             sums[name] = sum(r["sums"][i] for r in ranks) & common.MASK64
         if wrong:
-            raise common.EngineFailure("the runtime parameters do not hold these checkpoint tensors exactly once each "
-                                       "(noise=checkpoint cannot map them): " + "; ".join(wrong[:5]))
+            raise stage.EngineFailure("the runtime parameters do not hold these checkpoint tensors exactly once each "
+                                      "(noise=checkpoint cannot map them): " + "; ".join(wrong[:5]))
         return sums, {n: shapes[n] for n in sums}
 
     def parameter_names_sha256(self) -> str:
         """Identifies vLLM's runtime parameter layout (names, per-rank shapes, dtypes) on rank 0."""
-        names = [(p["name"], p["shape"], p["dtype"]) for p in self.rpc("es_parameter_names")[0]]
+        names = [(p["name"], p["shape"], p["dtype"]) for p in self.rpc(common.ESWorker.es_parameter_names)[0]]
         return hashlib.sha256(json.dumps(names).encode()).hexdigest()
 
     def save_sharded_state(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
-        self._call_vllm(self.llm.engine_core.save_sharded_state_async(path=str(path)), "save_sharded_state")
+        self._call_vllm(lambda llm: llm.engine_core.save_sharded_state_async(path=str(path)), "save_sharded_state")
 
     # ---- requests ----
     async def _complete(self, ids: list[int], params, request_id: str):
@@ -356,7 +392,7 @@ class Engine(fileio.ClosedOnExit):
         (the pool draws one for all its engines)."""
         with progress_bar(total=len(jobs), desc=desc, leave=False, disable=desc is None) as bar:
             def progress(record):
-                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (common.ChatPrompts)
+                record["prompt_mode"] = self.prompt_mode  # how its prompts were built (prompts.ChatPrompts)
                 bar.update(1)
                 if on_record is not None:
                     on_record(record)
@@ -370,7 +406,7 @@ class Engine(fileio.ClosedOnExit):
 
     @property
     def prompt_mode(self) -> str | None:
-        """How the agent's prompts are built ("render" or "continue", see common.ChatPrompts); None without a
+        """How the agent's prompts are built ("render" or "continue", see prompts.ChatPrompts); None without a
         tokenizer."""
         return None if self.prompts is None else self.prompts.mode
 
@@ -383,7 +419,7 @@ class Engine(fileio.ClosedOnExit):
         return self._tokenizer
 
     async def _policy(self, messages: list[dict], *, seed: int, max_tokens: int) -> dict:
-        """One assistant turn: the conversation's prompt ids (common.ChatPrompts), sampled with the turn's seed."""
+        """One assistant turn: the conversation's prompt ids (prompts.ChatPrompts), sampled with the turn's seed."""
         ids = self.prompts.ids(messages)
         room = self.cfg.max_model_len - len(ids)
         if room <= 0:

@@ -16,7 +16,7 @@ transformers, and vLLM at any TP size), its manifest es_export_manifest.json hol
 and each tensor's digest sum. Either also holds the base model's other files (config, tokenizer, chat template) and
 SHA256SUMS over every file (`sha256sum -c SHA256SUMS`).
 
-This module imports common, fileio and checkpoint_noise; none of them imports it.
+This module imports common, fileio, checkpoint_noise and history; none of them imports it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 import common
-from agentic_es import checkpoint_noise, fileio
-from common import ExportError
+from agentic_es import checkpoint_noise, fileio, stage
+from agentic_es.history import config_as_trained
 
 SHARDED_STATE = "es-sharded-export/1"  # a manifest's "format": per-rank shards of one TP size (rank-salted noise)
 HUGGING_FACE = "es-hf-export/1"  # ... a Hugging Face folder, any TP size (checkpoint noise)
@@ -59,11 +59,12 @@ def save(engine, folder: str | Path, model_path: str, identity: dict, digests: l
 
 
 def provenance(history: dict, history_path: str | Path, generations: list[dict]) -> dict:
-    """What a manifest records of where its weights came from: the history (path, sha256, its config) and how many
-    of its generations were replayed."""
+    """What a manifest records of where its weights came from: the history (path, sha256, its config, with the
+    fitness its run trained on where it predates the setting: history.config_as_trained) and how many of its
+    generations were replayed."""
     return {"source_history": str(history_path), "source_history_sha256": fileio.sha256_file(history_path),
             "replayed_generations": len(generations), "history_generations": len(history["generations"]),
-            "config": history["config"]}
+            "config": config_as_trained(history)}
 
 
 def verify(folder: str | Path, tensor_parallel_size: int | None = None) -> dict:
@@ -106,11 +107,11 @@ def check_loaded(engines, folder: str | Path, manifest: dict) -> list[str]:
     """After loading: the running vLLM must hold the exported bits (rank by rank for a sharded_state, whose
     parameter layout must also be the one it was saved from). Returns the loaded digests."""
     if not is_hugging_face(manifest) and engines.parameter_names_sha256() != manifest["parameter_names_sha256"]:
-        raise ExportError(f"{folder}: this vLLM ({manifest['vllm_version']} wrote the export) lays out the model's "
-                          "parameters differently; the sharded state cannot be trusted here")
+        raise stage.ExportError(f"{folder}: this vLLM ({manifest['vllm_version']} wrote the export) lays out the "
+                                "model's parameters differently; the sharded state cannot be trusted here")
     loaded = engines.digests()
     if loaded != digests(manifest):
-        raise ExportError(f"{folder}: loaded digests {loaded} differ from the manifest's {digests(manifest)}")
+        raise stage.ExportError(f"{folder}: loaded digests {loaded} differ from the manifest's {digests(manifest)}")
     return loaded
 
 
@@ -199,12 +200,12 @@ def verify_sharded_state(folder: str | Path, tensor_parallel_size: int | None = 
     an ExportError."""
     folder = Path(folder)
     if not (folder / SHARDED_STATE_MANIFEST).is_file():
-        raise ExportError(f"{folder}: no {SHARDED_STATE_MANIFEST}; not an export of 02_export.py")
+        raise stage.ExportError(f"{folder}: no {SHARDED_STATE_MANIFEST}; not an export of 02_export.py")
     manifest = fileio.read_json(folder / SHARDED_STATE_MANIFEST, required=SHARDED_STATE_MANIFEST_SHAPE)
     tp = manifest["tensor_parallel_size"]
     if tensor_parallel_size is not None and tensor_parallel_size != tp:
-        raise ExportError(f"{folder} holds per-rank shards for tensor_parallel_size={tp}; it cannot be loaded "
-                          f"with tensor_parallel_size={tensor_parallel_size} (the ranks carry different noise)")
+        raise stage.ExportError(f"{folder} holds per-rank shards for tensor_parallel_size={tp}; it cannot be loaded "
+                                f"with tensor_parallel_size={tensor_parallel_size} (the ranks carry different noise)")
     problems = []
     recorded = {s["file"]: s for s in manifest["shards"]}
     present = {f.name for f in folder.iterdir() if SHARD_PATTERN.match(f.name)}
@@ -217,7 +218,7 @@ def verify_sharded_state(folder: str | Path, tensor_parallel_size: int | None = 
         problems.append(f"manifest shards do not cover ranks 0..{tp - 1}")
     problems += sha256sums_problems(folder, actual)
     if problems:
-        raise ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
+        raise stage.ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
     return manifest
 
 
@@ -263,9 +264,9 @@ def write_checkpoint_tensors(engine, folder: Path) -> tuple[list[str], dict[str,
     pieces = folder / PIECES
     pieces.mkdir(parents=True, exist_ok=True)
     try:
-        engine.rpc("es_write_checkpoint_pieces", folder=str(pieces))
+        engine.rpc(checkpoint_noise.CheckpointESWorker.es_write_checkpoint_pieces, folder=str(pieces))
         sums, shapes = engine.checkpoint_sums()
-        names = engine.rpc("es_checkpoint_names")[0]
+        names = engine.rpc(checkpoint_noise.CheckpointESWorker.es_checkpoint_names)[0]
         files = write_safetensors_files(assembled_tensors(pieces, names, shapes), folder)
     finally:
         shutil.rmtree(pieces, ignore_errors=True)
@@ -291,7 +292,7 @@ def assembled_tensors(pieces: Path, names: list[str], shapes: dict[str, list[int
                 out[start:start + length] = values[at:at + length]
                 at, filled = at + length, filled + length
         if filled != math.prod(shapes[name]):
-            raise ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
+            raise stage.ExportError(f"{name}: the ranks' pieces hold {filled} of {math.prod(shapes[name])} elements")
         yield name, out.view(shapes[name])
 
 
@@ -329,8 +330,8 @@ def verify_hugging_face(folder: str | Path) -> dict:
     """verify for a Hugging Face export: every file against its SHA256SUMS."""
     folder = Path(folder)
     if not (folder / HUGGING_FACE_MANIFEST).is_file():
-        raise ExportError(f"{folder}: no {HUGGING_FACE_MANIFEST}; not a checkpoint-noise export of 02_export.py")
+        raise stage.ExportError(f"{folder}: no {HUGGING_FACE_MANIFEST}; not a checkpoint-noise export of 02_export.py")
     problems = sha256sums_problems(folder)
     if problems:
-        raise ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
+        raise stage.ExportError(f"{folder} failed verification: " + "; ".join(dict.fromkeys(problems)))
     return fileio.read_json(folder / HUGGING_FACE_MANIFEST, required=HUGGING_FACE_MANIFEST_SHAPE)

@@ -14,7 +14,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from agentic_es.stage import ConfigError, DataError
+from agentic_es import stage
+
 
 
 def _fsync_dir(folder):
@@ -36,14 +37,14 @@ def check_output_path(path, setting: str, folder: bool = True) -> None:
       - an output file, there or not: the folder it goes in, nearest existing (it is written beside, then renamed)."""
     path = Path(path)
     if path.exists() and path.is_dir() != folder:
-        raise ConfigError(f"--{setting}={path}: a {'file' if folder else 'folder'} is in the way of the "
-                          f"{'folder' if folder else 'file'} this stage writes")
+        raise stage.ConfigError(f"--{setting}={path}: a {'file' if folder else 'folder'} is in the way of the "
+                                f"{'folder' if folder else 'file'} this stage writes")
     where = path.absolute()
     writes_in = where if folder and where.is_dir() else next(p for p in where.parents if p.exists())
     if not writes_in.is_dir():
-        raise ConfigError(f"--{setting}={path}: {writes_in} is a file, not a folder")
+        raise stage.ConfigError(f"--{setting}={path}: {writes_in} is a file, not a folder")
     if not os.access(writes_in, os.W_OK | os.X_OK):
-        raise ConfigError(f"--{setting}={path}: no permission to write in {writes_in}")
+        raise stage.ConfigError(f"--{setting}={path}: no permission to write in {writes_in}")
 
 
 def open_lock_file(path, name: str, users: str) -> int:
@@ -68,9 +69,9 @@ def open_lock_file(path, name: str, users: str) -> int:
             owner = pwd.getpwuid(os.stat(path).st_uid).pw_name
         except (OSError, KeyError):
             owner = "another user"
-        raise ConfigError(f"cannot open {name} {path} ({exc.strerror}; it belongs to {owner}): {users} takes turns "
-                          f"through it. Make it readable for all (chmod a+r {path}) or remove it, as its owner or "
-                          "root") from None
+        raise stage.ConfigError(f"cannot open {name} {path} ({exc.strerror}; it belongs to {owner}): {users} takes "
+                                f"turns through it. Make it readable for all (chmod a+r {path}) or remove it, as its "
+                                "owner or root") from None
 
 
 def lock_or_wait(fd: int, waiting: str) -> None:
@@ -118,11 +119,11 @@ def read_json(path, required=None):
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
     except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
+        raise stage.DataError(f"{path}: file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
+        raise stage.DataError(f"{path}: not valid JSON ({e})") from None
     except OSError as e:  # a folder, no permission
-        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+        raise stage.DataError(f"{path}: cannot read it ({e.strerror or e})") from None
     check_shape(value, required, path)
     return value
 
@@ -140,19 +141,19 @@ def check_shape(value, shape, path, inside=""):
         if not (isinstance(value, str) if shape is str else number and isinstance(value, int) if shape is int
                 else number and (isinstance(value, int) or math.isfinite(value))):
             expected = {int: "an integer", float: "a finite number", str: "a string"}[shape]
-            raise DataError(f"{where} expected {expected}, got {json.dumps(value)[:40]}")
+            raise stage.DataError(f"{where} expected {expected}, got {json.dumps(value)[:40]}")
         return
     if isinstance(shape, list):
         if not isinstance(value, list):
-            raise DataError(f"{where} expected a list, got {type(value).__name__}")
+            raise stage.DataError(f"{where} expected a list, got {type(value).__name__}")
         for i, item in enumerate(value):
             check_shape(item, shape[0], path, f"{inside}[{i}]")
         return
     if not isinstance(value, dict):
-        raise DataError(f"{where} expected an object, got {type(value).__name__}")
+        raise stage.DataError(f"{where} expected an object, got {type(value).__name__}")
     for key, inner in (shape if isinstance(shape, dict) else dict.fromkeys(shape)).items():
         if key not in value:
-            raise DataError(f"{where} missing key {key!r}")
+            raise stage.DataError(f"{where} missing key {key!r}")
         check_shape(value[key], inner, path, f"{inside}.{key}" if inside else key)
 
 
@@ -199,9 +200,9 @@ def read_jsonl(path, required=None):
         with open(path, "rb") as f:
             lines = f.read().split(b"\n")
     except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
+        raise stage.DataError(f"{path}: file not found") from None
     except OSError as e:  # a folder, no permission
-        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+        raise stage.DataError(f"{path}: cannot read it ({e.strerror or e})") from None
     rows = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -211,7 +212,7 @@ def read_jsonl(path, required=None):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             if lineno == len(lines):  # no newline after it: a torn write
                 break
-            raise DataError(f"{path}:{lineno}: malformed JSON line ({e})") from None
+            raise stage.DataError(f"{path}:{lineno}: malformed JSON line ({e})") from None
     if required is not None:
         check_shape(rows, [required], path, "row")
     return rows
@@ -309,7 +310,8 @@ def model_fingerprint(model: str) -> str:
     different base. Hub ids are resolved to their local snapshot folder first (models.resolve_model)."""
     folder = Path(model)
     if not folder.is_dir():
-        raise ConfigError(f"{model}: not a model folder (models.resolve_model turns a hub id into its local snapshot)")
+        raise stage.ConfigError(f"{model}: not a model folder (models.resolve_model turns a hub id into its local "
+                                "snapshot)")
     files = sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
     return _weights_fingerprint(tuple((str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in files))
 

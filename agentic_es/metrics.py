@@ -9,7 +9,8 @@ import math
 
 import numpy as np
 
-from common import DataError, fitness, scorer_failures
+from agentic_es import stage
+from common import fitness
 
 EVAL_SAMPLES = 16     # samples per problem in eval16
 GROUP_SIZE = 4        # samples per Mean4/Pass4 group
@@ -30,27 +31,28 @@ def scores_by_problem(records, samples=EVAL_SAMPLES):
     """{problem_id: [score of sample 0, ..., score of sample samples-1]}, checking every problem has each
     sample index exactly once and every score is 0/1 (a missing or doubled sample would bias every metric)."""
     if not records:
-        raise DataError("no eval records")
+        raise stage.DataError("no eval records")
     table = {}
     for r in records:
         for key in ("problem_id", "sample_index", "score"):
             if key not in r:
-                raise DataError(f"eval record missing {key!r}: {r!r}")
+                raise stage.DataError(f"eval record missing {key!r}: {r!r}")
         pid, idx, score = r["problem_id"], r["sample_index"], r["score"]
         if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < samples:
-            raise DataError(f"problem {pid!r}: sample_index {idx!r} outside 0..{samples - 1}")
+            raise stage.DataError(f"problem {pid!r}: sample_index {idx!r} outside 0..{samples - 1}")
         if isinstance(score, bool):
             score = int(score)
         if score not in (0, 1):
-            raise DataError(f"problem {pid!r} sample {idx}: score must be 0 or 1, got {score!r}")
+            raise stage.DataError(f"problem {pid!r} sample {idx}: score must be 0 or 1, got {score!r}")
         row = table.setdefault(pid, [None] * samples)
         if row[idx] is not None:
-            raise DataError(f"problem {pid!r}: sample_index {idx} appears more than once")
+            raise stage.DataError(f"problem {pid!r}: sample_index {idx} appears more than once")
         row[idx] = int(score)
     for pid, row in table.items():
         missing = [i for i, s in enumerate(row) if s is None]
         if missing:
-            raise DataError(f"problem {pid!r}: missing sample indices {missing} (need each of 0..{samples - 1} once)")
+            raise stage.DataError(f"problem {pid!r}: missing sample indices {missing} (need each of 0..{samples - 1} "
+                                  "once)")
     return table
 
 
@@ -112,5 +114,5 @@ def dataset_metrics(records, fitness_kind="agent"):
         "replies": cut_replies(records),
         "n_problems": len(scores),
         "n_records": len(records),
-        "scorer_failures": scorer_failures(records),
+        "scorer_failures": stage.scorer_failures(records),
     }

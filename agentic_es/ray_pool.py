@@ -1,7 +1,8 @@
 """The engine pool's engines as Ray actors (--ray_address): one placement group per GPU group on the nodes of a
 cluster, an Engine in each actor, and the driver's handle on it (RemoteEngine: Engine's blocking methods, each run in
 its actor, the episodes it finishes streamed back as they end). pool.py imports this module, and Ray with it, only
-with --ray_address; placement, memory plans and the work queue are pool.py's.
+with --ray_address; placement and memory plans are placement.py's, the work queue pool.py's. It does not import
+pool.py: start_engines adds each engine it starts to the pool it is handed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 
 import common
 from agentic_es import engine, sandbox, stage
-from agentic_es.pool import cpu_binding, engines_to_plan, node_report, place_engines, start_gpu_engine
+from agentic_es.placement import cpu_binding, engines_to_plan, node_report, place_engines, start_gpu_engine
 
 POOL_POLL_S = 1.0  # how often the driver asks a Ray engine for its finished episodes (progress, on_record)
 POOL_START_TIMEOUT_S = 900  # for the cluster to find room for a GPU group's placement group
@@ -55,8 +56,8 @@ def start_engines(pool, model_path: str, engine_kwargs: dict) -> None:
         try:
             ray.get(group.ready(), timeout=POOL_START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise common.ConfigError(f"the Ray cluster has no room for GPU group {j} ({bundle} on one node); it "
-                                     f"has {ray.cluster_resources()}") from None
+            raise stage.ConfigError(f"the Ray cluster has no room for GPU group {j} ({bundle} on one node); it "
+                                    f"has {ray.cluster_resources()}") from None
     strategy = lambda j: PlacementGroupSchedulingStrategy(pool.placement_groups[j],  # noqa: E731
                                                           placement_group_bundle_index=0)
     reports = [ray.get(ray.remote(_probe_node).options(num_cpus=0, num_gpus=tp if gpu else 0,
@@ -160,6 +161,7 @@ class RemoteEngine:
 
     def __init__(self, actor, name: str):
         self.actor, self.name = actor, name
+        self.stopping = False  # stop_calls: the driver's waits end (the actor's call ends with its close)
 
     def _get(self, ref, what: str):
         import ray
@@ -168,19 +170,20 @@ class RemoteEngine:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, Exception) else exc
-            if isinstance(cause, common.ConfigError):
-                raise common.ConfigError(f"{self.name}: {cause}") from exc
-            raise common.EngineFailure(f"{self.name} failed during {what}: {cause}") from exc
+            if isinstance(cause, stage.ConfigError):
+                raise stage.ConfigError(f"{self.name}: {cause}") from exc
+            raise stage.EngineFailure(f"{self.name} failed during {what}: {cause}") from exc
         except ray.exceptions.RayError as exc:  # actor died (process killed, node lost), or unavailable
             # a failed creation task (one _EngineActor does not catch) says what failed: all of it
             detail = str(exc) if getattr(exc, "actor_init_failed", False) else str(exc)[:600]
-            raise common.EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {detail})") from exc
+            raise stage.EngineFailure(f"{self.name} was lost during {what} ({type(exc).__name__}: {detail})") from exc
 
     def _call(self, method: str, /, *args, **kwargs):
         """engine.method(*args, **kwargs) in the actor, waited for."""
         return self._get(self.actor.call.remote(method, *args, **kwargs), method)
 
-    def rpc(self, method: str, **kwargs) -> list:
+    def rpc(self, method, **kwargs) -> list:
+        """Engine.rpc (a worker method named by reference, common.ESWorker.es_digest)."""
         return self._call("rpc", method, **kwargs)
 
     def parameter_names_sha256(self) -> str:
@@ -220,6 +223,12 @@ class RemoteEngine:
                     on_record(record)
             if ready:
                 return self._get(ref, what)
+            if self.stopping:
+                raise stage.EngineFailure(f"{self.name}: the stage is stopping; {what} left unfinished")
+
+    def stop_calls(self) -> None:
+        """The driver stops waiting on this engine's episodes (the stage is stopping), as Engine.stop_calls."""
+        self.stopping = True
 
     def run_agent(self, jobs, desc=None, on_record=None):
         return self._streamed(self.actor.run_agent.remote(jobs), "episodes", on_record)

@@ -49,7 +49,7 @@ def walk_(patch: "RestorePatch", flat: torch.Tensor, chunk: int, coeffs: list[fl
 
 class PatchFull(RuntimeError):
     """A perturbation misses more elements than the patch holds; the chunk being perturbed has been put back (the
-    worker puts back the rest and the driver raises common.PatchOverflow)."""
+    worker puts back the rest and the driver raises stage.PatchOverflow)."""
 
 
 class RestorePatch:

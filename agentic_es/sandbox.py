@@ -668,7 +668,7 @@ def hidden_paths(run_dir, data=(), checkpoint=None):
 def check_sandbox(run_dir, data=(), checkpoint=None, *, allow_leaks=False, error=ValueError):
     """Start-up check of 01_train.py, 03_eval.py, 04_replay.py and of every engine on another node: end what killed
     stages left of their sandboxes (end_orphaned_sandboxes), then probe the sandbox kind in use against the run's
-    folder, data and checkpoint. With findings, refuse (raise `error`: the stages pass common.ConfigError, which they
+    folder, data and checkpoint. With findings, refuse (raise `error`: the stages pass stage.ConfigError, which they
     report as a message) unless allow_leaks (--allow_leaky_sandbox); the override and the findings go into every
     episode record (leak_check_result)."""
     pids, workdirs = end_orphaned_sandboxes()

@@ -91,6 +91,10 @@ def answer_text(reply):
         elif not line and (below := _LINE_BELOW.match(text, end)):  # DAPO's Answer: with the value below
             answer, end = below[1].strip(" \t*_"), below.end()
         closed = [(box, close) for box, close in closed if box >= end] or closed  # a box below the marker first
+    if answer is None and closed:  # a box labelled a check or an intermediate quantity is no answer (one labelled a
+        labels = [_working_label(text, box, close) for box, close in closed]  # check is, where it is the only one)
+        closed = [b for b, label in zip(closed, labels) if not label] or [
+            b for b, label in zip(closed, labels) if label == "check"]
     if answer is None and not closed and (stated := _STATED_ANSWER.search(text.rstrip().rsplit("\n", 1)[-1])):
         answer, end = stated[1].strip(" \t*_"), len(text)  # no marker, no box: the last line's "the answer is 56."
     if answer is None:
@@ -124,13 +128,15 @@ def answer_text(reply):
         for statement, corrected in later)
 
 
-# a sentence after the answer that takes it back: the reply then states no answer
-_RETRACTED = re.compile(r"(?im)(?:^|[.!?]\s+)[ \t]*(?:(?:wait|hmm+|oh|oops|no|actually)\b[,.!\s\u2014-]*)*(?:(?:that|this|it|"
-                        r"my\s+(?:final\s+)?answer|the\s+(?:final\s+)?answer|the\s+above)(?:['\u2019]s|\s+is|\s+was|"
-                        r"\s+seems|\s+must\s+be)\s+(?:(?:all|definitely|clearly|actually)\s+)?(?:wrong|incorrect|not\s+"
-                        r"(?:right|correct)|a\s+mistake|an\s+error)|I\s+(?:made|['\u2019]ve\s+made|have\s+made)\s+(?:a|an)\s+"
-                        r"(?:mistake|error)|scratch\s+that|disregard\s+(?:that|this|the\s+above)|that\s+can(?:['\u2019]|no)t\s+"
-                        r"be\s+right)\b")
+# a sentence that takes the answer back: with nothing after it the reply states no answer (_RETRACTED); with a
+# value right after it, the value corrects it (_LATER_ANSWER): The answer above is wrong; 43
+_RETRACTION = r"""(?:(?:that|this|it|(?:my|the)\s+(?:final\s+|previous\s+|earlier\s+|first\s+)?answer(?:\s+above)?
+    |the\s+above)(?:['\u2019]s|\s+is|\s+was|\s+seems|\s+must\s+be)\s+(?:(?:all|definitely|clearly|actually)\s+)?
+    (?:wrong|incorrect|not\s+(?:right|correct)|a\s+mistake|an\s+error)|I\s+(?:made|['\u2019]ve\s+made|have\s+made)\s+
+    (?:a|an)\s+(?:mistake|error)|scratch\s+that|disregard\s+(?:that|this|the\s+above)|that\s+can(?:['\u2019]|no)t\s+be
+    \s+right)"""
+_RETRACTED = re.compile(r"(?imx)(?:^|[.!?]\s+)[ \t]*(?:(?:wait|hmm+|oh|oops|no|actually)\b[,.!\s\u2014-]*)*"
+                        + _RETRACTION + r"\b")
 _CONDITION_BEFORE = re.compile(r"(?i)^\W*(?:if|unless|when|assuming|in case)\b")  # If rotations are ..., \boxed{}
 _PART_LABEL = re.compile(r"(?m)^[ \t>*-]*(?:\((?:[a-h]|i{1,3}|iv|vi{0,3}|\d)\)|(?:\*\*)?[Pp]art[ \t]+\w+(?:\*\*)?[:.)])"
                          r"(?:\*\*)?[ \t]*")  # (a)  (ii)  Part 2:
@@ -143,25 +149,95 @@ _REEXAMINED = re.compile(r"(?i)\b(?:actually|wait|oops|sorry|hmm+|correct(?:ion|
                          r"incorrect(?:ly)?|typo|missed|miss(?:ing|es)|forgot|overlooked|mis\w+|(?:double|over|under)[- ]?"
                          r"count\w*|re-?(?:check|count|comput|calculat|examin|consider|evaluat|visit|do|work|think)\w*|"
                          r"double-?check\w*|verif\w*|instead|revis\w*|fix\w*|updat\w*|on (?:second thought|reflection)|"
-                         r"let me)\b")
+                         r"let me|I\s+meant|scratch\s+that|disregard|my\s+(?:mistake|bad)|(?:correct|right|true|"
+                         r"actual)\s+(?:answer|value|result|one|count|total|number))\b")
 _MATH_CONTENT = re.compile(r"[\d$\\]|(?<![\w'])(?:[a-zA-Z]|pi|infinity)(?![\w'])|" + "|".join(
     ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "twelve", "twenty",
      "hundred", "thousand"]), re.IGNORECASE)
 _ALTERNATIVE_BEFORE = re.compile(r"(?i)\b(?:or|maybe|perhaps|possibly|might|could|alternatively|otherwise)\b")
-# after the answer statement, what states an answer again: a box, an answer phrase, a correction with its value
-_LATER_ANSWER = re.compile(r"""(?ix) \\(?:boxed|fbox)\s*\{
+# after the answer statement, what states an answer again (rule 6): a box; an answer phrase; a correction with a
+# verb before its value ("actually it's 43"; the words between are left out) or with its value alone (_CORRECTION_ALONE:
+# "Correction: 43", "Oops, 43.", "Sorry, I meant 43.", "The correct value is 43.", "The answer above is wrong; 43", read
+# as "correction 43"); an alternative: "Or 43", "It could also be 43.", "But 43 is also possible.", "If both ends
+# count, it is 43." (a condition on the reading; "If n = 1, it is 3" checks a case and states nothing)
+_VALUE_AHEAD = r"(?=[-$\\\d])"
+_ALONE = r"""(?=(?:\$[^$\n]{1,60}\$|\\\([^\n]{1,60}?\\\)|-?\d[\d,.]*(?:/\d+)?|\\[dt]?frac\{[^{}]*\}\{[^{}]*\})[ \t]*
+    (?:[.!;,)(\n]|\u2014|\u2013|--|\Z|\s+(?:or|and)\b))"""  # a value that ends its sentence, or before a note or a list
+_CORRECTION_ALONE = rf"""(?P<fix>\b(?:(?:correction|corrected|actually|oops|sorry|wait|on\s+(?:second\s+thought
+      |reflection)|my\s+(?:mistake|bad)|I\s+meant|make\s+that|edit(?:ed)?|update[d]?|erratum|typo|fix(?:ed)?|revised
+      |amended|{_RETRACTION})\b|(?:the\s+)?(?:correct|right|true|actual
+      |corrected)\s+(?:final\s+)?(?:answer|value|result|one|count|total|number|sum)\s*(?:(?:is|are|would\s+be
+      |should\s+be|must\s+be)\b|[=:])))
+    (?:[\s,:;.!\u2013\u2014-]|\b(?:it'?s|it\s+is|is|I\s+meant|I\s+mean|make\s+that|make\s+it|(?:it\s+)?should\s+be
+      |actually|no|rather)\b)*? (?P<fixed>){_ALONE}"""
+_OTHER_READING = r"(?:under|with|in|for)\s+(?:the\s+)?(?:other|alternative|another|different|opposite)\b"
+_ALTERNATIVE_LATER = rf"""(?:^|(?<=[\n(]))[ \t(]*(?:or|alternatively|maybe|perhaps|possibly|otherwise)\b
+      [ \t\w,]{{0,30}}?{_VALUE_AHEAD}
+  | \b(?:(?:it|this|that|the\s+(?:final\s+)?answer)\s+(?:could|might|may|can)\s+(?:also\s+|equally\s+)?be
+      |(?:could|might|may|can)\s+(?:also|equally|as\s+well)\s+be)\s+(?:also\s+)?{_VALUE_AHEAD}
+  | [\d$}})][ \t,)]*(?:(?:is|are|would\s+be|seems)\s+(?:(?:also|equally)\s+(?:possible|plausible|valid|likely
+      |correct|right|acceptable|an?\s+(?:option|possibility|candidate))|(?:also\s+)?(?:another|an\s+alternative|one\s+
+      more)\s+(?:possibility|option|candidate|answer|solution))|(?:would|could|might|may)\s+(?:also|equally)\s+(?:work
+      |fit|hold|do)|also\s+works?|works?\s+(?:too|as\s+well))\b
+  | (?:^|(?<=\n))[ \t(]*(?=(?:\$[^$\n]{{1,60}}\$|-?\d[\d,.]*)\s+(?:(?:if|unless|when|assuming)\b|{_OTHER_READING})
+      [^\n=]*$)
+  | (?:^|(?<=[\n(])|(?<=[.!?]\s))[ \t(]*(?:(?:but|and|so|wait|actually|hmm+|oh|well|no|then)\b[\s,]*)*
+      (?:if|unless|when|assuming|in\s+case|{_OTHER_READING})\b(?:(?![.!?]\s)[^\n=]){{0,80}}?[,:]\s*(?:then\s+)?
+      (?:(?:it|this|that|the\s+(?:answer|count|total|result|value|number|sum))\s*(?:'s|is|would\s+be|will\s+be|becomes
+      |equals)\s*{_VALUE_AHEAD}|{_ALONE})"""
+_LATER_ANSWER = re.compile(rf"""(?imx) \\(?:boxed|fbox)\s*\{{
   | \b(?:final\s+|correct\s+|right\s+|true\s+)?answer\s*(?:(?:is|should\s+be|must\s+be|would\s+be)\b|[:：])
   | \b(?P<cue>actually|wait|oops|correction|corrected|sorry|instead|hmm+|missed|forgot|overlooked
-      |(?:over|under|mis|double[ -]?)count(?:ed)?|re-?(?:count|comput|calculat|check)(?:ed|ing)?)\b
-      (?:(?![.!?]\s)[^\n]){0,80}?
-      (?P<verb>\b(?:it'?s|it\s+is|is|be|gives?|to|equals|becomes))\s*(?=[-$\\\d])
-  | (?:^|(?<=[\n(]))[ \t(]*(?:or|alternatively|maybe|perhaps|possibly|otherwise)\b[ \t\w,]{0,30}?(?=[-$\\\d])""")
+      |(?:over|under|mis|double[ -]?)count(?:ed)?|re-?(?:count|comput|calculat|check)(?:ed|ing)?|{_RETRACTION})\b
+      (?:(?![.!?]\s|\b(?:if|unless|assuming)\b)[^\n]){{0,80}}?
+      (?P<verb>\b(?:it'?s|it\s+is|is|be|gives?|to|equals|becomes))\s*{_VALUE_AHEAD}
+  | {_CORRECTION_ALONE}
+  | {_ALTERNATIVE_LATER}""")
+# A box the reply labels a check (Check: 6 x 7 = \boxed{42}; as a check, ...) or an intermediate quantity (the partial
+# sum \boxed{21}, \boxed{120} so far, \boxed{21} (intermediate)) is no answer; unless its sentence calls it the answer,
+# corrects, or offers it too (Sanity check: \boxed{841} also works).
+_CHECK_LABEL = re.compile(r"""(?ix)(?:^|[(\[])[\W_]*(?:[a-z]+\s+){0,2}?(?:check(?:ing)?|verif(?:y|ying|ied|ication))\s*
+    (?:\*\*|__)?\s*[:.)\]\u2014-] | \b(?:as|for)\s+(?:a\s+)?(?:check|verification|sanity\s+check)\b
+    | \bto\s+(?:check|verify)\b | \b(?:sanity|cross)[- ]check | \bstep\s+\d+\b""")  # in the box's sentence before it
+_INTERMEDIATE_LABEL = re.compile(r"""(?ix)\b(?:intermediate|interim|auxiliary|preliminary|partial\s+(?:sum|product|count
+    |total|result|value|answer)s?|sub-?(?:totals?|results?)|running\s+total|so\s+far(?!\s+as)|for\s+now|halfway|lemma
+    |not\s+(?:yet\s+)?the\s+(?:final\s+)?answer)\b | ^\W*where\b""")  # in the box's clause before it
+_INTERMEDIATE_AFTER = re.compile(r"""(?ix)^\W*(?:[a-z]+\s+){0,2}?(?:so\s+far(?!\s+as)|for\s+now)\b
+    | ^\s*(?:[(,\u2014-]\s*)?(?:an?\s+|is\s+(?:only\s+|just\s+)?(?:an?\s+)?)?(?:intermediate|interim|partial
+      |preliminary)\b(?!\s+fraction)(?![^:]*:\s*$)""")  # right after it; not "(intermediate: \boxed{21})", a label
+# of what follows
+_CHECK_AFTER = re.compile(r"(?i)^\s*(?:[(,\u2014-]\s*)?(?:as\s+a\s+|for\s+)?(?:check|verification|sanity\s+check)\b")
+_OFFERED_TOO = re.compile(r"(?i)\b(?:also|too|as\s+well|alternatively|or|could|might|maybe|perhaps|possibly|equally)\b")
+_ANSWER_WORD = re.compile(r"(?i)\b(?:answer|final(?:ly)?|actually|wait|oops|sorry|correct(?:ion|ed)?|instead|wrong)\b")
+_UP_TO_VALUE = re.compile(r"(?:\$|\\[)\]])?(?:(?![.!?]\s)[^\n\d$\\])*")  # past the end of the box's math
+
+
+def _working_label(text, box, close):
+    """What the reply labels the box text[box:close]: "check", "intermediate" or None (_label): from its sentence
+    before it and the words after it up to the sentence's end or the next value."""
+    after = _UP_TO_VALUE.match(text, close, close + 80)[0]
+    return _label(text[_sentence_start(text, box):box], after.lstrip("$\\)]"))
+
+
+def _label(before, after):
+    """"check" (Check: ..., as a check, to verify), "intermediate" (intermediate, the partial sum, so far: in the
+    clause before the box, or right after it) or None, from the words of the box's sentence before it and after it;
+    None where they call it the answer, correct, or offer it too (_ANSWER_WORD, _OFFERED_TOO)."""
+    if _ANSWER_WORD.search(before) or _OFFERED_TOO.search(before) or _OFFERED_TOO.search(after):
+        return None
+    if _INTERMEDIATE_LABEL.search(re.split(r"[,;]", before)[-1]) or _INTERMEDIATE_AFTER.search(after):
+        return "intermediate"
+    return "check" if _CHECK_LABEL.search(before) or _CHECK_AFTER.match(after) else None
+
+
+_SENTENCE_END = re.compile(r"[.!?](?=\s)")
 
 
 def _sentence_start(text, i):
     """Where the sentence holding text[i] starts: after the last line break or sentence end before it."""
-    ends = [m.end() for m in re.finditer(r"\n|[.!?](?=\s)", text[:i])]
-    return ends[-1] if ends else 0
+    line = text.rfind("\n", 0, i) + 1
+    ends = [m.end() for m in _SENTENCE_END.finditer(text, line, i)]
+    return ends[-1] if ends else line
 
 
 def _later_statements(text, end):
@@ -173,11 +249,12 @@ def _later_statements(text, end):
     for found in _LATER_ANSWER.finditer(text, end):
         start = max(_sentence_start(text, found.start()), end)
         close = _closing_braces(text[found.start():]).get(found.end() - found.start()) if found[0].endswith("{") else 0
-        if close is None:  # a box cut off after the answer (the token limit) states nothing
-            continue
+        if close is None or close and _working_label(text, found.start(), found.start() + close):
+            continue  # a box cut off after the answer (the token limit) states nothing; a check is no answer
         stop = (text + "\n").find("\n", found.start() + (close or 0))
-        if found["cue"]:
-            skips.append((found.end("cue"), found.start("verb")))
+        if found["cue"] or found["fix"]:
+            skips.append((found.end("cue"), found.start("verb"), " ") if found["cue"] else (
+                found.start("fix"), found.start("fixed"), " correction "))  # My previous answer was wrong: 36
         if spans and start < spans[-1][1]:
             spans[-1] = (spans[-1][0], max(stop, spans[-1][1]))
         else:
@@ -185,10 +262,10 @@ def _later_statements(text, end):
     ends = [end] + [stop for _, stop in spans]
     statements = []
     for n, (start, stop) in enumerate(spans):
-        kept = [(a, b) for a, b in skips if start <= a and b <= stop]
+        kept = [(a, b, by) for a, b, by in skips if start <= a and b <= stop]
         piece = text[start:stop]
-        for a, b in reversed(kept):
-            piece = piece[:a - start] + " " + piece[b - start:]
+        for a, b, by in reversed(kept):
+            piece = piece[:a - start] + by + piece[b - start:]
         if piece.strip():
             statements.append((piece.strip(), bool(_REEXAMINED.search(text[ends[n]:start]))))
     return statements
@@ -221,12 +298,14 @@ def extract_final_answer(reply):
 
 _UNICODE = str.maketrans({"−": "-", "×": r" \times ", "÷": r" \div ", "·": r" \cdot ", "≤": r" \le ", "≥": r" \ge ",
                           "≠": r" \ne ", "π": r" \pi ", "√": r"\sqrt", "∞": r" \infty ", "±": r" \pm ", "°": r"^\circ ",
-                          "≈": r" \approx ", "，": ", ", "；": "; ", "：": ": ", "。": ". ", "（": " (", "）": ") ",
-                          "【": " [", "】": "] "})
+                          "≈": r" \approx ", "≃": r" \simeq ", "∼": r" \sim ", "≲": r" \lesssim ", "≳": r" \gtrsim ",
+                          "≡": r" \equiv ", "∅": r" \emptyset ", "，": ", ", "；": "; ", "：": ": ", "。": ". ", "（": " (",
+                          "）": ") ", "【": " [", "】": "] "})
 # a bound is not a value: at least 45 answers x >= 45, not 45
 _BOUND = re.compile(r"(?i)\b(?:(at\s+least|no\s+(?:less|fewer)\s+than|not\s+(?:less|fewer)\s+than)|(at\s+most|no\s+"
                     r"more\s+than|not\s+more\s+than|up\s+to)|((?:more|greater|larger|bigger)\s+than|above)|((?:less|"
                     r"fewer|smaller)\s+than|below|under))\s+(?=[-$\\\d])")
+_UP_TO_RANGE = re.compile(r"(?i)(\d\$?)\s+up\s+to\s+(?=[-$\\\d])")
 _BOUND_RELATIONS = (r"\ge", r"\le", ">", "<")
 _BOUND_AFTER = re.compile(r"(?i)(?<![\w.])(\$?)(\d+(?:\.\d+)?)(\$?)\s+or\s+(?:(more|greater|higher|larger|above)|"
                           r"(?:less|fewer|lower|smaller|below))\b")  # 45 or more, $45$ or fewer
@@ -239,6 +318,48 @@ _CARDINALS = dict(zip(
 _SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "dozen": 12}
 _NUMBER_WORDS = re.compile(rf"(?i)\b(?:{'|'.join(_CARDINALS)})\b(?:[\s-]+(?:and[\s-]+)?(?:{'|'.join([*_CARDINALS, *_SCALES])})\b)*")
 _DETERMINER = re.compile(r"(?i)\b(?:the|an?|this|that|these|those|each|every|any|all|both|which|only|same|no|its)\s+$")
+# "one" after a determiner and a word or two (not a verb) is a pronoun: the right one: 42, the smallest such one
+_PRONOUN_ONE = re.compile(r"(?i)\b(?:the|an?|this|that|which|each|every|any|only|same|its|my|our|another)\s+"
+                          r"(?:(?!(?:is|was|are|were|be|equals)\b)[a-z]+\s+){1,2}$")
+# words for an infinite count or an empty solution set, as the answer's first words: infinitely many, there are no
+# real solutions, the empty set (not a note's: "42 (no solutions for n > 5)"; not "infinite" before a noun)
+_SET_WORDS = re.compile(r"""(?ix)(?:^|(?<=[\n\ue000\ue001]))
+    ([^\w\\]*(?:\\(?:text|textrm|mathrm|mbox)\s*\{\s*)?(?:(?:there\s+(?:is|are|exists?)|(?:it|the(?:\s+\w+){1,2})\s+
+      (?:has|have|is)|the\s+answer\s+is)\s+)?)  # a statement's opening words
+    (?:((?:countably\s+|uncountably\s+)?infinitely\s+many|(?:arbitrarily|unboundedly)\s+many|an?\s+infinite\s+
+      (?:number|amount|count)|(?:countably\s+|uncountably\s+)?infinite(?![ \t]+[a-z]))
+      |(no\s+(?:(?:real|integer|positive|valid|such)\s+)?(?:solutions?|roots?)|no\s+such\s+\w+|none(?!\s+of)
+      |(?:the\s+)?empty(?:\s+set\b|(?![ \t]+[a-z]))))\b""")
+# the constants and roots as math-verify reads them: \mathrm{i} is the imaginary unit, \mathrm{e} Euler's number;
+# a root's argument without braces is one token, as in LaTeX (\sqrt[3]2 is \sqrt[3]{2}); 3{:}45 is the time 3:45
+_UPRIGHT_CONSTANT = re.compile(r"\\(?:mathrm|operatorname|mathit|textrm|rm|text)\s*\{\s*([ie])\s*\}"
+                               r"|\\(?:mathrm|rm)\s+([ie])(?![A-Za-z])")
+_UNBRACED_ROOT = re.compile(r"\\sqrt\s*(\[[^\[\]{}]*\])?\s*(\d(?!\d)|[A-Za-z](?![A-Za-z])|\\(?:pi|alpha|beta|gamma|"
+                            r"theta|phi|omega|lambda|mu|sigma|tau)(?![A-Za-z]))")
+# a leading name before \equiv is dropped as before =: n \equiv 5 \pmod 8 commits to 5
+_EMPTY_BRACES = re.compile(r"\\\{(?:\s|\\[,;:! ])*\\\}")
+_CONGRUENT_NAME = re.compile(r"(?<![\w\\}])([A-Za-z](?:_\{?\w+\}?)?)\s*\\equiv(?![A-Za-z])")
+
+
+def _latex_forms(text):
+    """\\mathrm{i} and \\mathrm{e} as i and e, \\sqrt[3]2 as \\sqrt[3]{2}, \\varnothing and \\{\\,\\} as \\emptyset,
+    3{:}45 as 3:45 (the answer's and the gold's: math-verify parses neither form)."""
+    if "\\" in text:  # each pattern only where its command is (the reading's cost)
+        text = _UPRIGHT_CONSTANT.sub(lambda m: m[1] or m[2], text) if "rm" in text or "\\text" in text or \
+            "\\operatorname" in text or "\\mathit" in text else text
+        if "\\sqrt" in text:
+            text = _UNBRACED_ROOT.sub(lambda m: rf"\sqrt{m[1] or ''}{{{m[2]}}}", text)
+        if "\\{" in text:
+            text = _EMPTY_BRACES.sub(r"\\emptyset", text)  # \{\,\}
+        text = text.replace(r"\varnothing", r"\emptyset")
+    return text.replace("{:}", ":")
+
+
+def _set_words(text):
+    """Words for an infinite count as \\infty and for an empty solution set as \\emptyset (_SET_WORDS)."""
+    return _SET_WORDS.sub(lambda m: m[1] + (r"\infty " if m[2] else r"\emptyset "), text)
+
+
 _ORDINAL_STEMS = {"half": "two", "halve": "two", "third": "three", "quarter": "four", "fif": "five", "eigh": "eight",
                   "nin": "nine", "twelf": "twelve"}
 _SCALED = re.compile(r"(\d+(?:\.\d+)?|\ban?\b)[\s-]*(?:(\w*?(?:th|half|halve|third|quarter))s?|(hundred|thousand|"
@@ -328,23 +449,29 @@ def _normalized(text):
     number's value, sign words and math words as LaTeX; Unicode math and full-width punctuation as ASCII and LaTeX."""
     text = re.sub(r"√\s*(\d+(?:\.\d+)?|\w)", r"\\sqrt{\1}", re.sub(r",\\!\s*", ",", text))  # √2, 11,\! 111
     text = _SUPERSCRIPT.sub(lambda m: "^{" + m[0].translate(_SUPERSCRIPT_DIGITS) + "}", text)
-    text = _TRIG_DEGREES.sub(r"\1(\2 \\pi/180)", _unwrapped(text.translate(_UNICODE)))  # \sin 30^\circ is 1/2
+    text = _TRIG_DEGREES.sub(r"\1(\2 \\pi/180)", _latex_forms(_unwrapped(text.translate(_UNICODE))))  # \sin 30^\circ
+    text = _CONGRUENT_NAME.sub(r"\1 =", text) if "\\equiv" in text else text  # n \equiv 5 \pmod 8: 5, as n = 5
     text = re.sub(r"\\\$|\\displaystyle|\\!|\*\*|__|`|\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\degree", "", text)
     text = _FUNCTION_NAME.sub(r"\\operatorname{\1}", text)  # \mathrm{lcm}(4,6) is 12
     text = _REPEATING.sub(_repeating, text)  # 0.\overline{3} is 1/3
     text = _CHINESE_NUMBER.sub(lambda m: str(_chinese_number(m[0])), text)  # 三十六 is 36
     text = re.sub(r"~~[^~\n]*~~", " ", text)  # a struck-through value is withdrawn: ~~41~~ 42
-    text = re.sub(r"(?:(?<=\s)|^)~(?=\s*\d)", "about ", text).replace("~", " ")  # ~45 is about 45; else a space
+    text = re.sub(r"(\d)[ \t]*[~\uff5e][ \t]*(?=\d)(?!\d{3}(?!\d))", "\\1\u2013", text)  # 7034 ~ 7035, not 1~000
+    text = re.sub(r"(?:(?<=\s)|^)~(?=\s*(?:\d|\$|\\(?:boxed|fbox)\b))", "about ", text)  # ~45, ~\boxed{45}: about
+    text = text.replace("~", " ")  # else a space
     text = re.sub(r"(?<![\\\w])sqrt\s*\(([^()]*)\)", r"\\sqrt{\1}", text)  # sqrt(12)
     text = re.sub(r"(\d+(?:\.\d+)?)\s+over\s+(\d+(?:\.\d+)?)\b", r"\\frac{\1}{\2}", text)  # 3 over 4
     text = re.sub(r"(?i)\bin which case\b", " or ", text)  # 256, unless ..., in which case 512
+    if "up" in text or "Up" in text:  # 12 up to 15 is a range, not a bound
+        text = _UP_TO_RANGE.sub(r"\1 to ", text)
     text = _BOUND.sub(lambda m: next(f" x {relation} " for relation, word in zip(_BOUND_RELATIONS, m.groups()) if word),
                       text)  # at least 45 is no value: x \ge 45
     text = _BOUND_AFTER.sub(lambda m: f"{m[1]}x {_BOUND_RELATIONS[0] if m[4] else _BOUND_RELATIONS[1]} {m[2]}{m[3]}",
                             text)
     text = re.sub(r"\b([ie])\.\s?([eg])\.", r" \1\2 ", re.sub(r",\s*(?:\.\.\.|…)", r", \\ldots", text.strip(" *")))
-    text = _NUMBER_WORDS.sub(lambda m: m[0] if _DETERMINER.search(text[:m.start()][-9:]) else str(_cardinal(m[0])),
-                             text)
+    text = _set_words(text)  # infinitely many, no solution
+    text = _NUMBER_WORDS.sub(lambda m: m[0] if _DETERMINER.search(text[:m.start()][-9:]) or m[0].lower() == "one" and
+                             _PRONOUN_ONE.search(text[:m.start()][-40:]) else str(_cardinal(m[0])), text)
     text = _SCALED.sub(_scaled, re.sub(r"(\d)\s*(?:per\s?cent(?:age)?|pct)\b|(?<!\\)%", r"\1\\%", text))
     return _MATH_WORD.sub(lambda m: _WORD_LATEX[m[1].lower()], text)
 
@@ -379,6 +506,7 @@ class _Token(NamedTuple):
     math: bool    # inside $...$, \(...\), \[...\] or a box, where letters are variables
     close: int = 0  # of an opening bracket: the index after the bracket that closes it (the end when none does)
     wordy: bool = False  # of an opening bracket: words between it and its closing bracket (a note, not math)
+    cut: bool = False    # of a box: never closed (the reply was cut: more may have followed)
 
 
 def _tokens(text, math=False):
@@ -414,7 +542,7 @@ def _text_tokens(text):
                 tokens += [token._replace(spaced=token.spaced or n == 0)
                            for n, token in enumerate(_text_tokens(text[i:end - 1]))]
             else:
-                tokens.append(_Token("box", text[i:end - 1], spaced, True))
+                tokens.append(_Token("box", text[i:end - 1], spaced, True, cut=i not in closing))
             i = end
         elif kind == "delim":
             if match[0] in _CLOSING_DELIMITER:  # a region left open runs to the end
@@ -438,7 +566,11 @@ _MATH_SEPARATOR = re.compile(r"[,;&]|\\\\|\\q?quad(?![A-Za-z])|\\(?:lor|vee)(?![
 _ENVIRONMENT = re.compile(r"\\begin\{(\w+\*?)\}.*?\\end\{\1\}", re.DOTALL)
 _DIGIT_GROUP_END = re.compile(r"\d{3}(?!\d)")  # after a digit and a comma: 1,000
 _LEADS_UP = re.compile(r"(?:=|:|<|>|\\(?:in|equiv|approx|to|le|ge|leq|geq|sim|cong|Rightarrow|implies))\s*$")
-_MODULUS = re.compile(r"\\(?:pmod|bmod|mod)(?![A-Za-z])")
+# a modulus after a residue is a note: 3 \pmod{7}, n \equiv 5 \pmod 8, 3 \ (\mathrm{mod}\ 7); in math \bmod splits
+# nothing (17 \bmod 5 is an operation)
+_MODULUS = re.compile(r"\\(?:pmod|bmod|mod)(?![A-Za-z])|\(\s*(?:\\(?:mathrm|text|operatorname|rm)\s*\{\s*mod\s*\}"
+                      r"|\\?mod(?![A-Za-z]))")
+_TRAILING_SPACE = re.compile(r"(?:\\[ ,;:!]|\s)*$")
 _NESTED_BOX = re.compile(r"\\(?:boxed|fbox)\s*(?=\{)")
 
 
@@ -463,6 +595,10 @@ def _math_tokens(latex, in_box=False):
             tokens.append(_Token("stop", expression, spaced, True))
 
     while i < len(latex):
+        if depth == 0 and i > start and latex[i] in "\\(" and (modulus := _MODULUS.match(latex, i)) and not \
+                modulus[0].startswith("\\bmod"):  # the residue before it is the value, the modulus a note
+            flush(_TRAILING_SPACE.search(latex, start, i).start())
+            start = i
         if depth == 0 and (text := _MATH_TEXT.match(latex, i)):
             flush(i)
             end = closing.get(text.end(), len(latex) + 1)
@@ -479,7 +615,7 @@ def _math_tokens(latex, in_box=False):
             if not _LEADS_UP.search(latex[start:i]):
                 flush(i)
             end = closing.get(box.end(), len(latex) + 1)
-            tokens.append(_Token("box", latex[box.end():end - 1], True, True))
+            tokens.append(_Token("box", latex[box.end():end - 1], True, True, cut=box.end() not in closing))
             i = start = end
         elif environment := _ENVIRONMENT.match(latex, i):
             i = environment.end()
@@ -557,13 +693,42 @@ def _render(tokens, depth=0):
 _PHRASE = ("prose", "letter", "name", "not")  # the words of an answer without math
 # an estimate or a doubt right before the committed value commits to nothing: about 45, likely around 245, maybe 45
 _DOUBT = frozenset("approximately approx about around roughly nearly almost likely probably presumably maybe perhaps "
-                   "possibly guess".split())
+                   "possibly guess close circa ca estimated est".split()) | {
+    r"\approx", r"\sim", r"\simeq", r"\thickapprox", r"\lesssim", r"\gtrsim"}  # \approx 45, \sim 45
+_ESTIMATE = re.compile(r"\$?\s*(?:\\?[A-Za-z]+(?:_\{?\w+\}?)?(?:\([^()=]*\))?\s*)?\\(?:approx|sim|simeq|thickapprox|"
+                       r"lesssim|gtrsim)(?![A-Za-z])")  # \approx 7034, x \approx 7034: an estimate, no value
+# a range offers both its ends: 7034-7035 (a dash), 7034 to 7035 (not: 3.14 to 2 decimal places)
+_RANGE_WORDS = frozenset("to through thru till until".split())
+_PRECISION = frozenset("decimal significant sig place places digit digits dp sf".split())
 
 
 def _listed(glue):
     """Whether a value with these tokens before it is listed beside the one before it: nothing but separators, "and"
     or an alternative word between them (42, 43  42 43  42 and 43  42 or 43  42 (43?), where (43?) is one value)."""
     return all(token.kind in ("sep", "and", "alt") for token in glue)
+
+
+def _ranged(glue, following):
+    """Whether a value with these tokens before it and these after it is the other end of a range that starts at the
+    value before it: a dash or a range word alone between them (7034\u20137035, 7034 to 7035)."""
+    if len(glue) != 1:
+        return False
+    if glue[0].kind == "dash":  # 7034\u20137035 ways; not 42 \u2014 6 more than the naive count (a note)
+        return not (glue[0].spaced and following and following[0].kind == "prose")
+    return glue[0].text.lower() in _RANGE_WORDS and not (following and following[0].text.lower() in _PRECISION)
+
+
+def _conditional_sentence(glue):
+    """Whether these tokens before a value end in a sentence of its own that opens with a condition and states the
+    value with a verb or after a comma (42. If both ends count, it is 43.  42. If the corners count, 43.): a value
+    under another reading, offered; not when the condition names a value (If n = 1, it is 3: a check)."""
+    stop = max((n for n, token in enumerate(glue) if token.kind == "stop" and token.text in ".!?"), default=None)
+    sentence = [token for token in glue[stop + 1:] if token.kind != "open"] if stop is not None else []
+    while sentence and sentence[0].text.lower() in ("but", "and", "so"):
+        sentence = sentence[1:]
+    return len(sentence) > 1 and (sentence[0].kind == "if" or sentence[0].text.lower() == "assuming") and (
+        sentence[-1].kind == "is" or sentence[-1].text.lower() in ("be", "becomes", ",", ":")) and not any(
+        token.text == "=" for token in sentence)
 
 
 def _offered_as_alternative(glue, after_committed):
@@ -594,9 +759,13 @@ _WITHDRAWN = re.compile(r"(?i)^[\s)\]]*(?:is|was|were|are|=)\s+(?:(?:a|an|just|c
 # A value told as a past attempt is withdrawn too: earlier I got 8, my initial value 24, at first 30
 _RETROSPECT = re.compile(r"(?i)\b(?:earlier|initial(?:ly)?|previous(?:ly)?|original(?:ly)?|at first|my first|before that)\b")
 # A value after the committed one that is said to be possible too is offered: 16 is also possible
-_ALSO_POSSIBLE = re.compile(r"(?i)^\s*(?:is|are|would be|could be|might be|seems|may be)?\s*(?:also|equally|too)\s+"
-                            r"(?:possible|plausible|valid|likely|correct|right|works?|an? (?:option|possibility|candidate))"
-                            r"\b|^\s*(?:is|are)\s+(?:possible|plausible|valid)\s+(?:too|as well)\b|^\s*instead\b")
+_ALSO_POSSIBLE = re.compile(r"""(?ix)^\s*(?:(?:is|are|seems|would|could|might|may)\s+)?(?:be\s+)?(?:also|equally|too)\s+
+    (?:be\s+)?(?:possible|plausible|valid|likely|correct|right|works?|fits?|holds?|an?\s+(?:option|possibility
+      |candidate))\b
+  | ^\s*(?:is|are)\s+(?:possible|plausible|valid)\s+(?:too|as\s+well)\b
+  | ^\s*(?:is|are|would\s+be)\s+(?:another|an\s+alternative|one\s+more)\s+(?:possibility|option|candidate|answer
+      |solution)\b
+  | ^\s*instead\b""")
 _ASSIGNMENT = re.compile(r"\s*\\?[A-Za-z]+(?:_\{?\w+\}?)?'*\s*=\s*([^=]+)")  # n = 3, a_1 = 5, m=5
 
 
@@ -607,11 +776,17 @@ def _witness(value):
                for p in parts)
 
 
+# a later statement that opens with a condition, after interjections: Wait, actually, if both ends count, it is 43
+_CONDITION_OPENS = re.compile(r"(?i)^\W*(?:(?:wait|actually|hmm+|oh|no|so|but|and|well|then|sorry|oops)\b\W*)*"
+                              r"(?:if|unless|when|assuming|in case)\b")
+
+
 def _later_condition(glue):
     """Whether these tokens before a value hold a later statement that opens with a condition (If rotations are the
     same, the answer is \\boxed{120}): an alternative to the answer, not a correction of it."""
     later = max((n for n, token in enumerate(glue) if token.kind == "later"), default=None)
-    return later is not None and bool(_CONDITION_BEFORE.match(" ".join(token.text for token in glue[later + 1:])))
+    return later is not None and bool(_CONDITION_OPENS.match(" ".join(token.text for token in glue[later + 1:])))
+
 
 
 def _corrects(glue):
@@ -670,26 +845,34 @@ def _read_answer(text, math, depth):
     withdrawn = [not prose and (start > 0 and tokens[start - 1].kind == "not" or bool(_WITHDRAWN.match(after(n)))
                                 or bool(_RETROSPECT.search(before(n).rsplit(".", 1)[-1])))
                  for n, (start, end) in enumerate(units)]
-    superseded = max((n for n in range(1, len(units)) if _corrects(glue(n)) and not withdrawn[n]
-                      and not _offered_as_alternative(glue(n), False)), default=0)
+    superseded = max((n for n in range(1, len(units)) if _corrects(glue(n)) and not withdrawn[n] and not
+                      _offered_as_alternative(glue(n), False) and not _ALSO_POSSIBLE.match(after(n))), default=0)
     units = [unit for n, unit in enumerate(units) if n >= superseded and not withdrawn[n]]
     boxes = [n for n, (start, _) in enumerate(units) if tokens[start].kind == "box"]
     if not units:
         return []
+    if len(boxes) > 1:  # a box labelled a check or an intermediate quantity is none: 8 (intermediate: \boxed{4})
+        sentence = lambda n: " ".join(t.text for t in glue(n)[-8:]).rsplit(" . ", 1)[-1].rsplit(LATER, 1)[-1]
+        up_to_next = lambda n: " ".join(t.text for t in glue(n + 1)[:8]) if n + 1 < len(units) else after(n)
+        boxes = [n for n in boxes if not _label(sentence(n), up_to_next(n).split(" . ", 1)[0])] or boxes
     committed = first = last = (boxes or [0])[0]
-    if _DOUBT & {token.text.lower() for token in glue(committed)[-3:]}:
+    committed_value = render(committed)
+    if _DOUBT & {token.text.lower() for token in glue(committed)[-3:]} or _ESTIMATE.match(committed_value) or tokens[
+            units[committed][0]].cut:  # about 45, x \approx 45; a box never closed: more digits may have followed
         return ()
     conditional = lambda n: next((t.kind for t in tokens[units[n][1]:units[n][1] + 3] if t.kind != "sep"), "") == "if"
-    while first > 0 and _listed(glue(first)):
+    ranged = lambda n: _ranged(glue(n), tokens[units[n][1]:units[n][1] + 1]) and all(
+        read_number(render(m)) is not None for m in (n - 1, n))
+    while first > 0 and (_listed(glue(first)) or ranged(first)):
         first -= 1
-    while last + 1 < len(units) and _listed(glue(last + 1)):
+    while last + 1 < len(units) and (_listed(glue(last + 1)) or ranged(last + 1)):
         last += 1
-    committed_value = render(committed)
     witness = lambda n: n > committed and _witness(render(n)) and not _witness(committed_value) and not any(
         token.kind == "alt" or token.kind == "if" and token.text.lower() != "when" for token in glue(n))
     values = []
     for n in [committed] + [n for n in range(len(units)) if n != committed and (first <= n <= last or n in boxes or (
             n > committed and (_offered_as_alternative(glue(n), n == committed + 1) or conditional(n)
+                               or _conditional_sentence(glue(n))  # 42. If both ends count, it is 43.
                                or any(token.kind == "later" for token in glue(n))  # a second answer (rule 6)
                                or _ALSO_POSSIBLE.match(after(n)) or _later_condition(glue(n)))))]:
         start, end = units[n]
@@ -842,6 +1025,24 @@ _CHOICE = re.compile(r"\(([A-Ea-e])\)\s*(?:\\[ ,;:]|~|\s)*(\S.*)", re.DOTALL)  #
 _CHOICE_GOLD = re.compile(r"\(?(?:\\text(?:bf)?\{)?\(?([A-Ea-e])\)?\}?\)?")  # C  (C)  \text{C}  \textbf{(C)}
 
 
+# a gold that is a residue with its modulus is answered by the residue (3 \pmod{7}, x \equiv 3 \ (\text{mod } 7))
+_GOLD_RESIDUE = re.compile(r"""(?x)\s*\$?\s*(?:[A-Za-z](?:_\{?\w+\}?)?\s*(?:\\equiv|=)\s*)?(-?\d+)\s*
+    (?:\\[pb]?mod\s*\{?\s*\d+\s*\}?|\(\s*(?:\\(?:mathrm|text|operatorname)\s*\{\s*mod\s*\}|\\?mod)\s*(?:\\\s)?\s*\d+
+      \s*\))
+    \s*\$?\s*""")
+# a clock time is compared as a time, hours and minutes (3:45, 3{:}45, 3:45 PM, 15:45 for 3:45 PM), never as a ratio
+_CLOCK = re.compile(r"(?i)\s*\$?\s*(?:\\text\s*\{\s*)?(\d{1,2})\s*:\s*([0-5]\d)\s*(?:\\?\s*([ap])\.?\s*m\.?)?\s*\}?\s*"
+                    r"\$?\s*")
+
+
+def _clock_match(prediction, clock):
+    """Whether the prediction reads as the gold's time (a _CLOCK match): its minutes, and its hours as written or
+    on the 24-hour clock."""
+    time = _CLOCK.fullmatch(prediction)
+    hours = int(clock[1]) % 12 + (12 if (clock[3] or "").lower() == "p" else 0) if clock[3] else int(clock[1])
+    return bool(time) and int(time[2]) == int(clock[2]) and int(time[1]) in (int(clock[1]), hours)
+
+
 def score_answer(prediction, gold):
     """(score 0.0 or 1.0, method) of an answer (its text, or what extract_final_answer made of it) against the gold,
     by docs/scoring.md (rules 3 and 4, then "Comparing"). A pure function; it may run for a long time on adversarial input
@@ -853,6 +1054,8 @@ def score_answer(prediction, gold):
         return 0.0, "no_value"
     if any(_false_equation(value) for value in values):
         return 0.0, "false_equation"
+    gold = _set_words(_latex_forms(gold))  # the gold's forms as the answer's are read: \mathrm{i}, infinitely many
+    gold = residue[1] if (residue := _GOLD_RESIDUE.fullmatch(gold)) else gold
     gold_number, prediction = read_number(gold), ", ".join(values)
     sides = re.split(r"(?<![<>!])=", gold.strip(" $"))  # a + 3z = 0 is no number (math_verify: x + y = 0 is x + y := 0)
     one_equation = len(sides) > 1 and not re.search(r",|\b(?:or|and)\b", gold)
@@ -864,6 +1067,8 @@ def score_answer(prediction, gold):
         if not all(value == values[0] or _math_verify(value, values[0]) for value in values[1:]):
             return 0.0, "hedge"
         prediction = values[0]
+    if clock := _CLOCK.fullmatch(gold):
+        return float(_clock_match(prediction, clock)), "clock_time"
     if choice := _CHOICE.fullmatch(prediction.strip(" $")):  # (C) 12: the letter for a letter gold, else the value
         if letter := _CHOICE_GOLD.fullmatch(gold.strip(" $")):
             return float(choice[1].upper() == letter[1].upper()), "choice"
@@ -908,7 +1113,9 @@ def unscored_reason(prediction, *, bash_calls, finish_reason, error=None):
 # sympy can run for minutes on an answer such as 2^{2001^{2000}}, mostly inside C code that holds the GIL (a thread
 # would freeze the whole engine) and that no signal interrupts. So the episode loop scores in a small pool of
 # worker processes, awaited through the pool's threads: a call takes an idle worker (or starts one); a worker that
-# does not answer within SCORE_TIMEOUT_S is killed (0, "score_timeout"), one that dies or garbles its reply too
+# does not answer within SCORE_TIMEOUT_S is killed and the answer scored again in a fresh worker, which has just
+# scored the known answers, with SCORE_RETRY_FACTOR times the limit: an answer that keeps that one busy too is the
+# model's doing (0, "answer_timeout"), not the machine's. A worker that dies or garbles its reply is killed
 # (0, "score_error"), and a replacement starts at once. Workers are fresh interpreters (subprocess: no fork of the
 # vLLM process and its threads) running this file, `python agentic_es/scoring.py PARENT_PID`, which imports neither torch nor
 # vLLM. They die with the pool thread that started them (PR_SET_PDEATHSIG; pool threads live as long as the pool), so
@@ -919,6 +1126,7 @@ def unscored_reason(prediction, *, bash_calls, finish_reason, error=None):
 # stage calls warm_up() before its episodes run, which raises ScorerBroken saying what failed.
 
 SCORE_TIMEOUT_S = 20.0            # wall-clock limit of one scoring call in a worker (normal answers take ms)
+SCORE_RETRY_FACTOR = 3.0          # an answer past the limit: scored again, in a fresh worker, with this times it
 SCORER_PROCESSES = 4              # at most this many workers (and scoring calls at once), started lazily
 SCORER_START_TIMEOUT_S = 300.0    # a worker's start-up (imports of sympy and math_verify); not part of the limit
 SCORER_MEMORY_BYTES = 4 * 1024**3  # RLIMIT_AS of a worker: a runaway sympy allocation ends in MemoryError
@@ -1080,27 +1288,42 @@ class _ScorerPool:
         self.give_back(worker)
 
     def score(self, prediction, gold):
-        """Runs in a pool thread. Never raises: a timeout or a broken worker scores 0 and is killed, and its
-        replacement starts at once (its start-up overlaps what comes next)."""
+        """Runs in a pool thread. Never raises. An answer that keeps its worker past SCORE_TIMEOUT_S is scored again
+        in a fresh worker (its warm-up has just scored the known answers) with SCORE_RETRY_FACTOR times the limit:
+        its score, or where that one times out too (0, "answer_timeout"), the model's answer's doing. A broken
+        worker scores 0 (score_error). A worker that failed is killed and its replacement starts at once (its
+        start-up overlaps what comes next)."""
         worker = None
         try:
             worker = self.take()
-            result = worker.score(prediction, gold, SCORE_TIMEOUT_S)
-            self.give_back(worker)
-            return result
+            return self._scored(worker, worker.score(prediction, gold, SCORE_TIMEOUT_S))
         except TimeoutError:
-            result = 0.0, "score_timeout"
+            with contextlib.suppress(Exception):
+                self.discard(worker)
+            worker = None
+            try:
+                worker = self.take(fresh=True)
+                return self._scored(worker, worker.score(prediction, gold, SCORE_RETRY_FACTOR * SCORE_TIMEOUT_S))
+            except TimeoutError:
+                result = 0.0, "answer_timeout"
+            except Exception:  # the fresh worker did not start, died or garbled its reply
+                result = 0.0, "score_error"
         except Exception:  # a worker that died or garbled its reply, a failed start: this answer only scores 0
             result = 0.0, "score_error"
         with contextlib.suppress(Exception):
             self.replace(worker)
         return result
 
-    def take(self):
+    def _scored(self, worker, result):
+        self.give_back(worker)
+        return result
+
+    def take(self, fresh=False):
+        """An idle worker, or a new one (fresh: always a new one)."""
         with self.lock:
             if self.closed:
                 raise RuntimeError("the scorer pool is shut down")
-            while self.idle:
+            while self.idle and not fresh:
                 worker = self.idle.pop()
                 if worker.process.poll() is None:
                     break
@@ -1179,7 +1402,8 @@ def warm_up():
 
 async def score_answer_isolated(prediction, gold):
     """score_answer(prediction, gold) in a scorer worker, awaited without blocking the event loop. At most
-    SCORE_TIMEOUT_S of scoring (plus a worker's start-up); never raises."""
+    SCORE_TIMEOUT_S of scoring, and for an answer past it (1 + SCORE_RETRY_FACTOR) times that (plus a worker's
+    start-up); never raises."""
     if prediction is None or not prediction.strip():
         return score_answer(prediction, gold)
     try:

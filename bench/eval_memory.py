@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli, metrics, models, pool  # noqa: E402
+from agentic_es import cli, metrics, models, placement, pool, worker_memory  # noqa: E402
 from exact_restore import best_utilization, plans_by_k  # noqa: E402
 from reference_generation import FIRST_PROMPT_TOKENS, draw_episode, scripted_episode  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
@@ -68,19 +68,19 @@ def plan_rows(needs: dict, report: dict, tp: int) -> dict:
         utilization, plan = by_k.get(k, (None, {}))
         rows[mode_name(restore)] = {
             "restore": restore, "engines_per_gpu": k, "gpu_memory_utilization": utilization,
-            "kv_cache_gib_per_engine": round(plan.get("kv_cache_bytes", 0) / pool.GIB, 1),
+            "kv_cache_gib_per_engine": round(plan.get("kv_cache_bytes", 0) / placement.GIB, 1),
             "restore_gib_per_engine_on_gpu": round((plan.get("device_copy_bytes", 0)
-                                                    + plan.get("device_patch_bytes", 0)) / pool.GIB, 1),
-            "restore_gib_per_engine_on_host": round(plan.get("host_copy_bytes", 0) / pool.GIB, 1)}
+                                                    + plan.get("device_patch_bytes", 0)) / placement.GIB, 1),
+            "restore_gib_per_engine_on_host": round(plan.get("host_copy_bytes", 0) / placement.GIB, 1)}
     return rows
 
 
 def gpu_plan(cfg, model: str) -> dict | None:
     """The memory plan's rows on this node's first GPU group (None without nvidia-smi), and the engine's needs."""
-    report = pool.node_report(pool.visible_gpus()[:cfg.tensor_parallel_size])
+    report = placement.node_report(placement.visible_gpus()[:cfg.tensor_parallel_size])
     if report["gpu_total_bytes"] is None:
         return None
-    needs = pool.engine_memory_needs(json.loads((Path(model) / "config.json").read_text()), cfg, model)
+    needs = placement.engine_memory_needs(json.loads((Path(model) / "config.json").read_text()), cfg, model)
     return {"gpu_total_bytes": report["gpu_total_bytes"], "gpu_free_bytes": report["gpu_free_bytes"],
             "host_free_bytes": report["host_free_bytes"], "needs": needs,
             "rows": plan_rows(needs, report, cfg.tensor_parallel_size), "report": report}
@@ -108,7 +108,7 @@ def projection(report: dict, phases: dict, seed: int, max_model_len: int) -> dic
     """The reference's evaluation on 2x H200 at TP=2: engines per GPU pair before and after from its own plan on this
     GPU's numbers, and its hours at the tokens/s measured here at the same K (see the module's docstring)."""
     cfg = common.Config(tensor_parallel_size=REFERENCE_TP, max_model_len=max_model_len)
-    needs = pool.engine_memory_needs(qwen3_30b.QWEN3_30B_A3B, cfg)
+    needs = placement.engine_memory_needs(qwen3_30b.QWEN3_30B_A3B, cfg)
     rows = plan_rows(needs, report, REFERENCE_TP)
     episodes = reference_eval_episodes()
     tokens = sum(episode_tokens(draw_episode(seed, e // metrics.EVAL_SAMPLES, e % metrics.EVAL_SAMPLES, 1.0),
@@ -129,8 +129,8 @@ def projection(report: dict, phases: dict, seed: int, max_model_len: int) -> dic
     for restore in PLAN_MODES:
         out["by_k"][mode_name(restore)] = {
             k: {"gpu_memory_utilization": utilization,
-                "kv_cache_gib_per_engine": round(plan["kv_cache_bytes"] / pool.GIB, 1),
-                "host_copy_gib_per_engine": round(plan.get("host_copy_bytes", 0) / pool.GIB, 1)}
+                "kv_cache_gib_per_engine": round(plan["kv_cache_bytes"] / placement.GIB, 1),
+                "host_copy_gib_per_engine": round(plan.get("host_copy_bytes", 0) / placement.GIB, 1)}
             for k, (utilization, plan) in plans_by_k(restore, needs, report, REFERENCE_TP).items()}
     return out
 
@@ -141,7 +141,7 @@ def replan(path: str, host_free_gib: float = 0) -> dict:
     result = json.loads(Path(path).read_text())
     report = {k: result["plan"][k] for k in ("gpu_total_bytes", "gpu_free_bytes", "host_free_bytes")}
     if host_free_gib:  # the projection records it; the report's own plan stays as measured
-        report["host_free_bytes"] = int(host_free_gib * pool.GIB)
+        report["host_free_bytes"] = int(host_free_gib * placement.GIB)
     result["projection"] = projection(report, result["phases"], result["seed"], result["max_model_len"])
     return result
 
@@ -180,18 +180,18 @@ def run_phase(name: str, cfg, model: str, opts: dict, plans: list[dict], perturb
             if opts["normal_weights"]:
                 engine.rpc(qwen3_30b.normal_weights, std=qwen3_30b.NORMAL_STD, seed=opts["seed"])
             engine.reset_prefix_cache()
-        memory = [engine.rpc("es_memory")[0] for engine in engines.engines]
-        devices = engines.rpc("es_device")
-        gpu_after_start = (pool.node_report(pool.visible_gpus()[:cfg.tensor_parallel_size])["gpu_free_bytes"]
+        memory = [engine.rpc(worker_memory.es_memory)[0] for engine in engines.engines]
+        devices = engines.rpc(common.ESWorker.es_device)
+        gpu_after_start = (placement.node_report(placement.visible_gpus()[:cfg.tensor_parallel_size])["gpu_free_bytes"]
                            if engines.device == "cuda" else None)
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         result = evaluate(engines, plans, vocab)
-        placement = engines.placement
+        where = engines.placement
     result.update(phase=name, engines=engines.size, restore=cfg.restore if perturbs else "none (read-only)",
                   gpu_memory_utilization=cfg.gpu_memory_utilization, engines_start_s=round(start_s, 1),
                   restore_bytes_per_engine=[m["copy_bytes"] + m["patch_bytes"] for m in memory],
                   restore_on=[m["copy_device"] for m in memory], gpu_free_bytes_after_start=gpu_after_start,
-                  devices=devices, placement=placement)
+                  devices=devices, placement=where)
     print(f"[eval_memory] {name}: K={result['engines']} ({result['restore']}), {result['episodes']} episodes in "
           f"{result['wall_s']} s = {result['episodes_per_s']} episodes/s, {result['tokens_per_s']} tok/s; engines "
           f"started in {result['engines_start_s']} s", flush=True)
@@ -244,7 +244,7 @@ def main(argv):
     if plan:
         ks = {"before": plan["rows"][mode_name(BEFORE)]["engines_per_gpu"],
               "after": plan["rows"][mode_name(None)]["engines_per_gpu"]}
-        if max(ks.values()) > 1 and not pool.mps_running():
+        if max(ks.values()) > 1 and not placement.mps_running():
             sys.exit("[eval_memory] co-located engines are measured under CUDA MPS: start it first "
                      "(bench/eval_memory_h200.sh does)")
     else:  # no GPU plan (CPU): the pipeline with --engines (default 1) in both phases
@@ -259,7 +259,7 @@ def main(argv):
               "model": f"Qwen3-30B-A3B layout{cut}, dummy weights" if opts["qwen3_30b"] else cfg.model,
               "weights": "N(0, 0.02), norms 1" if opts["normal_weights"] else "as loaded",
               "tensor_parallel_size": cfg.tensor_parallel_size, "max_model_len": cfg.max_model_len,
-              "cudagraph_mode": cfg.cudagraph_mode, "mps": pool.mps_running() if plan else None,
+              "cudagraph_mode": cfg.cudagraph_mode, "mps": placement.mps_running() if plan else None,
               "problems": opts["problems"], "samples": opts["samples"], "token_scale": opts["token_scale"],
               "tool_scale": opts["tool_scale"], "seed": opts["seed"],
               "plan": {k: v for k, v in plan.items() if k != "report"} if plan else None, "phases": {}}

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli, models, pool, restore_patch  # noqa: E402
+from agentic_es import cli, models, placement, restore_patch, settings, stage, worker_memory  # noqa: E402
 from agentic_es.engine import Engine  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -48,7 +48,7 @@ def synthetic(n: int = 4_000_000) -> list[dict]:
     for std in SYNTHETIC_STDS:
         theta = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * std).bfloat16()
         for sigma in SYNTHETIC_SIGMAS:
-            for rounding in common.ROUNDING_MODES:
+            for rounding in settings.ROUNDING_MODES:
                 patch = restore_patch.RestorePatch([theta], 1.0)
                 work = theta.clone()
                 patch.start_recording()
@@ -64,11 +64,11 @@ def largest_k(restore: str, needs: dict, report: dict, utilization: float, tp: i
     k = 0
     while k < 64:
         try:
-            plan = pool.plan_gpu_memory(engines_per_gpu=k + 1, engines_on_node=k + 1,
+            plan = placement.plan_gpu_memory(engines_per_gpu=k + 1, engines_on_node=k + 1,
                                         gpu_total=report["gpu_total_bytes"], gpu_free=report["gpu_free_bytes"],
                                         host_free=report["host_free_bytes"], utilization=utilization, restore=restore,
                                         tensor_parallel_size=tp, **needs)
-        except common.ConfigError:
+        except stage.ConfigError:
             break
         if plan["restore"] != restore:
             break
@@ -81,10 +81,10 @@ def best_utilization(k: int, restore: str | None, needs: dict, report: dict, tp:
     their restore state where `restore` asks, and that plan; None when none does."""
     for step in range(99, 0, -1):
         try:
-            plan = pool.plan_gpu_memory(engines_per_gpu=k, engines_on_node=k, gpu_total=report["gpu_total_bytes"],
+            plan = placement.plan_gpu_memory(engines_per_gpu=k, engines_on_node=k, gpu_total=report["gpu_total_bytes"],
                                         gpu_free=report["gpu_free_bytes"], host_free=report["host_free_bytes"],
                                         utilization=step / 100, restore=restore, tensor_parallel_size=tp, **needs)
-        except common.ConfigError:
+        except stage.ConfigError:
             continue
         if plan["restore"] == restore:
             return step / 100, plan
@@ -104,7 +104,7 @@ def plans_by_k(restore: str | None, needs: dict, report: dict, tp: int) -> dict:
 
 def kv_cache_by_k(restore: str, needs: dict, report: dict, tp: int) -> dict:
     """{K: GiB of KV cache per engine} at the largest gpu_memory_utilization the plan admits for K engines."""
-    return {k: round(plan["kv_cache_bytes"] / pool.GIB, 1) for k, (_, plan) in plans_by_k(restore, needs, report,
+    return {k: round(plan["kv_cache_bytes"] / placement.GIB, 1) for k, (_, plan) in plans_by_k(restore, needs, report,
                                                                                          tp).items()}
 
 
@@ -122,7 +122,7 @@ def run_mode(cfg, model, load_format, opts, seeds) -> dict:
             t = time.perf_counter()
             engine.perturb(seed, cfg.sigma_start)
             perturb_s = time.perf_counter() - t
-            memory = engine.rpc("es_memory")
+            memory = engine.rpc(worker_memory.es_memory)
             t = time.perf_counter()
             engine.restore()
             restore_s = time.perf_counter() - t
@@ -131,7 +131,7 @@ def run_mode(cfg, model, load_format, opts, seeds) -> dict:
                             "miss_fraction_per_rank": [round(m["patch_used"] / m["params"], 5) for m in memory],
                             "patch_used_bytes_per_rank": [m["patch_used"] * m["param_bytes"] // m["params"]
                                                           for m in memory]})
-        memory = engine.rpc("es_memory")
+        memory = engine.rpc(worker_memory.es_memory)
     rank0 = memory[0]
     result = {"restore": cfg.restore, "engine_start_s": round(start_s, 1), "members": members,
               "perturb_s_median": round(statistics.median(m["perturb_s"] for m in members), 3),
@@ -150,15 +150,15 @@ def run_mode(cfg, model, load_format, opts, seeds) -> dict:
 
 def plan_ks(cfg, model, modes: dict) -> dict | None:
     """The memory plan's largest K per restore mode on this node's first GPU group (None without nvidia-smi)."""
-    gpus = pool.visible_gpus()[:cfg.tensor_parallel_size]
-    report = pool.node_report(gpus)
+    gpus = placement.visible_gpus()[:cfg.tensor_parallel_size]
+    report = placement.node_report(gpus)
     if report["gpu_total_bytes"] is None:
         return None
     config = json.loads((Path(model) / "config.json").read_text())
-    needs = pool.engine_memory_needs(config, cfg, model)
+    needs = placement.engine_memory_needs(config, cfg, model)
     needs.update(weights_bytes=modes["copy_device"]["param_bytes_per_rank"],  # the engine's real bytes
                  patch_bytes=modes["patch"]["patch_bytes_per_rank"])
-    smallest = math.ceil((needs["weights_bytes"] + pool.ACTIVATION_RESERVE_BYTES + needs["sequence_kv_bytes"])
+    smallest = math.ceil((needs["weights_bytes"] + placement.ACTIVATION_RESERVE_BYTES + needs["sequence_kv_bytes"])
                          / report["gpu_total_bytes"] * 100) / 100
     return {"gpu_total_bytes": report["gpu_total_bytes"], "gpu_free_bytes": report["gpu_free_bytes"],
             "host_free_bytes": report["host_free_bytes"], "needs": needs, "smallest_utilization": smallest,

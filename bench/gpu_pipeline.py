@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import checkpoint_noise, cli, data, export, fileio, models  # noqa: E402
+from agentic_es import checkpoint_noise, cli, data, export, fileio, models, smoke_task, stage  # noqa: E402
 from agentic_es.history import HISTORY_FILE  # noqa: E402
 from report import print_until_reader_gone  # noqa: E402
 
@@ -64,7 +64,7 @@ def main(argv):
             print(f"[gpu_pipeline] {folder}: random weights written in {time.perf_counter() - t0:.0f} s", flush=True)
         model = str(folder)
     eval_data = run_dir / "eval_problems.jsonl"  # the GPU machine has no ../shared/data: tiny problems instead
-    fileio.write_jsonl(data.smoke_problems(2, seed=7), eval_data)
+    fileio.write_jsonl(smoke_task.smoke_problems(2, seed=7), eval_data)
     args = ["--preset=smoke", f"--model={model}", f"--run_dir={run_dir}", *overrides]
     report = {"bench": "gpu_pipeline", "date": time.strftime("%Y-%m-%d"), "args": args, "stages": {}}
     for name, script in STAGES:
@@ -110,7 +110,7 @@ def pipeline_report(run_dir: Path) -> dict:
         report.update(export_checks(run_dir / "export", history))
         metrics = fileio.read_json(run_dir / "eval" / "metrics.json")
         replay = fileio.read_json(run_dir / "eval" / "aligned_history_replay_eval4.json")
-    except (OSError, KeyError, ValueError, common.StageError) as e:
+    except (OSError, KeyError, ValueError, stage.StageError) as e:
         return {"report_error": f"{type(e).__name__}: {e}", "ok": False}
     trained = history["generations"][-1]["digests"]
     report.update({
@@ -131,7 +131,7 @@ def export_checks(folder: Path, history: dict) -> dict:
     names as left out."""
     try:
         manifest = export.verify(folder)
-    except common.ExportError as e:
+    except stage.ExportError as e:
         return {"export_verifies": False, "export_error": str(e), "export_digests": None}
     if not export.is_hugging_face(manifest):
         return {"export_verifies": True, "export_digests": export.digests(manifest)}

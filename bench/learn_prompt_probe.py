@@ -16,28 +16,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import learning  # noqa: E402
-from agentic_es import cli, data, models, vllm_platform  # noqa: E402
+from agentic_es import cli, data, learn_task, models, vllm_platform  # noqa: E402
 from agentic_es.engine import Engine  # noqa: E402
 from agentic_es.stage import prepare_script  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
 VARIANTS = {
-    "as_is": data.LEARN_QUESTION,
-    "shows_final_line": (data.LEARN_QUESTION
+    "as_is": learn_task.LEARN_QUESTION,
+    "shows_final_line": (learn_task.LEARN_QUESTION
                          + " Then, when it prints the sum, reply: Final answer: \\boxed{{<the sum>}}"),
 }
 
 
 def main(argv):
     opts, overrides = cli.parse_args(argv, {"out": "", "problems": 48, "turns": "3,6"})
-    heldout = learning.heldout_problems(opts["problems"])
+    heldout = learning.heldout_problems(opts["problems"], cli.parse_config(["--preset=learn", *overrides]).learn_digits)
     rows = []
     for turns in map(int, str(opts["turns"]).split(",")):
         cfg = cli.parse_config(["--preset=learn", *overrides, f"--max_turns={turns}"])
         with Engine(cfg, models.resolve_model(cfg.model)) as engine:
             for name, template in VARIANTS.items():
                 problems = [dict(p, question=template.format(a=int(a), b=int(b))) for p in heldout
-                            for a, b in [common.learn_operands(p["question"])]]
+                            for a, b in [learn_task.learn_operands(p["question"])]]
                 t0 = time.perf_counter()
                 records = engine.run_agent([(p, 0) for p in problems], desc=f"{name}, {turns} turns")
                 rows.append(emit({"variant": name, "max_turns": turns, "problems": len(records),

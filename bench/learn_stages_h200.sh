@@ -11,8 +11,8 @@
 # its history, a finished export, evaluation or replay is not run again, an evaluation resumes its finished episodes.
 # The run folder lives outside OUT_DIR (RUN_ROOT, default /tmp/learn-stages), so that it survives between calls.
 # OUT_DIR gets at most 8 files (the device tool brings back 8): the stages' console log, the run's history and reward
-# curve, both evaluations' metrics, the replay's report and learning.py's report (learn preset), or both
-# evaluations' eval16 files (other presets: bench/strict_stages_summary.py reads them).
+# curve, both evaluations' metrics, the replay's report and learning.py's report (learn preset), or one tar.gz of
+# both evaluations' eval16 and episodes files of every set (other presets: bench/compute_stages_summary.py reads them).
 # Other presets and settings (environment variables; the defaults are the learn preset's run):
 #   PRESET=strict                the preset (default learn); files are named PRESET_stages_seedS_*
 #   MODEL=NAME                   --model (default: smollm2-135m for the learn preset, else the preset's own)
@@ -50,12 +50,15 @@ copy_results() {
   pairs="es_history.json:history.json reward_curve.png:reward_curve.png eval/metrics.json:eval_metrics.json
          eval-base/metrics.json:eval_base_metrics.json eval/aligned_history_replay_eval4.json:replay.json"
   if [ "$learning" = 1 ]; then pairs="$pairs learning.json:learning.json"
-  else pairs="$pairs eval/learn_heldout_eval16.json:eval16.json eval-base/learn_heldout_eval16.json:eval_base_eval16.json"
   fi
   for pair in $pairs; do
     from=$run/${pair%%:*}; to=$out/${preset}_stages_seed${seed}_${pair#*:}
     [ -f "$from" ] && cp "$from" "$to"
   done
+  if [ "$learning" != 1 ]; then  # every set's eval16 and transcripts, both models: bench/compute_stages_summary.py
+    (cd "$run" && find eval eval-base -maxdepth 1 \( -name '*_eval16.json' -o -name '*_episodes.jsonl' \) 2>/dev/null \
+      | tar czf "$out/${preset}_stages_seed${seed}_evals.tar.gz" -T -)
+  fi
   return 0
 }
 

@@ -1,6 +1,7 @@
 """Does this ES learn? Train the real SmolLM2-135M-Instruct on the learn preset through 01_train's main (the real
 loop: agent, the preset's shaped fitness, history), then evaluate the base model and the trained centre model
-(rebuilt from the history, digests checked) on held-out additions never seen in training, for several run seeds.
+(rebuilt from the history, digests checked) on held-out additions never seen in training, of the tier it trained on
+(--learn_digits), for several run seeds. The scorer is checked as the stages check it.
 
     python bench/learning.py --out=bench/results/learning_gpu.json --seeds=2   # the learn preset's constants
     python bench/learning.py --quick=true --out=/tmp/learning.json       # CPU sanity run (2 generations x 4 members)
@@ -12,7 +13,7 @@ override: fitness (the preset's "shaped", or "agent"), population, generations, 
 sigma_end, max_new_tokens, max_turns, concurrency, ...
 
 Held-out metrics (bench/results JSON "metrics"): "reward", the primary one, is the shaped fitness's own scorer
-(common.shaped_reward: 1 correct final answer after a bash call, 0.5 a bash call that computed the question's own sum,
+(learn_task.shaped_reward: 1 correct final answer after a bash call, 0.5 a bash call that computed the question's own sum,
 0.25 any bash call, 0.1 a right "a + b = n" in the text; the reports in bench/results used its earlier 0.5, any
 stdout holding the sum); "accuracy" is the agent's unchanged score (scoring.py); "bash_call_rate"; "tool_sum_rate"
 (episodes whose bash call computed the right sum, or better). 95% intervals: percentile
@@ -39,7 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
-from agentic_es import cli, data, fileio, models, tracking  # noqa: E402
+from agentic_es import cli, data, fileio, learn_task, models, settings, stage, tracking  # noqa: E402
 from agentic_es.stage import Interrupted, prepare_script  # noqa: E402
 from agentic_es.history import rebuild_from_history  # noqa: E402
 from agentic_es.metrics import EVAL_METRICS, EVAL_METRICS_SHAPE, EVAL_SAMPLES  # noqa: E402
@@ -57,10 +58,10 @@ PRIMARY = "reward"  # the held-out metric the target is judged on (the others ar
 PAPER = {"alpha": 5e-4, "sigma_start": 1e-3, "sigma_end": 5e-4}  # the reference run's constants (common.Config)
 
 
-def heldout_problems(n):
-    """The first n of the learn task's held-out questions (03_eval.py's set): none shares its operands with a
-    training question (either order)."""
-    return data.learn_problems(n, seed=data.LEARN_HELDOUT_SEED, split="heldout")
+def heldout_problems(n, learn_digits):
+    """The first n of the held-out questions of the learn task's tier learn_digits (03_eval.py's set of a run on
+    that tier): none shares its operands with a training question (either order)."""
+    return learn_task.learn_problems(n, seed=learn_task.LEARN_HELDOUT_SEED, split="heldout", digits=learn_digits)
 
 
 def evaluate_base_and_trained(cfg, history, problems, samples):
@@ -78,10 +79,10 @@ def evaluate_base_and_trained(cfg, history, problems, samples):
 
 
 METRICS = {  # per-episode values compared on held-out problems; "reward" is the shaped fitness's scorer itself
-    "reward": common.shaped_reward,
+    "reward": learn_task.shaped_reward,
     "accuracy": common.agent_reward,
     "bash_call_rate": lambda r: float(r["bash_calls"] > 0),
-    "tool_sum_rate": lambda r: float(common.shaped_reward(r) >= 0.5),
+    "tool_sum_rate": lambda r: float(learn_task.shaped_reward(r) >= 0.5),
 }
 
 
@@ -159,8 +160,8 @@ def combine_reports(paths: list[str]) -> dict:
     settings = [{k: v for k, v in r["config"].items() if k not in ("run_seed", "run_dir")} for r in reports]
     differing = [p for p, s in zip(paths, settings) if s != settings[0]]
     if differing:
-        raise common.ConfigError(f"{', '.join(differing)}: other settings than {paths[0]}; only runs of one setting "
-                                 "combine")
+        raise stage.ConfigError(f"{', '.join(differing)}: other settings than {paths[0]}; only runs of one setting "
+                                "combine")
     combined = {**reports[0], "combined_from": paths, "runs": [run for r in reports for run in r["runs"]]}
     combined["every_seed_beyond_ci"] = all(r[PRIMARY]["difference_ci_above_zero"] for r in combined["runs"])
     return combined
@@ -171,7 +172,7 @@ def main(argv):
     if opts["combine"]:  # no training: the reports of seeds run apart, as one
         try:
             report = combine_reports(opts["combine"].split(","))
-        except (OSError, ValueError, KeyError, common.ConfigError, common.StageError) as e:
+        except (OSError, ValueError, KeyError, stage.ConfigError, stage.StageError) as e:
             sys.exit(f"[learning] cannot combine {opts['combine']}: {type(e).__name__}: {e}")
         print(format_table(report["runs"]))
         return emit(report, opts["out"])
@@ -180,13 +181,14 @@ def main(argv):
         opts.update(heldout=min(opts["heldout"], 16), eval_samples=1)
     base_argv = ["--preset=learn", *overrides]
     base_cfg = cli.parse_config(base_argv)
-    problems = heldout_problems(opts["heldout"])
+    problems = heldout_problems(opts["heldout"], base_cfg.learn_digits)  # the tier it trains on (--learn_digits)
+    stage.check_scorer()  # as the stages: a broken scorer would score every held-out answer 0
     train = importlib.import_module("01_train")
     report = {"bench": "learning", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": argv,
               "config": dataclasses.asdict(base_cfg), "fitness": base_cfg.fitness, "heldout_problems": len(problems),
               "eval_samples": opts["eval_samples"],
               "primary_metric": PRIMARY, "metrics": {
-                  "reward": "mean common.shaped_reward (the shaped fitness's scorer) on held-out problems",
+                  "reward": "mean learn_task.shaped_reward (the shaped fitness's scorer) on held-out problems",
                   "accuracy": "mean agent score (a bash call, then a correct final answer)",
                   "bash_call_rate": "fraction of episodes with at least one bash call",
                   "tool_sum_rate": "fraction of episodes whose bash call computed the right sum (reward >= 0.5)"},
@@ -201,6 +203,9 @@ def main(argv):
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         base, trained, digests, base_eval_s = evaluate_base_and_trained(cfg, history, problems, opts["eval_samples"])
+        for model, records in (("base", base), ("trained", trained)):  # past the bound the 0s are the scorer's
+            stage.check_scorer_failures(records, f"seed {run_seed}, held-out {model} model",
+                                         "no report is written (docs/scoring.md)")
         eval_s = time.perf_counter() - t0
         result = compare(base, trained, problems, run_seed)
         gens = history["generations"]
@@ -235,7 +240,7 @@ def main(argv):
                                            population=base_cfg.population, rounding=mode, **update_change_fraction(
                                                model_path, PAPER["alpha"], base_cfg.population, PAPER["sigma_start"],
                                                rounding=mode))
-           for mode in common.ROUNDING_MODES},
+           for mode in settings.ROUNDING_MODES},
     }
     report["every_seed_beyond_ci"] = all(r[PRIMARY]["difference_ci_above_zero"] for r in report["runs"])
     print(format_table(report["runs"]))

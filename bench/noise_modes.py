@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli, models, vllm_platform  # noqa: E402
+from agentic_es import cli, models, settings, vllm_platform, worker_memory  # noqa: E402
 from agentic_es.engine import Engine  # noqa: E402
 from agentic_es.stage import prepare_script  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
@@ -42,7 +42,8 @@ def measure(cfg, path: str, repeats: int, population: int) -> dict:
         coeffs = common.update_coefficients(common.zscore(list(range(population))), cfg.alpha)
         return {
             "noise": cfg.noise,
-            "params_per_rank": sum(r["params"] for r in engine.rpc("es_memory")) // cfg.tensor_parallel_size,
+            "params_per_rank": (sum(r["params"] for r in engine.rpc(worker_memory.es_memory))
+                                // cfg.tensor_parallel_size),
             "first_digest_s": round(first_digest, 3),
             "perturb_restore_s": round(seconds_of(lambda: (engine.perturb(seeds[0], cfg.sigma_start), engine.restore()),
                                           repeats), 3),
@@ -62,7 +63,7 @@ def main(argv):
     else:
         path = models.resolve_model(cfg.model)
     rows = []
-    for noise in common.NOISE_MODES:
+    for noise in settings.NOISE_MODES:
         rows.append(measure(cli.parse_config(["--preset=smoke", *overrides, f"--noise={noise}"]), path,
                             opts["repeats"], opts["population"]))
         print(f"[noise_modes] {rows[-1]}", flush=True)

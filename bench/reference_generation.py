@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import plain_generation  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli, models  # noqa: E402
+from agentic_es import cli, models, worker_memory  # noqa: E402
 from agentic_es.pool import EnginePool, mps_running  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -174,7 +174,7 @@ def main(argv):
                 e.rpc(qwen3_30b.normal_weights, std=qwen3_30b.NORMAL_STD, seed=opts["seed"])
                 e.reset_prefix_cache()
         engine = pool.engines[0]
-        memory = [e.rpc("es_memory")[0] for e in pool.engines]
+        memory = [e.rpc(worker_memory.es_memory)[0] for e in pool.engines]
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         plain = plain_tokens_per_s(engine, vocab) if opts["plain"] else None
         single = plain_tokens_per_s(engine, vocab, sequences=1)  # the speed of a straggler decoding alone

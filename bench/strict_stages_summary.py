@@ -71,6 +71,15 @@ def compare(base: np.ndarray, trained: np.ndarray, seed: int = 0) -> dict:
     return out
 
 
+def replay_agreement(path: str) -> dict:
+    """04_replay.py's report in short: per set its agreement with the evaluation, and the generations replayed."""
+    replay = fileio.read_json(path)
+    report = {name: {k: d.get(k) for k in ("sample_agreement", "identical_transcripts", "problems_fully_agreeing")}
+              for name, d in replay["datasets"].items()}
+    report["replayed_generations"] = replay.get("replayed_generations")
+    return report
+
+
 def main(argv: list[str]) -> dict:
     opts, rest = cli.parse_args(argv, OPTIONS)
     if rest or not opts["trained"] or not opts["base"]:
@@ -88,11 +97,7 @@ def main(argv: list[str]) -> dict:
               "metrics": compare(score_table(base["records"], problem_ids),
                                  score_table(trained["records"], problem_ids), opts["seed"])}
     if opts["replay"]:
-        replay = fileio.read_json(opts["replay"])
-        report["replay"] = {name: {k: d.get(k) for k in ("sample_agreement", "identical_transcripts",
-                                                         "problems_fully_agreeing")}
-                            for name, d in replay["datasets"].items()}
-        report["replay"]["replayed_generations"] = replay.get("replayed_generations")
+        report["replay"] = replay_agreement(opts["replay"])
     for name, m in report["metrics"].items():
         print(f"{name:10s} base {m['base']['mean']:.3f} [{m['base']['ci_low']:.3f}, {m['base']['ci_high']:.3f}]  "
               f"trained {m['trained']['mean']:.3f} [{m['trained']['ci_low']:.3f}, {m['trained']['ci_high']:.3f}]  "

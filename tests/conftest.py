@@ -28,8 +28,9 @@ _running = {}
 # split a module, does not group with pytest 9, whose node ids it cannot extend.) A new module of engines belongs
 # here.
 MODULE_SECONDS = {"test_pipeline.py": 589, "test_engine_pool.py": 269, "test_checkpoint_noise.py": 223,
-                  "test_real_model.py": 156, "test_presets.py": 90, "test_es_engine.py": 85, "test_old_history.py": 67,
-                  "test_strict_base_bench.py": 62, "test_scorer_failures.py": 55, "test_agent_engine.py": 32}
+                  "test_real_model.py": 156, "test_presets.py": 90, "test_compute_preset.py": 90,
+                  "test_es_engine.py": 85, "test_old_history.py": 67, "test_strict_base_bench.py": 62,
+                  "test_scorer_failures.py": 55, "test_agent_engine.py": 32}
 
 
 def pytest_collection_modifyitems(items):

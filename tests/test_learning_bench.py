@@ -2,6 +2,7 @@
 from the history (so that a run resumed across several calls reports its whole training), 03_eval.py's held-out
 reward of the same run beside its own; the fitness trend, the reward curves and the detached GPU runs."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -12,14 +13,14 @@ import numpy as np
 import pytest
 
 import common
-from agentic_es import data, fileio, metrics, tracking
+from agentic_es import data, fileio, learn_task, metrics, stage, tracking
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 import fitness_trend  # noqa: E402
 import learning  # noqa: E402
 
-PROBLEM = data.learn_problems(1, seed=7)[0]
+PROBLEM = learn_task.learn_problems(1, seed=7)[0]
 GOLD = PROBLEM["answer"]
 
 
@@ -112,7 +113,7 @@ def test_single_seed_reports_combine_into_one_with_every_seed_judged(tmp_path):
     both = learning.combine_reports([seed_report(1, True), seed_report(2, True)])
     assert [r["run_seed"] for r in both["runs"]] == [1, 2] and both["every_seed_beyond_ci"] is True
     assert learning.combine_reports([seed_report(1, True), seed_report(2, False)])["every_seed_beyond_ci"] is False
-    with pytest.raises(common.ConfigError, match="only runs of one setting combine"):
+    with pytest.raises(stage.ConfigError, match="only runs of one setting combine"):
         learning.combine_reports([seed_report(1, True), seed_report(3, True, alpha=4e-3)])
 
 
@@ -264,3 +265,28 @@ def test_the_report_holds_03_evals_held_out_reward_of_the_same_run_when_its_fold
             "0.250; the run's weights: True)") in learning.format_table([run])
     evaluated("eval", ["t1"], 0.07, 0.25)  # an export of the first generation only: not this run's weights
     assert learning.stages_eval(tmp_path, history)["same_weights"] is False
+
+
+def test_learning_checks_the_scorer_and_evaluates_the_tier_it_trains_on(tmp_path, monkeypatch):
+    """bench/learning.py checks the scorer as the stages do, before it trains (the warm-up) and on its held-out
+    episodes (the failure bound: no report from a broken scorer's 0s), and evaluates the held-out additions of the
+    tier it trains on (--learn_digits, as 03_eval.py evaluates that run)."""
+    calls = []
+    monkeypatch.setattr(stage, "check_scorer", lambda: calls.append("check_scorer"))
+    train = importlib.import_module("01_train")
+    monkeypatch.setattr(train, "main", lambda argv: calls.append("train") or {"generations": [],
+                                                                               "base_digests": ["b"]})
+
+    def evaluate(cfg, history, problems, samples):
+        calls.append(problems)
+        records = [{"problem_id": p["id"], "score": 0.0, "score_method": "score_error"} for p in problems]
+        return records, records, ["b"], 1.0
+
+    monkeypatch.setattr(learning, "evaluate_base_and_trained", evaluate)
+    with pytest.raises(stage.ScorerFailure, match=r"held-out base model: the scorer failed on 4 of 4 episodes"):
+        learning.main(["--learn_digits=4", "--heldout=4", "--seeds=1", f"--run_root={tmp_path}",
+                       f"--out={tmp_path / 'report.json'}"])
+    assert calls == ["check_scorer", "train", data.problems_from("learn_heldout", 0, 4)[:4]]
+    assert not (tmp_path / "report.json").exists()
+    for digits in (0, 6):  # 03_eval.py's held-out set of each tier
+        assert learning.heldout_problems(5, digits) == data.problems_from("learn_heldout", 0, digits)[:5]

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 import common
-from agentic_es import cli, export, fileio, history, metrics, models, tracking
-from agentic_es.data import DATA_MANIFEST, load_problems, smoke_problems
+from agentic_es import cli, export, fileio, history, metrics, models, stage, tracking
+from agentic_es.data import DATA_MANIFEST, load_problems
+from agentic_es.smoke_task import smoke_problems
 from conftest import as_user
 
 DATA_DIR = common.REPO.parent / "shared" / "data"  # the reference files, where CI keeps them beside the clone
@@ -53,18 +54,18 @@ def test_load_problems_keeps_order_and_extra_fields(tmp_path):
 ])
 def test_load_problems_errors_name_file_and_line(tmp_path, lines, expected):
     path = write_lines(tmp_path, lines)
-    with pytest.raises(common.DataError) as e:
+    with pytest.raises(stage.DataError) as e:
         load_problems(path)
     assert path + expected in str(e.value)
 
 
 def test_load_problems_missing_and_empty_file(tmp_path):
-    with pytest.raises(common.DataError, match="not found"):
+    with pytest.raises(stage.DataError, match="not found"):
         load_problems(str(tmp_path / "nope.jsonl"))
     empty = write_lines(tmp_path, [])
-    with pytest.raises(common.DataError, match="no problems"):
+    with pytest.raises(stage.DataError, match="no problems"):
         load_problems(empty)
-    assert issubclass(common.DataError, ValueError)
+    assert issubclass(stage.DataError, ValueError)
 
 
 @pytest.mark.parametrize("name, rows", [
@@ -212,7 +213,7 @@ def mutate(records, pid, index, **change):
     ([], "no eval records"),
 ])
 def test_metrics_validation_errors(records, message):
-    with pytest.raises(common.DataError) as e:
+    with pytest.raises(stage.DataError) as e:
         metrics.dataset_metrics(records)
     assert message in str(e.value)
 
@@ -276,7 +277,7 @@ def output_check(path, folder: bool = True) -> str:
     """What fileio.check_output_path says of an output path: "ok", or its refusal."""
     try:
         fileio.check_output_path(path, "out", folder=folder)
-    except common.ConfigError as exc:
+    except stage.ConfigError as exc:
         return str(exc)
     return "ok"
 
@@ -339,11 +340,11 @@ def test_output_folders_are_checked_against_the_permissions_of_an_unprivileged_u
 
 
 def test_read_json_errors(tmp_path):
-    with pytest.raises(common.DataError, match="not found"):
+    with pytest.raises(stage.DataError, match="not found"):
         fileio.read_json(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
     bad.write_text('{"a": 1', encoding="utf-8")
-    with pytest.raises(common.DataError, match="not valid JSON"):
+    with pytest.raises(stage.DataError, match="not valid JSON"):
         fileio.read_json(str(bad))
 
 
@@ -406,8 +407,8 @@ def test_an_export_hashes_each_file_once_when_written_and_when_verified(tmp_path
     assert sorted(hashed) == every_file
     (folder / shards[0]).write_bytes(b"altered")
     hashed.clear()
-    with pytest.raises(common.ExportError, match=f"shard {shards[0]} does not match its sha256 in the manifest; "
-                                                 f"{shards[0]}: sha256 mismatch$"):
+    with pytest.raises(stage.ExportError, match=f"shard {shards[0]} does not match its sha256 in the manifest; "
+                                                f"{shards[0]}: sha256 mismatch$"):
         export.verify(folder, 2)
     assert sorted(hashed) == every_file
 
@@ -449,9 +450,9 @@ def test_jsonl_whole_last_row_without_newline_is_kept(tmp_path):
 def test_read_jsonl_corrupt_middle_line_is_an_error(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_bytes(b'{"g": 0}\n{"g": \n{"g": 2}\n')
-    with pytest.raises(common.DataError, match=":2: malformed JSON line"):
+    with pytest.raises(stage.DataError, match=":2: malformed JSON line"):
         fileio.read_jsonl(str(path))
-    with pytest.raises(common.DataError, match="not found"):
+    with pytest.raises(stage.DataError, match="not found"):
         fileio.read_jsonl(str(tmp_path / "missing.jsonl"))
 
 
@@ -484,9 +485,9 @@ def test_hub_id_resolves_to_its_local_snapshot(hub_cache, tmp_path):
     ("/no/such/model/folder", "no such folder, and not a Hugging Face hub id"),
 ])
 def test_model_that_is_not_local_is_refused_without_network(hub_cache, name, message):
-    with pytest.raises(common.ConfigError, match=message):
+    with pytest.raises(stage.ConfigError, match=message):
         models.resolve_model(name)
-    with pytest.raises(common.ConfigError, match="not a model folder"):
+    with pytest.raises(stage.ConfigError, match="not a model folder"):
         fileio.model_fingerprint(name)
 
 
@@ -684,7 +685,7 @@ def cut_in_half(file: Path) -> None:
 ])
 def test_a_folder_that_is_not_a_model_is_refused_naming_what_is_wrong(tmp_path, damage, message):
     folder = damaged_copy(tmp_path, damage)
-    with pytest.raises(common.ConfigError, match=f"^{folder} is not a model folder: {message}"):
+    with pytest.raises(stage.ConfigError, match=f"^{folder} is not a model folder: {message}"):
         models.resolve_model(str(folder))
 
 
@@ -785,5 +786,5 @@ def test_no_tracking_writes_nothing_and_an_unknown_tracker_is_refused(tmp_path):
         tracker.log(0, {"reward/mean": 1.0})
         tracker.log_missing([RECORD])
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(common.ConfigError, match="tracking must be one of none, tensorboard, got 'wandb'"):
+    with pytest.raises(stage.ConfigError, match="tracking must be one of none, tensorboard, got 'wandb'"):
         cli.parse_config(["--tracking=wandb"])

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
-from agentic_es import fileio, models
+from agentic_es import fileio, models, stage
 
 QWEN_MODELS = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 QWEN_SHAPES = {"qwen2.5-coder-0.5b": (24, 896, 14, 2), "qwen2.5-coder-1.5b": (28, 1536, 12, 2)}  # layers, hidden, heads
@@ -44,8 +44,8 @@ def test_a_gguf_in_pieces_across_wheels_is_joined_in_order_and_checked_by_its_sh
     assert not joined_at.exists()  # the joined copy is temporary
     monkeypatch.setitem(models.REAL_MODELS, "joined", models.RealModel(
         parts[::-1], hashlib.sha256(whole).hexdigest(), "pip install es-test-pieces", kv_heads=None))
-    with pytest.raises(common.ConfigError, match=r"model 'joined': its GGUF \(.*\) has sha256 [0-9a-f]{64}, not "
-                                                 r"[0-9a-f]{64}: reinstall the wheels \(pip install es-test-pieces\)"):
+    with pytest.raises(stage.ConfigError, match=r"model 'joined': its GGUF \(.*\) has sha256 [0-9a-f]{64}, not "
+                                                r"[0-9a-f]{64}: reinstall the wheels \(pip install es-test-pieces\)"):
         with models.real_model_gguf("joined"):
             pass
 
@@ -55,8 +55,8 @@ def test_a_real_model_whose_wheel_is_missing_is_refused_with_the_command_that_in
     monkeypatch.syspath_prepend(str(tmp_path))
     parts = (("es_test_piece_a", "data/piece.bin"), ("es_test_not_installed", "data/piece.bin"))
     monkeypatch.setitem(models.REAL_MODELS, "missing", models.RealModel(parts, "0" * 64, "pip install a b", None))
-    with pytest.raises(common.ConfigError, match=r"^model 'missing' needs the wheels that ship its GGUF "
-                                                 r"\(es_test_not_installed lacks data/piece.bin\): pip install a b$"):
+    with pytest.raises(stage.ConfigError, match=r"^model 'missing' needs the wheels that ship its GGUF "
+                                                r"\(es_test_not_installed lacks data/piece.bin\): pip install a b$"):
         models.resolve_model("missing", cache_dir=tmp_path / "models")
     assert not (tmp_path / "models" / "missing").exists()
 

@@ -25,7 +25,8 @@ import torch
 
 import common
 from agentic_es import export, fileio, models, tracking
-from agentic_es.data import SMOKE_PROBLEMS, problems_sha256, smoke_problems
+from agentic_es.data import problems_sha256
+from agentic_es.smoke_task import SMOKE_PROBLEMS, smoke_problems
 from agentic_es.stage import VLLM_LOG
 from agentic_es.history import HISTORY_FILE
 from agentic_es.metrics import EVAL_METRICS, dataset_metrics

@@ -8,7 +8,7 @@ shaped reward beside Mean4/Pass4; export, evaluation and replay agree by digests
 (the agent's score on its tier) are checked as parsed; a run of the agent's fitness through the four stages:
 test_pipeline.py.
 
-A random model earns no shaped reward (common.shaped_reward, tested on real episodes in test_agent_loop.py), so
+A random model earns no shaped reward (learn_task.shaped_reward, tested on real episodes in test_agent_loop.py), so
 here the shaped entry of common.EPISODE_REWARDS, where common.fitness looks it up, is the test reward that varies
 across members (train_with_test_reward.py), and the agent's entry stays the agent's score."""
 
@@ -17,7 +17,7 @@ import importlib
 import pytest
 
 import common
-from agentic_es import cli, data, fileio
+from agentic_es import cli, data, fileio, learn_task, settings
 from agentic_es.export import SHARDED_STATE_MANIFEST
 from agentic_es.history import HISTORY_FILE
 from agentic_es.metrics import EVAL_SAMPLES
@@ -28,7 +28,7 @@ export = importlib.import_module("02_export")
 evaluation = importlib.import_module("03_eval")
 replay = importlib.import_module("04_replay")
 
-STRICT = common.PRESETS["strict"]
+STRICT = settings.PRESETS["strict"]
 TIER = STRICT["learn_digits"]
 CPU_SIZED = ["--model=tiny-qwen3-dense", "--generations=1", "--population=4", "--case_batch=2", "--max_turns=2",
              "--max_new_tokens=32", "--eval_problems=1"]
@@ -59,9 +59,9 @@ def test_the_two_presets_differ_in_the_fitness_and_the_tier_the_flow_combines():
     """What each preset sets (the flow below runs the learn preset's fitness on the strict preset's tier)."""
     strict, learn = cli.parse_config(["--preset=strict"]), cli.parse_config(["--preset=learn"])
     assert (strict.fitness, strict.train_data, strict.model) == ("agent", "learn", "qwen2.5-coder-1.5b")
-    assert strict.learn_digits == TIER >= data.LEARN_DIGITS_MIN
+    assert strict.learn_digits == TIER >= learn_task.LEARN_DIGITS_MIN
     assert (learn.fitness, learn.train_data, learn.learn_digits) == ("shaped", "learn", 0)
-    assert common.PRESETS["learn"]["fitness"] == "shaped" and "learn_digits" not in common.PRESETS["learn"]
+    assert settings.PRESETS["learn"]["fitness"] == "shaped" and "learn_digits" not in settings.PRESETS["learn"]
     flow = cli.parse_config([*ARGV, "--run_dir=run"])
     as_strict = cli.parse_config(["--preset=strict", "--fitness=shaped", *CPU_SIZED, "--max_model_len=2048",
                                   "--run_dir=run"])
@@ -73,6 +73,7 @@ def test_the_members_are_scored_with_the_learn_preset_s_fitness_on_the_strict_pr
     run_dir, history, _, _ = preset_run
     config = history["config"]
     assert (config["fitness"], config["train_data"], config["learn_digits"]) == ("shaped", "learn", TIER)
+    assert history["reward"] == common.reward_definition("shaped")
     (generation,) = history["generations"]
     episodes = fileio.read_jsonl(run_dir / train.ROLLOUTS / "generation-000.jsonl")
     tier = {p["id"]: p for p in data.problems_from("learn", 0, TIER)}
@@ -112,23 +113,26 @@ def test_the_evaluation_is_of_the_tier_s_held_out_additions_with_the_shaped_rewa
     m = metrics["datasets"][SET]
     assert m["reward"] == {"fitness": "shaped", "mean_at_16": sum(map(first_reply_variety, in_order)) / 16}
     assert m["mean_at_16"] == common.fitness(in_order, "agent") and {"mean4", "pass4"} <= set(m["reported"])
-    records = fileio.read_json(run_dir / "eval" / f"{SET}_eval16.json")["records"]
+    eval16 = fileio.read_json(run_dir / "eval" / f"{SET}_eval16.json")
+    assert eval16["reward"] == common.reward_definition("shaped")  # how it scored them: a replay compares under it
+    records = eval16["records"]
     assert [r["reward"] for r in records] == [first_reply_variety(by_sample[r["sample_index"]]) for r in records]
     header = evaluation.format_metrics_table(metrics["datasets"]).splitlines()[0]
     assert "Mean4@12-15" in header and "mean@16" in header and "shaped reward@16" in header
 
 
 @pytest.mark.engine
-def test_a_history_written_before_the_fitness_setting_resumes_as_the_agents_score(preset_run, tmp_path):
-    """No engine starts: the finished run's history without its fitness is refused under the preset's shaped fitness
-    (the setting named) and taken as finished under the agent's."""
+def test_a_history_written_before_the_fitness_setting_resumes_as_its_rewards_tell(preset_run, tmp_path):
+    """No engine starts: the finished run's history without its fitness (as bench/learning.py's were written before
+    the setting) reads as the shaped reward its rewards tell (no whole number of episodes over the case batch): taken
+    as finished under the preset's shaped fitness, refused under the agent's (the setting and the reading named)."""
     run_dir, history, _, _ = preset_run
     older = tmp_path / "run"
     older.mkdir()
     fileio.write_json_atomic(dict(history, config={k: v for k, v in history["config"].items() if k != "fitness"}),
                              older / HISTORY_FILE)
     argv = [*ARGV, f"--run_dir={older}"]
-    with pytest.raises(common.HistoryMismatch, match=r"config fitness: history has 'agent' \(the history predates the "
-                                                     r"setting: what the code did before it\), this run has 'shaped'"):
-        train.main(argv)
-    assert train.main([*argv, "--fitness=agent"])["generations"] == history["generations"]
+    with pytest.raises(common.HistoryMismatch, match=r"config fitness: history has 'shaped' \(the history predates "
+                                                     r"the setting: read from its rewards, not each a whole number"):
+        train.main([*argv, "--fitness=agent"])
+    assert train.main(argv)["generations"] == history["generations"]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
-from agentic_es import checkpoint_noise, cli, data, fileio, models
+from agentic_es import checkpoint_noise, cli, data, fileio, learn_task, models
 from agentic_es.engine import Engine
 from agentic_es.export import copy_model_files
 from agentic_es.metrics import EVAL_SAMPLES, dataset_metrics
@@ -149,11 +149,12 @@ def test_the_checkpoint_layout_of_a_tied_llama_reads_the_checkpoint_back_exactly
     the ranks hold, read through the layout found by load_weights, is the checkpoint, element for element. An
     engine of its own: noise=checkpoint runs the checkpoint noise's worker extension."""
     with Engine(dataclasses.replace(CFG, noise="checkpoint"), base_path) as e:
-        before = [r["digest"] for r in e.rpc("es_digest")]  # per rank, before the layout's probes
+        before = [r["digest"] for r in e.rpc(common.ESWorker.es_digest)]  # per rank, before the layout's probes
         assert checkpoint_noise.checked_checkpoint_digests(e, base_path, "bfloat16")[0].startswith("ckpt:")
         sums, _ = e.checkpoint_sums()
         assert "model.embed_tokens.weight" in sums and "lm_head.weight" not in sums  # one tensor, held once
-        assert [r["digest"] for r in e.rpc("es_digest")] == before  # the probes left the weights (tied ones too)
+        # the probes left the weights (tied ones too)
+        assert [r["digest"] for r in e.rpc(common.ESWorker.es_digest)] == before
         test_greedy_answer_is_sensible(e)  # and the model computes with them
 
 
@@ -185,7 +186,7 @@ def test_sharded_state_round_trip_is_exact(export):
 
 def test_agent_episodes_use_the_chatml_template(engine):
     assert engine.prompts.user_turn == ("\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")  # continues
-    problems = data.learn_problems(2, seed=5)
+    problems = learn_task.learn_problems(2, seed=5)
     records = engine.run_agent([(p, 0) for p in problems])
     for r, p in zip(records, problems):
         assert r["problem_id"] == p["id"] and r["error"] is None and r["turns"] >= 1
@@ -201,7 +202,7 @@ def test_evaluation_gives_records_and_metrics(export, tmp_path):
     consistent with their scores."""
     _, loaded = export
     evaluation = importlib.import_module("03_eval")
-    problems = data.learn_problems(1, seed=6)
+    problems = learn_task.learn_problems(1, seed=6)
     records = evaluation.evaluate(loaded, problems, range(EVAL_SAMPLES), tmp_path / "episodes.jsonl", "learn")
     assert [r["sample_index"] for r in records] == list(range(16))
     assert len({r["seed"] for r in records}) == 16

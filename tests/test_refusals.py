@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 import common
-from agentic_es import cli, engine, fileio, metrics, models, vllm_platform
+from agentic_es import cli, engine, fileio, metrics, models, stage, vllm_platform
 from agentic_es.data import load_problems, problems_from
 from agentic_es.export import SHARDED_STATE_MANIFEST, verify_sharded_state
 from agentic_es.history import HISTORY_FILE, HISTORY_FORMAT
-from agentic_es.pool import check_cpu_pool
+from agentic_es.placement import check_cpu_pool
 from conftest import stage_process
 
 SMOKE = cli.parse_config(["--preset=smoke"])
@@ -87,7 +87,7 @@ def test_top_k_minus_one_and_zero_both_mean_every_token_in_vllm():
     accepts -1 as 0); -2 has no meaning and never reaches it."""
     params = [engine.sampling_params(common.Config(top_k=k), seed=1, max_tokens=8).top_k for k in (-1, 0, 40)]
     assert params == [-1, 0, 40]
-    with pytest.raises(common.ConfigError, match="top_k must be at least -1"):
+    with pytest.raises(stage.ConfigError, match="top_k must be at least -1"):
         common.Config(top_k=-2)
 
 
@@ -115,26 +115,26 @@ def test_placement_counts_gpus_cores_and_the_user_s_core_groups(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with pytest.raises(common.ConfigError, match=r"^tensor_parallel_size=2 needs 2 GPUs, one per TP rank; this "
-                                                 r"process sees 1 \(CUDA_VISIBLE_DEVICES=3\)$"):
+    with pytest.raises(stage.ConfigError, match=r"^tensor_parallel_size=2 needs 2 GPUs, one per TP rank; this "
+                                                r"process sees 1 \(CUDA_VISIBLE_DEVICES=3\)$"):
         vllm_platform.check_placement(2, "cuda")
     vllm_platform.check_placement(1, "cuda")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    with pytest.raises(common.ConfigError, match="tensor_parallel_size=5 needs 5 CPU cores"):
+    with pytest.raises(stage.ConfigError, match="tensor_parallel_size=5 needs 5 CPU cores"):
         vllm_platform.check_placement(5, "cpu")
     monkeypatch.setenv(vllm_platform.CPU_BIND, "0|1")  # the user's: two core groups
-    with pytest.raises(common.ConfigError, match=r"tensor_parallel_size=3 needs one core group per TP rank in "
-                                                 r"VLLM_CPU_OMP_THREADS_BIND, which names 2 \('0\|1'\)"):
+    with pytest.raises(stage.ConfigError, match=r"tensor_parallel_size=3 needs one core group per TP rank in "
+                                                r"VLLM_CPU_OMP_THREADS_BIND, which names 2 \('0\|1'\)"):
         vllm_platform.check_placement(3, "cpu")
     vllm_platform.check_placement(2, "cpu")
     vllm_platform.check_placement(1, "cpu")  # one process: it takes the first group
     monkeypatch.setenv(vllm_platform.CPU_BIND, "0|1|2|3")
-    with pytest.raises(common.ConfigError, match="tensor_parallel_size=2 needs one core group per TP rank"):
+    with pytest.raises(stage.ConfigError, match="tensor_parallel_size=2 needs one core group per TP rank"):
         vllm_platform.check_placement(2, "cpu")
     monkeypatch.setenv(vllm_platform.CPU_BIND, "auto")
     vllm_platform.check_placement(4, "cpu")
-    with pytest.raises(common.ConfigError, match="engines=3 x tensor_parallel_size=2 = 6 TP ranks, but this machine "
-                                                 "has 4 CPU cores, one per rank: use --engines=2 or fewer"):
+    with pytest.raises(stage.ConfigError, match="engines=3 x tensor_parallel_size=2 = 6 TP ranks, but this machine "
+                                                "has 4 CPU cores, one per rank: use --engines=2 or fewer"):
         check_cpu_pool(3, 2, 4)
     check_cpu_pool(2, 2, 4)
 
@@ -195,9 +195,9 @@ def test_a_tp_size_that_does_not_divide_the_attention_heads_is_refused_by_vllm_b
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(dict(config, num_attention_heads=3, num_key_value_heads=3)))
     cfg = dataclasses.replace(SMOKE, tensor_parallel_size=2, run_dir=str(tmp_path / "run"))
-    with pytest.raises(common.ConfigError, match=r"^vLLM refuses to run .*three-heads with these settings: Total "
-                                                 r"number of attention heads \(3\) must be divisible by tensor "
-                                                 r"parallel size \(2\)\.$"):
+    with pytest.raises(stage.ConfigError, match=r"^vLLM refuses to run .*three-heads with these settings: Total "
+                                                r"number of attention heads \(3\) must be divisible by tensor "
+                                                r"parallel size \(2\)\.$"):
         engine.Engine(cfg, str(folder))
     assert not (tmp_path / "run").exists()
 
@@ -235,11 +235,11 @@ def test_a_training_file_may_open_with_a_byte_order_mark(tmp_path):
 
 
 def test_a_folder_given_as_a_json_file_is_one_line():
-    with pytest.raises(common.DataError, match=r"^.*tests: cannot read it \(Is a directory\)$"):
+    with pytest.raises(stage.DataError, match=r"^.*tests: cannot read it \(Is a directory\)$"):
         fileio.read_json(common.REPO / "tests")
-    with pytest.raises(common.DataError, match=r"^.*tests: cannot read it \(Is a directory\)$"):
+    with pytest.raises(stage.DataError, match=r"^.*tests: cannot read it \(Is a directory\)$"):
         fileio.read_jsonl(common.REPO / "tests")
-    with pytest.raises(common.DataError, match=r"^.*tests: a folder, not a problems file$"):
+    with pytest.raises(stage.DataError, match=r"^.*tests: a folder, not a problems file$"):
         load_problems(common.REPO / "tests")
 
 

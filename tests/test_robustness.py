@@ -12,7 +12,8 @@ import sys
 import pytest
 
 import common
-from agentic_es import sandbox
+from agentic_es import sandbox, stage
+from agentic_es.engine import Engine
 
 PROBLEMS = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(3)]
 BASH = json.dumps({"name": "bash", "arguments": {"command": "echo 2"}})
@@ -38,7 +39,7 @@ def test_an_engine_failure_stops_the_batch_and_never_becomes_a_score():
             return {"text": BASH if turn == 0 else "Final answer: \\boxed{0}"}
         if problem == "p1" and turn == 1:
             await p0_reported.wait()
-            raise common.EngineFailure("vLLM failed during request x: EngineDeadError")
+            raise stage.EngineFailure("vLLM failed during request x: EngineDeadError")
         if problem == "p1":
             return {"text": BASH}
         try:
@@ -47,7 +48,7 @@ def test_an_engine_failure_stops_the_batch_and_never_becomes_a_score():
             cancelled.append(problem)
             raise
 
-    with pytest.raises(common.EngineFailure, match="EngineDeadError"):
+    with pytest.raises(stage.EngineFailure, match="EngineDeadError"):
         asyncio.run(common.run_episodes(policy, [(p, 0) for p in PROBLEMS], common.Config(bash_timeout_s=5),
                                         sandbox_check=sandbox.leak_check_result(), progress=progress))
     assert [(r["problem_id"], r["score"], r["error"]) for r in reported] == [("p0", 1.0, None)]
@@ -64,17 +65,38 @@ def test_any_other_policy_error_is_an_episode_error_that_scores_zero():
     assert record["error"] == "ValueError: unparseable tokenizer output"
 
 
+def test_a_request_on_a_closed_engine_is_an_engine_failure_never_an_episode_error():
+    """After SIGTERM with several engines, a pool thread may still ask an engine that is closing (or closed) for a
+    reply: that is vLLM's failure (EngineFailure: the batch stops, no record), never an episode's error scored 0
+    that 03_eval.py would keep as done on resume. So is a worker call on it."""
+    closed = Engine.__new__(Engine)
+    closed.llm, closed._closing = None, True  # as close() leaves it
+    reported = []
+
+    async def policy(messages, *, seed, max_tokens):
+        if len(messages) == 2:
+            return {"text": BASH}
+        return {"text": (await closed._complete([1, 2, 3], None, "turn-1")).text}
+
+    with pytest.raises(stage.EngineFailure, match="request turn-1: RuntimeError: the engine is closed"):
+        asyncio.run(common.run_episodes(policy, [(PROBLEMS[0], 0)], common.Config(bash_timeout_s=5),
+                                        sandbox_check=sandbox.leak_check_result(), progress=reported.append))
+    assert reported == []
+    with pytest.raises(stage.EngineFailure, match="the worker call es_digest: RuntimeError: the engine is closed"):
+        closed.rpc(common.ESWorker.es_digest)
+
+
 # ---- the scripts' signal handling and vLLM log level (a Python process without an engine) ----
 
 SCRIPT = """
 import common
 import logging, os, signal, time
-from agentic_es.stage import Interrupted, run_stage
+from agentic_es.stage import ConfigError, Interrupted, run_stage
 
 def main(argv):
     print(os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").getEffectiveLevel(), flush=True)
     if argv[0] == "refuse":
-        raise common.ConfigError("a refusal for its user")
+        raise ConfigError("a refusal for its user")
     try:
         os.kill(os.getpid(), getattr(signal, argv[0]))
         time.sleep(60)

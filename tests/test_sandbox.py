@@ -20,7 +20,7 @@ import uuid
 import pytest
 
 import common
-from agentic_es import history, sandbox
+from agentic_es import actions, history, sandbox, stage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIND = sandbox.sandbox_kind()
@@ -229,7 +229,7 @@ def test_sleep_is_killed_at_timeout(kind, workdir, marker):
     result = sandbox.run_bash(f"echo before; sleep 3600.{marker}", workdir, timeout_s=1, sandbox=kind)
     assert result["timed_out"] and result["seconds"] < 3
     assert result["stdout"] == "before\n"  # output written before the kill is kept
-    assert "timed out" in common.format_observation(result, 4000)
+    assert "timed out" in actions.format_observation(result, 4000)
     assert_nothing_left(marker)
 
 
@@ -250,7 +250,7 @@ def test_huge_output_is_bounded(kind, workdir):
     assert result["stdout"].startswith("H" * 1000) and result["stdout"].endswith("T" * 1000)
     assert "bytes of output dropped" in result["stdout"]
     assert after - before < 50 * 1024  # the 100 MB never sat in this process
-    observation = common.format_observation(result, 4000)
+    observation = actions.format_observation(result, 4000)
     assert len(observation) < 4100 and "characters cut" in observation
 
 
@@ -572,12 +572,12 @@ def test_check_sandbox_refuses_a_leaky_sandbox_unless_allowed(monkeypatch, tmp_p
     monkeypatch.setattr(sandbox, "LEAK_CHECK_RESULT", {})
     monkeypatch.setattr(sandbox, "sandbox_kind", lambda: "rlimit")
     run_dir = tmp_path / "run"
-    with pytest.raises(common.ConfigError, match="allow_leaky_sandbox") as refused:
-        sandbox.check_sandbox(run_dir, error=common.ConfigError)
+    with pytest.raises(stage.ConfigError, match="allow_leaky_sandbox") as refused:
+        sandbox.check_sandbox(run_dir, error=stage.ConfigError)
     assert "project: " in str(refused.value) and "other_episode: " in str(refused.value)
     with pytest.raises(ValueError, match="allow_leaky_sandbox"):  # the error the caller names, ValueError by default
         sandbox.check_sandbox(run_dir)
-    leaks = sandbox.check_sandbox(run_dir, allow_leaks=True, error=common.ConfigError)
+    leaks = sandbox.check_sandbox(run_dir, allow_leaks=True, error=stage.ConfigError)
     assert leaks and sandbox.LEAK_CHECK_RESULT == {"kind": "rlimit", "leaks": leaks, "override": True}
     record = scripted_episode()
     assert record["score"] == 1.0 and record["sandbox_override"] is True and record["sandbox_leaks"] == leaks
@@ -586,7 +586,7 @@ def test_check_sandbox_refuses_a_leaky_sandbox_unless_allowed(monkeypatch, tmp_p
 def test_check_sandbox_passes_a_private_sandbox(kind, monkeypatch, tmp_path):
     monkeypatch.setattr(sandbox, "LEAK_CHECK_RESULT", {})
     monkeypatch.setattr(sandbox, "sandbox_kind", lambda: kind)
-    assert sandbox.check_sandbox(tmp_path / "run", error=common.ConfigError) == []
+    assert sandbox.check_sandbox(tmp_path / "run", error=stage.ConfigError) == []
     assert not (tmp_path / "run").exists()  # made for the probe only
     record = scripted_episode()
     assert record["sandbox"] == kind and record["sandbox_leaks"] == [] and record["sandbox_override"] is False
@@ -596,11 +596,11 @@ def test_train_and_eval_refuse_a_leaky_sandbox_before_starting(monkeypatch, tmp_
     monkeypatch.setattr(sandbox, "LEAK_CHECK_RESULT", {})
     monkeypatch.setattr(sandbox, "sandbox_kind", lambda: "rlimit")
     train, evaluate = importlib.import_module("01_train"), importlib.import_module("03_eval")
-    with pytest.raises(common.ConfigError, match="leaks"):
+    with pytest.raises(stage.ConfigError, match="leaks"):
         train.main(["--preset=smoke", f"--run_dir={tmp_path / 'train'}"])
     data = tmp_path / "problems.jsonl"
     data.write_text(json.dumps({"id": "a", "question": "1+1?", "answer": "2"}) + "\n")
-    with pytest.raises(common.ConfigError, match="leaks"):
+    with pytest.raises(stage.ConfigError, match="leaks"):
         evaluate.main(["--preset=smoke", "--export=", f"--dapo={data}", f"--aime2026={data}",
                        f"--run_dir={tmp_path / 'eval'}"])
     assert not (tmp_path / "train" / history.HISTORY_FILE).exists() and not (tmp_path / "eval" / "eval-base").exists()

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import common
-from agentic_es import data, engine, fileio, models, scoring
+from agentic_es import data, engine, fileio, models, scoring, stage
 from agentic_es.history import HISTORY_FILE
 from conftest import REPO
 
@@ -76,10 +76,10 @@ def scorer_script(tmp_path, monkeypatch):
 def test_the_warm_up_checks_a_real_worker_once_and_keeps_it_for_the_episodes():
     scoring.shutdown_scorer_pool()
     try:
-        common.check_scorer()
+        stage.check_scorer()
         (worker,) = scoring._scorer_pool().workers()
         assert worker.ready and worker.process.poll() is None
-        common.check_scorer()  # checked: nothing more starts
+        stage.check_scorer()  # checked: nothing more starts
         assert asyncio.run(scoring.score_answer_isolated("42", "42")) == (1.0, "integer_match")
         assert scoring._scorer_pool().workers() == [worker]
     finally:
@@ -101,14 +101,14 @@ def test_a_scorer_that_cannot_start_or_scores_known_answers_wrongly_fails_the_wa
                                                                                       script, says):
     monkeypatch.setattr(scoring, "SCORER_START_TIMEOUT_S", 1.0)
     scorer_script(script)
-    with pytest.raises(common.ScorerFailure, match="^the answer scorer does not work, so every answer would score 0: "
-                                                   f".*{says}") as failure:
-        common.check_scorer()
+    with pytest.raises(stage.ScorerFailure, match="^the answer scorer does not work, so every answer would score 0: "
+                                                  f".*{says}") as failure:
+        stage.check_scorer()
     assert "\n" not in str(failure.value)
     pool = scoring._scorer_pool()
     assert not pool.checked and pool.workers() == []  # the failed worker is killed, none waits for work
-    with pytest.raises(common.ScorerFailure):  # checked again on the next call
-        common.check_scorer()
+    with pytest.raises(stage.ScorerFailure):  # checked again on the next call
+        stage.check_scorer()
 
 
 def records(methods):
@@ -116,15 +116,58 @@ def records(methods):
 
 
 def test_the_stage_stops_past_5_percent_of_episodes_the_scorer_failed_on():
-    assert common.SCORER_FAILURE_BOUND == 0.05
+    assert stage.SCORER_FAILURE_BOUND == 0.05
     within = records(["score_error"] + ["no_match"] * 19)  # 1 of 20: 5%
-    assert common.check_scorer_failures(within, "generation 3", "-") == {"score_error": 1, "score_timeout": 0}
-    assert common.check_scorer_failures(records(["integer_match"] * 3), "generation 3", "-") == {
+    assert stage.check_scorer_failures(within, "generation 3", "-") == {"score_error": 1, "score_timeout": 0}
+    assert stage.check_scorer_failures(records(["integer_match"] * 3), "generation 3", "-") == {
         "score_error": 0, "score_timeout": 0}
     past = records(["score_error", "score_timeout"] + ["no_match"] * 18)  # 2 of 20: 10%
-    with pytest.raises(common.ScorerFailure, match=r"^generation 3: the scorer failed on 2 of 20 episodes \(score_error "
-                                                   r"1, score_timeout 1\), more than 5%: nothing is written$"):
-        common.check_scorer_failures(past, "generation 3", "nothing is written")
+    with pytest.raises(stage.ScorerFailure, match=r"^generation 3: the scorer failed on 2 of 20 episodes \(score_error "
+                                                  r"1, score_timeout 1\), more than 5%: nothing is written$"):
+        stage.check_scorer_failures(past, "generation 3", "nothing is written")
+
+
+def slow_on_first_answers(marker, answers: int) -> str:
+    """A stand-in worker whose first `answers` answers of the whole pool (counted in `marker`) take a minute."""
+    return f"""
+    import os, sys, time
+    print('"ready"', flush=True)
+    for line in sys.stdin:
+        with open({str(marker)!r}, "a") as f:
+            f.write("x")
+        if os.path.getsize({str(marker)!r}) <= {answers}:
+            time.sleep(60)
+        print('[1.0, "stand-in"]', flush=True)
+"""
+
+
+def test_an_answer_past_the_limit_is_scored_again_and_a_second_timeout_is_the_models(scorer_script, monkeypatch,
+                                                                                    tmp_path):
+    """A worker that gives no score within SCORE_TIMEOUT_S is killed and the answer scored again in a fresh worker
+    with SCORE_RETRY_FACTOR times the limit: a machine's stall costs no score; an answer that keeps that worker busy
+    too scores 0 as the model's (answer_timeout), which the bound on the scorer's failures does not count, and
+    which counts in a member's fitness."""
+    monkeypatch.setattr(scoring, "SCORE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(scoring, "SCORE_RETRY_FACTOR", 2.0)
+    scorer_script(slow_on_first_answers(tmp_path / "answers", 1))
+    assert asyncio.run(scoring.score_answer_isolated("42", "42")) == (1.0, "stand-in")  # the fresh worker's score
+    assert len(scoring._scorer_pool().workers()) == 1  # the stalled one killed, the fresh one kept
+    scorer_script(slow_on_first_answers(tmp_path / "twice", 2))
+    assert asyncio.run(scoring.score_answer_isolated("2^{2001^{2000}}", "1")) == (0.0, "answer_timeout")
+    assert "answer_timeout" not in stage.SCORER_FAILURES
+    timed_out = records(["answer_timeout"] * 20)
+    assert stage.check_scorer_failures(timed_out, "generation 3", "-") == {"score_error": 0, "score_timeout": 0}
+    assert common.fitness(timed_out, "agent") == 0.0
+
+
+def test_a_scorer_failure_within_the_bound_is_left_out_of_the_members_fitness():
+    """An answer the scorer gave no score for (score_error, score_timeout) says nothing of the member: its fitness
+    is the mean of the episodes that scored, not a 0 that biases z against it; a member with none has no fitness."""
+    scored = [dict(r, score=1.0) for r in records(["integer_match"] * 3)]
+    assert common.fitness(scored + records(["score_error"]), "agent") == 1.0
+    assert common.fitness(scored + records(["score_timeout"]), "shaped") == 1.0
+    with pytest.raises(stage.ScorerFailure, match="the scorer failed on all 2 episodes of a member"):
+        common.fitness(records(["score_error", "score_timeout"]), "agent")
 
 
 @pytest.mark.parametrize("script", [EXITS, DIES_ON_EVERY_CALL])

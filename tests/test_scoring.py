@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import common
-from agentic_es import scoring
+from agentic_es import actions, scoring
 from test_agent_loop import ScriptedPolicy, action, run
 
 # (model output, gold, expected score)
@@ -107,8 +107,8 @@ HEDGES = [
     ("earlier \\boxed{41}\nso it is \\boxed{42}", "42", 1),  # earlier lines are work, not the commitment
 ]
 
-# What a careful grader accepts: a short prose note after the value, e-notation, a box cut off by the token limit
-# after the marker; never a hedge.
+# What a careful grader accepts: a short prose note after the value, e-notation; never a hedge, nor a box cut off by
+# the token limit (more digits may have followed: issue 67).
 ACCEPTED_FORMS = [
     ("Final answer: 42 (checked with the tool)", "42", 1),
     ("Final answer: 42 (checked with the tool).", "42", 1),
@@ -130,8 +130,8 @@ ACCEPTED_FORMS = [
     ("Final answer: 2e-3", "0.003", 0),
     ("Final answer: 1.5e3", "1501", 0),
     ("Final answer: 1e99", "1", 0),
-    (r"Final answer: \boxed{42", "42", 1),
-    (r"Final answer: \boxed{\frac{1}{3}", r"\frac{1}{3}", 1),
+    (r"Final answer: \boxed{42", "42", 0),
+    (r"Final answer: \boxed{\frac{1}{3}", r"\frac{1}{3}", 0),
     (r"Final answer: \boxed{43", "42", 0),
     (r"Final answer: \boxed{42 or 43", "42", 0),
     (r"so \boxed{7} and a broken \boxed{8", "8", 0),  # without a marker only a closed box commits
@@ -682,6 +682,238 @@ POLICY = {
 }
 
 
+# ---- issue 67: the score reads every correction and alternative; classes of a new held-out batch. Each group is a
+# rule of docs/scoring.md (its name), in forms of this file's own; "guards" are look-alikes the new rules must not take.
+RECAP = "The script printed:\n\n```\ncount = 21\n```\n\nSo each of the two halves has 21 arrangements.\n\n"
+CLASSES_ISSUE_67 = {
+    "docs/scoring.md's examples of issue 67": [
+        *[("Final answer: \\boxed{42}\n" + later, "43", 1) for later in (
+            "Correction: 43", "Wait, actually 43.", "Oops, 43.", "Sorry, I meant 43.", "On second thought, 43.",
+            "The correct value is 43.", "The answer above is wrong; 43")],
+        *[("Final answer: \\boxed{42}\n" + later, "42", 0) for later in (
+            "It could also be 43.", "But 43 is also possible.", "If both ends count, it is 43.")],
+        ("Final answer: \\boxed{41}\nThe right one: 42", "42", 1),
+        ("Final answer: \u2248 7034", "7034", 0), ("Final answer: \\approx 7034", "7034", 0),
+        ("Final answer: 7034\u20137035", "7034", 0), ("Final answer: 7034 to 7035", "7034", 0),
+        ("The answer is \\boxed{42", "42", 0), ("Final answer: \\boxed{3 \\pmod{7}}", "3", 1),
+        ("Final answer: $n \\equiv 5 \\pmod{8}$", "5", 1), ("Final answer: \\boxed{1 + \\mathrm{i}}", "1+i", 1),
+        ("Final answer: \\boxed{\\mathrm{e}^2}", "e^2", 1), ("Final answer: \\boxed{2\\sqrt[3]2}", "2\\sqrt[3]{2}", 1),
+        ("Final answer: infinitely many", "\\infty", 1), ("Final answer: no solution", "\\emptyset", 1),
+        ("Final answer: \u2205", "\\emptyset", 1), ("Final answer: 3{:}45", "3:45", 1),
+    ],
+    "rule 6: a correction with its value alone supersedes, both ways": [
+        ("Final answer: \\boxed{18}\n\nCorrection: 21", "21", 1),
+        ("Final answer: \\boxed{18}\n\nCorrection: 21", "18", 0),
+        ("The total is $\\boxed{250}$.\n\nWait, actually $205$.", "205", 1),
+        ("Final answer: 3/4\nOops \u2014 2/3.", "2/3", 1),
+        (RECAP + "Answer: 1,024\n\nSorry, I meant 2,048.", "2048", 1),
+        (RECAP + "Answer: 1,024\n\nSorry, I meant 2,048.", "1024", 0),
+        ("**Final answer:** $\\boxed{64}$\n\nOn second thought: $\\frac{1}{64}$.", "1/64", 1),
+        ("Final answer: \\boxed{12}\nThe correct count is 14 (I had skipped the two corner cases).", "14", 1),
+        ("Final answer: \\boxed{12}\nThe correct count is 14 (I had skipped the two corner cases).", "12", 0),
+        ("Final answer: \\boxed{7}\n\nOn reflection, 8.", "8", 1),
+        ("Final answer: 41\n\nMy mistake: 42.", "42", 1),
+        ("Final answer: \\boxed{42}\nOops, 41.", "42", 0),
+        (RECAP + "### Final Answer\n\n\\[\n\\boxed{120}\n\\]\n\nThe right one: 60", "60", 1),
+        (RECAP + "### Final Answer\n\n\\[\n\\boxed{120}\n\\]\n\nThe right one: 60", "120", 0),
+        ("Final answer: The right one: 42", "42", 1),  # "one" after "the right" is a pronoun, no number word
+        ("Final answer: the smallest such one is 17", "17", 1),
+        ("Final answer: \\boxed{35}\n\nThe answer above is wrong; 36", "36", 1),
+        ("Final answer: \\boxed{35}\n\nMy previous answer was incorrect: 36.", "36", 1),
+        ("Final answer: \\boxed{35}\n\nScratch that \u2014 36.", "36", 1),
+        ("Final answer: \\boxed{35}\n\nThat was wrong; 36.", "36", 1),
+        ("Final answer: \\boxed{18}\n\nEdit: 21", "21", 1),
+        ("Final answer: \\boxed{18}\n\nUpdate: 21 (I had missed the diagonal).", "21", 1),
+        ("Final answer: 18\nErratum: 21", "21", 1), ("Final answer: 18\nTypo \u2014 21.", "21", 1),
+        # a correction that offers two values is a hedge; a correction offered as possible too corrects nothing
+        ("Final answer: \\boxed{42}\nCorrection: 43 or 44.", "42", 0),
+        ("Final answer: 35\nWait, actually, if both ends count, it is 36.", "36", 0),
+    ],
+    "rule 6: a later alternative is a hedge": [
+        ("Final answer: \\boxed{15}\n\nIt could also be 16.", "15", 0),
+        ("So the answer is $\\boxed{15}$.\nIt might be $16$ as well.", "15", 0),
+        ("Final answer: 15\n\nBut 16 is also possible if the endpoints count.", "15", 0),
+        ("Final answer: \\boxed{15}\n(If both ends count, it is 17.)", "15", 0),
+        ("Final answer: 15. If the empty set counts, it would be 16.", "15", 0),
+        ("Final answer: \\boxed{15}\n\nAssuming the grid wraps, the count is 18.", "15", 0),
+        ("Final answer: 42\nThe answer could equally be 43.", "42", 0),
+        ("Final answer: \\boxed{42}\nWait, actually \\boxed{43} also works.", "43", 0),
+        ("Final answer: 15\n16 is another possibility.", "15", 0), ("Final answer: 15\n16 would also work.", "15", 0),
+        ("Final answer: 15\n16 if the corners count.", "15", 0),
+        ("Final answer: 15\nIf the corners count: 16.", "15", 0),
+        ("Final answer: 15. If the corners count, 16.", "15", 0),
+        ("Final answer: (3, 4)\nWait, (5, 12) works too.", "(3, 4)", 0), ("Final answer: 42\n43 also works.", "42", 0),
+        ("Final answer: 42\n$43$ works as well.", "42", 0),
+        ("Final answer: 42\n(43 under the other convention.)", "42", 0),
+        ("Final answer: 42\nWith the other convention, 43.", "42", 0),
+        ("Final answer: 42\nFor the other parity, the count is 43.", "42", 0),
+    ],
+    "rule 1: an estimate or a doubt commits to nothing (an estimate sign)": [
+        ("Final answer: \u2248 7034", "7034", 0),
+        (RECAP + "Final answer: N \u2248 7034", "7034", 0),
+        ("Final answer: $S \\approx 7034$", "7034", 0),
+        ("**Final Answer:** $T \\approx 3.5$ hours", "3.5", 0),
+        ("Final answer: x \\approx 12.5", "12.5", 0),
+        ("Final answer: the total is \u2248 7034 ways", "7034", 0),
+        ("Final answer: \u2243 7034", "7034", 0), ("Final answer: ~\\boxed{7034}", "7034", 0),
+        ("Final answer: close to 7034", "7034", 0), ("Final answer: circa 7034", "7034", 0),
+        ("Final answer: an estimated 7034", "7034", 0),
+        ("Final answer: \u2272 7034", "7034", 0),
+    ],
+    "rule 3: a range offers both its ends": [
+        ("Final answer: 7034\u20137035", "7034", 0),
+        ("Final answer: from 12 to 15", "12", 0),
+        ("Final answer: $12$\u2013$15$", "12", 0),
+        ("Final answer: \\boxed{12 \\text{ to } 15}", "12", 0),
+        ("Final answer: 7034 to 7035", "7034", 0),
+        ("Final answer: $7034$ to $7035$ ways", "7034", 0),
+        ("Final answer: 7034 up to 7035", "7034", 0),
+        ("Final answer: 7034 ~ 7035", "7034", 0),
+    ],
+    "a check or an intermediate quantity is no answer": [
+        ("Final answer: \\boxed{840}\n\n**Verification:** the number of unordered pairs is $\\boxed{420}$, doubled "
+         "gives 840.", "840", 1),
+        ("The answer is $\\boxed{840}$.\n\nAs a sanity check, the intermediate product $\\boxed{420}$ doubles to it.",
+         "840", 1),
+        ("Final answer: \\boxed{840} (intermediate: \\boxed{420})", "840", 1),
+        ("Final answer: \\boxed{840}\n\n(The partial sum before doubling was \\boxed{420}.)", "840", 1),
+        ("Final answer: \\boxed{840}\n\nQuick check: $f(2) = \\boxed{5}$, as the table says.", "840", 1),
+        ("Final answer: \\boxed{42}\n\nFor verification: $\\binom{7}{2} = \\boxed{21}$, and $2 \\cdot 21 = 42$.",
+         "42", 1),
+        ("Final answer: \\boxed{42}\n\nVerifying: $\\boxed{21} \\cdot 2 = 42$.", "42", 1),
+        ("Final answer: \\boxed{42}\n\n(Step 2 gave \\boxed{21}.)", "42", 1),
+        ("Final answer: \\boxed{42}\nwhere \\boxed{21} is the number of unordered pairs.", "42", 1),
+        ("Final answer: \\boxed{42}\n\nLemma: \\boxed{21}", "42", 1),
+        ("Final answer: \\boxed{42}\n(Sub-result: \\boxed{21})", "42", 1),
+        ("Final answer: \\boxed{42}\n\n\\boxed{21} (check)", "42", 1),
+        ("Final answer: \\boxed{42}\n\n$\\boxed{21}$ \u2014 as a check, half of it.", "42", 1),
+        (RECAP + "Hence $\\boxed{42}$.\n\nCheck: $\\boxed{21} \\times 2 = 42$ \u2713", "42", 1),
+        ("Intermediate: \\boxed{1296}, and after dividing by 24 the answer is \\boxed{54}.", "54", 1),
+    ],
+    "an intermediate box in work that goes on, a box never closed: no answer": [
+        ("We count the colourings without symmetry first.\n\nIntermediate result: $\\boxed{1296}$ colourings.\n\n"
+         "Next, divide by the 24 rotations using Burnside's lemma:", "1296", 0),
+        ("So far the total is \\boxed{36}; now we subtract the overlaps.", "36", 0),
+        ("This gives \\boxed{36} for now. Let me continue with the second case.", "36", 0),
+        ("The partial count so far is \\boxed{42}.", "42", 0),
+        ("The answer is \\boxed{42", "42", 0),
+        ("Final answer: \\boxed{42", "42", 0),
+        ("Final answer: $\\boxed{\\frac{7}{2}$", "7/2", 0),
+        ("Final answer: $\\boxed{42$", "42", 0), ("Final answer: \\fbox{42", "42", 0),
+        ("The running total after step 3 is \\boxed{21}.", "21", 0),
+        (RECAP + "Therefore the answer is $\\boxed{1", "1", 0),
+    ],
+    "comparing: a residue with its modulus": [
+        ("Final answer: $\\boxed{3 \\pmod{7}}$", "3", 1),
+        ("Final answer: $n \\equiv 5 \\pmod{8}$", "5", 1),
+        ("Thus $x \\equiv 11 \\pmod{13}$, so the answer is $\\boxed{x \\equiv 11 \\pmod{13}}$.", "11", 1),
+        ("Final answer: \\boxed{4 \\ (\\mathrm{mod}\\ 9)}", "4", 1),
+        ("Final answer: $\\boxed{x \\equiv 2 \\pmod{9}}$", "2", 1),
+        ("Final answer: \\boxed{6 \\ (\\text{mod } 11)}", "6", 1),
+        ("Final answer: \\boxed{3}", "3 \\pmod{7}", 1),
+    ],
+    "comparing: \\mathrm{i}, \\mathrm{e}, a root's argument without braces": [
+        ("Final answer: $\\boxed{3 - 4\\mathrm{i}}$", "3-4i", 1),
+        ("Final answer: \\boxed{\\mathrm{e}^{2}-1}", "e^2 - 1", 1),
+        ("Final answer: $\\boxed{\\mathrm{e}^{\\mathrm{i}\\pi}}$", "-1", 1),
+        ("Final answer: \\boxed{2\\mathrm{e}}", "2e", 1),
+        ("Final answer: \\boxed{2\\sqrt[3]2}", "2\\sqrt[3]{2}", 1),
+        ("Final answer: \\boxed{2\\sqrt[3]2}", "2^{4/3}", 1),
+        ("Final answer: $\\boxed{\\sqrt[4]3}$", "3^{1/4}", 1),
+        ("Final answer: \\boxed{5\\sqrt[3]{4}}", "5\\sqrt[3]4", 1),
+    ],
+    "comparing: an infinite count, an empty solution set, a clock time": [
+        ("Final answer: There are infinitely many such pairs.", "\\infty", 1),
+        ("Final answer: \\boxed{\\text{infinitely many}}", "\\infty", 1),
+        (RECAP + "**Answer:** infinitely many", "\\infty", 1),
+        ("Final answer: \\boxed{\\infty}", "infinitely many", 1),
+        ("Final answer: no solution", "\\emptyset", 1),
+        ("Final answer: The equation has no real solutions.", "\\emptyset", 1),
+        ("Final answer: \\boxed{\\text{No solution}}", "\\emptyset", 1),
+        ("Final answer: \\boxed{\\varnothing}", "\\emptyset", 1),
+        ("Final answer: No such integer exists.", "\\emptyset", 1), ("Final answer: none", "\\emptyset", 1),
+        ("Final answer: the solution set is empty", "\\emptyset", 1),
+        ("Final answer: \\boxed{\\text{none}}", "\\emptyset", 1), ("Final answer: \\boxed{\\{\\,\\}}", "\\emptyset", 1),
+        ("Final answer: countably infinite", "\\infty", 1),
+        ("Final answer: an infinite number of solutions", "\\infty", 1),
+        ("Final answer: arbitrarily many", "\\infty", 1), ("Final answer: the set is empty", "\\emptyset", 1),
+        ("Final answer: there is no such pair", "\\emptyset", 1),
+        ("Final answer: \\boxed{3{:}45}", "3:45", 1),
+        ("Final answer: $10{:}05$ a.m.", "10:05", 1),
+        ("Final answer: \\boxed{15{:}45}", "3:45 PM", 1),
+        ("Final answer: 1:15", "3:45", 0),  # a time, not the ratio 3:45 = 1:15
+    ],
+    "guards: look-alikes and the other side of the pairs above, scored as before": [
+        ("Final answer: \\boxed{42}\n\nWait, 3 cases needed the tool; it confirmed 42 each time.", "42", 1),
+        ("Final answer: \\boxed{42}\nSorry for the long derivation.", "42", 1),
+        ("Final answer: \\boxed{42}\n\nThe correct value is 42, as the brute force confirms.", "42", 1),
+        ("Final answer: \\boxed{42}\n\nNote: it could be computed faster with a sieve.", "42", 1),
+        ("Final answer: \\boxed{42}\n\nThe count could be 0 only if n < 3, which the problem excludes.", "42", 1),
+        ("Final answer: 42\n\nIf n = 7, it is 56, which is not allowed here.", "42", 1),  # a check of a case
+        ("Final answer: \\boxed{15}\nIf we recount by hand, it is 15 again.", "15", 1),
+        ("Final answer: \\boxed{42}\n\nOops, I forgot to mention the runtime: 3 s.", "42", 1),
+        ("Final answer: \\boxed{42}\nSorry, 42 was already given above.", "42", 1),
+        ("Thus \\boxed{42}, the partial fractions having cancelled.", "42", 1),
+        ("Using the partial fraction decomposition, we get \\boxed{42}.", "42", 1),
+        ("So far every case checks out, and the total is \\boxed{42}.", "42", 1),
+        ("The partial sums are listed above.\n\nThe answer is \\boxed{54}.", "54", 1),
+        ("Final answer: \\boxed{42}\n\nCheck: $6 \\cdot 7 = \\boxed{42}$.", "42", 1),
+        ("Final answer: $\\frac{\\pi}{4} \\approx 0.785$", "\\frac{\\pi}{4}", 1),  # an approximation after the value
+        ("Final answer: 3.14 to 2 decimal places", "3.14", 1),
+        ("Final answer: 12 (rounded to 2 significant figures)", "12", 1),
+        ("Final answer: 42 \u2014 6 more than the naive count", "42", 1),
+        ("Final answer: 42 (no solutions for n > 6)", "42", 1),
+        ("Final answer: the infinite sum is 2", "2", 1),
+        ("Final answer: \\boxed{N \\equiv 2 \\pmod{5}}", "3", 0),
+        ("Final answer: \\boxed{\\sqrt[3]2}", "\\sqrt[3]{20}", 0),  # one token under the root, as LaTeX reads it
+        ("Final answer: infinitely many or 12", "\\infty", 0),
+        ("Final answer: 3:45 or 4:15", "3:45", 0),
+        ("so \\boxed{\\frac{1}{3}} and a broken \\boxed{2", "1/3", 1),  # a closed box before the cut one
+        ("Final answer: \\boxed{35}\n\nThat was wrong; 36.", "35", 0),
+        ("Final answer: \\boxed{42}\nCorrection: 43 or 44.", "43", 0),
+        ("Final answer: \\boxed{35}\nActually, 36 is also possible.", "36", 0),
+        ("Final answer: $\\approx 7034$ (from the simulation)", "7034", 0),
+        ("Final answer: 7034\u20137035", "7035", 0),
+        ("Final answer: 12 \u2014 15", "15", 0),
+        ("Final answer: \\boxed{840}\n\nCheck: actually the answer is \\boxed{841}.", "840", 0),  # a correction
+        ("Final answer: \\boxed{840}\n\nSanity check: \\boxed{841} also works.", "840", 0),  # offered too
+        ("Final answer: n \u2261 6 (mod 11)", "6", 1),
+        ("Final answer: $\\boxed{3 \\pmod{7}}$ or $\\boxed{4 \\pmod{7}}$", "3", 0),
+        ("Final answer: \\boxed{e}", "\\mathrm{e}", 1),
+        ("Final answer: \\boxed{18}\n\nUpdate: 3 more tests passed.", "18", 1),
+        ("Final answer: \\boxed{18}\n\nEdit: 42 is confirmed, formatting only.", "18", 1),
+        ("Final answer: 15\nIf we check with the script, 3 runs agree.", "15", 1),
+        ("Final answer: 15\n15 if the corners count too.", "15", 1),
+        ("Final answer: \\boxed{7034}, the closest integer", "7034", 1),
+        ("**Step 3.** Combining, the count is \\boxed{42}.", "42", 1),
+        ("**Step 2.** We find \\boxed{21} pairs.\n\n**Step 5.** Therefore the total is \\boxed{42}.", "42", 1),
+        ("Checking again, the count is \\boxed{43}.\n\nEarlier: \\boxed{42}", "43", 1),
+        ("Final answer: \\boxed{42}\n\nAs a final check, the script prints \\boxed{42}.", "42", 1),
+        ("The area is \\boxed{42}, where the base is 6.", "42", 1),
+        ("Final answer: 42\nNone of the other cases apply.", "42", 1),
+        ("Final answer: None of the cases fail, so 42", "42", 1),
+        ("Final answer: the empty string", "the empty string", 1),
+        ("Final answer: 42 (the empty set is excluded)", "42", 1),
+        ("Final answer: none", "0", 0), ("Final answer: No", "No", 1),
+        ("Final answer: 42\nThis would also work for 7 \\times 7 grids.", "42", 1),
+        ("Final answer: 42\nThe same method would also work for n = 5.", "42", 1),
+        ("Final answer: 42\nThe other ordering is also possible, and gives the same 42.", "42", 1),
+        ("Final answer: 42\nIf you run the script, 42.", "42", 1),
+        ("Final answer: 42, close to the estimate of 40", "42", 1),
+        ("Final answer: 42\n\nCorrection: none needed.", "42", 1),
+        ("Final answer: 15. When checked by hand, 15 again.", "15", 1),
+        ("Final answer: 15. If n = 2, 3 cases remain.", "15", 1),
+        ("Final answer: $3 \\mod 7$", "3", 1), ("Final answer: the remainder is 3 modulo 7", "3", 1),
+        ("Final answer: 3:45 p.m.", "3:45", 1),
+        ("Final answer: 42\nThe formula works too, as checked.", "42", 1),
+        ("Thus the count is \\boxed{42}, so far as the constraints allow.", "42", 1),
+        ("Final answer: 42\nWith the other method, 42 again.", "42", 1),
+        ("Final answer: 7034 (about 7 thousand)", "7034", 1), ("Final answer: 7034\uff5e7035", "7035", 0),
+        ("Final answer: $1~024$ ways", "1024", 1),
+        ("Final answer: $\\sim 7034$", "7034", 0),
+    ],
+}
+
 @pytest.mark.parametrize("predicted, gold, expected", [
     ("1/2", "0.5", True), ("0.25", "1/4", True), ("0.50000000001", "0.5", True), ("1/3", "0.333333333333", True),
     ("0.333333", "1/3", False), ("0.3333333333", "1/3", False), ("0.5", "0.6", False), ("2/6", "1/3", True),
@@ -699,8 +931,8 @@ def test_extract_and_score(output, gold, expected):
     assert isinstance(score, float) and isinstance(method, str)
 
 
-@pytest.mark.parametrize("rule, output, gold, expected", [(rule, *case) for rule, cases in POLICY.items()
-                                                     for case in cases])
+@pytest.mark.parametrize("rule, output, gold, expected", [
+    (rule, *case) for rule, cases in {**POLICY, **CLASSES_ISSUE_67}.items() for case in cases])
 def test_policy(rule, output, gold, expected):
     prediction = scoring.extract_final_answer(output)
     assert scoring.score_answer(prediction, gold)[0] == expected, (rule, prediction)
@@ -830,7 +1062,7 @@ def test_score_episode_rules(name):
     ("just prose {with braces}", None),
 ])
 def test_parse_action(reply, expected):
-    assert common.parse_action(reply) == expected
+    assert actions.parse_action(reply) == expected
 
 
 def relaxed_action(command_body: str) -> str:
@@ -854,16 +1086,16 @@ def relaxed_action(command_body: str) -> str:
     (r"echo a\\", "echo a\\"),  # a trailing escaped backslash decodes
 ])
 def test_the_relaxed_action_decodes_json_escapes_or_keeps_the_text_verbatim(body, command):
-    assert common.parse_action(relaxed_action(body)) == 'echo "x"; ' + command
+    assert actions.parse_action(relaxed_action(body)) == 'echo "x"; ' + command
 
 
 def test_a_relaxed_action_blank_once_decoded_is_no_action():
     reply = '{"name": "bash" "arguments": {"command": " \\n\\t "}}'  # no JSON: a comma is missing
-    assert common.parse_action(reply) is None
+    assert actions.parse_action(reply) is None
 
 
 def test_a_lone_trailing_backslash_is_kept_verbatim():
-    assert common.json_string_text("echo a\\") == "echo a\\"
+    assert actions.json_string_text("echo a\\") == "echo a\\"
 
 
 # ---- seeds ----
@@ -952,7 +1184,7 @@ def test_integer_gold_falls_back_to_math_verify_for_expressions():
     '{"name": "bash", "arguments": {"command": " "}} }}',  # the relaxed pattern too
 ])
 def test_blank_bash_command_is_no_action(reply):
-    assert common.parse_action(reply) is None
+    assert actions.parse_action(reply) is None
 
 
 # ---- scoring in worker processes
@@ -967,11 +1199,13 @@ def test_isolated_scoring_agrees_with_score_answer_and_survives_a_hang(monkeypat
         assert worker.process.poll() is None
         maps = open(f"/proc/{worker.process.pid}/maps").read()
         assert "libtorch" not in maps and "/vllm/" not in maps  # a light worker: neither torch nor vLLM loaded
-        # sympy alone runs for minutes on this answer, holding the GIL; the worker is killed at the limit
+        # sympy alone runs for minutes on this answer, holding the GIL; the worker is killed at the limit, and a
+        # fresh one that keeps at it too marks the answer's timeout (the model's, not the machine's)
         monkeypatch.setattr(scoring, "SCORE_TIMEOUT_S", 5.0)
+        monkeypatch.setattr(scoring, "SCORE_RETRY_FACTOR", 1.0)
         started = time.monotonic()
-        assert asyncio.run(scoring.score_answer_isolated("2^{2001^{2000}}", "1")) == (0.0, "score_timeout")
-        assert time.monotonic() - started < 3 * scoring.SCORE_TIMEOUT_S
+        assert asyncio.run(scoring.score_answer_isolated("2^{2001^{2000}}", "1")) == (0.0, "answer_timeout")
+        assert time.monotonic() - started < 60  # both limits and a fresh worker's start-up, not minutes of sympy
         assert worker.process.poll() is not None  # killed ...
         (replacement,) = scoring._scorer_pool().workers()  # ... and replaced
         assert asyncio.run(scoring.score_answer_isolated("42", "42")) == (1.0, "integer_match")

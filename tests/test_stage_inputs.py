@@ -11,7 +11,7 @@ import re
 import pytest
 
 import common
-from agentic_es import cli, data, engine, export, fileio, metrics, models, pool, sandbox
+from agentic_es import cli, data, engine, export, fileio, metrics, models, pool, sandbox, settings, stage
 from agentic_es.history import HISTORY_FILE, HISTORY_FORMAT
 
 export_stage = importlib.import_module("02_export")
@@ -74,7 +74,7 @@ def write(value, path):
     ({"a": ["x", 2]}, {"a": [str]}, "f.json: a[1] expected a string, got 2"),
 ])
 def test_check_shape_names_the_file_and_the_key(value, shape, message):
-    with pytest.raises(common.DataError, match=f"^{re.escape(message)}$"):
+    with pytest.raises(stage.DataError, match=f"^{re.escape(message)}$"):
         fileio.check_shape(value, shape, "f.json")
     fileio.check_shape(value, None, "f.json")  # no shape: anything
 
@@ -82,11 +82,11 @@ def test_check_shape_names_the_file_and_the_key(value, shape, message):
 def test_read_json_and_read_jsonl_check_the_required_shape(tmp_path):
     path = write({"generations": []}, tmp_path / "h.json")
     assert fileio.read_json(path, required=("generations",)) == {"generations": []}
-    with pytest.raises(common.DataError, match="h.json: missing key 'config'"):
+    with pytest.raises(stage.DataError, match="h.json: missing key 'config'"):
         fileio.read_json(path, required=("config", "generations"))
     log = tmp_path / "episodes.jsonl"
     log.write_text('{"problem_id": "a", "sample_index": 0}\n{"problem_id": "a"}\n')
-    with pytest.raises(common.DataError, match=r"episodes.jsonl: row\[1\] missing key 'sample_index'"):
+    with pytest.raises(stage.DataError, match=r"episodes.jsonl: row\[1\] missing key 'sample_index'"):
         fileio.read_jsonl(log, required=("problem_id", "sample_index"))
 
 
@@ -100,20 +100,20 @@ def test_read_json_and_read_jsonl_check_the_required_shape(tmp_path):
 ])
 def test_export_refuses_a_history_that_lacks_a_key_before_any_engine(tmp_path, path, message):
     bad = write(without(history(), *path), tmp_path / "es_history.json")
-    with pytest.raises(common.StageError, match=f"{bad}: {message}"):
+    with pytest.raises(stage.StageError, match=f"{bad}: {message}"):
         export_stage.main([f"--history={bad}", f"--out={tmp_path / 'export'}"])
     assert not (tmp_path / "export").exists() and not (tmp_path / "export.partial").exists()
 
 
 def test_export_refuses_generations_that_are_not_a_list(tmp_path):
     bad = write(dict(history(), generations={"0": generation_record(0)}), tmp_path / "es_history.json")
-    with pytest.raises(common.StageError, match=f"{bad}: generations expected a list, got dict"):
+    with pytest.raises(stage.StageError, match=f"{bad}: generations expected a list, got dict"):
         export_stage.main([f"--history={bad}", f"--out={tmp_path / 'export'}"])
 
 
 def test_training_refuses_a_history_that_lacks_a_key_before_any_engine(tmp_path):
     bad = write(without(history(), "generations", 0, "rewards"), tmp_path / HISTORY_FILE)
-    with pytest.raises(common.StageError, match=rf"{bad}: generations\[0\] missing key 'rewards'"):
+    with pytest.raises(stage.StageError, match=rf"{bad}: generations\[0\] missing key 'rewards'"):
         train_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
 
 
@@ -124,7 +124,7 @@ def test_evaluating_the_base_refuses_a_run_dir_history_that_lacks_a_key(tmp_path
     history is checked like every other stage's, before any engine starts."""
     bad = write(without(history(), *path), tmp_path / HISTORY_FILE)
     argv = ["--preset=smoke", f"--run_dir={tmp_path}"]
-    with pytest.raises(common.StageError, match=f"{bad}: {message}"):
+    with pytest.raises(stage.StageError, match=f"{bad}: {message}"):
         eval_stage.base_config(cli.parse_config(argv), argv)
 
 
@@ -155,15 +155,15 @@ def test_an_export_manifest_that_lacks_a_key_is_refused(tmp_path):
                 "parameter_names_sha256": "p", "replayed_generations": 2, "vllm_version": "v",
                 "shards": [{"file": "model-rank-0-part-0.safetensors", "rank": 0, "sha256": "s"}]}
     write(without(manifest, "shards"), tmp_path / "a" / export.SHARDED_STATE_MANIFEST)
-    with pytest.raises(common.StageError, match=f"{export.SHARDED_STATE_MANIFEST}: missing key 'shards'"):
+    with pytest.raises(stage.StageError, match=f"{export.SHARDED_STATE_MANIFEST}: missing key 'shards'"):
         export.verify(tmp_path / "a")
     write(without(manifest, "shards", 0, "sha256"), tmp_path / "b" / export.SHARDED_STATE_MANIFEST)
-    with pytest.raises(common.StageError, match=r"shards\[0\] missing key 'sha256'"):
+    with pytest.raises(stage.StageError, match=r"shards\[0\] missing key 'sha256'"):
         export.verify(tmp_path / "b", 2)
     hf_manifest = export.HUGGING_FACE_MANIFEST
     write({"format": "es-hf-export/1", "replayed_generations": 2}, tmp_path / "c" / hf_manifest)
     fileio.write_sha256sums(tmp_path / "c", [hf_manifest])  # intact files, a manifest without the digest
-    with pytest.raises(common.StageError, match=f"{hf_manifest}: missing key 'digest'"):
+    with pytest.raises(stage.StageError, match=f"{hf_manifest}: missing key 'digest'"):
         export.verify(tmp_path / "c")
 
 
@@ -188,7 +188,7 @@ def evaluation(tmp_path, problems=2):
 ])
 def test_replay_refuses_eval_records_that_lack_a_key_before_any_engine(tmp_path, damage, message):
     write(damage(evaluation(tmp_path)), tmp_path / "eval" / "dapo_eval16.json")
-    with pytest.raises(common.StageError, match=message):
+    with pytest.raises(stage.StageError, match=message):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
 
 
@@ -196,15 +196,15 @@ def test_replay_refuses_metrics_or_transcripts_that_lack_a_key_before_any_engine
     eval16 = evaluation(tmp_path)
     write(eval16, tmp_path / "eval" / "dapo_eval16.json")
     write({"dapo": {}}, tmp_path / "eval" / metrics.EVAL_METRICS)
-    with pytest.raises(common.StageError, match=f"{metrics.EVAL_METRICS}: missing key 'datasets'"):
+    with pytest.raises(stage.StageError, match=f"{metrics.EVAL_METRICS}: missing key 'datasets'"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
     write({"datasets": {"dapo": {}}}, tmp_path / "eval" / metrics.EVAL_METRICS)
     fileio.write_jsonl([{k: v for k, v in r.items() if k != "score"} for r in eval16["records"]],
                        tmp_path / "eval" / "dapo_episodes.jsonl")
-    with pytest.raises(common.StageError, match=r"dapo_episodes.jsonl: row\[0\] missing key 'messages'"):
+    with pytest.raises(stage.StageError, match=r"dapo_episodes.jsonl: row\[0\] missing key 'messages'"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
     write(without(history(), "generations", 0, "digests"), tmp_path / HISTORY_FILE)
-    with pytest.raises(common.StageError, match=rf"{HISTORY_FILE}: generations\[0\] missing key 'digests'"):
+    with pytest.raises(stage.StageError, match=rf"{HISTORY_FILE}: generations\[0\] missing key 'digests'"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
 
 
@@ -220,17 +220,17 @@ def test_export_and_replay_refuse_a_history_of_another_base_before_any_engine(tm
     fileio.write_jsonl([dict(r, messages=[]) for r in eval16["records"]], tmp_path / "eval" / "dapo_episodes.jsonl")
     other = dict(history(), base_fingerprint="sha256:" + "0" * 64)
     write(other, tmp_path / HISTORY_FILE)
-    for stage, more in ((export_stage, [f"--out={tmp_path / 'export'}"]), (replay_stage, [])):
-        with pytest.raises(common.HistoryMismatch, match="base_fingerprint: history has 'sha256:000"):
-            stage.main(["--preset=smoke", f"--run_dir={tmp_path}", *more])
+    for script, more in ((export_stage, [f"--out={tmp_path / 'export'}"]), (replay_stage, [])):
+        with pytest.raises(stage.HistoryMismatch, match="base_fingerprint: history has 'sha256:000"):
+            script.main(["--preset=smoke", f"--run_dir={tmp_path}", *more])
     assert not (tmp_path / "export").exists() and not (tmp_path / "export.partial").exists()
     write(dict(other, base_fingerprint=fileio.model_fingerprint(base)), tmp_path / HISTORY_FILE)  # the same base
     asked = []
-    for stage in (export_stage, replay_stage):
-        monkeypatch.setattr(stage, "EnginePool", lambda *args, **kwargs: asked.append(1) or 1 / 0)
-    for stage, more in ((export_stage, [f"--out={tmp_path / 'export'}"]), (replay_stage, [])):
+    for script in (export_stage, replay_stage):
+        monkeypatch.setattr(script, "EnginePool", lambda *args, **kwargs: asked.append(1) or 1 / 0)
+    for script, more in ((export_stage, [f"--out={tmp_path / 'export'}"]), (replay_stage, [])):
         with pytest.raises(ZeroDivisionError):  # past the check: the stage asks for its engines
-            stage.main(["--preset=smoke", f"--run_dir={tmp_path}", *more])
+            script.main(["--preset=smoke", f"--run_dir={tmp_path}", *more])
     assert asked == [1, 1]
 
 
@@ -295,7 +295,7 @@ class LoadedExport:
         return self.layout
 
 
-@pytest.mark.parametrize("noise", common.NOISE_MODES)
+@pytest.mark.parametrize("noise", settings.NOISE_MODES)
 def test_the_evaluation_loads_an_export_in_its_format_and_checks_its_bits_in_its_noise(tmp_path, monkeypatch, noise):
     """03_eval.py starts its engines on an export as its format loads (sharded_state: vLLM's load format, the
     tokenizer beside the shards; a Hugging Face folder: as any model), with the noise whose digests its manifest
@@ -318,10 +318,10 @@ def test_the_evaluation_loads_an_export_in_its_format_and_checks_its_bits_in_its
 
     trained = ["ckpt:trained"] if noise == "checkpoint" else ["rank0-trained", "rank1-trained"]
     assert export.check_loaded(LoadedExport(trained), folder, manifest) == trained
-    with pytest.raises(common.ExportError, match="loaded digests .* differ from the manifest's"):
+    with pytest.raises(stage.ExportError, match="loaded digests .* differ from the manifest's"):
         export.check_loaded(LoadedExport(["other"] * len(trained)), folder, manifest)
     if noise == "rank_salted":
-        with pytest.raises(common.ExportError, match="lays out the model's parameters differently"):
+        with pytest.raises(stage.ExportError, match="lays out the model's parameters differently"):
             export.check_loaded(LoadedExport(trained, layout="another vLLM's"), folder, manifest)
 
 
@@ -348,7 +348,7 @@ def test_an_evaluation_resumes_only_on_the_data_it_began_with_and_an_older_marke
     problems_file(dapo, [dict(smoke[0], answer="changed"), *smoke[1:4]])  # the same path, other data
     message = (f"{dapo}: sha256 {fileio.sha256_file(dapo)} differs from the {marker['data_sha256']['dapo']} that "
                f"{out / 'eval_run.json'} recorded for dapo: the data changed since this evaluation began")
-    with pytest.raises(common.DataError, match=re.escape(message)):
+    with pytest.raises(stage.DataError, match=re.escape(message)):
         eval_stage.main(argv)
     assert json.loads((out / "eval_run.json").read_text()) == marker  # nothing touched
 
@@ -377,10 +377,10 @@ def test_a_replay_runs_only_on_the_data_its_evaluation_used_and_an_older_eval16_
         f.write(json.dumps({"id": "new", "question": "1+1?", "answer": "2"}) + "\n")  # every evaluated id still there
     message = (f"{dapo}: sha256 {fileio.sha256_file(dapo)} differs from the {recorded['data_sha256']} that "
                f"{tmp_path / 'eval' / 'dapo_eval16.json'} recorded: the data changed since the evaluation")
-    with pytest.raises(common.DataError, match=re.escape(message)):
+    with pytest.raises(stage.DataError, match=re.escape(message)):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
     write(dict(eval16, data_sha256="smoke 0123"), tmp_path / "eval" / "dapo_eval16.json")
-    with pytest.raises(common.DataError, match="^smoke: sha256 smoke [0-9a-f]{64} differs from the smoke 0123"):
+    with pytest.raises(stage.DataError, match="^smoke: sha256 smoke [0-9a-f]{64} differs from the smoke 0123"):
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
 
     def pool(*args, **kwargs):
@@ -397,3 +397,104 @@ def test_a_replay_runs_only_on_the_data_its_evaluation_used_and_an_older_eval16_
         replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
     assert f"records its data by path only (written before data sha256s): {dapo} is taken by its path" in \
         capsys.readouterr().out
+
+
+# ---- the reward's definition: an evaluation resumes, and a replay compares, only under the one that scored it ----
+
+def test_a_replay_refuses_an_evaluation_scored_under_another_reward_definition(tmp_path, monkeypatch, capsys):
+    """04_replay scores under this code's reward definition (common.reward_definition): an eval16 file that
+    recorded another is refused before any engine starts, naming both values; one written before eval16 files
+    recorded it is compared under this code's scorer on the agent's score, saying so, and refused on the shaped
+    reward (its rules changed at 097270a)."""
+    eval16 = evaluation(tmp_path)
+    current = common.reward_definition("agent")
+    other = dict(current, agent_score="agentic_es/scoring.py sha256:" + "0" * 64)
+    write(dict(eval16, reward=other), tmp_path / "eval" / "dapo_eval16.json")
+    message = (f"{tmp_path / 'eval' / 'dapo_eval16.json'} was scored under another reward definition: reward "
+               f"agent_score: the evaluation has {other['agent_score']!r}, this code has {current['agent_score']!r}")
+    with pytest.raises(stage.ConfigError, match=re.escape(message)):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+
+    def pool(*args, **kwargs):
+        raise PoolAsked
+
+    monkeypatch.setattr(replay_stage, "EnginePool", pool)
+    write(dict(eval16, reward=current), tmp_path / "eval" / "dapo_eval16.json")
+    with pytest.raises(PoolAsked):  # the same definition
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+    write(eval16, tmp_path / "eval" / "dapo_eval16.json")  # older: none recorded
+    capsys.readouterr()
+    with pytest.raises(PoolAsked):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+    assert "records no reward definition (written before they were recorded): its scores are compared with this " \
+           "code's" in capsys.readouterr().out
+    shaped = dict(eval16, config=dict(eval16["config"], fitness="shaped"))
+    write(shaped, tmp_path / "eval" / "dapo_eval16.json")
+    with pytest.raises(stage.ConfigError, match="records no reward definition .* the shaped reward's rules changed"):
+        replay_stage.main(["--preset=smoke", f"--run_dir={tmp_path}"])
+
+
+def test_an_evaluation_resumes_only_under_the_reward_definition_that_scored_its_episodes(tmp_path, monkeypatch):
+    """03_eval's marker records the reward definition its kept episodes were scored under: a resume under another
+    is refused before any engine starts, naming both values; a marker written before markers recorded it resumes."""
+    smoke = data.problems_from("smoke", SMOKE.run_seed)
+    dapo = problems_file(tmp_path / "dapo.jsonl", smoke[:4])
+    out = tmp_path / "eval"
+    argv = ["--preset=smoke", "--export=", f"--out={out}", f"--run_dir={tmp_path / 'run'}", f"--dapo={dapo}",
+            f"--aime2026={dapo}"]
+    current = common.reward_definition("agent")
+    marker = {"checkpoint": {"kind": "base"}, "config": {}, "data": {"dapo": str(dapo), "aime2026": str(dapo)},
+              "data_sha256": {"dapo": fileio.sha256_file(dapo), "aime2026": fileio.sha256_file(dapo)},
+              "reward": dict(current, agent_score="agentic_es/scoring.py sha256:" + "0" * 64)}
+    write(marker, out / "eval_run.json")
+    with pytest.raises(stage.ConfigError, match=re.escape(
+            f"{out} holds episodes scored under another reward definition: reward agent_score: eval_run.json has "
+            f"{marker['reward']['agent_score']!r}, this evaluation has {current['agent_score']!r}")):
+        eval_stage.main(argv)
+
+    def pool(*args, **kwargs):
+        raise PoolAsked
+
+    monkeypatch.setattr(eval_stage, "EnginePool", pool)
+    for accepted in (dict(marker, reward=current), without(marker, "reward")):
+        write(accepted, out / "eval_run.json")
+        with pytest.raises(PoolAsked):
+            eval_stage.main(argv)
+
+
+# ---- the tier of the learn task: an evaluation of a run's weights is of the tier it trained on ----
+
+def test_an_evaluation_of_a_learn_run_is_of_the_tier_it_trained_on(tmp_path, monkeypatch):
+    """03_eval evaluates an export of a learn run (its manifest's config), or the base model in a run folder whose
+    history trained on the learn task, on the tier the run trained on; an explicit --learn_digits of another tier is
+    refused before any engine starts, naming both values and the file that recorded the run's."""
+    strict = cli.parse_config(["--preset=strict", "--population=4"])  # learn_digits=4; history()'s members
+    trained = dict(history(), config=dataclasses.asdict(strict), base_model=strict.model)
+    folder = tmp_path / "run" / "export"
+    folder.mkdir(parents=True)
+    for rank in range(2):
+        (folder / f"model-rank-{rank}-part-0.safetensors").write_bytes(b"shard %d" % rank)
+    identity = {"config": trained["config"], "tensor_parallel_size": 2, "parameter_names_sha256": "layout",
+                "devices": [], "base_model": strict.model, "base_fingerprint": "sha256:base", "device_type": "cpu",
+                "vllm_version": "v", "torch_version": "t"}
+    write(trained, tmp_path / "run" / HISTORY_FILE)
+    export.write_manifest(folder, export.provenance(trained, tmp_path / "run" / HISTORY_FILE, []), identity,
+                          export.sharded_state_fields(folder, identity, ["r0", "r1"]))
+    manifest = export.manifest_file(folder)
+    argv = ["--preset=learn", f"--model={strict.model}", "--tensor_parallel_size=2", f"--run_dir={tmp_path / 'run'}"]
+    with pytest.raises(stage.ConfigError, match=re.escape(
+            f"--learn_digits=3 (the run's is learn_digits=4, recorded in {manifest})")):
+        eval_stage.main([*argv, "--learn_digits=3", f"--export={folder}"])
+    with pytest.raises(stage.ConfigError, match=re.escape(
+            f"--learn_digits=3 (the run's is learn_digits=4, recorded in {tmp_path / 'run' / HISTORY_FILE})")):
+        eval_stage.main([*argv, "--learn_digits=3", "--export=", f"--out={tmp_path / 'base'}"])
+
+    def pool(cfg, *args, **kwargs):
+        assert cfg.learn_digits == 4  # the sets are those of the tier it trained on
+        raise PoolAsked
+
+    monkeypatch.setattr(eval_stage, "EnginePool", pool)
+    for tier in ([], ["--learn_digits=4"]):  # the tier it trained on, named or not
+        for more in ([f"--export={folder}"], ["--export=", f"--out={tmp_path / 'base'}"]):
+            with pytest.raises(PoolAsked):
+                eval_stage.main([*argv, *tier, *more])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import common
-from agentic_es import cli, data, fileio
+from agentic_es import cli, compute_task, data, fileio, stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import strict_base  # noqa: E402
@@ -45,10 +45,79 @@ def test_a_tier_is_a_learn_digits_value_s_held_out_additions_or_a_problems_file(
     path = tmp_path / "set.jsonl"
     path.write_text(json.dumps({"id": "a", "question": "What is 2 + 2?", "answer": "4"}) + "\n")
     assert [p["id"] for p in strict_base.tier_problems(str(path), CFG, 5)] == ["a"]
-    with pytest.raises(common.ConfigError, match="^learn_digits=1 leaves too few pairs"):
+    with pytest.raises(stage.ConfigError, match="^learn_digits=1 leaves too few pairs"):
         strict_base.tier_problems("1", CFG, 5)
-    with pytest.raises(common.DataError, match="problems file not found"):
+    with pytest.raises(stage.DataError, match="problems file not found"):
         strict_base.tier_problems(str(tmp_path / "none.jsonl"), CFG, 5)
+
+
+def test_a_compute_tier_is_a_level_s_held_out_problems():
+    for level in (1, 2, 3):
+        assert strict_base.tier_problems(f"compute{level}", CFG, 4) == compute_task.problems("heldout", level, 4)
+    assert strict_base.tier_problems("compute_families2", CFG, 3) == compute_task.problems("families", 2, 3)
+    compute = cli.parse_config(["--preset=strict", "--preset=compute"])  # the bench's overrides, as main reads them
+    assert compute.train_data == "compute" and compute.max_new_tokens == 512
+    assert strict_base.tier_problems("4", compute, 2) == data.problems_from("learn_heldout", 0, 4)[:2]
+    with pytest.raises(stage.ConfigError, match=r"^compute_level must be in \[1, 3\]"):
+        strict_base.tier_problems("compute4", CFG, 5)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_strict_presets_documented_base_scores_are_its_gpu_reports():
+    """docs/models.md says what bench/results/strict_base_h100.json measured: the base strict score on every tier,
+    the preset's tier's, and the tool called on every tier, 2..19 included."""
+    report = fileio.read_json(REPO / "bench" / "results" / "strict_base_h100.json")
+    tiers = {row["tier"]: row for row in report["tiers"]}
+    strict = [row["strict"] for row in tiers.values()]
+    calls = [round(100 * row["bash_call_rate"]) for row in tiers.values()]
+    text = " ".join((REPO / "docs" / "models.md").read_text().split())
+    assert f"it is {min(strict):.2f}-{max(strict):.2f} on every tier measured" in text
+    assert f"{tiers['4']['strict']:.3f} on tier 4" in text
+    assert f"calls the tool in {min(calls)}-{max(calls)}% of the episodes on every tier, 2..19 included" in text
+    assert tiers["0"]["bash_call_rate"] > 0.25 and "still to be made" not in text
+
+
+class ScoredByABrokenScorer:
+    """A read-only pool whose every episode the scorer failed on (score_error)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def run_agent(self, jobs, desc=None):
+        return [dict(record(problem["id"], 0), score_method="score_error") for problem, _ in jobs]
+
+
+def test_the_bench_checks_the_scorer_as_the_stages_do(tmp_path, monkeypatch):
+    """A scorer that fails its warm-up stops the bench before its engines start; a tier whose episodes it failed on
+    past the stages' bound (stage.SCORER_FAILURE_BOUND) stops it with that tier's row unwritten: a strict tier is
+    never chosen from a broken scorer's 0s."""
+    monkeypatch.setattr(common, "check_sandbox", lambda *args, **kwargs: [])
+    monkeypatch.setattr(strict_base.models, "resolve_model", lambda name, *args, **kwargs: name)
+
+    def broken():
+        raise stage.ScorerFailure("the answer scorer does not work, so every answer would score 0: stand-in")
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine started before the scorer was checked")
+
+    argv = ["--tiers=3", "--problems=2", "--samples=2", f"--out={tmp_path / 'report.json'}"]
+    monkeypatch.setattr(stage, "check_scorer", broken)
+    monkeypatch.setattr(strict_base, "EnginePool", no_engine)
+    with pytest.raises(stage.ScorerFailure, match="every answer would score 0"):
+        strict_base.main(argv)
+    monkeypatch.setattr(stage, "check_scorer", lambda: None)
+    monkeypatch.setattr(strict_base, "EnginePool", ScoredByABrokenScorer)
+    with pytest.raises(stage.ScorerFailure, match="^tier 3: the scorer failed on 4 of 4 episodes"):
+        strict_base.main(argv)
+    assert not (tmp_path / "report.json").exists()
 
 
 @pytest.mark.engine

@@ -44,3 +44,28 @@ def test_no_difference_when_both_are_equal():
     table = np.array([[1, 0] * 8, [0, 1] * 8], dtype=float)
     m = summary.compare(table, table)
     assert all(v["difference"]["mean"] == 0 and v["verdict"].startswith("no difference") for v in m.values())
+
+
+def test_the_difference_s_interval_is_the_paired_resample_s_where_an_unpaired_one_would_hold_0():
+    """40 problems of every difficulty, the trained model 1 sample of 4 better on 8 of them: resampling the problems
+    once for both models (paired) the difference's interval lies above 0; resampling each model's problems apart
+    (unpaired) it holds 0, the spread between problems swamping the gain. The interval reported is the 2.5th and
+    97.5th percentiles of the paired resample's mean differences."""
+    levels = [0, 1, 2, 3, 4] * 8  # samples 12-15 solved, per problem: Mean4 0 .. 1
+    better = {i for i, level in enumerate(levels) if level < 4}
+    better = set(sorted(better)[:8])
+    base = np.zeros((40, 16))
+    trained = np.zeros((40, 16))
+    for i, level in enumerate(levels):
+        base[i, 12:12 + level] = 1
+        trained[i, 12:12 + level + (i in better)] = 1
+    d = summary.compare(base, trained)["mean4"]["difference"]
+    assert d["mean"] == pytest.approx(8 * 0.25 / 40) and d["ci_low"] > 0
+
+    b, t = summary.METRICS["mean4"](base), summary.METRICS["mean4"](trained)
+    idx = np.random.default_rng(0).integers(0, 40, size=(summary.BOOTSTRAP, 40))
+    paired = (t - b)[idx].mean(axis=1)
+    assert (d["ci_low"], d["ci_high"]) == (np.percentile(paired, 2.5), np.percentile(paired, 97.5))
+    apart = np.random.default_rng(1).integers(0, 40, size=(summary.BOOTSTRAP, 40))
+    unpaired = t[idx].mean(axis=1) - b[apart].mean(axis=1)
+    assert np.percentile(unpaired, 2.5) < 0 < np.percentile(unpaired, 97.5)

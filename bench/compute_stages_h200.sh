@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The compute preset's evidence on one GPU (issue 66), as run through the device tool after vLLM's install
+# (../shared/GPU.md): the base model's strict score per level of the compute task (bench/strict_base.py, 64 held-out
+# problems x 8 samples each), the level chosen from it, then two run seeds through the four scripts at once
+# (bench/learn_stages_h200.sh each: 4 co-located training engines under CUDA MPS, the base's evaluation beside
+# training), detached so that later calls collect them:
+#   bash bench/compute_stages_h200.sh start SEED_A SEED_B     # tiers, then both runs in the background
+#   bash bench/compute_stages_h200.sh wait SECONDS            # their progress, for at most SECONDS
+#   bash bench/compute_stages_h200.sh collect OUT_DIR         # their files as bench/results keeps them
+# The level: the first (lowest) whose base strict score is between 0.1 and 0.6, else the best above 0.03, else 1;
+# LEVEL=L skips the measurement. A run whose history a past session brought back
+# (bench/results/compute_partial_seedS_history.json) resumes from it: 01_train.py goes on from its last generation.
+set -uo pipefail
+root=${ROOT:-/tmp/compute-stages}
+mkdir -p "$root"
+case ${1:?start|wait|collect} in
+start)
+  seed_a=${2:?seed}; seed_b=${3:?seed}
+  [ -z "${LEVEL:-}" ] && python bench/strict_base.py --preset=compute --tiers=compute1,compute2,compute3 \
+    --problems=64 --samples=8 --tensor_parallel_size=1 --engines=1 --gpu_memory_utilization=0.5 \
+    --out="$root/compute_base.json" --episodes="$root/compute_base_episodes.jsonl" 2>&1 \
+    | grep --line-buffered -v -E "it/s\]|s/it\]" \
+    | tee "$root/compute_base_log.txt" | grep -E "^tier|^compute|Error|error" | tail -n 8
+  level=${LEVEL:-$(python - "$root/compute_base.json" <<'EOF'
+import json, sys
+tiers = {int(t["tier"].removeprefix("compute")): t["strict"] for t in json.load(open(sys.argv[1]))["tiers"]}
+inside = [level for level, s in sorted(tiers.items()) if 0.1 <= s <= 0.6]
+above = sorted((s, level) for level, s in tiers.items() if s > 0.03)
+print(inside[0] if inside else above[-1][1] if above else 1)
+EOF
+)}
+  echo "[compute] level $level" | tee "$root/level.txt"
+  for seed in "$seed_a" "$seed_b"; do
+    partial=bench/results/compute_partial_seed${seed}_history.json
+    if [ -f "$partial" ] && [ ! -f "$root/seed-$seed/es_history.json" ]; then
+      mkdir -p "$root/seed-$seed" && cp "$partial" "$root/seed-$seed/es_history.json"
+      echo "[compute] seed $seed resumes from $partial"
+    fi
+    PRESET=compute GPU_UTIL=${GPU_UTIL:-0.08} EVAL_ENGINES=1 EVAL_UTIL=${EVAL_UTIL:-0.3} BASE_UTIL=${BASE_UTIL:-0.09} \
+      RETRIES=1 RUN_ROOT="$root" EXTRA="--compute_level=$level ${EXTRA:-}" \
+      setsid nohup bash bench/learn_stages_h200.sh "$root/out-$seed" "$seed" 5000 >"$root/driver-$seed.txt" 2>&1 &
+    sleep 20  # the second run's engines start after the first's hold their memory
+  done
+  ;;
+wait)
+  end=$((SECONDS + ${2:-540}))
+  while [ $SECONDS -lt $end ] && pgrep -f learn_stages_h200.sh >/dev/null; do sleep 10; done
+  for f in "$root"/out-*/compute_stages_seed*_log.txt; do
+    echo "== $f"; grep -E "^\[stages\]|mean fitness|generation [0-9]+ |Mean4|Error" "$f" | tail -n 12
+  done
+  pgrep -f learn_stages_h200.sh >/dev/null && echo "[compute] still running" || echo "[compute] all done"
+  ;;
+collect)
+  out=${2:?OUT_DIR}; mkdir -p "$out"
+  tar czf "$out/compute_stages_all.tar.gz" -C "$root" --exclude='seed-*' . 2>/dev/null
+  ls -la "$out"
+  ;;
+esac
