@@ -1,6 +1,6 @@
-"""What the test modules share: the engine mark's check (pytest.ini), an offline hub cache, a Config default edited
-for one test, waiting for processes to end, acting as another user, and the numbered scripts run in this process or
-as subprocesses."""
+"""What the test modules share: the engine mark's check (pytest.ini), one worker per module of engines, an offline hub
+cache, a Config default edited for one test, waiting for processes to end, acting as another user, and the numbered
+scripts run in this process or as subprocesses."""
 
 import contextlib
 import hashlib
@@ -35,6 +35,32 @@ MODULE_SECONDS = {"test_pipeline.py": 589, "test_engine_pool.py": 269, "test_che
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: -MODULE_SECONDS.get(item.path.name, 0))  # stable: the order within a module stays
+
+
+_engine_workers = {}  # on pytest-xdist's controller: module -> the workers that ran its tests of the engine mark
+
+
+def pytest_runtest_logreport(report):
+    node = getattr(report, "node", None)  # the worker that ran it: only the controller's reports name one
+    if node is not None and report.when == "setup" and ENGINE_MARK in report.keywords:
+        _engine_workers.setdefault(report.nodeid.split("::")[0], set()).add(node.gateway.id)
+
+
+def split_modules(engine_workers) -> list[str]:
+    """The modules whose engine tests ran on more than one worker, each with those workers."""
+    return [f"{module} ran on {', '.join(sorted(workers))}" for module, workers in sorted(engine_workers.items())
+            if len(workers) > 1]
+
+
+def pytest_sessionfinish(session):
+    """A module whose engine tests ran on two workers started its shared engines and runs twice (a scheduler that
+    splits modules, as pytest-xdist's loadgroup did under pytest 9): the run fails, naming the modules."""
+    split = split_modules(_engine_workers)
+    if split:
+        session.config.get_terminal_writer().line(
+            "modules split over the workers, their shared engines started on each (pytest.ini: --dist loadfile): "
+            + "; ".join(split), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(tryfirst=True)
