@@ -11,6 +11,8 @@
 # LEVEL=L skips the measurement. A run whose history a past session brought back
 # (bench/results/compute_partial_seedS_history.json) resumes from it where this GPU draws its noise
 # (agentic_es/history.py, device_differences): 01_train.py goes on from its last generation; elsewhere it starts anew.
+# The base's evaluation of a seed that a past session brought back (bench/results/compute_base_seedS_eval.tar.gz) is
+# not run again.
 set -uo pipefail
 root=${ROOT:-/tmp/compute-stages}
 mkdir -p "$root"
@@ -49,6 +51,10 @@ EOF
     elif [ -f "$partial" ] && [ ! -f "$root/seed-$seed/es_history.json" ]; then
       mkdir -p "$root/seed-$seed" && cp "$partial" "$root/seed-$seed/es_history.json"
       echo "[compute] seed $seed resumes from $partial"
+    fi
+    base=bench/results/compute_base_seed${seed}_eval.tar.gz  # the base's evaluation a past session made
+    if [ -f "$base" ] && [ ! -e "$root/seed-$seed/eval-base" ]; then
+      mkdir -p "$root/seed-$seed" && tar xzf "$base" -C "$root/seed-$seed" && echo "[compute] seed $seed: the base's evaluation from $base"
     fi
     PRESET=compute GPU_UTIL=${GPU_UTIL:-0.08} EVAL_ENGINES=1 EVAL_UTIL=${EVAL_UTIL:-0.3} BASE_UTIL=${BASE_UTIL:-0.09} \
       RETRIES=1 RUN_ROOT="$root" EXTRA="--compute_level=$level ${EXTRA:-}" \
