@@ -38,13 +38,12 @@ def main(argv: list[str]) -> dict:
     with EnginePool(dataclasses.replace(cfg, engines=1, ray_address=""), model_path, perturbs=False) as pool:
         engine = pool.engines[0]
         identity = run_identity(cfg, model_path, engine, train_data=False)
-        # everything but the device model must match, as for an export
+        # everything but the device model must match, as for an export (the base digests too)
         others = [d for d in history_module.identity_differences(history, identity, compare_config=False)
                   if not d.startswith("devices:")]
         if others:
             raise stage.HistoryMismatch("the history differs in more than its device model: " + "; ".join(others))
         report = {"recorded_devices": history.get("devices"), "current_devices": identity["devices"],
-                  "base_digests_equal": identity["base_digests"] == history["base_digests"],
                   "generations": len(history["generations"]), "equal": True, "first_difference": None}
         for record in history["generations"]:
             engine.update(record["seeds"], common.update_coefficients(common.recorded_z(record), record["alpha"]))
