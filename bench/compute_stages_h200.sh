@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # The compute preset's evidence on one GPU (issue 66), as run through the device tool after vLLM's install
 # (../shared/GPU.md): the base model's strict score per level of the compute task (bench/strict_base.py, 64 held-out
-# problems x 8 samples each), the level chosen from it, then two run seeds through the four scripts at once
+# problems x 8 samples each), the level chosen from it, then one or more run seeds through the four scripts at once
 # (bench/learn_stages_h200.sh each: 4 co-located training engines under CUDA MPS, the base's evaluation beside
 # training), detached so that later calls collect them:
-#   bash bench/compute_stages_h200.sh start SEED_A SEED_B     # tiers, then both runs in the background
+#   bash bench/compute_stages_h200.sh start SEED [SEED ...]   # tiers, then the runs in the background
 #   bash bench/compute_stages_h200.sh wait SECONDS            # their progress, for at most SECONDS
 #   bash bench/compute_stages_h200.sh collect OUT_DIR         # their files as bench/results keeps them
 # The level: the first (lowest) whose base strict score is between 0.1 and 0.6, else the best above 0.03, else 1;
 # LEVEL=L skips the measurement. A run whose history a past session brought back
-# (bench/results/compute_partial_seedS_history.json) resumes from it: 01_train.py goes on from its last generation.
+# (bench/results/compute_partial_seedS_history.json) resumes from it where this GPU draws its noise
+# (agentic_es/history.py, device_differences): 01_train.py goes on from its last generation; elsewhere it starts anew.
+# The base's evaluation of a seed that a past session brought back (bench/results/compute_base_seedS_eval.tar.gz) is
+# not run again.
 set -uo pipefail
 root=${ROOT:-/tmp/compute-stages}
 mkdir -p "$root"
 case ${1:?start|wait|collect} in
 start)
-  seed_a=${2:?seed}; seed_b=${3:?seed}
+  shift; [ $# -ge 1 ] || { echo "start needs at least one run seed" >&2; exit 2; }
   [ -z "${LEVEL:-}" ] && python bench/strict_base.py --preset=compute --tiers=compute1,compute2,compute3 \
     --problems=64 --samples=8 --tensor_parallel_size=1 --engines=1 --gpu_memory_utilization=0.5 \
     --out="$root/compute_base.json" --episodes="$root/compute_base_episodes.jsonl" 2>&1 \
@@ -30,11 +33,28 @@ print(inside[0] if inside else above[-1][1] if above else 1)
 EOF
 )}
   echo "[compute] level $level" | tee "$root/level.txt"
-  for seed in "$seed_a" "$seed_b"; do
+  for seed in "$@"; do
     partial=bench/results/compute_partial_seed${seed}_history.json
-    if [ -f "$partial" ] && [ ! -f "$root/seed-$seed/es_history.json" ]; then
+    if [ -f "$partial" ] && [ ! -f "$root/seed-$seed/es_history.json" ] && ! python - "$partial" <<'EOF'
+import json, sys, torch
+from agentic_es.history import describe_devices, device_differences
+props = torch.cuda.get_device_properties(0)
+here = [{"name": props.name, "sm_count": props.multi_processor_count}]
+recorded = json.load(open(sys.argv[1])).get("devices")
+differences = device_differences(recorded and recorded[:1], here)
+print(f"[compute] {sys.argv[1]} was made on {describe_devices(recorded or [])}, this is {describe_devices(here)}: "
+      + ("it resumes" if not differences else "it cannot resume here, the run starts anew"))
+sys.exit(1 if differences else 0)
+EOF
+    then
+      echo "[compute] seed $seed starts anew"
+    elif [ -f "$partial" ] && [ ! -f "$root/seed-$seed/es_history.json" ]; then
       mkdir -p "$root/seed-$seed" && cp "$partial" "$root/seed-$seed/es_history.json"
       echo "[compute] seed $seed resumes from $partial"
+    fi
+    base=bench/results/compute_base_seed${seed}_eval.tar.gz  # the base's evaluation a past session made
+    if [ -f "$base" ] && [ ! -e "$root/seed-$seed/eval-base" ]; then
+      mkdir -p "$root/seed-$seed" && tar xzf "$base" -C "$root/seed-$seed" && echo "[compute] seed $seed: the base's evaluation from $base"
     fi
     PRESET=compute GPU_UTIL=${GPU_UTIL:-0.08} EVAL_ENGINES=1 EVAL_UTIL=${EVAL_UTIL:-0.3} BASE_UTIL=${BASE_UTIL:-0.09} \
       RETRIES=1 RUN_ROOT="$root" EXTRA="--compute_level=$level ${EXTRA:-}" \
@@ -52,6 +72,9 @@ wait)
   ;;
 collect)
   out=${2:?OUT_DIR}; mkdir -p "$out"
+  for history in "$root"/seed-*/es_history.json; do  # also a run the time limit cut: its generations so far
+    [ -f "$history" ] && cp "$history" "$out/compute_$(basename "$(dirname "$history")")_history.json"
+  done
   tar czf "$out/compute_stages_all.tar.gz" -C "$root" --exclude='seed-*' . 2>/dev/null
   ls -la "$out"
   ;;

@@ -1,6 +1,6 @@
-"""What the test modules share: the engine mark's check (pytest.ini), an offline hub cache, a Config default edited
-for one test, waiting for processes to end, acting as another user, and the numbered scripts run in this process or
-as subprocesses."""
+"""What the test modules share: the engine mark's check (pytest.ini), one worker per module of engines, an offline hub
+cache, a Config default edited for one test, waiting for processes to end, acting as another user, and the numbered
+scripts run in this process or as subprocesses."""
 
 import contextlib
 import hashlib
@@ -20,28 +20,47 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ENGINE_MARK = "engine"  # pytest.ini: the tests that start a vLLM engine, left out of the fast loop
 _running = {}
-# How the suite's two workers share it (pytest.ini: --dist loadgroup --no-loadscope-reorder). Each test runs in its
-# module's xdist group, so a module's shared engines and runs start once, on one worker; a test that shares nothing
-# with the rest of its module may name a group of its own (@pytest.mark.xdist_group). The groups are handed out
-# longest first, by their seconds below (one worker alone, on 2 cores: tests/README.md), then the others in file
-# order: the long ones overlap, and what is left for the end is short. A new module of engines belongs here.
-GROUP_SECONDS = {"test_pipeline.py": 590, "test_checkpoint_noise.py": 217, "test_engine_pool.py": 190,
-                 "test_real_model.py": 160, "test_presets.py": 121, "test_compute_preset.py": 90, "test_pipeline.py::2ec1038": 67,
-                 "test_es_engine.py": 60, "test_scorer_failures.py": 55, "test_agent_engine.py": 45,
-                 "test_strict_base_bench.py": 35, "test_speculative.py": 145}
+# How the suite's two workers share it (pytest.ini: --dist loadfile --no-loadscope-reorder): each takes a whole
+# module at a time, so a module's shared engines and runs start once, on one worker; the modules go out in the order
+# of collection, which puts the longest first by their seconds below (one worker alone, on 2 cores: tests/README.md),
+# then the others in file order: the long ones overlap, and what is left for the end is short. (pytest-xdist would
+# otherwise hand out the modules with the most tests first, the long ones last; its --dist loadgroup, which could
+# split a module, does not group with pytest 9, whose node ids it cannot extend.) A new module of engines belongs
+# here.
+MODULE_SECONDS = {"test_pipeline.py": 589, "test_engine_pool.py": 269, "test_checkpoint_noise.py": 223,
+                  "test_real_model.py": 156, "test_presets.py": 90, "test_compute_preset.py": 90,
+                  "test_es_engine.py": 85, "test_old_history.py": 67, "test_strict_base_bench.py": 62,
+                  "test_scorer_failures.py": 55, "test_agent_engine.py": 32, "test_speculative.py": 145}
 
 
-def group_of(item) -> str:
-    marks = [mark.args[0] if mark.args else mark.kwargs.get("name") for mark in item.iter_markers("xdist_group")]
-    return marks[0] if marks else item.path.name
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if not any(item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
-    items.sort(key=lambda item: -GROUP_SECONDS.get(group_of(item), 0))  # stable: the order within a group stays
+    items.sort(key=lambda item: -MODULE_SECONDS.get(item.path.name, 0))  # stable: the order within a module stays
+
+
+_engine_workers = {}  # on pytest-xdist's controller: module -> the workers that ran its tests of the engine mark
+
+
+def pytest_runtest_logreport(report):
+    node = getattr(report, "node", None)  # the worker that ran it: only the controller's reports name one
+    if node is not None and report.when == "setup" and ENGINE_MARK in report.keywords:
+        _engine_workers.setdefault(report.nodeid.split("::")[0], set()).add(node.gateway.id)
+
+
+def split_modules(engine_workers) -> list[str]:
+    """The modules whose engine tests ran on more than one worker, each with those workers."""
+    return [f"{module} ran on {', '.join(sorted(workers))}" for module, workers in sorted(engine_workers.items())
+            if len(workers) > 1]
+
+
+def pytest_sessionfinish(session):
+    """A module whose engine tests ran on two workers started its shared engines and runs twice (a scheduler that
+    splits modules, as pytest-xdist's loadgroup did under pytest 9): the run fails, naming the modules."""
+    split = split_modules(_engine_workers)
+    if split:
+        session.config.get_terminal_writer().line(
+            "modules split over the workers, their shared engines started on each (pytest.ini: --dist loadfile): "
+            + "; ".join(split), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(tryfirst=True)
