@@ -40,7 +40,7 @@ from agentic_es.actions import format_observation, parse_action
 from agentic_es.prompts import ChatPrompts
 from agentic_es.settings import (CUDAGRAPH_MODES, DTYPES, EXECUTION, FITNESS_MODES, NOISE_MODES, POOL,  # noqa: F401
                                  PROMPT_MODES, RESTORE, RESTORE_MODES, ROUNDING_MODES, RUN, TRACKING_MODES, WEIGHTS,
-                                 Bounds, check_settings, prompt_mode_before, setting)
+                                 Bounds, check_settings, setting)
 
 REPO = Path(__file__).resolve().parent
 
@@ -69,19 +69,17 @@ class Config:
                                 "runs eager")
     cudagraph_mode: str = setting("FULL_AND_PIECEWISE", EXECUTION, "decode steps as full graphs, steps with a "
                                   'prefill as piecewise ones; "FULL_DECODE_ONLY" runs the latter eagerly (README)',
-                                  choices=CUDAGRAPH_MODES,
-                                  before="FULL_DECODE_ONLY")  # until 3c340be: the engine's fixed mode
+                                  choices=CUDAGRAPH_MODES)
     max_num_batched_tokens: int = setting(256, EXECUTION, "GPU: tokens per engine step, and CUDA graphs are "
                                           "captured up to it. 0: vLLM's defaults (2048-token steps, graphs only up "
                                           "to 256 tokens: longer steps eager)",
-                                          bounds=Bounds(0, why="0: vLLM's default"), before=0)  # until 0d8f68d: vLLM's
+                                          bounds=Bounds(0, why="0: vLLM's default"))
     custom_all_reduce: bool = setting(False, EXECUTION, "GPU: vLLM's own all-reduce over NVLink peer memory instead "
-                                      "of NCCL's (README)", before=False)  # until 9fe2601: always off
+                                      "of NCCL's (README)")
     engines: int = setting(0, POOL, "engines evaluating members at once (pool.py); 0: GPUs // tensor_parallel_size, "
-                           "1 on CPU", bounds=Bounds(0, why="0: one per tensor_parallel_size GPUs"),
-                           before=1)  # until a55413f: one engine
+                           "1 on CPU", bounds=Bounds(0, why="0: one per tensor_parallel_size GPUs"))
     ray_address: str = setting("", POOL, 'engines as Ray actors on this cluster ("auto", HEAD:PORT); empty: in this '
-                               "process", before="")  # until a55413f: in this process
+                               "process")
     # evolution strategies
     run_seed: int = setting(20260627, RUN, "member seeds, case batches and request seeds all derive from it",
                             bounds=Bounds(0, 2**32 - 1, why="vLLM seeds numpy's global generator with it"))
@@ -93,7 +91,7 @@ class Config:
                               bounds=Bounds(1))
     fitness: str = setting("agent", RUN, "a member's fitness, its episodes' mean reward: \"agent\" (the agent's "
                            "score, the reference) or \"shaped\" (the learn task's partial credit: shaped_reward)",
-                           choices=FITNESS_MODES, before="agent")  # until 7feb967: 01_train.py's mean agent score
+                           choices=FITNESS_MODES)
     sigma_start: float = setting(1e-3, RUN, "noise scale at generation 0 (cosine schedule)",
                                  bounds=Bounds(0, low_open=True))
     sigma_end: float = setting(5e-4, RUN, "noise scale at the last generation", bounds=Bounds(0, low_open=True))
@@ -106,14 +104,13 @@ class Config:
                            "restore_patch.py)", choices=RESTORE_MODES)
     patch_capacity: float = setting(0.0, RESTORE, "restore=patch: the share of each rank's elements whose bits the "
                                     "patch can hold; 0: restore_patch.PATCH_CAPACITY of the rounding mode",
-                                    bounds=Bounds(0, 1, why="0: 0.12 with rounding=nearest, 0.32 with stochastic"),
-                                    before=0.0)  # until 6f9fabc: no patch
+                                    bounds=Bounds(0, 1, why="0: 0.12 with rounding=nearest, 0.32 with stochastic"))
     rounding: str = setting("nearest", WEIGHTS, 'bf16 rounding of every weight change: "nearest" (the reference) or '
                             '"stochastic" (unbiased: steps below half an ulp still move theta in expectation)',
-                            choices=ROUNDING_MODES, before="nearest")  # until c98db3b: to nearest
+                            choices=ROUNDING_MODES)
     noise: str = setting("rank_salted", WEIGHTS, '"rank_salted" (the reference: per-rank noise, the model exists at '
                          'this TP size only) or "checkpoint" (per checkpoint element: any TP size, a Hugging Face '
-                         "export)", choices=NOISE_MODES, before="rank_salted")  # until 20ebd4c: the only noise
+                         "export)", choices=NOISE_MODES)
     # the math agent
     max_turns: int = setting(50, RUN, "assistant turns per episode", bounds=Bounds(1))
     max_new_tokens: int = setting(4096, RUN, "per assistant turn", bounds=Bounds(1))
@@ -131,29 +128,25 @@ class Config:
                                      "tail)", bounds=Bounds(1))
     concurrency: int = setting(256, EXECUTION, "episodes in flight at once", bounds=Bounds(1))
     allow_leaky_sandbox: bool = setting(False, RUN, "run even when the start-up leak check finds the data, run "
-                                        "folder or other episodes visible to the sandbox (then every record says so)",
-                                        before=True)  # until 174fe5b: no leak check
+                                        "folder or other episodes visible to the sandbox (then every record says so)")
     prompt_mode: str = setting("render", RUN, 'each turn\'s prompt: "render" the conversation (as the reference) or '
-                               '"continue" ids', choices=PROMPT_MODES,
-                               before=prompt_mode_before)  # until 6bbc789: rendered, from 3c340be continued
+                               '"continue" ids', choices=PROMPT_MODES)
     # data and outputs
     train_data: str = setting("data/dapo_train400.jsonl", RUN, 'built by 00_data.py; "smoke", "learn": arithmetic '
                               'made here; "compute": the compute task made here (agentic_es/compute_task.py)')
     learn_digits: int = setting(0, RUN, "the learn task's tier: additions of two numbers of this many digits; 0: of "
                                 "2..19", bounds=Bounds(0, 30, why="0: the numbers 2..19; one digit is refused (too "
-                                                                  "few pairs to hold out)"),
-                                before=0)  # until 6bc9b3c: the numbers 2..19
+                                                                  "few pairs to hold out)"))
     compute_level: int = setting(1, RUN, "the compute task's level, of its training and held-out sets: 1 numbers in "
-                                 "the hundreds, 2 thousands, 3 competition sizes", bounds=Bounds(1, 3),
-                                 before=1)  # until fc41032: no compute task (such a run reads as level 1)
+                                 "the hundreds, 2 thousands, 3 competition sizes", bounds=Bounds(1, 3))
     eval_problems: int = setting(0, RUN, "evaluate only the first K problems of each eval set (0: all)",
                                  bounds=Bounds(0, why="0: all"))
     run_dir: str = setting("runs/es", EXECUTION, "history, rollouts, export and eval results of the run live here")
     smoke_eval: bool = setting(False, EXECUTION, "03_eval.py evaluates the smoke problems in place of the DAPO and "
                                "AIME files (the smoke preset's setting); --dapo=PATH or --aime2026=PATH still names a "
-                               "set's file", before=False)  # until ab29bcf: the DAPO and AIME files
+                               "set's file")
     tracking: str = setting("none", EXECUTION, '"tensorboard": each generation\'s summary also to '
-                            "<run_dir>/tensorboard", choices=TRACKING_MODES, before="none")  # until bbb9ffd: none
+                            "<run_dir>/tensorboard", choices=TRACKING_MODES)
 
     def __post_init__(self):
         check_settings(self)

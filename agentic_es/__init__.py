@@ -30,6 +30,7 @@ A run's files:
     export            the trained weights as files (sharded_state or Hugging Face): save, verify, load
     fileio            atomic writes, JSON read with its shape checked, crash-safe JSONL, SHA256SUMS, ClosedOnExit
     history           the run history: identity, refusals of another run's history, rebuild
+    upgrade           files written by older code read as that code read them: the table of what they lack
     models            the models the project builds itself, and resolve_model for any model name
 The command line:
     settings          how a Config field is declared (setting, Bounds, roles), the check of its values, the presets

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, data, digests, engine, export, fileio, learn_task, settings, stage, tracking
+from agentic_es import cli, data, digests, engine, export, fileio, learn_task, settings, stage, tracking, upgrade
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, REBUILD_FIELDS, check_base, check_config,
                                 config_from_history, history_fitness, identity_differences, name_only_fingerprint,
-                                read_history, recorded_settings, resume_free_fields, run_identity)
+                                read_history, resume_free_fields, run_identity)
 
 
 # ---- sigma schedule ----
@@ -692,9 +692,9 @@ def test_older_name_only_fingerprint_of_the_same_hub_id_is_accepted():
 
 
 def test_a_setting_newer_than_the_history_reads_as_the_code_before_it():
-    """A history written before a Config field existed resumes when the field is what the code did then (its
-    declared `before`; before prompt_mode, turns continued the generated ids), and is refused otherwise, also under
-    today's default."""
+    """A history written before a Config field existed resumes when the field is what the code did then
+    (upgrade.SETTINGS_ADDED; before prompt_mode, turns continued the generated ids), and is refused otherwise, also
+    under today's default."""
     config = dataclasses.asdict(common.Config())
     older = identity([H200, H200], config={k: v for k, v in config.items() if k != "prompt_mode"})
     assert identity_differences(older, identity([H200, H200], config=dict(config, prompt_mode="continue"))) == []
@@ -710,8 +710,7 @@ def test_a_file_older_than_prompt_mode_reads_as_the_prompts_of_its_time():
     config = dataclasses.asdict(common.Config())
     continued = {k: v for k, v in config.items() if k != "prompt_mode"}
     rendered = {k: v for k, v in continued.items() if k != "cudagraph_mode"}
-    assert (recorded_settings(continued)["prompt_mode"], recorded_settings(rendered)["prompt_mode"]) == (
-        "continue", "render")
+    assert [upgrade.recorded_settings(c)["prompt_mode"] for c in (continued, rendered)] == ["continue", "render"]
     assert identity_differences(identity([H200, H200], config=rendered), identity([H200, H200], config=config)) == []
     assert identity_differences(identity([H200, H200], config=rendered),
                                 identity([H200, H200], config=dict(config, prompt_mode="continue"))) == [
@@ -722,7 +721,8 @@ def test_a_file_older_than_prompt_mode_reads_as_the_prompts_of_its_time():
 
 
 # The settings as old as the history and evaluation files (71e1e68 wrote them first): every file records them. Each
-# field added since declares `before`, what the code did before it, which is how a file lacking it reads
+# field added since has its line in upgrade.SETTINGS_ADDED: what the code did before it, which is how a file lacking it
+# reads
 SETTINGS_AS_OLD_AS_THE_FILES = {
     "model", "tensor_parallel_size", "dtype", "max_model_len", "gpu_memory_utilization", "cuda_graphs", "run_seed",
     "generations", "population", "case_batch", "sigma_start", "sigma_end", "alpha", "noise_chunk", "restore",
@@ -731,17 +731,17 @@ SETTINGS_AS_OLD_AS_THE_FILES = {
 OLD_HISTORY = Path(__file__).parent / "fixtures" / "es_history_2ec1038.json"  # written before fitness, learn_digits
 
 
-def test_a_setting_added_after_the_first_files_declares_what_the_code_did_before_it():
+def test_a_setting_added_after_the_first_files_has_what_the_code_did_before_it_in_the_upgrade_table():
     fields = dataclasses.fields(common.Config)
-    assert {f.name for f in fields if f.metadata["before"] is None} == SETTINGS_AS_OLD_AS_THE_FILES
+    assert {f.name for f in fields} - set(upgrade.SETTINGS_ADDED) == SETTINGS_AS_OLD_AS_THE_FILES
+    assert set(upgrade.SETTINGS_ADDED) <= {f.name for f in fields}
     oldest, older = {}, read_history(OLD_HISTORY)["config"]  # what a function of the file reads: both ends
-    for f in fields:  # each before is a valid value of its setting
-        then = f.metadata["before"]
-        for value in ([then(oldest), then(older)] if callable(then) else [then] if then is not None else []):
-            assert settings.setting_problem(f, value) is None, f.name
+    for f in fields:  # what each file reads is a valid value of its setting
+        for recorded in (oldest, older):
+            assert settings.setting_problem(f, upgrade.settings_then(f, recorded)) is None, f.name
     lacking = {f.name for f in fields} - set(read_history(OLD_HISTORY)["config"])
     assert lacking == {"fitness", "learn_digits", "compute_level", "engines", "ray_address"}  # pool's: never recorded
-    assert all(common.Config.__dataclass_fields__[name].metadata["before"] is not None for name in lacking)
+    assert lacking <= set(upgrade.SETTINGS_ADDED)
 
 
 def test_an_old_history_reads_as_it_was_written_after_a_default_is_edited(edit_default):
