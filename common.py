@@ -53,7 +53,72 @@ REPO = Path(__file__).resolve().parent
 
 @dataclass(frozen=True)
 class Config:
-    # model and engine
+    # the paper's constants: the run seed, G generations of N members on a case batch, the sigma schedule, alpha
+    run_seed: int = setting(20260627, RUN, "member seeds, case batches and request seeds all derive from it",
+                            bounds=Bounds(0, 2**32 - 1, why="vLLM seeds numpy's global generator with it"))
+    generations: int = setting(20, RUN, "ES updates G (the sigma schedule runs over them)", bounds=Bounds(1))
+    population: int = setting(16, RUN, "members N per generation",
+                              bounds=Bounds(2, 65536, why="z-scores need two members; every member's seed, reward "
+                                                          "and z-score is recorded each generation"))
+    case_batch: int = setting(16, RUN, "problems per generation; a member's fitness is its mean reward on them",
+                              bounds=Bounds(1))
+    sigma_start: float = setting(1e-3, RUN, "noise scale at generation 0 (cosine schedule)",
+                                 bounds=Bounds(0, low_open=True))
+    sigma_end: float = setting(5e-4, RUN, "noise scale at the last generation", bounds=Bounds(0, low_open=True))
+    alpha: float = setting(5e-4, RUN, "step size: theta += alpha / N * sum_i z_i eps_i (1/sigma folded in)",
+                           bounds=Bounds(0, why="0: members are evaluated, the weights never move"))
+    # evolution strategies: a member's fitness, the noise, the rounding of every change, how a perturbation is undone
+    fitness: str = setting("agent", RUN, "a member's fitness, its episodes' mean reward: \"agent\" (the agent's "
+                           "score, the reference) or \"shaped\" (the learn task's partial credit: shaped_reward)",
+                           choices=FITNESS_MODES)
+    noise: str = setting("rank_salted", WEIGHTS, '"rank_salted" (the reference: per-rank noise, the model exists at '
+                         'this TP size only) or "checkpoint" (per checkpoint element: any TP size, a Hugging Face '
+                         "export)", choices=NOISE_MODES)
+    noise_chunk: int = setting(8_388_608, WEIGHTS, "elements per float32 noise draw: part of the noise definition",
+                               bounds=Bounds(1))
+    rounding: str = setting("nearest", WEIGHTS, 'bf16 rounding of every weight change: "nearest" (the reference) or '
+                            '"stochastic" (unbiased: steps below half an ulp still move theta in expectation)',
+                            choices=ROUNDING_MODES)
+    restore: str = setting("copy_device", RESTORE, "copy_device | copy_host (pinned) | subtract (low memory, NOT "
+                           "bit-exact in bf16) | patch (exact: subtract, then put back the elements it misses; "
+                           "restore_patch.py)", choices=RESTORE_MODES)
+    patch_capacity: float = setting(0.0, RESTORE, "restore=patch: the share of each rank's elements whose bits the "
+                                    "patch can hold; 0: restore_patch.PATCH_CAPACITY of the rounding mode",
+                                    bounds=Bounds(0, 1, why="0: 0.12 with rounding=nearest, 0.32 with stochastic"))
+    # the math agent
+    max_turns: int = setting(50, RUN, "assistant turns per episode", bounds=Bounds(1))
+    max_new_tokens: int = setting(4096, RUN, "per assistant turn", bounds=Bounds(1))
+    bash_timeout_s: float = setting(20.0, RUN, "wall-clock limit of one sandboxed bash command",
+                                    bounds=Bounds(0, 86400, low_open=True, why="at most a day: the sandbox's CPU-time "
+                                                                              "limit is made of it"))
+    observation_chars: int = setting(4000, RUN, "characters of a command's result the model sees (its head and "
+                                     "tail)", bounds=Bounds(1))
+    allow_leaky_sandbox: bool = setting(False, RUN, "run even when the start-up leak check finds the data, run "
+                                        "folder or other episodes visible to the sandbox (then every record says so)")
+    prompt_mode: str = setting("render", RUN, 'each turn\'s prompt: "render" the conversation (as the reference) or '
+                               '"continue" ids', choices=PROMPT_MODES)
+    # sampling (training and evaluation alike)
+    temperature: float = setting(1.0, RUN, "sampling (training and evaluation alike)",
+                                 bounds=Bounds(0, 2, why="vLLM's range; 0: greedy"))
+    top_p: float = setting(1.0, RUN, "sampling", bounds=Bounds(0, 1, low_open=True))
+    top_k: int = setting(40, RUN, "sampling", bounds=Bounds(-1, why="-1 or 0: every token"))
+    min_p: float = setting(0.0, RUN, "sampling", bounds=Bounds(0, 1))
+    presence_penalty: float = setting(2.0, RUN, "sampling", bounds=Bounds(-2, 2, why="vLLM's range"))
+    repetition_penalty: float = setting(1.0, RUN, "sampling", bounds=Bounds(0, low_open=True, why="1: none"))
+    # data
+    train_data: str = setting("data/dapo_train400.jsonl", RUN, 'built by 00_data.py; "smoke", "learn": arithmetic '
+                              'made here; "compute": the compute task made here (agentic_es/compute_task.py)')
+    learn_digits: int = setting(0, RUN, "the learn task's tier: additions of two numbers of this many digits; 0: of "
+                                "2..19", bounds=Bounds(0, 30, why="0: the numbers 2..19; one digit is refused (too "
+                                                                  "few pairs to hold out)"))
+    compute_level: int = setting(1, RUN, "the compute task's level, of its training and held-out sets: 1 numbers in "
+                                 "the hundreds, 2 thousands, 3 competition sizes", bounds=Bounds(1, 3))
+    eval_problems: int = setting(0, RUN, "evaluate only the first K problems of each eval set (0: all)",
+                                 bounds=Bounds(0, why="0: all"))
+    smoke_eval: bool = setting(False, EXECUTION, "03_eval.py evaluates the smoke problems in place of the DAPO and "
+                               "AIME files (the smoke preset's setting); --dapo=PATH or --aime2026=PATH still names a "
+                               "set's file")
+    # the model and its engines
     model: str = setting("Qwen/Qwen3-30B-A3B", WEIGHTS, 'HF id or local folder; "tiny-qwen3-dense" / '
                          '"tiny-qwen3-moe" are written locally')
     tensor_parallel_size: int = setting(2, WEIGHTS, "GPUs (TP ranks) per engine; part of the trained state "
@@ -76,75 +141,13 @@ class Config:
                                           bounds=Bounds(0, why="0: vLLM's default"))
     custom_all_reduce: bool = setting(False, EXECUTION, "GPU: vLLM's own all-reduce over NVLink peer memory instead "
                                       "of NCCL's (README)")
+    concurrency: int = setting(256, EXECUTION, "episodes in flight at once", bounds=Bounds(1))
     engines: int = setting(0, POOL, "engines evaluating members at once (pool.py); 0: GPUs // tensor_parallel_size, "
                            "1 on CPU", bounds=Bounds(0, why="0: one per tensor_parallel_size GPUs"))
     ray_address: str = setting("", POOL, 'engines as Ray actors on this cluster ("auto", HEAD:PORT); empty: in this '
                                "process")
-    # evolution strategies
-    run_seed: int = setting(20260627, RUN, "member seeds, case batches and request seeds all derive from it",
-                            bounds=Bounds(0, 2**32 - 1, why="vLLM seeds numpy's global generator with it"))
-    generations: int = setting(20, RUN, "ES updates G (the sigma schedule runs over them)", bounds=Bounds(1))
-    population: int = setting(16, RUN, "members N per generation",
-                              bounds=Bounds(2, 65536, why="z-scores need two members; every member's seed, reward "
-                                                          "and z-score is recorded each generation"))
-    case_batch: int = setting(16, RUN, "problems per generation; a member's fitness is its mean reward on them",
-                              bounds=Bounds(1))
-    fitness: str = setting("agent", RUN, "a member's fitness, its episodes' mean reward: \"agent\" (the agent's "
-                           "score, the reference) or \"shaped\" (the learn task's partial credit: shaped_reward)",
-                           choices=FITNESS_MODES)
-    sigma_start: float = setting(1e-3, RUN, "noise scale at generation 0 (cosine schedule)",
-                                 bounds=Bounds(0, low_open=True))
-    sigma_end: float = setting(5e-4, RUN, "noise scale at the last generation", bounds=Bounds(0, low_open=True))
-    alpha: float = setting(5e-4, RUN, "step size: theta += alpha / N * sum_i z_i eps_i (1/sigma folded in)",
-                           bounds=Bounds(0, why="0: members are evaluated, the weights never move"))
-    noise_chunk: int = setting(8_388_608, WEIGHTS, "elements per float32 noise draw: part of the noise definition",
-                               bounds=Bounds(1))
-    restore: str = setting("copy_device", RESTORE, "copy_device | copy_host (pinned) | subtract (low memory, NOT "
-                           "bit-exact in bf16) | patch (exact: subtract, then put back the elements it misses; "
-                           "restore_patch.py)", choices=RESTORE_MODES)
-    patch_capacity: float = setting(0.0, RESTORE, "restore=patch: the share of each rank's elements whose bits the "
-                                    "patch can hold; 0: restore_patch.PATCH_CAPACITY of the rounding mode",
-                                    bounds=Bounds(0, 1, why="0: 0.12 with rounding=nearest, 0.32 with stochastic"))
-    rounding: str = setting("nearest", WEIGHTS, 'bf16 rounding of every weight change: "nearest" (the reference) or '
-                            '"stochastic" (unbiased: steps below half an ulp still move theta in expectation)',
-                            choices=ROUNDING_MODES)
-    noise: str = setting("rank_salted", WEIGHTS, '"rank_salted" (the reference: per-rank noise, the model exists at '
-                         'this TP size only) or "checkpoint" (per checkpoint element: any TP size, a Hugging Face '
-                         "export)", choices=NOISE_MODES)
-    # the math agent
-    max_turns: int = setting(50, RUN, "assistant turns per episode", bounds=Bounds(1))
-    max_new_tokens: int = setting(4096, RUN, "per assistant turn", bounds=Bounds(1))
-    temperature: float = setting(1.0, RUN, "sampling (training and evaluation alike)",
-                                 bounds=Bounds(0, 2, why="vLLM's range; 0: greedy"))
-    top_p: float = setting(1.0, RUN, "sampling", bounds=Bounds(0, 1, low_open=True))
-    top_k: int = setting(40, RUN, "sampling", bounds=Bounds(-1, why="-1 or 0: every token"))
-    min_p: float = setting(0.0, RUN, "sampling", bounds=Bounds(0, 1))
-    presence_penalty: float = setting(2.0, RUN, "sampling", bounds=Bounds(-2, 2, why="vLLM's range"))
-    repetition_penalty: float = setting(1.0, RUN, "sampling", bounds=Bounds(0, low_open=True, why="1: none"))
-    bash_timeout_s: float = setting(20.0, RUN, "wall-clock limit of one sandboxed bash command",
-                                    bounds=Bounds(0, 86400, low_open=True, why="at most a day: the sandbox's CPU-time "
-                                                                              "limit is made of it"))
-    observation_chars: int = setting(4000, RUN, "characters of a command's result the model sees (its head and "
-                                     "tail)", bounds=Bounds(1))
-    concurrency: int = setting(256, EXECUTION, "episodes in flight at once", bounds=Bounds(1))
-    allow_leaky_sandbox: bool = setting(False, RUN, "run even when the start-up leak check finds the data, run "
-                                        "folder or other episodes visible to the sandbox (then every record says so)")
-    prompt_mode: str = setting("render", RUN, 'each turn\'s prompt: "render" the conversation (as the reference) or '
-                               '"continue" ids', choices=PROMPT_MODES)
-    # data and outputs
-    train_data: str = setting("data/dapo_train400.jsonl", RUN, 'built by 00_data.py; "smoke", "learn": arithmetic '
-                              'made here; "compute": the compute task made here (agentic_es/compute_task.py)')
-    learn_digits: int = setting(0, RUN, "the learn task's tier: additions of two numbers of this many digits; 0: of "
-                                "2..19", bounds=Bounds(0, 30, why="0: the numbers 2..19; one digit is refused (too "
-                                                                  "few pairs to hold out)"))
-    compute_level: int = setting(1, RUN, "the compute task's level, of its training and held-out sets: 1 numbers in "
-                                 "the hundreds, 2 thousands, 3 competition sizes", bounds=Bounds(1, 3))
-    eval_problems: int = setting(0, RUN, "evaluate only the first K problems of each eval set (0: all)",
-                                 bounds=Bounds(0, why="0: all"))
+    # files
     run_dir: str = setting("runs/es", EXECUTION, "history, rollouts, export and eval results of the run live here")
-    smoke_eval: bool = setting(False, EXECUTION, "03_eval.py evaluates the smoke problems in place of the DAPO and "
-                               "AIME files (the smoke preset's setting); --dapo=PATH or --aime2026=PATH still names a "
-                               "set's file")
     tracking: str = setting("none", EXECUTION, '"tensorboard": each generation\'s summary also to '
                             "<run_dir>/tensorboard", choices=TRACKING_MODES)
 
