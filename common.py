@@ -74,11 +74,11 @@ class Config:
     noise: str = setting("rank_salted", WEIGHTS, '"rank_salted" (the reference: per-rank noise, the model exists at '
                          'this TP size only) or "checkpoint" (per checkpoint element: any TP size, a Hugging Face '
                          "export)", choices=NOISE_MODES)
-    noise_chunk: int = setting(8_388_608, WEIGHTS, "elements per float32 noise draw: part of the noise definition",
-                               bounds=Bounds(1))
     rounding: str = setting("nearest", WEIGHTS, 'bf16 rounding of every weight change: "nearest" (the reference) or '
                             '"stochastic" (unbiased: steps below half an ulp still move theta in expectation)',
                             choices=ROUNDING_MODES)
+    noise_chunk: int = setting(8_388_608, WEIGHTS, "elements per float32 noise draw: part of the noise definition",
+                               bounds=Bounds(1))
     restore: str = setting("copy_device", RESTORE, "copy_device | copy_host (pinned) | subtract (low memory, NOT "
                            "bit-exact in bf16) | patch (exact: subtract, then put back the elements it misses; "
                            "restore_patch.py)", choices=RESTORE_MODES)
