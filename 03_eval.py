@@ -105,7 +105,8 @@ def check_finished_episodes(out: Path, data: dict, data_sha256: dict, reward: di
     written before markers recorded it: not compared)."""
     marker = out / "eval_run.json"
     if marker.exists():
-        run = upgrade.evaluation_file(fileio.read_json(marker, required=("checkpoint", "config", "data")))
+        run = upgrade.upgraded(fileio.read_json(marker, required=("checkpoint", "config", "data")),
+                               upgrade.EVALUATION_KEYS_ADDED)
         if run["reward"] is not None and (differences := common.reward_differences(run["reward"], reward, marker.name,
                                                                                    "this evaluation")):
             raise stage.ConfigError(f"{out} holds episodes scored under another reward definition: "
@@ -205,7 +206,7 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
     sha256s) and settings; the settings that only say where files go or how fast the engine steps
     (EXECUTION_FIELDS), and how a perturbation is undone (RESTORE_FIELDS: an evaluation never perturbs), may differ;
     a setting newer than the folder's marker counts as what the code did before it (upgrade.recorded_settings), a
-    marker without data sha256s (older: upgrade.evaluation_file) is compared by the paths alone, one without the
+    marker without data sha256s (older: upgrade.EVALUATION_KEYS_ADDED) is compared by the paths alone, one without the
     reward definition without it, and an export by its manifest and digests (not by how its folder was named:
     runs/x/export and /abs/runs/x/export are one export)."""
     def settings(config: dict) -> dict:
@@ -220,7 +221,7 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
                                  "reward": common.reward_definition(cfg.fitness)}))
     marker = out / "eval_run.json"
     if marker.exists():
-        recorded = upgrade.evaluation_file(fileio.read_json(marker))
+        recorded = upgrade.upgraded(fileio.read_json(marker), upgrade.EVALUATION_KEYS_ADDED)
         recorded = dict(recorded, config=settings(recorded.get("config", {})),
                         **{k: run[k] for k in upgrade.EVALUATION_KEYS_ADDED if recorded[k] is None})  # not compared
         diffs = field_differences(what(recorded), what(run), marker.name, "this evaluation")
@@ -321,7 +322,7 @@ def write_transcripts_markdown(records, path):
                      f"bash calls: {r['bash_calls']}; sandbox: {r['sandbox']}\n"
                      f"- prediction: `{r['prediction']}`; gold: `{r['gold']}`\n"
                      + (f"- error: {r['error']}\n" if r["error"] else ""))
-        reasons = iter(r.get("reply_finish_reasons") or [])  # (an episode recorded before they were kept: none)
+        reasons = iter(upgrade.upgraded(r, upgrade.EPISODE_KEYS_ADDED)["reply_finish_reasons"] or [])
         for n, message in enumerate(r["messages"]):
             reason = next(reasons, None) if message["role"] == "assistant" else None
             heading = message["role"] + (f" (finish reason: {reason})" if reason else "")

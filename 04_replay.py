@@ -40,8 +40,8 @@ def main(argv: list[str]) -> dict:
     export_dir = opts["export"]
 
     history = read_history(history_path)
-    originals = {name: upgrade.evaluation_file(fileio.read_json(eval_dir / f"{name}_eval16.json",
-                                                                required=EVAL16_SHAPE))
+    originals = {name: upgrade.upgraded(fileio.read_json(eval_dir / f"{name}_eval16.json", required=EVAL16_SHAPE),
+                                        upgrade.EVALUATION_KEYS_ADDED)
                  for name in evaluated_sets(eval_dir)}
     cfg = replay_config(history, originals, overrides)
     checkpoint = next(iter(originals.values()))["checkpoint"]  # what was evaluated: the base, or an export of K generations

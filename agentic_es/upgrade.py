@@ -1,8 +1,8 @@
 """Files written by older code, read as that code read them (upgrade on read): what a run's recorded settings (a
-history's config, an evaluation's marker or eval16 file, an export's manifest) and an evaluation's marker or eval16
-file lack, because the code that wrote them had no such field, and how the code of their time did without it. The
-stages read today's fields plainly; every reader of such a file passes it through here, so the past lives in this
-one table and no setting of common.Config carries its own.
+history's config, an evaluation's marker or eval16 file, an export's manifest), an evaluation's marker or eval16 file,
+a history's generation record and an evaluation's episode record lack, because the code that wrote them had no such
+field, and how the code of their time did without it. The stages read today's fields plainly; every reader of such a
+file passes it through here, so the past lives in these tables and no setting of common.Config carries its own.
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ SETTINGS_ADDED = {
 # commit on: None in an older file, which its readers then take as the code of its time did (the data by its path
 # only, and no reward definition to compare).
 EVALUATION_KEYS_ADDED = {"data_sha256": None, "reward": None}
+# What a history's generation record and an evaluation's episode record counted only from a later commit on: an older
+# record counted no replies cut at the token limit (None: not shown), no scorer failures, no finish reasons (None:
+# its episodes count as unrecorded, metrics.cut_replies).
+GENERATION_KEYS_ADDED = {"replies": None, "scorer_failures": {}}
+EPISODE_KEYS_ADDED = {"reply_finish_reasons": None}
 
 
 def settings_then(field: dataclasses.Field, recorded: dict):
@@ -63,6 +68,7 @@ def recorded_settings(config: dict) -> dict:
                          if f.name not in config}}
 
 
-def evaluation_file(recorded: dict) -> dict:
-    """An evaluation's marker or eval16 file with every key it lacks as EVALUATION_KEYS_ADDED says."""
-    return {**EVALUATION_KEYS_ADDED, **recorded}
+def upgraded(record: dict, added: dict) -> dict:
+    """A file or record with each key of `added` (EVALUATION_KEYS_ADDED, GENERATION_KEYS_ADDED, EPISODE_KEYS_ADDED)
+    that it lacks, as that table reads it."""
+    return {**added, **record}
