@@ -11,8 +11,8 @@ weight.
 Export and replay take the recorded run's settings from its history (config_from_history: what defines the weights
 always, never a preset's or a default) and rebuild its weights (rebuild_from_history: the refusals, then
 common.replay). Replaying a history's updates is the algorithm's (common.replay), the per-rank weight digests are
-digests.py's, the files and their fingerprints fileio's, an export's files export.py's. This module imports common,
-cli, fileio and tracking; none of them imports it.
+digests.py's, the files and their fingerprints fileio's, an export's files export.py's, how a file older than a setting
+reads it upgrade.py's. This module imports common, cli, fileio, tracking and upgrade; none of them imports it.
 """
 
 from __future__ import annotations

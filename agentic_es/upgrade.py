@@ -1,8 +1,10 @@
-"""Files written by older code, read as that code read them (upgrade on read): what a run's recorded settings (a
-history's config, an evaluation's marker or eval16 file, an export's manifest), an evaluation's marker or eval16 file,
-a history's generation record and an evaluation's episode record lack, because the code that wrote them had no such
-field, and how the code of their time did without it. The stages read today's fields plainly; every reader of such a
-file passes it through here, so the past lives in these tables and no setting of common.Config carries its own.
+"""Files written by older code, read as that code read them (upgrade on read): a table per kind of record of what
+an older one lacks, because the code that wrote it had no such field, and how the code of its time did without it.
+SETTINGS_ADDED: a run's recorded settings (a history's config, an evaluation's marker or eval16 file);
+EVALUATION_KEYS_ADDED: an evaluation's marker and eval16 files; GENERATION_KEYS_ADDED and EPISODE_KEYS_ADDED: a
+history's generation records and an evaluation's episode records. Every reader of such a file passes it through here
+and then reads today's fields plainly: the past lives in these tables, and no setting of common.Config carries its
+own. (A history's fitness before the setting is read from its rewards: history.history_fitness.)
 """
 
 from __future__ import annotations
