@@ -7,6 +7,7 @@ text. A file that is already there and matches the manifest is left alone.
     python 00_data.py                      # data/dapo_train400.jsonl, data/dapo_test100.jsonl, data/aime2026.jsonl
     python 00_data.py --out=DIR            # somewhere else
     python 00_data.py --source_dir=DIR     # local copies: DIR/<dataset id>/ holding its parquet or JSON files
+    python 00_data.py --write_manifest=data_manifest.json   # the manifest of the files in --out, which are not built
 
 How the rows map (both sources have one split, "train"):
   BytedTsinghua-SIA/DAPO-Math-17k (Apache-2.0; every problem repeated many times, the first copy is taken)
@@ -26,19 +27,24 @@ OUT = "data"  # where the three problem files are written
 SOURCE_DIR = ""  # empty: the Hugging Face hub
 CACHE_DIR = ""  # empty: the `datasets` default cache (~/.cache/huggingface/datasets)
 FORCE = False  # replace a file that is there but differs from the manifest
+WRITE_MANIFEST = ""  # a path: write there the manifest of the problem files in --out (a reference build) instead
 
 DAPO = "BytedTsinghua-SIA/DAPO-Math-17k"
 AIME = "MathArena/aime_2026"
 
 
 def main(argv: list[str]) -> dict:
-    options = {"out": OUT, "source_dir": SOURCE_DIR, "cache_dir": CACHE_DIR, "force": FORCE}
+    options = {"out": OUT, "source_dir": SOURCE_DIR, "cache_dir": CACHE_DIR, "force": FORCE,
+               "write_manifest": WRITE_MANIFEST}
     cli.exit_if_help(argv, __doc__, __file__, options, settings=False)
     opts, rest = cli.parse_args(argv, options)
     if rest:
-        raise stage.ConfigError(f"unknown options {rest}; 00_data.py takes --out, --source_dir, --cache_dir, --force")
+        raise stage.ConfigError(f"unknown options {rest}; 00_data.py takes --out, --source_dir, --cache_dir, --force, "
+                                "--write_manifest")
     manifest = fileio.read_json(data.DATA_MANIFEST)["files"]
     out = Path(opts["out"])
+    if opts["write_manifest"]:
+        return write_manifest(out, list(manifest), Path(opts["write_manifest"]))
 
     status, sources = {}, {}
     for name, entry in manifest.items():
@@ -71,6 +77,53 @@ def is_built(path: Path, entry: dict, force: bool) -> bool:
         raise stage.DataError(f"{path} exists but differs from data_manifest.json (not the reference build); move it "
                                f"away or pass --force to replace it")
     return False
+
+
+def write_manifest(out: Path, names: list[str], path: Path) -> dict:
+    """The manifest of the problem files `names` in `out` (a reference build), written to `path` in
+    data_manifest.json's format: how that file is made from the reference files."""
+    files = {}
+    for name in names:
+        if not (out / name).is_file():
+            raise stage.DataError(f"{out / name}: file not found; --write_manifest describes the files of a build")
+        files[name] = manifest_entry((out / name).read_bytes().decode(), f"{out / name}")
+    fileio.write_file_atomic(manifest_text(files), path)
+    print(f"[data] wrote {path}: the manifest of " + ", ".join(f"{n} ({len(e['rows'])} rows)" for n, e in files.items()))
+    return {name: "described" for name in files}
+
+
+MANIFEST_FORMAT = "es-data-manifest/1"
+MANIFEST_ABOUT = ("The rows 00_data.py selects from the public datasets, in file order: id, answer and the first 12 hex "
+                  "digits of the sha256 of the row's JSONL line; sha256 of each whole file. Made from the reference "
+                  "files (../shared/data); it carries no question text.")
+
+
+def manifest_text(files: dict) -> str:
+    """data_manifest.json's text: JSON laid out for reading and for diffs, a line per file's facts and per row."""
+    def entry(name, e):
+        facts = ", ".join(f"{json.dumps(k)}: {json.dumps(e[k])}" for k in ("source", "split", "sha256"))
+        rows = ",\n".join(f"        {json.dumps(row)}" for row in e["rows"])
+        return f'    {json.dumps(name)}: {{\n      {facts},\n      "rows": [\n{rows}\n      ]\n    }}'
+    return (f'{{\n  "format": {json.dumps(MANIFEST_FORMAT)},\n  "about": {json.dumps(MANIFEST_ABOUT)},\n  "files": {{\n'
+            + ",\n".join(entry(name, e) for name, e in files.items()) + "\n  }\n}\n")
+
+
+def manifest_entry(text: str, where: str = "the file") -> dict:
+    """data_manifest.json's entry for one problem file's text: its rows' source and split, its sha256, and per row
+    its id, answer and the first 12 hex digits of its line's sha256 (no question text)."""
+    lines = text.splitlines()
+    try:
+        rows = [json.loads(line) for line in lines]
+        sources = {(r["source"], r["split_source"]) for r in rows}
+        described = [[r["id"], r["answer"], hashlib.sha256(line.encode()).hexdigest()[:12]]
+                     for r, line in zip(rows, lines)]
+    except (ValueError, KeyError, TypeError) as e:
+        raise stage.DataError(f"{where}: not a problem file this stage builds ({type(e).__name__}: {e})") from None
+    if len(sources) != 1:
+        raise stage.DataError(f"{where}: its rows come from {len(sources)} (source, split) pairs; a file of the "
+                              "manifest has one")
+    (source, split), = sources
+    return {"source": source, "split": split, "sha256": hashlib.sha256(text.encode()).hexdigest(), "rows": described}
 
 
 # ---- Reading the sources

@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import common
-from agentic_es import cli, data, fileio, generation_time, models, stage, tracking
+from agentic_es import cli, data, fileio, generation_time, models, stage, tracking, upgrade
 from agentic_es.history import (HISTORY_FILE, check_config, generation_settings, read_history, rebuild_from_history,
                                 run_identity)
 from agentic_es.metrics import cut_replies
@@ -135,14 +135,12 @@ def run_generation(engines, cfg, problems, g, fitness, rollout_dir: Path) -> dic
 
 
 def summary_line(record: dict, cfg) -> str:
-    r = record["rewards"]
-    failures = record["scorer_failures"]
-    replies = record.get("replies")  # (a record written before they were counted has none)
+    r, record = record["rewards"], upgrade.upgraded(record, upgrade.GENERATION_KEYS_ADDED)
+    failures, replies = record["scorer_failures"], record["replies"]
     cut = f"  {replies['cut']}/{replies['replies']} replies cut at the token limit" if replies else ""
     return (f"[train] generation {record['generation'] + 1}/{cfg.generations}  sigma {record['sigma']:.3g}  "
             f"reward mean {sum(r) / len(r):.3f} max {max(r):.3f}{cut}  |  {timing_text(record['timings'], digits=1)}"
-            + (f"  |  {generation_time.summary_text(record['time_breakdown'])}" if "time_breakdown" in record
-               else "")  # (a record written before it was kept has none)
+            + (f"  |  {generation_time.summary_text(record['time_breakdown'])}" if record["time_breakdown"] else "")
             + ("  |  scorer failed: " + ", ".join(f"{method} {n}" for method, n in failures.items())
                if any(failures.values()) else ""))
 

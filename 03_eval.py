@@ -26,10 +26,10 @@ import re
 from pathlib import Path
 
 import common
-from agentic_es import cli, export, fileio, models, stage
+from agentic_es import cli, export, fileio, models, stage, upgrade
 from agentic_es.data import TASKS, problems_from, problems_sha256
 from agentic_es.history import (EXECUTION_FIELDS, HISTORY_FILE, RESTORE_FIELDS, config_from_history,
-                                field_differences, read_history, recorded_settings)
+                                field_differences, read_history)
 from agentic_es.metrics import EPISODE_RECORD_KEYS, EVAL_METRICS, EVAL_SAMPLES, REPORTED_GROUP, dataset_metrics
 from agentic_es.pool import EnginePool
 
@@ -105,12 +105,13 @@ def check_finished_episodes(out: Path, data: dict, data_sha256: dict, reward: di
     written before markers recorded it: not compared)."""
     marker = out / "eval_run.json"
     if marker.exists():
-        run = fileio.read_json(marker, required=("checkpoint", "config", "data"))
-        differences = common.reward_differences(run.get("reward", reward), reward, marker.name, "this evaluation")
-        if differences:
+        run = upgrade.upgraded(fileio.read_json(marker, required=("checkpoint", "config", "data")),
+                               upgrade.EVALUATION_KEYS_ADDED)
+        if run["reward"] is not None and (differences := common.reward_differences(run["reward"], reward, marker.name,
+                                                                                   "this evaluation")):
             raise stage.ConfigError(f"{out} holds episodes scored under another reward definition: "
                                     + "; ".join(differences) + "; evaluate into another --out")
-        recorded = run.get("data_sha256")
+        recorded = run["data_sha256"]
         if recorded is None:
             print(f"[eval] {marker} records its data by path only (written before data sha256s): the paths are "
                   "compared, the content cannot be; its data's sha256s are recorded from now on")
@@ -156,7 +157,7 @@ def recorded_task(cfg, recorded_config: dict, overrides: list[str], source: str)
     """cfg with the task tier and level (TASK_FIELDS) that a run recorded, when cfg evaluates that run's task (the
     same train_data; evaluating another task's sets, e.g. DAPO, keeps cfg's). An explicit --key=value that differs
     from the recorded value is refused, naming both: the trained weights would be scored on sets of another tier."""
-    recorded = recorded_settings(recorded_config)
+    recorded = upgrade.recorded_settings(recorded_config)
     if recorded["train_data"] != cfg.train_data:
         return cfg
     _, explicit = cli.parse_overrides(overrides)
@@ -204,12 +205,13 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
     """Finished episodes in `out` are reused on resume, so they must belong to this checkpoint, data (paths and
     sha256s) and settings; the settings that only say where files go or how fast the engine steps
     (EXECUTION_FIELDS), and how a perturbation is undone (RESTORE_FIELDS: an evaluation never perturbs), may differ;
-    a setting newer than the folder's marker counts as what the code did before it (recorded_settings), a marker
-    without data sha256s (older) is compared by the paths alone, one without the reward definition without it, and
-    an export by its manifest and digests (not by how its folder was named: runs/x/export and /abs/runs/x/export are
-    one export)."""
+    a setting newer than the folder's marker counts as what the code did before it (upgrade.recorded_settings), a
+    marker without data sha256s (older: upgrade.EVALUATION_KEYS_ADDED) is compared by the paths alone, one without the
+    reward definition without it, and an export by its manifest and digests (not by how its folder was named:
+    runs/x/export and /abs/runs/x/export are one export)."""
     def settings(config: dict) -> dict:
-        return {k: v for k, v in recorded_settings(config).items() if k not in EXECUTION_FIELDS + RESTORE_FIELDS}
+        return {k: v for k, v in upgrade.recorded_settings(config).items()
+                if k not in EXECUTION_FIELDS + RESTORE_FIELDS}
 
     def what(run: dict) -> dict:  # an export is its manifest and digests, wherever its folder was named from
         return dict(run, checkpoint={k: v for k, v in run["checkpoint"].items() if k != "path"})
@@ -219,10 +221,9 @@ def claim_output_folder(out: Path, checkpoint: dict, cfg, data: dict, data_sha25
                                  "reward": common.reward_definition(cfg.fitness)}))
     marker = out / "eval_run.json"
     if marker.exists():
-        recorded = fileio.read_json(marker)
+        recorded = upgrade.upgraded(fileio.read_json(marker), upgrade.EVALUATION_KEYS_ADDED)
         recorded = dict(recorded, config=settings(recorded.get("config", {})),
-                        data_sha256=recorded.get("data_sha256", run["data_sha256"]),
-                        reward=recorded.get("reward", run["reward"]))
+                        **{k: run[k] for k in upgrade.EVALUATION_KEYS_ADDED if recorded[k] is None})  # not compared
         diffs = field_differences(what(recorded), what(run), marker.name, "this evaluation")
         if diffs:
             raise stage.ConfigError(f"{out} holds an evaluation of another checkpoint or config ("
@@ -321,7 +322,7 @@ def write_transcripts_markdown(records, path):
                      f"bash calls: {r['bash_calls']}; sandbox: {r['sandbox']}\n"
                      f"- prediction: `{r['prediction']}`; gold: `{r['gold']}`\n"
                      + (f"- error: {r['error']}\n" if r["error"] else ""))
-        reasons = iter(r.get("reply_finish_reasons") or [])  # (an episode recorded before they were kept: none)
+        reasons = iter(upgrade.upgraded(r, upgrade.EPISODE_KEYS_ADDED)["reply_finish_reasons"] or [])
         for n, message in enumerate(r["messages"]):
             reason = next(reasons, None) if message["role"] == "assistant" else None
             heading = message["role"] + (f" (finish reason: {reason})" if reason else "")

@@ -15,7 +15,7 @@ scores beside the original ones with per-problem agreement, into a new file; the
 from pathlib import Path
 
 import common
-from agentic_es import checkpoint_noise, cli, data, export, fileio, models, stage
+from agentic_es import checkpoint_noise, cli, data, export, fileio, models, stage, upgrade
 from agentic_es.history import (HISTORY_FILE, REBUILD_FIELDS, check_base_files, config_from_history,
                                 field_differences, read_history, rebuild_from_history)
 from agentic_es.metrics import (EVAL16_SHAPE, EVAL_METRICS, EVAL_METRICS_SHAPE, REPORTED_SAMPLES, group_label,
@@ -40,7 +40,8 @@ def main(argv: list[str]) -> dict:
     export_dir = opts["export"]
 
     history = read_history(history_path)
-    originals = {name: fileio.read_json(eval_dir / f"{name}_eval16.json", required=EVAL16_SHAPE)
+    originals = {name: upgrade.upgraded(fileio.read_json(eval_dir / f"{name}_eval16.json", required=EVAL16_SHAPE),
+                                        upgrade.EVALUATION_KEYS_ADDED)
                  for name in evaluated_sets(eval_dir)}
     cfg = replay_config(history, originals, overrides)
     checkpoint = next(iter(originals.values()))["checkpoint"]  # what was evaluated: the base, or an export of K generations
@@ -141,7 +142,7 @@ def check_reward_definition(originals: dict, cfg: common.Config, eval_dir: Path)
     current = common.reward_definition(cfg.fitness)
     for name, original in originals.items():
         path = eval_dir / f"{name}_eval16.json"
-        recorded = original.get("reward")
+        recorded = original["reward"]
         if recorded is None and cfg.fitness == "shaped":
             raise stage.ConfigError(f"{path} records no reward definition (written before they were recorded), and "
                                     "the shaped reward's rules changed at 097270a: which ones scored it the file "
@@ -177,7 +178,7 @@ def check_data_unchanged(originals: dict, eval_dir: Path, cfg) -> None:
     eval16 file written before they recorded it holds the path only: the data is then taken by its path, as
     before (aligned_jobs still finds every evaluated problem id in it)."""
     for name, original in originals.items():
-        path, then = original["data"], original.get("data_sha256")
+        path, then = original["data"], original["data_sha256"]
         if then is None:
             print(f"[replay] {eval_dir / f'{name}_eval16.json'} records its data by path only (written before data "
                   f"sha256s): {path} is taken by its path")

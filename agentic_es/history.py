@@ -11,8 +11,8 @@ weight.
 Export and replay take the recorded run's settings from its history (config_from_history: what defines the weights
 always, never a preset's or a default) and rebuild its weights (rebuild_from_history: the refusals, then
 common.replay). Replaying a history's updates is the algorithm's (common.replay), the per-rank weight digests are
-digests.py's, the files and their fingerprints fileio's, an export's files export.py's. This module imports common,
-cli, fileio and tracking; none of them imports it.
+digests.py's, the files and their fingerprints fileio's, an export's files export.py's, how a file older than a setting
+reads it upgrade.py's. This module imports common, cli, fileio, tracking and upgrade; none of them imports it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from agentic_es import fileio, settings, stage
 from agentic_es.cli import parse_overrides
 from agentic_es.data import problems_sha256
 from agentic_es.tracking import progress_bar
+from agentic_es.upgrade import recorded_settings
 from common import Config
 
 
@@ -77,18 +78,6 @@ RESTORE_FIELDS = settings.settings_of(common.Config, settings.RESTORE)
 REBUILD_FIELDS = EXECUTION_FIELDS + RESTORE_FIELDS
 
 
-def recorded_settings(config: dict) -> dict:
-    """What a file records of a run's settings (a history's or an evaluation's config), each field it lacks as the
-    code ran before the field existed (the `before` Config declares beside it): a file written then reads as it
-    did then, whatever the default is now. A field as old as these files that one lacks reads as its default."""
-    def before(field: dataclasses.Field):
-        then = field.metadata["before"]
-        return field.default if then is None else then(config) if callable(then) else then
-
-    lacking = {f.name: before(f) for f in dataclasses.fields(Config) if f.name not in config}
-    return {**config, **lacking}
-
-
 def history_fitness(history: dict) -> str | None:
     """The fitness a history's run trained on (Config.fitness): the one it records. A history written before the
     setting (7feb967) records none, and the code of that time had two: 01_train.py's agent score, and the shaped
@@ -109,8 +98,8 @@ def history_fitness(history: dict) -> str | None:
 
 
 def history_settings(history: dict) -> dict:
-    """What a history records of its run's settings (recorded_settings), the fitness of a history older than the
-    setting as its rewards tell (history_fitness; where they cannot, the setting's `before`)."""
+    """What a history records of its run's settings (upgrade.recorded_settings), the fitness of a history older than
+    the setting as its rewards tell (history_fitness; where they cannot, what the code did before it)."""
     config = without_retired_settings(history["config"])
     fitness = history_fitness(history)
     return recorded_settings({**config, **({"fitness": fitness} if fitness else {})})
@@ -183,10 +172,10 @@ def without_retired_settings(config: dict) -> dict:
 def config_from_history(history: dict, argv: list[str], settings: dict | None = None) -> Config:
     """The constants of a recorded run, for a stage that rebuilds its weights (export, replay). WEIGHT_FIELDS come
     from the history; every other field from `settings` (e.g. an evaluation's sampling and agent settings), else
-    from the history; a field a file lacks as the code ran before the field existed (recorded_settings). `--preset`
-    fills in only the settings that may differ between runs (REBUILD_FIELDS: EXECUTION_FIELDS, such as run_dir, and
-    RESTORE_FIELDS: these stages never perturb), never a recorded value; an explicit `--key=value` that differs from
-    a recorded one is refused."""
+    from the history; a field a file lacks as the code ran before the field existed (upgrade.recorded_settings).
+    `--preset` fills in only the settings that may differ between runs (REBUILD_FIELDS: EXECUTION_FIELDS, such as
+    run_dir, and RESTORE_FIELDS: these stages never perturb), never a recorded value; an explicit `--key=value` that
+    differs from a recorded one is refused."""
     recorded_run = history_settings(history)  # (without_retired_settings refuses a run this code cannot rebuild)
     given = recorded_settings(without_retired_settings(settings)) if settings else recorded_run
     run_settings = {k: v for k, v in given.items()

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from agentic_es import stage
+from agentic_es import stage, upgrade
 from common import fitness
 
 EVAL_SAMPLES = 16     # samples per problem in eval16
@@ -93,7 +93,8 @@ def cut_replies(records) -> dict:
     """How many of the episodes' replies were cut at the token limit ("cut") of how many ("replies"), from each
     record's reply_finish_reasons; episodes recorded before records kept them count in neither ("unrecorded": an
     evaluation resumed from an older episode log)."""
-    kept = [r["reply_finish_reasons"] for r in records if "reply_finish_reasons" in r]
+    recorded = [upgrade.upgraded(r, upgrade.EPISODE_KEYS_ADDED)["reply_finish_reasons"] for r in records]
+    kept = [reasons for reasons in recorded if reasons is not None]
     return {"replies": sum(len(reasons) for reasons in kept),
             "cut": sum(reasons.count(CUT_REPLY) for reasons in kept), "unrecorded": len(records) - len(kept)}
 

@@ -59,22 +59,12 @@ class Bounds:
         return text + (f" ({self.why})" if self.why else "")
 
 
-def setting(default, role: str, meaning: str, *, choices: tuple = (), bounds: Bounds | None = None, before=None):
+def setting(default, role: str, meaning: str, *, choices: tuple = (), bounds: Bounds | None = None):
     """A Config field and what it is: its default (the paper's value where the paper has one), its role, what it
-    means (--help), its valid values (choices, or numeric bounds: checked whenever a Config is made) and `before`:
-    what the code did before the field existed, which is how a history or evaluation file written then, and so
-    lacking the field, reads (history.recorded_settings); the comment beside it names the commit that added the
-    field. None: the field is as old as those files (they all record it). Where what the code did changed before
-    the field existed, `before` is a function of the file's recorded settings, which tell when it was written."""
+    means (--help) and its valid values (choices, or numeric bounds: checked whenever a Config is made). How a file
+    written before the field existed reads it is upgrade.py's."""
     return dataclasses.field(default=default, metadata={"role": role, "help": meaning, "choices": choices,
-                                                        "bounds": bounds, "before": before})
-
-
-def prompt_mode_before(recorded: dict) -> str:
-    """How a file written before prompt_mode (6bbc789) built each turn's prompt: from 3c340be, which also added
-    cudagraph_mode, the generated ids were continued; before it (71e1e68..3c340be) the conversation was rendered
-    every turn."""
-    return "continue" if "cudagraph_mode" in recorded else "render"
+                                                        "bounds": bounds})
 
 
 def check_settings(cfg) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from agentic_es.fileio import ClosedOnExit, write_file_atomic
-from agentic_es import generation_time, stage
+from agentic_es import generation_time, stage, upgrade
 
 
 # ---- Progress: the bars of episodes, members and generations
@@ -127,11 +127,12 @@ def generation_scalars(record: dict) -> dict[str, float]:
     rewards = np.asarray(record["rewards"], dtype=np.float64)
     scalars = {"reward/mean": rewards.mean(), "reward/max": rewards.max(), "reward/min": rewards.min(),
                "reward/std": rewards.std(), "sigma": record["sigma"], "alpha": record["alpha"]}
-    if "replies" in record:
+    record = upgrade.upgraded(record, upgrade.GENERATION_KEYS_ADDED)
+    if record["replies"] is not None:
         scalars["replies/cut"] = record["replies"]["cut"]
-    scalars.update({f"scorer_failures/{method}": n for method, n in record.get("scorer_failures", {}).items()})
+    scalars.update({f"scorer_failures/{method}": n for method, n in record["scorer_failures"].items()})
     scalars.update({f"seconds/{k}": v for k, v in record["timings"].items()})
-    if "time_breakdown" in record:  # (a record written before it was kept has none)
+    if record["time_breakdown"] is not None:
         scalars.update(generation_time.scalars(record["time_breakdown"]))
     return {k: float(v) for k, v in scalars.items()}
 

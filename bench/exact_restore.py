@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import qwen3_30b  # noqa: E402
-from agentic_es import cli, models, placement, restore_patch, settings, stage, worker_memory  # noqa: E402
+from agentic_es import cli, models, placement, restore_patch, settings, stage, stochastic_rounding, worker_memory  # noqa: E402
 from agentic_es.engine import Engine  # noqa: E402
 from report import emit, print_until_reader_gone  # noqa: E402
 
@@ -52,8 +52,9 @@ def synthetic(n: int = 4_000_000) -> list[dict]:
                 patch = restore_patch.RestorePatch([theta], 1.0)
                 work = theta.clone()
                 patch.start_recording()
-                rs = common.rounding_seed("perturb", [5], 0, "w") if rounding == "stochastic" else None
-                common.add_noise_through_patch_(patch, work, [common.noise_seed(5, 0, "w")], [sigma], 1 << 20, rs)
+                write_ = stochastic_rounding.write_for(work, common.rounding_seed("perturb", [5], 0, "w")
+                                              if rounding == "stochastic" else None)
+                common.add_noise_through_patch_(patch, work, [common.noise_seed(5, 0, "w")], [sigma], 1 << 20, write_)
                 rows.append({"std": std, "sigma": sigma, "rounding": rounding,
                              "miss_fraction": round(patch.used[torch.bfloat16] / n, 5)})
     return rows

@@ -40,7 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
-from agentic_es import cli, data, fileio, learn_task, models, settings, stage, tracking  # noqa: E402
+from agentic_es import cli, data, fileio, learn_task, models, settings, stage, stochastic_rounding, tracking  # noqa: E402
 from agentic_es.stage import Interrupted, prepare_script  # noqa: E402
 from agentic_es.history import rebuild_from_history  # noqa: E402
 from agentic_es.metrics import EVAL_METRICS, EVAL_METRICS_SHAPE, EVAL_SAMPLES  # noqa: E402
@@ -145,7 +145,7 @@ def update_change_fraction(model_path, alpha, population, sigma, seed=0, roundin
             moved = w32 + scale * torch.randn(w32.shape, generator=g)
             if rounding == "stochastic" and w.dtype == torch.bfloat16:
                 moved, exact = torch.empty_like(w), moved
-                common.round_stochastic_(moved, exact, g)
+                stochastic_rounding.round_stochastic_(moved, exact, g)
             else:
                 moved = moved.to(w.dtype)
             changed[key] += int((moved != w).sum())

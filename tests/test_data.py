@@ -58,17 +58,8 @@ def standin_files() -> dict[str, str]:
 
 
 def manifest_of(files: dict[str, str]) -> dict:
-    """data_manifest.json's "files" for a build: per file its source, split and sha256, and per row its id, answer
-    and the first 12 hex digits of its line's sha256."""
-    manifest = {}
-    for name, text in files.items():
-        lines = text.splitlines()
-        rows = [json.loads(line) for line in lines]
-        manifest[name] = {"source": rows[0]["source"], "split": "train",
-                          "sha256": hashlib.sha256(text.encode()).hexdigest(),
-                          "rows": [[r["id"], r["answer"], hashlib.sha256(line.encode()).hexdigest()[:12]]
-                                   for r, line in zip(rows, lines)]}
-    return manifest
+    """data_manifest.json's "files" for a build (00_data.manifest_entry of each file)."""
+    return {name: data.manifest_entry(text) for name, text in files.items()}
 
 
 STANDIN = standin_files()
@@ -159,6 +150,30 @@ def test_builds_the_reference_files_byte_for_byte_then_leaves_them_alone(referen
     stamps = {name: (out / name).stat().st_mtime_ns for name in NAMES}
     assert build(source_dir, out, tmp_path / "cache") == {name: "up to date" for name in NAMES}
     assert {name: (out / name).stat().st_mtime_ns for name in NAMES} == stamps
+
+
+@pytest.mark.parametrize("reference", ["stand-ins", pytest.param("reference files", marks=needs_reference_files)])
+def test_the_manifest_of_a_build_is_written_from_its_files(reference, tmp_path, request):
+    """--write_manifest describes the files in --out, builds nothing: of the reference files it is
+    data_manifest.json byte for byte, of the stand-ins their manifest; a missing file is named."""
+    if reference == "stand-ins":
+        request.getfixturevalue("standin_manifest")
+        files, out = STANDIN, tmp_path / "data"
+        out.mkdir()
+        for name, text in files.items():
+            (out / name).write_text(text)
+    else:
+        out = SHARED
+    written = tmp_path / "manifest.json"
+    assert data.main([f"--out={out}", f"--write_manifest={written}"]) == {name: "described" for name in NAMES}
+    if reference == "stand-ins":
+        assert fileio.read_json(written) == {"format": "es-data-manifest/1", "about": data.MANIFEST_ABOUT,
+                                             "files": STANDIN_MANIFEST}
+        (out / "aime2026.jsonl").unlink()
+        with pytest.raises(stage.DataError, match="aime2026.jsonl: file not found"):
+            data.main([f"--out={out}", f"--write_manifest={written}"])
+    else:
+        assert written.read_bytes() == DATA_MANIFEST.read_bytes()
 
 
 def test_a_different_file_in_the_way_is_kept_unless_forced(sources, standin_manifest, tmp_path):

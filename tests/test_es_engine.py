@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, digests, models, restore_patch, stage, worker_memory
+from agentic_es import cli, digests, models, restore_patch, stage, stochastic_rounding, worker_memory
 from agentic_es.engine import Engine
 from agentic_es.history import rebuild_from_history, run_identity
 from test_es_math import check_subtract_restore
@@ -386,11 +386,12 @@ def test_stochastic_rounding_in_the_workers_is_the_specified_function(engine, mo
         for name, (dtype, raw) in per_rank.items():
             expected = tensor(dtype, raw)
             common.add_noise_(expected, [common.noise_seed(11, rank, name)], [1e-3], chunk,
-                              common.rounding_seed("perturb", [11], rank, name))
+                              stochastic_rounding.write_for(expected, common.rounding_seed("perturb", [11], rank, name)))
             assert torch.equal(expected, tensor(*perturbed[rank][name])), name
             expected, nearest = tensor(dtype, raw), tensor(dtype, raw)
             noise = [common.noise_seed(s, rank, name) for s in seeds[:2]]  # the zero coefficient draws nothing
-            common.add_noise_(expected, noise, coeffs[:2], chunk, common.rounding_seed("update", seeds, rank, name))
+            common.add_noise_(expected, noise, coeffs[:2], chunk,
+                              stochastic_rounding.write_for(expected, common.rounding_seed("update", seeds, rank, name)))
             common.add_noise_(nearest, noise, coeffs[:2], chunk)
             assert torch.equal(expected, tensor(*updated[rank][name])), name
             rounded_differently += not torch.equal(expected, nearest)

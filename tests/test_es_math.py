@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import common
-from agentic_es import cli, data, digests, engine, export, fileio, learn_task, settings, stage, tracking
+from agentic_es import (cli, data, digests, engine, export, fileio, learn_task, settings, stage, stochastic_rounding,
+                        tracking, upgrade)
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, REBUILD_FIELDS, check_base, check_config,
                                 config_from_history, history_fitness, identity_differences, name_only_fingerprint,
-                                read_history, recorded_settings, resume_free_fields, run_identity)
+                                read_history, resume_free_fields, run_identity)
 
 
 # ---- sigma schedule ----
@@ -692,9 +693,9 @@ def test_older_name_only_fingerprint_of_the_same_hub_id_is_accepted():
 
 
 def test_a_setting_newer_than_the_history_reads_as_the_code_before_it():
-    """A history written before a Config field existed resumes when the field is what the code did then (its
-    declared `before`; before prompt_mode, turns continued the generated ids), and is refused otherwise, also under
-    today's default."""
+    """A history written before a Config field existed resumes when the field is what the code did then
+    (upgrade.SETTINGS_ADDED; before prompt_mode, turns continued the generated ids), and is refused otherwise, also
+    under today's default."""
     config = dataclasses.asdict(common.Config())
     older = identity([H200, H200], config={k: v for k, v in config.items() if k != "prompt_mode"})
     assert identity_differences(older, identity([H200, H200], config=dict(config, prompt_mode="continue"))) == []
@@ -710,8 +711,7 @@ def test_a_file_older_than_prompt_mode_reads_as_the_prompts_of_its_time():
     config = dataclasses.asdict(common.Config())
     continued = {k: v for k, v in config.items() if k != "prompt_mode"}
     rendered = {k: v for k, v in continued.items() if k != "cudagraph_mode"}
-    assert (recorded_settings(continued)["prompt_mode"], recorded_settings(rendered)["prompt_mode"]) == (
-        "continue", "render")
+    assert [upgrade.recorded_settings(c)["prompt_mode"] for c in (continued, rendered)] == ["continue", "render"]
     assert identity_differences(identity([H200, H200], config=rendered), identity([H200, H200], config=config)) == []
     assert identity_differences(identity([H200, H200], config=rendered),
                                 identity([H200, H200], config=dict(config, prompt_mode="continue"))) == [
@@ -722,7 +722,8 @@ def test_a_file_older_than_prompt_mode_reads_as_the_prompts_of_its_time():
 
 
 # The settings as old as the history and evaluation files (71e1e68 wrote them first): every file records them. Each
-# field added since declares `before`, what the code did before it, which is how a file lacking it reads
+# field added since has its line in upgrade.SETTINGS_ADDED: what the code did before it, which is how a file lacking it
+# reads
 SETTINGS_AS_OLD_AS_THE_FILES = {
     "model", "tensor_parallel_size", "dtype", "max_model_len", "gpu_memory_utilization", "cuda_graphs", "run_seed",
     "generations", "population", "case_batch", "sigma_start", "sigma_end", "alpha", "noise_chunk", "restore",
@@ -731,18 +732,18 @@ SETTINGS_AS_OLD_AS_THE_FILES = {
 OLD_HISTORY = Path(__file__).parent / "fixtures" / "es_history_2ec1038.json"  # written before fitness, learn_digits
 
 
-def test_a_setting_added_after_the_first_files_declares_what_the_code_did_before_it():
+def test_a_setting_added_after_the_first_files_has_what_the_code_did_before_it_in_the_upgrade_table():
     fields = dataclasses.fields(common.Config)
-    assert {f.name for f in fields if f.metadata["before"] is None} == SETTINGS_AS_OLD_AS_THE_FILES
+    assert {f.name for f in fields} - set(upgrade.SETTINGS_ADDED) == SETTINGS_AS_OLD_AS_THE_FILES
+    assert set(upgrade.SETTINGS_ADDED) <= {f.name for f in fields}
     oldest, older = {}, read_history(OLD_HISTORY)["config"]  # what a function of the file reads: both ends
-    for f in fields:  # each before is a valid value of its setting
-        then = f.metadata["before"]
-        for value in ([then(oldest), then(older)] if callable(then) else [then] if then is not None else []):
-            assert settings.setting_problem(f, value) is None, f.name
+    for f in fields:  # what each file reads is a valid value of its setting
+        for recorded in (oldest, older):
+            assert settings.setting_problem(f, upgrade.settings_then(f, recorded)) is None, f.name
     lacking = {f.name for f in fields} - set(read_history(OLD_HISTORY)["config"])
     assert lacking == {"fitness", "learn_digits", "compute_level", "engines", "ray_address",  # pool's: never recorded
                        "speculative", "speculative_tokens", "ngram_lookup_max", "ngram_lookup_min"}
-    assert all(common.Config.__dataclass_fields__[name].metadata["before"] is not None for name in lacking)
+    assert lacking <= set(upgrade.SETTINGS_ADDED)
 
 
 def test_an_old_history_reads_as_it_was_written_after_a_default_is_edited(edit_default):
@@ -781,7 +782,7 @@ def test_an_old_history_keeps_its_weights_settings_after_a_default_is_edited(edi
         config_from_history(recorded, ["--tensor_parallel_size=1"])
     diffs = identity_differences(recorded, {"config": dataclasses.asdict(common.Config(
         **{**dataclasses.asdict(cfg), "noise": "checkpoint", "rounding": "stochastic", "restore": "copy_device"}))})
-    assert [d.split(":")[0] for d in diffs] == ["config rounding", "config noise"]
+    assert [d.split(":")[0] for d in diffs] == ["config noise", "config rounding"]  # in Config's order
 
 
 def test_an_exact_restore_mode_may_change_on_resume_but_not_to_subtract():
@@ -1048,7 +1049,7 @@ def test_stochastic_rounding_is_unbiased_where_nearest_loses_a_small_step():
     w = (torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
     acc = w.float() + 1e-5
     nearest, stochastic = acc.to(torch.bfloat16), torch.empty_like(w)
-    common.round_stochastic_(stochastic, acc, torch.Generator().manual_seed(1))
+    stochastic_rounding.round_stochastic_(stochastic, acc, torch.Generator().manual_seed(1))
     error = stochastic.float() - acc
     assert abs(error.mean().item()) < 4 * error.std().item() / error.numel() ** 0.5  # unbiased
     assert abs((stochastic.float() - w.float()).mean().item() - 1e-5) < 0.05e-5  # the whole step, on average
@@ -1065,7 +1066,7 @@ def test_stochastic_rounding_is_a_function_of_its_seed():
     runs = []
     for seed in (5, 5, 6):
         t = theta.clone()
-        common.add_noise_(t, [11, 12], [1e-4, -2e-4], 4096, rounding_seed=seed)
+        common.add_noise_(t, [11, 12], [1e-4, -2e-4], 4096, stochastic_rounding.write_for(t, seed))
         runs.append(t)
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     nearest = theta.clone()
@@ -1073,7 +1074,7 @@ def test_stochastic_rounding_is_a_function_of_its_seed():
     assert not torch.equal(nearest, runs[0])
     fp32 = theta.float()  # a float32 parameter is stored exactly: nothing to round
     exact = fp32.clone()
-    common.add_noise_(fp32, [11], [1e-4], 4096, rounding_seed=5)
+    common.add_noise_(fp32, [11], [1e-4], 4096, stochastic_rounding.write_for(fp32, 5))
     common.add_noise_(exact, [11], [1e-4], 4096)
     assert torch.equal(fp32, exact)
     # the random source: per member for a perturbation, per generation's seeds for an update; per rank and name

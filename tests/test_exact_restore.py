@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import common
-from agentic_es import checkpoint_noise, restore_patch, stage
+from agentic_es import checkpoint_noise, restore_patch, stage, stochastic_rounding
 
 CHUNK = 1001  # not a multiple of 8: chunks start inside a byte of the mask
 SIGMA = 1e-3
@@ -45,11 +45,12 @@ def rank_salted(kind: str, rounding: str):
     """The rank-salted noise of one member on parameter i, as the worker applies it."""
     def apply(i, flat, coeff, patch):
         seed = common.noise_seed(77, 0, f"p{i}")
-        rounded = common.rounding_seed(kind, [77], 0, f"p{i}") if rounding == "stochastic" else None
+        write_ = stochastic_rounding.write_for(flat, common.rounding_seed(kind, [77], 0, f"p{i}") if rounding == "stochastic"
+                                      else None)
         if patch is None:
-            common.add_noise_(flat, [seed], [coeff], CHUNK, rounded)
+            common.add_noise_(flat, [seed], [coeff], CHUNK, write_)
         else:
-            common.add_noise_through_patch_(patch, flat, [seed], [coeff], CHUNK, rounded)
+            common.add_noise_through_patch_(patch, flat, [seed], [coeff], CHUNK, write_)
     return apply
 
 
