@@ -13,6 +13,9 @@ resumes without redoing them.
     python 03_eval.py --preset=learn                    # the learn run's export on 64 held-out additions
     python 03_eval.py --preset=strict                   # the strict run's export on 64 held-out sums of its tier
     python 03_eval.py --preset=compute                  # the compute run's export on 64 + 64 held-out problems
+    python 03_eval.py --preset=compute --train_data=data/dapo_train400.jsonl --sets=dapo --eval_problems=32 \
+        --max_turns=10 --max_new_tokens=2048 --max_model_len=24576 --out=runs/compute/eval-dapo
+                                                        # what carries over: the compute run's export on DAPO alone
 
 An evaluation of a run's weights (its export, or the base model in a run folder holding its history) evaluates the
 tier and level of the task the run trained on (TASK_FIELDS: learn_digits, compute_level), as its history recorded
@@ -35,6 +38,7 @@ from agentic_es.pool import EnginePool
 
 EXPORT = "<run_dir>/export"  # a folder written by 02_export.py; empty: evaluate the base model itself
 OUT = ""  # default: <run_dir>/eval (or <run_dir>/eval-base for the base model)
+SETS = ""  # comma-separated: only these of the run's sets (e.g. "dapo"); empty: every one
 DATASETS = {  # name -> JSONL (built by 00_data.py); each writes <name>_eval16.json
     "dapo": "data/dapo_test100.jsonl",
     "aime2026": "data/aime2026.jsonl",
@@ -46,7 +50,7 @@ TASK_FIELDS = ("learn_digits", "compute_level")  # which tier or level of a task
 
 
 def main(argv: list[str]) -> dict:
-    options = {"export": EXPORT, "out": OUT, **{name: "" for name in ALL_DATASETS}}  # --dapo=PATH
+    options = {"export": EXPORT, "out": OUT, "sets": SETS, **{name: "" for name in ALL_DATASETS}}  # --dapo=PATH
     cli.exit_if_help(argv, __doc__, __file__, options)
     opts, overrides = cli.parse_args(argv, options)
     cfg = cli.parse_config(overrides)
@@ -171,14 +175,18 @@ def recorded_task(cfg, recorded_config: dict, overrides: list[str], source: str)
 
 def data_paths(opts: dict, cfg) -> dict:
     """The sets to evaluate and their problems: on a task made here (train_data=learn, compute) the task's EVAL_SETS
-    (TASK_SETS), else DATASETS; each set's --name=PATH if given, else "smoke" (the
-    smoke problems) with smoke_eval, else its own. A --name=PATH of a set the run does not evaluate is refused."""
+    (TASK_SETS), else DATASETS, only those --sets names where it names some; each set's --name=PATH if given, else
+    "smoke" (the smoke problems) with smoke_eval, else its own. A --name=PATH or a --sets name of a set the run does
+    not evaluate is refused."""
     sets = TASK_SETS.get(cfg.train_data, DATASETS)
-    stray = [name for name in ALL_DATASETS if opts[name] and name not in sets]
+    chosen = [name.strip() for name in opts.get("sets", "").split(",") if name.strip()]
+    stray = [f"--{name}=" for name in ALL_DATASETS if opts[name] and name not in sets]
+    stray += [f"--sets={name}" for name in chosen if name not in sets]
     if stray:
-        raise stage.ConfigError(f"--{stray[0]}= names a set this run does not evaluate (train_data={cfg.train_data}"
+        raise stage.ConfigError(f"{stray[0]} names a set this run does not evaluate (train_data={cfg.train_data}"
                                 f" evaluates {', '.join(sets)})")
-    return {name: opts[name] or ("smoke" if cfg.smoke_eval else sets[name]) for name in sets}
+    return {name: opts[name] or ("smoke" if cfg.smoke_eval else sets[name])
+            for name in sets if not chosen or name in chosen}
 
 
 def eval_problems(path: str, cfg) -> list[dict]:

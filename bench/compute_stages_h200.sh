@@ -7,6 +7,10 @@
 #   bash bench/compute_stages_h200.sh start SEED [SEED ...]   # tiers, then the runs in the background
 #   bash bench/compute_stages_h200.sh wait SECONDS            # their progress, for at most SECONDS
 #   bash bench/compute_stages_h200.sh collect OUT_DIR         # their files as bench/results keeps them
+#   bash bench/compute_stages_h200.sh dapo SEED               # what carries over: trained and base on DAPO
+# `dapo` evaluates a finished run's export and its base model on DAPO test-100's first 32 problems x 16 samples
+# (10 turns x 2048 tokens, the preset's temperature 0.7), into the run folder's eval-dapo and eval-base-dapo; it
+# needs data/dapo_test100.jsonl (00_data.py, or a copy of the reference file carried with the tree).
 # The level: the first (lowest) whose base strict score is between 0.1 and 0.6, else the best above 0.03, else 1;
 # LEVEL=L skips the measurement. A run whose history a past session brought back
 # (bench/results/compute_partial_seedS_history.json) resumes from it where this GPU draws its noise
@@ -69,6 +73,16 @@ wait)
     echo "== $f"; grep -E "^\[stages\]|mean fitness|generation [0-9]+ |Mean4|Error" "$f" | tail -n 12
   done
   pgrep -f learn_stages_h200.sh >/dev/null && echo "[compute] still running" || echo "[compute] all done"
+  ;;
+dapo)
+  seed=${2:?seed}; run=$root/seed-$seed
+  dapo=(--preset=compute --tensor_parallel_size=1 --run_seed="$seed" --run_dir="$run" --engines="${EVAL_ENGINES:-2}"
+        --gpu_memory_utilization="${EVAL_UTIL:-0.3}" --train_data=data/dapo_train400.jsonl --sets=dapo
+        --eval_problems=32 --max_turns=10 --max_new_tokens=2048 --max_model_len=24576)
+  python 03_eval.py "${dapo[@]}" --out="$run/eval-dapo" 2>&1 | grep --line-buffered -v -E "it/s\]|s/it\]" \
+    | tee "$root/dapo-$seed.txt"
+  python 03_eval.py "${dapo[@]}" --export= --out="$run/eval-base-dapo" 2>&1 \
+    | grep --line-buffered -v -E "it/s\]|s/it\]" | tee -a "$root/dapo-$seed.txt"
   ;;
 collect)
   out=${2:?OUT_DIR}; mkdir -p "$out"

@@ -283,6 +283,16 @@ def test_default_paths_are_the_built_files_and_the_smoke_and_learn_presets_need_
         evaluation.data_paths(dict(no_paths, aime2026="x.jsonl"), learn)
     with pytest.raises(stage.ConfigError, match="--learn_heldout= names a set this run does not evaluate"):
         evaluation.data_paths(dict(no_paths, learn_heldout="x.jsonl"), smoke)
+    # --sets: only the sets named, each still at its own path or the one given; a set the run lacks refused
+    assert evaluation.data_paths(dict(no_paths, sets="dapo"), common.Config()) == {"dapo": evaluation.DATASETS["dapo"]}
+    assert evaluation.data_paths(dict(no_paths, sets=" aime2026 ,dapo", dapo="x.jsonl"), smoke) == {
+        "dapo": "x.jsonl", "aime2026": "smoke"}
+    assert evaluation.data_paths(dict(no_paths, sets=","), smoke) == {"dapo": "smoke", "aime2026": "smoke"}
+    with pytest.raises(stage.ConfigError, match=re.escape("--sets=dapo names a set this run does not evaluate "
+                                                          "(train_data=learn evaluates learn_heldout)")):
+        evaluation.data_paths(dict(no_paths, sets="learn_heldout,dapo"), learn)
+    with pytest.raises(stage.ConfigError, match="--sets=aime names a set this run does not evaluate"):
+        evaluation.data_paths(dict(no_paths, sets="aime"), common.Config())
     assert problems_from("smoke", smoke.run_seed) == smoke_problems(SMOKE_PROBLEMS,
                                                                                   seed=smoke.run_seed)
 
