@@ -138,8 +138,9 @@ class Engine(fileio.ClosedOnExit):
             worker_extension_cls=common.WORKER_EXTENSIONS[cfg.noise],
             skip_tokenizer_init=skip_tokenizer_init,
         )
-        if cfg.speculative != "off":
-            args["speculative_config"] = speculative_config(cfg)
+        speculative = speculative_config(cfg)
+        if speculative:
+            args["speculative_config"] = speculative
         if executor:  # inside a Ray placement group vLLM would pick its Ray executor; the pool wants "mp"
             args["distributed_executor_backend"] = executor
         if self.device == "cuda":

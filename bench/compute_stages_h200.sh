@@ -20,13 +20,14 @@
 set -uo pipefail
 root=${ROOT:-/tmp/compute-stages}
 mkdir -p "$root"
-case ${1:?start|wait|collect} in
+without_bars() { grep --line-buffered -v -E "it/s\]|s/it\]"; }  # tqdm's bars: one line per update in a log
+case ${1:?start|wait|collect|dapo} in
 start)
   shift; [ $# -ge 1 ] || { echo "start needs at least one run seed" >&2; exit 2; }
   [ -z "${LEVEL:-}" ] && python bench/strict_base.py --preset=compute --tiers=compute1,compute2,compute3 \
     --problems=64 --samples=8 --tensor_parallel_size=1 --engines=1 --gpu_memory_utilization=0.5 \
     --out="$root/compute_base.json" --episodes="$root/compute_base_episodes.jsonl" 2>&1 \
-    | grep --line-buffered -v -E "it/s\]|s/it\]" \
+    | without_bars \
     | tee "$root/compute_base_log.txt" | grep -E "^tier|^compute|Error|error" | tail -n 8
   level=${LEVEL:-$(python - "$root/compute_base.json" <<'EOF'
 import json, sys
@@ -79,10 +80,9 @@ dapo)
   dapo=(--preset=compute --tensor_parallel_size=1 --run_seed="$seed" --run_dir="$run" --engines="${EVAL_ENGINES:-2}"
         --gpu_memory_utilization="${EVAL_UTIL:-0.3}" --train_data=data/dapo_train400.jsonl --sets=dapo
         --eval_problems=32 --max_turns=10 --max_new_tokens=2048 --max_model_len=24576)
-  python 03_eval.py "${dapo[@]}" --out="$run/eval-dapo" 2>&1 | grep --line-buffered -v -E "it/s\]|s/it\]" \
-    | tee "$root/dapo-$seed.txt"
-  python 03_eval.py "${dapo[@]}" --export= --out="$run/eval-base-dapo" 2>&1 \
-    | grep --line-buffered -v -E "it/s\]|s/it\]" | tee -a "$root/dapo-$seed.txt"
+  python 03_eval.py "${dapo[@]}" --out="$run/eval-dapo" 2>&1 | without_bars | tee "$root/dapo-$seed.txt"
+  python 03_eval.py "${dapo[@]}" --export= --out="$run/eval-base-dapo" 2>&1 | without_bars \
+    | tee -a "$root/dapo-$seed.txt"
   ;;
 collect)
   out=${2:?OUT_DIR}; mkdir -p "$out"
