@@ -314,14 +314,26 @@ def describe_devices(devices: list[dict]) -> str:
     return ", ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names))
 
 
+# Device models measured to draw the same noise and apply the same updates bit for bit: every generation's digests of
+# a history made on one equal when replayed on the other (bench/noise_across_devices.py; bench/README.md keeps each
+# measurement). A history of one resumes, exports and replays on the others of its group.
+SAME_NOISE: list[set[tuple[str, int]]] = []
+
+
+def noise_model(device: dict) -> tuple:
+    """The device as far as the noise is concerned: its group in SAME_NOISE where it has one, else itself."""
+    key = (device.get("name"), device.get("sm_count"))
+    return next((tuple(sorted(group)) for group in SAME_NOISE if key in group), key)
+
+
 def device_differences(recorded: list[dict] | None, current: list[dict]) -> list[str]:
     """CUDA's random streams depend on the GPU model (and torch's CPU normals on its kernel set), so the recorded
-    noise exists only on the device model the run was trained on."""
+    noise exists only on the device model the run was trained on, or one measured to draw the same (SAME_NOISE)."""
     if recorded is None:
         return [f"devices: the history does not record the device model it was made on (an older history), and "
                 f"the noise streams depend on it; this run is on {describe_devices(current)}. If the history was "
                 f"made on that model, add \"devices\": {json.dumps(current)} to its header"]
-    if recorded != current:
+    if [noise_model(d) for d in recorded] != [noise_model(d) for d in current]:
         return [f"devices: the history was made on {describe_devices(recorded)}, this run is on "
                 f"{describe_devices(current)}; the noise streams depend on the device model, so resume, export and "
                 f"replay only on {describe_devices(recorded)}"]

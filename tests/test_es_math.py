@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import common
-from agentic_es import (cli, data, digests, engine, export, fileio, learn_task, settings, stage, stochastic_rounding,
-                        tracking, upgrade)
+from agentic_es import (cli, data, digests, engine, export, fileio, history as history_module, learn_task, settings,
+                        stage, stochastic_rounding, tracking, upgrade)
 from agentic_es.history import (HISTORY_FILE, HISTORY_FORMAT, REBUILD_FIELDS, check_base, check_config,
                                 config_from_history, history_fitness, identity_differences, name_only_fingerprint,
                                 read_history, resume_free_fields, run_identity)
@@ -653,11 +653,31 @@ def identity(devices, **extra):
 
 
 @pytest.mark.parametrize("compare_config", [True, False])  # resume compares the config too; export/replay not
-def test_another_gpu_model_is_refused_naming_both(compare_config):
+def test_another_gpu_model_is_refused_naming_both(compare_config, monkeypatch):
+    monkeypatch.setattr(history_module, "SAME_NOISE", [])  # no pair measured
     with pytest.raises(stage.HistoryMismatch, match=r"made on 2 x NVIDIA H100 80GB HBM3 \(132 SMs\), this run is on "
                                                r"2 x NVIDIA H200 \(132 SMs\)"):
         check_base(identity([H100, H100]), identity([H200, H200]), compare_config)
     check_base(identity([H200, H200]), identity([H200, H200]), compare_config)  # the same model: accepted
+
+
+def test_models_measured_to_draw_the_same_noise_are_one_model(monkeypatch):
+    """A group of SAME_NOISE: a history of one resumes, exports and replays on another; a model outside it and a
+    member of the group with another SM count are still refused."""
+    a, b, c = ({"name": f"GPU {x}", "sm_count": 100} for x in "ABC")
+    monkeypatch.setattr(history_module, "SAME_NOISE", [{("GPU A", 100), ("GPU B", 100)}])
+    for compare_config in (True, False):
+        check_base(identity([a, a]), identity([b, b]), compare_config)
+        check_base(identity([b, b]), identity([a, a]), compare_config)
+    assert "made on 2 x GPU A (100 SMs), this run is on 2 x GPU C (100 SMs)" in \
+        identity_differences(identity([a, a]), identity([c, c]))[0]
+    assert identity_differences(identity([a, a]), identity([dict(b, sm_count=99)] * 2))
+    assert identity_differences(identity([a, a]), identity([b, c]))  # every rank compared
+
+
+def test_every_group_of_same_noise_names_measured_models():
+    for group in history_module.SAME_NOISE:
+        assert len(group) >= 2 and all(isinstance(name, str) and sm > 0 for name, sm in group)
 
 
 def test_same_name_other_sm_count_is_another_gpu_model():
