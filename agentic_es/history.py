@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from pathlib import Path
 
 import torch
 
@@ -315,28 +316,38 @@ def describe_devices(devices: list[dict]) -> str:
 
 
 # Device models measured to draw the same noise and apply the same updates bit for bit: every generation's digests of
-# a history made on one equal when replayed on the other (bench/noise_across_devices.py; bench/README.md keeps each
-# measurement). A history of one resumes, exports and replays on the others of its group.
-SAME_NOISE: list[set[tuple[str, int]]] = []
+# a history made on one equal when replayed on the other (bench/noise_across_devices.py --record writes each
+# measurement here, with what it replayed). A history of one resumes, exports and replays on the others of its group.
+SAME_NOISE_FILE = Path(__file__).with_name("same_noise.json")
 
 
-def noise_model(device: dict) -> tuple:
-    """The device as far as the noise is concerned: its group in SAME_NOISE where it has one, else itself."""
+def same_noise_groups() -> list[set[tuple[str, int]]]:
+    """The groups of SAME_NOISE_FILE, each a set of (name, SM count); none where no pair has been measured."""
+    if not SAME_NOISE_FILE.exists():
+        return []
+    entries = json.loads(SAME_NOISE_FILE.read_text())
+    return [{(name, sm_count) for name, sm_count in entry["models"]} for entry in entries]
+
+
+def noise_model(device: dict, groups: list[set]) -> tuple:
+    """The device as far as the noise is concerned: its group of `groups` where it has one, else itself."""
     key = (device.get("name"), device.get("sm_count"))
-    return next((tuple(sorted(group)) for group in SAME_NOISE if key in group), key)
+    return next((tuple(sorted(group)) for group in groups if key in group), key)
 
 
 def device_differences(recorded: list[dict] | None, current: list[dict]) -> list[str]:
     """CUDA's random streams depend on the GPU model (and torch's CPU normals on its kernel set), so the recorded
-    noise exists only on the device model the run was trained on, or one measured to draw the same (SAME_NOISE)."""
+    noise exists only on the device model the run was trained on, or one measured to draw the same (SAME_NOISE_FILE)."""
     if recorded is None:
         return [f"devices: the history does not record the device model it was made on (an older history), and "
                 f"the noise streams depend on it; this run is on {describe_devices(current)}. If the history was "
                 f"made on that model, add \"devices\": {json.dumps(current)} to its header"]
-    if [noise_model(d) for d in recorded] != [noise_model(d) for d in current]:
+    groups = same_noise_groups()
+    if [noise_model(d, groups) for d in recorded] != [noise_model(d, groups) for d in current]:
         return [f"devices: the history was made on {describe_devices(recorded)}, this run is on "
                 f"{describe_devices(current)}; the noise streams depend on the device model, so resume, export and "
-                f"replay only on {describe_devices(recorded)}"]
+                f"replay only on {describe_devices(recorded)}, or on a model that bench/noise_across_devices.py "
+                f"--record measures to draw the same noise"]
     return []
 
 

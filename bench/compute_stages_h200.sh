@@ -14,13 +14,31 @@
 # The level: the first (lowest) whose base strict score is between 0.1 and 0.6, else the best above 0.03, else 1;
 # LEVEL=L skips the measurement. A run whose history a past session brought back
 # (bench/results/compute_partial_seedS_history.json) resumes from it where this GPU draws its noise
-# (agentic_es/history.py, device_differences): 01_train.py goes on from its last generation; elsewhere it starts anew.
+# (agentic_es/history.py, device_differences): 01_train.py goes on from its last generation. On another GPU model
+# bench/noise_across_devices.py replays it first and, where every digest is equal, records the pair
+# (agentic_es/same_noise.json, brought back by collect) and the run resumes; elsewhere it starts anew.
 # The base's evaluation of a seed that a past session brought back (bench/results/compute_base_seedS_eval.tar.gz) is
 # not run again.
 set -uo pipefail
 root=${ROOT:-/tmp/compute-stages}
 mkdir -p "$root"
 without_bars() { grep --line-buffered -v -E "it/s\]|s/it\]"; }  # tqdm's bars: one line per update in a log
+share() {  # GIB: that much of this GPU's memory as a --gpu_memory_utilization (the same engines on an H100 or H200)
+  python -c "import sys, torch; print(round(float(sys.argv[1]) * 2**30 / torch.cuda.mem_get_info()[1], 3))" "$1"
+}
+same_noise_here() {  # HISTORY: exit 0 where this GPU draws its noise (the same model, or one measured to draw it)
+  python - "$1" <<'EOF'
+import json, sys, torch
+from agentic_es.history import describe_devices, device_differences
+props = torch.cuda.get_device_properties(0)
+here = [{"name": props.name, "sm_count": props.multi_processor_count}]
+recorded = json.load(open(sys.argv[1])).get("devices")
+same = not device_differences(recorded and recorded[:1], here)
+print(f"[compute] {sys.argv[1]} was made on {describe_devices(recorded or [])}, this is {describe_devices(here)}: "
+      + ("the same noise" if same else "another noise, or not measured yet"))
+sys.exit(0 if same else 1)
+EOF
+}
 case ${1:?start|wait|collect|dapo} in
 start)
   shift; [ $# -ge 1 ] || { echo "start needs at least one run seed" >&2; exit 2; }
@@ -40,28 +58,25 @@ EOF
   echo "[compute] level $level" | tee "$root/level.txt"
   for seed in "$@"; do
     partial=bench/results/compute_partial_seed${seed}_history.json
-    if [ -f "$partial" ] && [ ! -f "$root/seed-$seed/es_history.json" ] && ! python - "$partial" <<'EOF'
-import json, sys, torch
-from agentic_es.history import describe_devices, device_differences
-props = torch.cuda.get_device_properties(0)
-here = [{"name": props.name, "sm_count": props.multi_processor_count}]
-recorded = json.load(open(sys.argv[1])).get("devices")
-differences = device_differences(recorded and recorded[:1], here)
-print(f"[compute] {sys.argv[1]} was made on {describe_devices(recorded or [])}, this is {describe_devices(here)}: "
-      + ("it resumes" if not differences else "it cannot resume here, the run starts anew"))
-sys.exit(1 if differences else 0)
-EOF
-    then
-      echo "[compute] seed $seed starts anew"
-    elif [ -f "$partial" ] && [ ! -f "$root/seed-$seed/es_history.json" ]; then
-      mkdir -p "$root/seed-$seed" && cp "$partial" "$root/seed-$seed/es_history.json"
-      echo "[compute] seed $seed resumes from $partial"
+    if [ -f "$partial" ] && [ ! -f "$root/seed-$seed/es_history.json" ]; then
+      # another GPU model: replay the history here digest by digest; where every one is equal, it resumes here
+      same_noise_here "$partial" || python bench/noise_across_devices.py --history="$partial" \
+        --tensor_parallel_size=1 --gpu_memory_utilization="$(share 12)" --record=1 2>&1 | without_bars \
+        | tee "$root/noise_across_devices_seed$seed.txt" | grep -E '^[{|]|^\[noise\]|Error'
+      if same_noise_here "$partial"; then
+        mkdir -p "$root/seed-$seed" && cp "$partial" "$root/seed-$seed/es_history.json"
+        echo "[compute] seed $seed resumes from $partial"
+      else
+        echo "[compute] seed $seed starts anew: this GPU does not draw the noise of $partial"
+      fi
     fi
     base=bench/results/compute_base_seed${seed}_eval.tar.gz  # the base's evaluation a past session made
     if [ -f "$base" ] && [ ! -e "$root/seed-$seed/eval-base" ]; then
       mkdir -p "$root/seed-$seed" && tar xzf "$base" -C "$root/seed-$seed" && echo "[compute] seed $seed: the base's evaluation from $base"
     fi
-    PRESET=compute GPU_UTIL=${GPU_UTIL:-0.08} EVAL_ENGINES=1 EVAL_UTIL=${EVAL_UTIL:-0.3} BASE_UTIL=${BASE_UTIL:-0.09} \
+    # 11 GiB a training engine, 42 for the evaluations, 12.5 for the base's beside training (0.08, 0.3, 0.09 of an H200)
+    PRESET=compute GPU_UTIL=${GPU_UTIL:-$(share 11)} EVAL_ENGINES=1 EVAL_UTIL=${EVAL_UTIL:-$(share 42)} \
+      BASE_UTIL=${BASE_UTIL:-$(share 12.5)} \
       RETRIES=1 RUN_ROOT="$root" EXTRA="--compute_level=$level ${EXTRA:-}" \
       setsid nohup bash bench/learn_stages_h200.sh "$root/out-$seed" "$seed" 5000 >"$root/driver-$seed.txt" 2>&1 &
     sleep 20  # the second run's engines start after the first's hold their memory
@@ -78,7 +93,7 @@ wait)
 dapo)
   seed=${2:?seed}; run=$root/seed-$seed
   dapo=(--preset=compute --tensor_parallel_size=1 --run_seed="$seed" --run_dir="$run" --engines="${EVAL_ENGINES:-2}"
-        --gpu_memory_utilization="${EVAL_UTIL:-0.3}" --train_data=data/dapo_train400.jsonl --sets=dapo
+        --gpu_memory_utilization="${EVAL_UTIL:-$(share 42)}" --train_data=data/dapo_train400.jsonl --sets=dapo
         --eval_problems=32 --max_turns=10 --max_new_tokens=2048 --max_model_len=24576)
   python 03_eval.py "${dapo[@]}" --out="$run/eval-dapo" 2>&1 | without_bars | tee "$root/dapo-$seed.txt"
   python 03_eval.py "${dapo[@]}" --export= --out="$run/eval-base-dapo" 2>&1 | without_bars \
@@ -90,6 +105,7 @@ collect)
     [ -f "$history" ] && cp "$history" "$out/compute_$(basename "$(dirname "$history")")_history.json"
   done
   tar czf "$out/compute_stages_all.tar.gz" -C "$root" --exclude='seed-*' . 2>/dev/null
+  [ -f agentic_es/same_noise.json ] && cp agentic_es/same_noise.json "$out/"  # a pair measured here: commit it
   ls -la "$out"
   ;;
 esac

@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib
+import json
 import math
 import re
 import subprocess
@@ -653,31 +654,38 @@ def identity(devices, **extra):
 
 
 @pytest.mark.parametrize("compare_config", [True, False])  # resume compares the config too; export/replay not
-def test_another_gpu_model_is_refused_naming_both(compare_config, monkeypatch):
-    monkeypatch.setattr(history_module, "SAME_NOISE", [])  # no pair measured
+def test_another_gpu_model_is_refused_naming_both(compare_config, monkeypatch, tmp_path):
+    monkeypatch.setattr(history_module, "SAME_NOISE_FILE", tmp_path / "none.json")  # no pair measured
     with pytest.raises(stage.HistoryMismatch, match=r"made on 2 x NVIDIA H100 80GB HBM3 \(132 SMs\), this run is on "
                                                r"2 x NVIDIA H200 \(132 SMs\)"):
         check_base(identity([H100, H100]), identity([H200, H200]), compare_config)
     check_base(identity([H200, H200]), identity([H200, H200]), compare_config)  # the same model: accepted
 
 
-def test_models_measured_to_draw_the_same_noise_are_one_model(monkeypatch):
-    """A group of SAME_NOISE: a history of one resumes, exports and replays on another; a model outside it and a
-    member of the group with another SM count are still refused."""
+def test_models_measured_to_draw_the_same_noise_are_one_model(monkeypatch, tmp_path):
+    """A group of SAME_NOISE_FILE: a history of one resumes, exports and replays on another; a model outside it and
+    a member of the group with another SM count are still refused."""
     a, b, c = ({"name": f"GPU {x}", "sm_count": 100} for x in "ABC")
-    monkeypatch.setattr(history_module, "SAME_NOISE", [{("GPU A", 100), ("GPU B", 100)}])
+    measured = tmp_path / "same_noise.json"
+    measured.write_text(json.dumps([{"models": [["GPU A", 100], ["GPU B", 100]], "evidence": []}]))
+    monkeypatch.setattr(history_module, "SAME_NOISE_FILE", measured)
     for compare_config in (True, False):
         check_base(identity([a, a]), identity([b, b]), compare_config)
         check_base(identity([b, b]), identity([a, a]), compare_config)
     assert "made on 2 x GPU A (100 SMs), this run is on 2 x GPU C (100 SMs)" in \
         identity_differences(identity([a, a]), identity([c, c]))[0]
+    assert "bench/noise_across_devices.py --record" in identity_differences(identity([a, a]), identity([c, c]))[0]
     assert identity_differences(identity([a, a]), identity([dict(b, sm_count=99)] * 2))
     assert identity_differences(identity([a, a]), identity([b, c]))  # every rank compared
 
 
-def test_every_group_of_same_noise_names_measured_models():
-    for group in history_module.SAME_NOISE:
-        assert len(group) >= 2 and all(isinstance(name, str) and sm > 0 for name, sm in group)
+def test_every_measured_group_names_two_models_or_more_with_its_evidence():
+    for name, sm_count in (m for group in history_module.same_noise_groups() for m in group):
+        assert isinstance(name, str) and name and sm_count > 0
+    if history_module.SAME_NOISE_FILE.exists():
+        for entry in json.loads(history_module.SAME_NOISE_FILE.read_text()):
+            assert len(entry["models"]) >= 2 and entry["evidence"]
+            assert all(e["generations"] > 0 and e["recorded_on"] != e["replayed_on"] for e in entry["evidence"])
 
 
 def test_same_name_other_sm_count_is_another_gpu_model():

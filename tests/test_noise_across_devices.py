@@ -35,7 +35,7 @@ def write_history(path: Path, generations: int = 3) -> dict:
 @pytest.fixture
 def replay_here(monkeypatch):
     """The bench on a stand-in engine of `devices` whose digests follow the history's for `equal_for` generations."""
-    def run(path, header, devices, equal_for, **identity_changes):
+    def run(path, header, devices, equal_for, argv=(), **identity_changes):
         updates = []
 
         class Engine:
@@ -63,7 +63,7 @@ def replay_here(monkeypatch):
         monkeypatch.setattr(history, "check_base_files", lambda *a: None)
         monkeypatch.setattr(noise_across_devices, "run_identity",
                             lambda *a, **k: {**identity, "devices": devices, **identity_changes})
-        return noise_across_devices.main([f"--history={path}"]), updates
+        return noise_across_devices.main([f"--history={path}", *argv]), updates
     return run
 
 
@@ -90,3 +90,38 @@ def test_a_history_that_differs_in_more_than_its_device_is_refused(tmp_path, rep
 def test_without_a_history_it_says_what_it_needs():
     with pytest.raises(stage.ConfigError, match="--history=FILE is required"):
         noise_across_devices.main([])
+
+
+@pytest.fixture
+def same_noise_file(tmp_path, monkeypatch):
+    path = tmp_path / "same_noise.json"
+    monkeypatch.setattr(history, "SAME_NOISE_FILE", path)
+    return path
+
+
+def test_record_writes_an_equal_pair_and_the_stages_then_accept_the_history(tmp_path, replay_here, same_noise_file):
+    header = write_history(tmp_path / "h.json")
+    assert history.device_differences([H200], [H100])  # before: refused
+    replay_here(tmp_path / "h.json", header, [H100], equal_for=3, argv=["--record=1"])
+    (entry,) = json.loads(same_noise_file.read_text())
+    assert entry["models"] == [["NVIDIA H100 80GB HBM3", 132], ["NVIDIA H200", 132]]
+    assert entry["evidence"][0]["generations"] == 3 and entry["evidence"][0]["history"] == "h.json"
+    assert history.device_differences([H200], [H100]) == [] and history.device_differences([H100], [H200]) == []
+    assert history.device_differences([H200], [dict(H100, sm_count=114)])  # another model still refused
+
+
+def test_record_writes_nothing_where_a_digest_differs_or_without_the_option(tmp_path, replay_here, same_noise_file):
+    header = write_history(tmp_path / "h.json")
+    replay_here(tmp_path / "h.json", header, [H100], equal_for=2, argv=["--record=1"])
+    replay_here(tmp_path / "h.json", header, [H100], equal_for=3)
+    assert not same_noise_file.exists()
+
+
+def test_a_third_model_joins_the_group_of_the_model_it_matched(tmp_path, replay_here, same_noise_file):
+    header = write_history(tmp_path / "h.json")
+    h20 = {"name": "NVIDIA H20", "sm_count": 78}
+    replay_here(tmp_path / "h.json", header, [H100], equal_for=3, argv=["--record=1"])
+    replay_here(tmp_path / "h.json", header, [h20], equal_for=3, argv=["--record=1"])
+    (entry,) = json.loads(same_noise_file.read_text())
+    assert len(entry["models"]) == 3 and len(entry["evidence"]) == 2
+    assert history.device_differences([H100], [h20]) == []
