@@ -26,9 +26,9 @@ _running = {}
 # other worker: tests/README.md), then the others in file order: the long ones overlap, and what is left for the end
 # is short. (pytest-xdist would otherwise hand out the modules with the most tests first, the long ones last; its
 # --dist loadgroup, which could split a module, does not group with pytest 9, whose node ids it cannot extend.) A new
-# module of engines belongs here. The modules without engines stay in file order: listed here, test_sandbox.py's
-# fork bombs ran beside test_agent_loop.py's sandboxed commands in the fast loop, whose bwrap then failed ("Creating
-# new namespace failed: Resource temporarily unavailable").
+# module of engines belongs here. The modules without engines stay in file order: listed here, they put
+# test_sandbox.py (fork bombs) among the first and test_agent_loop.py right after, and the fast loop failed
+# test_agent_loop.py's sandboxed commands (bwrap: "Creating new namespace failed: Resource temporarily unavailable").
 MODULE_SECONDS = {"test_engine_pool.py": 532, "test_pipeline.py": 515, "test_checkpoint_noise.py": 370,
                   "test_real_model.py": 248, "test_compute_preset.py": 158, "test_presets.py": 152,
                   "test_es_engine.py": 118, "test_speculative.py": 93, "test_scorer_failures.py": 89,
