@@ -864,6 +864,7 @@ def reward_differences(recorded: dict, current: dict, what: str, this: str) -> l
 # so that importing common anywhere else changes nothing
 if os.environ.get(vllm_platform.KEEP_CPU_WEIGHTS_ENV) == "1":
     vllm_platform.keep_cpu_linear_weights()
+    vllm_platform.freeze_imported_heap()
 
 
 def __getattr__(name: str):

@@ -37,6 +37,18 @@ def keep_cpu_linear_weights():
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch
 
 
+def freeze_imported_heap():
+    """In a process vLLM spawned (EngineCore, a TP worker; not the engine's own process): the objects its imports
+    made (~660,000: torch, vLLM) moved out of the garbage collector's reach. Its exit then collects only what was
+    made after (the engine's message queues and shared memory, whose finalizers still run), instead of walking the
+    whole heap four times, which kept a worker past vLLM's 5 s grace at shutdown on a loaded machine."""
+    import gc
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        gc.freeze()
+
+
 def device_type() -> str:
     from vllm.platforms import current_platform
 

@@ -22,15 +22,17 @@ ENGINE_MARK = "engine"  # pytest.ini: the tests that start a vLLM engine, left o
 _running = {}
 # How the suite's two workers share it (pytest.ini: --dist loadfile --no-loadscope-reorder): each takes a whole
 # module at a time, so a module's shared engines and runs start once, on one worker; the modules go out in the order
-# of collection, which puts the longest first by their seconds below (one worker alone, on 2 cores: tests/README.md),
-# then the others in file order: the long ones overlap, and what is left for the end is short. (pytest-xdist would
-# otherwise hand out the modules with the most tests first, the long ones last; its --dist loadgroup, which could
-# split a module, does not group with pytest 9, whose node ids it cannot extend.) A new module of engines belongs
-# here.
-MODULE_SECONDS = {"test_pipeline.py": 589, "test_engine_pool.py": 269, "test_checkpoint_noise.py": 223,
-                  "test_real_model.py": 156, "test_presets.py": 90, "test_compute_preset.py": 90,
-                  "test_es_engine.py": 85, "test_old_history.py": 67, "test_strict_base_bench.py": 62,
-                  "test_scorer_failures.py": 55, "test_agent_engine.py": 32, "test_speculative.py": 145}
+# of collection, which puts the longest first by their seconds below (each module's time in the suite, beside the
+# other worker: tests/README.md), then the others in file order: the long ones overlap, and what is left for the end
+# is short. (pytest-xdist would otherwise hand out the modules with the most tests first, the long ones last; its
+# --dist loadgroup, which could split a module, does not group with pytest 9, whose node ids it cannot extend.) A new
+# module of engines belongs here. The modules without engines stay in file order: listed here, they put
+# test_sandbox.py (fork bombs) among the first and test_agent_loop.py right after, and the fast loop failed
+# test_agent_loop.py's sandboxed commands (bwrap: "Creating new namespace failed: Resource temporarily unavailable").
+MODULE_SECONDS = {"test_engine_pool.py": 532, "test_pipeline.py": 515, "test_checkpoint_noise.py": 370,
+                  "test_real_model.py": 248, "test_compute_preset.py": 158, "test_presets.py": 152,
+                  "test_es_engine.py": 118, "test_speculative.py": 93, "test_scorer_failures.py": 89,
+                  "test_old_history.py": 84, "test_agent_engine.py": 41, "test_strict_base_bench.py": 40}
 
 
 def pytest_collection_modifyitems(items):
