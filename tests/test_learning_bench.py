@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -209,19 +210,32 @@ def test_the_detached_paper_runs_outlive_start_and_collect_keeps_their_histories
         return json.loads((folder / f"learning_gpu_paper_nearest_200gen_seed{seed}_history.json").read_text())[
             "generations"]
 
+    def trained_beyond(least: dict) -> None:
+        """Wait until each seed's run has written more generations than least[seed]: the checks below read
+        progress, not the clock (a loaded machine starts the stand-ins late)."""
+        def now(seed):
+            path = tmp_path / "root" / f"seed-{seed}" / "es_history.json"
+            return json.loads(path.read_text())["generations"] if path.exists() else 0
+        deadline = time.monotonic() + 60
+        while any(now(seed) <= n for seed, n in least.items()):
+            assert time.monotonic() < deadline, f"the runs did not get past {least} in 60 s"
+            time.sleep(0.1)
+
     rc, out = detached("collect", tmp_path / "none", 1)
     assert rc == 3 and "no run here" in out
     rc, out = detached("start", 600)
     assert rc == 0 and "started" in out
     try:
         assert detached("start", 600)[0] == 1  # one pair of runs at a time
+        trained_beyond({20260627: 40, 20260628: 0})
         rc, out = detached("collect", tmp_path / "first", 2)
         assert rc == 0 and "still running" in out
         first = {seed: generations(tmp_path / "first", seed) for seed in (20260627, 20260628)}
         assert first[20260627] > 40 and first[20260628] > 0  # the carried history resumed, the other started
+        trained_beyond(first)
         with pytest.raises(subprocess.TimeoutExpired):  # a call cut at its limit mid-wait: its copies are there
             subprocess.run(["bash", str(script), "collect", str(tmp_path / "cut"), "60"], env=env,
-                           cwd=script.parents[1], capture_output=True, timeout=3)
+                           cwd=script.parents[1], capture_output=True, timeout=10)
         cut = {seed: generations(tmp_path / "cut", seed) for seed in first}
         assert all(cut[seed] > first[seed] for seed in first)
         assert not (tmp_path / "cut" / "logs.txt").exists()  # the logs come only with a call that ends
