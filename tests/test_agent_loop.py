@@ -163,7 +163,7 @@ def test_timeout_is_reported_to_the_model():
     policy = ScriptedPolicy([action("sleep 30"), "Final answer: \\boxed{42}"])
     started = time.monotonic()
     record = run(policy, bash_timeout_s=1)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 20  # not the command's 30 s
     assert "timed out after 1 s" in record["messages"][3]["content"]
 
 
