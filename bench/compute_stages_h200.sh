@@ -24,7 +24,8 @@ root=${ROOT:-/tmp/compute-stages}
 mkdir -p "$root"
 without_bars() { grep --line-buffered -v -E "it/s\]|s/it\]"; }  # tqdm's bars: one line per update in a log
 share() {  # GIB: that much of this GPU's memory as a --gpu_memory_utilization (the same engines on an H100 or H200)
-  python -c "import sys, torch; print(round(float(sys.argv[1]) * 2**30 / torch.cuda.mem_get_info()[1], 3))" "$1"
+  awk -v gib="$1" -v mib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)" \
+    'BEGIN { printf "%.3f\n", gib * 1024 / mib }'
 }
 same_noise_here() {  # HISTORY: exit 0 where this GPU draws its noise (the same model, or one measured to draw it)
   python - "$1" <<'EOF'
@@ -60,10 +61,10 @@ EOF
     partial=bench/results/compute_partial_seed${seed}_history.json
     if [ -f "$partial" ] && [ ! -f "$root/seed-$seed/es_history.json" ]; then
       # another GPU model: replay the history here digest by digest; where every one is equal, it resumes here
-      same_noise_here "$partial" || python bench/noise_across_devices.py --history="$partial" \
-        --tensor_parallel_size=1 --gpu_memory_utilization="$(share 12)" --record=1 2>&1 | without_bars \
-        | tee "$root/noise_across_devices_seed$seed.txt" | grep -E '^[{|]|^\[noise\]|Error'
-      if same_noise_here "$partial"; then
+      if same_noise_here "$partial" || { python bench/noise_across_devices.py --history="$partial" \
+           --tensor_parallel_size=1 --gpu_memory_utilization="$(share 12)" --record=1 2>&1 | without_bars \
+           | tee "$root/noise_across_devices_seed$seed.txt" | grep -E '^[{|]|^\[noise\]|Error'
+           same_noise_here "$partial"; }; then
         mkdir -p "$root/seed-$seed" && cp "$partial" "$root/seed-$seed/es_history.json"
         echo "[compute] seed $seed resumes from $partial"
       else

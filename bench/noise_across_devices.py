@@ -3,8 +3,8 @@ device check set aside, and compares every generation's per-rank digests with th
 
 The stages refuse a history of another device model (agentic_es/history.py, device_differences): torch's CUDA
 normals are drawn by kernels whose launch shape follows the GPU, so the noise of a seed can differ between models.
-Where this bench finds every digest equal for a pair of models, they go in agentic_es/history.py's SAME_NOISE: a
-history of one resumes, exports and replays on the other; bench/README.md keeps each measurement.
+Where this bench finds every digest equal for a pair of models, --record=1 writes them to agentic_es/same_noise.json
+(history.SAME_NOISE_FILE): a history of one then resumes, exports and replays on the other.
 
     python bench/noise_across_devices.py --history=bench/results/compute_partial_seed7101_history.json \
         --tensor_parallel_size=1 --gpu_memory_utilization=0.3 --record=1
