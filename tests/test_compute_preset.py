@@ -1,5 +1,6 @@
 """The compute preset through the four stages as `--preset=compute` runs them (their main() in this process, one run
-shared by the module), on the tiny random Qwen3 at TP=2 with budgets below test_presets.py's (2 members, one
+shared by the module), on the tiny random Qwen3 at TP=1, the preset's one-GPU setting (runs/compute_one_gpu.sh;
+the four stages at TP=2: test_presets.py, test_pipeline.py), with budgets below test_presets.py's (2 members, one
 problem, one turn): the members are scored with the agent's own score on the compute task's training problems of
 the level the run sets (2 here); the evaluation, run without --compute_level, takes that level from the export's
 history and evaluates both held-out sets of it; export, evaluation and replay agree by digests. A random model never
@@ -18,8 +19,9 @@ from train_with_test_reward import first_reply_variety
 pytestmark = pytest.mark.engine  # the four stages run vLLM engines (pytest.ini)
 
 LEVEL = 2  # not the preset's: the evaluation must take it from the run's history
-TINY = ["--preset=compute", "--model=tiny-qwen3-dense", "--max_model_len=2048", "--generations=1", "--population=2",
-        "--case_batch=1", "--max_turns=1", "--max_new_tokens=16", "--eval_problems=1"]
+TINY = ["--preset=compute", "--tensor_parallel_size=1", "--model=tiny-qwen3-dense", "--max_model_len=2048",
+        "--generations=1", "--population=2", "--case_batch=1", "--max_turns=1", "--max_new_tokens=16",
+        "--eval_problems=1"]
 SETS = ["compute_heldout", "compute_families"]
 
 
