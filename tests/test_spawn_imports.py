@@ -12,9 +12,9 @@ GC_ENABLED_AT_IMPORT = gc.isenabled()  # in a child: whether this module was imp
 
 
 def report_to(queue):
+    registered = reduction.ForkingPickler._extra_reducers.get(context.SpawnProcess) is spawn_imports._reduce_process
     queue.put({"imported_with_gc": GC_ENABLED_AT_IMPORT, "frozen": gc.get_freeze_count(),
-               "gc_enabled": gc.isenabled(), "registered": reduction.ForkingPickler._extra_reducers.get(context.SpawnProcess)
-               is spawn_imports._reduce_process})
+               "gc_enabled": gc.isenabled(), "registered": registered})
 
 
 def child_report(monkeypatch, pre_imported: tuple) -> dict:
