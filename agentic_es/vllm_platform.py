@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from agentic_es import stage
+from agentic_es import spawn_imports, stage
 
 
 KEEP_CPU_WEIGHTS_ENV = "ES_KEEP_CPU_LINEAR_WEIGHTS"  # set for a CPU engine's processes (configure_cpu_env)
@@ -68,6 +68,8 @@ def configure_cpu_env(tensor_parallel_size: int) -> None:
     # every spawned worker, which imports common with this variable set
     os.environ[KEEP_CPU_WEIGHTS_ENV] = "1"
     keep_cpu_linear_weights()
+    # EngineCore and its TP workers, each spawned, import vLLM with the garbage collector paused (spawn_imports)
+    spawn_imports.register()
     cores = os.cpu_count() or 1
     if cores >= 2 and os.environ.get(CPU_BIND) in (None, os.environ.get(CPU_BIND_DEFAULT)):  # unset, or ours
         # a core of its own per rank on a small machine; vLLM's own placement over the NUMA nodes on a larger one
