@@ -16,6 +16,7 @@ from agentic_es.history import HISTORY_FILE
 from conftest import REPO
 
 train = importlib.import_module("01_train")
+ONE_RANK = "--tensor_parallel_size=1"  # the stages' replies are scripted: the engine only has to run
 
 # stand-ins for `python agentic_es/scoring.py PARENT_PID`
 EXITS = "import sys; sys.exit(3)"
@@ -218,7 +219,7 @@ def test_a_generation_the_scorer_failed_on_is_not_written(scorer_script, stage, 
     monkeypatch.setattr(train, "run_generation", then_break_the_scorer)
     scoring.shutdown_scorer_pool()
     run_dir = tmp_path / "run"
-    proc = stage("01_train.py", "--preset=smoke", f"--run_dir={run_dir}")  # 2 generations
+    proc = stage("01_train.py", "--preset=smoke", ONE_RANK, f"--run_dir={run_dir}")  # 2 generations
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "[train] error: generation 1: the scorer failed on 8 of 8 episodes (score_error 8, score_timeout 0), more "
@@ -237,7 +238,7 @@ def test_a_set_the_scorer_failed_on_is_not_counted_as_done(scorer_script, stage,
     scripted_replies(monkeypatch)
     scorer_script(PASSES_THE_WARM_UP_THEN_DIES)
     run_dir = tmp_path / "run"
-    proc = stage("03_eval.py", "--preset=smoke", f"--run_dir={run_dir}", "--export=", "--eval_problems=1")
+    proc = stage("03_eval.py", "--preset=smoke", ONE_RANK, f"--run_dir={run_dir}", "--export=", "--eval_problems=1")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     out = run_dir / "eval-base"
     assert proc.stderr.strip().splitlines()[-1] == (

@@ -123,9 +123,11 @@ def test_the_bench_checks_the_scorer_as_the_stages_do(tmp_path, monkeypatch):
 @pytest.mark.engine
 def test_a_run_on_the_tiny_model_reports_every_tier_and_keeps_every_episode(tmp_path):
     episodes = tmp_path / "episodes.jsonl"
+    # at TP=1, as the bench runs on one GPU
     report = strict_base.main(["--model=tiny-qwen3-dense", "--tiers=3,smoke", "--problems=2", "--samples=2",
-                               "--max_turns=1", "--max_new_tokens=16", f"--run_dir={tmp_path / 'run'}",
-                               f"--out={tmp_path / 'report.json'}", f"--episodes={episodes}"])
+                               "--tensor_parallel_size=1", "--max_turns=1", "--max_new_tokens=16",
+                               f"--run_dir={tmp_path / 'run'}", f"--out={tmp_path / 'report.json'}",
+                               f"--episodes={episodes}"])
     assert fileio.read_json(tmp_path / "report.json") == json.loads(json.dumps(report))
     assert [(r["tier"], r["problems"], r["samples"]) for r in report["tiers"]] == [("3", 2, 2), ("smoke", 2, 2)]
     assert report["config"]["fitness"] == "agent" and report["model"] == "tiny-qwen3-dense"
