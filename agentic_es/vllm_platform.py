@@ -39,9 +39,10 @@ def keep_cpu_linear_weights():
 
 def freeze_imported_heap():
     """In a process vLLM spawned (EngineCore, a TP worker; not the engine's own process): the objects its imports
-    made (~660,000: torch, vLLM) moved out of the garbage collector's reach. Its exit then collects only what was
-    made after (the engine's message queues and shared memory, whose finalizers still run), instead of walking the
-    whole heap four times, which kept a worker past vLLM's 5 s grace at shutdown on a loaded machine."""
+    made (~660,000: torch, vLLM, this project) moved out of the garbage collector's reach while the engine runs, so
+    that its collections walk only what was made after (the engine's message queues and shared memory, whose
+    finalizers still run). vLLM's shutdown unfreezes them (EngineCore's, and the worker's in Worker.shutdown): the
+    exit's collections still walk the whole heap (bench/README.md, "The test suite on 2 cores")."""
     import gc
     import multiprocessing
 
